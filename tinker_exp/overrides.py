@@ -1,0 +1,116 @@
+"""OmegaConf values -> verl ``OptimStepParams``, converted explicitly and validated strictly.
+
+Pure Python (stdlib + omegaconf): config errors and dry runs never pay for torch, verl or ray.
+
+verl's ``TinkerTrainingWorker.optimizer_step`` rejects an ``int`` where a param group holds a ``float``
+and a ``list`` where it holds a ``tuple``. YAML and the CLI hand us ints (``0``) and lists
+(``[0.9, 0.95]``), so we convert to exactly ``float`` and ``tuple`` here, once, and reject anything
+that is not a finite number in range, naming the config key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+# The keys verl's OptimStepParams carries, in a stable order.
+OVERRIDE_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong. The message names the config key and the value."""
+
+
+def _number(value: Any, key: str) -> float:
+    """Explicit float(): ints and numeric strings are fine; bool, NaN, inf and words are not."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a number, got {value!r} (bool)")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            raise ConfigError(f"{key}: expected a number, got {value!r} (str)") from None
+    else:
+        raise ConfigError(f"{key}: expected a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(number):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+    return number
+
+
+def _betas(value: Any, key: str) -> tuple[float, float]:
+    if isinstance(value, (ListConfig, Sequence)) and not isinstance(value, str):
+        items = list(value)
+    else:
+        raise ConfigError(f"{key}: expected a list of two numbers [beta1, beta2], got {value!r}")
+    if len(items) != 2:
+        raise ConfigError(f"{key}: expected two values [beta1, beta2], got {len(items)}: {items!r}")
+    betas = tuple(_number(item, f"{key}[{i}]") for i, item in enumerate(items))
+    for i, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"{key}[{i}]: {items[i]!r} is not in [0, 1)")
+    return betas  # type: ignore[return-value]
+
+
+def convert_value(key: str, value: Any, where: str) -> float | tuple[float, float]:
+    """Convert one optimizer value; ``where`` is the config path shown in errors (e.g. ``override``)."""
+    name = f"{where}.{key}"
+    if key == "betas":
+        return _betas(value, name)
+    number = _number(value, name)
+    if key == "eps" and number <= 0.0:
+        raise ConfigError(f"{name}: must be > 0, got {value!r}")
+    if key in ("lr", "weight_decay") and number < 0.0:
+        raise ConfigError(f"{name}: must be >= 0, got {value!r}")
+    return number
+
+
+def convert_params(node: Any, where: str = "override") -> dict[str, Any]:
+    """An override node (DictConfig or dict) -> a plain dict that is a valid ``OptimStepParams``.
+
+    ``None`` (no override selected) and ``null`` values mean "not sent", as in verl.
+    """
+    if node is None:
+        return {}
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of {list(OVERRIDE_KEYS)}, got {node!r}")
+    unknown = [key for key in node if key not in OVERRIDE_KEYS]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys: {list(OVERRIDE_KEYS)}")
+    return {
+        key: convert_value(key, node[key], where)
+        for key in OVERRIDE_KEYS
+        if key in node and node[key] is not None
+    }
+
+
+def param_group_types(optimizer_values: Mapping[str, Any]) -> dict[str, type]:
+    """The types the worker's param groups will hold: the optimizer is built from these very values."""
+    return {key: type(value) for key, value in optimizer_values.items()}
+
+
+def check_like_verl(params: Mapping[str, Any], group_types: Mapping[str, type], optimizer: str) -> None:
+    """verl's ``_apply_optim_step_params`` check, run before any worker starts.
+
+    Same semantics: every key must exist in the param groups, and each value must be an instance of
+    the type the groups hold. A test holds this against verl's own function on a real optimizer.
+    """
+    for key, value in params.items():
+        if value is None:
+            continue
+        if key not in group_types:
+            raise ConfigError(
+                f"override.{key}: optimizer {optimizer} has no param-group key {key!r} "
+                f"(it has {sorted(group_types)})"
+            )
+        if not isinstance(value, group_types[key]):
+            raise ConfigError(
+                f"override.{key}: {value!r} is a {type(value).__name__}; "
+                f"{optimizer}'s param groups hold {group_types[key].__name__}"
+            )

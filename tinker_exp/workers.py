@@ -1,0 +1,197 @@
+"""verl's TinkerTrainingWorker on a Ray worker group: the only module that imports verl and Ray.
+
+GPUs (nccl, bf16) when the device is cuda; CPU gloo workers otherwise, through the platform plugin in
+``tinker_exp.cpu_platform``. The loop talks to :class:`TinkerWorkers` and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+CPU_PLATFORM_ENV = {
+    "VERL_USE_EXTERNAL_MODULES": "tinker_exp.cpu_platform",  # verl imports it at `import verl`
+    "VERL_PLATFORM": "cpu",
+    # verl's own override of the engine-registry lookup; the FSDP engine code is device-agnostic.
+    "VERL_ENGINE_DEVICE": "cuda",
+}
+
+
+def resolve_device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def platform_env(device: str) -> dict[str, str]:
+    """Environment for the driver and every worker; set before verl is imported anywhere."""
+    env = dict(CPU_PLATFORM_ENV) if device == "cpu" else {}
+    # Offline W&B must never look anything up, in workers too.
+    for key in ("WANDB_MODE", "WANDB_ERROR_REPORTING", "TMPDIR"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def _worker_class():
+    import torch
+    import torch.distributed as dist
+    from verl.single_controller.base.decorator import Dispatch, register
+    from verl.utils.device import get_device_name
+    from verl.workers.engine_workers_tinker import TinkerTrainingWorker, _iter_optimizer_param_groups
+
+    from tinker_exp.overrides import OVERRIDE_KEYS
+
+    class TinkerExpWorker(TinkerTrainingWorker):
+        """verl's worker, plus gloo start-up on CPU and a read-back of the param groups."""
+
+        def __init__(self, config):
+            if get_device_name() == "cpu" and not dist.is_initialized():
+                # verl would ask for "cpu:gloo,cpu:gloo" (duplicate device type); it skips its own
+                # init when a process group exists.
+                dist.init_process_group(
+                    backend="gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+                )
+                torch.set_num_threads(1)  # one core per worker; oversubscription makes gloo crawl
+            super().__init__(config)
+
+        def _param_group_values(self) -> list[dict[str, Any]]:
+            groups = _iter_optimizer_param_groups(self.engine.optimizer)
+            return [{key: group[key] for key in OVERRIDE_KEYS if key in group} for group in groups]
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def param_group_values(self) -> list[dict[str, Any]]:
+            return self._param_group_values()
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def optimizer_step(self, optim_step_params=None) -> dict:
+            # verl's step, then the values the groups hold: one round trip gives both.
+            metrics = TinkerTrainingWorker.optimizer_step(self, optim_step_params=optim_step_params)
+            return {**metrics, "param_groups": self._param_group_values()}
+
+    return TinkerExpWorker
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    applied: list[list[dict[str, Any]]]  # per rank, per param group
+
+
+class TinkerWorkers:
+    """A Ray worker group of TinkerTrainingWorkers with one FSDP2 engine over all ranks."""
+
+    def __init__(self, cfg: Any, model_path: str, optimizer_values: dict[str, Any], device: str):
+        self.device = device
+        env = platform_env(device)
+        os.environ.update(env)  # the driver resolves verl's platform too (placement groups)
+        if device == "cpu":
+            import tinker_exp.cpu_platform  # noqa: F401  (registers it even if verl was imported earlier)
+        import ray
+        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+        if not ray.is_initialized():
+            ray.init(
+                address=cfg.backend.ray_address,
+                runtime_env={"env_vars": env},
+                include_dashboard=False,
+                log_to_driver=True,
+                configure_logging=False,
+            )
+        worker_cls = _worker_class()
+        on_gpu = device == "cuda"
+        pool = RayResourcePool(
+            process_on_nodes=[cfg.backend.num_workers],
+            use_gpu=on_gpu,
+            max_colocate_count=1,  # the default (10) makes each bundle ask for 10 CPUs: it hangs
+        )
+        init = RayClassWithInitArgs(
+            cls=ray.remote(worker_cls), config=self._worker_config(cfg, model_path, optimizer_values)
+        )
+        # worker_env reaches the workers even when we join a cluster someone else started.
+        self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=device, worker_env=env)
+        self.group.reset()  # builds model, FSDP2, optimizer on every rank
+
+        from verl.workers.utils.losses import sft_loss
+
+        self.group.set_loss_fn(partial(sft_loss, config=None))
+
+    def _worker_config(self, cfg: Any, model_path: str, optimizer_values: dict[str, Any]):
+        from verl.trainer.config import CheckpointConfig
+        from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
+
+        precision = cfg.backend.precision.value
+        if precision == "auto":
+            precision = "bf16" if self.device == "cuda" else "fp32"
+        param_dtype = "bf16" if precision == "bf16" else "fp32"
+        return TrainingWorkerConfig(
+            model_type="language_model",
+            model_config=HFModelConfig(
+                path=model_path,
+                override_config={"attn_implementation": "sdpa" if self.device == "cpu" else "flash_attention_2"},
+                enable_gradient_checkpointing=False,
+            ),
+            engine_config=FSDPEngineConfig(
+                strategy=cfg.backend.strategy,
+                use_dynamic_bsz=False,
+                micro_batch_size_per_gpu=cfg.backend.micro_batch_size,
+                mixed_precision={"param_dtype": param_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+                use_torch_compile=self.device == "cuda",
+                seed=cfg.trainer.seed,
+            ),
+            # Built from the converted values: the param groups hold exactly float and tuple, so verl's
+            # strict check at the worker agrees with ours.
+            optimizer_config=FSDPOptimizerConfig(
+                optimizer=cfg.optimizer.name.value,
+                lr=optimizer_values["lr"],
+                betas=optimizer_values["betas"],
+                weight_decay=optimizer_values["weight_decay"],
+                override_optimizer_config={"eps": optimizer_values["eps"]},
+                clip_grad=float(cfg.optimizer.clip_grad),
+                lr_scheduler_type="constant",  # the client owns the schedule (optimizer_step never steps it)
+                total_training_steps=int(cfg.trainer.steps),
+            ),
+            checkpoint_config=CheckpointConfig(),
+        )
+
+    def param_group_values(self) -> list[list[dict[str, Any]]]:
+        return self.group.param_group_values()
+
+    def train_step(self, examples: list, optim_step_params: dict[str, Any] | None) -> StepResult:
+        """zero_grad -> forward_backward (verl splits it into micro batches) -> optimizer_step(override)."""
+        self.group.optimizer_zero_grad()
+        output = self.group.forward_backward(self._batch(examples)).get()
+        per_rank = self.group.optimizer_step(optim_step_params=optim_step_params or None)
+        metrics = output["metrics"] if isinstance(output, dict) else output.get_non_tensor("metrics")
+        loss = metrics["loss"]
+        loss = float(sum(loss) / len(loss)) if isinstance(loss, list) else float(loss)
+        grad_norm = next((float(r["grad_norm"]) for r in per_rank if "grad_norm" in r), float("nan"))
+        return StepResult(loss=loss, grad_norm=grad_norm, applied=[r["param_groups"] for r in per_rank])
+
+    def _batch(self, examples: list):
+        import torch
+        from verl.utils import tensordict_utils as tu
+
+        def nested(rows: list[list[int]]):
+            return torch.nested.as_nested_tensor([torch.tensor(r, dtype=torch.long) for r in rows], layout=torch.jagged)
+
+        ids = [e.input_ids for e in examples]
+        return tu.get_tensordict(
+            tensor_dict={
+                "input_ids": nested(ids),
+                "position_ids": nested([list(range(len(r))) for r in ids]),
+                "loss_mask": nested([e.loss_mask for e in examples]),
+            },
+            non_tensor_dict={"temperature": 1.0, "global_token_num": [len(r) for r in ids]},
+        )
+
+    def shutdown(self) -> None:
+        import ray
+
+        for worker in self.group.workers:
+            ray.kill(worker)
