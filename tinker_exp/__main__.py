@@ -1,0 +1,3 @@
+from tinker_exp.main import main
+
+main()

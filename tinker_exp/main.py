@@ -1,0 +1,106 @@
+"""Entry point: Hydra compose -> validate (pure, instant) -> dry run, or build workers -> loop -> sinks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from tinker_exp.data import resolve_path
+from tinker_exp.loop import AppliedMismatchError, train
+from tinker_exp.overrides import ConfigError
+from tinker_exp.plan import Plan, build_plan
+from tinker_exp.schema import Config, register_configs
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def validate(cfg: Config) -> Plan:
+    """Everything that can be checked without torch, verl or ray. Raises ConfigError naming the key."""
+    workers, batch, micro = cfg.backend.num_workers, cfg.trainer.batch_size, cfg.backend.micro_batch_size
+    if workers < 1 or micro < 1:
+        raise ConfigError(f"backend.num_workers={workers} and backend.micro_batch_size={micro} must be >= 1")
+    if batch % workers or (batch // workers) % micro:
+        raise ConfigError(
+            f"trainer.batch_size={batch} must split evenly over backend.num_workers={workers} "
+            f"into micro batches of backend.micro_batch_size={micro}"
+        )
+    resolve_path(cfg.data.path)
+    return build_plan(cfg.override, cfg.optimizer, cfg.trainer.steps)
+
+
+def describe(plan: Plan) -> str:
+    sent = {key: plan[0][key] for key in plan.keys} if plan.keys else "nothing (no override selected)"
+    return f"optimizer built with {plan.optimizer_values}; sent with each of {len(plan)} steps: {sent}"
+
+
+def run(dcfg: DictConfig, run_dir: Path, choices: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Validate, then train; returns the last metrics row ({} for a dry run)."""
+    cfg: Config = OmegaConf.to_object(dcfg)
+    plan = validate(cfg)
+    print(describe(plan), flush=True)
+    if cfg.dry_run:
+        return {}
+
+    # Heavy imports only past validation: config errors and dry runs never pay for them.
+    from tinker_exp.data import read_rows, tokenize
+    from tinker_exp.sinks import JsonlSink, ProgressBar, Sinks, WandbSink
+    from tinker_exp.tiny_model import ensure_tiny_model
+    from tinker_exp.workers import TinkerWorkers, resolve_device
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = OmegaConf.to_container(dcfg, resolve=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+
+    corpus = resolve_path(cfg.data.path)
+    model_path = Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(vars(cfg.model), corpus)
+    from transformers import AutoTokenizer
+
+    rows = read_rows(corpus, cfg.data.prompt_key, cfg.data.response_key)
+    examples = tokenize(rows, AutoTokenizer.from_pretrained(model_path), cfg.data)
+
+    wandb_sink = None
+    if cfg.logger.name.value == "wandb":
+        wandb_config = {**resolved, "hydra_choices": dict(choices or {})}
+        wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=run_dir.name)
+    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl"), wandb_sink, ProgressBar(cfg.trainer.steps)])
+    exit_code = 1
+    workers = None
+    try:
+        workers = TinkerWorkers(cfg, str(model_path), plan.optimizer_values, resolve_device(cfg.backend.device.value))
+        last = train(cfg, plan, workers, examples, sinks)
+        exit_code = 0
+        return last
+    finally:
+        if workers is not None:
+            workers.shutdown()
+        sinks.close(exit_code)
+
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def _hydra_main(dcfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    try:
+        run(dcfg, Path(hydra_cfg.runtime.output_dir), dict(hydra_cfg.runtime.choices))
+    except ConfigError as e:
+        print(f"tinker_exp: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except AppliedMismatchError as e:
+        print(f"tinker_exp: optimizer override not applied: {e}", file=sys.stderr)
+        sys.exit(3)
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

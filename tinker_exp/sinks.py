@@ -1,0 +1,113 @@
+"""Where step metrics go: metrics.jsonl (always), W&B (when enabled, never fatal), a progress bar."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+
+class JsonlSink:
+    """One JSON object per step, flushed at once: a killed run keeps every step it finished."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self, exit_code: int = 0) -> None:
+        self._file.close()
+
+
+def wandb_environment(run_dir: Path, mode: str) -> dict[str, str]:
+    """Keep W&B's files inside the run dir, and offline runs off the network (set before import)."""
+    wandb_dir = run_dir / "wandb_files"
+    env = {
+        "WANDB_DIR": str(run_dir),
+        "WANDB_CACHE_DIR": str(wandb_dir / "cache"),
+        "WANDB_CONFIG_DIR": str(wandb_dir / "config"),
+        "WANDB_DATA_DIR": str(wandb_dir / "data"),
+        "WANDB_ERROR_REPORTING": "false",
+    }
+    if mode == "offline":
+        env["WANDB_MODE"] = "offline"
+    return env
+
+
+class WandbSink:
+    def __init__(self, run: Any):
+        self.run = run
+
+    @classmethod
+    def start(cls, logger_cfg: Any, run_dir: Path, config: dict[str, Any], name: str) -> "WandbSink | None":
+        """Start a W&B run; on any failure warn and return None (training goes on, JSONL is complete)."""
+        mode = logger_cfg.mode.value
+        os.environ.update(wandb_environment(run_dir, mode))
+        for key in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+            Path(os.environ[key]).mkdir(parents=True, exist_ok=True)
+        try:
+            import wandb
+
+            run = wandb.init(
+                project=logger_cfg.project,
+                entity=logger_cfg.entity,
+                group=logger_cfg.group,
+                tags=list(logger_cfg.tags),
+                name=name,
+                mode=mode,
+                dir=str(run_dir),
+                config=config,
+                settings=wandb.Settings(init_timeout=logger_cfg.init_timeout_s, x_disable_viewer=True),
+            )
+            run.define_metric("train/step")
+            run.define_metric("*", step_metric="train/step")
+            return cls(run)
+        except Exception as e:  # no key, no network, bad entity: never stop training for the logger
+            warnings.warn(f"W&B could not start ({type(e).__name__}: {e}); metrics.jsonl only", stacklevel=2)
+            return None
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.run.log(row)
+
+    def close(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+class ProgressBar:
+    def __init__(self, total: int):
+        self.total = total
+        self._bar = None
+
+    def log(self, row: dict[str, Any]) -> None:
+        if self._bar is None:  # opened at the first step, so worker start-up does not skew its rate
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+        lr = row.get("applied/lr", float("nan"))
+        self._bar.set_postfix(step=row["train/step"], loss=f"{row['train/loss']:.4f}", lr=f"{lr:.3g}", refresh=False)
+        self._bar.update(1)
+
+    def close(self, exit_code: int = 0) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class Sinks:
+    """Fan-out to every sink; closing always closes all of them."""
+
+    def __init__(self, sinks: list[Any]):
+        self.sinks = [s for s in sinks if s is not None]
+
+    def log(self, row: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(row)
+
+    def close(self, exit_code: int = 0) -> None:
+        for sink in self.sinks:
+            sink.close(exit_code)
