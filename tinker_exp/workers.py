@@ -105,7 +105,7 @@ class TinkerWorkers:
             )
         worker_cls = _worker_class()
         on_gpu = device == "cuda"
-        pool = RayResourcePool(
+        self.pool = pool = RayResourcePool(
             process_on_nodes=[cfg.backend.num_workers],
             use_gpu=on_gpu,
             max_colocate_count=1,  # the default (10) makes each bundle ask for 10 CPUs: it hangs
@@ -114,12 +114,15 @@ class TinkerWorkers:
             cls=ray.remote(worker_cls), config=self._worker_config(cfg, model_path, optimizer_values)
         )
         # worker_env reaches the workers even when we join a cluster someone else started.
-        self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=device, worker_env=env)
-        self.group.reset()  # builds model, FSDP2, optimizer on every rank
-
         from verl.workers.utils.losses import sft_loss
 
-        self.group.set_loss_fn(partial(sft_loss, config=None))
+        self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=device, worker_env=env)
+        try:
+            self.group.reset()  # builds model, FSDP2, optimizer on every rank
+            self.group.set_loss_fn(partial(sft_loss, config=None))
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _worker_config(self, cfg: Any, model_path: str, optimizer_values: dict[str, Any]):
         from verl.trainer.config import CheckpointConfig
@@ -193,5 +196,8 @@ class TinkerWorkers:
     def shutdown(self) -> None:
         import ray
 
+        # Kill the actors and free their placement groups, so a shared Ray cluster can run the next job.
         for worker in self.group.workers:
             ray.kill(worker)
+        for placement_group in self.pool.pgs or []:
+            ray.util.remove_placement_group(placement_group)

@@ -1,0 +1,89 @@
+"""Shared test helpers (on sys.path through pytest's `pythonpath`; our tests are not a `tests` package)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO / "conf"
+
+
+def compose(*overrides: str):
+    """Compose the real configs exactly as `python -m tinker_exp OVERRIDES` would."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import tinker_exp.main  # noqa: F401  (registers the schema)
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tinker_exp", *args],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# --- W&B 0.31 offline run file: 7-byte header, then LevelDB-log records in 32 KiB blocks --------------
+WANDB_HEADER = b":W&B" + struct.pack("<H", 0xBEE1) + b"\x00"
+BLOCK = 32768
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def wandb_records(path: Path) -> list:
+    """Every Record in a .wandb file, in order; checks each chunk's CRC-32."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:7] == WANDB_HEADER, f"{path}: not a W&B run file"
+    records, pending, offset = [], b"", 7
+    while offset + 7 <= len(data):
+        left_in_block = BLOCK - offset % BLOCK
+        if left_in_block < 7:  # zero padding at a block's end
+            offset += left_in_block
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[offset : offset + 7])
+        if kind == 0 and length == 0:
+            break
+        payload = data[offset + 7 : offset + 7 + length]
+        assert crc == zlib.crc32(payload, zlib.crc32(bytes([kind]))), f"{path}: bad CRC at {offset}"
+        offset += 7 + length
+        if kind in (FULL, FIRST):
+            pending = payload
+        else:
+            pending += payload
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def wandb_history(records: list) -> list[dict]:
+    """History rows as {key: value}; keys are the joined nested_key paths (e.g. 'train/loss')."""
+    rows = []
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            rows.append({"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item})
+    return rows
+
+
+def wandb_run_file(run_dir: Path) -> Path:
+    (path,) = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    return path

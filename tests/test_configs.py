@@ -1,0 +1,123 @@
+"""Every config in conf/ composes; the typed schema fails bad types at compose time; the CLI fails fast."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
+
+from helpers import CONF_DIR, compose, run_cli
+from tinker_exp.main import validate
+from tinker_exp.overrides import ConfigError
+
+GROUPS = ["model", "data", "optimizer", "backend", "logger", "trainer"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def typed(cfg):
+    return OmegaConf.to_object(cfg)
+
+
+@pytest.mark.parametrize("group, option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_group_option_composes_and_validates(group, option):
+    cfg = compose(f"{group}={option}")
+    validate(typed(cfg))
+
+
+@pytest.mark.parametrize("option", options("override"))
+def test_every_override_file_composes_and_validates(option):
+    plan = validate(typed(compose(f"+override={option}")))
+    assert plan.keys, f"conf/override/{option}.yaml sends nothing"
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["+override=constant"], {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}),
+        (
+            ["+override=constant", "override.lr=5e-4", "override.weight_decay=0", "override.betas=[0.9,0.95]"],
+            {"lr": 5e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0},
+        ),
+        (["+override.lr=5e-4"], {"lr": 5e-4}),
+        ([], {}),
+    ],
+)
+def test_the_documented_override_forms(overrides, expected):
+    plan = validate(typed(compose(*overrides)))
+    assert plan[0] == expected and plan[len(plan) - 1] == expected
+
+
+def test_plain_override_without_plus_is_a_hydra_error():
+    with pytest.raises(HydraException):
+        compose("override=constant")
+
+
+@pytest.mark.parametrize(
+    "override", ["optimizer.lr=fast", "backend.device=tpu", "trainer.steps=1.5", "backend.num_workers=two"]
+)
+def test_wrong_types_fail_at_compose_time(override):
+    with pytest.raises((ValidationError, HydraException)):
+        typed(compose(override))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.batch_size=6"], "trainer.batch_size=6 must split evenly over backend.num_workers=2"),
+        (["trainer.steps=0"], "trainer.steps: must be >= 1"),
+        (["data.path=/nonexistent.jsonl"], "data.path: no such file"),
+        (["optimizer.betas=[0.9,1.2]"], "optimizer.betas[1]: 1.2 is not in [0, 1)"),
+    ],
+)
+def test_inconsistent_configs_are_config_errors(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        validate(typed(compose(*overrides)))
+    assert message in str(info.value)
+
+
+def test_cli_bad_override_exits_nonzero_with_a_clear_message(tmp_path):
+    result = run_cli("+override=constant", "override.betas=[0.9,1.02]", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2
+    assert "override.betas[1]: 1.02 is not in [0, 1)" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cli_unknown_key_lists_the_known_ones(tmp_path):
+    result = run_cli("+override.momentum=0.9", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2
+    assert "known keys: ['lr', 'betas', 'eps', 'weight_decay']" in result.stderr
+
+
+def test_a_config_error_starts_no_worker_and_imports_no_ray():
+    code = (
+        "import sys\n"
+        "from helpers import compose\n"
+        "from tinker_exp.main import run\n"
+        "from tinker_exp.overrides import ConfigError\n"
+        "from pathlib import Path\n"
+        "try:\n"
+        "    run(compose('+override.lr=nan'), Path(sys.argv[1]))\n"
+        "except ConfigError as e:\n"
+        "    print('error:', e)\n"
+        "print(sorted(m for m in ('ray', 'verl', 'torch') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, "/nonexistent-run-dir"],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).parent,
+    ).stdout
+    assert "error: override.lr: expected a finite number, got nan" in out
+    assert out.strip().endswith("[]")
+
+
+def test_dry_run_validates_and_starts_nothing(tmp_path):
+    result = run_cli("+override=constant", "override.lr=1", "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert "'lr': 1.0" in result.stdout
+    assert not (tmp_path / "metrics.jsonl").exists()

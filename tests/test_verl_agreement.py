@@ -1,0 +1,79 @@
+"""Our pre-launch check agrees with verl's own check on a real AdamW built the way the worker builds it."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from verl.workers.config import FSDPOptimizerConfig, build_optimizer
+from verl.workers.engine_workers_tinker import _apply_optim_step_params
+
+from tinker_exp.overrides import ConfigError, check_like_verl, convert_params, param_group_types
+from tinker_exp.plan import optimizer_values
+from tinker_exp.schema import OptimizerConfig
+
+
+def verl_adamw(values: dict) -> torch.optim.Optimizer:
+    """The same FSDPOptimizerConfig fields TinkerWorkers passes to verl."""
+    config = FSDPOptimizerConfig(
+        lr=values["lr"],
+        betas=values["betas"],
+        weight_decay=values["weight_decay"],
+        override_optimizer_config={"eps": values["eps"]},
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
+    return build_optimizer(groups, config)
+
+
+@pytest.fixture
+def built():
+    values = optimizer_values(OmegaConf.create({"lr": 1, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0}))
+    return values, verl_adamw(values)
+
+
+def test_param_groups_hold_exactly_the_converted_types(built):
+    values, optimizer = built
+    for group in optimizer.param_groups:
+        assert {key: type(group[key]) for key in values} == param_group_types(values)
+        assert {key: group[key] for key in values} == values
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"lr": 0, "weight_decay": 0, "eps": 1, "betas": [0.9, 0.95]},
+        {"lr": 3e-4},
+        {"betas": [0, 0.5]},
+    ],
+)
+def test_converted_values_pass_verls_check_and_land_in_every_group(built, raw):
+    values, optimizer = built
+    params = convert_params(OmegaConf.create(raw))
+    check_like_verl(params, param_group_types(values), "AdamW")
+    _apply_optim_step_params(optimizer, params)
+    for group in optimizer.param_groups:
+        for key, value in params.items():
+            assert group[key] == value and type(group[key]) is type(value)
+
+
+@pytest.mark.parametrize(
+    "raw, verl_error",
+    [
+        ({"lr": 1}, TypeError),
+        ({"weight_decay": 0}, TypeError),
+        ({"eps": 1}, TypeError),
+        ({"betas": [0.9, 0.95]}, TypeError),
+        ({"momentum": 0.9}, ValueError),
+    ],
+)
+def test_unconverted_values_fail_both_checks(built, raw, verl_error):
+    values, optimizer = built
+    with pytest.raises(verl_error):
+        _apply_optim_step_params(optimizer, raw)
+    with pytest.raises(ConfigError):
+        check_like_verl(raw, param_group_types(values), "AdamW")
+
+
+def test_schema_defaults_build_the_same_optimizer():
+    values = optimizer_values(OptimizerConfig())
+    optimizer = verl_adamw(values)
+    assert {key: optimizer.param_groups[0][key] for key in values} == values
