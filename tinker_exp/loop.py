@@ -53,6 +53,7 @@ def train(cfg: Any, plan: Any, workers: Any, examples: list, sinks: Any) -> dict
         tokens = sum(len(example.input_ids) for example in batch)
         row = {
             "train/step": step,
+            "time": time.time(),
             "train/loss": result.loss,
             "train/grad_norm": result.grad_norm,
             "perf/step_time_s": step_time,

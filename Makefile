@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make run` (the default job) and `make test` (the suite).
+# torch comes first and pinned: 2.13.0 is a CPU build on our machines' disk; a bare `torch` would pull CUDA.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export WANDB_ERROR_REPORTING := false
+
+.PHONY: install run test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+run: install
+	$(PY) -m tinker_exp $(ARGS)
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .cache outputs/runs outputs/sweeps

@@ -1,0 +1,87 @@
+"""Overhead of tinker_exp's loop over a bare loop that calls verl's worker group directly.
+
+Both run the same tiny model, batch (8 sequences, micro batch 2) and 2 Ray CPU workers, each in its own
+process. Prints the median step time (wall time between consecutive finished steps, logging included)
+and the time from process start to the end of the first step, for both, and their ratios.
+
+    .venv/bin/python benchmarks/overhead.py [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def bare_loop(steps: int, out: Path) -> None:
+    """No Hydra, no plan, no check, no sinks: verl's zero_grad / forward_backward / optimizer_step."""
+    from hydra import compose, initialize_config_dir
+
+    import tinker_exp.main  # noqa: F401  (schema)
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from tinker_exp.data import batch_for_step, read_rows, resolve_path, tokenize
+    from tinker_exp.tiny_model import ensure_tiny_model
+    from tinker_exp.workers import TinkerWorkers
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        cfg = OmegaConf.to_object(compose("config", overrides=[f"trainer.steps={steps}"]))
+    corpus = resolve_path(cfg.data.path)
+    model_path = ensure_tiny_model(vars(cfg.model), corpus)
+    examples = tokenize(read_rows(corpus, "prompt", "response"), AutoTokenizer.from_pretrained(model_path), cfg.data)
+    values = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    workers = TinkerWorkers(cfg, str(model_path), values, "cpu")
+    group = workers.group
+    with open(out, "w") as f:
+        for step in range(steps):
+            batch = workers._batch(batch_for_step(examples, step, 8, 0, True))
+            group.optimizer_zero_grad()
+            group.forward_backward(batch).get()
+            group.optimizer_step(optim_step_params=values)
+            f.write(json.dumps({"train/step": step, "time": time.time()}) + "\n")
+    workers.shutdown()
+
+
+def timed(cmd: list[str], metrics: Path) -> tuple[float, float]:
+    start = time.time()
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    times = [json.loads(line)["time"] for line in metrics.read_text().splitlines()]
+    return statistics.median(b - a for a, b in zip(times, times[1:])), times[0] - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--bare-out")
+    args = parser.parse_args()
+    if args.bare_out:
+        return bare_loop(args.steps, Path(args.bare_out))
+
+    os.environ.setdefault("WANDB_MODE", "offline")
+    with tempfile.TemporaryDirectory() as tmp:
+        bare_metrics = Path(tmp) / "bare.jsonl"
+        bare = timed([sys.executable, __file__, "--steps", str(args.steps), "--bare-out", str(bare_metrics)], bare_metrics)
+        run_dir = Path(tmp) / "run"
+        ours = timed(
+            [sys.executable, "-m", "tinker_exp", "+override=constant", f"trainer.steps={args.steps}",
+             f"hydra.run.dir={run_dir}"],
+            run_dir / "metrics.jsonl",
+        )
+    print(f"{'':28}{'bare verl loop':>16}{'tinker_exp':>14}{'ratio':>8}")
+    print(f"{'median step time (ms)':28}{bare[0] * 1e3:16.1f}{ours[0] * 1e3:14.1f}{ours[0] / bare[0]:8.3f}")
+    print(f"{'start to first step (s)':28}{bare[1]:16.2f}{ours[1]:14.2f}{ours[1] / bare[1]:8.3f}")
+    print(f"({args.steps} steps, 2 Ray CPU workers, batch 8, micro batch 2; tinker_exp with W&B offline + JSONL)")
+
+
+if __name__ == "__main__":
+    main()
