@@ -1,5 +1,6 @@
 """Every config in conf/ composes; the typed schema fails bad types at compose time; the CLI fails fast."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -119,5 +120,6 @@ def test_a_config_error_starts_no_worker_and_imports_no_ray():
 def test_dry_run_validates_and_starts_nothing(tmp_path):
     result = run_cli("+override=constant", "override.lr=1", "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr
-    assert "'lr': 1.0" in result.stdout
+    assert "dry run: wrote" in result.stdout
+    assert json.loads((tmp_path / "plan.jsonl").read_text().splitlines()[0])["lr"] == 1.0
     assert not (tmp_path / "metrics.jsonl").exists()

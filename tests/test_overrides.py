@@ -99,16 +99,13 @@ def test_plan_checks_the_optimizer_values_too():
         build_plan(None, bad, total_steps=3)
 
 
-def test_schedule_mappings_are_refused_for_now():
-    with pytest.raises(ConfigError, match=r"override.lr: per-step schedules are not supported yet"):
-        build_plan({"lr": {"kind": "cosine"}}, OptimizerConfig(), total_steps=3)
-
 
 def test_validation_layer_imports_no_torch_verl_or_ray():
     code = (
         "import sys\n"
         "from tinker_exp.main import validate\n"
         "import tinker_exp.overrides, tinker_exp.plan, tinker_exp.schema, tinker_exp.loop, tinker_exp.data\n"
+        "import tinker_exp.schedules, tinker_exp.preview\n"
         "heavy = sorted(m for m in ('torch', 'verl', 'ray', 'wandb', 'transformers') if m in sys.modules)\n"
         "print(heavy)\n"
     )

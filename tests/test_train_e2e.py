@@ -56,6 +56,9 @@ def test_wandb_offline_run_file_holds_the_same_values(constant_run):
     assert json.loads(config["hydra_choices"]) == {"override": "constant"}
     assert json.loads(config["trainer"])["steps"] == STEPS
     history = wandb_history(records)
+    plan_rows = [row for row in history if any(key.startswith("plan/table") for key in row)]
+    assert len(plan_rows) == 1 and any(key.startswith("plan/plot") for key in plan_rows[0])  # attached once
+    history = [row for row in history if "train/loss" in row]
     jsonl = read_jsonl(run_dir / "metrics.jsonl")
     assert len(history) == len(jsonl) == STEPS
     for logged, row in zip(history, jsonl):

@@ -6,22 +6,11 @@ import time
 from typing import Any
 
 from tinker_exp.data import batch_for_step
-from tinker_exp.overrides import OVERRIDE_KEYS
+from tinker_exp.overrides import flat_values
 
 
 class AppliedMismatchError(RuntimeError):
     """A param group on some rank does not hold what was sent: the run must not go on silently."""
-
-
-def flat_values(prefix: str, values: dict[str, Any]) -> dict[str, float]:
-    """{'betas': (0.9, 0.95), 'lr': 1e-3} -> {'prefix/beta1': 0.9, 'prefix/beta2': 0.95, 'prefix/lr': 1e-3}."""
-    row = {}
-    for key in OVERRIDE_KEYS:
-        if key == "betas" and key in values:
-            row[f"{prefix}/beta1"], row[f"{prefix}/beta2"] = values[key]
-        elif key in values:
-            row[f"{prefix}/{key}"] = values[key]
-    return row
 
 
 def check_applied(step: int, requested: dict[str, Any], applied: list[list[dict[str, Any]]]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from tinker_exp.data import resolve_path
 from tinker_exp.loop import AppliedMismatchError, train
 from tinker_exp.overrides import ConfigError
 from tinker_exp.plan import Plan, build_plan
+from tinker_exp.preview import format_table, plan_table, plot_plan, write_plan_jsonl
 from tinker_exp.schema import Config, register_configs
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -33,8 +34,14 @@ def validate(cfg: Config) -> Plan:
 
 
 def describe(plan: Plan) -> str:
-    sent = {key: plan[0][key] for key in plan.keys} if plan.keys else "nothing (no override selected)"
-    return f"optimizer built with {plan.optimizer_values}; sent with each of {len(plan)} steps: {sent}"
+    return f"optimizer built with {plan.optimizer_values}; {len(plan)} steps; sent with optimizer_step:\n{format_table(plan)}"
+
+
+def write_plan(plan: Plan, run_dir: Path) -> Path | None:
+    """plan.jsonl (every step) and plan.png into the run dir; returns the plot's path."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_plan_jsonl(plan, run_dir / "plan.jsonl")
+    return plot_plan(plan, run_dir / "plan.png")
 
 
 def run(dcfg: DictConfig, run_dir: Path, choices: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -42,7 +49,9 @@ def run(dcfg: DictConfig, run_dir: Path, choices: dict[str, Any] | None = None) 
     cfg: Config = OmegaConf.to_object(dcfg)
     plan = validate(cfg)
     print(describe(plan), flush=True)
+    plot = write_plan(plan, run_dir)
     if cfg.dry_run:
+        print(f"dry run: wrote {run_dir / 'plan.jsonl'}" + (f" and {plot}" if plot else ""), flush=True)
         return {}
 
     # Heavy imports only past validation: config errors and dry runs never pay for them.
@@ -66,6 +75,8 @@ def run(dcfg: DictConfig, run_dir: Path, choices: dict[str, Any] | None = None) 
     if cfg.logger.name.value == "wandb":
         wandb_config = {**resolved, "hydra_choices": dict(choices or {})}
         wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=run_dir.name)
+        if wandb_sink is not None:
+            wandb_sink.attach_plan(*plan_table(plan), plot)
     sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl"), wandb_sink, ProgressBar(cfg.trainer.steps)])
     exit_code = 1
     workers = None

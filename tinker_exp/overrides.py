@@ -114,3 +114,15 @@ def check_like_verl(params: Mapping[str, Any], group_types: Mapping[str, type], 
                 f"override.{key}: {value!r} is a {type(value).__name__}; "
                 f"{optimizer}'s param groups hold {group_types[key].__name__}"
             )
+
+
+def flat_values(prefix: str, values: Mapping[str, Any]) -> dict[str, float]:
+    """{'betas': (0.9, 0.95), 'lr': 1e-3} -> {'PREFIX/lr': 1e-3, 'PREFIX/beta1': 0.9, 'PREFIX/beta2': 0.95}."""
+    name = (lambda key: f"{prefix}/{key}") if prefix else (lambda key: key)
+    row = {}
+    for key in OVERRIDE_KEYS:
+        if key == "betas" and key in values:
+            row[name("beta1")], row[name("beta2")] = values[key]
+        elif key in values:
+            row[name(key)] = values[key]
+    return row

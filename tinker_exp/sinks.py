@@ -72,6 +72,15 @@ class WandbSink:
             warnings.warn(f"W&B could not start ({type(e).__name__}: {e}); metrics.jsonl only", stacklevel=2)
             return None
 
+    def attach_plan(self, header: list[str], rows: list[list], plot: Path | None) -> None:
+        """The override plan's table and plot, logged once before step 0."""
+        import wandb
+
+        media: dict[str, Any] = {"plan/table": wandb.Table(columns=header, data=rows)}
+        if plot is not None:
+            media["plan/plot"] = wandb.Image(str(plot))
+        self.run.log(media)
+
     def log(self, row: dict[str, Any]) -> None:
         self.run.log(row)
 

@@ -1,0 +1,220 @@
+"""Schedules against the published reference implementations, composition, rejections, dry run, a real run."""
+
+import json
+import math
+
+import pytest
+import torch
+import transformers.optimization as hf
+from omegaconf import OmegaConf
+from verl.utils.torch_functional import get_cosine_schedule_with_warmup as verl_cosine
+
+from helpers import CONF_DIR, compose, read_jsonl, run_cli
+from tinker_exp.main import run, validate
+from tinker_exp.overrides import ConfigError
+from tinker_exp.plan import build_plan
+from tinker_exp.schedules import compile_schedule
+from tinker_exp.schema import OptimizerConfig
+
+PEAK = 3e-4
+T = 1000
+STEPS = list(range(0, T)) + [T, T + 7]
+
+
+def lambda_of(factory, **kwargs):
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=PEAK)
+    return factory(optimizer, **kwargs).lr_lambdas[0]
+
+
+def ours(spec: dict, total: int = T):
+    return compile_schedule(spec, total, "override.lr")
+
+
+def assert_same(schedule, reference_lambda, scale=PEAK, steps=STEPS):
+    for step in steps:
+        assert schedule(step) == pytest.approx(scale * reference_lambda(step), rel=1e-12, abs=1e-18), step
+
+
+@pytest.mark.parametrize("warmup, min_ratio, cycles", [(0, 0.0, 0.5), (100, 0.1, 0.5), (37, 0.0, 1.5), (1, 0.3, 0.25)])
+def test_cosine_matches_verl_and_hf(warmup, min_ratio, cycles):
+    schedule = ours({"schedule": "cosine", "value": PEAK, "warmup_steps": warmup, "min_ratio": min_ratio, "num_cycles": cycles})
+    assert_same(schedule, lambda_of(verl_cosine, num_warmup_steps=warmup, num_training_steps=T, min_lr_ratio=min_ratio, num_cycles=cycles))
+    assert_same(schedule, lambda_of(hf.get_cosine_with_min_lr_schedule_with_warmup, num_warmup_steps=warmup, num_training_steps=T, num_cycles=cycles, min_lr_rate=min_ratio))
+
+
+@pytest.mark.parametrize("warmup, cycles", [(0, 1), (50, 3)])
+def test_cosine_restarts_matches_hf(warmup, cycles):
+    schedule = ours({"schedule": "cosine_restarts", "value": PEAK, "warmup_steps": warmup, "num_cycles": cycles})
+    assert_same(schedule, lambda_of(hf.get_cosine_with_hard_restarts_schedule_with_warmup, num_warmup_steps=warmup, num_training_steps=T, num_cycles=cycles))
+
+
+@pytest.mark.parametrize("decay_shape", ["linear", "cosine", "1-sqrt"])
+@pytest.mark.parametrize("warmup_shape", ["linear", "cosine", "1-sqrt"])
+@pytest.mark.parametrize("stable", [None, 400])
+def test_wsd_matches_hf(decay_shape, warmup_shape, stable):
+    spec = {"schedule": "wsd", "value": PEAK, "warmup_steps": 100, "decay_steps": 200, "decay_shape": decay_shape,
+            "warmup_shape": warmup_shape, "min_ratio": 0.1}
+    if stable is not None:
+        spec["stable_steps"] = stable
+    reference = lambda_of(hf.get_wsd_schedule, num_warmup_steps=100, num_decay_steps=200, num_training_steps=T,
+                          num_stable_steps=stable, warmup_type=warmup_shape, decay_type=decay_shape, min_lr_ratio=0.1)
+    assert_same(ours(spec), reference)
+
+
+def test_linear_matches_hf_when_it_ends_at_zero():
+    schedule = ours({"schedule": "linear", "start": PEAK, "end": 0.0, "warmup_steps": 100})
+    assert_same(schedule, lambda_of(hf.get_linear_schedule_with_warmup, num_warmup_steps=100, num_training_steps=T))
+    rising = ours({"schedule": "linear", "start": 0.95, "end": 0.999}, total=50)
+    assert rising(0) == 0.95 and rising(50) == pytest.approx(0.999) and rising(25) == pytest.approx(0.9745)
+
+
+@pytest.mark.parametrize("warmup, timescale", [(100, None), (10, 500), (0, None)])
+def test_inverse_sqrt_matches_hf(warmup, timescale):
+    spec = {"schedule": "inverse_sqrt", "value": PEAK, "warmup_steps": warmup, "timescale": timescale}
+    assert_same(ours(spec), lambda_of(hf.get_inverse_sqrt_schedule, num_warmup_steps=warmup, timescale=timescale))
+
+
+@pytest.mark.parametrize("power", [1.0, 2.0, 0.5])
+def test_polynomial_matches_hf(power):
+    spec = {"schedule": "polynomial", "value": PEAK, "end": 1e-6, "warmup_steps": 100, "power": power}
+    reference = lambda_of(hf.get_polynomial_decay_schedule_with_warmup, num_warmup_steps=100, num_training_steps=T, lr_end=1e-6, power=power)
+    assert_same(ours(spec), reference)
+
+
+@pytest.mark.parametrize(
+    "spec, scheduler, kwargs",
+    [
+        ({"schedule": "step", "value": PEAK, "step_size": 30, "gamma": 0.5}, torch.optim.lr_scheduler.StepLR, {"step_size": 30, "gamma": 0.5}),
+        ({"schedule": "multistep", "value": PEAK, "milestones": [100, 250, 600], "gamma": 0.3}, torch.optim.lr_scheduler.MultiStepLR, {"milestones": [100, 250, 600], "gamma": 0.3}),
+        ({"schedule": "exponential", "value": PEAK, "gamma": 0.995}, torch.optim.lr_scheduler.ExponentialLR, {"gamma": 0.995}),
+    ],
+)
+def test_decays_match_torch_schedulers(spec, scheduler, kwargs):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=PEAK)
+    reference = scheduler(optimizer, **kwargs)
+    schedule = ours(spec)
+    for step in range(T):
+        assert schedule(step) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-9), step
+        optimizer.step()
+        reference.step()
+
+
+def test_keyframes_are_piecewise_linear_and_flat_outside():
+    schedule = ours({"schedule": "keyframes", "points": {0: 1e-5, 100: 3e-4, 2000: 3e-5}}, total=3000)
+    assert schedule(0) == 1e-5 and schedule(100) == 3e-4 and schedule(2000) == 3e-5 and schedule(2999) == 3e-5
+    assert schedule(50) == pytest.approx((1e-5 + 3e-4) / 2)
+    assert schedule(1050) == pytest.approx((3e-4 + 3e-5) / 2)
+
+
+def test_every_step_of_a_multi_key_plan_is_converted():
+    override = OmegaConf.create({
+        "lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": 10, "min_ratio": 0.1},
+        "betas": [0.9, {"schedule": "linear", "start": 0.95, "end": 0.999}],
+        "weight_decay": {"schedule": "step", "value": 1, "step_size": 50, "gamma": 0.5},
+    })
+    plan = build_plan(override, OptimizerConfig(), 100)
+    assert len(plan) == 100 and plan.keys == ("lr", "betas", "weight_decay")
+    for params in plan.steps:
+        assert type(params["lr"]) is float and type(params["weight_decay"]) is float
+        assert type(params["betas"]) is tuple and all(type(b) is float for b in params["betas"])
+    assert plan[0]["lr"] == 0.0 and plan[10]["lr"] == 1e-3 and plan[99]["betas"][1] == pytest.approx(0.999 - 0.049 / 100)
+    assert plan[49]["weight_decay"] == 1.0 and plan[50]["weight_decay"] == 0.5
+    assert plan.boundaries() == [10, 50]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"betas": [0.9, {"schedule": "linear", "start": 0.95, "end": 1.02}]},
+         "override.betas[1] at step 72 (linear): 1.0004 is not in [0, 1)"),
+        ({"lr": {"schedule": "linear", "start": 1e-3, "end": -1e-3}}, "override.lr at step 51 (linear): must be >= 0"),
+        ({"eps": {"schedule": "exponential", "value": 1e-8, "gamma": 0.0}}, "override.eps at step 1 (exponential): must be > 0"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": 150}}, "override.lr.warmup_steps: 150 is longer than the schedule (100 steps)"),
+        ({"lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 10, "decay_steps": 95}}, "override.lr: warmup_steps + stable_steps + decay_steps = 105 runs past the end (100 steps)"),
+        ({"lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 10, "decay_steps": 50, "stable_steps": 50}}, "= 110 runs past the end"),
+        ({"lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 1, "decay_steps": 5, "decay_shape": "sqrt"}}, "override.lr.decay_shape: 'sqrt' is not one of"),
+        ({"lr": {"schedule": "keyframes", "points": {0: 1e-5, 80: 3e-4, 40: 3e-5}}}, "override.lr.points: keyframes out of order: steps [0, 80, 40]"),
+        ({"lr": {"schedule": "keyframes", "points": {0: 1e-5, 400: 3e-4}}}, "override.lr.points: keyframe at step 400 is past the end (100 steps)"),
+        ({"lr": {"schedule": "multistep", "value": 1e-3, "milestones": [50, 20]}}, "override.lr.milestones: must be strictly increasing"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup": 10}}, "override.lr (cosine): got an unexpected keyword argument 'warmup'"),
+        ({"lr": {"schedule": "wsd", "value": 1e-3}}, "override.lr (wsd): missing 2 required keyword-only arguments"),
+        ({"lr": {"schedule": "sawtooth", "value": 1e-3}}, "override.lr.schedule: 'sawtooth' is not one of"),
+        ({"lr": {"value": 1e-3}}, "override.lr.schedule: None is not one of"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": 2.5}}, "override.lr.warmup_steps: expected an integer >= 0, got 2.5"),
+        ({"betas": {"schedule": "linear", "start": 0.9, "end": 0.95}}, "override.betas: schedule each component on its own"),
+        ({"lr": {"schedule": "cosine", "value": float("nan")}}, "override.lr at step 0 (cosine): expected a finite number"),
+    ],
+)
+def test_bad_plans_name_key_schedule_and_first_bad_step(override, message):
+    with pytest.raises(ConfigError) as info:
+        build_plan(override, OptimizerConfig(), 100)
+    assert message in str(info.value)
+
+
+def test_schedule_length_defaults_to_the_run_and_can_be_set():
+    plan = build_plan({"lr": {"schedule": "linear", "start": 1.0, "end": 0.0, "total_steps": 10}}, OptimizerConfig(), 20)
+    assert plan[5]["lr"] == 0.5 and plan[10]["lr"] == 0.0 and plan[19]["lr"] == 0.0
+
+
+def test_composed_files_later_wins_and_cli_tweaks():
+    plan = validate(OmegaConf.to_object(compose("+override=[lr_wsd,beta2_warmup,wd_cosine]")))
+    assert plan.keys == ("lr", "betas", "weight_decay") and set(plan.schedules) == {"lr", "betas[1]", "weight_decay"}
+    assert plan.schedules["lr"].kind == "wsd"
+    later = validate(OmegaConf.to_object(compose("+override=[lr_wsd,lr_cosine]")))
+    assert later.schedules["lr"].kind == "cosine"
+    tweaked = validate(OmegaConf.to_object(compose("+override=lr_cosine", "override.lr.warmup_steps=5", "override.lr.min_ratio=0.5")))
+    assert tweaked[4]["lr"] == pytest.approx(0.8e-3) and tweaked[19]["lr"] > 0.5e-3
+    constant = validate(OmegaConf.to_object(compose("+override=lr_cosine", "override.lr=3e-4")))
+    assert constant.schedules == {} and constant[0] == constant[19] == {"lr": 3e-4}
+
+
+def test_every_shipped_schedule_file_dry_runs(tmp_path):
+    for path in sorted((CONF_DIR / "override").glob("*.yaml")):
+        run_dir = tmp_path / path.stem
+        run(compose(f"+override={path.stem}", "dry_run=true"), run_dir)
+        rows = read_jsonl(run_dir / "plan.jsonl")
+        assert [row["step"] for row in rows] == list(range(20)), path.name
+        assert (run_dir / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_dry_run_cli_prints_table_and_imports_nothing_heavy(tmp_path):
+    code = (
+        "import sys, runpy\n"
+        "sys.argv = ['tinker_exp', '+override=[lr_wsd,beta2_warmup]', 'trainer.steps=100000', 'dry_run=true',\n"
+        "            'override.lr.decay_steps=20000', 'hydra.run.dir=%s']\n"
+        "try:\n"
+        "    runpy.run_module('tinker_exp', run_name='__main__')\n"
+        "finally:\n"
+        "    print('HEAVY', sorted(m for m in ('torch', 'verl', 'ray') if m in sys.modules))\n" % tmp_path
+    )
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=CONF_DIR.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "HEAVY []" in out.stdout
+    table_steps = [int(line.split()[0]) for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert {0, 1, 2, 79999, 80000, 99999} <= set(table_steps)  # first steps, decay start, last step
+    rows = (tmp_path / "plan.jsonl").read_text().splitlines()
+    assert len(rows) == 100000 and json.loads(rows[-1])["lr"] == pytest.approx(1e-4, rel=1e-3)  # min_ratio 0.1
+
+
+def test_cli_bad_schedule_exits_before_workers(tmp_path):
+    result = run_cli("+override=beta2_warmup", "override.betas.1.end=1.5", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "override.betas[1] at step 2 (linear): 1.005 is not in [0, 1)" in result.stderr
+
+
+def test_real_run_follows_the_plan_on_lr_and_betas(ray_address, tmp_path):
+    cfg = compose("+override=[lr_cosine,beta2_warmup]", "trainer.steps=6", "override.lr.warmup_steps=2", "logger=none")
+    run(cfg, tmp_path)
+    plan = read_jsonl(tmp_path / "plan.jsonl")
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(rows) == len(plan) == 6
+    for planned, row in zip(plan, rows):
+        for key in ("lr", "beta1", "beta2"):
+            assert row[f"requested/{key}"] == planned[key] == row[f"applied/{key}"]
+    assert rows[0]["applied/lr"] == 0.0 and rows[2]["applied/lr"] == 1e-3
+    assert rows[0]["applied/beta2"] < rows[-1]["applied/beta2"] < 0.999
+    assert not math.isnan(rows[-1]["train/loss"])
