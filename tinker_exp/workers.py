@@ -27,6 +27,13 @@ def resolve_device(requested: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def attention_implementation(device: str) -> str:
+    """flash-attn where it is installed on a GPU machine; torch's SDPA everywhere else."""
+    import importlib.util
+
+    return "flash_attention_2" if device == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
 def platform_env(device: str) -> dict[str, str]:
     """Environment for the driver and every worker; set before verl is imported anywhere."""
     env = dict(CPU_PLATFORM_ENV) if device == "cpu" else {}
@@ -136,7 +143,7 @@ class TinkerWorkers:
             model_type="language_model",
             model_config=HFModelConfig(
                 path=model_path,
-                override_config={"attn_implementation": "sdpa" if self.device == "cpu" else "flash_attention_2"},
+                override_config={"attn_implementation": attention_implementation(self.device)},
                 enable_gradient_checkpointing=False,
             ),
             engine_config=FSDPEngineConfig(
