@@ -60,7 +60,6 @@ def run(dcfg: DictConfig, run_dir: Path, choices: dict[str, Any] | None = None) 
     from tinker_exp.tiny_model import ensure_tiny_model
     from tinker_exp.workers import TinkerWorkers, resolve_device
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
 
