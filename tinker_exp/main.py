@@ -15,6 +15,7 @@ from tinker_exp.overrides import ConfigError
 from tinker_exp.plan import Plan, build_plan
 from tinker_exp.preview import format_table, plan_table, plot_plan, write_plan_jsonl
 from tinker_exp.schema import Config, register_configs
+from tinker_exp.sweep import job_info, run_name, sweep_group, write_job_info
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -44,8 +45,11 @@ def write_plan(plan: Plan, run_dir: Path) -> Path | None:
     return plot_plan(plan, run_dir / "plan.png")
 
 
-def run(dcfg: DictConfig, run_dir: Path, choices: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Validate, then train; returns the last metrics row ({} for a dry run)."""
+def run(
+    dcfg: DictConfig, run_dir: Path, choices: dict[str, Any] | None = None, job: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Validate, then train; returns the last metrics row ({} for a dry run). `job`: who runs it (job.json)."""
+    write_job_info(run_dir, job or job_info(None, []))
     cfg: Config = OmegaConf.to_object(dcfg)
     plan = validate(cfg)
     print(describe(plan), flush=True)
@@ -72,8 +76,8 @@ def run(dcfg: DictConfig, run_dir: Path, choices: dict[str, Any] | None = None) 
 
     wandb_sink = None
     if cfg.logger.name.value == "wandb":
-        wandb_config = {**resolved, "hydra_choices": dict(choices or {})}
-        wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=run_dir.name)
+        wandb_config = {**resolved, "hydra_choices": dict(choices or {}), "job": job}
+        wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=cfg.logger.run_name or run_dir.name)
         if wandb_sink is not None:
             wandb_sink.attach_plan(*plan_table(plan), plot)
     sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl"), wandb_sink, ProgressBar(cfg.trainer.steps)])
@@ -96,16 +100,24 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(dcfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    task_overrides = list(hydra_cfg.overrides.task)
+    if in_sweep:  # one W&B group per sweep; each job named by its overrides
+        dcfg.logger.group = dcfg.logger.group or sweep_group(hydra_cfg.sweep.dir)
+        dcfg.logger.run_name = dcfg.logger.run_name or run_name(task_overrides, run_dir.name)
+    job = job_info(hydra_cfg.job.get("num") if in_sweep else None, task_overrides)
     try:
-        run(dcfg, Path(hydra_cfg.runtime.output_dir), dict(hydra_cfg.runtime.choices))
-    except ConfigError as e:
-        print(f"tinker_exp: config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except AppliedMismatchError as e:
-        print(f"tinker_exp: optimizer override not applied: {e}", file=sys.stderr)
-        sys.exit(3)
+        run(dcfg, run_dir, dict(hydra_cfg.runtime.choices), job)
+    except (ConfigError, AppliedMismatchError) as e:
+        kind = "config error" if isinstance(e, ConfigError) else "optimizer override not applied"
+        print(f"tinker_exp: {kind}: {e}", file=sys.stderr)
+        if in_sweep:
+            raise  # the sweep's launcher reports it with the job's overrides and run dir
+        sys.exit(2 if isinstance(e, ConfigError) else 3)
 
 
 def main() -> None:

@@ -27,15 +27,21 @@ def plan_table(plan: Plan) -> tuple[list[str], list[list]]:
     return ["step", *columns], rows
 
 
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    """Right-aligned columns under a dashed rule: plan tables and sweep summaries alike."""
+    cells = [header] + rows
+    widths = [max(len(row[c]) for row in cells) for c in range(len(header))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in cells]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
 def format_table(plan: Plan) -> str:
     header, rows = plan_table(plan)
     if len(header) == 1:
         return "no override: nothing is sent with optimizer_step"
-    cells = [header] + [[str(rows[i][0])] + [f"{v:.6g}" for v in rows[i][1:]] for i in range(len(rows))]
-    widths = [max(len(row[c]) for row in cells) for c in range(len(header))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in cells]
+    table = text_table(header, [[str(row[0])] + [f"{v:.6g}" for v in row[1:]] for row in rows])
     phases = ", ".join(f"{label}: {s.kind} over {s.total_steps} steps" for label, s in plan.schedules.items())
-    return "\n".join([*lines[:1], "  ".join("-" * w for w in widths), *lines[1:], *([phases] if phases else [])])
+    return "\n".join([table, *([phases] if phases else [])])
 
 
 def write_plan_jsonl(plan: Plan, path: Path) -> None:

@@ -90,7 +90,8 @@ class LoggerConfig:
     project: str = "tinker_exp"
     entity: Optional[str] = None
     mode: WandbMode = WandbMode.offline
-    group: Optional[str] = None
+    group: Optional[str] = None  # None: a sweep's jobs share one group (the sweep), a single run has none
+    run_name: Optional[str] = None  # None: a sweep job's overrides, else the run dir's name
     tags: list = field(default_factory=list)
     init_timeout_s: float = 30.0
 

@@ -1,0 +1,119 @@
+"""Submitit launchers that wait for every job, summarize the sweep, and fail naming the jobs that failed.
+
+hydra-submitit-launcher's own `launch` returns at the first job Slurm killed (abandoning the rest) and
+leaves failures to Hydra's sweeper, which names only the first. Ours: wait for all jobs (a killed job is
+reported by Slurm's accounting, never waited on forever), write summary.md/summary.jsonl into the sweep
+dir, then raise one error naming every job that did not complete and its run dir. Ctrl-C cancels the jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.errors import CompactHydraException
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+from omegaconf import OmegaConf, open_dict
+
+from tinker_exp.sweep import failure_report, read_outcome, summary_table, write_summary
+
+log = logging.getLogger(__name__)
+
+
+class SweepFailedError(CompactHydraException):
+    """Some jobs did not complete. Compact: Hydra prints the message (every failed job), no traceback."""
+
+
+class SweepLauncher(BaseSubmititLauncher):
+    def __init__(self, **params: Any) -> None:
+        timeout_s, delay_s = params.get("timeout_min", 0) * 60, params.get("signal_delay_s")
+        if delay_s is not None and delay_s >= timeout_s:
+            # submitit would signal the job before it starts and then refuse to requeue it.
+            raise ValueError(
+                f"hydra.launcher.signal_delay_s={delay_s} must be below hydra.launcher.timeout_min*60={timeout_s}"
+            )
+        super().__init__(**params)
+
+    def _executor(self) -> Any:
+        """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it)."""
+        import submitit
+
+        init_keys = {"max_num_timeout"}
+        init = {f"{self._EXECUTOR}_{k}": v for k, v in self.params.items() if k in init_keys}
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=self.params["submitit_folder"], **init)
+        common = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(
+            **{
+                k if k in common else f"{self._EXECUTOR}_{k}": v
+                for k, v in self.params.items()
+                if k not in init_keys | {"submitit_folder"}
+            }
+        )
+        return executor
+
+    def _run_dir(self, overrides: Sequence[str], num: int) -> Path:
+        assert self.hydra_context is not None and self.config is not None
+        job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(job_cfg.hydra.job):
+            job_cfg.hydra.job.num = num
+        return Path(str(job_cfg.hydra.sweep.dir)) / str(job_cfg.hydra.sweep.subdir)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        import submitit
+
+        assert self.config is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
+        nums = [initial_job_idx + i for i in range(len(job_overrides))]
+        for num, overrides in zip(nums, job_overrides):
+            log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}")
+        args = [(list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", Singleton.get_state()) for n, o in zip(nums, job_overrides)]
+        jobs = self._executor().map_array(self, *zip(*args))
+        log.info(f"submitted {', '.join(job.job_id for job in jobs)}; waiting for all of them")
+
+        returns, outcomes = [], []
+        try:
+            for num, overrides, job in zip(nums, job_overrides, jobs):
+                task_overrides = filter_overrides(overrides)
+                try:
+                    ret = job.results()[0]
+                    error = None if ret.status == JobStatus.COMPLETED else describe_error(ret._return_value)
+                    status = "COMPLETED" if error is None else "FAILED"
+                except submitit.core.utils.UncompletedJobError as e:  # killed: cancelled, timed out, crashed
+                    status, error = job.state, str(e).splitlines()[0]
+                    ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=e)
+                outcomes.append(read_outcome(num, task_overrides, status, self._run_dir(overrides, num), error))
+                returns.append(ret)
+        except KeyboardInterrupt:
+            for job in jobs:
+                job.cancel(check=False)
+            log.error(f"interrupted: cancelled {', '.join(job.job_id for job in jobs)}")
+            raise
+
+        summary = write_summary(sweep_dir, outcomes)
+        log.info(f"sweep summary ({summary}):\n{summary_table(outcomes)}")
+        if not all(outcome.ok for outcome in outcomes):
+            raise SweepFailedError(failure_report(outcomes, summary))
+        return returns
+
+
+def describe_error(error: Any) -> str:
+    from tinker_exp.overrides import ConfigError
+
+    if isinstance(error, ConfigError):
+        return f"config error: {error}"
+    return f"{type(error).__name__}: {error}"
+
+
+class SlurmSweepLauncher(SweepLauncher):
+    _EXECUTOR = "slurm"
+
+
+class LocalSweepLauncher(SweepLauncher):
+    _EXECUTOR = "local"
+

@@ -1,0 +1,131 @@
+"""Sweeps: who a job is (Slurm ids, W&B group and name) and what each job of a sweep came to.
+
+Pure Python (stdlib only): the job side writes `job.json` into its run dir; the sweep driver (our Hydra
+launchers in hydra_plugins/tinker_exp_launchers) reads run dirs back into one summary table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from tinker_exp.preview import text_table
+
+# What Slurm tells a job about itself (sbatch / srun set these in the job's environment).
+SLURM_VARIABLES = {
+    "job_id": "SLURM_JOB_ID",
+    "array_job_id": "SLURM_ARRAY_JOB_ID",
+    "array_task_id": "SLURM_ARRAY_TASK_ID",
+    "job_name": "SLURM_JOB_NAME",
+    "partition": "SLURM_JOB_PARTITION",
+    "nodelist": "SLURM_JOB_NODELIST",
+    "num_nodes": "SLURM_JOB_NUM_NODES",
+    "cpus_on_node": "SLURM_CPUS_ON_NODE",
+}
+JOB_FILE = "job.json"
+SUMMARY_MD = "summary.md"
+SUMMARY_JSONL = "summary.jsonl"
+
+
+def slurm_job(environ: Mapping[str, str] = os.environ) -> dict[str, str] | None:
+    """The Slurm job this process runs in, or None outside Slurm."""
+    if "SLURM_JOB_ID" not in environ:
+        return None
+    return {key: environ[var] for key, var in SLURM_VARIABLES.items() if var in environ}
+
+
+def job_info(num: int | None, overrides: Sequence[str], environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    return {"num": num, "overrides": list(overrides), "host": socket.gethostname(), "slurm": slurm_job(environ)}
+
+
+def write_job_info(run_dir: Path, info: dict[str, Any]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / JOB_FILE).write_text(json.dumps(info, indent=1) + "\n")
+
+
+def sweep_group(sweep_dir: str, cwd: Path | None = None) -> str:
+    """One W&B group per sweep: the sweep dir below outputs/sweeps (its date/time), else its own name."""
+    path = Path(sweep_dir)
+    root = (cwd or Path.cwd()) / "outputs" / "sweeps"
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return path.name
+
+
+def run_name(task_overrides: Sequence[str], fallback: str) -> str:
+    """A sweep job is named by its overrides (what tells it apart on a W&B dashboard)."""
+    return ",".join(override.lstrip("+~") for override in task_overrides) or fallback
+
+
+@dataclass
+class JobOutcome:
+    num: int
+    overrides: list[str]
+    status: str  # COMPLETED, FAILED, CANCELLED, TIMEOUT, ... (Slurm's words where Slurm ended it)
+    run_dir: str
+    error: str | None = None
+    slurm_job_id: str | None = None
+    steps: int = 0  # steps logged to metrics.jsonl
+    final_loss: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "COMPLETED"
+
+
+def read_outcome(num: int, overrides: Sequence[str], status: str, run_dir: Path, error: str | None) -> JobOutcome:
+    """What a job left in its run dir (whatever it got to before it ended)."""
+    outcome = JobOutcome(num, list(overrides), status, str(run_dir), error)
+    job_file = run_dir / JOB_FILE
+    if job_file.exists():
+        slurm = json.loads(job_file.read_text()).get("slurm") or {}
+        outcome.slurm_job_id = slurm.get("job_id")
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        outcome.steps = len(rows)
+        losses = [row["train/loss"] for row in rows if "train/loss" in row]
+        outcome.final_loss = losses[-1] if losses else None
+    return outcome
+
+
+def summary_table(outcomes: Sequence[JobOutcome]) -> str:
+    header = ["job", "overrides", "status", "steps", "final loss", "slurm job", "run dir"]
+    rows = [
+        [
+            str(o.num),
+            " ".join(o.overrides) or "-",
+            o.status,
+            str(o.steps),
+            "-" if o.final_loss is None else f"{o.final_loss:.4f}",
+            o.slurm_job_id or "-",
+            o.run_dir,
+        ]
+        for o in outcomes
+    ]
+    return text_table(header, rows)
+
+
+def write_summary(sweep_dir: Path, outcomes: Sequence[JobOutcome]) -> Path:
+    """summary.md (the table, then each failure's error) and summary.jsonl (a row per job)."""
+    failures = [f"- job {o.num} ({o.status}): {o.error}" for o in outcomes if not o.ok and o.error]
+    text = "```\n" + summary_table(outcomes) + "\n```\n" + ("\n" + "\n".join(failures) + "\n" if failures else "")
+    (sweep_dir / SUMMARY_MD).write_text(text)
+    with open(sweep_dir / SUMMARY_JSONL, "w", encoding="utf-8") as f:
+        for outcome in outcomes:
+            f.write(json.dumps(asdict(outcome)) + "\n")
+    return sweep_dir / SUMMARY_MD
+
+
+
+def failure_report(outcomes: Sequence[JobOutcome], summary: Path) -> str:
+    """Every job that did not complete, with its overrides, why, and its run dir."""
+    failed = [o for o in outcomes if not o.ok]
+    lines = [f"{len(failed)} of {len(outcomes)} sweep jobs did not complete (summary: {summary}):"]
+    lines += [f"  job {o.num} [{' '.join(o.overrides)}] {o.status}: {o.error}; run dir {o.run_dir}" for o in failed]
+    return "\n".join(lines)
