@@ -25,11 +25,17 @@ def compose(*overrides: str):
         return hydra_compose("config", overrides=list(overrides))
 
 
+def environment(env: dict | None) -> dict:
+    """os.environ with `env` on top; a None value removes the variable."""
+    merged = {**os.environ, **(env or {})}
+    return {key: value for key, value in merged.items() if value is not None}
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "tinker_exp", *args],
         cwd=REPO,
-        env={**os.environ, **(env or {})},
+        env=environment(env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -82,6 +88,11 @@ def wandb_history(records: list) -> list[dict]:
         if record.WhichOneof("record_type") == "history":
             rows.append({"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item})
     return rows
+
+
+def wandb_run_record(records: list):
+    """The run record (id, project, group, display name, config) of a .wandb file."""
+    return next(r.run for r in records if r.WhichOneof("record_type") == "run")
 
 
 def wandb_run_file(run_dir: Path) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import compose, read_jsonl, run_cli, wandb_history, wandb_records, wandb_run_file
+from helpers import REPO, compose, environment, read_jsonl, run_cli, wandb_history, wandb_records, wandb_run_file
 from tinker_exp.loop import AppliedMismatchError, check_applied
 from tinker_exp.main import run
 
@@ -113,3 +113,33 @@ def test_cli_trains_through_ray(ray_address, tmp_path):
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [row["requested/lr"] for row in rows] == [5e-4] * 3
     assert [row["applied/lr"] for row in rows] == [5e-4] * 3
+
+
+def test_sigterm_stops_the_run_cleanly(ray_address, tmp_path):
+    """SIGTERM to the driver (kill, a supervisor): the loop stops, workers are freed, the W&B run is finished."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "tinker_exp", "trainer.steps=1000", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while len(read_jsonl(tmp_path / "metrics.jsonl") if (tmp_path / "metrics.jsonl").exists() else []) < 2:
+            assert time.monotonic() < deadline and driver.poll() is None, "training never started"
+            time.sleep(0.2)
+        driver.send_signal(signal.SIGTERM)
+        _, stderr = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    assert driver.returncode == 143, stderr[-3000:]
+    assert "tinker_exp: stopped: terminated by SIGTERM" in stderr
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert 2 <= len(rows) < 1000 and [row["train/step"] for row in rows] == list(range(len(rows)))
+    records = wandb_records(wandb_run_file(tmp_path))
+    assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [143]
+    logged = [row for row in wandb_history(records) if "train/loss" in row]
+    assert len(logged) == len(rows)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +25,18 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 def validate(cfg: Config) -> Plan:
     """Everything that can be checked without torch, verl or ray. Raises ConfigError naming the key."""
-    workers, batch, micro = cfg.backend.num_workers, cfg.trainer.batch_size, cfg.backend.micro_batch_size
-    if workers < 1 or micro < 1:
-        raise ConfigError(f"backend.num_workers={workers} and backend.micro_batch_size={micro} must be >= 1")
-    if batch % workers or (batch // workers) % micro:
+    backend, batch = cfg.backend, cfg.trainer.batch_size
+    if min(backend.num_workers, backend.nodes, backend.micro_batch_size) < 1:
         raise ConfigError(
-            f"trainer.batch_size={batch} must split evenly over backend.num_workers={workers} "
-            f"into micro batches of backend.micro_batch_size={micro}"
+            f"backend.num_workers={backend.num_workers}, backend.nodes={backend.nodes} and "
+            f"backend.micro_batch_size={backend.micro_batch_size} must be >= 1"
+        )
+    workers = backend.num_workers * backend.nodes
+    over = f"backend.num_workers={backend.num_workers}" + (f" x backend.nodes={backend.nodes}" if backend.nodes > 1 else "")
+    if batch % workers or (batch // workers) % backend.micro_batch_size:
+        raise ConfigError(
+            f"trainer.batch_size={batch} must split evenly over {over} "
+            f"into micro batches of backend.micro_batch_size={backend.micro_batch_size}"
         )
     resolve_path(cfg.data.path)
     return build_plan(cfg.override, cfg.optimizer, cfg.trainer.steps)
@@ -84,17 +92,50 @@ def run(
     exit_code = 1
     workers = None
     try:
-        workers = TinkerWorkers(cfg, str(model_path), plan.optimizer_values, resolve_device(cfg.backend.device.value))
-        last = train(cfg, plan, workers, examples, sinks)
+        with sigterm_raises() as rearm:
+            workers = TinkerWorkers(cfg, str(model_path), plan.optimizer_values, resolve_device(cfg.backend.device.value))
+            rearm()  # ray.init installed its own SIGTERM handler (sys.exit) over ours
+            last = train(cfg, plan, workers, examples, sinks)
         exit_code = 0
         return last
+    except Terminated:
+        exit_code = 128 + signal.SIGTERM
+        raise
     finally:
-        if workers is not None:
-            workers.shutdown()
-        sinks.close(exit_code)
+        try:
+            if workers is not None:
+                workers.shutdown()
+        finally:
+            sinks.close(exit_code)  # the W&B run is finished (with the exit code) however the job ends
+
+
+class Terminated(Exception):
+    """SIGTERM (scancel, preemption): raised in the loop so the run is closed before Slurm's SIGKILL."""
+
+
+@contextmanager
+def sigterm_raises():
+    """Within: SIGTERM raises Terminated in the main thread. Yields a function that re-installs the handler."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated("terminated by SIGTERM (scancel, preemption or the end of the time limit)")
+
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield lambda: signal.signal(signal.SIGTERM, handler)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 register_configs()
+EXIT_CODES = {
+    ConfigError: (2, "config error"),
+    AppliedMismatchError: (3, "optimizer override not applied"),
+    Terminated: (128 + signal.SIGTERM, "stopped"),
+}
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -112,12 +153,11 @@ def _hydra_main(dcfg: DictConfig) -> None:
     job = job_info(hydra_cfg.job.get("num") if in_sweep else None, task_overrides)
     try:
         run(dcfg, run_dir, dict(hydra_cfg.runtime.choices), job)
-    except (ConfigError, AppliedMismatchError) as e:
-        kind = "config error" if isinstance(e, ConfigError) else "optimizer override not applied"
-        print(f"tinker_exp: {kind}: {e}", file=sys.stderr)
+    except (ConfigError, AppliedMismatchError, Terminated) as e:
+        print(f"tinker_exp: {EXIT_CODES[type(e)][1]}: {e}", file=sys.stderr)
         if in_sweep:
             raise  # the sweep's launcher reports it with the job's overrides and run dir
-        sys.exit(2 if isinstance(e, ConfigError) else 3)
+        sys.exit(EXIT_CODES[type(e)][0])
 
 
 def main() -> None:

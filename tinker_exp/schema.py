@@ -77,7 +77,9 @@ class OptimizerConfig:
 @dataclass
 class BackendConfig:
     strategy: str = "fsdp2"
-    num_workers: int = 2
+    num_workers: int = 2  # workers (GPUs) per node
+    nodes: int = 1  # Ray nodes the workers span; >1 joins a multi-node Ray cluster (launchers/slurm_multinode.sbatch)
+    nodes_timeout_s: float = 300.0  # how long to wait for that many Ray nodes to join
     device: Device = Device.auto
     micro_batch_size: int = 2  # sequences per worker per forward pass; the rest is gradient accumulation
     precision: Precision = Precision.auto

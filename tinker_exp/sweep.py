@@ -69,7 +69,7 @@ class JobOutcome:
     status: str  # COMPLETED, FAILED, CANCELLED, TIMEOUT, ... (Slurm's words where Slurm ended it)
     run_dir: str
     error: str | None = None
-    slurm_job_id: str | None = None
+    job_id: str | None = None  # the scheduler's id (Slurm: ARRAYID_TASK, as squeue and sacct show it)
     steps: int = 0  # steps logged to metrics.jsonl
     final_loss: float | None = None
 
@@ -78,13 +78,11 @@ class JobOutcome:
         return self.status == "COMPLETED"
 
 
-def read_outcome(num: int, overrides: Sequence[str], status: str, run_dir: Path, error: str | None) -> JobOutcome:
+def read_outcome(
+    num: int, overrides: Sequence[str], status: str, run_dir: Path, error: str | None, job_id: str | None = None
+) -> JobOutcome:
     """What a job left in its run dir (whatever it got to before it ended)."""
-    outcome = JobOutcome(num, list(overrides), status, str(run_dir), error)
-    job_file = run_dir / JOB_FILE
-    if job_file.exists():
-        slurm = json.loads(job_file.read_text()).get("slurm") or {}
-        outcome.slurm_job_id = slurm.get("job_id")
+    outcome = JobOutcome(num, list(overrides), status, str(run_dir), error, job_id)
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -95,7 +93,7 @@ def read_outcome(num: int, overrides: Sequence[str], status: str, run_dir: Path,
 
 
 def summary_table(outcomes: Sequence[JobOutcome]) -> str:
-    header = ["job", "overrides", "status", "steps", "final loss", "slurm job", "run dir"]
+    header = ["job", "overrides", "status", "steps", "final loss", "job id", "run dir"]
     rows = [
         [
             str(o.num),
@@ -103,7 +101,7 @@ def summary_table(outcomes: Sequence[JobOutcome]) -> str:
             o.status,
             str(o.steps),
             "-" if o.final_loss is None else f"{o.final_loss:.4f}",
-            o.slurm_job_id or "-",
+            o.job_id or "-",
             o.run_dir,
         ]
         for o in outcomes

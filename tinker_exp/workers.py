@@ -44,6 +44,19 @@ def platform_env(device: str) -> dict[str, str]:
     return env
 
 
+def wait_for_nodes(nodes: int, timeout_s: float) -> None:
+    """Multi-node: the other nodes' `ray start` may still be joining; fail clearly rather than hang in placement."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while (alive := sum(node["Alive"] for node in ray.nodes())) < nodes:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"backend.nodes={nodes}, but only {alive} Ray node(s) joined within {timeout_s:.0f} s")
+        time.sleep(1.0)
+
+
 def _worker_class():
     import torch
     import torch.distributed as dist
@@ -110,10 +123,11 @@ class TinkerWorkers:
                 log_to_driver=True,
                 configure_logging=False,
             )
+        wait_for_nodes(cfg.backend.nodes, cfg.backend.nodes_timeout_s)
         worker_cls = _worker_class()
         on_gpu = device == "cuda"
         self.pool = pool = RayResourcePool(
-            process_on_nodes=[cfg.backend.num_workers],
+            process_on_nodes=[cfg.backend.num_workers] * cfg.backend.nodes,  # one placement group per node
             use_gpu=on_gpu,
             max_colocate_count=1,  # the default (10) makes each bundle ask for 10 CPUs: it hangs
         )

@@ -9,6 +9,7 @@ dir, then raise one error naming every job that did not complete and its run dir
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -82,12 +83,14 @@ class SweepLauncher(BaseSubmititLauncher):
                 task_overrides = filter_overrides(overrides)
                 try:
                     ret = job.results()[0]
-                    error = None if ret.status == JobStatus.COMPLETED else describe_error(ret._return_value)
-                    status = "COMPLETED" if error is None else "FAILED"
+                    status, error = "COMPLETED", None
+                    if ret.status != JobStatus.COMPLETED:  # raised in the job; Slurm may have asked it to stop
+                        status, error = scheduler_end(job) or "FAILED", describe_error(ret._return_value)
                 except submitit.core.utils.UncompletedJobError as e:  # killed: cancelled, timed out, crashed
-                    status, error = job.state, str(e).splitlines()[0]
+                    status = job.state.split()[0]  # "CANCELLED by 0" -> CANCELLED
+                    error = f"ended by the scheduler ({job.state}); job log {job.paths.stderr}"
                     ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=e)
-                outcomes.append(read_outcome(num, task_overrides, status, self._run_dir(overrides, num), error))
+                outcomes.append(read_outcome(num, task_overrides, status, self._run_dir(overrides, num), error, job.job_id))
                 returns.append(ret)
         except KeyboardInterrupt:
             for job in jobs:
@@ -100,6 +103,27 @@ class SweepLauncher(BaseSubmititLauncher):
         if not all(outcome.ok for outcome in outcomes):
             raise SweepFailedError(failure_report(outcomes, summary))
         return returns
+
+
+SCHEDULER_ENDS = {"CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "DEADLINE"}
+
+
+def scheduler_end(job: Any, wait_s: float = 15.0) -> str | None:
+    """CANCELLED, TIMEOUT, ... when the scheduler ended the job, else None.
+
+    A job that caught SIGTERM writes its result while Slurm still says RUNNING/COMPLETING: ask again
+    (uncached) until the state is final.
+    """
+    from submitit.slurm.slurm import SlurmJob
+
+    if not isinstance(job, SlurmJob):
+        return None  # a local process: no scheduler to end it
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = (job.get_info(mode="force").get("State") or "UNKNOWN").split()[0]
+        if state not in {"RUNNING", "COMPLETING", "PENDING", "UNKNOWN"} or time.monotonic() > deadline:
+            return state if state in SCHEDULER_ENDS else None
+        time.sleep(1.0)
 
 
 def describe_error(error: Any) -> str:

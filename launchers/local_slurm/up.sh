@@ -62,7 +62,7 @@ tagged_pids() {
     for p in /proc/[0-9]*; do
         read -r comm <"$p/comm" 2>/dev/null || continue
         [[ $comm == "$1" ]] || continue
-        tr '\0' '\n' <"$p/environ" 2>/dev/null | grep -qxF "$TAG" && echo "${p#/proc/}"
+        { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qxF "$TAG" && echo "${p#/proc/}"
     done
     return 0
 }
@@ -112,12 +112,12 @@ install_packages() {
     fi
     local rc=0
     apt_install() {
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" \
-            >>"$LOG/apt.log" 2>&1
+        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=120 install -y -qq \
+            --no-install-recommends "${PACKAGES[@]}" >>"$LOG/apt.log" 2>&1
     }
     # Refresh the package lists only when they are empty or stale (install fails without it).
     if ! compgen -G '/var/lib/apt/lists/*_Packages*' >/dev/null || ! apt_install; then
-        { apt-get update -qq >>"$LOG/apt.log" 2>&1 && apt_install; } || rc=$?
+        { apt-get -o DPkg::Lock::Timeout=120 update -qq >>"$LOG/apt.log" 2>&1 && apt_install; } || rc=$?
     fi
     ((made_guard)) && rm -f "$guard"
     ((rc == 0)) || fail apt "package install failed"
@@ -184,6 +184,7 @@ SlurmdLogFile=$LOG/slurmd.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
+MailProg=/bin/true
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
@@ -212,7 +213,7 @@ MUNGED_CMD=(munged --socket="$MUNGE_SOCK" --key-file="$KEY" --pid-file="$RUN/mun
     --log-file="$LOG/munged.log" --seed-file="$STATE/munge/seed")
 MARIADBD_CMD=(mariadbd --no-defaults --user=root --datadir="$DB" --socket="$DB_SOCK"
     --pid-file="$RUN/mariadbd.pid" --log-error="$LOG/mariadbd.log" --port="$DB_PORT"
-    --bind-address=127.0.0.1 --skip-name-resolve --innodb-buffer-pool-size=256M
+    --bind-address=127.0.0.1 --skip-name-resolve --innodb-buffer-pool-size=512M
     --innodb-log-file-size=64M --innodb-lock-wait-timeout=900 --max-allowed-packet=64M)
 SLURMDBD_CMD=(slurmdbd)                     # finds slurmdbd.conf next to $SLURM_CONF
 SLURMCTLD_CMD=(slurmctld -f "$CONF")        # no -c: keep job/node state across restarts
@@ -241,8 +242,9 @@ fingerprint() {
 db_sql() { mariadb --no-defaults -S "$DB_SOCK" -u root -N -B -e "$1" 2>>"$LOG/mariadbd.out"; }
 
 healthy_munged() { munge -n -S "$MUNGE_SOCK" 2>/dev/null | unmunge -S "$MUNGE_SOCK" >/dev/null 2>&1; }
-healthy_mariadbd() { db_sql 'SELECT 1' >/dev/null; }
-healthy_slurmdbd() { timeout 10 sacctmgr -n -P list cluster format=cluster >/dev/null 2>&1; }
+healthy_mariadbd() { mariadb --no-defaults -S "$DB_SOCK" -u root -e 'SELECT 1' >/dev/null 2>&1; }
+CLUSTERS=""   # set by healthy_slurmdbd, saves a second sacctmgr call
+healthy_slurmdbd() { CLUSTERS=$(timeout 10 sacctmgr -n -P list cluster format=cluster 2>/dev/null); }
 healthy_slurmctld() { timeout 5 scontrol ping 2>/dev/null | grep -q 'is UP'; }
 RESUMED=0
 healthy_slurmd() {
@@ -273,12 +275,25 @@ pre_start_mariadbd() {
     rm -f "$DB_SOCK"
 }
 
+# Every slurmdbd (re)start: make sure its database and user exist (cheap, idempotent).
+pre_start_slurmdbd() {
+    local pass
+    pass=$(<"$DB_PASS_FILE")
+    db_sql "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
+        CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$pass';
+        ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$pass';
+        GRANT ALL PRIVILEGES ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" ||
+        fail mariadbd "cannot create the accounting database/user"
+}
+
 launch_munged() { launch munged "${MUNGED_CMD[@]}"; }
 launch_mariadbd() { launch mariadbd setsid -f "${MARIADBD_CMD[@]}"; } # it does not daemonize itself
 launch_slurmdbd() { launch slurmdbd "${SLURMDBD_CMD[@]}"; }
 launch_slurmctld() { launch slurmctld "${SLURMCTLD_CMD[@]}"; }
 launch_slurmd() { launch slurmd "${SLURMD_CMD[@]}"; }
 
+declare -A PORT=([mariadbd]=$DB_PORT [slurmdbd]=$DBD_PORT [slurmctld]=$CTLD_PORT [slurmd]=$SLURMD_PORT)
+port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 declare -A START_TIMEOUT=([munged]=15 [mariadbd]=60 [slurmdbd]=90 [slurmctld]=60 [slurmd]=60)
 STARTED=()
 
@@ -301,6 +316,11 @@ ensure() {
     # shellcheck disable=SC2046
     stop_pids $(tagged_pids "$name")
     rm -f "$RUN/$name.pid"
+    if [[ -n ${PORT[$name]:-} ]] && port_busy "${PORT[$name]}"; then
+        say "ERROR: $name: port ${PORT[$name]} on 127.0.0.1 is taken by another program" \
+            "(set TINKER_EXP_SLURM_{CTLD,SLURMD,DBD,DB}_PORT to move this cluster)"
+        exit 1
+    fi
     if declare -F "pre_start_$name" >/dev/null; then "pre_start_$name"; fi
     say "starting $name"
     "launch_$name" || fail "$name" "failed to start"
@@ -319,20 +339,8 @@ ensure() {
     done
 }
 
-ensure_accounting_db() {
-    local pass
-    pass=$(<"$DB_PASS_FILE")
-    db_sql "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
-        CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$pass';
-        ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$pass';
-        GRANT ALL PRIVILEGES ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" ||
-        fail mariadbd "cannot create the accounting database/user"
-}
-
 ensure_cluster_registered() {
-    local clusters
-    clusters=$(timeout 10 sacctmgr -n -P list cluster format=cluster 2>&1) || fail slurmdbd "sacctmgr: $clusters"
-    grep -qx "$CLUSTER" <<<"$clusters" && return 0
+    grep -qx "$CLUSTER" <<<"$CLUSTERS" && return 0
     say "registering cluster $CLUSTER with slurmdbd"
     timeout 20 sacctmgr -i add cluster "$CLUSTER" >>"$LOG/slurmdbd.out" 2>&1 ||
         fail slurmdbd "sacctmgr add cluster $CLUSTER failed"
@@ -352,15 +360,17 @@ main() {
 
     ensure munged
     ensure mariadbd
-    ensure_accounting_db
     ensure slurmdbd
     ensure_cluster_registered
     ensure slurmctld
     ensure slurmd
 
     # "idle" can show before slurmd has really registered: prove it with a job after any start.
-    if ((${#STARTED[@]})); then
-        local out
+    # Skipped when jobs are queued: they prove it, and the probe would wait behind them.
+    local out
+    if ((${#STARTED[@]})) && [[ -n $(timeout 10 squeue -h -o %A 2>/dev/null) ]]; then
+        say "up (started: ${STARTED[*]}); jobs are queued, so no probe job"
+    elif ((${#STARTED[@]})); then
         out=$(timeout 60 srun -N1 -n1 -J up-probe -t 1 true 2>&1) || {
             echo "$out" >&2
             tail -n 15 "$LOG/slurmctld.log" >&2

@@ -1,0 +1,223 @@
+"""Hydra multirun sweeps: launcher presets, summaries and failure reports, and real sweeps on a local Slurm cluster."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, environment, read_jsonl, run_cli, wandb_history, wandb_records, wandb_run_file, wandb_run_record
+from tinker_exp.sweep import (
+    JobOutcome,
+    failure_report,
+    read_outcome,
+    run_name,
+    slurm_job,
+    summary_table,
+    sweep_group,
+    write_summary,
+)
+
+# --- pure: names, groups, summaries ------------------------------------------------------------------
+
+
+def test_sweep_group_is_the_sweep_dir_below_outputs_sweeps(tmp_path):
+    assert sweep_group(str(tmp_path / "outputs/sweeps/2026-11-29/10-00-00"), cwd=tmp_path) == "2026-11-29/10-00-00"
+    assert sweep_group("/elsewhere/lr_sweep", cwd=tmp_path) == "lr_sweep"
+
+
+def test_run_name_comes_from_the_overrides():
+    assert run_name(["+override=lr_cosine", "optimizer.lr=0.001"], "0") == "override=lr_cosine,optimizer.lr=0.001"
+    assert run_name([], "3") == "3"
+
+
+def test_slurm_job_reads_the_job_environment():
+    assert slurm_job({"PATH": "/bin"}) is None
+    job = slurm_job({"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "11", "SLURM_ARRAY_TASK_ID": "1"})
+    assert job == {"job_id": "12", "array_job_id": "11", "array_task_id": "1"}
+
+
+def test_summary_reads_each_run_dir_and_names_failures(tmp_path):
+    done, failed = tmp_path / "0", tmp_path / "1"
+    done.mkdir()
+    failed.mkdir()
+    (done / "metrics.jsonl").write_text("".join(json.dumps({"train/loss": x}) + "\n" for x in (3.0, 2.5, 2.25)))
+    outcomes = [
+        read_outcome(0, ["optimizer.lr=0.001"], "COMPLETED", done, None, "7_0"),
+        read_outcome(1, ["optimizer.lr=-1"], "FAILED", failed, "config error: optimizer.lr=-1.0 ...", "7_1"),
+    ]
+    assert (outcomes[0].steps, outcomes[0].final_loss) == (3, 2.25)
+    assert (outcomes[1].steps, outcomes[1].final_loss) == (0, None)
+    summary = write_summary(tmp_path, outcomes)
+    table = summary_table(outcomes)
+    assert table in summary.read_text() and "config error: optimizer.lr=-1.0" in summary.read_text()
+    assert [line.split()[:3] for line in table.splitlines()[2:]] == [
+        ["0", "optimizer.lr=0.001", "COMPLETED"],
+        ["1", "optimizer.lr=-1", "FAILED"],
+    ]
+    assert [JobOutcome(**row) for row in read_jsonl(tmp_path / "summary.jsonl")] == outcomes
+    report = failure_report(outcomes, summary)
+    assert report.startswith("1 of 2 sweep jobs did not complete") and f"run dir {failed}" in report
+    assert "job 0" not in report
+
+
+# --- presets -----------------------------------------------------------------------------------------
+
+
+def test_slurm_preset_has_the_keys_a_gpu_cluster_needs():
+    launcher = compose_hydra("hydra/launcher=slurm", "backend.num_workers=8").hydra.launcher
+    assert launcher._target_.endswith("SlurmSweepLauncher")
+    for key in ("partition", "account", "qos", "timeout_min", "cpus_per_task", "mem_gb", "setup", "additional_parameters"):
+        assert key in launcher, key
+    assert launcher.gpus_per_node == 8  # one GPU per worker
+    assert launcher.signal_delay_s < launcher.timeout_min * 60
+
+
+def compose_hydra(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import tinker_exp.main  # noqa: F401
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        return hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+def test_signal_delay_past_the_time_limit_fails_before_submitting(tmp_path):
+    result = run_cli(
+        "-m", "hydra/launcher=slurm_local", "dry_run=true", f"hydra.sweep.dir={tmp_path}",
+        "hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=60",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "hydra.launcher.signal_delay_s=60 must be below hydra.launcher.timeout_min*60=60" in result.stderr
+    assert not (tmp_path / ".submitit").exists()
+
+
+def test_local_launcher_sweep_reports_the_failed_point(tmp_path):
+    """hydra/launcher=local (no scheduler): every point runs, the bad one is named with its run dir."""
+    result = run_cli(
+        "-m", "hydra/launcher=local", "dry_run=true", f"hydra.sweep.dir={tmp_path}", "+override.lr=1e-3,-1",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert f"job 1 [dry_run=True +override.lr=-1] FAILED: config error: override.lr: must be >= 0" in result.stderr
+    assert f"run dir {tmp_path}/1" in result.stderr and "job 0" not in result.stderr.split("did not complete")[1]
+    rows = read_jsonl(tmp_path / "summary.jsonl")
+    assert [(row["num"], row["status"]) for row in rows] == [(0, "COMPLETED"), (1, "FAILED")]
+    assert (tmp_path / "0" / "plan.jsonl").exists()
+
+
+# --- real sweeps on the local Slurm cluster ----------------------------------------------------------
+
+
+def squeue(slurm_env: dict) -> str:
+    return subprocess.run(["squeue", "-h", "-o", "%i %T"], env=environment(slurm_env), capture_output=True, text=True).stdout
+
+
+def test_sweep_runs_each_point_as_a_slurm_job(slurm_env, tmp_path):
+    sweep = tmp_path / "lr_sweep"
+    result = run_cli(
+        "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={sweep}", "trainer.steps=3", "optimizer.lr=1e-3,3e-4",
+        env=slurm_env, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_jsonl(sweep / "summary.jsonl")
+    assert [(row["num"], row["status"], row["steps"]) for row in summary] == [(0, "COMPLETED", 3), (1, "COMPLETED", 3)]
+    groups, array_ids = set(), set()
+    for row, lr in zip(summary, ("0.001", "0.0003")):
+        run_dir = Path(row["run_dir"])
+        job = json.loads((run_dir / "job.json").read_text())
+        assert job["slurm"]["job_id"].isdigit() and job["slurm"]["partition"] == "debug"
+        assert row["job_id"] == f"{job['slurm']['array_job_id']}_{job['slurm']['array_task_id']}"
+        array_ids.add(job["slurm"]["array_job_id"])
+        metrics = read_jsonl(run_dir / "metrics.jsonl")
+        assert [m["train/step"] for m in metrics] == [0, 1, 2]
+        assert row["final_loss"] == metrics[-1]["train/loss"]
+        records = wandb_records(wandb_run_file(run_dir))
+        run = wandb_run_record(records)
+        groups.add(run.run_group)
+        assert run.display_name == f"trainer.steps=3,optimizer.lr={lr}"
+        exits = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
+        assert [e.exit_code for e in exits] == [0]
+    assert groups == {"lr_sweep"} and len(array_ids) == 1  # one Slurm array, one W&B group
+    assert "final loss" in (sweep / "summary.md").read_text()
+    assert "final loss" in result.stdout  # the summary table is printed too
+
+
+def test_sweep_with_a_bad_point_fails_that_job_and_completes_the_others(slurm_env, tmp_path):
+    result = run_cli(
+        "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=2", "logger=none",
+        "+override.lr=1e-3,-1",
+        env=slurm_env, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 1
+    report = result.stderr.split("did not complete")[1]
+    assert "job 1 [trainer.steps=2 logger=none +override.lr=-1] FAILED: config error: override.lr" in report
+    assert f"run dir {tmp_path}/1" in report and "job 0" not in report
+    summary = read_jsonl(tmp_path / "summary.jsonl")
+    assert [(row["status"], row["steps"]) for row in summary] == [("COMPLETED", 2), ("FAILED", 0)]
+    assert "tinker_exp: config error: override.lr" in read_job_log(tmp_path, summary[1]["job_id"])
+    assert json.loads((tmp_path / "1" / "job.json").read_text())["slurm"]["job_id"]  # it did run under Slurm
+
+
+def read_job_log(sweep_dir: Path, job_id: str) -> str:
+    return "".join(p.read_text() for p in (sweep_dir / ".submitit" / job_id).glob("*.err"))
+
+
+def test_a_cancelled_job_is_reported_not_waited_on(slurm_env, tmp_path):
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
+        "trainer.steps=1000", "optimizer.lr=1e-3",
+    ]  # fmt: skip
+    driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not list((tmp_path / "0" / "wandb").glob("offline-run-*/run-*.wandb")):  # training has started
+            assert time.monotonic() < deadline and driver.poll() is None, "the job never started its W&B run"
+            time.sleep(0.5)
+        job_id = json.loads((tmp_path / "0" / "job.json").read_text())["slurm"]["job_id"]
+        subprocess.run(["scancel", job_id], env=environment(slurm_env), check=True)
+        _, stderr = driver.communicate(timeout=180)  # reported, never waited on forever
+    finally:
+        driver.kill()
+    assert driver.returncode == 1
+    assert "job 0 [trainer.steps=1000 optimizer.lr=0.001] CANCELLED" in stderr, stderr
+    assert f"run dir {tmp_path}/0" in stderr
+    assert read_jsonl(tmp_path / "summary.jsonl")[0]["status"] == "CANCELLED"
+    # scancel signals every process of the job, W&B's service too (wandb/wandb#9963): the run cannot be
+    # finished, but its file holds every step that metrics.jsonl holds.
+    logged = [row for row in wandb_history(wandb_records(wandb_run_file(tmp_path / "0"))) if "train/loss" in row]
+    assert [row["train/step"] for row in logged] == [m["train/step"] for m in read_jsonl(tmp_path / "0" / "metrics.jsonl")]
+    deadline = time.monotonic() + 90  # then Slurm reaps every process of the job (COMPLETING until then)
+    while job_id in squeue(slurm_env).split():
+        assert time.monotonic() < deadline, f"job {job_id} still in squeue: {squeue(slurm_env)}"
+        time.sleep(1)
+
+
+RAY_TOKEN = "tinker-exp-test-ray-token-0123456789abcdef"
+
+
+def test_multinode_recipe_on_one_node(slurm_env, tmp_path):
+    """launchers/slurm_multinode.sbatch: Ray head in the allocation, driver joins it, workers placed per node."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [
+            "sbatch", "--wait", "--nodes=1", "--cpus-per-task=1", f"--output={tmp_path}/slurm-%j.out",
+            "launchers/slurm_multinode.sbatch", "trainer.steps=2", "logger=none", f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO, env=environment({**slurm_env, "TINKER_EXP_PYTHON": sys.executable, "RAY_AUTH_TOKEN": RAY_TOKEN}),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    (log,) = tmp_path.glob("slurm-*.out")
+    assert result.returncode == 0, log.read_text()[-3000:]
+    assert "1 node(s)" in log.read_text() and "Ray head" in log.read_text()
+    job = json.loads((run_dir / "job.json").read_text())
+    assert job["slurm"]["num_nodes"] == "1" and log.name == f"slurm-{job['slurm']['job_id']}.out"
+    assert [m["train/step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1]
+    written = [p.read_text(errors="replace") for p in [log, *run_dir.rglob("*")] if p.is_file()]
+    assert not any(RAY_TOKEN in text for text in written)  # the cluster's token is never written down
+    address = log.read_text().split("Ray head ")[1].split()[0]
+    assert f"ray_address: {address}" in (run_dir / "config.yaml").read_text()  # joined the allocation's Ray
