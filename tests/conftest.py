@@ -18,7 +18,7 @@ def ray_address():
     """One Ray cluster for every test that trains: in-process runs join it, CLI runs get RAY_ADDRESS."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

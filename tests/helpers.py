@@ -90,6 +90,19 @@ def wandb_history(records: list) -> list[dict]:
     return rows
 
 
+def wandb_finished_records(run_dir: Path, timeout: float = 60) -> list:
+    """The records of a run that finished in this process: W&B's service may write the exit record to
+    the file a moment after run.finish() returns (seen under load), so wait for it."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        records = wandb_records(wandb_run_file(run_dir))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
 def wandb_run_record(records: list):
     """The run record (id, project, group, display name, config) of a .wandb file."""
     return next(r.run for r in records if r.WhichOneof("record_type") == "run")

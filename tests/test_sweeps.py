@@ -216,8 +216,34 @@ def test_multinode_recipe_on_one_node(slurm_env, tmp_path):
     assert "1 node(s)" in log.read_text() and "Ray head" in log.read_text()
     job = json.loads((run_dir / "job.json").read_text())
     assert job["slurm"]["num_nodes"] == "1" and log.name == f"slurm-{job['slurm']['job_id']}.out"
+    assert not Path(f"/tmp/ray_job_{job['slurm']['job_id']}").exists()  # the job's Ray files are removed
     assert [m["train/step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1]
     written = [p.read_text(errors="replace") for p in [log, *run_dir.rglob("*")] if p.is_file()]
     assert not any(RAY_TOKEN in text for text in written)  # the cluster's token is never written down
     address = log.read_text().split("Ray head ")[1].split()[0]
     assert f"ray_address: {address}" in (run_dir / "config.yaml").read_text()  # joined the allocation's Ray
+
+
+def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
+    import signal
+
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
+        "trainer.steps=1000", "logger=none", "optimizer.lr=1e-3,3e-4",
+    ]  # fmt: skip
+    driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / str(n) / "job.json").exists() for n in (0, 1)):  # both jobs run
+            assert time.monotonic() < deadline and driver.poll() is None, "the jobs never started"
+            time.sleep(0.5)
+        job_ids = [json.loads((tmp_path / str(n) / "job.json").read_text())["slurm"]["job_id"] for n in (0, 1)]
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=60)
+    finally:
+        driver.kill()
+    assert driver.returncode != 0 and "interrupted: cancelled" in output
+    deadline = time.monotonic() + 90
+    while set(job_ids) & set(squeue(slurm_env).split()):
+        assert time.monotonic() < deadline, f"jobs still in squeue: {squeue(slurm_env)}"
+        time.sleep(1)

@@ -7,7 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, compose, environment, read_jsonl, run_cli, wandb_history, wandb_records, wandb_run_file
+from helpers import (
+    REPO,
+    compose,
+    environment,
+    read_jsonl,
+    run_cli,
+    wandb_finished_records,
+    wandb_history,
+    wandb_records,
+    wandb_run_file,
+)
 from tinker_exp.loop import AppliedMismatchError, check_applied
 from tinker_exp.main import run
 
@@ -48,7 +58,7 @@ def test_applied_equals_requested_every_step(constant_run):
 
 def test_wandb_offline_run_file_holds_the_same_values(constant_run):
     run_dir, _ = constant_run
-    records = wandb_records(wandb_run_file(run_dir))
+    records = wandb_finished_records(run_dir)
     kinds = [record.WhichOneof("record_type") for record in records]
     assert "exit" in kinds and records[kinds.index("exit")].exit.exit_code == 0
     (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]

@@ -117,7 +117,8 @@ class TinkerWorkers:
 
         if not ray.is_initialized():
             ray.init(
-                address=cfg.backend.ray_address,
+                # None: a new local cluster, never one found through /tmp/ray/ray_current_cluster.
+                address=cfg.backend.ray_address or "local",
                 runtime_env={"env_vars": env},
                 include_dashboard=False,
                 log_to_driver=True,

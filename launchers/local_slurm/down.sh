@@ -4,12 +4,8 @@
 # Idempotent: fine when nothing runs or the folder does not exist.
 set -euo pipefail
 
-BASE="${TINKER_EXP_SLURM_HOME:-/tmp/tinker_exp_slurm}"
-RUN="$BASE/run" CONF="$BASE/etc/slurm.conf"
-TAG="TINKER_EXP_SLURM_DAEMON=$BASE"   # set by up.sh in every daemon's environment
-PATH="$PATH:/usr/sbin:/sbin"
-
-say() { echo "[local_slurm] $*" >&2; }
+# shellcheck source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 PURGE=0
 for arg in "$@"; do
@@ -19,26 +15,6 @@ for arg in "$@"; do
         *) say "unknown argument: $arg (usage: down.sh [--purge])"; exit 2 ;;
     esac
 done
-
-wait_until() {
-    local end=$((SECONDS + $1))
-    shift
-    until "$@"; do
-        ((SECONDS < end)) || return 1
-        sleep 0.2
-    done
-}
-
-alive() { kill -0 "$1" 2>/dev/null && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status" 2>/dev/null; }
-
-pid_of() {
-    local pid
-    pid=$(cat "$RUN/$1.pid" 2>/dev/null) || return 1
-    [[ $pid =~ ^[0-9]+$ ]] || return 1
-    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$1" ]] || return 1
-    alive "$pid" || return 1
-    echo "$pid"
-}
 
 # SIGTERM the pids, SIGKILL whatever is left after 20 s.
 stop_pids() {

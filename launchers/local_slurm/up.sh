@@ -6,7 +6,8 @@
 set -euo pipefail
 umask 022
 
-BASE="${TINKER_EXP_SLURM_HOME:-/tmp/tinker_exp_slurm}"
+# shellcheck source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 CTLD_PORT="${TINKER_EXP_SLURM_CTLD_PORT:-6817}"
 SLURMD_PORT="${TINKER_EXP_SLURM_SLURMD_PORT:-6818}"
 DBD_PORT="${TINKER_EXP_SLURM_DBD_PORT:-6819}"
@@ -14,16 +15,10 @@ DB_PORT="${TINKER_EXP_SLURM_DB_PORT:-6820}"   # MariaDB; not 3306, to stay clear
 CLUSTER=tinker
 PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
 
-ETC="$BASE/etc" RUN="$BASE/run" LOG="$BASE/log" STATE="$BASE/state" DB="$BASE/db"
-CONF="$ETC/slurm.conf" DBD_CONF="$ETC/slurmdbd.conf" KEY="$ETC/munge.key" DB_PASS_FILE="$ETC/db.pass"
+DBD_CONF="$ETC/slurmdbd.conf" KEY="$ETC/munge.key" DB_PASS_FILE="$ETC/db.pass"
 MUNGE_SOCK="$RUN/munge.sock" DB_SOCK="$RUN/mysqld.sock"
-# Marks processes we start, so orphans (lost pid file) and slurmstepd can be found later.
-TAG="TINKER_EXP_SLURM_DAEMON=$BASE"
-PATH="$PATH:/usr/sbin:/sbin"
 HOST="$(hostname -s)"
 export SLURM_CONF="$CONF"
-
-say() { echo "[local_slurm] $*" >&2; }
 
 # Print why NAME failed plus the tail of its logs, then exit non-zero.
 fail() {
@@ -34,26 +29,6 @@ fail() {
         [[ -s $f ]] && { echo "----- tail of $f" >&2; tail -n 25 "$f" >&2; }
     done
     exit 1
-}
-
-# wait_until SECONDS CMD...: poll CMD until it succeeds; fail (return 1) after SECONDS.
-wait_until() {
-    local end=$((SECONDS + $1))
-    shift
-    until "$@"; do
-        ((SECONDS < end)) || return 1
-        sleep 0.2
-    done
-}
-
-# Live pid of daemon NAME from its pid file (checks the pid really is NAME, not a recycled pid).
-pid_of() {
-    local pid
-    pid=$(cat "$RUN/$1.pid" 2>/dev/null) || return 1
-    [[ $pid =~ ^[0-9]+$ ]] || return 1
-    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$1" ]] || return 1
-    ! grep -q '^State:[[:space:]]*Z' "/proc/$pid/status" 2>/dev/null || return 1
-    echo "$pid"
 }
 
 # Pids of processes we started (tagged environment) whose command is NAME.
