@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -27,28 +28,49 @@ def check_applied(step: int, requested: dict[str, Any], applied: list[list[dict[
     return applied[0][0]
 
 
-def train(cfg: Any, plan: Any, workers: Any, examples: list, sinks: Any) -> dict[str, Any]:
-    """Run cfg.trainer.steps Tinker steps; returns the last logged row."""
+class NonFiniteError(RuntimeError):
+    """More non-finite steps than trainer.max_nonfinite_steps allows."""
+
+
+def train(
+    cfg: Any, plan: Any, workers: Any, examples: list, sinks: Any, checkpointer: Any = None, start: dict | None = None
+) -> dict[str, Any]:
+    """Run Tinker steps from `start` (a checkpoint's loop state; None: step 0) to cfg.trainer.steps.
+
+    After each step: log it, stop if non-finite steps exceed the limit (before any save, so the last
+    checkpoint is from before the failure), then save a checkpoint when one is due. Returns the last row.
+    """
+    start = start or {}
+    nonfinite_steps = start.get("nonfinite_steps", 0)
     row: dict[str, Any] = {}
-    for step in range(cfg.trainer.steps):
+    for step in range(start.get("step", 0), cfg.trainer.steps):
         batch = batch_for_step(examples, step, cfg.trainer.batch_size, cfg.trainer.seed, cfg.data.shuffle)
         requested = plan[step]
 
-        start = time.perf_counter()
+        start_time = time.perf_counter()
         result = workers.train_step(batch, requested)  # zero_grad -> forward_backward -> optimizer_step
-        step_time = time.perf_counter() - start
+        step_time = time.perf_counter() - start_time
 
         applied = check_applied(step, requested, result.applied)
+        nonfinite_steps += not (math.isfinite(result.loss) and math.isfinite(result.grad_norm))
         tokens = sum(len(example.input_ids) for example in batch)
         row = {
             "train/step": step,
             "time": time.time(),
             "train/loss": result.loss,
             "train/grad_norm": result.grad_norm,
+            "train/nonfinite_steps": nonfinite_steps,
             "perf/step_time_s": step_time,
             "perf/tokens_per_s": tokens / step_time,
             **flat_values("requested", requested),
             **flat_values("applied", applied),
         }
         sinks.log(row)
+        if nonfinite_steps > cfg.trainer.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"step {step}: loss={result.loss}, grad_norm={result.grad_norm}; {nonfinite_steps} non-finite "
+                f"step(s), trainer.max_nonfinite_steps={cfg.trainer.max_nonfinite_steps}"
+            )
+        if checkpointer is not None and checkpointer.due(step + 1):
+            checkpointer.save(step + 1, {"nonfinite_steps": nonfinite_steps})
     return row

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from tinker_exp.checkpoints import WORKERS, CheckpointError, Checkpointer, resume_point
 from tinker_exp.data import resolve_path
-from tinker_exp.loop import AppliedMismatchError, train
+from tinker_exp.loop import AppliedMismatchError, NonFiniteError, train
 from tinker_exp.overrides import ConfigError
 from tinker_exp.plan import Plan, build_plan
 from tinker_exp.preview import format_table, plan_table, plot_plan, write_plan_jsonl
@@ -38,6 +40,11 @@ def validate(cfg: Config) -> Plan:
             f"trainer.batch_size={batch} must split evenly over {over} "
             f"into micro batches of backend.micro_batch_size={backend.micro_batch_size}"
         )
+    for key in ("every_steps", "keep_last"):
+        if getattr(cfg.checkpoint, key) < 0:
+            raise ConfigError(f"checkpoint.{key}={getattr(cfg.checkpoint, key)} must be >= 0")
+    if cfg.trainer.max_nonfinite_steps < 0:
+        raise ConfigError(f"trainer.max_nonfinite_steps={cfg.trainer.max_nonfinite_steps} must be >= 0")
     resolve_path(cfg.data.path)
     return build_plan(cfg.override, cfg.optimizer, cfg.trainer.steps)
 
@@ -61,6 +68,12 @@ def run(
     cfg: Config = OmegaConf.to_object(dcfg)
     plan = validate(cfg)
     print(describe(plan), flush=True)
+    checkpoint_root = run_dir / cfg.checkpoint.dir
+    resume = resume_point(checkpoint_root, cfg.resume.value)
+    if resume is not None:
+        for why in resume.skipped:
+            warnings.warn(f"not resuming from a broken checkpoint: {why}; falling back to {resume.path.name}", stacklevel=1)
+        print(f"resuming from {resume.path} at step {resume.step}", flush=True)
     plot = write_plan(plan, run_dir)
     if cfg.dry_run:
         print(f"dry run: wrote {run_dir / 'plan.jsonl'}" + (f" and {plot}" if plot else ""), flush=True)
@@ -88,14 +101,18 @@ def run(
         wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=cfg.logger.run_name or run_dir.name)
         if wandb_sink is not None:
             wandb_sink.attach_plan(*plan_table(plan), plot)
-    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl"), wandb_sink, ProgressBar(cfg.trainer.steps)])
+    start = resume.state if resume else {}
+    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", start.get("step", 0)), wandb_sink, ProgressBar(cfg.trainer.steps)])
     exit_code = 1
     workers = None
     try:
         with sigterm_raises() as rearm:
             workers = TinkerWorkers(cfg, str(model_path), plan.optimizer_values, resolve_device(cfg.backend.device.value))
             rearm()  # ray.init installed its own SIGTERM handler (sys.exit) over ours
-            last = train(cfg, plan, workers, examples, sinks)
+            if resume is not None:
+                load_checkpoint(workers, resume.path)
+            checkpointer = Checkpointer(checkpoint_root, cfg.checkpoint, cfg.trainer.steps, workers, {"seed": cfg.trainer.seed})
+            last = train(cfg, plan, workers, examples, sinks, checkpointer, start)
         exit_code = 0
         return last
     except Terminated:
@@ -107,6 +124,13 @@ def run(
                 workers.shutdown()
         finally:
             sinks.close(exit_code)  # the W&B run is finished (with the exit code) however the job ends
+
+
+def load_checkpoint(workers: Any, checkpoint: Path) -> None:
+    try:
+        workers.load_checkpoint(checkpoint / WORKERS)
+    except Exception as e:  # a file that passed the size check but does not load
+        raise CheckpointError(f"{checkpoint}: verl could not load it: {type(e).__name__}: {e}") from e
 
 
 class Terminated(Exception):
@@ -134,6 +158,8 @@ register_configs()
 EXIT_CODES = {
     ConfigError: (2, "config error"),
     AppliedMismatchError: (3, "optimizer override not applied"),
+    NonFiniteError: (4, "stopped on non-finite values"),
+    CheckpointError: (5, "checkpoint error"),
     Terminated: (128 + signal.SIGTERM, "stopped"),
 }
 
@@ -153,7 +179,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
     job = job_info(hydra_cfg.job.get("num") if in_sweep else None, task_overrides)
     try:
         run(dcfg, run_dir, dict(hydra_cfg.runtime.choices), job)
-    except (ConfigError, AppliedMismatchError, Terminated) as e:
+    except (ConfigError, AppliedMismatchError, NonFiniteError, CheckpointError, Terminated) as e:
         print(f"tinker_exp: {EXIT_CODES[type(e)][1]}: {e}", file=sys.stderr)
         if in_sweep:
             raise  # the sweep's launcher reports it with the job's overrides and run dir

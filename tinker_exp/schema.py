@@ -98,11 +98,29 @@ class LoggerConfig:
     init_timeout_s: float = 30.0
 
 
+class ResumeMode(str, Enum):
+    auto = "auto"  # continue from the newest usable checkpoint in the run dir, if it has one
+    must = "must"  # the same, but fail when there is none
+    never = "never"  # start at step 0; fail if the run dir already has checkpoints (nothing is overwritten)
+
+
 @dataclass
 class TrainerConfig:
     steps: int = 20
     batch_size: int = 8  # sequences per optimizer step, over all workers
     seed: int = 0
+    # Steps with a non-finite loss or grad norm that are tolerated (verl skips their update); one more stops
+    # the run (exit 4), keeping the last checkpoint saved before it.
+    max_nonfinite_steps: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 10  # save after every N steps (0: never periodically)
+    at_end: bool = True  # save after the last step
+    keep_last: int = 2  # complete checkpoints kept (0: all)
+    dir: str = "checkpoints"  # inside the run dir
+    sha256: bool = False  # hash every file on save and check on load (sizes are always checked)
 
 
 @dataclass
@@ -113,6 +131,8 @@ class Config:
     backend: BackendConfig = field(default_factory=BackendConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: ResumeMode = ResumeMode.auto  # re-running in the same run dir continues from its checkpoint
     # Values sent with every optimizer_step (lr, betas, eps, weight_decay); None: nothing is sent.
     # Selected with +override=NAME or +override.KEY=VALUE; untyped so YAML ints/lists reach the converter.
     override: Any = None

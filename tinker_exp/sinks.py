@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import warnings
 from pathlib import Path
@@ -11,10 +12,16 @@ from typing import Any
 
 
 class JsonlSink:
-    """One JSON object per step, flushed at once: a killed run keeps every step it finished."""
+    """One JSON object per step, flushed at once: a killed run keeps every step it finished.
 
-    def __init__(self, path: Path):
+    A run that starts at `first_step` (resumed from a checkpoint) first drops the rows of that step and
+    later, logged before a crash, so every step is in the file exactly once.
+    """
+
+    def __init__(self, path: Path, first_step: int = 0):
         self.path = path
+        if path.exists():
+            keep_rows_before(path, first_step)
         self._file = open(path, "a", encoding="utf-8")
 
     def log(self, row: dict[str, Any]) -> None:
@@ -23,6 +30,21 @@ class JsonlSink:
 
     def close(self, exit_code: int = 0) -> None:
         self._file.close()
+
+
+def keep_rows_before(path: Path, step: int) -> None:
+    """Rewrite `path` (atomically) with only its complete rows of train/step < step."""
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if row.get("train/step", step) < step:
+            kept.append(line + "\n")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def wandb_environment(run_dir: Path, mode: str) -> dict[str, str]:
@@ -46,7 +68,11 @@ class WandbSink:
 
     @classmethod
     def start(cls, logger_cfg: Any, run_dir: Path, config: dict[str, Any], name: str) -> "WandbSink | None":
-        """Start a W&B run; on any failure warn and return None (training goes on, JSONL is complete)."""
+        """Start a W&B run; on any failure warn and return None (training goes on, JSONL is complete).
+
+        One W&B run id per run dir (kept in `wandb_run_id`): a run continued in the same dir (resume, a
+        requeued Slurm job) resumes the same W&B run.
+        """
         mode = logger_cfg.mode.value
         os.environ.update(wandb_environment(run_dir, mode))
         for key in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
@@ -54,7 +80,12 @@ class WandbSink:
         try:
             import wandb
 
+            id_file = run_dir / "wandb_run_id"
+            if not id_file.exists():
+                id_file.write_text(secrets.token_hex(4))
             run = wandb.init(
+                id=id_file.read_text().strip(),
+                resume="allow",
                 project=logger_cfg.project,
                 entity=logger_cfg.entity,
                 group=logger_cfg.group,

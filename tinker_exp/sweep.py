@@ -25,6 +25,7 @@ SLURM_VARIABLES = {
     "nodelist": "SLURM_JOB_NODELIST",
     "num_nodes": "SLURM_JOB_NUM_NODES",
     "cpus_on_node": "SLURM_CPUS_ON_NODE",
+    "restart_count": "SLURM_RESTART_COUNT",  # set once the job was requeued (time limit, preemption)
 }
 JOB_FILE = "job.json"
 SUMMARY_MD = "summary.md"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 CPU_PLATFORM_ENV = {
@@ -186,6 +187,14 @@ class TinkerWorkers:
 
     def param_group_values(self) -> list[list[dict[str, Any]]]:
         return self.group.param_group_values()
+
+    def save_checkpoint(self, folder: Path, step: int) -> None:
+        """Every rank writes its model, optimizer and extra state (lr scheduler, RNG) into `folder`."""
+        self.group.save_checkpoint(local_path=str(folder), global_step=step, max_ckpt_to_keep=None)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        """After reset() (done in __init__): a reset after loading would throw the loaded state away."""
+        self.group.load_checkpoint(local_path=str(folder))
 
     def train_step(self, examples: list, optim_step_params: dict[str, Any] | None) -> StepResult:
         """zero_grad -> forward_backward (verl splits it into micro batches) -> optimizer_step(override)."""

@@ -1,0 +1,113 @@
+"""Real resumes: 2 Ray CPU workers, the driver killed with SIGKILL mid-run, corrupt checkpoints, NaN policy."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, environment, read_jsonl, run_cli, wandb_history, wandb_records
+
+STEPS = 12
+# lr follows a cosine schedule, so a resumed run must continue the plan at the right step, not restart it.
+COMMON = [f"trainer.steps={STEPS}", "checkpoint.every_steps=4", "+override=lr_cosine", "override.lr.warmup_steps=2"]
+
+
+def launch(run_dir: Path, ray_address: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tinker_exp", *COMMON, f"hydra.run.dir={run_dir}", *extra],
+        cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return read_jsonl(path) if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_address, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    result = run_cli(*COMMON, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return rows_of(run_dir)
+
+
+def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uninterrupted, tmp_path):
+    driver = launch(tmp_path, ray_address)
+    try:
+        deadline = time.monotonic() + 240
+        while len(rows_of(tmp_path)) < 6:  # a checkpoint at 4 steps, and steps 4 and 5 logged after it
+            assert time.monotonic() < deadline and driver.poll() is None, "the run never got to step 6"
+            time.sleep(0.1)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        driver.kill()
+    killed_at = len(rows_of(tmp_path))
+    assert 6 <= killed_at < STEPS and (tmp_path / "checkpoints" / "step_00000004" / "MANIFEST.json").exists()
+
+    result = run_cli(*COMMON, f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})  # the same command
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed_from = int(result.stdout.split("at step ")[1].split()[0])
+    assert 4 <= resumed_from <= killed_at
+    rows = rows_of(tmp_path)
+    assert [row["train/step"] for row in rows] == list(range(STEPS))  # each step exactly once
+    plan = read_jsonl(tmp_path / "plan.jsonl")
+    assert [row["applied/lr"] for row in rows] == [step["lr"] for step in plan]  # the plan continued
+    # Same seed, same data order, model + optimizer + RNG restored: CPU gloo runs are bitwise equal.
+    for got, want in zip(rows, uninterrupted):
+        assert (got["train/loss"], got["train/grad_norm"]) == (want["train/loss"], want["train/grad_norm"])
+
+    # W&B: one run id, resumed; offline it is two parts (W&B appends them when synced).
+    parts = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    run_id = (tmp_path / "wandb_run_id").read_text()
+    assert len(parts) == 2 and all(part.name == f"run-{run_id}.wandb" for part in parts)
+    second = [row["train/step"] for row in wandb_history(wandb_records(parts[1])) if "train/loss" in row]
+    assert second == list(range(resumed_from, STEPS))
+
+
+def test_a_corrupt_checkpoint_falls_back_to_the_previous_one_and_says_so(ray_address, tmp_path):
+    first = run_cli(*COMMON, "trainer.steps=8", "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
+    assert first.returncode == 0, first.stderr[-3000:]
+    shard = tmp_path / "checkpoints" / "step_00000008" / "workers" / "optim_world_size_2_rank_1.pt"
+    shard.write_bytes(shard.read_bytes()[:100])
+    result = run_cli(*COMMON, "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"not resuming from a broken checkpoint: {shard}: 100 bytes, the manifest says" in result.stderr
+    assert "falling back to step_00000004" in result.stderr and "at step 4" in result.stdout
+    assert [row["train/step"] for row in rows_of(tmp_path)] == list(range(STEPS))
+
+
+def test_a_checkpoint_that_does_not_load_is_a_clear_error(ray_address, tmp_path):
+    first = run_cli(*COMMON, "trainer.steps=4", "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
+    assert first.returncode == 0, first.stderr[-3000:]
+    shard = tmp_path / "checkpoints" / "step_00000004" / "workers" / "model_world_size_2_rank_0.pt"
+    shard.write_bytes(b"\x00" * shard.stat().st_size)  # same size: passes the manifest's size check
+    result = run_cli(*COMMON, "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
+    assert result.returncode == 5
+    assert f"tinker_exp: checkpoint error: {shard.parent.parent}: verl could not load it" in result.stderr
+    assert [row["train/step"] for row in rows_of(tmp_path)] == [0, 1, 2, 3]  # nothing logged is lost
+
+
+def test_non_finite_steps_stop_the_run_keeping_the_last_good_checkpoint(ray_address, tmp_path):
+    # lr jumps to 1e30 for step 4: its update blows the weights up, so step 5's gradients are not finite.
+    result = run_cli(
+        "trainer.steps=10", "checkpoint.every_steps=2", "logger=none", f"hydra.run.dir={tmp_path}",
+        "+override.lr={schedule:keyframes,points:{0:0.001,3:0.001,4:1e30,9:1e30}}",
+        env={"RAY_ADDRESS": ray_address},
+    )  # fmt: skip
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert re.search(r"tinker_exp: stopped on non-finite values: step 5: loss=\S+, grad_norm=nan; 1 non-finite", result.stderr)
+    rows = rows_of(tmp_path)
+    assert [row["train/nonfinite_steps"] for row in rows] == [0, 0, 0, 0, 0, 1]
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000002", "step_00000004"]  # nothing saved after the failure
+    state = json.loads((tmp_path / "checkpoints" / "step_00000004" / "loop.json").read_text())
+    assert state["step"] == 4 and state["nonfinite_steps"] == 0
