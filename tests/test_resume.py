@@ -86,14 +86,15 @@ def test_a_corrupt_checkpoint_falls_back_to_the_previous_one_and_says_so(ray_add
 
 
 def test_a_checkpoint_that_does_not_load_is_a_clear_error(ray_address, tmp_path):
-    first = run_cli(*COMMON, "trainer.steps=4", "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
+    first = run_cli(*COMMON, "trainer.steps=6", "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
     assert first.returncode == 0, first.stderr[-3000:]
+    (tmp_path / "checkpoints" / "step_00000006").rename(tmp_path / "elsewhere")  # as if killed at step 6
     shard = tmp_path / "checkpoints" / "step_00000004" / "workers" / "model_world_size_2_rank_0.pt"
     shard.write_bytes(b"\x00" * shard.stat().st_size)  # same size: passes the manifest's size check
     result = run_cli(*COMMON, "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
     assert result.returncode == 5
     assert f"tinker_exp: checkpoint error: {shard.parent.parent}: verl could not load it" in result.stderr
-    assert [row["train/step"] for row in rows_of(tmp_path)] == [0, 1, 2, 3]  # nothing logged is lost
+    assert [row["train/step"] for row in rows_of(tmp_path)] == [0, 1, 2, 3, 4, 5]  # nothing logged is lost
 
 
 def test_non_finite_steps_stop_the_run_keeping_the_last_good_checkpoint(ray_address, tmp_path):
@@ -111,3 +112,35 @@ def test_non_finite_steps_stop_the_run_keeping_the_last_good_checkpoint(ray_addr
     assert checkpoints == ["step_00000002", "step_00000004"]  # nothing saved after the failure
     state = json.loads((tmp_path / "checkpoints" / "step_00000004" / "loop.json").read_text())
     assert state["step"] == 4 and state["nonfinite_steps"] == 0
+
+
+def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path):
+    """Preemption with requeue (what a time limit with hydra.launcher.max_num_timeout > 0 does too)."""
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
+        "trainer.steps=40", "checkpoint.every_steps=5", "logger=none", "+override=lr_cosine",
+    ]  # fmt: skip
+    slurm = environment(slurm_env)
+    driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "0"
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "checkpoints" / "step_00000010" / "MANIFEST.json").exists():
+            assert time.monotonic() < deadline and driver.poll() is None, "no checkpoint at step 10"
+            time.sleep(0.2)
+        job_id = json.loads((run_dir / "job.json").read_text())["slurm"]["job_id"]
+        subprocess.run(["scontrol", "requeue", job_id], env=slurm, check=True)
+        # Slurm holds a requeued batch job for a while before it is eligible again: release it now.
+        while "PENDING" not in subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=slurm, capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline + 60, "the job was not requeued"
+            time.sleep(0.5)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, check=True)
+        output, _ = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, output[-3000:]
+    assert json.loads((run_dir / "job.json").read_text())["slurm"]["restart_count"] == "1"  # the second start
+    rows = rows_of(run_dir)
+    assert [row["train/step"] for row in rows] == list(range(40))  # each step once across both starts
+    assert [row["applied/lr"] for row in rows] == [step["lr"] for step in read_jsonl(run_dir / "plan.jsonl")]
+    assert read_jsonl(tmp_path / "summary.jsonl")[0]["status"] == "COMPLETED"

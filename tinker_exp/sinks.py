@@ -14,22 +14,26 @@ from typing import Any
 class JsonlSink:
     """One JSON object per step, flushed at once: a killed run keeps every step it finished.
 
-    A run that starts at `first_step` (resumed from a checkpoint) first drops the rows of that step and
-    later, logged before a crash, so every step is in the file exactly once.
+    A run that starts at `first_step` (resumed from a checkpoint) drops the rows of that step and later,
+    logged before a crash, so every step is in the file exactly once. That happens at the first row
+    logged: a run that fails before it (e.g. its checkpoint does not load) leaves the file as it was.
     """
 
     def __init__(self, path: Path, first_step: int = 0):
-        self.path = path
-        if path.exists():
-            keep_rows_before(path, first_step)
-        self._file = open(path, "a", encoding="utf-8")
+        self.path, self.first_step = path, first_step
+        self._file = None
 
     def log(self, row: dict[str, Any]) -> None:
+        if self._file is None:
+            if self.path.exists():
+                keep_rows_before(self.path, self.first_step)
+            self._file = open(self.path, "a", encoding="utf-8")
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
     def close(self, exit_code: int = 0) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def keep_rows_before(path: Path, step: int) -> None:
