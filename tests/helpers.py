@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -14,15 +15,15 @@ REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
 
 
-def compose(*overrides: str):
-    """Compose the real configs exactly as `python -m tinker_exp OVERRIDES` would."""
+def compose(*overrides: str, with_hydra: bool = False):
+    """Compose the real configs exactly as `python -m tinker_exp OVERRIDES` would (with the `hydra` node)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     import tinker_exp.main  # noqa: F401  (registers the schema)
 
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        return hydra_compose("config", overrides=list(overrides))
+        return hydra_compose("config", overrides=list(overrides), return_hydra_config=with_hydra)
 
 
 def environment(env: dict | None) -> dict:
@@ -44,6 +45,25 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl of a run that may not have logged its first step yet."""
+    path = run_dir / "metrics.jsonl"
+    return read_jsonl(path) if path.exists() else []
+
+
+def wait_until(condition, timeout: float, what: str, process: subprocess.Popen | None = None, poll: float = 0.2) -> None:
+    """Poll `condition` until it holds; fail with `what` after `timeout` s, or as soon as `process` has exited."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline and (process is None or process.poll() is None), what
+        time.sleep(poll)
+
+
+def squeue(slurm_env: dict) -> str:
+    """`JOBID STATE` lines of the local Slurm cluster's queue."""
+    return subprocess.run(["squeue", "-h", "-o", "%i %T"], env=environment(slurm_env), capture_output=True, text=True).stdout
 
 
 # --- W&B 0.31 offline run file: 7-byte header, then LevelDB-log records in 32 KiB blocks --------------

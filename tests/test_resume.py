@@ -7,12 +7,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, environment, read_jsonl, run_cli, wandb_history, wandb_records
+from helpers import REPO, environment, metrics_rows, read_jsonl, run_cli, squeue, wait_until, wandb_history, wandb_records
 
 STEPS = 12
 # lr follows a cosine schedule, so a resumed run must continue the plan at the right step, not restart it.
@@ -26,38 +25,31 @@ def launch(run_dir: Path, ray_address: str, *extra: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def rows_of(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return read_jsonl(path) if path.exists() else []
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(ray_address, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     result = run_cli(*COMMON, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address})
     assert result.returncode == 0, result.stderr[-3000:]
-    return rows_of(run_dir)
+    return metrics_rows(run_dir)
 
 
 def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uninterrupted, tmp_path):
     driver = launch(tmp_path, ray_address)
     try:
-        deadline = time.monotonic() + 240
-        while len(rows_of(tmp_path)) < 6:  # a checkpoint at 4 steps, and steps 4 and 5 logged after it
-            assert time.monotonic() < deadline and driver.poll() is None, "the run never got to step 6"
-            time.sleep(0.1)
+        # a checkpoint at 4 steps, and steps 4 and 5 logged after it
+        wait_until(lambda: len(metrics_rows(tmp_path)) >= 6, 240, "the run never got to step 6", driver, poll=0.1)
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
     finally:
         driver.kill()
-    killed_at = len(rows_of(tmp_path))
+    killed_at = len(metrics_rows(tmp_path))
     assert 6 <= killed_at < STEPS and (tmp_path / "checkpoints" / "step_00000004" / "MANIFEST.json").exists()
 
     result = run_cli(*COMMON, f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})  # the same command
     assert result.returncode == 0, result.stderr[-3000:]
     resumed_from = int(result.stdout.split("at step ")[1].split()[0])
     assert 4 <= resumed_from <= killed_at
-    rows = rows_of(tmp_path)
+    rows = metrics_rows(tmp_path)
     assert [row["train/step"] for row in rows] == list(range(STEPS))  # each step exactly once
     plan = read_jsonl(tmp_path / "plan.jsonl")
     assert [row["applied/lr"] for row in rows] == [step["lr"] for step in plan]  # the plan continued
@@ -82,7 +74,7 @@ def test_a_corrupt_checkpoint_falls_back_to_the_previous_one_and_says_so(ray_add
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"not resuming from a broken checkpoint: {shard}: 100 bytes, the manifest says" in result.stderr
     assert "falling back to step_00000004" in result.stderr and "at step 4" in result.stdout
-    assert [row["train/step"] for row in rows_of(tmp_path)] == list(range(STEPS))
+    assert [row["train/step"] for row in metrics_rows(tmp_path)] == list(range(STEPS))
 
 
 def test_a_checkpoint_that_does_not_load_is_a_clear_error(ray_address, tmp_path):
@@ -94,7 +86,7 @@ def test_a_checkpoint_that_does_not_load_is_a_clear_error(ray_address, tmp_path)
     result = run_cli(*COMMON, "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
     assert result.returncode == 5
     assert f"tinker_exp: checkpoint error: {shard.parent.parent}: verl could not load it" in result.stderr
-    assert [row["train/step"] for row in rows_of(tmp_path)] == [0, 1, 2, 3, 4, 5]  # nothing logged is lost
+    assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1, 2, 3, 4, 5]  # nothing logged is lost
 
 
 def test_non_finite_steps_stop_the_run_keeping_the_last_good_checkpoint(ray_address, tmp_path):
@@ -106,7 +98,7 @@ def test_non_finite_steps_stop_the_run_keeping_the_last_good_checkpoint(ray_addr
     )  # fmt: skip
     assert result.returncode == 4, result.stderr[-3000:]
     assert re.search(r"tinker_exp: stopped on non-finite values: step 5: loss=\S+, grad_norm=nan; 1 non-finite", result.stderr)
-    rows = rows_of(tmp_path)
+    rows = metrics_rows(tmp_path)
     assert [row["train/nonfinite_steps"] for row in rows] == [0, 0, 0, 0, 0, 1]
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert checkpoints == ["step_00000002", "step_00000004"]  # nothing saved after the failure
@@ -124,23 +116,19 @@ def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path):
     driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_dir = tmp_path / "0"
     try:
-        deadline = time.monotonic() + 180
-        while not (run_dir / "checkpoints" / "step_00000010" / "MANIFEST.json").exists():
-            assert time.monotonic() < deadline and driver.poll() is None, "no checkpoint at step 10"
-            time.sleep(0.2)
+        checkpoint = run_dir / "checkpoints" / "step_00000010" / "MANIFEST.json"
+        wait_until(checkpoint.exists, 180, "no checkpoint at step 10", driver)
         job_id = json.loads((run_dir / "job.json").read_text())["slurm"]["job_id"]
         subprocess.run(["scontrol", "requeue", job_id], env=slurm, check=True)
         # Slurm holds a requeued batch job for a while before it is eligible again: release it now.
-        while "PENDING" not in subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=slurm, capture_output=True, text=True).stdout:
-            assert time.monotonic() < deadline + 60, "the job was not requeued"
-            time.sleep(0.5)
+        wait_until(lambda: f"{job_id} PENDING" in squeue(slurm_env).splitlines(), 240, "the job was not requeued")
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, check=True)
         output, _ = driver.communicate(timeout=300)
     finally:
         driver.kill()
     assert driver.returncode == 0, output[-3000:]
     assert json.loads((run_dir / "job.json").read_text())["slurm"]["restart_count"] == "1"  # the second start
-    rows = rows_of(run_dir)
+    rows = metrics_rows(run_dir)
     assert [row["train/step"] for row in rows] == list(range(40))  # each step once across both starts
     assert [row["applied/lr"] for row in rows] == [step["lr"] for step in read_jsonl(run_dir / "plan.jsonl")]
     assert read_jsonl(tmp_path / "summary.jsonl")[0]["status"] == "COMPLETED"

@@ -5,12 +5,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
-
-from helpers import REPO, environment, read_jsonl, run_cli, wandb_history, wandb_records, wandb_run_file, wandb_run_record
+from helpers import (
+    REPO,
+    compose,
+    environment,
+    metrics_rows,
+    read_jsonl,
+    run_cli,
+    squeue,
+    wait_until,
+    wandb_history,
+    wandb_records,
+    wandb_run_file,
+    wandb_run_record,
+)
 from tinker_exp.sweep import (
     JobOutcome,
     failure_report,
@@ -69,22 +79,12 @@ def test_summary_reads_each_run_dir_and_names_failures(tmp_path):
 
 
 def test_slurm_preset_has_the_keys_a_gpu_cluster_needs():
-    launcher = compose_hydra("hydra/launcher=slurm", "backend.num_workers=8").hydra.launcher
+    launcher = compose("hydra/launcher=slurm", "backend.num_workers=8", with_hydra=True).hydra.launcher
     assert launcher._target_.endswith("SlurmSweepLauncher")
     for key in ("partition", "account", "qos", "timeout_min", "cpus_per_task", "mem_gb", "setup", "additional_parameters"):
         assert key in launcher, key
     assert launcher.gpus_per_node == 8  # one GPU per worker
     assert launcher.signal_delay_s < launcher.timeout_min * 60
-
-
-def compose_hydra(*overrides: str):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    import tinker_exp.main  # noqa: F401
-
-    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
-        return hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
 
 
 def test_signal_delay_past_the_time_limit_fails_before_submitting(tmp_path):
@@ -103,7 +103,7 @@ def test_local_launcher_sweep_reports_the_failed_point(tmp_path):
         "-m", "hydra/launcher=local", "dry_run=true", f"hydra.sweep.dir={tmp_path}", "+override.lr=1e-3,-1",
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
-    assert f"job 1 [dry_run=True +override.lr=-1] FAILED: config error: override.lr: must be >= 0" in result.stderr
+    assert "job 1 [dry_run=True +override.lr=-1] FAILED: config error: override.lr: must be >= 0" in result.stderr
     assert f"run dir {tmp_path}/1" in result.stderr and "job 0" not in result.stderr.split("did not complete")[1]
     rows = read_jsonl(tmp_path / "summary.jsonl")
     assert [(row["num"], row["status"]) for row in rows] == [(0, "COMPLETED"), (1, "FAILED")]
@@ -111,10 +111,6 @@ def test_local_launcher_sweep_reports_the_failed_point(tmp_path):
 
 
 # --- real sweeps on the local Slurm cluster ----------------------------------------------------------
-
-
-def squeue(slurm_env: dict) -> str:
-    return subprocess.run(["squeue", "-h", "-o", "%i %T"], env=environment(slurm_env), capture_output=True, text=True).stdout
 
 
 def test_sweep_runs_each_point_as_a_slurm_job(slurm_env, tmp_path):
@@ -174,10 +170,8 @@ def test_a_cancelled_job_is_reported_not_waited_on(slurm_env, tmp_path):
     ]  # fmt: skip
     driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while not list((tmp_path / "0" / "wandb").glob("offline-run-*/run-*.wandb")):  # training has started
-            assert time.monotonic() < deadline and driver.poll() is None, "the job never started its W&B run"
-            time.sleep(0.5)
+        wandb_started = lambda: list((tmp_path / "0" / "wandb").glob("offline-run-*/run-*.wandb"))  # noqa: E731
+        wait_until(wandb_started, 180, "the job never started its W&B run", driver)  # training has started
         job_id = json.loads((tmp_path / "0" / "job.json").read_text())["slurm"]["job_id"]
         subprocess.run(["scancel", job_id], env=environment(slurm_env), check=True)
         _, stderr = driver.communicate(timeout=180)  # reported, never waited on forever
@@ -190,12 +184,9 @@ def test_a_cancelled_job_is_reported_not_waited_on(slurm_env, tmp_path):
     # scancel signals every process of the job, W&B's service too (wandb/wandb#9963): the run cannot be
     # finished, but its file holds every step that metrics.jsonl holds.
     logged = [row for row in wandb_history(wandb_records(wandb_run_file(tmp_path / "0"))) if "train/loss" in row]
-    metrics = tmp_path / "0" / "metrics.jsonl"  # written from the first step on (may not exist yet)
-    assert [row["train/step"] for row in logged] == [m["train/step"] for m in (read_jsonl(metrics) if metrics.exists() else [])]
-    deadline = time.monotonic() + 90  # then Slurm reaps every process of the job (COMPLETING until then)
-    while job_id in squeue(slurm_env).split():
-        assert time.monotonic() < deadline, f"job {job_id} still in squeue: {squeue(slurm_env)}"
-        time.sleep(1)
+    assert [row["train/step"] for row in logged] == [m["train/step"] for m in metrics_rows(tmp_path / "0")]
+    # then Slurm reaps every process of the job (COMPLETING until then)
+    wait_until(lambda: job_id not in squeue(slurm_env).split(), 90, f"job {job_id} still in squeue", poll=1)
 
 
 RAY_TOKEN = "tinker-exp-test-ray-token-0123456789abcdef"
@@ -234,17 +225,12 @@ def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
     ]  # fmt: skip
     driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / str(n) / "job.json").exists() for n in (0, 1)):  # both jobs run
-            assert time.monotonic() < deadline and driver.poll() is None, "the jobs never started"
-            time.sleep(0.5)
+        both_run = lambda: all((tmp_path / str(n) / "job.json").exists() for n in (0, 1))  # noqa: E731
+        wait_until(both_run, 120, "the jobs never started", driver)
         job_ids = [json.loads((tmp_path / str(n) / "job.json").read_text())["slurm"]["job_id"] for n in (0, 1)]
         driver.send_signal(signal.SIGINT)
         output, _ = driver.communicate(timeout=60)
     finally:
         driver.kill()
     assert driver.returncode != 0 and "interrupted: cancelled" in output
-    deadline = time.monotonic() + 90
-    while set(job_ids) & set(squeue(slurm_env).split()):
-        assert time.monotonic() < deadline, f"jobs still in squeue: {squeue(slurm_env)}"
-        time.sleep(1)
+    wait_until(lambda: not set(job_ids) & set(squeue(slurm_env).split()), 90, "jobs still in squeue", poll=1)

@@ -11,12 +11,14 @@ from helpers import (
     REPO,
     compose,
     environment,
+    metrics_rows,
     read_jsonl,
     run_cli,
     wandb_finished_records,
     wandb_history,
     wandb_records,
     wandb_run_file,
+    wait_until,
 )
 from tinker_exp.loop import AppliedMismatchError, check_applied
 from tinker_exp.main import run
@@ -130,17 +132,13 @@ def test_sigterm_stops_the_run_cleanly(ray_address, tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     driver = subprocess.Popen(
         [sys.executable, "-m", "tinker_exp", "trainer.steps=1000", f"hydra.run.dir={tmp_path}"],
         cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 180
-        while len(read_jsonl(tmp_path / "metrics.jsonl") if (tmp_path / "metrics.jsonl").exists() else []) < 2:
-            assert time.monotonic() < deadline and driver.poll() is None, "training never started"
-            time.sleep(0.2)
+        wait_until(lambda: len(metrics_rows(tmp_path)) >= 2, 180, "training never started", driver)
         driver.send_signal(signal.SIGTERM)
         _, stderr = driver.communicate(timeout=120)
     finally:

@@ -116,7 +116,7 @@ def run(
         exit_code = 0
         return last
     except Terminated:
-        exit_code = 128 + signal.SIGTERM
+        exit_code = EXIT_CODES[Terminated][0]
         raise
     finally:
         try:
