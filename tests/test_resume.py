@@ -132,3 +132,6 @@ def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path):
     assert [row["train/step"] for row in rows] == list(range(40))  # each step once across both starts
     assert [row["applied/lr"] for row in rows] == [step["lr"] for step in read_jsonl(run_dir / "plan.jsonl")]
     assert read_jsonl(tmp_path / "summary.jsonl")[0]["status"] == "COMPLETED"
+    # The first start stopped on Slurm's SIGTERM by itself (not killed at KillWait), leaving no result behind.
+    job_log = "".join(p.read_text() for p in (tmp_path / ".submitit").glob("*/*_log.err"))
+    assert "task 0: Exited with exit code 143" in job_log and "Killed" not in job_log, job_log[-3000:]

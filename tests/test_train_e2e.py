@@ -151,3 +151,29 @@ def test_sigterm_stops_the_run_cleanly(ray_address, tmp_path):
     assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [143]
     logged = [row for row in wandb_history(records) if "train/loss" in row]
     assert len(logged) == len(rows)
+
+
+def test_wandb_dying_mid_run_does_not_stop_training(ray_address, tmp_path):
+    """W&B's service killed mid-run (OOM killer, Slurm's SIGTERM): one warning, metrics.jsonl goes on."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    steps = 40
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "tinker_exp", f"trainer.steps={steps}", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: len(metrics_rows(tmp_path)) >= 2, 180, "training never started", driver)
+        services = [p for p in psutil.Process(driver.pid).children(recursive=True) if "wandb-core" in p.name()]
+        assert services, "no wandb-core process under the driver"
+        for service in services:
+            service.kill()
+        _, stderr = driver.communicate(timeout=180)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, stderr[-3000:]
+    assert stderr.count("W&B stopped working") == 1, stderr[-3000:]
+    assert [row["train/step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(steps))

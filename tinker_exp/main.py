@@ -106,18 +106,20 @@ def run(
     exit_code = 1
     workers = None
     try:
-        with sigterm_raises() as rearm:
-            workers = TinkerWorkers(cfg, str(model_path), plan.optimizer_values, resolve_device(cfg.backend.device.value))
-            rearm()  # ray.init installed its own SIGTERM handler (sys.exit) over ours
-            if resume is not None:
-                load_checkpoint(workers, resume.path)
-            checkpointer = Checkpointer(checkpoint_root, cfg.checkpoint, cfg.trainer.steps, workers, {"seed": cfg.trainer.seed})
-            last = train(cfg, plan, workers, examples, sinks, checkpointer, start)
+        workers = TinkerWorkers(cfg, str(model_path), plan.optimizer_values, resolve_device(cfg.backend.device.value))
+        if resume is not None:
+            load_checkpoint(workers, resume.path)
+        checkpointer = Checkpointer(checkpoint_root, cfg.checkpoint, cfg.trainer.steps, workers, {"seed": cfg.trainer.seed})
+        last = train(cfg, plan, workers, examples, sinks, checkpointer, start)
         exit_code = 0
         return last
-    except Terminated:
+    except BaseException as e:
+        if not (isinstance(e, Terminated) or SIGTERM_RECEIVED.is_set()):
+            raise
         exit_code = EXIT_CODES[Terminated][0]
-        raise
+        if isinstance(e, Terminated):
+            raise
+        raise Terminated(TERMINATED) from e  # raised inside ray.get, Ray hands it back as SystemExit(1)
     finally:
         try:
             if workers is not None:
@@ -133,23 +135,40 @@ def load_checkpoint(workers: Any, checkpoint: Path) -> None:
         raise CheckpointError(f"{checkpoint}: verl could not load it: {type(e).__name__}: {e}") from e
 
 
-class Terminated(Exception):
-    """SIGTERM (scancel, preemption): raised in the loop so the run is closed before Slurm's SIGKILL."""
+class Terminated(SystemExit):
+    """SIGTERM (scancel, preemption, requeue): raised in the loop so the run is closed before Slurm's SIGKILL.
+
+    A SystemExit (code 143), so Hydra's run_job and submitit let it through: a sweep job that Slurm stops
+    writes no result, and its launcher reads the job's fate (CANCELLED, or requeued and running again) from
+    Slurm instead of a failure.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(128 + signal.SIGTERM)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+TERMINATED = "terminated by SIGTERM (scancel, preemption or the end of the time limit)"
+SIGTERM_RECEIVED = threading.Event()
 
 
 @contextmanager
 def sigterm_raises():
-    """Within: SIGTERM raises Terminated in the main thread. Yields a function that re-installs the handler."""
+    """Within: SIGTERM raises Terminated in the main thread (replacing submitit's handler, which ignores it)."""
 
     def handler(signum: int, frame: Any) -> None:
-        raise Terminated("terminated by SIGTERM (scancel, preemption or the end of the time limit)")
+        SIGTERM_RECEIVED.set()
+        raise Terminated(TERMINATED)
 
     if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
+        yield
         return
     previous = signal.signal(signal.SIGTERM, handler)
     try:
-        yield lambda: signal.signal(signal.SIGTERM, handler)
+        yield
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -178,7 +197,8 @@ def _hydra_main(dcfg: DictConfig) -> None:
         dcfg.logger.run_name = dcfg.logger.run_name or run_name(task_overrides, run_dir.name)
     job = job_info(hydra_cfg.job.get("num") if in_sweep else None, task_overrides)
     try:
-        run(dcfg, run_dir, dict(hydra_cfg.runtime.choices), job)
+        with sigterm_raises():  # from the start: Slurm may stop a job while it is still starting up
+            run(dcfg, run_dir, dict(hydra_cfg.runtime.choices), job)
     except (ConfigError, AppliedMismatchError, NonFiniteError, CheckpointError, Terminated) as e:
         print(f"tinker_exp: {EXIT_CODES[type(e)][1]}: {e}", file=sys.stderr)
         if in_sweep:

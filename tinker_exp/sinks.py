@@ -69,6 +69,7 @@ def wandb_environment(run_dir: Path, mode: str) -> dict[str, str]:
 class WandbSink:
     def __init__(self, run: Any):
         self.run = run
+        self.broken = False
 
     @classmethod
     def start(cls, logger_cfg: Any, run_dir: Path, config: dict[str, Any], name: str) -> "WandbSink | None":
@@ -114,13 +115,24 @@ class WandbSink:
         media: dict[str, Any] = {"plan/table": wandb.Table(columns=header, data=rows)}
         if plot is not None:
             media["plan/plot"] = wandb.Image(str(plot))
-        self.run.log(media)
+        self._call(self.run.log, media)
 
     def log(self, row: dict[str, Any]) -> None:
-        self.run.log(row)
+        self._call(self.run.log, row)
 
     def close(self, exit_code: int = 0) -> None:
-        self.run.finish(exit_code=exit_code)
+        self._call(self.run.finish, exit_code=exit_code)
+
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> None:
+        """W&B failing mid-run (its service killed, a full disk) warns once and stops the sink, never training:
+        metrics.jsonl holds every step either way."""
+        if self.broken:
+            return
+        try:
+            method(*args, **kwargs)
+        except Exception as e:
+            self.broken = True
+            warnings.warn(f"W&B stopped working ({type(e).__name__}: {e}); metrics.jsonl only from here", stacklevel=3)
 
 
 class ProgressBar:

@@ -7,6 +7,9 @@ GPUs (nccl, bf16) when the device is cuda; CPU gloo workers otherwise, through t
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -116,7 +119,10 @@ class TinkerWorkers:
         import ray
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
+        # A cluster we start is ours to stop; one we join (address, or already initialized) is shared.
+        self.owns_ray = not ray.is_initialized() and not cfg.backend.ray_address
         if not ray.is_initialized():
+            caller_sigterm = signal.getsignal(signal.SIGTERM)  # ray.init replaces it with a sys.exit
             ray.init(
                 # None: a new local cluster, never one found through /tmp/ray/ray_current_cluster.
                 address=cfg.backend.ray_address or "local",
@@ -125,6 +131,8 @@ class TinkerWorkers:
                 log_to_driver=True,
                 configure_logging=False,
             )
+            if caller_sigterm is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, caller_sigterm)
         wait_for_nodes(cfg.backend.nodes, cfg.backend.nodes_timeout_s)
         worker_cls = _worker_class()
         on_gpu = device == "cuda"
@@ -224,11 +232,23 @@ class TinkerWorkers:
             non_tensor_dict={"temperature": 1.0, "global_token_num": [len(r) for r in ids]},
         )
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Free the workers. Bounded: under Slurm, scancel and requeue SIGTERM Ray's own daemons too, and a
+        call to a dead GCS would block until Slurm's SIGKILL (then no exit code, no closed logs)."""
         import ray
 
-        # Kill the actors and free their placement groups, so a shared Ray cluster can run the next job.
-        for worker in self.group.workers:
-            ray.kill(worker)
-        for placement_group in self.pool.pgs or []:
-            ray.util.remove_placement_group(placement_group)
+        if self.owns_ray:
+            ray.shutdown()  # stops the daemons we started, and with them the actors: no call to the GCS
+            return
+
+        def free() -> None:  # on a shared cluster: free our actors and placement groups for the next job
+            for worker in self.group.workers:
+                ray.kill(worker)
+            for placement_group in self.pool.pgs or []:
+                ray.util.remove_placement_group(placement_group)
+
+        freeing = threading.Thread(target=free, name="free-ray-workers", daemon=True)
+        freeing.start()
+        freeing.join(timeout_s)
+        if freeing.is_alive():
+            warnings.warn(f"Ray did not free the workers within {timeout_s:.0f} s (is its cluster gone?)", stacklevel=2)

@@ -9,9 +9,10 @@ dir, then raise one error naming every job that did not complete and its run dir
 from __future__ import annotations
 
 import logging
+import subprocess
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
@@ -64,8 +65,6 @@ class SweepLauncher(BaseSubmititLauncher):
         return Path(str(job_cfg.hydra.sweep.dir)) / str(job_cfg.hydra.sweep.subdir)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        import submitit
-
         assert self.config is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -80,17 +79,17 @@ class SweepLauncher(BaseSubmititLauncher):
         returns, outcomes = [], []
         try:
             for num, overrides, job in zip(nums, job_overrides, jobs):
-                task_overrides = filter_overrides(overrides)
-                try:
+                ended_by = wait_for(job)  # None: the job wrote its result
+                if ended_by is None:
                     ret = job.results()[0]
                     status, error = "COMPLETED", None
-                    if ret.status != JobStatus.COMPLETED:  # raised in the job; Slurm may have asked it to stop
-                        status, error = scheduler_end(job) or "FAILED", describe_error(ret._return_value)
-                except submitit.core.utils.UncompletedJobError as e:  # killed: cancelled, timed out, crashed
-                    status = job.state.split()[0]  # "CANCELLED by 0" -> CANCELLED
-                    error = f"ended by the scheduler ({job.state}); job log {job.paths.stderr}"
-                    ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=e)
-                outcomes.append(read_outcome(num, task_overrides, status, self._run_dir(overrides, num), error, job.job_id))
+                    if ret.status != JobStatus.COMPLETED:  # raised in the job: a config error, NaN, ...
+                        status, error = "FAILED", describe_error(ret._return_value)
+                else:  # cancelled, timed out, preempted without requeue, killed, out of memory
+                    status, error = ended_by, f"ended by the scheduler ({ended_by}); job log {job.paths.stderr}"
+                    ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
+                run_dir = self._run_dir(overrides, num)
+                outcomes.append(read_outcome(num, filter_overrides(overrides), status, run_dir, error, job.job_id))
                 returns.append(ret)
         except KeyboardInterrupt:
             for job in jobs:
@@ -105,25 +104,59 @@ class SweepLauncher(BaseSubmititLauncher):
         return returns
 
 
-SCHEDULER_ENDS = {"CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "DEADLINE"}
+# Slurm states of a job that may still write its result. A requeued job passes through REQUEUED,
+# PENDING and RUNNING again; PREEMPTED and FAILED can show for a moment on the way (hence the settling).
+ACTIVE_STATES = {
+    "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RUNNING", "COMPLETING",
+    "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING", "STAGE_OUT", "UNKNOWN",
+}  # fmt: skip
 
 
-def scheduler_end(job: Any, wait_s: float = 15.0) -> str | None:
-    """CANCELLED, TIMEOUT, ... when the scheduler ended the job, else None.
-
-    A job that caught SIGTERM writes its result while Slurm still says RUNNING/COMPLETING: ask again
-    (uncached) until the state is final.
-    """
+def wait_for(job: Any) -> str | None:
+    """Wait until the job wrote its result (returns None) or the scheduler ended it (returns its state)."""
     from submitit.slurm.slurm import SlurmJob
 
-    if not isinstance(job, SlurmJob):
-        return None  # a local process: no scheduler to end it
-    deadline = time.monotonic() + wait_s
-    while True:
-        state = (job.get_info(mode="force").get("State") or "UNKNOWN").split()[0]
-        if state not in {"RUNNING", "COMPLETING", "PENDING", "UNKNOWN"} or time.monotonic() > deadline:
-            return state if state in SCHEDULER_ENDS else None
-        time.sleep(1.0)
+    if not isinstance(job, SlurmJob):  # a local process: it writes its result, or it died (killed, crashed)
+        job.wait()
+        return None if job.paths.result_pickle.exists() else job.state.split()[0]
+    return slurm_verdict(job.paths.result_pickle.exists, lambda: slurm_state(job.job_id))
+
+
+def slurm_verdict(
+    result_written: Callable[[], bool],
+    state: Callable[[], str],
+    poll_s: float = 5.0,
+    settle_s: float = 20.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str | None:
+    """None once the result is written; else Slurm's end state, taken only once it has held for `settle_s`.
+
+    So a requeued job is waited for again rather than reported from a state it passed through on the way
+    (submitit's own wait takes the first final-looking state it sees).
+    """
+    ended_since = None
+    while not result_written():
+        now, current = clock(), state()
+        if current in ACTIVE_STATES:
+            ended_since = None
+        elif ended_since is None:
+            ended_since = now
+        elif now - ended_since >= settle_s:
+            return current
+        sleep(poll_s)
+    return None
+
+
+def slurm_state(job_id: str) -> str:
+    """The job's state in Slurm's accounting: RUNNING, CANCELLED ("CANCELLED by 0" -> CANCELLED), ..."""
+    sacct = subprocess.run(
+        ["sacct", "--jobs", job_id, "--allocations", "--noheader", "--parsable2", "--format", "State"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    lines = sacct.stdout.split("\n")
+    lines = [line for line in lines if line.strip()]
+    return lines[-1].split()[0] if sacct.returncode == 0 and lines else "UNKNOWN"
 
 
 def describe_error(error: Any) -> str:
