@@ -27,8 +27,11 @@ def compose(*overrides: str, with_hydra: bool = False):
 
 
 def environment(env: dict | None) -> dict:
-    """os.environ with `env` on top; a None value removes the variable."""
-    merged = {**os.environ, **(env or {})}
+    """os.environ with `env` on top; a None value removes the variable.
+
+    Never WANDB_SERVICE: a W&B run in the test process sets it, and a CLI run would use that process's service
+    instead of its own, as a user's run does."""
+    merged = {**os.environ, "WANDB_SERVICE": None, **(env or {})}
     return {key: value for key, value in merged.items() if value is not None}
 
 
