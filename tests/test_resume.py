@@ -106,8 +106,15 @@ def test_non_finite_steps_stop_the_run_keeping_the_last_good_checkpoint(ray_addr
     assert state["step"] == 4 and state["nonfinite_steps"] == 0
 
 
-def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path):
-    """Preemption with requeue (what a time limit with hydra.launcher.max_num_timeout > 0 does too)."""
+@pytest.mark.parametrize(
+    "stop",
+    [
+        ["scontrol", "requeue"],  # preemption with requeue: Slurm signals the job and puts it back in the queue
+        ["scancel", "--signal=USR2"],  # the time-limit warning (signal_delay_s): submitit requeues the job itself
+    ],
+    ids=["preempted", "time-limit-signal"],
+)
+def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path, stop):
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
         "trainer.steps=40", "checkpoint.every_steps=5", "logger=none", "+override=lr_cosine",
@@ -119,7 +126,7 @@ def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path):
         checkpoint = run_dir / "checkpoints" / "step_00000010" / "MANIFEST.json"
         wait_until(checkpoint.exists, 180, "no checkpoint at step 10", driver)
         job_id = json.loads((run_dir / "job.json").read_text())["slurm"]["job_id"]
-        subprocess.run(["scontrol", "requeue", job_id], env=slurm, check=True)
+        subprocess.run([*stop, job_id], env=slurm, check=True)
         # Slurm holds a requeued batch job for a while before it is eligible again: release it now.
         wait_until(lambda: f"{job_id} PENDING" in squeue(slurm_env).splitlines(), 240, "the job was not requeued")
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, check=True)
@@ -132,6 +139,8 @@ def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path):
     assert [row["train/step"] for row in rows] == list(range(40))  # each step once across both starts
     assert [row["applied/lr"] for row in rows] == [step["lr"] for step in read_jsonl(run_dir / "plan.jsonl")]
     assert read_jsonl(tmp_path / "summary.jsonl")[0]["status"] == "COMPLETED"
-    # The first start stopped on Slurm's SIGTERM by itself (not killed at KillWait), leaving no result behind.
-    job_log = "".join(p.read_text() for p in (tmp_path / ".submitit").glob("*/*_log.err"))
-    assert "task 0: Exited with exit code 143" in job_log and "Killed" not in job_log, job_log[-3000:]
+    # The first start stopped by itself (not killed at KillWait), leaving no result behind for the launcher.
+    job_log = "".join(p.read_text() for p in (tmp_path / ".submitit").glob("*/*_log.*"))
+    assert re.search(r"task 0: Exited with exit code \d+", job_log) and "Killed" not in job_log, job_log[-3000:]
+    if stop[0] == "scancel":
+        assert "this job is preempted" in job_log and f"Requeued job {job_id}" in job_log  # submitit's handler

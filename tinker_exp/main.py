@@ -160,12 +160,15 @@ def sigterm_raises():
     """Within: SIGTERM raises Terminated in the main thread (replacing submitit's handler, which ignores it)."""
 
     def handler(signum: int, frame: Any) -> None:
+        if SIGTERM_RECEIVED.is_set():
+            return  # already stopping: a second SIGTERM must not cut the clean-up short
         SIGTERM_RECEIVED.set()
         raise Terminated(TERMINATED)
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    SIGTERM_RECEIVED.clear()
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
