@@ -114,12 +114,11 @@ def run(
         exit_code = 0
         return last
     except BaseException as e:
-        if not (isinstance(e, Terminated) or SIGTERM_RECEIVED.is_set()):
-            raise
-        exit_code = EXIT_CODES[Terminated][0]
-        if isinstance(e, Terminated):
-            raise
-        raise Terminated(TERMINATED) from e  # raised inside ray.get, Ray hands it back as SystemExit(1)
+        if isinstance(e, Terminated) or SIGTERM_RECEIVED.is_set():
+            exit_code = EXIT_CODES[Terminated][0]
+            if not isinstance(e, Terminated):  # raised inside ray.get, Ray hands it back as SystemExit(1)
+                raise Terminated(TERMINATED) from e
+        raise
     finally:
         try:
             if workers is not None:

@@ -154,8 +154,7 @@ def slurm_state(job_id: str) -> str:
         ["sacct", "--jobs", job_id, "--allocations", "--noheader", "--parsable2", "--format", "State"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
-    lines = sacct.stdout.split("\n")
-    lines = [line for line in lines if line.strip()]
+    lines = [line for line in sacct.stdout.splitlines() if line.strip()]
     return lines[-1].split()[0] if sacct.returncode == 0 and lines else "UNKNOWN"
 
 
