@@ -64,6 +64,16 @@ def wait_until(condition, timeout: float, what: str, process: subprocess.Popen |
         time.sleep(poll)
 
 
+def job_json(run_dir: Path) -> dict:
+    """What a job wrote about itself (`job.json`: Slurm job id, restart count, ...)."""
+    return json.loads((run_dir / "job.json").read_text())
+
+
+def read_job_log(sweep_dir: Path, job_id: str) -> str:
+    """A sweep job's submitit logs (stdout and stderr, every start of it)."""
+    return "".join(p.read_text() for p in sorted((sweep_dir / ".submitit" / job_id).glob("*_log.*")))
+
+
 def squeue(slurm_env: dict) -> str:
     """`JOBID STATE` lines of the local Slurm cluster's queue."""
     return subprocess.run(["squeue", "-h", "-o", "%i %T"], env=environment(slurm_env), capture_output=True, text=True).stdout

@@ -11,7 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, environment, metrics_rows, read_jsonl, run_cli, squeue, wait_until, wandb_history, wandb_records
+from helpers import (
+    REPO,
+    environment,
+    job_json,
+    metrics_rows,
+    read_job_log,
+    read_jsonl,
+    run_cli,
+    squeue,
+    wait_until,
+    wandb_history,
+    wandb_records,
+)
 
 STEPS = 12
 # lr follows a cosine schedule, so a resumed run must continue the plan at the right step, not restart it.
@@ -125,7 +137,7 @@ def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path, s
     try:
         checkpoint = run_dir / "checkpoints" / "step_00000010" / "MANIFEST.json"
         wait_until(checkpoint.exists, 180, "no checkpoint at step 10", driver)
-        job_id = json.loads((run_dir / "job.json").read_text())["slurm"]["job_id"]
+        job_id = job_json(run_dir)["slurm"]["job_id"]
         subprocess.run([*stop, job_id], env=slurm, check=True)
         # Slurm holds a requeued batch job for a while before it is eligible again: release it now.
         wait_until(lambda: f"{job_id} PENDING" in squeue(slurm_env).splitlines(), 240, "the job was not requeued")
@@ -134,13 +146,13 @@ def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path, s
     finally:
         driver.kill()
     assert driver.returncode == 0, output[-3000:]
-    assert json.loads((run_dir / "job.json").read_text())["slurm"]["restart_count"] == "1"  # the second start
+    assert job_json(run_dir)["slurm"]["restart_count"] == "1"  # the second start
     rows = metrics_rows(run_dir)
     assert [row["train/step"] for row in rows] == list(range(40))  # each step once across both starts
     assert [row["applied/lr"] for row in rows] == [step["lr"] for step in read_jsonl(run_dir / "plan.jsonl")]
     assert read_jsonl(tmp_path / "summary.jsonl")[0]["status"] == "COMPLETED"
     # The first start stopped by itself (not killed at KillWait), leaving no result behind for the launcher.
-    job_log = "".join(p.read_text() for p in (tmp_path / ".submitit").glob("*/*_log.*"))
+    job_log = read_job_log(tmp_path, job_id)
     assert re.search(r"task 0: Exited with exit code \d+", job_log) and "Killed" not in job_log, job_log[-3000:]
     if stop[0] == "scancel":
         assert "this job is preempted" in job_log and f"Requeued job {job_id}" in job_log  # submitit's handler

@@ -11,7 +11,9 @@ from helpers import (
     REPO,
     compose,
     environment,
+    job_json,
     metrics_rows,
+    read_job_log,
     read_jsonl,
     run_cli,
     squeue,
@@ -152,7 +154,7 @@ def test_sweep_runs_each_point_as_a_slurm_job(slurm_env, tmp_path):
     groups, array_ids = set(), set()
     for row, lr in zip(summary, ("0.001", "0.0003")):
         run_dir = Path(row["run_dir"])
-        job = json.loads((run_dir / "job.json").read_text())
+        job = job_json(run_dir)
         assert job["slurm"]["job_id"].isdigit() and job["slurm"]["partition"] == "debug"
         assert row["job_id"] == f"{job['slurm']['array_job_id']}_{job['slurm']['array_task_id']}"
         array_ids.add(job["slurm"]["array_job_id"])
@@ -183,11 +185,7 @@ def test_sweep_with_a_bad_point_fails_that_job_and_completes_the_others(slurm_en
     summary = read_jsonl(tmp_path / "summary.jsonl")
     assert [(row["status"], row["steps"]) for row in summary] == [("COMPLETED", 2), ("FAILED", 0)]
     assert "tinker_exp: config error: override.lr" in read_job_log(tmp_path, summary[1]["job_id"])
-    assert json.loads((tmp_path / "1" / "job.json").read_text())["slurm"]["job_id"]  # it did run under Slurm
-
-
-def read_job_log(sweep_dir: Path, job_id: str) -> str:
-    return "".join(p.read_text() for p in (sweep_dir / ".submitit" / job_id).glob("*.err"))
+    assert job_json(tmp_path / "1")["slurm"]["job_id"]  # it did run under Slurm
 
 
 def test_a_cancelled_job_is_reported_not_waited_on(slurm_env, tmp_path):
@@ -198,7 +196,7 @@ def test_a_cancelled_job_is_reported_not_waited_on(slurm_env, tmp_path):
     driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: len(metrics_rows(tmp_path / "0")) >= 2, 180, "the job never started training", driver)
-        job_id = json.loads((tmp_path / "0" / "job.json").read_text())["slurm"]["job_id"]
+        job_id = job_json(tmp_path / "0")["slurm"]["job_id"]
         subprocess.run(["scancel", job_id], env=environment(slurm_env), check=True)
         _, stderr = driver.communicate(timeout=180)  # reported, never waited on forever
     finally:
@@ -238,7 +236,7 @@ def test_multinode_recipe_on_one_node(slurm_env, tmp_path):
     (log,) = tmp_path.glob("slurm-*.out")
     assert result.returncode == 0, log.read_text()[-3000:]
     assert "1 node(s)" in log.read_text() and "Ray head" in log.read_text()
-    job = json.loads((run_dir / "job.json").read_text())
+    job = job_json(run_dir)
     assert job["slurm"]["num_nodes"] == "1" and log.name == f"slurm-{job['slurm']['job_id']}.out"
     assert not Path(f"/tmp/ray_job_{job['slurm']['job_id']}").exists()  # the job's Ray files are removed
     assert [m["train/step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1]
@@ -259,7 +257,7 @@ def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
     try:
         both_run = lambda: all((tmp_path / str(n) / "job.json").exists() for n in (0, 1))  # noqa: E731
         wait_until(both_run, 120, "the jobs never started", driver)
-        job_ids = [json.loads((tmp_path / str(n) / "job.json").read_text())["slurm"]["job_id"] for n in (0, 1)]
+        job_ids = [job_json(tmp_path / str(n))["slurm"]["job_id"] for n in (0, 1)]
         driver.send_signal(signal.SIGINT)
         output, _ = driver.communicate(timeout=60)
     finally:
