@@ -26,21 +26,18 @@ def bare_loop(steps: int, out: Path) -> None:
     """No Hydra, no plan, no check, no sinks: verl's zero_grad / forward_backward / optimizer_step."""
     from hydra import compose, initialize_config_dir
 
-    import tinker_exp.main  # noqa: F401  (schema)
-    from omegaconf import OmegaConf
-    from transformers import AutoTokenizer
+    from tinker_exp import config
+    from tinker_exp.runtime.inputs import load_examples, model_dir
+    from tinker_exp.runtime.workers import TinkerWorkers
+    from tinker_exp.train.data import batch_for_step
 
-    from tinker_exp.data import batch_for_step, read_rows, resolve_path, tokenize
-    from tinker_exp.tiny_model import ensure_tiny_model
-    from tinker_exp.workers import TinkerWorkers
-
+    config.register()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
-        cfg = OmegaConf.to_object(compose("config", overrides=[f"trainer.steps={steps}"]))
-    corpus = resolve_path(cfg.data.path)
-    model_path = ensure_tiny_model(vars(cfg.model), corpus)
-    examples = tokenize(read_rows(corpus, "prompt", "response"), AutoTokenizer.from_pretrained(model_path), cfg.data)
+        cfg = config.load(compose("config", overrides=[f"trainer.steps={steps}"]))
+    model_path = model_dir(cfg.model, cfg.data)
+    examples = load_examples(cfg.data, model_path)
     values = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-    workers = TinkerWorkers(cfg, str(model_path), values, "cpu")
+    workers = TinkerWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), values, "cpu")
     group = workers.group
     with open(out, "w") as f:
         for step in range(steps):

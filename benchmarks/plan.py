@@ -33,9 +33,9 @@ def wall(cmd: list[str], repeats: int = 3) -> float:
 def main() -> None:
     from omegaconf import OmegaConf
 
-    from tinker_exp.overrides import convert_params
-    from tinker_exp.plan import _sources, _value_at, build_plan
-    from tinker_exp.schema import OptimizerConfig
+    from tinker_exp.config import OptimizerConfig
+    from tinker_exp.optim.convert import convert_params
+    from tinker_exp.optim.plan import _sources, _value_at, build_plan
 
     with tempfile.TemporaryDirectory() as tmp:
         dry = wall([sys.executable, "-m", "tinker_exp", *OVERRIDES, "trainer.steps=100000", "dry_run=true",

@@ -20,7 +20,9 @@ def compose(*overrides: str, with_hydra: bool = False):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    import tinker_exp.main  # noqa: F401  (registers the schema)
+    from tinker_exp.config import register
+
+    register()
 
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
         return hydra_compose("config", overrides=list(overrides), return_hydra_config=with_hydra)

@@ -9,10 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tinker_exp.checkpoints import (
+from tinker_exp.train.checkpoints import (
     MANIFEST,
     WORKERS,
-    CheckpointError,
     Checkpointer,
     begin_save,
     commit_save,
@@ -23,8 +22,8 @@ from tinker_exp.checkpoints import (
     saved_steps,
     step_dir,
 )
-from tinker_exp.overrides import ConfigError
-from tinker_exp.sinks import keep_rows_before
+from tinker_exp.errors import CheckpointError, ConfigError
+from tinker_exp.train.sinks import keep_rows_before
 
 
 class FakeShardWriter:

@@ -12,7 +12,7 @@ from omegaconf.errors import ValidationError
 
 from helpers import CONF_DIR, compose, run_cli
 from tinker_exp.main import validate
-from tinker_exp.overrides import ConfigError
+from tinker_exp.errors import ConfigError
 
 GROUPS = ["model", "data", "optimizer", "backend", "logger", "trainer"]
 
@@ -101,7 +101,7 @@ def test_a_config_error_starts_no_worker_and_imports_no_ray():
         "import sys\n"
         "from helpers import compose\n"
         "from tinker_exp.main import run\n"
-        "from tinker_exp.overrides import ConfigError\n"
+        "from tinker_exp.errors import ConfigError\n"
         "from pathlib import Path\n"
         "try:\n"
         "    run(compose('+override.lr=nan'), Path(sys.argv[1]))\n"

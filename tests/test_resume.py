@@ -77,18 +77,6 @@ def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uni
     assert second == list(range(resumed_from, STEPS))
 
 
-def test_a_corrupt_checkpoint_falls_back_to_the_previous_one_and_says_so(ray_address, tmp_path):
-    first = run_cli(*COMMON, "trainer.steps=8", "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
-    assert first.returncode == 0, first.stderr[-3000:]
-    shard = tmp_path / "checkpoints" / "step_00000008" / "workers" / "optim_world_size_2_rank_1.pt"
-    shard.write_bytes(shard.read_bytes()[:100])
-    result = run_cli(*COMMON, "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"not resuming from a broken checkpoint: {shard}: 100 bytes, the manifest says" in result.stderr
-    assert "falling back to step_00000004" in result.stderr and "at step 4" in result.stdout
-    assert [row["train/step"] for row in metrics_rows(tmp_path)] == list(range(STEPS))
-
-
 def test_a_checkpoint_that_does_not_load_is_a_clear_error(ray_address, tmp_path):
     first = run_cli(*COMMON, "trainer.steps=6", "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
     assert first.returncode == 0, first.stderr[-3000:]

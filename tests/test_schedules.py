@@ -11,10 +11,10 @@ from verl.utils.torch_functional import get_cosine_schedule_with_warmup as verl_
 
 from helpers import CONF_DIR, compose, read_jsonl, run_cli
 from tinker_exp.main import run, validate
-from tinker_exp.overrides import ConfigError
-from tinker_exp.plan import build_plan
-from tinker_exp.schedules import compile_schedule
-from tinker_exp.schema import OptimizerConfig
+from tinker_exp.errors import ConfigError
+from tinker_exp.optim.plan import build_plan
+from tinker_exp.optim.schedules import compile_schedule
+from tinker_exp.config.schema import OptimizerConfig
 
 PEAK = 3e-4
 T = 1000

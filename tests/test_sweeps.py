@@ -23,8 +23,8 @@ from helpers import (
     wandb_run_file,
     wandb_run_record,
 )
-from hydra_plugins.tinker_exp_launchers.launchers import slurm_verdict
-from tinker_exp.sweep import (
+from tinker_exp.sweep.slurm import slurm_verdict
+from tinker_exp.sweep.jobs import (
     JobOutcome,
     failure_report,
     read_outcome,

@@ -6,9 +6,10 @@ from omegaconf import OmegaConf
 from verl.workers.config import FSDPOptimizerConfig, build_optimizer
 from verl.workers.engine_workers_tinker import _apply_optim_step_params
 
-from tinker_exp.overrides import ConfigError, check_like_verl, convert_params, param_group_types
-from tinker_exp.plan import optimizer_values
-from tinker_exp.schema import OptimizerConfig
+from tinker_exp.errors import ConfigError
+from tinker_exp.optim.convert import check_like_verl, convert_params, param_group_types
+from tinker_exp.optim.plan import optimizer_values
+from tinker_exp.config.schema import OptimizerConfig
 
 
 def verl_adamw(values: dict) -> torch.optim.Optimizer:

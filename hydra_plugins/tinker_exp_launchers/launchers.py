@@ -9,10 +9,8 @@ dir, then raise one error naming every job that did not complete and its run dir
 from __future__ import annotations
 
 import logging
-import subprocess
-import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
@@ -21,7 +19,9 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict
 
-from tinker_exp.sweep import failure_report, read_outcome, summary_table, write_summary
+from tinker_exp.errors import one_line
+from tinker_exp.sweep.jobs import failure_report, read_outcome, summary_table, write_summary
+from tinker_exp.sweep.slurm import slurm_state, slurm_verdict
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class SweepLauncher(BaseSubmititLauncher):
                     ret = job.results()[0]
                     status, error = "COMPLETED", None
                     if ret.status != JobStatus.COMPLETED:  # raised in the job: a config error, NaN, ...
-                        status, error = "FAILED", describe_error(ret._return_value)
+                        status, error = "FAILED", one_line(ret._return_value)
                 else:  # cancelled, timed out, preempted without requeue, killed, out of memory
                     status, error = ended_by, f"ended by the scheduler ({ended_by}); job log {job.paths.stderr}"
                     ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
@@ -104,14 +104,6 @@ class SweepLauncher(BaseSubmititLauncher):
         return returns
 
 
-# Slurm states of a job that may still write its result. A requeued job passes through REQUEUED,
-# PENDING and RUNNING again; PREEMPTED and FAILED can show for a moment on the way (hence the settling).
-ACTIVE_STATES = {
-    "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RUNNING", "COMPLETING",
-    "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING", "STAGE_OUT", "UNKNOWN",
-}  # fmt: skip
-
-
 def wait_for(job: Any) -> str | None:
     """Wait until the job wrote its result (returns None) or the scheduler ended it (returns its state)."""
     from submitit.slurm.slurm import SlurmJob
@@ -120,50 +112,6 @@ def wait_for(job: Any) -> str | None:
         job.wait()
         return None if job.paths.result_pickle.exists() else job.state.split()[0]
     return slurm_verdict(job.paths.result_pickle.exists, lambda: slurm_state(job.job_id))
-
-
-def slurm_verdict(
-    result_written: Callable[[], bool],
-    state: Callable[[], str],
-    poll_s: float = 5.0,
-    settle_s: float = 20.0,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> str | None:
-    """None once the result is written; else Slurm's end state, taken only once it has held for `settle_s`.
-
-    So a requeued job is waited for again rather than reported from a state it passed through on the way
-    (submitit's own wait takes the first final-looking state it sees).
-    """
-    ended_since = None
-    while not result_written():
-        now, current = clock(), state()
-        if current in ACTIVE_STATES:
-            ended_since = None
-        elif ended_since is None:
-            ended_since = now
-        elif now - ended_since >= settle_s:
-            return current
-        sleep(poll_s)
-    return None
-
-
-def slurm_state(job_id: str) -> str:
-    """The job's state in Slurm's accounting: RUNNING, CANCELLED ("CANCELLED by 0" -> CANCELLED), ..."""
-    sacct = subprocess.run(
-        ["sacct", "--jobs", job_id, "--allocations", "--noheader", "--parsable2", "--format", "State"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    lines = [line for line in sacct.stdout.splitlines() if line.strip()]
-    return lines[-1].split()[0] if sacct.returncode == 0 and lines else "UNKNOWN"
-
-
-def describe_error(error: Any) -> str:
-    from tinker_exp.overrides import ConfigError
-
-    if isinstance(error, ConfigError):
-        return f"config error: {error}"
-    return f"{type(error).__name__}: {error}"
 
 
 class SlurmSweepLauncher(SweepLauncher):

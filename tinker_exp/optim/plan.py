@@ -15,17 +15,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
-
-from tinker_exp.overrides import (
+from tinker_exp.errors import ConfigError
+from tinker_exp.optim.convert import (
     OVERRIDE_KEYS,
-    ConfigError,
+    betas_pair,
     check_like_verl,
     convert_params,
     convert_value,
+    override_mapping,
     param_group_types,
 )
-from tinker_exp.schedules import Schedule, compile_schedule
+from tinker_exp.optim.schedules import Schedule, compile_schedule
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,6 @@ def optimizer_values(optimizer_cfg: Any) -> dict[str, Any]:
     return {key: convert_value(key, getattr(optimizer_cfg, key), "optimizer") for key in OVERRIDE_KEYS}
 
 
-def _container(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig, ListConfig)) else node
-
-
 def _sources(override: Mapping[str, Any], run_steps: int) -> tuple[dict[str, Any], dict[str, Schedule]]:
     """key -> a constant or Schedule (betas: a list of two of them); plus every schedule by its label."""
     sources: dict[str, Any] = {}
@@ -74,10 +70,8 @@ def _sources(override: Mapping[str, Any], run_steps: int) -> tuple[dict[str, Any
         if key == "betas" and isinstance(spec, Mapping):
             raise ConfigError("override.betas: schedule each component on its own: [beta1, beta2]")
         if key == "betas" and isinstance(spec, Sequence) and any(isinstance(item, Mapping) for item in spec):
-            if len(spec) != 2:
-                raise ConfigError(f"override.betas: expected two values [beta1, beta2], got {len(spec)}")
             parts = []
-            for i, item in enumerate(spec):
+            for i, item in enumerate(betas_pair(spec, "override.betas")):
                 if isinstance(item, Mapping):
                     item = schedules[f"betas[{i}]"] = compile_schedule(item, run_steps, f"override.betas[{i}]")
                 parts.append(item)
@@ -108,16 +102,11 @@ def _at_step(error: ConfigError, step: int, schedules: dict[str, Schedule]) -> C
 
 
 def build_plan(override_node: Any, optimizer_cfg: Any, total_steps: int) -> Plan:
-    """Generate, convert and check the values for every step in [0, total_steps)."""
-    if total_steps < 1:
-        raise ConfigError(f"trainer.steps: must be >= 1, got {total_steps}")
+    """Generate, convert and check the values for every step in [0, total_steps).
+
+    `total_steps` is trainer.steps (>= 1, checked by TrainerConfig)."""
     values = optimizer_values(optimizer_cfg)
-    override = _container(override_node) or {}
-    if not isinstance(override, Mapping):
-        raise ConfigError(f"override: expected a mapping of {list(OVERRIDE_KEYS)}, got {override!r}")
-    unknown = [key for key in override if key not in OVERRIDE_KEYS]
-    if unknown:
-        raise ConfigError(f"override: unknown key(s) {unknown}; known keys: {list(OVERRIDE_KEYS)}")
+    override = override_mapping(override_node)
     sources, schedules = _sources(override, total_steps)
     optimizer = getattr(optimizer_cfg.name, "value", optimizer_cfg.name)
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tinker_exp.overrides import ConfigError
+from tinker_exp.errors import ConfigError
 
 
 def _warmup(step: int, warmup_steps: int) -> float:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
-from tinker_exp.data import batch_for_step
-from tinker_exp.overrides import flat_values
+from tinker_exp.config import TrainerConfig
+from tinker_exp.errors import AppliedMismatchError, NonFiniteError
+from tinker_exp.optim import Plan, flat_values
+from tinker_exp.train.checkpoints import Checkpointer
+from tinker_exp.train.protocols import Sink, Workers
 
-
-class AppliedMismatchError(RuntimeError):
-    """A param group on some rank does not hold what was sent: the run must not go on silently."""
+log = logging.getLogger(__name__)
 
 
 def check_applied(step: int, requested: dict[str, Any], applied: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -28,14 +30,16 @@ def check_applied(step: int, requested: dict[str, Any], applied: list[list[dict[
     return applied[0][0]
 
 
-class NonFiniteError(RuntimeError):
-    """More non-finite steps than trainer.max_nonfinite_steps allows."""
-
-
 def train(
-    cfg: Any, plan: Any, workers: Any, examples: list, sinks: Any, checkpointer: Any = None, start: dict | None = None
+    trainer: TrainerConfig,
+    plan: Plan,
+    workers: Workers,
+    batch_for: Callable[[int], Sequence[Any]],
+    sink: Sink,
+    checkpointer: Checkpointer | None = None,
+    start: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run Tinker steps from `start` (a checkpoint's loop state; None: step 0) to cfg.trainer.steps.
+    """Run Tinker steps from `start` (a checkpoint's loop state; None: step 0) to trainer.steps.
 
     After each step: log it, stop if non-finite steps exceed the limit (before any save, so the last
     checkpoint is from before the failure), then save a checkpoint when one is due. Returns the last row.
@@ -43,8 +47,8 @@ def train(
     start = start or {}
     nonfinite_steps = start.get("nonfinite_steps", 0)
     row: dict[str, Any] = {}
-    for step in range(start.get("step", 0), cfg.trainer.steps):
-        batch = batch_for_step(examples, step, cfg.trainer.batch_size, cfg.trainer.seed, cfg.data.shuffle)
+    for step in range(start.get("step", 0), trainer.steps):
+        batch = batch_for(step)
         requested = plan[step]
 
         start_time = time.perf_counter()
@@ -65,12 +69,13 @@ def train(
             **flat_values("requested", requested),
             **flat_values("applied", applied),
         }
-        sinks.log(row)
-        if nonfinite_steps > cfg.trainer.max_nonfinite_steps:
+        sink.log(row)
+        if nonfinite_steps > trainer.max_nonfinite_steps:
             raise NonFiniteError(
                 f"step {step}: loss={result.loss}, grad_norm={result.grad_norm}; {nonfinite_steps} non-finite "
-                f"step(s), trainer.max_nonfinite_steps={cfg.trainer.max_nonfinite_steps}"
+                f"step(s), trainer.max_nonfinite_steps={trainer.max_nonfinite_steps}"
             )
         if checkpointer is not None and checkpointer.due(step + 1):
-            checkpointer.save(step + 1, {"nonfinite_steps": nonfinite_steps})
+            saved = checkpointer.save(step + 1, {"nonfinite_steps": nonfinite_steps})
+            log.info(f"checkpoint: {saved}")
     return row

@@ -18,17 +18,19 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+from tinker_exp.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from tinker_exp.config import CheckpointConfig
+    from tinker_exp.train.protocols import Workers
 
 MANIFEST = "MANIFEST.json"
 LOOP_STATE = "loop.json"
 WORKERS = "workers"
 PREFIX = "step_"
 PARTIAL = ".partial"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message names the checkpoint and the file."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -162,8 +164,6 @@ def rotate(root: Path, keep_last: int) -> list[Path]:
 
 def resume_point(root: Path, mode: str) -> ResumePoint | None:
     """Where a run continues, by `resume` mode (auto, must, never); checked before any worker starts."""
-    from tinker_exp.overrides import ConfigError
-
     if mode == "never":
         if saved_steps(root):
             raise ConfigError(f"resume=never, but {root} holds checkpoints: use resume=auto or another run dir")
@@ -177,7 +177,9 @@ def resume_point(root: Path, mode: str) -> ResumePoint | None:
 class Checkpointer:
     """Saves through the workers into the checkpoint root when a save is due, atomically, then rotates."""
 
-    def __init__(self, root: Path, cfg: Any, total_steps: int, workers: Any, run_state: dict[str, Any]):
+    def __init__(
+        self, root: Path, cfg: CheckpointConfig, total_steps: int, workers: Workers, run_state: dict[str, Any]
+    ):
         self.root, self.cfg, self.total_steps, self.workers = root, cfg, total_steps, workers
         self.run_state = run_state  # what every checkpoint of this run records (seed, W&B run id)
 
@@ -191,3 +193,11 @@ class Checkpointer:
         final = commit_save(tmp, steps_done, {**self.run_state, **loop_state}, hashes=self.cfg.sha256)
         rotate(self.root, self.cfg.keep_last)
         return final
+
+
+def restore(workers: Workers, checkpoint: Path) -> None:
+    """Load a checkpoint's worker state (model, optimizer, lr scheduler, RNG on every rank)."""
+    try:
+        workers.load_checkpoint(checkpoint / WORKERS)
+    except Exception as e:  # a file that passed the size check but does not load
+        raise CheckpointError(f"{checkpoint}: verl could not load it: {type(e).__name__}: {e}") from e

@@ -1,7 +1,7 @@
 """A CPU platform for verl 0.9.1, registered through verl's own plugin hook.
 
 verl imports the modules named in ``VERL_USE_EXTERNAL_MODULES`` at ``import verl``; ``VERL_PLATFORM=cpu``
-then selects this platform (see ``tinker_exp.workers.platform_env``). Without it verl falls back to
+then selects this platform (see ``tinker_exp.runtime.workers.platform_env``). Without it verl falls back to
 'nvidia', calls torch.cuda and asks for NCCL. No verl file is patched.
 """
 

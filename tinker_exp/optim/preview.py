@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tinker_exp.overrides import flat_values
-from tinker_exp.plan import Plan
+from tinker_exp.formats import text_table
+from tinker_exp.optim.convert import flat_values
+from tinker_exp.optim.plan import Plan
 
 
 def table_steps(plan: Plan) -> list[int]:
@@ -25,14 +26,6 @@ def plan_table(plan: Plan) -> tuple[list[str], list[list]]:
     columns = list(flat_values("", plan[0]))
     rows = [[step, *flat_values("", plan[step]).values()] for step in table_steps(plan)]
     return ["step", *columns], rows
-
-
-def text_table(header: list[str], rows: list[list[str]]) -> str:
-    """Right-aligned columns under a dashed rule: plan tables and sweep summaries alike."""
-    cells = [header] + rows
-    widths = [max(len(row[c]) for row in cells) for c in range(len(header))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in cells]
-    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
 def format_table(plan: Plan) -> str:

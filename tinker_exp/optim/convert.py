@@ -16,12 +16,38 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from tinker_exp.errors import ConfigError
+
 # The keys verl's OptimStepParams carries, in a stable order.
 OVERRIDE_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
-class ConfigError(ValueError):
-    """A config value is wrong. The message names the config key and the value."""
+def plain(node: Any) -> Any:
+    """An OmegaConf node as plain dicts and lists (interpolations resolved); anything else as it is."""
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig, ListConfig)) else node
+
+
+def override_mapping(node: Any, where: str = "override") -> Mapping[str, Any]:
+    """The override node as a mapping of known keys only; None (no override selected) is empty."""
+    node = plain(node)
+    if node is None:
+        return {}
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of {list(OVERRIDE_KEYS)}, got {node!r}")
+    unknown = [key for key in node if key not in OVERRIDE_KEYS]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys: {list(OVERRIDE_KEYS)}")
+    return node
+
+
+def betas_pair(value: Any, key: str) -> list[Any]:
+    """betas as its two components (each still a constant or a schedule); anything else is an error."""
+    if not isinstance(value, (ListConfig, Sequence)) or isinstance(value, str):
+        raise ConfigError(f"{key}: expected a list of two numbers [beta1, beta2], got {value!r}")
+    items = list(value)
+    if len(items) != 2:
+        raise ConfigError(f"{key}: expected two values [beta1, beta2], got {len(items)}: {items!r}")
+    return items
 
 
 def _number(value: Any, key: str) -> float:
@@ -43,12 +69,7 @@ def _number(value: Any, key: str) -> float:
 
 
 def _betas(value: Any, key: str) -> tuple[float, float]:
-    if isinstance(value, (ListConfig, Sequence)) and not isinstance(value, str):
-        items = list(value)
-    else:
-        raise ConfigError(f"{key}: expected a list of two numbers [beta1, beta2], got {value!r}")
-    if len(items) != 2:
-        raise ConfigError(f"{key}: expected two values [beta1, beta2], got {len(items)}: {items!r}")
+    items = betas_pair(value, key)
     betas = tuple(_number(item, f"{key}[{i}]") for i, item in enumerate(items))
     for i, beta in enumerate(betas):
         if not 0.0 <= beta < 1.0:
@@ -74,15 +95,7 @@ def convert_params(node: Any, where: str = "override") -> dict[str, Any]:
 
     ``None`` (no override selected) and ``null`` values mean "not sent", as in verl.
     """
-    if node is None:
-        return {}
-    if isinstance(node, DictConfig):
-        node = OmegaConf.to_container(node, resolve=True)
-    if not isinstance(node, Mapping):
-        raise ConfigError(f"{where}: expected a mapping of {list(OVERRIDE_KEYS)}, got {node!r}")
-    unknown = [key for key in node if key not in OVERRIDE_KEYS]
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys: {list(OVERRIDE_KEYS)}")
+    node = override_mapping(node, where)
     return {
         key: convert_value(key, node[key], where)
         for key in OVERRIDE_KEYS

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from tinker_exp.preview import text_table
+from tinker_exp.formats import read_jsonl, text_table
 
 # What Slurm tells a job about itself (sbatch / srun set these in the job's environment).
 SLURM_VARIABLES = {
@@ -86,7 +86,7 @@ def read_outcome(
     outcome = JobOutcome(num, list(overrides), status, str(run_dir), error, job_id)
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        rows = read_jsonl(metrics)
         outcome.steps = len(rows)
         losses = [row["train/loss"] for row in rows if "train/loss" in row]
         outcome.final_loss = losses[-1] if losses else None

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
+
+from tinker_exp.config import LoggerConfig
+from tinker_exp.formats import read_jsonl
+
+log = logging.getLogger(__name__)
 
 
 class JsonlSink:
@@ -38,14 +44,7 @@ class JsonlSink:
 
 def keep_rows_before(path: Path, step: int) -> None:
     """Rewrite `path` (atomically) with only its complete rows of train/step < step."""
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # a line cut short by a kill
-            continue
-        if row.get("train/step", step) < step:
-            kept.append(line + "\n")
+    kept = [json.dumps(row) + "\n" for row in read_jsonl(path) if row.get("train/step", step) < step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
@@ -72,7 +71,7 @@ class WandbSink:
         self.broken = False
 
     @classmethod
-    def start(cls, logger_cfg: Any, run_dir: Path, config: dict[str, Any], name: str) -> "WandbSink | None":
+    def start(cls, logger_cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str) -> "WandbSink | None":
         """Start a W&B run; on any failure warn and return None (training goes on, JSONL is complete).
 
         One W&B run id per run dir (kept in `wandb_run_id`): a run continued in the same dir (resume, a
@@ -99,10 +98,12 @@ class WandbSink:
                 mode=mode,
                 dir=str(run_dir),
                 config=config,
-                settings=wandb.Settings(init_timeout=logger_cfg.init_timeout_s, x_disable_viewer=True),
+                # silent: no banner or run summary on the terminal; one line of ours says where the run is.
+                settings=wandb.Settings(init_timeout=logger_cfg.init_timeout_s, x_disable_viewer=True, silent=True),
             )
             run.define_metric("train/step")
             run.define_metric("*", step_metric="train/step")
+            log.info(f"W&B run {run.id} ({mode}): {run.dir}")
             return cls(run)
         except Exception as e:  # no key, no network, bad entity: never stop training for the logger
             warnings.warn(f"W&B could not start ({type(e).__name__}: {e}); metrics.jsonl only", stacklevel=2)
@@ -157,7 +158,7 @@ class ProgressBar:
 class Sinks:
     """Fan-out to every sink; closing always closes all of them."""
 
-    def __init__(self, sinks: list[Any]):
+    def __init__(self, sinks: list[Any]):  # Sink or None (a sink that did not start)
         self.sinks = [s for s in sinks if s is not None]
 
     def log(self, row: dict[str, Any]) -> None:

@@ -1,22 +1,26 @@
-"""verl's TinkerTrainingWorker on a Ray worker group: the only module that imports verl and Ray.
+"""verl's TinkerTrainingWorker on a Ray worker group: the real ``Workers`` of the training loop.
 
 GPUs (nccl, bf16) when the device is cuda; CPU gloo workers otherwise, through the platform plugin in
-``tinker_exp.cpu_platform``. The loop talks to :class:`TinkerWorkers` and nothing else.
+``tinker_exp.runtime.cpu_platform``. The loop talks to :class:`TinkerWorkers` through the ``Workers`` protocol.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import warnings
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from tinker_exp.config import BackendConfig, OptimizerConfig, TrainerConfig
+from tinker_exp.optim.convert import OVERRIDE_KEYS
+from tinker_exp.runtime.worker_output import WorkerOutput
+from tinker_exp.train.protocols import StepResult
+from tinker_exp.train.signals import sigterm_handler_kept
+
 CPU_PLATFORM_ENV = {
-    "VERL_USE_EXTERNAL_MODULES": "tinker_exp.cpu_platform",  # verl imports it at `import verl`
+    "VERL_USE_EXTERNAL_MODULES": "tinker_exp.runtime.cpu_platform",  # verl imports it at `import verl`
     "VERL_PLATFORM": "cpu",
     # verl's own override of the engine-registry lookup; the FSDP engine code is device-agnostic.
     "VERL_ENGINE_DEVICE": "cuda",
@@ -68,8 +72,6 @@ def _worker_class():
     from verl.utils.device import get_device_name
     from verl.workers.engine_workers_tinker import TinkerTrainingWorker, _iter_optimizer_param_groups
 
-    from tinker_exp.overrides import OVERRIDE_KEYS
-
     class TinkerExpWorker(TinkerTrainingWorker):
         """verl's worker, plus gloo start-up on CPU and a read-back of the param groups."""
 
@@ -100,66 +102,82 @@ def _worker_class():
     return TinkerExpWorker
 
 
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    applied: list[list[dict[str, Any]]]  # per rank, per param group
-
-
 class TinkerWorkers:
     """A Ray worker group of TinkerTrainingWorkers with one FSDP2 engine over all ranks."""
 
-    def __init__(self, cfg: Any, model_path: str, optimizer_values: dict[str, Any], device: str):
+    def __init__(
+        self,
+        backend: BackendConfig,
+        optimizer: OptimizerConfig,
+        trainer: TrainerConfig,
+        model_path: str,
+        optimizer_values: dict[str, Any],
+        device: str,
+        output: WorkerOutput | None = None,
+    ):
+        """`output`: where what the workers print goes (None: the terminal, as Ray prints it)."""
         self.device = device
+        self.output = output
         env = platform_env(device)
         os.environ.update(env)  # the driver resolves verl's platform too (placement groups)
         if device == "cpu":
-            import tinker_exp.cpu_platform  # noqa: F401  (registers it even if verl was imported earlier)
+            import tinker_exp.runtime.cpu_platform  # noqa: F401  (registers it even if verl was imported earlier)
         import ray
-        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
         # A cluster we start is ours to stop; one we join (address, or already initialized) is shared.
-        self.owns_ray = not ray.is_initialized() and not cfg.backend.ray_address
+        self.owns_ray = not ray.is_initialized() and not backend.ray_address
         if not ray.is_initialized():
-            caller_sigterm = signal.getsignal(signal.SIGTERM)  # ray.init replaces it with a sys.exit
-            ray.init(
-                # None: a new local cluster, never one found through /tmp/ray/ray_current_cluster.
-                address=cfg.backend.ray_address or "local",
-                runtime_env={"env_vars": env},
-                include_dashboard=False,
-                log_to_driver=True,
-                configure_logging=False,
-            )
-            if caller_sigterm is not None and threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, caller_sigterm)
-        wait_for_nodes(cfg.backend.nodes, cfg.backend.nodes_timeout_s)
-        worker_cls = _worker_class()
-        on_gpu = device == "cuda"
-        self.pool = pool = RayResourcePool(
-            process_on_nodes=[cfg.backend.num_workers] * cfg.backend.nodes,  # one placement group per node
-            use_gpu=on_gpu,
-            max_colocate_count=1,  # the default (10) makes each bundle ask for 10 CPUs: it hangs
-        )
-        init = RayClassWithInitArgs(
-            cls=ray.remote(worker_cls), config=self._worker_config(cfg, model_path, optimizer_values)
-        )
-        # worker_env reaches the workers even when we join a cluster someone else started.
-        from verl.workers.utils.losses import sft_loss
-
-        self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=device, worker_env=env)
+            with sigterm_handler_kept():  # ray.init replaces it with a sys.exit
+                ray.init(
+                    # None: a new local cluster, never one found through /tmp/ray/ray_current_cluster.
+                    address=backend.ray_address or "local",
+                    runtime_env={"env_vars": env},
+                    include_dashboard=False,
+                    log_to_driver=True,  # worker output reaches the driver, which writes it to workers.log
+                    configure_logging=False,
+                )
+        self.pool = self.group = None
+        if output is not None:
+            output.start()
         try:
-            self.group.reset()  # builds model, FSDP2, optimizer on every rank
-            self.group.set_loss_fn(partial(sft_loss, config=None))
+            self._start(ray, backend, optimizer, trainer, model_path, optimizer_values, env)
         except BaseException:
             self.shutdown()
             raise
 
-    def _worker_config(self, cfg: Any, model_path: str, optimizer_values: dict[str, Any]):
+    def _start(self, ray, backend, optimizer, trainer, model_path, optimizer_values, env) -> None:
+        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from verl.workers.utils.losses import sft_loss
+
+        wait_for_nodes(backend.nodes, backend.nodes_timeout_s)
+        worker_cls = _worker_class()
+        on_gpu = self.device == "cuda"
+        self.pool = pool = RayResourcePool(
+            process_on_nodes=[backend.num_workers] * backend.nodes,  # one placement group per node
+            use_gpu=on_gpu,
+            max_colocate_count=1,  # the default (10) makes each bundle ask for 10 CPUs: it hangs
+        )
+        init = RayClassWithInitArgs(
+            cls=ray.remote(worker_cls),
+            config=self._worker_config(backend, optimizer, trainer, model_path, optimizer_values),
+        )
+        # worker_env reaches the workers even when we join a cluster someone else started.
+        self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=self.device, worker_env=env)
+        self.group.reset()  # builds model, FSDP2, optimizer on every rank
+        self.group.set_loss_fn(partial(sft_loss, config=None))
+
+    def _worker_config(
+        self,
+        backend: BackendConfig,
+        optimizer: OptimizerConfig,
+        trainer: TrainerConfig,
+        model_path: str,
+        optimizer_values: dict[str, Any],
+    ):
         from verl.trainer.config import CheckpointConfig
         from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
 
-        precision = cfg.backend.precision.value
+        precision = backend.precision.value
         if precision == "auto":
             precision = "bf16" if self.device == "cuda" else "fp32"
         param_dtype = "bf16" if precision == "bf16" else "fp32"
@@ -171,24 +189,24 @@ class TinkerWorkers:
                 enable_gradient_checkpointing=False,
             ),
             engine_config=FSDPEngineConfig(
-                strategy=cfg.backend.strategy,
+                strategy=backend.strategy,
                 use_dynamic_bsz=False,
-                micro_batch_size_per_gpu=cfg.backend.micro_batch_size,
+                micro_batch_size_per_gpu=backend.micro_batch_size,
                 mixed_precision={"param_dtype": param_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
                 use_torch_compile=self.device == "cuda",
-                seed=cfg.trainer.seed,
+                seed=trainer.seed,
             ),
             # Built from the converted values: the param groups hold exactly float and tuple, so verl's
             # strict check at the worker agrees with ours.
             optimizer_config=FSDPOptimizerConfig(
-                optimizer=cfg.optimizer.name.value,
+                optimizer=optimizer.name.value,
                 lr=optimizer_values["lr"],
                 betas=optimizer_values["betas"],
                 weight_decay=optimizer_values["weight_decay"],
                 override_optimizer_config={"eps": optimizer_values["eps"]},
-                clip_grad=float(cfg.optimizer.clip_grad),
+                clip_grad=float(optimizer.clip_grad),
                 lr_scheduler_type="constant",  # the client owns the schedule (optimizer_step never steps it)
-                total_training_steps=int(cfg.trainer.steps),
+                total_training_steps=int(trainer.steps),
             ),
             checkpoint_config=CheckpointConfig(),
         )
@@ -235,6 +253,13 @@ class TinkerWorkers:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Free the workers. Bounded: under Slurm, scancel and requeue SIGTERM Ray's own daemons too, and a
         call to a dead GCS would block until Slurm's SIGKILL (then no exit code, no closed logs)."""
+        try:
+            self._free(timeout_s)
+        finally:
+            if self.output is not None:
+                self.output.stop()
+
+    def _free(self, timeout_s: float) -> None:
         import ray
 
         if self.owns_ray:
@@ -242,9 +267,9 @@ class TinkerWorkers:
             return
 
         def free() -> None:  # on a shared cluster: free our actors and placement groups for the next job
-            for worker in self.group.workers:
+            for worker in self.group.workers if self.group is not None else []:
                 ray.kill(worker)
-            for placement_group in self.pool.pgs or []:
+            for placement_group in (self.pool.pgs if self.pool is not None else None) or []:
                 ray.util.remove_placement_group(placement_group)
 
         freeing = threading.Thread(target=free, name="free-ray-workers", daemon=True)

@@ -1,4 +1,4 @@
-"""SFT data: JSONL rows -> tokenized examples -> the batch for each step.
+"""SFT data: JSONL rows -> tokenized examples -> the batch for each step. Pure Python (the tokenizer is passed in).
 
 The batch of a step is a pure function of (data, seed, step), so a resumed run sees the same data.
 """
@@ -12,22 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tinker_exp.overrides import ConfigError
-
-ASSETS = Path(__file__).parent / "assets"
+from tinker_exp.config import DataConfig
+from tinker_exp.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class Example:
     input_ids: list[int]
     loss_mask: list[int]  # 1 on the tokens the model is trained to produce (response + eos)
-
-
-def resolve_path(path: str) -> Path:
-    resolved = ASSETS / path.removeprefix("builtin:") if path.startswith("builtin:") else Path(path)
-    if not resolved.is_file():
-        raise ConfigError(f"data.path: no such file: {path!r} (looked at {resolved})")
-    return resolved
 
 
 def read_rows(path: Path, prompt_key: str, response_key: str) -> list[dict[str, str]]:
@@ -48,7 +40,7 @@ def read_rows(path: Path, prompt_key: str, response_key: str) -> list[dict[str, 
     return rows
 
 
-def tokenize(rows: list[dict[str, str]], tokenizer: Any, data_cfg: Any) -> list[Example]:
+def tokenize(rows: list[dict[str, str]], tokenizer: Any, data_cfg: DataConfig) -> list[Example]:
     examples = []
     for row in rows:
         prompt = [tokenizer.bos_token_id] + tokenizer.encode(row[data_cfg.prompt_key] + "\n", add_special_tokens=False)

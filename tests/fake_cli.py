@@ -1,0 +1,18 @@
+"""`python tests/fake_cli.py ARGS`: the real CLI (Hydra, config, sinks, signals), with FakeWorkers for verl.
+
+For bookkeeping tests that need a separate process (W&B's service killed under it). FAKE_GATE_STEP and
+FAKE_GATE_FILE make the fake wait before that step until the file exists.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tinker_exp.main  # noqa: E402
+from fakes import fake_workers  # noqa: E402
+
+gate = (int(os.environ["FAKE_GATE_STEP"]), Path(os.environ["FAKE_GATE_FILE"])) if "FAKE_GATE_FILE" in os.environ else None
+tinker_exp.main.verl_workers = fake_workers(gate=gate)
+tinker_exp.main.main()

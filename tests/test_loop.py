@@ -1,0 +1,238 @@
+"""The loop's bookkeeping through the real entry (config, plan, sinks, checkpoints), with FakeWorkers for verl.
+
+What verl itself does is proven by the real runs in test_train_e2e and test_resume; here: which rows are
+written, what is sent each step, resume row-dropping, the non-finite count and stop rule, and W&B failures.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from fakes import FakeWorkers, fake_workers
+from helpers import REPO, compose, environment, metrics_rows, read_jsonl, wait_until
+from tinker_exp.errors import AppliedMismatchError, ConfigError, NonFiniteError
+from tinker_exp.main import run
+from tinker_exp.train.sinks import JsonlSink, Sinks, WandbSink
+
+OPTIMIZER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+
+
+def test_every_step_sends_the_converted_override_and_logs_requested_and_applied(tmp_path):
+    start = fake_workers()
+    overrides = ["+override=constant", "override.lr=5e-4", "override.weight_decay=0", "override.betas=[0.9,0.95]"]
+    last = run(compose(*overrides, "trainer.steps=6", "logger=none"), tmp_path, start_workers=start)
+    (workers,) = start.started
+    sent = {"lr": 5e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+    assert workers.calls == [sent] * 6
+    assert all(type(call["weight_decay"]) is float and type(call["betas"]) is tuple for call in workers.calls)
+    rows = metrics_rows(tmp_path)
+    assert [row["train/step"] for row in rows] == list(range(6)) and rows[-1] == last
+    flat = {"lr": 5e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
+    for row in rows:
+        assert {k: row[f"requested/{k}"] for k in flat} == flat == {k: row[f"applied/{k}"] for k in flat}
+    assert workers.shut_down
+
+
+def test_no_override_sends_nothing_and_every_row_shows_the_optimizer_values(tmp_path):
+    start = fake_workers()
+    run(compose("trainer.steps=5", "logger=none"), tmp_path, start_workers=start)
+    assert start.started[0].calls == [{}] * 5  # an empty override: the worker group sends verl None
+    rows = metrics_rows(tmp_path)
+    assert len(rows) == 5
+    for row in rows:
+        assert not any(key.startswith("requested/") for key in row)
+        assert {k: row[f"applied/{k}"] for k in OPTIMIZER} == OPTIMIZER
+
+
+def test_a_schedule_sends_each_steps_value_of_the_plan(tmp_path):
+    start = fake_workers()
+    run(compose("+override=[lr_cosine,beta2_warmup]", "trainer.steps=12", "logger=none"), tmp_path, start_workers=start)
+    plan = read_jsonl(tmp_path / "plan.jsonl")
+    calls = start.started[0].calls
+    assert [call["lr"] for call in calls] == [step["lr"] for step in plan]
+    assert [call["betas"] for call in calls] == [(step["beta1"], step["beta2"]) for step in plan]
+    assert len({call["lr"] for call in calls}) > 6  # it really changes
+
+
+class OneGroupDrifts(FakeWorkers):
+    """verl applies what it is sent; this one alters rank 1's group 0 after step 2 (what the check must catch)."""
+
+    def train_step(self, examples, optim_step_params):
+        result = super().train_step(examples, optim_step_params)
+        if self.steps_done == 3:
+            result.applied[1][0]["lr"] = 7e-4
+        return result
+
+
+def test_an_applied_value_that_differs_stops_the_run_naming_rank_and_group(tmp_path):
+    started = []
+
+    def start(cfg, plan, model_path, run_dir):
+        started.append(OneGroupDrifts(plan.optimizer_values))
+        return started[0]
+
+    with pytest.raises(AppliedMismatchError, match=r"step 2: rank 1 param group 0 holds lr=0.0007, but 0.0005 was requested"):
+        run(compose("+override.lr=5e-4", "trainer.steps=6", "logger=none"), tmp_path, start_workers=start)
+    assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1]  # the bad step is not logged as fine
+    assert started[0].shut_down
+
+
+def test_a_non_finite_step_stops_the_run_before_it_saves_again(tmp_path):
+    start = fake_workers(nonfinite_at=[5])
+    with pytest.raises(NonFiniteError, match=r"step 5: loss=nan, grad_norm=nan; 1 non-finite step\(s\), trainer.max_nonfinite_steps=0"):
+        run(compose("trainer.steps=10", "checkpoint.every_steps=2", "checkpoint.keep_last=0", "logger=none"), tmp_path, start_workers=start)
+    assert [row["train/nonfinite_steps"] for row in metrics_rows(tmp_path)] == [0, 0, 0, 0, 0, 1]
+    assert start.started[0].saved == [2, 4]
+    state = json.loads((tmp_path / "checkpoints" / "step_00000004" / "loop.json").read_text())
+    assert state == {"step": 4, "seed": 0, "nonfinite_steps": 0}
+
+
+def test_non_finite_steps_up_to_the_limit_are_counted_and_tolerated(tmp_path):
+    start = fake_workers(nonfinite_at=[3, 7])
+    common = ["trainer.steps=10", "checkpoint.every_steps=5", "logger=none"]
+    run(compose(*common, "trainer.max_nonfinite_steps=2"), tmp_path / "two", start_workers=start)
+    rows = metrics_rows(tmp_path / "two")
+    assert [row["train/nonfinite_steps"] for row in rows] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert json.loads((tmp_path / "two" / "checkpoints" / "step_00000010" / "loop.json").read_text())["nonfinite_steps"] == 2
+    with pytest.raises(NonFiniteError, match=r"step 7: .*2 non-finite step\(s\), trainer.max_nonfinite_steps=1"):
+        run(compose(*common, "trainer.max_nonfinite_steps=1"), tmp_path / "one", start_workers=fake_workers(nonfinite_at=[3, 7]))
+
+
+class CrashesAt(FakeWorkers):
+    crash_at = 6
+
+    def train_step(self, examples, optim_step_params):
+        if self.steps_done == self.crash_at:
+            raise RuntimeError("killed")
+        return super().train_step(examples, optim_step_params)
+
+
+def test_a_resumed_run_logs_every_step_once_and_continues_the_plan(tmp_path):
+    common = ["+override=lr_cosine", "trainer.steps=10", "checkpoint.every_steps=4", "logger=none"]
+    run(compose(*common), tmp_path / "whole", start_workers=fake_workers())
+    whole = metrics_rows(tmp_path / "whole")
+
+    with pytest.raises(RuntimeError, match="killed"):  # steps 4 and 5 are logged after the checkpoint at 4
+        run(compose(*common), tmp_path / "run", start_workers=lambda cfg, plan, *_: CrashesAt(plan.optimizer_values))
+    assert [row["train/step"] for row in metrics_rows(tmp_path / "run")] == list(range(6))
+    start = fake_workers()
+    run(compose(*common), tmp_path / "run", start_workers=start)
+    assert start.started[0].calls[0]["lr"] == read_jsonl(tmp_path / "run" / "plan.jsonl")[4]["lr"]
+    rows = metrics_rows(tmp_path / "run")
+    assert [row["train/step"] for row in rows] == list(range(10))  # 4 and 5 once, from the resumed run
+    assert len(rows) == len(whole)
+    for got, want in zip(rows, whole):
+        assert (got["train/loss"], got["applied/lr"]) == (want["train/loss"], want["applied/lr"])
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_says_so(tmp_path):
+    common = ["+override=lr_cosine", "trainer.steps=12", "checkpoint.every_steps=4", "logger=none"]
+    run(compose(*common, "trainer.steps=8"), tmp_path, start_workers=fake_workers())
+    shard = tmp_path / "checkpoints" / "step_00000008" / "workers" / "fake_rank_1.json"
+    shard.write_bytes(shard.read_bytes()[:100])
+    start = fake_workers()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(compose(*common), tmp_path, start_workers=start)
+    (message,) = [str(w.message) for w in caught if "broken checkpoint" in str(w.message)]
+    assert message.startswith(f"not resuming from a broken checkpoint: {shard}: 100 bytes, the manifest says")
+    assert message.endswith("falling back to step_00000004")
+    assert start.started[0].calls[0]["lr"] == read_jsonl(tmp_path / "plan.jsonl")[4]["lr"]  # resumed at step 4
+    assert [row["train/step"] for row in metrics_rows(tmp_path)] == list(range(12))
+
+
+def test_resume_never_refuses_a_run_dir_with_checkpoints_and_overwrites_nothing(tmp_path):
+    run(compose("trainer.steps=4", "logger=none"), tmp_path, start_workers=fake_workers())
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match="resume=never, but .* holds checkpoints"):
+        run(compose("trainer.steps=4", "logger=none", "resume=never"), tmp_path, start_workers=fake_workers())
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != "job.json"}
+    assert after == {p: b for p, b in before.items() if p.name != "job.json"}
+
+
+def test_wandb_that_cannot_start_leaves_training_and_metrics_jsonl_alone(tmp_path, monkeypatch):
+    # Online with no API key: W&B refuses at once (and only loopback is named, should it try anything).
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(compose("trainer.steps=3", "logger.mode=online", "logger.init_timeout_s=5"), tmp_path, start_workers=fake_workers())
+    assert [str(w.message) for w in caught if "W&B could not start" in str(w.message)]
+    assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1, 2]
+    assert not list((tmp_path / "wandb").glob("*run-*"))
+
+
+class DiesAfter:
+    """A W&B run whose service dies after `ok` calls (every later call raises, as wandb's do)."""
+
+    def __init__(self, ok: int):
+        self.ok, self.calls = ok, 0
+
+    def _call(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls > self.ok:
+            raise BrokenPipeError("the service is gone")
+
+    log = finish = _call
+
+
+def test_a_wandb_sink_that_breaks_warns_once_and_the_other_sinks_go_on(tmp_path):
+    jsonl, run_ = JsonlSink(tmp_path / "metrics.jsonl"), DiesAfter(ok=2)
+    sinks = Sinks([WandbSink(run_), jsonl])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            sinks.log({"train/step": step})
+        sinks.close(0)
+    assert [str(w.message).split(" (")[0] for w in caught] == ["W&B stopped working"]
+    assert run_.calls == 3  # not called again once broken, not even finish()
+    assert [row["train/step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(5))
+
+
+def test_wandb_service_killed_mid_run_one_warning_and_every_step_logged(tmp_path):
+    """The real W&B service of a real CLI process is killed at step 2 (fake workers wait for the test's go)."""
+    import psutil
+
+    steps, gate = 6, tmp_path / "go"
+    driver = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "fake_cli.py"), f"trainer.steps={steps}", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=REPO, env=environment({"FAKE_GATE_STEP": "2", "FAKE_GATE_FILE": str(gate)}), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: len(metrics_rows(tmp_path / "run")) >= 2, 180, "training never started", driver)
+        services = [p for p in psutil.Process(driver.pid).children(recursive=True) if "wandb-core" in p.name()]
+        assert services, "no wandb-core process under the driver"
+        for service in services:
+            service.kill()
+        gone = lambda: all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in services)  # noqa: E731
+        wait_until(gone, 60, "wandb-core did not die")
+        gate.touch()
+        _, stderr = driver.communicate(timeout=180)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, stderr[-3000:]
+    assert stderr.count("W&B stopped working") == 1, stderr[-3000:]
+    assert [row["train/step"] for row in metrics_rows(tmp_path / "run")] == list(range(steps))
+
+
+def test_sigterm_in_the_cli_exits_143_with_every_finished_step_kept(tmp_path):
+    gate = tmp_path / "never"  # the fake waits at step 3 until SIGTERM stops the run
+    driver = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "fake_cli.py"), "trainer.steps=10", "logger=none", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO, env=environment({"FAKE_GATE_STEP": "3", "FAKE_GATE_FILE": str(gate)}), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: len(metrics_rows(tmp_path)) >= 3, 180, "training never started", driver)
+        driver.send_signal(signal.SIGTERM)
+        _, stderr = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    assert driver.returncode == 143, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "tinker_exp: stopped: terminated by SIGTERM (scancel, preemption or the end of the time limit)"
+    assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1, 2]

@@ -1,0 +1,29 @@
+"""Config: the typed schema (defaults, meanings, per-group checks) and the checks across groups. Pure Python."""
+
+from tinker_exp.config.schema import (
+    BackendConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoggerConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainerConfig,
+    register,
+)
+from tinker_exp.config.validate import check, data_path, load
+
+__all__ = [
+    "BackendConfig",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "LoggerConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "TrainerConfig",
+    "check",
+    "data_path",
+    "load",
+    "register",
+]

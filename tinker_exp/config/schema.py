@@ -1,0 +1,241 @@
+"""The typed config: every default and its meaning live here, once; ``conf/`` YAML files hold only what differs.
+
+Registered with Hydra's ConfigStore (``register``), so a wrong type fails at compose time. Each group checks its
+own ranges in ``__post_init__`` (run by ``OmegaConf.to_object``); checks across groups live in
+``tinker_exp.config.validate``. Pure Python (stdlib, omegaconf, hydra).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional, Tuple
+
+from tinker_exp.errors import ConfigError
+
+SCHEMA_NAME = "tinker_exp_schema"
+"""The name conf/config.yaml lists first in its defaults."""
+
+
+def _at_least(minimum: float, **values: Any) -> None:
+    for key, value in values.items():
+        if value < minimum:
+            raise ConfigError(f"{key}: must be >= {minimum}, got {value!r}")
+
+
+class Device(str, Enum):
+    auto = "auto"  # cuda when torch sees a GPU, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(str, Enum):
+    auto = "auto"  # bf16 on cuda, fp32 on cpu (bf16 autocast on CPU is slow and inexact)
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class LoggerName(str, Enum):
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(str, Enum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class OptimizerName(str, Enum):
+    AdamW = "AdamW"
+    Adam = "Adam"
+
+
+class ResumeMode(str, Enum):
+    auto = "auto"  # continue from the newest usable checkpoint in the run dir, if it has one
+    must = "must"  # the same, but fail when there is none
+    never = "never"  # start at step 0; fail if the run dir already has checkpoints (nothing is overwritten)
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """A local HF model dir. None: build the tiny model below offline (once; cached in cache_dir)."""
+    name: str = "tiny-llama"
+    """Name of the built model (its cache folder's prefix)."""
+    vocab_size: int = 384
+    """Tiny model: size of the byte-level BPE vocabulary trained on the data."""
+    hidden_size: int = 64
+    """Tiny model: width."""
+    intermediate_size: int = 128
+    """Tiny model: MLP width."""
+    num_layers: int = 2
+    """Tiny model: decoder layers."""
+    num_heads: int = 4
+    """Tiny model: attention heads."""
+    max_position_embeddings: int = 256
+    """Tiny model: longest sequence."""
+    init_seed: int = 0
+    """Tiny model: seed of its random initialisation."""
+    cache_dir: str = "${oc.env:TINKER_EXP_CACHE,'~/.cache/tinker_exp'}"
+    """Where built models are cached."""
+
+    def __post_init__(self) -> None:
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "max_position_embeddings")
+        _at_least(1, **{f"model.{key}": getattr(self, key) for key in sizes})
+
+
+@dataclass
+class DataConfig:
+    path: str = "builtin:tiny_sft.jsonl"
+    """A JSONL file of prompt/response rows; "builtin:NAME" is a file shipped in tinker_exp/assets."""
+    prompt_key: str = "prompt"
+    """The prompt's field in each row."""
+    response_key: str = "response"
+    """The response's field in each row (the loss is on its tokens only)."""
+    max_length: int = 128
+    """Tokens per example; longer ones are cut."""
+    shuffle: bool = True
+    """Shuffle each epoch (seeded by trainer.seed and the epoch: a resumed run sees the same order)."""
+
+    def __post_init__(self) -> None:
+        _at_least(1, **{"data.max_length": self.max_length})
+
+
+@dataclass
+class OptimizerConfig:
+    """The worker's optimizer. lr, betas, eps and weight_decay are converted (float, tuple) and range-checked
+    by the same converter as overrides (tinker_exp.optim.convert), so its param groups hold exactly those types."""
+
+    name: OptimizerName = OptimizerName.AdamW
+    """torch.optim class verl builds."""
+    lr: float = 1e-3
+    """Learning rate the optimizer is built with (an override replaces it per step)."""
+    betas: Tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW)."""
+    clip_grad: float = 1.0
+    """Gradient-norm clip."""
+
+    def __post_init__(self) -> None:
+        _at_least(0, **{"optimizer.clip_grad": self.clip_grad})
+
+
+@dataclass
+class BackendConfig:
+    strategy: str = "fsdp2"
+    """verl engine strategy."""
+    num_workers: int = 2
+    """Workers (GPUs) per node."""
+    nodes: int = 1
+    """Ray nodes the workers span; >1 joins a multi-node Ray cluster (launchers/slurm_multinode.sbatch)."""
+    nodes_timeout_s: float = 300.0
+    """How long to wait for that many Ray nodes to join."""
+    device: Device = Device.auto
+    """auto: CUDA GPUs (nccl, bf16) when torch sees one, else CPU gloo workers (fp32)."""
+    micro_batch_size: int = 2
+    """Sequences per worker per forward pass; the rest of a worker's batch is gradient accumulation."""
+    precision: Precision = Precision.auto
+    """auto: bf16 on cuda, fp32 on cpu."""
+    ray_address: Optional[str] = "${oc.env:RAY_ADDRESS,null}"
+    """A Ray cluster to join; None: start a local one (and stop it at the end)."""
+
+    def __post_init__(self) -> None:
+        if min(self.num_workers, self.nodes, self.micro_batch_size) < 1:
+            raise ConfigError(
+                f"backend.num_workers={self.num_workers}, backend.nodes={self.nodes} and "
+                f"backend.micro_batch_size={self.micro_batch_size} must be >= 1"
+            )
+        if self.nodes_timeout_s <= 0:
+            raise ConfigError(f"backend.nodes_timeout_s: must be > 0, got {self.nodes_timeout_s!r}")
+
+
+@dataclass
+class LoggerConfig:
+    name: LoggerName = LoggerName.wandb
+    """wandb: W&B beside metrics.jsonl; none: metrics.jsonl only (it is always written)."""
+    project: str = "tinker_exp"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B entity (team or user); None: the API key's default."""
+    mode: WandbMode = WandbMode.offline
+    """offline by default; online needs WANDB_API_KEY in the environment (never in a config)."""
+    group: Optional[str] = None
+    """None: a sweep's jobs share one group (the sweep dir), a single run has none."""
+    run_name: Optional[str] = None
+    """None: a sweep job's overrides, else the run dir's name."""
+    tags: list = field(default_factory=list)
+    """W&B tags."""
+    init_timeout_s: float = 30.0
+    """How long W&B may take to start before the run goes on without it."""
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    """Optimizer steps of the run."""
+    batch_size: int = 8
+    """Sequences per optimizer step, over all workers."""
+    seed: int = 0
+    """Seed of the data order and the workers."""
+    max_nonfinite_steps: int = 0
+    """Steps with a non-finite loss or grad norm that are tolerated (verl skips their update); one more stops
+    the run (exit 4), keeping the last checkpoint saved before it."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"trainer.steps: must be >= 1, got {self.steps}")
+        if self.batch_size < 1:
+            raise ConfigError(f"trainer.batch_size: must be >= 1, got {self.batch_size}")
+        if self.max_nonfinite_steps < 0:
+            raise ConfigError(f"trainer.max_nonfinite_steps={self.max_nonfinite_steps} must be >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 10
+    """Save after every N steps (0: never periodically)."""
+    at_end: bool = True
+    """Save after the last step."""
+    keep_last: int = 2
+    """Complete checkpoints kept (0: all)."""
+    dir: str = "checkpoints"
+    """Inside the run dir."""
+    sha256: bool = False
+    """Hash every file on save and check on load (sizes are always checked)."""
+
+    def __post_init__(self) -> None:
+        for key in ("every_steps", "keep_last"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"checkpoint.{key}={getattr(self, key)} must be >= 0")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: ResumeMode = ResumeMode.auto
+    """Re-running in the same run dir continues from its newest checkpoint (auto), must (must) or must not (never)."""
+    override: Any = None
+    """Values sent with every optimizer_step (lr, betas, eps, weight_decay; constants or schedules); None: nothing
+    is sent. Selected with +override=NAME or +override.KEY=VALUE; untyped so YAML ints and lists reach the
+    converter as they are."""
+    dry_run: bool = False
+    """Compose and validate everything, write and print the plan, start nothing."""
+    verbose: bool = False
+    """Show what the workers and libraries say on the terminal too (it always goes to the run dir's workers.log)."""
+
+
+def register() -> None:
+    """Store the schema in Hydra's ConfigStore (before composing; idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)

@@ -1,0 +1,75 @@
+"""Every way a run stops on purpose: one exception each, carrying its exit status and one-line label.
+
+The entry point (and a sweep's launcher) print ``tinker_exp: <label>: <message>`` and nothing else: a user's
+mistake never shows a traceback. Pure Python.
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class TinkerExpError(Exception):
+    """Base of the run's own errors. ``exit_code`` is the process's exit status, ``label`` its one-line prefix."""
+
+    exit_code = 1
+    label = "error"
+
+
+class ConfigError(TinkerExpError, ValueError):
+    """A config value is wrong. The message names the config key and the value. Raised before any worker starts."""
+
+    exit_code = 2
+    label = "config error"
+
+
+class AppliedMismatchError(TinkerExpError, RuntimeError):
+    """A param group on some rank does not hold what was sent: the run must not go on silently."""
+
+    exit_code = 3
+    label = "optimizer override not applied"
+
+
+class NonFiniteError(TinkerExpError, RuntimeError):
+    """More non-finite steps than trainer.max_nonfinite_steps allows."""
+
+    exit_code = 4
+    label = "stopped on non-finite values"
+
+
+class CheckpointError(TinkerExpError, RuntimeError):
+    """A checkpoint cannot be used; the message names the checkpoint and the file."""
+
+    exit_code = 5
+    label = "checkpoint error"
+
+
+class Terminated(SystemExit):
+    """SIGTERM (scancel, preemption, requeue): raised in the loop so the run is closed before Slurm's SIGKILL.
+
+    A SystemExit, not a TinkerExpError, on purpose: Hydra's run_job and submitit catch ``Exception`` and would
+    record it as a failure. Let through, a sweep job that Slurm stops writes no result, and its launcher reads
+    the job's fate (CANCELLED, or requeued and running again) from Slurm.
+    """
+
+    exit_code = 128 + signal.SIGTERM
+    label = "stopped"
+    MESSAGE = "terminated by SIGTERM (scancel, preemption or the end of the time limit)"
+
+    def __init__(self, message: str = MESSAGE) -> None:
+        super().__init__(self.exit_code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+STOPS = (TinkerExpError, Terminated)
+"""What the entry point turns into one line and an exit status."""
+
+
+def one_line(error: BaseException) -> str:
+    """``config error: override.lr: ...``: the label and the message (a foreign error: its type and message)."""
+    if isinstance(error, STOPS):
+        return f"{error.label}: {error}"
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,28 @@
+"""Plain-text formats shared by runs and sweeps: JSONL rows and right-aligned tables. Pure Python."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete row; a last line cut short by a kill is skipped (a file is read while it is written)."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    """Right-aligned columns under a dashed rule: plan tables and sweep summaries alike."""
+    cells = [header] + rows
+    widths = [max(len(row[c]) for row in cells) for c in range(len(header))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in cells]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])

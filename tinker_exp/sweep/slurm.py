@@ -1,0 +1,50 @@
+"""Slurm's view of a job: its state in the accounting, and when an ended state can be believed. Pure Python."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from typing import Callable
+
+# Slurm states of a job that may still write its result. A requeued job passes through REQUEUED,
+# PENDING and RUNNING again; PREEMPTED and FAILED can show for a moment on the way (hence the settling).
+ACTIVE_STATES = {
+    "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RUNNING", "COMPLETING",
+    "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING", "STAGE_OUT", "UNKNOWN",
+}  # fmt: skip
+
+
+def slurm_verdict(
+    result_written: Callable[[], bool],
+    state: Callable[[], str],
+    poll_s: float = 5.0,
+    settle_s: float = 20.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str | None:
+    """None once the result is written; else Slurm's end state, taken only once it has held for `settle_s`.
+
+    So a requeued job is waited for again rather than reported from a state it passed through on the way
+    (submitit's own wait takes the first final-looking state it sees).
+    """
+    ended_since = None
+    while not result_written():
+        now, current = clock(), state()
+        if current in ACTIVE_STATES:
+            ended_since = None
+        elif ended_since is None:
+            ended_since = now
+        elif now - ended_since >= settle_s:
+            return current
+        sleep(poll_s)
+    return None
+
+
+def slurm_state(job_id: str) -> str:
+    """The job's state in Slurm's accounting: RUNNING, CANCELLED ("CANCELLED by 0" -> CANCELLED), ..."""
+    sacct = subprocess.run(
+        ["sacct", "--jobs", job_id, "--allocations", "--noheader", "--parsable2", "--format", "State"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    lines = [line for line in sacct.stdout.splitlines() if line.strip()]
+    return lines[-1].split()[0] if sacct.returncode == 0 and lines else "UNKNOWN"

@@ -1,0 +1,41 @@
+"""The seams of the training layer: what the loop needs from the workers and what it hands to sinks.
+
+The real ``Workers`` is ``tinker_exp.runtime.workers.TinkerWorkers`` (verl on Ray); tests stand in a fake to
+check the loop's bookkeeping without a Ray cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+
+@dataclass
+class StepResult:
+    """What one Tinker step (zero_grad -> forward_backward -> optimizer_step) reports back."""
+
+    loss: float
+    grad_norm: float
+    applied: list[list[dict[str, Any]]]
+    """The override keys every param group holds after the step: per rank, per param group."""
+
+
+class Workers(Protocol):
+    """A group of training workers with one model and optimizer over all ranks."""
+
+    def train_step(self, examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult: ...
+
+    def save_checkpoint(self, folder: Path, step: int) -> None: ...
+
+    def load_checkpoint(self, folder: Path) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class Sink(Protocol):
+    """Where each step's metrics row goes (metrics.jsonl, W&B, a progress bar)."""
+
+    def log(self, row: dict[str, Any]) -> None: ...
+
+    def close(self, exit_code: int = 0) -> None: ...
