@@ -53,9 +53,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:
-    """metrics.jsonl of a run that may not have logged its first step yet."""
+    """metrics.jsonl of a run that may still be writing it (no file yet, or a last line half written)."""
+    from tinker_exp.formats import read_jsonl as read_complete_rows
+
     path = run_dir / "metrics.jsonl"
-    return read_jsonl(path) if path.exists() else []
+    return read_complete_rows(path) if path.exists() else []
 
 
 def wait_until(condition, timeout: float, what: str, process: subprocess.Popen | None = None, poll: float = 0.2) -> None:
