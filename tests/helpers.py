@@ -90,7 +90,8 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
 def wandb_records(path: Path) -> list:
-    """Every Record in a .wandb file, in order; checks each chunk's CRC-32."""
+    """Every complete Record in a .wandb file, in order (a file being written may end in a partial chunk);
+    checks each chunk's CRC-32."""
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
@@ -103,6 +104,8 @@ def wandb_records(path: Path) -> list:
             continue
         crc, length, kind = struct.unpack("<IHB", data[offset : offset + 7])
         if kind == 0 and length == 0:
+            break
+        if offset + 7 + length > len(data):  # the writer is not done with this chunk
             break
         payload = data[offset + 7 : offset + 7 + length]
         assert crc == zlib.crc32(payload, zlib.crc32(bytes([kind]))), f"{path}: bad CRC at {offset}"
@@ -148,3 +151,19 @@ def wandb_run_record(records: list):
 def wandb_run_file(run_dir: Path) -> Path:
     (path,) = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     return path
+
+
+def verl_adamw(values: dict):
+    """A real AdamW built by verl from the same FSDPOptimizerConfig fields TinkerWorkers passes (two param groups)."""
+    import torch
+    from verl.workers.config import FSDPOptimizerConfig, build_optimizer
+
+    config = FSDPOptimizerConfig(
+        lr=values["lr"],
+        betas=values["betas"],
+        weight_decay=values["weight_decay"],
+        override_optimizer_config={"eps": values["eps"]},
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
+    return build_optimizer(groups, config)

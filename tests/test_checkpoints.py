@@ -107,7 +107,7 @@ def test_sha256_catches_a_same_size_corruption(tmp_path):
 def test_no_usable_checkpoint_is_an_error_not_a_silent_restart(tmp_path):
     newest = save(tmp_path, 4)
     (newest / "loop.json").unlink()
-    with pytest.raises(CheckpointError, match=f"no usable checkpoint in {tmp_path}:\n  {newest}/loop.json: missing"):
+    with pytest.raises(CheckpointError, match=f"^no usable checkpoint in {tmp_path}: {newest}/loop.json: missing$"):
         latest(tmp_path)
 
 

@@ -90,6 +90,32 @@ def test_cli_bad_override_exits_nonzero_with_a_clear_message(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["optimizer.lr=abc"], "optimizer.lr: Value 'abc' of type 'str' could not be converted to Float"),
+        (["backend.device=tpu"], "backend.device: Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
+        (["trainer.steps=1.5"], "trainer.steps: Value '1.5' of type 'float' could not be converted to Integer"),
+        (["trainer.foo=1"], "trainer.foo: Key 'foo' not in 'TrainerConfig'"),
+        (["+override=nonexistent"], "In 'config': Could not find 'override/nonexistent'"),
+        (["trainer.steps=[1"], "'trainer.steps=[1': no viable alternative at input '[1'"),
+        (["trainer.batch_size=0"], "trainer.batch_size: must be >= 1, got 0"),
+        (["backend.micro_batch_size=0"], "backend.num_workers=2, backend.nodes=1 and backend.micro_batch_size=0 must be >= 1"),
+        (["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0"),
+        (["+override.lr={schedule:cosine,value:true}"], "override.lr.value: expected a number, got True (bool)"),
+        (["+override.lr={schedule:cosine,value:1e-3,min_ratio:2}"], "override.lr.min_ratio: 2 is not in [0, 1]"),
+        (["+override.lr={schedule:linear,start:fast,end:0}"], "override.lr.start: expected a number, got 'fast' (str)"),
+    ],
+)
+def test_every_kind_of_bad_input_is_one_line_and_exit_2(tmp_path, args, line):
+    """Hydra's own compose errors too: the same form as ours, before anything is started or written."""
+    result = run_cli(*args, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [f"tinker_exp: config error: {line}"], result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "config.yaml").exists()
+
+
 def test_cli_unknown_key_lists_the_known_ones(tmp_path):
     result = run_cli("+override.momentum=0.9", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2

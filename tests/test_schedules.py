@@ -128,7 +128,8 @@ def test_every_step_of_a_multi_key_plan_is_converted():
         ({"betas": [0.9, {"schedule": "linear", "start": 0.95, "end": 1.02}]},
          "override.betas[1] at step 72 (linear): 1.0004 is not in [0, 1)"),
         ({"lr": {"schedule": "linear", "start": 1e-3, "end": -1e-3}}, "override.lr at step 51 (linear): must be >= 0"),
-        ({"eps": {"schedule": "exponential", "value": 1e-8, "gamma": 0.0}}, "override.eps at step 1 (exponential): must be > 0"),
+        ({"eps": {"schedule": "linear", "start": 1e-8, "end": -1e-8}}, "override.eps at step 50 (linear): must be > 0"),
+        ({"eps": {"schedule": "exponential", "value": 1e-8, "gamma": 0.0}}, "override.eps.gamma: must be > 0, got 0.0"),
         ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": 150}}, "override.lr.warmup_steps: 150 is longer than the schedule (100 steps)"),
         ({"lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 10, "decay_steps": 95}}, "override.lr: warmup_steps + stable_steps + decay_steps = 105 runs past the end (100 steps)"),
         ({"lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 10, "decay_steps": 50, "stable_steps": 50}}, "= 110 runs past the end"),
@@ -136,19 +137,48 @@ def test_every_step_of_a_multi_key_plan_is_converted():
         ({"lr": {"schedule": "keyframes", "points": {0: 1e-5, 80: 3e-4, 40: 3e-5}}}, "override.lr.points: keyframes out of order: steps [0, 80, 40]"),
         ({"lr": {"schedule": "keyframes", "points": {0: 1e-5, 400: 3e-4}}}, "override.lr.points: keyframe at step 400 is past the end (100 steps)"),
         ({"lr": {"schedule": "multistep", "value": 1e-3, "milestones": [50, 20]}}, "override.lr.milestones: must be strictly increasing"),
-        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup": 10}}, "override.lr (cosine): got an unexpected keyword argument 'warmup'"),
-        ({"lr": {"schedule": "wsd", "value": 1e-3}}, "override.lr (wsd): missing 2 required keyword-only arguments"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup": 10}}, "override.lr (cosine): unknown parameter(s) ['warmup']; cosine takes ['min_ratio', 'num_cycles', 'value', 'warmup_steps']"),
+        ({"lr": {"schedule": "wsd", "value": 1e-3}}, "override.lr (wsd): missing parameter(s) ['decay_steps', 'warmup_steps']"),
         ({"lr": {"schedule": "sawtooth", "value": 1e-3}}, "override.lr.schedule: 'sawtooth' is not one of"),
         ({"lr": {"value": 1e-3}}, "override.lr.schedule: None is not one of"),
-        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": 2.5}}, "override.lr.warmup_steps: expected an integer >= 0, got 2.5"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": 2.5}}, "override.lr.warmup_steps: expected an integer, got 2.5"),
         ({"betas": {"schedule": "linear", "start": 0.9, "end": 0.95}}, "override.betas: schedule each component on its own"),
-        ({"lr": {"schedule": "cosine", "value": float("nan")}}, "override.lr at step 0 (cosine): expected a finite number"),
+        ({"lr": {"schedule": "cosine", "value": float("nan")}}, "override.lr.value: expected a finite number, got nan"),
+        # Schedule parameters are held to the standard of plain values: types, ranges, one error naming the parameter.
+        ({"lr": {"schedule": "cosine", "value": True}}, "override.lr.value: expected a number, got True (bool)"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "min_ratio": False}}, "override.lr.min_ratio: expected a number, got False (bool)"),
+        ({"lr": {"schedule": "linear", "start": "fast", "end": 0}}, "override.lr.start: expected a number, got 'fast' (str)"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "min_ratio": 2}}, "override.lr.min_ratio: 2 is not in [0, 1]"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "num_cycles": -1}}, "override.lr.num_cycles: must be > 0, got -1"),
+        ({"lr": {"schedule": "cosine_restarts", "value": 1e-3, "num_cycles": 0}}, "override.lr.num_cycles: must be >= 1, got 0"),
+        ({"lr": {"schedule": "step", "value": 1e-3, "step_size": 10, "gamma": -0.5}}, "override.lr.gamma: must be > 0, got -0.5"),
+        ({"lr": {"schedule": "multistep", "value": 1e-3, "milestones": [10, "x"]}}, "override.lr.milestones[1]: expected an integer, got 'x'"),
+        ({"lr": {"schedule": "keyframes", "points": {0: 1e-3, 5: "high"}}}, "override.lr.points[5]: expected a number, got 'high' (str)"),
+        ({"lr": {"schedule": "polynomial", "value": 1e-3, "power": 0}}, "override.lr.power: must be > 0, got 0"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "total_steps": 0}}, "override.lr.total_steps: must be >= 1, got 0"),
+        ({"lr": {"schedule": "exponential", "value": 1e-3, "gamma": 1e5}}, "override.lr at step 62 (exponential): cannot be computed"),
     ],
 )
 def test_bad_plans_name_key_schedule_and_first_bad_step(override, message):
     with pytest.raises(ConfigError) as info:
         build_plan(override, OptimizerConfig(), 100)
     assert message in str(info.value)
+
+
+def test_a_warmup_that_fills_a_polynomial_schedule_is_a_plan_not_a_division_by_zero():
+    plan = build_plan({"lr": {"schedule": "polynomial", "value": 1e-3, "end": 1e-5, "warmup_steps": 5, "total_steps": 5}}, OptimizerConfig(), 8)
+    assert [params["lr"] for params in plan.steps] == pytest.approx([0.0, 2e-4, 4e-4, 6e-4, 8e-4, 1e-5, 1e-5, 1e-5])
+
+
+def test_every_schedule_parameter_is_declared_with_a_type_and_range():
+    import inspect
+
+    from tinker_exp.optim.schedules import PARAMS, SCHEDULES
+
+    assert set(PARAMS) == set(SCHEDULES)
+    for kind, function in SCHEDULES.items():
+        keyword = {p.name for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY}
+        assert set(PARAMS[kind]) == keyword, kind
 
 
 def test_schedule_length_defaults_to_the_run_and_can_be_set():

@@ -20,7 +20,7 @@ from helpers import (
     wait_until,
     wandb_history,
     wandb_records,
-    wandb_run_file,
+    wandb_finished_records,
     wandb_run_record,
 )
 from tinker_exp.sweep.slurm import slurm_verdict
@@ -161,7 +161,7 @@ def test_sweep_runs_each_point_as_a_slurm_job(slurm_env, tmp_path):
         metrics = read_jsonl(run_dir / "metrics.jsonl")
         assert [m["train/step"] for m in metrics] == [0, 1, 2]
         assert row["final_loss"] == metrics[-1]["train/loss"]
-        records = wandb_records(wandb_run_file(run_dir))
+        records = wandb_finished_records(run_dir)  # W&B's service may write the exit record a moment later
         run = wandb_run_record(records)
         groups.add(run.run_group)
         assert run.display_name == f"trainer.steps=3,optimizer.lr={lr}"
@@ -196,6 +196,7 @@ def test_a_cancelled_job_is_reported_not_waited_on(slurm_env, tmp_path):
     driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: len(metrics_rows(tmp_path / "0")) >= 2, 180, "the job never started training", driver)
+        wait_until(lambda: wandb_train_rows(tmp_path / "0"), 120, "W&B never wrote a step", driver)
         job_id = job_json(tmp_path / "0")["slurm"]["job_id"]
         subprocess.run(["scancel", job_id], env=environment(slurm_env), check=True)
         _, stderr = driver.communicate(timeout=180)  # reported, never waited on forever
@@ -213,10 +214,22 @@ def test_a_cancelled_job_is_reported_not_waited_on(slurm_env, tmp_path):
     assert steps == list(range(len(steps))) and len(steps) >= 2
     # scancel signals every process of the job, W&B's service too (wandb/wandb#9963): the run cannot be
     # finished, and steps it had not yet written are lost. What it wrote agrees with metrics.jsonl.
-    logged = [row for row in wandb_history(wandb_records(wandb_run_file(tmp_path / "0"))) if "train/loss" in row]
-    assert [row["train/step"] for row in logged] == steps[: len(logged)]
+    logged = wandb_train_rows(tmp_path / "0")
+    assert logged and [row["train/step"] for row in logged] == steps[: len(logged)]
     # then Slurm reaps every process of the job (COMPLETING until then)
     wait_until(lambda: job_id not in squeue(slurm_env).split(), 90, f"job {job_id} still in squeue", poll=1)
+
+
+def wandb_train_rows(run_dir: Path) -> list[dict]:
+    """The steps W&B has written so far (the file may be half written: complete records only)."""
+    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    return [row for row in wandb_history(wandb_records(files[0])) if "train/loss" in row] if files else []
+
+
+def sacct_state(slurm_env: dict, job_id: str) -> str:
+    from tinker_exp.sweep.slurm import slurm_state
+
+    return slurm_state(job_id, env=environment(slurm_env))
 
 
 RAY_TOKEN = "tinker-exp-test-ray-token-0123456789abcdef"
@@ -259,8 +272,10 @@ def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
         wait_until(both_run, 120, "the jobs never started", driver)
         job_ids = [job_json(tmp_path / str(n))["slurm"]["job_id"] for n in (0, 1)]
         driver.send_signal(signal.SIGINT)
-        output, _ = driver.communicate(timeout=60)
+        output, _ = driver.communicate(timeout=120)
     finally:
         driver.kill()
-    assert driver.returncode != 0 and "interrupted: cancelled" in output
-    wait_until(lambda: not set(job_ids) & set(squeue(slurm_env).split()), 90, "jobs still in squeue", poll=1)
+    assert driver.returncode != 0 and f"interrupted: cancelled {', '.join(job_ids)}" in output, output[-3000:]
+    # Slurm's accounting records both as cancelled (not merely gone from the queue)
+    states = lambda: [sacct_state(slurm_env, job_id) for job_id in job_ids]  # noqa: E731
+    wait_until(lambda: states() == ["CANCELLED", "CANCELLED"], 120, f"not cancelled in sacct: {states()}", poll=1)

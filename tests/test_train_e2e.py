@@ -15,8 +15,6 @@ from helpers import (
     run_cli,
     wandb_finished_records,
     wandb_history,
-    wandb_records,
-    wandb_run_file,
     wait_until,
 )
 from tinker_exp.errors import AppliedMismatchError
@@ -31,7 +29,10 @@ STEPS = 8
 def constant_run(ray_address, tmp_path_factory):
     """One 8-step run with a constant override from YAML ints and lists; a W&B key sits in the env."""
     run_dir = tmp_path_factory.mktemp("constant_run")
-    overrides = ["+override=constant", "override.weight_decay=0", "override.betas=[0.9,0.95]", f"trainer.steps={STEPS}"]
+    overrides = [
+        "+override=constant", "override.lr=5e-4", "override.weight_decay=0", "override.betas=[0.9,0.95]",
+        f"trainer.steps={STEPS}", "checkpoint.sha256=true",
+    ]  # fmt: skip
     os.environ["WANDB_API_KEY"] = SECRET
     try:
         last = run(compose(*overrides), run_dir, choices={"override": "constant"})
@@ -51,7 +52,8 @@ def test_loss_falls_and_every_step_is_logged(constant_run):
 
 def test_applied_equals_requested_every_step(constant_run):
     run_dir, _ = constant_run
-    expected = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
+    # every key differs from the optimizer's own value (lr 1e-3, beta2 0.999, weight_decay 0.01), eps aside
+    expected = {"lr": 5e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
     for row in read_jsonl(run_dir / "metrics.jsonl"):
         for key, value in expected.items():
             assert row[f"requested/{key}"] == value
@@ -88,18 +90,38 @@ def test_no_secret_in_logs_or_saved_configs(constant_run):
 
 
 def test_resolved_config_is_saved(constant_run):
+    import yaml
+
     run_dir, _ = constant_run
     text = (run_dir / "config.yaml").read_text()
-    assert "${" not in text and "weight_decay: 0.0" in text
+    saved = yaml.safe_load(text)
+    assert "${" not in text
+    assert saved["override"]["weight_decay"] == 0 and saved["override"]["lr"] == 5e-4  # what was asked for
+    assert saved["optimizer"]["weight_decay"] == 0.01 and saved["trainer"]["steps"] == STEPS  # the rest as composed
 
 
-def test_applied_check_covers_every_rank_and_group():
+def test_a_real_run_with_sha256_writes_every_files_hash(constant_run):
+    import hashlib
+
+    run_dir, _ = constant_run
+    (checkpoint,) = sorted((run_dir / "checkpoints").glob("step_*"))[-1:]
+    files = json.loads((checkpoint / "MANIFEST.json").read_text())["files"]
+    shards = [name for name in files if name.startswith("workers/") and name.endswith(".pt")]
+    assert len(shards) >= 4, files  # model and optimizer of both ranks
+    for name, entry in files.items():
+        assert entry["sha256"] == hashlib.sha256((checkpoint / name).read_bytes()).hexdigest(), name
+
+
+@pytest.mark.parametrize("rank, group", [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_applied_check_covers_every_rank_and_group(rank, group):
     requested = {"lr": 1e-3, "betas": (0.9, 0.95)}
     good = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}
     assert check_applied(0, requested, [[good, good], [good, good]]) == good
-    for bad in ({**good, "lr": 2e-3}, {**good, "betas": [0.9, 0.95]}, {**good, "lr": 1}):
-        with pytest.raises(AppliedMismatchError, match=r"step 7: rank 1 param group 1"):
-            check_applied(7, requested, [[good, good], [good, bad]])
+    for bad, key in (({**good, "lr": 2e-3}, "lr"), ({**good, "betas": [0.9, 0.95]}, "betas"), ({**good, "lr": 1}, "lr")):
+        applied = [[dict(good), dict(good)], [dict(good), dict(good)]]
+        applied[rank][group] = bad
+        with pytest.raises(AppliedMismatchError, match=rf"^step 7: rank {rank} param group {group} holds {key}="):
+            check_applied(7, requested, applied)
 
 
 def test_cli_trains_through_ray_with_a_quiet_terminal(ray_address, tmp_path):
@@ -143,7 +165,65 @@ def test_sigterm_stops_the_run_cleanly(ray_address, tmp_path):
     assert "tinker_exp: stopped: terminated by SIGTERM" in stderr
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert 2 <= len(rows) < 1000 and [row["train/step"] for row in rows] == list(range(len(rows)))
-    records = wandb_records(wandb_run_file(tmp_path))
+    records = wandb_finished_records(tmp_path)  # the service may write the exit record a moment later
     assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [143]
     logged = [row for row in wandb_history(records) if "train/loss" in row]
     assert len(logged) == len(rows)
+
+
+def test_a_group_that_does_not_hold_what_was_sent_stops_the_run_with_exit_3(ray_address, tmp_path):
+    """verl applies what it is sent; a test-only worker alters one group on rank 1 after step 2's update."""
+    from tinker_exp.errors import AppliedMismatchError as Mismatch
+    from tinker_exp.runtime.workers import TinkerWorkers
+
+    class DriftingWorkers(TinkerWorkers):
+        def worker_class(self):
+            base = super().worker_class()
+            from verl.single_controller.base.decorator import Dispatch, register
+
+            class DriftingWorker(base):  # a local class: Ray ships it to the workers by value
+                @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+                def optimizer_step(self, optim_step_params=None):
+                    import torch.distributed as dist
+                    from verl.workers.engine_workers_tinker import _iter_optimizer_param_groups
+
+                    result = base.optimizer_step(self, optim_step_params=optim_step_params)
+                    self.steps_done = getattr(self, "steps_done", 0) + 1
+                    if dist.get_rank() == 1 and self.steps_done == 3:
+                        groups = list(_iter_optimizer_param_groups(self.engine.optimizer))
+                        groups[-1]["lr"] = 7e-4
+                        result["param_groups"] = self._param_group_values()
+                    return result
+
+            return DriftingWorker
+
+    def start(cfg, plan, model_path, run_dir):
+        return DriftingWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values, "cpu")
+
+    with pytest.raises(Mismatch, match=r"^step 2: rank 1 param group \d+ holds lr=0.0007, but 0.0005 was requested$") as info:
+        run(compose("+override.lr=5e-4", "trainer.steps=5", "logger=none"), tmp_path, start_workers=start)
+    assert info.value.exit_code == 3  # what the CLI exits with (tinker_exp.errors; one line, as every stop)
+    assert [row["train/step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def three_step_losses(ray_address, tmp_path_factory):
+    """Three short real runs from the same init and data: no override, then one key at a time."""
+
+    def losses(*overrides: str) -> list[float]:
+        run_dir = tmp_path_factory.mktemp("update")
+        run(compose(*overrides, "trainer.steps=3", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false"), run_dir)
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        assert len(rows) == 3
+        return [row["train/loss"] for row in rows]
+
+    return losses, losses()
+
+
+@pytest.mark.parametrize("override", ["+override.betas=[0.5,0.9]", "+override.eps=0.1", "+override.weight_decay=20.0"])
+def test_betas_eps_and_weight_decay_overrides_change_the_update(three_step_losses, override):
+    losses, baseline = three_step_losses
+    changed = losses(override)
+    assert changed[0] == baseline[0]  # the same model and batch before any update
+    # Adam's first update is g/|g| whatever the betas (bias correction); by the second, each value has acted
+    assert changed[2] != baseline[2]

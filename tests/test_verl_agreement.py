@@ -1,28 +1,14 @@
 """Our pre-launch check agrees with verl's own check on a real AdamW built the way the worker builds it."""
 
 import pytest
-import torch
 from omegaconf import OmegaConf
-from verl.workers.config import FSDPOptimizerConfig, build_optimizer
 from verl.workers.engine_workers_tinker import _apply_optim_step_params
 
+from helpers import verl_adamw
 from tinker_exp.errors import ConfigError
 from tinker_exp.optim.convert import check_like_verl, convert_params, param_group_types
 from tinker_exp.optim.plan import optimizer_values
 from tinker_exp.config.schema import OptimizerConfig
-
-
-def verl_adamw(values: dict) -> torch.optim.Optimizer:
-    """The same FSDPOptimizerConfig fields TinkerWorkers passes to verl."""
-    config = FSDPOptimizerConfig(
-        lr=values["lr"],
-        betas=values["betas"],
-        weight_decay=values["weight_decay"],
-        override_optimizer_config={"eps": values["eps"]},
-    )
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
-    return build_optimizer(groups, config)
 
 
 @pytest.fixture

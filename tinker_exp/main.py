@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tinker_exp import config
 from tinker_exp.config import Config
+from tinker_exp.config.compose_errors import one_line_compose_errors
 from tinker_exp.errors import STOPS, Terminated, one_line
 from tinker_exp.optim import Plan, build_plan
 from tinker_exp.optim.preview import format_table, plan_table, plot_plan, write_plan_jsonl
@@ -177,7 +178,12 @@ def _hydra_main(dcfg: DictConfig) -> None:
 
 def main() -> None:
     config.register()
-    _hydra_main()
+    try:
+        with one_line_compose_errors():  # Hydra's compose errors: one line and exit 2, like every config error
+            _hydra_main()
+    except KeyboardInterrupt:  # Ctrl-C: what was running is stopped (a sweep's jobs cancelled); no traceback
+        print("tinker_exp: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ dir, then raise one error naming every job that did not complete and its run dir
 from __future__ import annotations
 
 import logging
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
@@ -19,9 +22,10 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict
 
+from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import one_line
 from tinker_exp.sweep.jobs import failure_report, read_outcome, summary_table, write_summary
-from tinker_exp.sweep.slurm import slurm_state, slurm_verdict
+from tinker_exp.sweep.slurm import cancel_slurm_jobs, slurm_state, slurm_verdict
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +77,12 @@ class SweepLauncher(BaseSubmititLauncher):
         for num, overrides in zip(nums, job_overrides):
             log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}")
         args = [(list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", Singleton.get_state()) for n, o in zip(nums, job_overrides)]
-        jobs = self._executor().map_array(self, *zip(*args))
+        executor = self._executor()
+        with sigint_deferred() as interrupted:  # a Ctrl-C inside sbatch would leave jobs we never learn the ids of
+            jobs = executor.map_array(self, *zip(*args))
+        if interrupted():
+            cancel(jobs)
+            raise KeyboardInterrupt
         log.info(f"submitted {', '.join(job.job_id for job in jobs)}; waiting for all of them")
 
         returns, outcomes = [], []
@@ -84,7 +93,8 @@ class SweepLauncher(BaseSubmititLauncher):
                     ret = job.results()[0]
                     status, error = "COMPLETED", None
                     if ret.status != JobStatus.COMPLETED:  # raised in the job: a config error, NaN, ...
-                        status, error = "FAILED", one_line(ret._return_value)
+                        raised = ret._return_value  # a job's own compose error reads as any config error
+                        status, error = "FAILED", one_line(as_config_error(raised) if isinstance(raised, COMPOSE_ERRORS) else raised)
                 else:  # cancelled, timed out, preempted without requeue, killed, out of memory
                     status, error = ended_by, f"ended by the scheduler ({ended_by}); job log {job.paths.stderr}"
                     ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
@@ -92,9 +102,7 @@ class SweepLauncher(BaseSubmititLauncher):
                 outcomes.append(read_outcome(num, filter_overrides(overrides), status, run_dir, error, job.job_id))
                 returns.append(ret)
         except KeyboardInterrupt:
-            for job in jobs:
-                job.cancel(check=False)
-            log.error(f"interrupted: cancelled {', '.join(job.job_id for job in jobs)}")
+            cancel(jobs)  # first, before anything that could be slow on a loaded machine
             raise
 
         summary = write_summary(sweep_dir, outcomes)
@@ -102,6 +110,38 @@ class SweepLauncher(BaseSubmititLauncher):
         if not all(outcome.ok for outcome in outcomes):
             raise SweepFailedError(failure_report(outcomes, summary))
         return returns
+
+
+@contextmanager
+def sigint_deferred() -> Iterator[Callable[[], bool]]:
+    """Within: Ctrl-C is only noted; the caller asks afterwards whether one came (main thread only)."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield lambda: bool(received)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def cancel(jobs: Sequence[Any]) -> None:
+    """Cancel every job of the sweep at once, bounded, with further Ctrl-Cs noted but not obeyed meanwhile."""
+    from submitit.slurm.slurm import SlurmJob
+
+    ids = [job.job_id for job in jobs]
+    with sigint_deferred():
+        if jobs and all(isinstance(job, SlurmJob) for job in jobs):
+            done = cancel_slurm_jobs(ids)
+        else:  # local processes: submitit signals them
+            for job in jobs:
+                job.cancel(check=False)
+            done = True
+    if done:
+        log.error(f"interrupted: cancelled {', '.join(ids)}")
+    else:
+        log.error(f"interrupted: scancel did not answer for {', '.join(ids)}; check squeue and scancel them")
 
 
 def wait_for(job: Any) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from tinker_exp.config.schema import Config
 from tinker_exp.errors import ConfigError
@@ -36,7 +37,12 @@ def check(cfg: Config) -> None:
 
 def load(dcfg: DictConfig) -> Config:
     """The composed DictConfig as the typed Config (each group's own checks run here), then the cross-group checks."""
-    cfg = OmegaConf.to_object(dcfg)
+    try:
+        cfg = OmegaConf.to_object(dcfg)
+    except OmegaConfBaseException as e:  # a value that does not resolve or convert (an ${oc.env:...}, say)
+        from tinker_exp.config.compose_errors import as_config_error
+
+        raise as_config_error(e) from None
     assert isinstance(cfg, Config), f"not composed from the schema: {type(cfg).__name__}"
     check(cfg)
     return cfg

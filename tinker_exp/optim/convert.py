@@ -50,7 +50,7 @@ def betas_pair(value: Any, key: str) -> list[Any]:
     return items
 
 
-def _number(value: Any, key: str) -> float:
+def number(value: Any, key: str) -> float:
     """Explicit float(): ints and numeric strings are fine; bool, NaN, inf and words are not."""
     if isinstance(value, bool):
         raise ConfigError(f"{key}: expected a number, got {value!r} (bool)")
@@ -70,7 +70,7 @@ def _number(value: Any, key: str) -> float:
 
 def _betas(value: Any, key: str) -> tuple[float, float]:
     items = betas_pair(value, key)
-    betas = tuple(_number(item, f"{key}[{i}]") for i, item in enumerate(items))
+    betas = tuple(number(item, f"{key}[{i}]") for i, item in enumerate(items))
     for i, beta in enumerate(betas):
         if not 0.0 <= beta < 1.0:
             raise ConfigError(f"{key}[{i}]: {items[i]!r} is not in [0, 1)")
@@ -82,12 +82,12 @@ def convert_value(key: str, value: Any, where: str) -> float | tuple[float, floa
     name = f"{where}.{key}"
     if key == "betas":
         return _betas(value, name)
-    number = _number(value, name)
-    if key == "eps" and number <= 0.0:
+    converted = number(value, name)
+    if key == "eps" and converted <= 0.0:
         raise ConfigError(f"{name}: must be > 0, got {value!r}")
-    if key in ("lr", "weight_decay") and number < 0.0:
+    if key in ("lr", "weight_decay") and converted < 0.0:
         raise ConfigError(f"{name}: must be >= 0, got {value!r}")
-    return number
+    return converted
 
 
 def convert_params(node: Any, where: str = "override") -> dict[str, Any]:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tinker_exp.errors import ConfigError
+from tinker_exp.optim.convert import number
 
 
 def _warmup(step: int, warmup_steps: int) -> float:
@@ -130,7 +131,7 @@ def polynomial(
 ) -> float:
     if step < warmup_steps:
         return value * _warmup(step, warmup_steps)
-    if step > total:
+    if step >= total:  # HF has `>`; at step == total both give `end`, and this never divides by zero
         return end
     remaining = 1.0 - (step - warmup_steps) / (total - warmup_steps)
     return (value - end) * remaining**power + end
@@ -162,13 +163,88 @@ SCHEDULES: dict[str, Callable[..., float]] = {
 }
 
 
-def _int_param(spec: Mapping[str, Any], name: str, where: str, default: Any = None) -> Any:
-    value = spec.get(name, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{where}.{name}: expected an integer >= 0, got {value!r}")
+@dataclass(frozen=True)
+class Param:
+    """A schedule parameter's type and range: converted and checked like plain override values."""
+
+    kind: str  # "number", "int", "choice", "steps" (a list of step numbers), "points" ({step: number})
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is excluded
+    choices: tuple[str, ...] = ()
+
+    def convert(self, value: Any, where: str) -> Any:
+        if self.kind == "number":
+            converted = number(value, where)
+        elif self.kind == "int":
+            converted = _integer(value, where)
+        elif self.kind == "choice":
+            if value not in self.choices:
+                raise ConfigError(f"{where}: {value!r} is not one of {list(self.choices)}")
+            return value
+        elif self.kind == "steps":
+            if isinstance(value, (str, Mapping)) or not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{where}: expected a list of steps, got {value!r}")
+            return [_integer(item, f"{where}[{i}]", low=0) for i, item in enumerate(value)]
+        else:  # points
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{where}: expected a mapping {{step: value}}, got {value!r}")
+            steps = [_integer(_int_key(key, where), f"{where}", low=0) for key in value]
+            return {step: number(item, f"{where}[{step}]") for step, item in zip(steps, value.values())}
+        self._check_range(converted, value, where)
+        return converted
+
+    def _check_range(self, converted: float, value: Any, where: str) -> None:
+        low_ok = self.low is None or (converted > self.low if self.low_open else converted >= self.low)
+        high_ok = self.high is None or converted <= self.high
+        if low_ok and high_ok:
+            return
+        if self.high is None:
+            raise ConfigError(f"{where}: must be {'>' if self.low_open else '>='} {self.low:g}, got {value!r}")
+        raise ConfigError(f"{where}: {value!r} is not in [{self.low:g}, {self.high:g}]")
+
+
+def _integer(value: Any, where: str, low: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ConfigError(f"{where}: must be >= {low}, got {value!r}")
     return value
+
+
+def _int_key(key: Any, where: str) -> int:
+    """Keyframe steps: YAML/CLI may give them as int or as digit strings."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    if isinstance(key, bool) or not isinstance(key, int):
+        raise ConfigError(f"{where}: keyframe steps must be integers, got {key!r}")
+    return key
+
+
+NUMBER = Param("number")  # the value itself: its range is the override key's, checked at every step
+STEPS = Param("int", low=0)
+RATIO = Param("number", low=0.0, high=1.0)
+POSITIVE = Param("number", low=0.0, low_open=True)
+SHAPE = Param("choice", choices=_SHAPES)
+
+PARAMS: dict[str, dict[str, Param]] = {
+    "constant": {"value": NUMBER},
+    "linear": {"start": NUMBER, "end": NUMBER, "warmup_steps": STEPS},
+    "cosine": {"value": NUMBER, "warmup_steps": STEPS, "min_ratio": RATIO, "num_cycles": POSITIVE},
+    "cosine_restarts": {"value": NUMBER, "warmup_steps": STEPS, "num_cycles": Param("int", low=1)},
+    "wsd": {
+        "value": NUMBER, "warmup_steps": STEPS, "decay_steps": STEPS, "stable_steps": STEPS, "decay_shape": SHAPE,
+        "warmup_shape": SHAPE, "min_ratio": RATIO, "num_cycles": POSITIVE,
+    },  # fmt: skip
+    "step": {"value": NUMBER, "step_size": Param("int", low=1), "gamma": POSITIVE},
+    "multistep": {"value": NUMBER, "milestones": Param("steps"), "gamma": POSITIVE},
+    "exponential": {"value": NUMBER, "gamma": POSITIVE},
+    "inverse_sqrt": {"value": NUMBER, "warmup_steps": STEPS, "timescale": Param("int", low=1)},
+    "polynomial": {"value": NUMBER, "end": NUMBER, "warmup_steps": STEPS, "power": POSITIVE},
+    "keyframes": {"points": Param("points")},
+}
+"""Each schedule's parameters, typed and ranged (their defaults are the functions' keyword defaults)."""
+TOTAL_STEPS = Param("int", low=1)
 
 
 def _check_consistency(kind: str, params: dict[str, Any], total: int, where: str) -> None:
@@ -183,11 +259,6 @@ def _check_consistency(kind: str, params: dict[str, Any], total: int, where: str
             raise ConfigError(
                 f"{where}: warmup_steps + stable_steps + decay_steps = {used} runs past the end ({total} steps)"
             )
-        for key in ("decay_shape", "warmup_shape"):
-            if params.get(key, "linear") not in _SHAPES:
-                raise ConfigError(f"{where}.{key}: {params[key]!r} is not one of {list(_SHAPES)}")
-    if kind == "step" and params["step_size"] < 1:
-        raise ConfigError(f"{where}.step_size: must be >= 1, got {params['step_size']}")
     if kind == "multistep":
         milestones = list(params["milestones"])
         if milestones != sorted(milestones) or len(set(milestones)) != len(milestones):
@@ -208,9 +279,13 @@ class Schedule:
     total_steps: int
     function: Callable[[int], float]
     boundaries: tuple[int, ...]  # steps where a phase starts (warmup end, decay start, milestones, ...)
+    where: str = "override"  # its config key, named in errors
 
     def __call__(self, step: int) -> float:
-        return self.function(step)
+        try:
+            return self.function(step)
+        except ArithmeticError as e:  # overflow, division by zero: parameters that cannot make a plan
+            raise ConfigError(f"{self.where} at step {step} ({self.kind}): cannot be computed ({e})") from None
 
 
 def _boundaries(kind: str, params: dict[str, Any], total: int) -> tuple[int, ...]:
@@ -229,41 +304,34 @@ def _boundaries(kind: str, params: dict[str, Any], total: int) -> tuple[int, ...
     return tuple(sorted(step for step in steps if 0 < step < total))
 
 
-def _parameters(kind: str) -> set[str]:
-    return {p.name for p in inspect.signature(SCHEDULES[kind]).parameters.values() if p.kind is p.KEYWORD_ONLY}
-
-
 def compile_schedule(spec: Mapping[str, Any], run_steps: int, where: str) -> Schedule:
-    """A schedule mapping from the config -> a step -> value function; parameters checked up front."""
+    """A schedule mapping from the config -> a step -> value function; parameters converted and checked up front."""
     spec = dict(spec)
     kind = spec.pop("schedule", None)
-    if kind not in SCHEDULES:
+    if not isinstance(kind, str) or kind not in SCHEDULES:
         raise ConfigError(f"{where}.schedule: {kind!r} is not one of {sorted(SCHEDULES)} (a schedule needs `schedule:`)")
-    total = _int_param(spec, "total_steps", where, default=None) or run_steps
+    total = run_steps
+    if spec.get("total_steps") is not None:
+        total = TOTAL_STEPS.convert(spec["total_steps"], f"{where}.total_steps")
     spec.pop("total_steps", None)
-    for name in ("warmup_steps", "decay_steps", "stable_steps", "step_size", "timescale"):
-        if name in spec:
-            _int_param(spec, name, where)
-    if kind == "keyframes":
-        points = spec.get("points")
-        if not isinstance(points, Mapping):
-            raise ConfigError(f"{where}.points: expected a mapping {{step: value}}, got {points!r}")
-        try:
-            spec["points"] = {int(k): v for k, v in points.items()}
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}.points: keyframe steps must be integers, got {list(points)}") from None
-    function = SCHEDULES[kind]
+    function, declared = SCHEDULES[kind], PARAMS[kind]
     # `+override=[lr_wsd,lr_cosine]` merges the two `lr` mappings key by key; the later file's schedule wins,
     # and parameters only the earlier kind takes are dropped (said aloud). Unknown names still fail below.
-    leftovers = sorted(set(spec) - _parameters(kind) & set().union(*map(_parameters, SCHEDULES)))
+    leftovers = sorted(set(spec) - set(declared) & set().union(*PARAMS.values()))
     if leftovers:
         warnings.warn(f"{where}: ignoring {leftovers}, not parameters of {kind} (left from an earlier override file?)", stacklevel=2)
         spec = {k: v for k, v in spec.items() if k not in leftovers}
-    try:
-        function(0, total, **spec)  # unknown or missing parameters surface here, once
-    except TypeError as e:
-        raise ConfigError(f"{where} ({kind}): {e}".replace(f"{function.__name__}() ", "")) from None
-    except ZeroDivisionError:
-        raise ConfigError(f"{where} ({kind}): parameters divide by zero") from None
+    unknown = sorted(set(spec) - set(declared))
+    if unknown:
+        raise ConfigError(f"{where} ({kind}): unknown parameter(s) {unknown}; {kind} takes {sorted(declared)}")
+    spec = {name: declared[name].convert(value, f"{where}.{name}") for name, value in spec.items() if value is not None}
+    missing = sorted(name for name in _required(kind) if name not in spec)
+    if missing:
+        raise ConfigError(f"{where} ({kind}): missing parameter(s) {missing}")
     _check_consistency(kind, spec, total, where)
-    return Schedule(kind, total, lambda step: function(step, total, **spec), _boundaries(kind, spec, total))
+    return Schedule(kind, total, lambda step: function(step, total, **spec), _boundaries(kind, spec, total), where)
+
+
+def _required(kind: str) -> list[str]:
+    parameters = inspect.signature(SCHEDULES[kind]).parameters.values()
+    return [p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is p.empty]

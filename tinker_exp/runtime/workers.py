@@ -150,7 +150,7 @@ class TinkerWorkers:
         from verl.workers.utils.losses import sft_loss
 
         wait_for_nodes(backend.nodes, backend.nodes_timeout_s)
-        worker_cls = _worker_class()
+        worker_cls = self.worker_class()
         on_gpu = self.device == "cuda"
         self.pool = pool = RayResourcePool(
             process_on_nodes=[backend.num_workers] * backend.nodes,  # one placement group per node
@@ -165,6 +165,10 @@ class TinkerWorkers:
         self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=self.device, worker_env=env)
         self.group.reset()  # builds model, FSDP2, optimizer on every rank
         self.group.set_loss_fn(partial(sft_loss, config=None))
+
+    def worker_class(self) -> type:
+        """The Ray actor class of each rank (a test plants an applied/requested mismatch in a subclass)."""
+        return _worker_class()
 
     def _worker_config(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 # Slurm states of a job that may still write its result. A requeued job passes through REQUEUED,
 # PENDING and RUNNING again; PREEMPTED and FAILED can show for a moment on the way (hence the settling).
@@ -40,11 +40,28 @@ def slurm_verdict(
     return None
 
 
-def slurm_state(job_id: str) -> str:
-    """The job's state in Slurm's accounting: RUNNING, CANCELLED ("CANCELLED by 0" -> CANCELLED), ..."""
-    sacct = subprocess.run(
-        ["sacct", "--jobs", job_id, "--allocations", "--noheader", "--parsable2", "--format", "State"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+SLURM_CALL_TIMEOUT_S = 60.0
+"""Every Slurm command we run is bounded: a loaded slurmctld or slurmdbd must never hang the submitting process."""
+
+
+def slurm_state(job_id: str, timeout_s: float = SLURM_CALL_TIMEOUT_S, env: Mapping[str, str] | None = None) -> str:
+    """The job's state in Slurm's accounting: RUNNING, CANCELLED ("CANCELLED by 0" -> CANCELLED), ...
+
+    UNKNOWN (an active state: asked again later) when sacct fails or does not answer in time."""
+    try:
+        sacct = subprocess.run(
+            ["sacct", "--jobs", job_id, "--allocations", "--noheader", "--parsable2", "--format", "State"],
+            capture_output=True, text=True, check=False, timeout=timeout_s, env=env,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return "UNKNOWN"
     lines = [line for line in sacct.stdout.splitlines() if line.strip()]
     return lines[-1].split()[0] if sacct.returncode == 0 and lines else "UNKNOWN"
+
+
+def cancel_slurm_jobs(job_ids: list[str], timeout_s: float = SLURM_CALL_TIMEOUT_S) -> bool:
+    """One scancel for all of them; True once Slurm took it (False: it failed or did not answer in time)."""
+    try:
+        return subprocess.run(["scancel", *job_ids], capture_output=True, check=False, timeout=timeout_s).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False

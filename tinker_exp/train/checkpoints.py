@@ -147,7 +147,7 @@ def latest(root: Path) -> ResumePoint | None:
             return ResumePoint(path, json.loads((path / LOOP_STATE).read_text()), skipped)
         skipped.append(why)
     if skipped:
-        raise CheckpointError("no usable checkpoint in " + str(root) + ":\n  " + "\n  ".join(skipped))
+        raise CheckpointError(f"no usable checkpoint in {root}: " + "; ".join(skipped))  # one line, every reason
     return None
 
 

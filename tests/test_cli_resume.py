@@ -1,0 +1,88 @@
+"""The CLI's resume modes and checkpoint errors, and the `tinker-exp` entry point: exit status and one line each.
+
+The run dir's checkpoints come from the real CLI with FakeWorkers (tests/fake_cli.py); what is checked here, the
+resume decision, happens before any worker starts (dry_run=true stops right after it).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, environment, run_cli
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("finished")
+    made = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "fake_cli.py"), "trainer.steps=4", "checkpoint.every_steps=2",
+         "logger=none", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    return run_dir
+
+
+def files(run_dir: Path) -> dict[Path, bytes]:
+    """Everything in the run dir but what records each attempt, a failed one too: job.json, the logs (appended) and
+    Hydra's .hydra/ (Hydra writes it before tinker_exp runs)."""
+    attempt = lambda p: p.name == "job.json" or p.suffix == ".log" or ".hydra" in p.parts  # noqa: E731
+    return {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and not attempt(p)}
+
+
+def test_resume_never_on_a_run_dir_with_checkpoints_exits_2_and_overwrites_nothing(finished_run):
+    before = files(finished_run)
+    result = run_cli("resume=never", "trainer.steps=4", "dry_run=true", f"hydra.run.dir={finished_run}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"tinker_exp: config error: resume=never, but {finished_run / 'checkpoints'} holds checkpoints: "
+        "use resume=auto or another run dir"
+    ]
+    assert files(finished_run) == before
+
+
+def test_resume_must_without_a_checkpoint_exits_2(tmp_path):
+    result = run_cli("resume=must", "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"tinker_exp: config error: resume=must, but there is no checkpoint in {tmp_path / 'checkpoints'}"
+    ]
+
+
+def test_resume_must_finds_the_newest_checkpoint(finished_run):
+    result = run_cli("resume=must", "trainer.steps=4", "dry_run=true", f"hydra.run.dir={finished_run}")
+    assert result.returncode == 0, result.stderr
+    assert f"resuming from {finished_run / 'checkpoints' / 'step_00000004'} at step 4" in result.stdout
+
+
+def test_no_usable_checkpoint_exits_5_naming_each_one(finished_run, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    for checkpoint in (run_dir / "checkpoints").iterdir():
+        (checkpoint / "loop.json").unlink()
+    before = files(run_dir)
+    result = run_cli("dry_run=true", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 5, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"tinker_exp: checkpoint error: no usable checkpoint in {run_dir / 'checkpoints'}: ")
+    assert line.count("loop.json: missing") == 2
+    assert files(run_dir) == before
+
+
+def test_the_tinker_exp_entry_point_is_the_same_cli(tmp_path):
+    entry = Path(sys.executable).parent / "tinker-exp"
+    ok = subprocess.run([str(entry), "+override=lr_cosine", "trainer.steps=30", "dry_run=true", f"hydra.run.dir={tmp_path}"],
+                        cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert "lr: cosine over 30 steps" in ok.stdout and (tmp_path / "plan.jsonl").exists()
+    bad = subprocess.run([str(entry), "+override.lr=-1", "dry_run=true", f"hydra.run.dir={tmp_path / 'bad'}"],
+                         cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == ["tinker_exp: config error: override.lr: must be >= 0, got -1"]
