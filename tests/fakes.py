@@ -26,8 +26,10 @@ class FakeWorkers:
         groups: int = 2,
         nonfinite_at: Sequence[int] = (),
         gate: tuple[int, Path] | None = None,
+        drift_at: int | None = None,
     ):
-        """`gate` (step, path): before that step, wait until the file exists (a test's event, never a sleep)."""
+        """`gate` (step, path): before that step, wait until the file exists (a test's event, never a sleep).
+        `drift_at`: after that step's update, rank 1's group 0 holds another lr (what the applied check must catch)."""
         self.groups = [[dict(optimizer_values) for _ in range(groups)] for _ in range(ranks)]
         self.weight, self.steps_done = 1.0, 0
         self.nonfinite_at = set(nonfinite_at)
@@ -35,6 +37,7 @@ class FakeWorkers:
         self.saved: list[int] = []
         self.shut_down = False
         self.gate = gate
+        self.drift_at = drift_at
 
     def train_step(self, examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult:
         if self.gate is not None and self.steps_done == self.gate[0]:
@@ -51,6 +54,8 @@ class FakeWorkers:
             return StepResult(loss=float("nan"), grad_norm=float("nan"), applied=self.groups)
         lr, (beta1, _), wd = self.groups[0][0]["lr"], self.groups[0][0]["betas"], self.groups[0][0]["weight_decay"]
         self.weight -= lr * (2 * self.weight) * (1 - beta1 / 10) + lr * wd * self.weight
+        if step == self.drift_at:
+            self.groups[1][0]["lr"] = 7e-4
         return StepResult(loss=loss, grad_norm=abs(2 * self.weight), applied=[[dict(g) for g in r] for r in self.groups])
 
     def save_checkpoint(self, folder: Path, step: int) -> None:

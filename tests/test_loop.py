@@ -15,7 +15,7 @@ import pytest
 
 from fakes import FakeWorkers, fake_workers
 from helpers import REPO, compose, environment, metrics_rows, read_jsonl, wait_until
-from tinker_exp.errors import AppliedMismatchError, ConfigError, NonFiniteError
+from tinker_exp.errors import ConfigError, NonFiniteError
 from tinker_exp.main import run
 from tinker_exp.train.sinks import JsonlSink, Sinks, WandbSink
 
@@ -59,27 +59,18 @@ def test_a_schedule_sends_each_steps_value_of_the_plan(tmp_path):
     assert len({call["lr"] for call in calls}) > 6  # it really changes
 
 
-class OneGroupDrifts(FakeWorkers):
-    """verl applies what it is sent; this one alters rank 1's group 0 after step 2 (what the check must catch)."""
-
-    def train_step(self, examples, optim_step_params):
-        result = super().train_step(examples, optim_step_params)
-        if self.steps_done == 3:
-            result.applied[1][0]["lr"] = 7e-4
-        return result
-
-
-def test_an_applied_value_that_differs_stops_the_run_naming_rank_and_group(tmp_path):
-    started = []
-
-    def start(cfg, plan, model_path, run_dir):
-        started.append(OneGroupDrifts(plan.optimizer_values))
-        return started[0]
-
-    with pytest.raises(AppliedMismatchError, match=r"step 2: rank 1 param group 0 holds lr=0.0007, but 0.0005 was requested"):
-        run(compose("+override.lr=5e-4", "trainer.steps=6", "logger=none"), tmp_path, start_workers=start)
+def test_an_applied_value_that_differs_stops_the_cli_with_exit_3_naming_rank_and_group(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "fake_cli.py"), "+override.lr=5e-4", "trainer.steps=6", "logger=none",
+         f"hydra.run.dir={tmp_path}"],
+        cwd=REPO, env=environment({"FAKE_DRIFT_AT": "2"}), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "tinker_exp: optimizer override not applied: step 2: rank 1 param group 0 holds lr=0.0007, but 0.0005 was requested"
+    )
+    assert "Traceback" not in result.stderr
     assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1]  # the bad step is not logged as fine
-    assert started[0].shut_down
 
 
 def test_a_non_finite_step_stops_the_run_before_it_saves_again(tmp_path):

@@ -270,7 +270,8 @@ def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
     try:
         both_run = lambda: all((tmp_path / str(n) / "job.json").exists() for n in (0, 1))  # noqa: E731
         wait_until(both_run, 120, "the jobs never started", driver)
-        job_ids = [job_json(tmp_path / str(n))["slurm"]["job_id"] for n in (0, 1)]
+        slurm = [job_json(tmp_path / str(n))["slurm"] for n in (0, 1)]
+        job_ids = [f"{job['array_job_id']}_{job['array_task_id']}" for job in slurm]  # as submitit names them
         driver.send_signal(signal.SIGINT)
         output, _ = driver.communicate(timeout=120)
     finally:
