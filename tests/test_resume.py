@@ -142,6 +142,9 @@ def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path, s
     assert read_jsonl(tmp_path / "summary.jsonl")[0]["status"] == "COMPLETED"
     # The first start stopped by itself (not killed at KillWait), leaving no result behind for the launcher.
     job_log = read_job_log(tmp_path, job_id)
-    assert "task 0: Exited with exit code 143" in job_log and "Killed" not in job_log, job_log[-3000:]
+    # Slurm signals every process of the job at once. 143: our SIGTERM handler stopped the run; 1: Ray's raylet
+    # died first and Ray's core worker ended the driver (it does that on losing its raylet; a race we cannot win
+    # under load). Either way the first start ended by itself, before Slurm's SIGKILL, and the job was requeued.
+    assert re.search(r"task 0: Exited with exit code (143|1)$", job_log, re.M) and "Killed" not in job_log, job_log[-3000:]
     if stop[0] == "scancel":
         assert "this job is preempted" in job_log and f"Requeued job {job_id}" in job_log  # submitit's handler

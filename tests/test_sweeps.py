@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -208,7 +209,11 @@ def test_a_cancelled_job_is_reported_not_waited_on(slurm_env, tmp_path):
     assert read_jsonl(tmp_path / "summary.jsonl")[0]["status"] == "CANCELLED"
     # The job stopped on SIGTERM by itself, well before Slurm's SIGKILL, and wrote no result of its own.
     job_log = read_job_log(tmp_path, job_id)
-    assert "tinker_exp: stopped: terminated by SIGTERM" in job_log and "Killed" not in job_log, job_log[-3000:]
+    # It ended by itself, before Slurm's SIGKILL: through our SIGTERM handler (exit 143, its one line), or through
+    # Ray's core worker when the raylet died first (exit 1; Slurm signals every process of the job at once).
+    ours = "tinker_exp: stopped: terminated by SIGTERM" in job_log
+    rays = re.search(r"task 0: Exited with exit code 1$", job_log, re.M) is not None
+    assert (ours or rays) and "Killed" not in job_log, job_log[-3000:]
     assert not list((tmp_path / ".submitit").glob("*/*_result.pkl"))
     steps = [m["train/step"] for m in metrics_rows(tmp_path / "0")]
     assert steps == list(range(len(steps))) and len(steps) >= 2

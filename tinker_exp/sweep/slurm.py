@@ -45,23 +45,28 @@ SLURM_CALL_TIMEOUT_S = 60.0
 
 
 def slurm_state(job_id: str, timeout_s: float = SLURM_CALL_TIMEOUT_S, env: Mapping[str, str] | None = None) -> str:
-    """The job's state in Slurm's accounting: RUNNING, CANCELLED ("CANCELLED by 0" -> CANCELLED), ...
+    """The job's state: squeue's while the job is in the queue (a requeued job is PENDING there again, whatever
+    its last start ended with), else the accounting's: CANCELLED ("CANCELLED by 0" -> CANCELLED), TIMEOUT, ...
 
-    UNKNOWN (an active state: asked again later) when sacct fails or does not answer in time."""
-    try:
-        sacct = subprocess.run(
-            ["sacct", "--jobs", job_id, "--allocations", "--noheader", "--parsable2", "--format", "State"],
-            capture_output=True, text=True, check=False, timeout=timeout_s, env=env,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
+    UNKNOWN (an active state: asked again later) when a command fails or does not answer in time."""
+    queued = _run(["squeue", "--noheader", "--jobs", job_id, "--format", "%T"], timeout_s, env)
+    if queued is None:
         return "UNKNOWN"
-    lines = [line for line in sacct.stdout.splitlines() if line.strip()]
-    return lines[-1].split()[0] if sacct.returncode == 0 and lines else "UNKNOWN"
+    if queued.returncode == 0 and queued.stdout.strip():
+        return queued.stdout.split()[0]
+    sacct = _run(["sacct", "--jobs", job_id, "--allocations", "--noheader", "--parsable2", "--format", "State"], timeout_s, env)
+    lines = [line for line in sacct.stdout.splitlines() if line.strip()] if sacct is not None else []
+    return lines[-1].split()[0] if sacct is not None and sacct.returncode == 0 and lines else "UNKNOWN"
+
+
+def _run(command: list[str], timeout_s: float, env: Mapping[str, str] | None) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, check=False, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def cancel_slurm_jobs(job_ids: list[str], timeout_s: float = SLURM_CALL_TIMEOUT_S) -> bool:
     """One scancel for all of them; True once Slurm took it (False: it failed or did not answer in time)."""
-    try:
-        return subprocess.run(["scancel", *job_ids], capture_output=True, check=False, timeout=timeout_s).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
+    done = _run(["scancel", *job_ids], timeout_s, None)
+    return done is not None and done.returncode == 0
