@@ -37,6 +37,7 @@ class FakeWorkers:
         self.saved: list[int] = []
         self.shut_down = False
         self.gate = gate
+        self.evaluations = 0
         self.drift_at = drift_at
 
     def train_step(self, examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult:
@@ -57,6 +58,11 @@ class FakeWorkers:
         if step == self.drift_at:
             self.groups[1][0]["lr"] = 7e-4
         return StepResult(loss=loss, grad_norm=abs(2 * self.weight), applied=[[dict(g) for g in r] for r in self.groups])
+
+    def evaluate(self, examples: Sequence[Any]) -> float:
+        """Reads the state, changes nothing (as verl's infer_batch): a function of the weight and the batch."""
+        self.evaluations += 1
+        return self.weight**2 + 0.5 + 0.001 * sum(sum(e.loss_mask) for e in examples) / len(examples)
 
     def save_checkpoint(self, folder: Path, step: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)

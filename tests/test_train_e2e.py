@@ -227,3 +227,27 @@ def test_betas_eps_and_weight_decay_overrides_change_the_update(three_step_losse
     assert changed[0] == baseline[0]  # the same model and batch before any update
     # Adam's first update is g/|g| whatever the betas (bias correction); by the second, each value has acted
     assert changed[2] != baseline[2]
+
+
+def test_evaluation_between_steps_leaves_training_bitwise_unchanged(ray_address, tmp_path):
+    """verl's infer_batch (eval mode, no_grad) after every step vs only after the last: the same training."""
+    common = ["+override=lr_cosine", "trainer.steps=4", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false"]
+    run(compose(*common, "trainer.eval_every=1"), tmp_path / "every")
+    run(compose(*common, "trainer.eval_every=0"), tmp_path / "last")
+    every, last = read_jsonl(tmp_path / "every" / "metrics.jsonl"), read_jsonl(tmp_path / "last" / "metrics.jsonl")
+    keys = ("train/loss", "train/grad_norm", "applied/lr", "applied/beta2")
+    assert [[row[k] for k in keys] for row in every] == [[row[k] for k in keys] for row in last]
+    assert [("val/loss" in row) for row in every] == [True] * 4 and [("val/loss" in row) for row in last] == [False] * 3 + [True]
+    assert every[-1]["val/loss"] == last[-1]["val/loss"]  # the same weights, the same validation loss
+    assert every[-1]["val/loss"] < every[0]["val/loss"]  # and it falls as the model trains
+
+
+def test_the_validation_loss_is_token_weighted_over_the_whole_set(ray_address, tmp_path):
+    """With lr 0 the weights never move: batches of 8 or of 4 must give the same loss over the same validation
+    tokens (a mean of per-batch means would not: the batches hold different numbers of tokens)."""
+    common = ["+override.lr=0", "trainer.steps=1", "logger=none", "checkpoint.at_end=false"]
+    run(compose(*common, "trainer.batch_size=8"), tmp_path / "eight")
+    run(compose(*common, "trainer.batch_size=4"), tmp_path / "four")
+    eight, four = read_jsonl(tmp_path / "eight" / "metrics.jsonl")[-1], read_jsonl(tmp_path / "four" / "metrics.jsonl")[-1]
+    assert eight["val/tokens"] == four["val/tokens"] > 0
+    assert eight["val/loss"] == pytest.approx(four["val/loss"], rel=1e-6)  # fp32 sums in another order

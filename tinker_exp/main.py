@@ -21,7 +21,10 @@ from tinker_exp.errors import STOPS, Terminated, one_line
 from tinker_exp.optim import Plan, build_plan
 from tinker_exp.optim.preview import format_table, plan_table, plot_plan, write_plan_jsonl
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
+from tinker_exp.formats import read_jsonl
 from tinker_exp.train.checkpoints import ResumePoint, resume_point
+from tinker_exp.train.data import dataset_rows
+from tinker_exp.train.objective import objective_metric, objective_value
 from tinker_exp.train.protocols import Workers
 from tinker_exp.train.signals import as_stop, sigterm_raises
 
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 def validate(cfg: Config) -> Plan:
     """Everything that can be checked without torch, verl or ray; returns the plan. Raises ConfigError naming the key."""
     config.check(cfg)
+    objective_metric(cfg)
     return build_plan(cfg.override, cfg.optimizer, cfg.trainer.steps)
 
 
@@ -76,6 +80,7 @@ def run(
     write_job_info(run_dir, job or job_info(None, []))
     cfg = config.load(dcfg)
     plan = validate(cfg)
+    rows = dataset_rows(cfg.data)  # read and split before any worker starts (a dry run checks them too)
     if not cfg.dry_run:
         log.info(f"worker output: {run_dir / WORKERS_LOG}" + ("" if cfg.verbose else " (verbose=true shows it here too)"))
     log.info(describe(plan))
@@ -91,12 +96,13 @@ def run(
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     wandb_config = {**resolved, "hydra_choices": dict(choices or {}), "job": job}
-    return train_run(cfg, plan, resume, run_dir, wandb_config, plot, start_workers or verl_workers)
+    return train_run(cfg, plan, rows, resume, run_dir, wandb_config, plot, start_workers or verl_workers)
 
 
 def train_run(
     cfg: Config,
     plan: Plan,
+    rows: tuple[list[dict[str, str]], list[dict[str, str]]],
     resume: ResumePoint | None,
     run_dir: Path,
     wandb_config: dict[str, Any],
@@ -106,13 +112,17 @@ def train_run(
     """Sinks, workers, the loop; the workers are freed and the sinks closed however the run ends."""
     from tinker_exp.runtime.inputs import load_examples, model_dir
     from tinker_exp.train.checkpoints import Checkpointer, restore
-    from tinker_exp.train.data import batch_for_step
+    from tinker_exp.train.data import batch_for_step, eval_batches
+    from tinker_exp.train.evaluation import Evaluation
     from tinker_exp.train.loop import train
     from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, WandbSink
 
     model_path = model_dir(cfg.model, cfg.data)
-    examples = load_examples(cfg.data, model_path)
+    examples, val_examples = load_examples(cfg.data, model_path, *rows)
     trainer, data = cfg.trainer, cfg.data
+    evaluation = None
+    if val_examples:
+        evaluation = Evaluation(eval_batches(val_examples, trainer.batch_size), trainer.eval_every, trainer.steps)
 
     def batch_for(step: int) -> list:
         return batch_for_step(examples, step, trainer.batch_size, trainer.seed, data.shuffle)
@@ -130,7 +140,7 @@ def train_run(
         if resume is not None:
             restore(workers, resume.path)
         checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, {"seed": trainer.seed})
-        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start)
+        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start, evaluation)
         exit_code = 0
     except BaseException as e:
         stop = as_stop(e)
@@ -145,12 +155,22 @@ def train_run(
         finally:
             sinks.close(exit_code)  # the W&B run is finished (with the exit code) however the job ends
     if last:
-        log.info(f"done: {last['train/step'] + 1} steps, final loss {last['train/loss']:.4f}; {run_dir / 'metrics.jsonl'}")
+        val = f", val loss {last['val/loss']:.4f}" if "val/loss" in last else ""
+        log.info(f"done: {last['train/step'] + 1} steps, final loss {last['train/loss']:.4f}{val}; {run_dir / 'metrics.jsonl'}")
     return last
 
 
+def objective(cfg: Config, run_dir: Path) -> float | None:
+    """What the run reports to Hydra's sweeper: trainer.objective over every row of metrics.jsonl (a resumed
+    run's earlier rows too); None for a dry run."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    return objective_value(read_jsonl(metrics), objective_metric(cfg), cfg.trainer.objective_mode.value)
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def _hydra_main(dcfg: DictConfig) -> None:
+def _hydra_main(dcfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -169,6 +189,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
     try:
         with sigterm_raises():  # from the start: Slurm may stop a job while it is still starting up
             run(dcfg, run_dir, dict(hydra_cfg.runtime.choices), job)
+            return objective(config.load(dcfg), run_dir)  # what any Hydra sweeper optimises (lower is better)
     except STOPS as e:
         print(f"tinker_exp: {one_line(e)}", file=sys.stderr)
         if in_sweep:

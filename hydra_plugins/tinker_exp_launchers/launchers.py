@@ -99,7 +99,8 @@ class SweepLauncher(BaseSubmititLauncher):
                     status, error = ended_by, f"ended by the scheduler ({ended_by}); job log {job.paths.stderr}"
                     ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
                 run_dir = self._run_dir(overrides, num)
-                outcomes.append(read_outcome(num, filter_overrides(overrides), status, run_dir, error, job.job_id))
+                objective = ret.return_value if status == "COMPLETED" else None  # what the task function returned
+                outcomes.append(read_outcome(num, filter_overrides(overrides), status, run_dir, error, job.job_id, objective))
                 returns.append(ret)
         except KeyboardInterrupt:
             cancel(jobs)  # first, before anything that could be slow on a loaded machine

@@ -51,6 +51,11 @@ class OptimizerName(str, Enum):
     Adam = "Adam"
 
 
+class ObjectiveMode(str, Enum):
+    last = "last"
+    min = "min"
+
+
 class ResumeMode(str, Enum):
     auto = "auto"  # continue from the newest usable checkpoint in the run dir, if it has one
     must = "must"  # the same, but fail when there is none
@@ -97,9 +102,17 @@ class DataConfig:
     """Tokens per example; longer ones are cut."""
     shuffle: bool = True
     """Shuffle each epoch (seeded by trainer.seed and the epoch: a resumed run sees the same order)."""
+    val_path: Optional[str] = None
+    """Validation rows, in the training file's format. None: hold out val_fraction of the training file."""
+    val_fraction: Optional[float] = 0.1
+    """Without val_path: this share of the training file's rows is held out for validation (None: no validation)."""
+    split_seed: int = 0
+    """Seed of the held-out split (not trainer.seed: a sweep over training seeds keeps one validation set)."""
 
     def __post_init__(self) -> None:
         _at_least(1, **{"data.max_length": self.max_length})
+        if self.val_fraction is not None and not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction: {self.val_fraction!r} is not in (0, 1) (null: no validation)")
 
 
 @dataclass
@@ -184,6 +197,13 @@ class TrainerConfig:
     max_nonfinite_steps: int = 0
     """Steps with a non-finite loss or grad norm that are tolerated (verl skips their update); one more stops
     the run (exit 4), keeping the last checkpoint saved before it."""
+    eval_every: int = 10
+    """Evaluate on the validation set after every N steps (0: only after the last step), when there is one."""
+    objective: Optional[str] = None
+    """The metric the run returns to Hydra's sweeper (lower is better). None: val/loss, or train/loss without
+    validation data."""
+    objective_mode: ObjectiveMode = ObjectiveMode.last
+    """last: the metric's last logged value; min: its lowest."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -192,6 +212,7 @@ class TrainerConfig:
             raise ConfigError(f"trainer.batch_size: must be >= 1, got {self.batch_size}")
         if self.max_nonfinite_steps < 0:
             raise ConfigError(f"trainer.max_nonfinite_steps={self.max_nonfinite_steps} must be >= 0")
+        _at_least(0, **{"trainer.eval_every": self.eval_every})
 
 
 @dataclass

@@ -14,11 +14,11 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 """Where "builtin:NAME" data files live (shipped in the package)."""
 
 
-def data_path(path: str) -> Path:
-    """``data.path`` as a file: "builtin:NAME" is tinker_exp/assets/NAME; it must exist."""
+def data_path(path: str, key: str = "data.path") -> Path:
+    """A data file (`key` names it in errors): "builtin:NAME" is tinker_exp/assets/NAME; it must exist."""
     resolved = ASSETS / path.removeprefix("builtin:") if path.startswith("builtin:") else Path(path)
     if not resolved.is_file():
-        raise ConfigError(f"data.path: no such file: {path!r} (looked at {resolved})")
+        raise ConfigError(f"{key}: no such file: {path!r} (looked at {resolved})")
     return resolved
 
 
@@ -33,6 +33,8 @@ def check(cfg: Config) -> None:
             f"into micro batches of backend.micro_batch_size={backend.micro_batch_size}"
         )
     data_path(cfg.data.path)
+    if cfg.data.val_path is not None:
+        data_path(cfg.data.val_path, "data.val_path")
 
 
 def load(dcfg: DictConfig) -> Config:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tinker_exp.config import DataConfig, ModelConfig, data_path
-from tinker_exp.train.data import Example, read_rows, tokenize
+from tinker_exp.train.data import Example, tokenize
 
 
 def model_dir(model: ModelConfig, data: DataConfig) -> Path:
@@ -17,8 +17,9 @@ def model_dir(model: ModelConfig, data: DataConfig) -> Path:
     return ensure_tiny_model(vars(model), data_path(data.path))
 
 
-def load_examples(data: DataConfig, model_path: Path) -> list[Example]:
+def load_examples(data: DataConfig, model_path: Path, *row_sets: list[dict[str, str]]) -> list[list[Example]]:
+    """Each set of rows (training, validation) tokenized with the model's tokenizer."""
     from transformers import AutoTokenizer
 
-    rows = read_rows(data_path(data.path), data.prompt_key, data.response_key)
-    return tokenize(rows, AutoTokenizer.from_pretrained(model_path), data)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return [tokenize(rows, tokenizer, data) for rows in row_sets]

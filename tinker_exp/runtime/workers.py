@@ -102,6 +102,13 @@ def _worker_class():
     return TinkerExpWorker
 
 
+def _loss(output: Any) -> float:
+    """The loss verl reports for a batch: already all-reduced over the ranks (each rank's copy is the same)."""
+    metrics = output["metrics"] if isinstance(output, dict) else output.get_non_tensor("metrics")
+    loss = metrics["loss"]
+    return float(sum(loss) / len(loss)) if isinstance(loss, list) else float(loss)
+
+
 class TinkerWorkers:
     """A Ray worker group of TinkerTrainingWorkers with one FSDP2 engine over all ranks."""
 
@@ -196,6 +203,7 @@ class TinkerWorkers:
                 strategy=backend.strategy,
                 use_dynamic_bsz=False,
                 micro_batch_size_per_gpu=backend.micro_batch_size,
+                infer_micro_batch_size_per_gpu=backend.micro_batch_size,  # validation (infer_batch)
                 mixed_precision={"param_dtype": param_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
                 use_torch_compile=self.device == "cuda",
                 seed=trainer.seed,
@@ -231,11 +239,13 @@ class TinkerWorkers:
         self.group.optimizer_zero_grad()
         output = self.group.forward_backward(self._batch(examples)).get()
         per_rank = self.group.optimizer_step(optim_step_params=optim_step_params or None)
-        metrics = output["metrics"] if isinstance(output, dict) else output.get_non_tensor("metrics")
-        loss = metrics["loss"]
-        loss = float(sum(loss) / len(loss)) if isinstance(loss, list) else float(loss)
+        loss = _loss(output)
         grad_norm = next((float(r["grad_norm"]) for r in per_rank if "grad_norm" in r), float("nan"))
         return StepResult(loss=loss, grad_norm=grad_norm, applied=[r["param_groups"] for r in per_rank])
+
+    def evaluate(self, examples: list) -> float:
+        """verl's forward-only path (eval mode, no_grad): the batch's loss, token-weighted (verl's sft_loss)."""
+        return _loss(self.group.infer_batch(self._batch(examples)).get())
 
     def _batch(self, examples: list):
         import torch

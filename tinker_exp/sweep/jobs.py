@@ -73,6 +73,7 @@ class JobOutcome:
     job_id: str | None = None  # the scheduler's id (Slurm: ARRAYID_TASK, as squeue and sacct show it)
     steps: int = 0  # steps logged to metrics.jsonl
     final_loss: float | None = None
+    objective: float | None = None  # what the job returned to the sweeper (trainer.objective)
 
     @property
     def ok(self) -> bool:
@@ -80,10 +81,16 @@ class JobOutcome:
 
 
 def read_outcome(
-    num: int, overrides: Sequence[str], status: str, run_dir: Path, error: str | None, job_id: str | None = None
+    num: int,
+    overrides: Sequence[str],
+    status: str,
+    run_dir: Path,
+    error: str | None,
+    job_id: str | None = None,
+    objective: float | None = None,
 ) -> JobOutcome:
-    """What a job left in its run dir (whatever it got to before it ended)."""
-    outcome = JobOutcome(num, list(overrides), status, str(run_dir), error, job_id)
+    """What a job left in its run dir (whatever it got to before it ended), and the objective it returned."""
+    outcome = JobOutcome(num, list(overrides), status, str(run_dir), error, job_id, objective=objective)
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         rows = read_jsonl(metrics)
@@ -93,19 +100,28 @@ def read_outcome(
     return outcome
 
 
+def ranked(outcomes: Sequence[JobOutcome]) -> list[JobOutcome]:
+    """Best objective (lowest) first; jobs without one (failed, dry runs) after, in job order."""
+    return sorted(outcomes, key=lambda o: (o.objective is None, o.objective if o.objective is not None else 0, o.num))
+
+
 def summary_table(outcomes: Sequence[JobOutcome]) -> str:
-    header = ["job", "overrides", "status", "steps", "final loss", "job id", "run dir"]
+    """Sorted by objective, the best job marked with `*`."""
+    header = ["job", "overrides", "status", "steps", "final loss", "objective", "job id", "run dir"]
+    ordered = ranked(outcomes)
+    best = ordered[0] if ordered and ordered[0].objective is not None else None
     rows = [
         [
-            str(o.num),
+            f"*{o.num}" if o is best else str(o.num),
             " ".join(o.overrides) or "-",
             o.status,
             str(o.steps),
             "-" if o.final_loss is None else f"{o.final_loss:.4f}",
+            "-" if o.objective is None else f"{o.objective:.4f}",
             o.job_id or "-",
             o.run_dir,
         ]
-        for o in outcomes
+        for o in ordered
     ]
     return text_table(header, rows)
 
@@ -116,7 +132,7 @@ def write_summary(sweep_dir: Path, outcomes: Sequence[JobOutcome]) -> Path:
     text = "```\n" + summary_table(outcomes) + "\n```\n" + ("\n" + "\n".join(failures) + "\n" if failures else "")
     (sweep_dir / SUMMARY_MD).write_text(text)
     with open(sweep_dir / SUMMARY_JSONL, "w", encoding="utf-8") as f:
-        for outcome in outcomes:
+        for outcome in ranked(outcomes):
             f.write(json.dumps(asdict(outcome)) + "\n")
     return sweep_dir / SUMMARY_MD
 

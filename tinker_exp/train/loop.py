@@ -11,6 +11,7 @@ from tinker_exp.config import TrainerConfig
 from tinker_exp.errors import AppliedMismatchError, NonFiniteError
 from tinker_exp.optim import Plan, flat_values
 from tinker_exp.train.checkpoints import Checkpointer
+from tinker_exp.train.evaluation import Evaluation
 from tinker_exp.train.protocols import Sink, Workers
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,11 @@ def train(
     sink: Sink,
     checkpointer: Checkpointer | None = None,
     start: dict[str, Any] | None = None,
+    evaluation: Evaluation | None = None,
 ) -> dict[str, Any]:
     """Run Tinker steps from `start` (a checkpoint's loop state; None: step 0) to trainer.steps.
 
-    After each step: log it, stop if non-finite steps exceed the limit (before any save, so the last
+    After each step: evaluate when due (its values join the step's row), log it, stop if non-finite steps exceed the limit (before any save, so the last
     checkpoint is from before the failure), then save a checkpoint when one is due. Returns the last row.
     """
     start = start or {}
@@ -69,6 +71,8 @@ def train(
             **flat_values("requested", requested),
             **flat_values("applied", applied),
         }
+        if evaluation is not None and evaluation.due(step + 1):
+            row.update(evaluation.run(workers))
         sink.log(row)
         if nonfinite_steps > trainer.max_nonfinite_steps:
             raise NonFiniteError(

@@ -103,6 +103,7 @@ class WandbSink:
             )
             run.define_metric("train/step")
             run.define_metric("*", step_metric="train/step")
+            run.define_metric("val/loss", step_metric="train/step", summary="min")
             log.info(f"W&B run {run.id} ({mode}): {run.dir}")
             return cls(run)
         except Exception as e:  # no key, no network, bad entity: never stop training for the logger

@@ -1,0 +1,33 @@
+"""Validation between optimizer steps: the loss on held-out rows, token-weighted over the whole set."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tinker_exp.train.data import Example
+from tinker_exp.train.protocols import Workers
+
+
+@dataclass
+class Evaluation:
+    batches: list[list[Example]]
+    """The validation set in batches the workers can split (see data.eval_batches)."""
+    every: int
+    """After every N steps (0: only after the last)."""
+    total_steps: int
+
+    def due(self, steps_done: int) -> bool:
+        return bool(self.every and steps_done % self.every == 0) or steps_done == self.total_steps
+
+    def run(self, workers: Workers) -> dict[str, Any]:
+        """verl's loss of a batch is its token-weighted mean NLL (sft_loss divides by the batch's loss tokens), so
+        weighting each batch by its loss tokens gives the mean over every validation token, not a mean of means."""
+        start = time.perf_counter()
+        nll, tokens = 0.0, 0
+        for batch in self.batches:
+            batch_tokens = sum(sum(example.loss_mask) for example in batch)
+            nll += workers.evaluate(batch) * batch_tokens
+            tokens += batch_tokens
+        return {"val/loss": nll / tokens, "val/tokens": tokens, "perf/eval_time_s": time.perf_counter() - start}

@@ -1,0 +1,33 @@
+"""What a run reports to Hydra's sweeper: one metric of its metrics.jsonl, its last or lowest value. Pure Python."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tinker_exp.config import Config
+from tinker_exp.errors import ConfigError
+
+TRAIN_METRICS = ("train/loss", "train/grad_norm", "train/nonfinite_steps", "perf/step_time_s", "perf/tokens_per_s")
+VAL_METRICS = ("val/loss", "val/tokens", "perf/eval_time_s")
+
+
+def has_validation(cfg: Config) -> bool:
+    return cfg.data.val_path is not None or cfg.data.val_fraction is not None
+
+
+def objective_metric(cfg: Config) -> str:
+    """trainer.objective, checked against what the run logs; by default val/loss (train/loss without validation)."""
+    logged = TRAIN_METRICS + (VAL_METRICS if has_validation(cfg) else ())
+    metric = cfg.trainer.objective or ("val/loss" if has_validation(cfg) else "train/loss")
+    if metric not in logged and not metric.startswith(("requested/", "applied/")):
+        why = " (there is no validation data)" if metric in VAL_METRICS else ""
+        raise ConfigError(f"trainer.objective: {metric!r} is never logged{why}; logged: {list(logged)}")
+    return metric
+
+
+def objective_value(rows: Sequence[dict[str, Any]], metric: str, mode: str) -> float | None:
+    """The metric's last (mode "last") or lowest ("min") value in the rows; None when no row has it."""
+    values = [row[metric] for row in rows if metric in row]
+    if not values:
+        return None
+    return min(values) if mode == "min" else values[-1]
