@@ -150,7 +150,9 @@ def test_sweep_runs_each_point_as_a_slurm_job(slurm_env, tmp_path):
         env=slurm_env, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = read_jsonl(sweep / "summary.jsonl")
+    ranked = read_jsonl(sweep / "summary.jsonl")
+    assert [row["objective"] for row in ranked] == sorted(row["objective"] for row in ranked)  # best first
+    summary = sorted(ranked, key=lambda row: row["num"])
     assert [(row["num"], row["status"], row["steps"]) for row in summary] == [(0, "COMPLETED", 3), (1, "COMPLETED", 3)]
     groups, array_ids = set(), set()
     for row, lr in zip(summary, ("0.001", "0.0003")):
@@ -162,6 +164,7 @@ def test_sweep_runs_each_point_as_a_slurm_job(slurm_env, tmp_path):
         metrics = read_jsonl(run_dir / "metrics.jsonl")
         assert [m["train/step"] for m in metrics] == [0, 1, 2]
         assert row["final_loss"] == metrics[-1]["train/loss"]
+        assert row["objective"] == metrics[-1]["val/loss"]  # what the job returned to the sweeper
         records = wandb_finished_records(run_dir)  # W&B's service may write the exit record a moment later
         run = wandb_run_record(records)
         groups.add(run.run_group)
