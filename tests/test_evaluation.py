@@ -133,3 +133,14 @@ def test_bad_validation_settings_fail_the_cli_in_one_line(tmp_path):
     result = run_cli("data.val_fraction=1.5", "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["tinker_exp: config error: data.val_fraction: 1.5 is not in (0, 1) (null: no validation)"]
+
+
+def test_a_run_and_a_sweep_get_a_report_picture(tmp_path):
+    from tinker_exp.sweep.report import write_report
+
+    for name, override in (("cosine", "+override=lr_cosine"), ("wsd", "+override=lr_wsd")):
+        run(compose(override, "trainer.steps=12", "trainer.eval_every=4", "logger=none"), tmp_path / name, start_workers=fake_workers())
+        assert (tmp_path / name / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # every run gets one
+    sweep = write_report([("cosine", tmp_path / "cosine"), ("wsd", tmp_path / "wsd")], tmp_path / "report.png", "sweep")
+    assert sweep == tmp_path / "report.png" and sweep.stat().st_size > 10_000
+    assert write_report([("empty", tmp_path / "nothing")], tmp_path / "none.png", "nothing") is None  # nothing logged

@@ -173,6 +173,7 @@ def test_sweep_runs_each_point_as_a_slurm_job(slurm_env, tmp_path):
         assert [e.exit_code for e in exits] == [0]
     assert groups == {"lr_sweep"} and len(array_ids) == 1  # one Slurm array, one W&B group
     assert "final loss" in (sweep / "summary.md").read_text()
+    assert (sweep / "report.png").read_bytes()[:4] == b"\x89PNG" and f"{sweep / 'report.png'}" in result.stderr + result.stdout
     assert "final loss" in result.stdout  # the summary table is printed too
 
 

@@ -21,6 +21,7 @@ from tinker_exp.errors import STOPS, Terminated, one_line
 from tinker_exp.optim import Plan, build_plan
 from tinker_exp.optim.preview import format_table, plan_table, plot_plan, write_plan_jsonl
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
+from tinker_exp.sweep.report import REPORT, write_report
 from tinker_exp.formats import read_jsonl
 from tinker_exp.train.checkpoints import ResumePoint, resume_point
 from tinker_exp.train.data import dataset_rows
@@ -154,9 +155,10 @@ def train_run(
                 workers.shutdown()
         finally:
             sinks.close(exit_code)  # the W&B run is finished (with the exit code) however the job ends
+    report = write_report([(run_dir.name, run_dir)], run_dir / REPORT, f"run {run_dir}")
     if last:
         val = f", val loss {last['val/loss']:.4f}" if "val/loss" in last else ""
-        log.info(f"done: {last['train/step'] + 1} steps, final loss {last['train/loss']:.4f}{val}; {run_dir / 'metrics.jsonl'}")
+        log.info(f"done: {last['train/step'] + 1} steps, final loss {last['train/loss']:.4f}{val}; {run_dir / 'metrics.jsonl'}; {report}")
     return last
 
 

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf, open_dict
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import one_line
 from tinker_exp.sweep.jobs import failure_report, read_outcome, summary_table, write_summary
+from tinker_exp.sweep.report import REPORT, write_report
 from tinker_exp.sweep.slurm import cancel_slurm_jobs, slurm_state, slurm_verdict
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,9 @@ class SweepLauncher(BaseSubmititLauncher):
             raise
 
         summary = write_summary(sweep_dir, outcomes)
-        log.info(f"sweep summary ({summary}):\n{summary_table(outcomes)}")
+        runs = [(" ".join(o.overrides) or f"job {o.num}", Path(o.run_dir)) for o in outcomes]
+        report = write_report(runs, sweep_dir / REPORT, f"sweep {sweep_dir}")
+        log.info(f"sweep summary ({summary}; {report}):\n{summary_table(outcomes)}")
         if not all(outcome.ok for outcome in outcomes):
             raise SweepFailedError(failure_report(outcomes, summary))
         return returns

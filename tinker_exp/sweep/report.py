@@ -1,0 +1,59 @@
+"""report.png: look rather than read. Every run's training and validation loss overlaid, and every key whose
+plan changes over the run, one panel each. For a sweep (every job, labelled by its overrides) and a single run.
+Pure Python (matplotlib, imported for the plot)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from tinker_exp.formats import read_jsonl
+
+REPORT = "report.png"
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(row.get("train/step", row.get("step")), row[key]) for row in rows if key in row]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def write_report(runs: Sequence[tuple[str, Path]], path: Path, title: str) -> Path | None:
+    """`runs`: (label, run dir). None when no run logged a step."""
+    metrics = {label: read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").exists() else [] for label, d in runs}
+    plans = {label: read_jsonl(d / "plan.jsonl") if (d / "plan.jsonl").exists() else [] for label, d in runs}
+    if not any(metrics.values()):
+        return None
+    varying = sorted(
+        {key for rows in plans.values() for key in (rows[0] if rows else {}) if key != "step" and len({r[key] for r in rows}) > 1}
+    )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 1 + len(varying)
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 + 1.8 * len(varying)), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [2.2] + [1] * len(varying)})  # fmt: skip
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    loss_ax = axes[0, 0]
+    for i, (label, rows) in enumerate(metrics.items()):
+        color = colors[i % len(colors)]
+        loss_ax.plot(*_series(rows, "train/loss"), color=color, linewidth=1.0, alpha=0.7, label=f"{label} (train)")
+        steps, values = _series(rows, "val/loss")
+        if steps:
+            loss_ax.plot(steps, values, color=color, linewidth=1.6, linestyle="--", marker="o", markersize=3,
+                         label=f"{label} (val)")  # fmt: skip
+        for ax, key in zip(axes[1:, 0], varying):
+            ax.plot(*_series(plans[label], key), color=color, linewidth=1.2)
+    loss_ax.set_ylabel("loss")
+    loss_ax.grid(alpha=0.3)
+    loss_ax.legend(fontsize=7, loc="best")
+    for ax, key in zip(axes[1:, 0], varying):
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("optimizer step (0 = first)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
