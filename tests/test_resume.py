@@ -147,4 +147,6 @@ def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path, s
     # under load). Either way the first start ended by itself, before Slurm's SIGKILL, and the job was requeued.
     assert re.search(r"task 0: Exited with exit code (143|1)$", job_log, re.M) and "Killed" not in job_log, job_log[-3000:]
     if stop[0] == "scancel":
-        assert "this job is preempted" in job_log and f"Requeued job {job_id}" in job_log  # submitit's handler
+        # submitit's USR2 handler ran and requeued the job (restart_count above); its own "Requeued job" line
+        # may never be written: Slurm's SIGTERM for that requeue can stop the process before submitit logs it.
+        assert "this job is preempted" in job_log
