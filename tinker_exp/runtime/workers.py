@@ -147,12 +147,12 @@ class TinkerWorkers:
         if output is not None:
             output.start()
         try:
-            self._start(ray, backend, optimizer, trainer, model_path, optimizer_values, env)
+            self._start(ray, backend, self._worker_config(backend, optimizer, trainer, model_path, optimizer_values), env)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start(self, ray, backend, optimizer, trainer, model_path, optimizer_values, env) -> None:
+    def _start(self, ray, backend: BackendConfig, worker_config: Any, env: dict[str, str]) -> None:
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl.workers.utils.losses import sft_loss
 
@@ -166,7 +166,7 @@ class TinkerWorkers:
         )
         init = RayClassWithInitArgs(
             cls=ray.remote(worker_cls),
-            config=self._worker_config(backend, optimizer, trainer, model_path, optimizer_values),
+            config=worker_config,
         )
         # worker_env reaches the workers even when we join a cluster someone else started.
         self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=self.device, worker_env=env)
