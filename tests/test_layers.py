@@ -12,7 +12,7 @@ from helpers import REPO
 PACKAGE = REPO / "tinker_exp"
 HEAVY = ("torch", "verl", "ray", "transformers", "tokenizers", "peft")
 PURE = ["tinker_exp.config", "tinker_exp.optim", "tinker_exp.train", "tinker_exp.sweep", "tinker_exp.errors",
-        "tinker_exp.formats", "tinker_exp.main"]  # fmt: skip
+        "tinker_exp.formats", "tinker_exp.main", "hydra_plugins.tinker_exp_plugins"]  # fmt: skip
 
 
 def modules(package: str) -> list[str]:

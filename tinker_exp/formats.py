@@ -1,4 +1,4 @@
-"""Plain-text formats shared by runs and sweeps: JSONL rows and right-aligned tables. Pure Python."""
+"""Plain-text formats shared by runs and sweeps: JSON files, JSONL rows and right-aligned tables. Pure Python."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return rows
+
+
+def read_json(path: Path) -> Any:
+    """The file's JSON value; None when it is missing or not (yet) valid JSON (a run writing or killed)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def text_table(header: list[str], rows: list[list[str]]) -> str:

@@ -25,7 +25,7 @@ from tinker_exp.sweep.report import REPORT, write_report
 from tinker_exp.formats import read_jsonl
 from tinker_exp.train.checkpoints import ResumePoint, resume_point
 from tinker_exp.train.data import dataset_rows
-from tinker_exp.train.objective import objective_metric, objective_value
+from tinker_exp.train.objective import objective_metric, objective_value, write_objective
 from tinker_exp.train.protocols import Workers
 from tinker_exp.train.signals import as_stop, sigterm_raises
 
@@ -164,11 +164,14 @@ def train_run(
 
 def objective(cfg: Config, run_dir: Path) -> float | None:
     """What the run reports to Hydra's sweeper: trainer.objective over every row of metrics.jsonl (a resumed
-    run's earlier rows too); None for a dry run."""
+    run's earlier rows too), also written to objective.json; None for a dry run."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
         return None
-    return objective_value(read_jsonl(metrics), objective_metric(cfg), cfg.trainer.objective_mode.value)
+    metric, mode = objective_metric(cfg), cfg.trainer.objective_mode.value
+    value = objective_value(read_jsonl(metrics), metric, mode)
+    write_objective(run_dir, metric, mode, value)
+    return value
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
-from tinker_exp.errors import ConfigError, one_line
+from tinker_exp.errors import ConfigError, TinkerExpError, one_line
 
 COMPOSE_ERRORS = (ConfigCompositionException, OverrideParseException, OmegaConfBaseException)
 
@@ -46,8 +46,8 @@ def one_line_compose_errors() -> Iterator[None]:
         def guarded() -> Any:
             try:
                 return func()
-            except COMPOSE_ERRORS as e:
-                error = as_config_error(e)
+            except (*COMPOSE_ERRORS, TinkerExpError) as e:  # ours too: a sweeper's config error (its search space)
+                error = e if isinstance(e, TinkerExpError) else as_config_error(e)
                 print(f"tinker_exp: {one_line(error)}", file=sys.stderr)
                 sys.exit(error.exit_code)
 

@@ -1,7 +1,7 @@
 """Sweeps: who a job is (Slurm ids, W&B group and name) and what each job of a sweep came to.
 
 Pure Python (stdlib only): the job side writes `job.json` into its run dir; the sweep driver (our Hydra
-launchers in hydra_plugins/tinker_exp_launchers) reads run dirs back into one summary table.
+launchers in hydra_plugins/tinker_exp_plugins) reads run dirs back into one summary table.
 """
 
 from __future__ import annotations

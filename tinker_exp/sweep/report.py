@@ -31,23 +31,31 @@ def write_report(runs: Sequence[tuple[str, Path]], path: Path, title: str) -> Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.lines import Line2D
+
+    many = len(metrics) > 6  # a study: the legend goes beside the plot, not over it
     panels = 1 + len(varying)
-    fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 + 1.8 * len(varying)), sharex=True, squeeze=False,
+    fig, axes = plt.subplots(panels, 1, figsize=(12 if many else 8, 3.2 + 1.8 * len(varying)), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [2.2] + [1] * len(varying)})  # fmt: skip
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     loss_ax = axes[0, 0]
+    handles = [Line2D([], [], color="0.3", linewidth=1.0, label="train"),
+               Line2D([], [], color="0.3", linewidth=1.6, linestyle="--", marker="o", markersize=3, label="val")]  # fmt: skip
     for i, (label, rows) in enumerate(metrics.items()):
         color = colors[i % len(colors)]
-        loss_ax.plot(*_series(rows, "train/loss"), color=color, linewidth=1.0, alpha=0.7, label=f"{label} (train)")
+        loss_ax.plot(*_series(rows, "train/loss"), color=color, linewidth=1.0, alpha=0.7)
         steps, values = _series(rows, "val/loss")
         if steps:
-            loss_ax.plot(steps, values, color=color, linewidth=1.6, linestyle="--", marker="o", markersize=3,
-                         label=f"{label} (val)")  # fmt: skip
+            loss_ax.plot(steps, values, color=color, linewidth=1.6, linestyle="--", marker="o", markersize=3)
         for ax, key in zip(axes[1:, 0], varying):
             ax.plot(*_series(plans[label], key), color=color, linewidth=1.2)
+        handles.append(Line2D([], [], color=color, linewidth=2, label=label))  # one entry per run: its color
     loss_ax.set_ylabel("loss")
     loss_ax.grid(alpha=0.3)
-    loss_ax.legend(fontsize=7, loc="best")
+    if many:
+        loss_ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        loss_ax.legend(handles=handles, fontsize=7, loc="best")
     for ax, key in zip(axes[1:, 0], varying):
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
 from typing import Any, Sequence
 
 from tinker_exp.config import Config
 from tinker_exp.errors import ConfigError
+from tinker_exp.formats import read_json
+
+OBJECTIVE_FILE = "objective.json"  # written by a run that completed: what it returned to the sweeper
 
 TRAIN_METRICS = ("train/loss", "train/grad_norm", "train/nonfinite_steps", "perf/step_time_s", "perf/tokens_per_s")
 VAL_METRICS = ("val/loss", "val/tokens", "perf/eval_time_s")
@@ -31,3 +37,14 @@ def objective_value(rows: Sequence[dict[str, Any]], metric: str, mode: str) -> f
     if not values:
         return None
     return min(values) if mode == "min" else values[-1]
+
+
+def write_objective(run_dir: Path, metric: str, mode: str, value: float | None) -> None:
+    """Written when a run completed: what it returned (a study continued after a kill reads it back)."""
+    (run_dir / OBJECTIVE_FILE).write_text(json.dumps({"metric": metric, "mode": mode, "value": value}) + "\n")
+
+
+def read_objective(run_dir: Path) -> float | None:
+    """The value a completed run returned; None when it did not complete (no file) or has no finite value."""
+    value = (read_json(run_dir / OBJECTIVE_FILE) or {}).get("value")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf, open_dict
 
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import one_line
-from tinker_exp.sweep.jobs import failure_report, read_outcome, summary_table, write_summary
+from tinker_exp.sweep.jobs import JobOutcome, failure_report, read_outcome, summary_table, write_summary
 from tinker_exp.sweep.report import REPORT, write_report
 from tinker_exp.sweep.slurm import cancel_slurm_jobs, slurm_state, slurm_verdict
 
@@ -32,7 +32,20 @@ log = logging.getLogger(__name__)
 
 
 class SweepFailedError(CompactHydraException):
-    """Some jobs did not complete. Compact: Hydra prints the message (every failed job), no traceback."""
+    """Some jobs did not complete. Compact: Hydra prints the message (every failed job), no traceback.
+    `returns` holds every job's return, for a sweeper that goes on past failed jobs (a study)."""
+
+    def __init__(self, message: str, returns: Sequence[JobReturn] = ()) -> None:
+        super().__init__(message)
+        self.returns = list(returns)
+
+
+def job_run_dir(hydra_context: Any, config: Any, overrides: Sequence[str], num: int) -> Path:
+    """The run dir Hydra gives job `num` with these overrides (hydra.sweep.dir / hydra.sweep.subdir)."""
+    job_cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+    with open_dict(job_cfg.hydra.job):
+        job_cfg.hydra.job.num = num
+    return Path(str(job_cfg.hydra.sweep.dir)) / str(job_cfg.hydra.sweep.subdir)
 
 
 class SweepLauncher(BaseSubmititLauncher):
@@ -44,6 +57,9 @@ class SweepLauncher(BaseSubmititLauncher):
                 f"hydra.launcher.signal_delay_s={delay_s} must be below hydra.launcher.timeout_min*60={timeout_s}"
             )
         super().__init__(**params)
+        self.outcomes: dict[int, JobOutcome] = {}  # every job this launcher ran, by number: a sweep in batches
+        self.summarize = True  # the table on the terminal after each launch (a study prints its own)
+
 
     def _executor(self) -> Any:
         """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it)."""
@@ -61,13 +77,6 @@ class SweepLauncher(BaseSubmititLauncher):
             }
         )
         return executor
-
-    def _run_dir(self, overrides: Sequence[str], num: int) -> Path:
-        assert self.hydra_context is not None and self.config is not None
-        job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-        with open_dict(job_cfg.hydra.job):
-            job_cfg.hydra.job.num = num
-        return Path(str(job_cfg.hydra.sweep.dir)) / str(job_cfg.hydra.sweep.subdir)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None
@@ -94,12 +103,11 @@ class SweepLauncher(BaseSubmititLauncher):
                     ret = job.results()[0]
                     status, error = "COMPLETED", None
                     if ret.status != JobStatus.COMPLETED:  # raised in the job: a config error, NaN, ...
-                        raised = ret._return_value  # a job's own compose error reads as any config error
-                        status, error = "FAILED", one_line(as_config_error(raised) if isinstance(raised, COMPOSE_ERRORS) else raised)
+                        status, error = "FAILED", job_error(ret)
                 else:  # cancelled, timed out, preempted without requeue, killed, out of memory
                     status, error = ended_by, f"ended by the scheduler ({ended_by}); job log {job.paths.stderr}"
                     ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
-                run_dir = self._run_dir(overrides, num)
+                run_dir = job_run_dir(self.hydra_context, self.config, overrides, num)
                 objective = ret.return_value if status == "COMPLETED" else None  # what the task function returned
                 outcomes.append(read_outcome(num, filter_overrides(overrides), status, run_dir, error, job.job_id, objective))
                 returns.append(ret)
@@ -107,13 +115,24 @@ class SweepLauncher(BaseSubmititLauncher):
             cancel(jobs)  # first, before anything that could be slow on a loaded machine
             raise
 
-        summary = write_summary(sweep_dir, outcomes)
-        runs = [(" ".join(o.overrides) or f"job {o.num}", Path(o.run_dir)) for o in outcomes]
+        self.outcomes.update((o.num, o) for o in outcomes)
+        everything = list(self.outcomes.values())  # a sweep launched in batches: the summary covers them all
+        summary = write_summary(sweep_dir, everything)
+        runs = [(" ".join(o.overrides) or f"job {o.num}", Path(o.run_dir)) for o in everything]
         report = write_report(runs, sweep_dir / REPORT, f"sweep {sweep_dir}")
-        log.info(f"sweep summary ({summary}; {report}):\n{summary_table(outcomes)}")
+        if self.summarize:
+            log.info(f"sweep summary ({', '.join(str(p) for p in (summary, report) if p)}):\n{summary_table(everything)}")
         if not all(outcome.ok for outcome in outcomes):
-            raise SweepFailedError(failure_report(outcomes, summary))
+            raise SweepFailedError(failure_report(outcomes, summary), returns)
         return returns
+
+
+def job_error(ret: JobReturn) -> str:
+    """One line: why a job failed (what it raised; a job's own compose error reads as any config error)."""
+    raised = ret._return_value
+    if isinstance(raised, str):  # set by the launcher: the scheduler ended the job
+        return raised
+    return one_line(as_config_error(raised) if isinstance(raised, COMPOSE_ERRORS) else raised)
 
 
 @contextmanager

@@ -1,0 +1,206 @@
+"""A Hydra sweeper that runs an Optuna study (TPE, seeded) over tinker_exp runs, on any launcher.
+
+Why our own and not hydra-optuna-sweeper: its newest release (1.3.0) pins optuna<3, whose SQLite storage fails
+with SQLAlchemy 2, and a study must persist in its sweep dir so that the same command continues it. This one is
+small: Hydra's override parser gives the search space (tinker_exp/sweep/study.py), Optuna >= 4 asks and tells.
+
+Each batch: ask `n_jobs` trials, launch them as one batch of jobs (job number = trial number, so each trial has its
+own run dir and never resumes another's checkpoint), tell each trial what its job returned, or FAIL when the job
+failed; the study goes on. At the end: the best trial printed and written to optimization_results.yaml, the
+failed trials named, a summary and report over every trial; exit 0 when at least one trial completed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.errors import CompactHydraException
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, job_error, job_run_dir
+from tinker_exp.errors import ConfigError
+from tinker_exp.formats import read_json
+from tinker_exp.sweep.jobs import JOB_FILE, read_outcome, summary_table, write_summary
+from tinker_exp.sweep.report import REPORT, write_report
+from tinker_exp.sweep.slurm import cancel_slurm_jobs
+from tinker_exp.train.objective import read_objective
+
+log = logging.getLogger(__name__)
+
+
+class StudyFailedError(CompactHydraException):
+    """No trial completed: Hydra prints the message (every failed trial), exit status 1."""
+
+
+class OptunaSweeper(Sweeper):
+    def __init__(
+        self,
+        n_trials: int,
+        n_jobs: int,
+        seed: int,
+        direction: str = "minimize",
+        n_startup_trials: int = 10,
+        study_name: str = "tinker_exp",
+        storage: str | None = None,
+        params: dict[str, str] | None = None,
+    ) -> None:
+        self.n_trials, self.n_jobs, self.seed, self.direction = n_trials, n_jobs, seed, direction
+        self.n_startup_trials, self.study_name, self.storage = n_startup_trials, study_name, storage
+        self.params = dict(params or {})
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        # Checked here, not in __init__: Hydra would wrap an error raised there in its own, over several lines.
+        for key in ("n_trials", "n_jobs", "n_startup_trials"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "n_startup_trials" else 1):
+                raise ConfigError(f"hydra.sweeper.{key}: {value!r} must be an int >= {0 if key == 'n_startup_trials' else 1}")
+        if self.direction not in ("minimize", "maximize"):
+            raise ConfigError(f"hydra.sweeper.direction: {self.direction!r} must be minimize or maximize")
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+        if hasattr(self.launcher, "summarize"):  # ours: the study prints one line per trial and one summary
+            self.launcher.summarize = False
+
+    def sweep(self, arguments: list[str]) -> Any:
+        import optuna
+
+        from tinker_exp.sweep.study import (
+            RESULTS_FILE,
+            STORAGE_FILE,
+            best_trial,
+            finished,
+            recover,
+            results,
+            search_space,
+            trial_overrides,
+        )
+
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        fixed, space = search_space(parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + arguments))
+        if not space:
+            raise ConfigError(
+                "hydra.sweeper.params: no search space; give one in hydra.sweeper.params or on the command line, "
+                "e.g. 'optimizer.lr=tag(log, interval(1e-5, 1e-3))'"
+            )
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        storage = self.storage or f"sqlite:///{(sweep_dir / STORAGE_FILE).resolve()}"
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own lines say what happens
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # constant_liar's
+        study = optuna.create_study(study_name=self.study_name, storage=storage, direction=self.direction, load_if_exists=True)
+        # Seeded by the trials so far: a continued study does not replay the first trials' random points.
+        study.sampler = optuna.samplers.TPESampler(
+            seed=self.seed + len(study.trials), n_startup_trials=self.n_startup_trials, constant_liar=True
+        )
+        if study.trials:
+            self._stop_cut_off_jobs(study)
+            for line in recover(study):
+                log.info(line)
+            log.info(f"continuing study {self.study_name!r} ({storage}): {len(finished(study))} of {self.n_trials} trials done")
+        else:
+            log.info(f"study {self.study_name!r} ({storage}): {self.n_trials} trials, {self.n_jobs} at a time")
+        log.info("search space: " + ", ".join(f"{k}: {d}" for k, d in space.items()))
+
+        while len(finished(study)) < self.n_trials:
+            trials = [study.ask(space) for _ in range(min(self.n_jobs, self.n_trials - len(finished(study))))]
+            numbers = [t.number for t in trials]
+            if numbers != list(range(numbers[0], numbers[0] + len(numbers))):  # another process asks too
+                raise ConfigError(f"hydra.sweeper.storage: trials {numbers} are not consecutive; is another study running on {storage}?")
+            batch = [trial_overrides(fixed, t.params) for t in trials]
+            for trial, overrides in zip(trials, batch):
+                trial.set_user_attr("overrides", overrides)
+                trial.set_user_attr("run_dir", str(job_run_dir(self.hydra_context, self.config, overrides, trial.number)))
+            try:
+                self.validate_batch_is_legal(batch)
+                returns = self._launch(batch, numbers[0])
+            except BaseException:  # a compose error, Ctrl-C (the launcher cancelled the jobs): not left RUNNING
+                for trial in trials:
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                raise
+            for trial, ret in zip(trials, returns):
+                value, error = trial_value(ret)
+                if error is None:
+                    study.tell(trial, value)
+                    best = study.best_trial
+                    log.info(f"trial {trial.number}: {value:.6g} (best: trial {best.number}, {best.value:.6g}); {trial.user_attrs['run_dir']}")
+                else:
+                    trial.set_user_attr("error", error)
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    log.warning(f"trial {trial.number} failed: {error}")
+
+        summary = results(study, storage)
+        OmegaConf.save(OmegaConf.create(summary), sweep_dir / RESULTS_FILE)
+        self._write_summary(study, sweep_dir)
+        for failed in summary["failed"]:
+            log.warning(f"failed trial {failed['trial']} [{' '.join(failed['overrides'])}]: {failed['error']}")
+        best = best_trial(study)
+        if best is None:
+            raise StudyFailedError(f"none of the {summary['n_trials']} trials completed; {sweep_dir / RESULTS_FILE}")
+        log.info(
+            f"best trial {best.number}: {best.value:.6g} with {' '.join(summary['best_overrides'])} "
+            f"({summary['n_complete']} of {summary['n_trials']} trials completed); {sweep_dir / RESULTS_FILE}"
+        )
+        return summary
+
+    def _launch(self, batch: Sequence[Sequence[str]], first: int) -> Sequence[JobReturn]:
+        """The launcher's returns; our launchers raise at a failed job (right for a grid), a study goes on."""
+        try:
+            return self.launcher.launch(batch, initial_job_idx=first)
+        except SweepFailedError as e:
+            return e.returns
+
+    def _stop_cut_off_jobs(self, study: Any) -> None:
+        """Slurm jobs of trials a killed study left running, not completed, are cancelled: those trials are
+        marked failed (`recover`), so nothing of theirs may run on."""
+        from tinker_exp.sweep.study import running, trial_run_dir
+
+        ids = []
+        for trial in running(study):
+            run_dir = trial_run_dir(trial)
+            slurm = None if run_dir is None else (read_json(run_dir / JOB_FILE) or {}).get("slurm")
+            if slurm and slurm.get("job_id") and read_objective(run_dir) is None:
+                ids.append(slurm["job_id"])
+        if ids and cancel_slurm_jobs(ids):
+            log.info(f"cancelled Slurm jobs {', '.join(ids)} of trials cut off")
+
+    def _write_summary(self, study: Any, sweep_dir: Path) -> None:
+        """summary.md/jsonl and report.png over every trial of the study (a continued study's earlier ones too),
+        each labelled by its searched values."""
+        from optuna.trial import TrialState
+
+        from tinker_exp.sweep.study import CUT_OFF, trial_label
+
+        outcomes = []
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
+            ok = t.state == TrialState.COMPLETE
+            run_dir = Path(t.user_attrs.get("run_dir", sweep_dir / str(t.number)))
+            error = None if ok else t.user_attrs.get("error", CUT_OFF)
+            status = "COMPLETED" if ok else "FAILED"
+            outcomes.append(read_outcome(t.number, [trial_label(t.params)], status, run_dir, error, None, t.value))
+        summary = write_summary(sweep_dir, outcomes)
+        runs = [(f"trial {o.num}: {o.overrides[0]}", Path(o.run_dir)) for o in outcomes]
+        report = write_report(runs, sweep_dir / REPORT, f"study {sweep_dir}")
+        log.info(f"study summary ({', '.join(str(p) for p in (summary, report) if p)}):\n{summary_table(outcomes)}")
+
+
+def trial_value(ret: JobReturn) -> tuple[float | None, str | None]:
+    """(the value to tell, None) for a job that completed with a finite objective, else (None, why it failed)."""
+    if ret.status != JobStatus.COMPLETED:
+        return None, job_error(ret)
+    value = ret.return_value
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return None, f"the run returned no finite objective ({value!r})"
+    return float(value), None

@@ -1,0 +1,224 @@
+"""Optuna studies (hydra/sweeper=optuna): the search space from Hydra's grammar, failed trials, a killed study
+continued, and real studies with the local launcher and on the local Slurm cluster."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import optuna
+import psutil
+import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import TrialState
+
+from helpers import REPO, environment, job_json, read_jsonl, run_cli, wait_until
+from tinker_exp.errors import ConfigError
+from tinker_exp.sweep.study import CUT_OFF, recover, results, search_space
+from tinker_exp.train.objective import read_objective, write_objective
+
+
+def parse(*overrides: str):
+    return OverridesParser.create().parse_overrides(list(overrides))
+
+
+def storage_trials(sweep_dir, name: str = "tinker_exp") -> list:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{sweep_dir / 'optuna.db'}").trials
+
+
+# --- pure: the search space and a killed study's bookkeeping ------------------------------------------
+
+
+def test_search_space_is_written_in_hydras_grammar():
+    fixed, space = search_space(
+        parse(
+            "+override=lr_cosine",
+            "override.lr.value=tag(log, interval(1e-5, 1e-3))",
+            "override.lr.warmup_steps=int(interval(0, 5))",
+            "override.lr.min_ratio=interval(0, 0.5)",
+            "trainer.batch_size=range(2, 10, 2)",  # 10 excluded, as in Python
+            "+override=lr_wsd,lr_cosine",  # a later override of a key replaces the earlier one
+            "data.split_seed=choice(1, 2)",
+            "trainer.steps=5",
+        )
+    )
+    assert fixed == ["trainer.steps=5"]
+    assert space == {
+        "override.lr.value": FloatDistribution(1e-5, 1e-3, log=True),
+        "override.lr.warmup_steps": IntDistribution(0, 5),
+        "override.lr.min_ratio": FloatDistribution(0.0, 0.5),
+        "trainer.batch_size": IntDistribution(2, 8, step=2),
+        "+override": CategoricalDistribution(["lr_wsd", "lr_cosine"]),
+        "data.split_seed": CategoricalDistribution([1, 2]),
+    }
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.lr=tag(log, interval(0, 1e-3))", "optimizer.lr: a log-scale interval must start above 0, not 0"),
+        ("optimizer.lr=interval(1e-3, 1e-4)", "optimizer.lr: interval(0.001, 0.0001) is empty"),
+        ("trainer.steps=range(5, 5)", "trainer.steps: range(5, 5) is empty"),
+        ("optimizer.lr=range(0.1, 0.5, 0.1)", "optimizer.lr: range() must have int bounds and step"),
+    ],
+)
+def test_a_bad_search_dimension_is_a_config_error(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        search_space(parse(override))
+
+
+def test_a_killed_study_is_continued_from_its_storage_and_run_dirs(tmp_path):
+    """Trials left RUNNING: completed meanwhile (objective.json in the run dir) -> told its value; cut off (no
+    objective.json) or without a finite value -> failed. None stays running; the best is the storage's minimum."""
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = optuna.create_study(study_name="s", storage=storage)
+    space = {"x": FloatDistribution(0.0, 1.0)}
+    trials = [study.ask(space) for _ in range(4)]
+    for trial in trials:
+        (tmp_path / str(trial.number)).mkdir()
+        trial.set_user_attr("run_dir", str(tmp_path / str(trial.number)))
+        trial.set_user_attr("overrides", [f"x={trial.params['x']!r}"])
+    study.tell(trials[0], 2.0)
+    write_objective(tmp_path / "1", "val/loss", "last", 1.5)  # finished while the study was down
+    write_objective(tmp_path / "3", "val/loss", "last", None)  # completed without a value: a failure
+    del study  # the submitting process is gone
+
+    continued = optuna.load_study(study_name="s", storage=storage)
+    lines = recover(continued)
+    assert [t.state for t in continued.trials] == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.FAIL, TrialState.FAIL]
+    assert continued.trials[1].value == 1.5 and read_objective(tmp_path / "1") == 1.5
+    assert "trial 1: completed while the study was down" in lines[0] and "trial 2: cut off" in lines[1]
+    summary = results(continued, storage)
+    values = [t.value for t in optuna.load_study(study_name="s", storage=storage).trials if t.value is not None]
+    assert summary["best_value"] == min(values) == 1.5 and summary["best_trial"] == 1
+    assert summary["best_run_dir"] == str(tmp_path / "1") and summary["best_overrides"] == trials[1].user_attrs["overrides"]
+    assert [(f["trial"], f["error"]) for f in summary["failed"]] == [(2, CUT_OFF), (3, CUT_OFF)]
+    assert recover(continued) == []  # nothing left running
+
+
+# --- the CLI: errors before anything runs, and a study whose trials all fail ---------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "config error: hydra.sweeper.params: no search space"),
+        (["optimizer.lr=tag(log,interval(0,1))"], "config error: optimizer.lr: a log-scale interval must start above 0"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.n_trials=0"], "config error: hydra.sweeper.n_trials: 0 must be an int >= 1"),
+    ],
+)
+def test_a_bad_study_is_one_line_and_exit_2_before_any_trial(tmp_path, args, message):
+    result = run_cli("-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", *args)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"tinker_exp: {message}"), result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "optuna.db").exists()
+
+
+def test_failed_trials_are_recorded_and_the_study_goes_on_exit_1_when_none_completed(tmp_path):
+    """Every point is a config error (an odd batch does not split over 2 workers): each trial fails as its job,
+    the study runs all its batches anyway, names the failures and exits 1."""
+    result = run_cli(
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", "dry_run=true",
+        "trainer.batch_size=choice(3,5,7)", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "none of the 3 trials completed" in result.stderr
+    trials = storage_trials(tmp_path)
+    assert [t.state for t in trials] == [TrialState.FAIL] * 3
+    assert all("config error: trainer.batch_size" in t.user_attrs["error"] for t in trials)
+    for t in trials:  # named in the log, each with its overrides
+        assert f"failed trial {t.number} [dry_run=True trainer.batch_size={t.params['trainer.batch_size']}]" in result.stdout
+    saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
+    assert saved.best_trial is None and [f.trial for f in saved.failed] == [0, 1, 2]
+    assert [row["status"] for row in read_jsonl(tmp_path / "summary.jsonl")] == ["FAILED"] * 3
+
+
+# --- real studies -------------------------------------------------------------------------------------
+
+STUDY = [
+    "-m", "hydra/sweeper=optuna", "hydra/launcher=local", "+override=lr_cosine", "trainer.steps=3",
+    "trainer.batch_size=4", "logger=none", "checkpoint.every_steps=1",
+    "override.lr.value=tag(log,interval(1e-4,3e-3))", "override.lr.warmup_steps=int(interval(0,2))",
+    "hydra.sweeper.n_trials=7", "hydra.sweeper.n_jobs=2",
+]  # fmt: skip
+
+
+def test_a_study_killed_mid_batch_continues_with_the_same_command(ray_address, tmp_path):
+    """SIGKILL of the submitting process while trials 2 and 3 run; trial 2's job finishes meanwhile, trial 3's
+    is killed too (a node lost). The same command continues: trial 2 recorded from its run dir, trial 3 failed,
+    none run again, new trials in new run dirs (never resuming another trial's checkpoint), 6 of 7 completed."""
+    sweep = tmp_path / "study"
+    command = [sys.executable, "-m", "tinker_exp", *STUDY, f"hydra.sweep.dir={sweep}"]
+    env = environment({"RAY_ADDRESS": ray_address})
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_until(lambda: "#3 :" in log.read_text() and "submitted" in log.read_text().split("#3 :")[1],
+                       600, "trials 2 and 3 launched", first)  # fmt: skip
+            wait_until(lambda: (sweep / "3" / "metrics.jsonl").exists(), 300, "trial 3 training", first)
+        finally:
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+    job_pids = [int(pid) for pid in re.findall(r"submitted (\d+), (\d+)", log.read_text())[-1]]
+    trial_3 = psutil.Process(job_pids[1])
+    for process in [trial_3, *trial_3.children(recursive=True)]:
+        process.kill()
+    psutil.wait_procs([psutil.Process(job_pids[0])] if psutil.pid_exists(job_pids[0]) else [], timeout=300)
+    assert read_objective(sweep / "2") is not None and read_objective(sweep / "3") is None
+    started = {n: job_json(sweep / str(n)) for n in range(4)}
+
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    out = result.stdout + result.stderr  # Hydra logs to stdout
+    assert result.returncode == 0, out[-3000:]
+    assert "trial 2: completed while the study was down" in out
+    assert "trial 3: cut off while the study was down: failed" in out
+    assert sorted(re.findall(r"#(\d+) :", out)) == ["4", "5", "6"]  # nothing run twice
+    trials = storage_trials(sweep)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3 + [TrialState.FAIL] + [TrialState.COMPLETE] * 3
+    assert trials[2].value == read_objective(sweep / "2")
+    for trial in trials:
+        run_dir = sweep / str(trial.number)
+        assert trial.user_attrs["run_dir"] == str(run_dir)
+        if trial.number < 4:
+            assert job_json(run_dir) == started[trial.number]  # not started again
+        if trial.state == TrialState.COMPLETE:  # its own run from step 0: no other trial's checkpoint
+            rows = read_jsonl(run_dir / "metrics.jsonl")
+            assert [row["train/step"] for row in rows] == [0, 1, 2] and rows[-1]["val/loss"] == trial.value
+            assert job_json(run_dir)["num"] == trial.number
+            assert f"override.lr.value={trial.params['override.lr.value']!r}" in job_json(run_dir)["overrides"]
+    values = [t.value for t in trials if t.state == TrialState.COMPLETE]
+    saved = OmegaConf.load(sweep / "optimization_results.yaml")
+    assert saved.best_value == min(values) and saved.n_complete == 6 and saved.n_trials == 7
+    best = min((t for t in trials if t.value is not None), key=lambda t: t.value)
+    assert saved.best_trial == best.number and f"best trial {best.number}: {best.value:.6g}" in out
+    assert [f.trial for f in saved.failed] == [3] and "failed trial 3" in out
+    assert [row["num"] for row in read_jsonl(sweep / "summary.jsonl")][0] == best.number
+    assert math.isfinite(best.value) and (sweep / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_study_on_the_local_slurm_cluster(slurm_env, tmp_path):
+    """The hparams_search preset on the slurm_local launcher: 3 trials, each a Slurm job of an array."""
+    result = run_cli(
+        "-m", "hparams_search=lr_cosine", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
+        "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=3", "trainer.steps=3", "logger=none",
+        "override.lr.warmup_steps=int(interval(0,2))",  # the command line narrows the preset's range (3 steps)
+        env=slurm_env, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = storage_trials(tmp_path)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert set(trials[0].params) == {"override.lr.value", "override.lr.warmup_steps", "override.lr.min_ratio"}
+    array_ids = {job_json(tmp_path / str(t.number))["slurm"]["array_job_id"] for t in trials}
+    assert len(array_ids) == 1  # one batch, one Slurm job array
+    for trial in trials:
+        assert read_jsonl(tmp_path / str(trial.number) / "metrics.jsonl")[-1]["val/loss"] == trial.value
+    saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
+    assert saved.best_value == min(t.value for t in trials) and saved.failed == []
+    assert os.path.samefile(saved.best_run_dir, tmp_path / str(saved.best_trial))
