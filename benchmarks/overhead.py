@@ -4,7 +4,11 @@ Both run the same tiny model, batch (8 sequences, micro batch 2) and 2 Ray CPU w
 process. Prints the median step time (wall time between consecutive finished steps, logging included)
 and the time from process start to the end of the first step, for both, and their ratios.
 
-    .venv/bin/python benchmarks/overhead.py [--steps 40]
+    .venv/bin/python benchmarks/overhead.py [--steps 40] [--set KEY=VALUE ...]
+
+`--set` passes a config override to the tinker_exp run only (e.g. `--set trainer.eval_every=0`: evaluation only
+after the last step, which a median step time does not see). The bare loop trains on the same training rows
+(the validation split held out), never evaluates.
 """
 
 from __future__ import annotations
@@ -29,13 +33,13 @@ def bare_loop(steps: int, out: Path) -> None:
     from tinker_exp import config
     from tinker_exp.runtime.inputs import load_examples, model_dir
     from tinker_exp.runtime.workers import TinkerWorkers
-    from tinker_exp.train.data import batch_for_step
+    from tinker_exp.train.data import batch_for_step, dataset_rows
 
     config.register()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
         cfg = config.load(compose("config", overrides=[f"trainer.steps={steps}"]))
     model_path = model_dir(cfg.model, cfg.data)
-    examples = load_examples(cfg.data, model_path)
+    (examples,) = load_examples(cfg.data, model_path, dataset_rows(cfg.data)[0])
     values = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     workers = TinkerWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), values, "cpu")
     group = workers.group
@@ -59,6 +63,7 @@ def timed(cmd: list[str], metrics: Path) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for the tinker_exp run")
     parser.add_argument("--bare-out")
     args = parser.parse_args()
     if args.bare_out:
@@ -71,13 +76,14 @@ def main() -> None:
         run_dir = Path(tmp) / "run"
         ours = timed(
             [sys.executable, "-m", "tinker_exp", "+override=constant", f"trainer.steps={args.steps}",
-             f"hydra.run.dir={run_dir}"],
+             f"hydra.run.dir={run_dir}", *args.set],
             run_dir / "metrics.jsonl",
         )
     print(f"{'':28}{'bare verl loop':>16}{'tinker_exp':>14}{'ratio':>8}")
     print(f"{'median step time (ms)':28}{bare[0] * 1e3:16.1f}{ours[0] * 1e3:14.1f}{ours[0] / bare[0]:8.3f}")
     print(f"{'start to first step (s)':28}{bare[1]:16.2f}{ours[1]:14.2f}{ours[1] / bare[1]:8.3f}")
-    print(f"({args.steps} steps, 2 Ray CPU workers, batch 8, micro batch 2; tinker_exp with W&B offline + JSONL)")
+    settings = f"; {' '.join(args.set)}" if args.set else ""
+    print(f"({args.steps} steps, 2 Ray CPU workers, batch 8, micro batch 2; tinker_exp with W&B offline + JSONL{settings})")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ import pytest
 
 from fakes import FakeWorkers, fake_workers
 from helpers import REPO, compose, environment, metrics_rows, read_jsonl, wait_until
+from tinker_exp import config
 from tinker_exp.errors import ConfigError, NonFiniteError
-from tinker_exp.main import run
-from tinker_exp.train.sinks import JsonlSink, Sinks, WandbSink
+from tinker_exp.main import run, validate
+from tinker_exp.train.sinks import JsonlSink, Sinks, WandbSink, wandb_run_config
 
 OPTIMIZER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 
@@ -183,6 +184,64 @@ def test_a_wandb_sink_that_breaks_warns_once_and_the_other_sinks_go_on(tmp_path)
     assert [str(w.message).split(" (")[0] for w in caught] == ["W&B stopped working"]
     assert run_.calls == 3  # not called again once broken, not even finish()
     assert [row["train/step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(5))
+
+
+def wandb_config_of(*overrides: str) -> dict:
+    from omegaconf import OmegaConf
+
+    dcfg = compose(*overrides)
+    plan = validate(config.load(dcfg))
+    return wandb_run_config(OmegaConf.to_container(dcfg, resolve=True), plan, {"override": "x"}, {"overrides": list(overrides), "slurm": None})
+
+
+def test_the_wandb_config_is_flat_with_the_override_as_the_plan_uses_it():
+    """One key per value (W&B's parallel coordinates and grouping): each override key's schedule and every
+    parameter of it, defaults filled in, leftovers of an earlier composed file dropped; betas per component."""
+    with pytest.warns(UserWarning, match=r"override.lr: ignoring \['decay_shape', 'decay_steps'\]"):
+        flat = wandb_config_of("+override=[lr_wsd,beta2_warmup,lr_cosine]", "override.lr.warmup_steps=5", "+override.weight_decay=0")
+    assert all(not isinstance(value, (dict, list)) or value in ({}, []) for value in flat.values()), flat
+    assert {key: value for key, value in flat.items() if key.startswith("override.")} == {
+        "override.lr.schedule": "cosine", "override.lr.value": 1e-3, "override.lr.warmup_steps": 5,
+        "override.lr.min_ratio": 0.1, "override.lr.num_cycles": 0.5, "override.lr.total_steps": 20,
+        "override.betas.0.schedule": "constant", "override.betas.0.value": 0.9,
+        "override.betas.1.schedule": "linear", "override.betas.1.start": 0.95, "override.betas.1.end": 0.999,
+        "override.betas.1.warmup_steps": 0, "override.betas.1.total_steps": 20,
+        "override.weight_decay.schedule": "constant", "override.weight_decay.value": 0.0,
+    }  # fmt: skip
+    assert flat["trainer.steps"] == 20 and flat["optimizer.betas.1"] == 0.999 and flat["logger.tags"] == []
+    assert flat["hydra_choices.override"] == "x" and flat["job.overrides.2"] == "+override.weight_decay=0"
+    keyframes = wandb_config_of("+override=lr_keyframes", "+override.eps=1e-7")
+    assert {key: value for key, value in keyframes.items() if key.startswith("override.")} == {
+        "override.lr.schedule": "keyframes", "override.lr.points.0": 1e-5, "override.lr.points.4": 1e-3,
+        "override.lr.points.19": 1e-4, "override.lr.total_steps": 20,
+        "override.eps.schedule": "constant", "override.eps.value": 1e-7,  # a plain value is a constant
+    }  # fmt: skip
+    assert not [key for key in wandb_config_of() if key.startswith("override")]
+
+
+class RecordingRun:
+    def __init__(self):
+        self.history, self.summary = [], self.Summary()
+
+    class Summary(dict):
+        def update(self, values):
+            self.setdefault("updates", []).append(dict(values))
+
+    def log(self, row):
+        self.history.append(row)
+
+
+def test_wandb_history_holds_only_charts_counts_go_to_the_summary():
+    run_ = RecordingRun()
+    sink = WandbSink(run_)
+    for step, extra in enumerate([{}, {"val/loss": 2.0, "val/tokens": 226}, {"val/loss": 1.9, "val/tokens": 226}]):
+        sink.log({"train/step": step, "time": 1.7e9 + step, "train/loss": 3.0, "train/nonfinite_steps": 0, **extra})
+    assert run_.history == [
+        {"train/step": 0, "train/loss": 3.0},
+        {"train/step": 1, "train/loss": 3.0, "val/loss": 2.0},
+        {"train/step": 2, "train/loss": 3.0, "val/loss": 1.9},
+    ]
+    assert run_.summary["updates"] == [{"train/nonfinite_steps": 0}, {"val/tokens": 226}]  # when they change
 
 
 def test_wandb_service_killed_mid_run_one_warning_and_every_step_logged(tmp_path):

@@ -50,10 +50,15 @@ def test_loss_falls_and_every_step_is_logged(constant_run):
     assert all(row["perf/tokens_per_s"] > 0 and row["train/grad_norm"] > 0 for row in rows)
 
 
+def expected_values() -> dict[str, float]:
+    """What constant_run sends: every key differs from the optimizer's own value (lr 1e-3, beta2 0.999,
+    weight_decay 0.01), eps aside."""
+    return {"lr": 5e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
+
+
 def test_applied_equals_requested_every_step(constant_run):
     run_dir, _ = constant_run
-    # every key differs from the optimizer's own value (lr 1e-3, beta2 0.999, weight_decay 0.01), eps aside
-    expected = {"lr": 5e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
+    expected = expected_values()
     for row in read_jsonl(run_dir / "metrics.jsonl"):
         for key, value in expected.items():
             assert row[f"requested/{key}"] == value
@@ -66,20 +71,32 @@ def test_wandb_offline_run_file_holds_the_same_values(constant_run):
     kinds = [record.WhichOneof("record_type") for record in records]
     assert "exit" in kinds and records[kinds.index("exit")].exit.exit_code == 0
     (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
-    config = {item.key: item.value_json for item in run_record.config.update}
-    assert json.loads(config["hydra_choices"]) == {"override": "constant"}
-    assert json.loads(config["trainer"])["steps"] == STEPS
+    # The config: one flat key per value (W&B's parallel coordinates and grouping work on keys)
+    config = {item.key: json.loads(item.value_json) for item in run_record.config.update}
+    assert config["hydra_choices.override"] == "constant" and config["trainer.steps"] == STEPS
+    sent = {"lr": 5e-4, "betas.0": 0.9, "betas.1": 0.95, "eps": 1e-8, "weight_decay": 0.0}  # plain values: constants
+    assert {key: value for key, value in config.items() if key.startswith("override.")} == {
+        **{f"override.{key}.schedule": "constant" for key in sent}, **{f"override.{key}.value": v for key, v in sent.items()}
+    }
+    assert all(not isinstance(value, (dict, list)) or value in ({}, []) for value in config.values())
+    # The history: only what a person charts, plus the step metric and the plan's plot (an image, once)
     history = wandb_history(records)
-    plan_rows = [row for row in history if any(key.startswith("plan/table") for key in row)]
-    assert len(plan_rows) == 1 and any(key.startswith("plan/plot") for key in plan_rows[0])  # attached once
+    assert {key for row in history for key in row if not key.startswith(("_", "plan/plot/"))} == {
+        "train/step", "train/loss", "train/grad_norm", "perf/step_time_s", "perf/tokens_per_s", "val/loss",
+        "perf/eval_time_s", *(f"{kind}/{key}" for kind in ("requested", "applied") for key in expected_values()),
+    }  # no `time` (W&B keeps _timestamp), no plan/table.* (its row and column counts would be charts)
+    assert [row["plan/plot/_type"] for row in history if "plan/plot/_type" in row] == ["image-file"]
+    summaries = [r.summary for r in records if r.WhichOneof("record_type") == "summary"]
+    assert {"plan/table", "val/tokens", "train/nonfinite_steps"} <= {u.key for s in summaries for u in s.update}
     history = [row for row in history if "train/loss" in row]
     jsonl = read_jsonl(run_dir / "metrics.jsonl")
-    assert len(history) == len(jsonl) == STEPS
+    assert len(history) == len(jsonl) == STEPS and all("time" in row for row in jsonl)  # metrics.jsonl keeps it
     for logged, row in zip(history, jsonl):
         for key in ("train/step", "train/loss", "requested/lr", "applied/lr", "applied/beta2", "applied/weight_decay"):
             assert logged[key] == pytest.approx(row[key], rel=1e-12)
     metrics = [r.metric for r in records if r.WhichOneof("record_type") == "metric"]
     assert any(m.glob_name == "*" and m.step_metric == "train/step" for m in metrics)
+    assert any(m.name == "train/step" and m.options.hidden for m in metrics)  # the x axis, no chart of its own
 
 
 def test_no_secret_in_logs_or_saved_configs(constant_run):

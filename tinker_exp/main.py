@@ -28,6 +28,7 @@ from tinker_exp.train.data import dataset_rows
 from tinker_exp.train.objective import objective_metric, objective_value, write_objective
 from tinker_exp.train.protocols import Workers
 from tinker_exp.train.signals import as_stop, sigterm_raises
+from tinker_exp.train.sinks import wandb_run_config
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 WORKERS_LOG = "workers.log"
@@ -96,7 +97,7 @@ def run(
         return {}
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-    wandb_config = {**resolved, "hydra_choices": dict(choices or {}), "job": job}
+    wandb_config = wandb_run_config(resolved, plan, choices, job)  # one flat key per value
     return train_run(cfg, plan, rows, resume, run_dir, wandb_config, plot, start_workers or verl_workers)
 
 

@@ -123,3 +123,25 @@ def build_plan(override_node: Any, optimizer_cfg: Any, total_steps: int) -> Plan
             raise _at_step(e, step, schedules) from None
     check_like_verl(steps[0], param_group_types(values), optimizer)  # same keys and types at every step
     return Plan(steps=steps, optimizer_values=values, schedules=schedules)
+
+
+def override_config(plan: Plan) -> dict[str, Any]:
+    """The override as the plan uses it, one entry per value sent (the W&B run config's `override` section).
+
+    Every key sent maps to its schedule: ``{"schedule": kind, <every parameter of the kind, converted, defaults
+    filled in>, "total_steps": n}``; a plain value is ``{"schedule": "constant", "value": v}`` (a constant has no
+    total_steps); betas is a list of two of them. Parameters left from an earlier composed override file are
+    not in it (the plan dropped them), nor are keys that are not sent.
+    """
+
+    def entry(label: str, constant: float) -> dict[str, Any]:
+        schedule = plan.schedules.get(label)
+        if schedule is None or schedule.kind == "constant":
+            return {"schedule": "constant", "value": schedule.params["value"] if schedule else constant}
+        return {"schedule": schedule.kind, **schedule.params, "total_steps": schedule.total_steps}
+
+    config: dict[str, Any] = {}
+    for key in plan.keys:
+        sent = plan[0][key]
+        config[key] = [entry(f"betas[{i}]", sent[i]) for i in range(2)] if key == "betas" else entry(key, sent)
+    return config

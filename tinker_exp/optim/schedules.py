@@ -29,7 +29,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tinker_exp.errors import ConfigError
@@ -280,6 +280,7 @@ class Schedule:
     function: Callable[[int], float]
     boundaries: tuple[int, ...]  # steps where a phase starts (warmup end, decay start, milestones, ...)
     where: str = "override"  # its config key, named in errors
+    params: Mapping[str, Any] = field(default_factory=dict)  # every parameter of its kind, converted, defaults filled in
 
     def __call__(self, step: int) -> float:
         try:
@@ -329,7 +330,14 @@ def compile_schedule(spec: Mapping[str, Any], run_steps: int, where: str) -> Sch
     if missing:
         raise ConfigError(f"{where} ({kind}): missing parameter(s) {missing}")
     _check_consistency(kind, spec, total, where)
-    return Schedule(kind, total, lambda step: function(step, total, **spec), _boundaries(kind, spec, total), where)
+    defaults = _defaults(kind)
+    params = {name: spec.get(name, defaults.get(name)) for name in declared if name in spec or name in defaults}
+    return Schedule(kind, total, lambda step: function(step, total, **spec), _boundaries(kind, spec, total), where, params)
+
+
+def _defaults(kind: str) -> dict[str, Any]:
+    parameters = inspect.signature(SCHEDULES[kind]).parameters.values()
+    return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
 
 
 def _required(kind: str) -> list[str]:

@@ -8,11 +8,13 @@ import os
 import secrets
 import sys
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from tinker_exp.config import LoggerConfig
 from tinker_exp.formats import read_jsonl
+from tinker_exp.optim.plan import Plan, override_config
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +67,49 @@ def wandb_environment(run_dir: Path, mode: str) -> dict[str, str]:
     return env
 
 
+def flat_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """{'a': {'b': [1, {'c': 2}]}} -> {'a.b.0': 1, 'a.b.1.c': 2}: every leaf under its dotted path, a list's items
+    under their index; an empty mapping or list stays a value ({'tags': []})."""
+    flat: dict[str, Any] = {}
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, Mapping) and value:
+            for key, item in value.items():
+                walk(item, f"{path}.{key}" if path else str(key))
+        elif isinstance(value, (list, tuple)) and value:
+            for index, item in enumerate(value):
+                walk(item, f"{path}.{index}")
+        else:
+            flat[path] = value
+
+    for key, value in config.items():
+        walk(value, str(key))
+    return flat
+
+
+def wandb_run_config(resolved: Mapping[str, Any], plan: Plan, choices: Mapping[str, Any] | None, job: Any) -> dict[str, Any]:
+    """The W&B run config, one flat key per value (W&B's parallel coordinates, grouping and filters work on
+    keys): the resolved config with its override section as the plan uses it (`override_config`: a schedule's
+    kind and every parameter, defaults filled in; a plain value is a constant), Hydra's choices and the job."""
+    config = {key: value for key, value in resolved.items() if key != "override"}
+    if plan.keys:
+        config["override"] = override_config(plan)
+    return flat_config({**config, "hydra_choices": dict(choices or {}), "job": job})
+
+
+WANDB_DROPPED = ("time",)
+"""metrics.jsonl keys W&B does not get: the wall clock (W&B keeps `_timestamp` itself)."""
+WANDB_SUMMARY_ONLY = ("train/nonfinite_steps", "val/tokens")
+"""metrics.jsonl keys W&B keeps in the run summary, not the history: counts, not curves (no chart)."""
+
+
 class WandbSink:
+    """The run's history holds only what a person charts; everything else goes to the config or the summary."""
+
     def __init__(self, run: Any):
         self.run = run
         self.broken = False
+        self._summary: dict[str, Any] = {}
 
     @classmethod
     def start(cls, logger_cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str) -> "WandbSink | None":
@@ -101,7 +142,7 @@ class WandbSink:
                 # silent: no banner or run summary on the terminal; one line of ours says where the run is.
                 settings=wandb.Settings(init_timeout=logger_cfg.init_timeout_s, x_disable_viewer=True, silent=True),
             )
-            run.define_metric("train/step")
+            run.define_metric("train/step", hidden=True)  # the x axis, not a chart of its own
             run.define_metric("*", step_metric="train/step")
             run.define_metric("val/loss", step_metric="train/step", summary="min")
             log.info(f"W&B run {run.id} ({mode}): {run.dir}")
@@ -111,16 +152,21 @@ class WandbSink:
             return None
 
     def attach_plan(self, header: list[str], rows: list[list], plot: Path | None) -> None:
-        """The override plan's table and plot, logged once before step 0."""
+        """The override plan's table (in the run summary: a table in the history would chart its row and column
+        counts) and plot (an image, in the history once before step 0: a media panel, no chart)."""
         import wandb
 
-        media: dict[str, Any] = {"plan/table": wandb.Table(columns=header, data=rows)}
+        self._call(self.run.summary.update, {"plan/table": wandb.Table(columns=header, data=rows)})
         if plot is not None:
-            media["plan/plot"] = wandb.Image(str(plot))
-        self._call(self.run.log, media)
+            self._call(self.run.log, {"plan/plot": wandb.Image(str(plot))})
 
     def log(self, row: dict[str, Any]) -> None:
-        self._call(self.run.log, row)
+        history = {key: value for key, value in row.items() if key not in WANDB_DROPPED + WANDB_SUMMARY_ONLY}
+        self._call(self.run.log, history)
+        summary = {key: row[key] for key in WANDB_SUMMARY_ONLY if key in row and self._summary.get(key, object()) != row[key]}
+        if summary:
+            self._call(self.run.summary.update, summary)
+            self._summary.update(summary)
 
     def close(self, exit_code: int = 0) -> None:
         self._call(self.run.finish, exit_code=exit_code)
