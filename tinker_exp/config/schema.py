@@ -65,7 +65,8 @@ class ResumeMode(str, Enum):
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
-    """A local HF model dir. None: build the tiny model below offline (once; cached in cache_dir)."""
+    """A local Hugging Face causal-LM dir (config, weights, tokenizer) or a hub id (org/name) from the local cache
+    (downloaded before any worker starts when the hub can be reached). None: the tiny model below, built offline."""
     name: str = "tiny-llama"
     """Name of the built model (its cache folder's prefix)."""
     vocab_size: int = 384

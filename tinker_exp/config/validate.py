@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -22,6 +23,58 @@ def data_path(path: str, key: str = "data.path") -> Path:
     return resolved
 
 
+WEIGHTS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def model_path(path: str, download: bool, key: str = "model.path") -> Path | None:
+    """`model.path` as a local Hugging Face causal-LM dir: a dir as given, or a hub id ("org/name") from the
+    local Hugging Face cache, downloaded first when `download` (a run; a dry run never downloads: None when
+    the id is not cached yet). A dir that is not a causal LM with weights and a tokenizer is a ConfigError."""
+    local = Path(path).expanduser()
+    if local.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+        if not local.is_dir():
+            raise ConfigError(f"{key}: {path!r} is neither a model dir nor a Hugging Face hub id (org/name)")
+        return checked_model_dir(local, path, key)
+    snapshot = hub_snapshot(path, download, key)
+    return None if snapshot is None else checked_model_dir(snapshot, path, key)
+
+
+def hub_snapshot(repo_id: str, download: bool, key: str) -> Path | None:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    if not download and not constants.HF_HUB_OFFLINE:
+        return None
+    where = f"not in the local Hugging Face cache ({constants.HF_HUB_CACHE}; HF_HUB_CACHE or HF_HOME set it)"
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"{key}: {repo_id!r} is {where} and HF_HUB_OFFLINE is set")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    except Exception as e:  # no network, no such repo, no access: all the same to the user
+        raise ConfigError(f"{key}: {repo_id!r} is {where} and could not be downloaded ({type(e).__name__})") from None
+
+
+def checked_model_dir(folder: Path, path: str, key: str) -> Path:
+    """The files verl and the tokenizer will read, checked without loading anything heavy."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: {path!r} has no readable config.json ({type(e).__name__}) in {folder}") from None
+    architectures = config.get("architectures") or []
+    if not any(str(a).endswith("ForCausalLM") for a in architectures):
+        raise ConfigError(f"{key}: {path!r} is not a causal LM (architectures: {architectures}) in {folder}")
+    if not any(any(folder.glob(pattern)) for pattern in WEIGHTS):
+        raise ConfigError(f"{key}: {path!r} has no weights (*.safetensors or pytorch_model*.bin) in {folder}")
+    if not any((folder / name).exists() for name in TOKENIZER):
+        raise ConfigError(f"{key}: {path!r} has no tokenizer ({', '.join(TOKENIZER)}) in {folder}")
+    return folder
+
+
 def check(cfg: Config) -> None:
     """What no single group can check alone: the batch splits over every worker into whole micro batches."""
     backend, batch = cfg.backend, cfg.trainer.batch_size
@@ -33,6 +86,8 @@ def check(cfg: Config) -> None:
             f"into micro batches of backend.micro_batch_size={backend.micro_batch_size}"
         )
     data_path(cfg.data.path)
+    if cfg.model.path:
+        model_path(cfg.model.path, download=False)
     if cfg.data.val_path is not None:
         data_path(cfg.data.val_path, "data.val_path")
 

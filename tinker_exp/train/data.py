@@ -81,7 +81,8 @@ def eval_batches(examples: list[Example], batch_size: int) -> list[list[Example]
 def tokenize(rows: list[dict[str, str]], tokenizer: Any, data_cfg: DataConfig) -> list[Example]:
     examples = []
     for row in rows:
-        prompt = [tokenizer.bos_token_id] + tokenizer.encode(row[data_cfg.prompt_key] + "\n", add_special_tokens=False)
+        bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]  # Qwen2's tokenizers have none
+        prompt = bos + tokenizer.encode(row[data_cfg.prompt_key] + "\n", add_special_tokens=False)
         response = tokenizer.encode(row[data_cfg.response_key], add_special_tokens=False) + [tokenizer.eos_token_id]
         ids = (prompt + response)[: data_cfg.max_length]
         mask = ([0] * len(prompt) + [1] * len(response))[: data_cfg.max_length]

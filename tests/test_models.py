@@ -1,0 +1,77 @@
+"""model.path: any local Hugging Face causal LM or a hub id from the cache, checked before any worker starts; a
+second architecture (a tiny Qwen2 built here, not by tinker_exp) trains on the real 2-worker path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from helpers import job_json, read_jsonl, run_cli
+from models import build_tiny_qwen2, into_hub_cache
+from tinker_exp.config import model_path
+from tinker_exp.errors import ConfigError
+
+REPO_ID = "tinkerexp-test/tiny-qwen2"
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def hub_cache(qwen2_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("hf_hub")
+    into_hub_cache(qwen2_dir, cache, REPO_ID)
+    return cache
+
+
+def test_a_local_model_dir_is_checked_without_loading_it(qwen2_dir, tmp_path):
+    assert model_path(str(qwen2_dir), download=False) == qwen2_dir
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen2_dir, broken)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (broken / name).unlink()
+    with pytest.raises(ConfigError, match=r"model.path: '.*broken' has no tokenizer"):
+        model_path(str(broken), download=False)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"has no weights"):
+        model_path(str(broken), download=False)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2ForSequenceClassification"]}))
+    with pytest.raises(ConfigError, match=r"is not a causal LM \(architectures: \['Qwen2ForSequenceClassification'\]\)"):
+        model_path(str(broken), download=False)
+    with pytest.raises(ConfigError, match=r"neither a model dir nor a Hugging Face hub id"):
+        model_path(str(tmp_path / "missing"), download=False)
+
+
+def test_a_hub_id_not_in_the_cache_fails_before_ray_naming_the_id_and_the_cache(tmp_path):
+    env = {"HF_HUB_CACHE": str(tmp_path / "empty"), "RAY_ADDRESS": None}
+    result = run_cli("model.path=nobody-here/no-model", f"hydra.run.dir={tmp_path / 'run'}", env=env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"tinker_exp: config error: model.path: 'nobody-here/no-model' is not in the local Hugging Face cache "
+        f"({tmp_path / 'empty'}; HF_HUB_CACHE or HF_HOME set it) and could not be downloaded (LocalEntryNotFoundError)"
+    )
+    assert not (tmp_path / "run" / "workers.log").exists()  # no worker was started
+    offline = run_cli("model.path=nobody-here/no-model", "dry_run=true", f"hydra.run.dir={tmp_path / 'dry'}",
+                      env={**env, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert offline.returncode == 2 and "and HF_HUB_OFFLINE is set" in offline.stderr
+
+
+def test_a_second_architecture_from_the_hub_cache_trains_on_the_real_workers(hub_cache, ray_address, tmp_path):
+    """A Qwen2 (GQA, no BOS token) found offline by its hub id: trains, every step applied == requested."""
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        f"model.path={REPO_ID}", "trainer.steps=3", "logger=none", "+override.lr=2e-3", f"hydra.run.dir={run_dir}",
+        env={"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ray_address}, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [row["train/step"] for row in rows] == [0, 1, 2]
+    assert all(row["applied/lr"] == row["requested/lr"] == 2e-3 for row in rows)
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+    assert "Qwen2ForCausalLM contains" in (run_dir / "workers.log").read_text()  # verl built the model found in the cache
+    assert job_json(run_dir)["overrides"][0] == f"model.path={REPO_ID}"
