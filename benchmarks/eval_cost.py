@@ -45,8 +45,8 @@ def main() -> None:
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
         cfg = config.load(compose("config", overrides=["backend=cpu"]))
     trainer = cfg.trainer
-    model_path = model_dir(cfg.model, cfg.data)
-    train, val = load_examples(cfg.data, model_path, *dataset_rows(cfg.data))
+    model_path = model_dir(cfg.model)
+    train, val = (tokenized.examples for tokenized in load_examples(cfg.data, model_path, *dataset_rows(cfg.data)))
     evaluation = Evaluation(eval_batches(val, trainer.batch_size), 0, 1)
     same_tokens = [example for batch in evaluation.batches for example in batch]
 

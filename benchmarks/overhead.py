@@ -38,8 +38,8 @@ def bare_loop(steps: int, out: Path) -> None:
     config.register()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
         cfg = config.load(compose("config", overrides=[f"trainer.steps={steps}"]))
-    model_path = model_dir(cfg.model, cfg.data)
-    (examples,) = load_examples(cfg.data, model_path, dataset_rows(cfg.data)[0])
+    model_path = model_dir(cfg.model)
+    examples = load_examples(cfg.data, model_path, dataset_rows(cfg.data)[0], [])[0].examples
     values = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     workers = TinkerWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), values, "cpu")
     group = workers.group

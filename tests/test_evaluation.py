@@ -6,8 +6,6 @@ evaluation, and the loss token-weighted over the whole set whatever the batching
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from fakes import fake_workers
@@ -26,7 +24,7 @@ def typed(*overrides: str):
 
 def test_the_shipped_data_holds_out_a_seeded_validation_split():
     train, val = dataset_rows(typed().data)
-    key = lambda rows: {json.dumps(r, sort_keys=True) for r in rows}  # noqa: E731
+    key = lambda rows: {r.identity for r in rows}  # noqa: E731
     assert len(key(val)) == round(0.1 * len(key(train) | key(val))) > 0  # a tenth of the distinct rows
     assert not key(train) & key(val)  # disjoint: a row repeated in the file goes to one side with all its copies
     assert dataset_rows(typed("trainer.seed=7").data) == (train, val)  # a sweep over training seeds keeps it
@@ -39,7 +37,8 @@ def test_a_validation_file_replaces_the_split(tmp_path):
     val_file = tmp_path / "val.jsonl"
     val_file.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n')
     train, val = dataset_rows(typed(f"data.val_path={val_file}").data)
-    assert val == [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}] and len(train) > 100
+    assert [(r.prompt, r.response) for r in val] == [("a", "b"), ("c", "d")] and len(train) > 100
+    assert [r.where for r in val] == [f"data.val_path: {val_file}:1", f"data.val_path: {val_file}:2"]
 
 
 @pytest.mark.parametrize(
@@ -49,6 +48,7 @@ def test_a_validation_file_replaces_the_split(tmp_path):
         ("not json\n", "data.val_path: {path}:1: not valid JSON"),
         ("[1, 2]\n", "data.val_path: {path}:1: expected a JSON object, got list"),
         ("\n", "data.val_path: {path} has no rows"),
+        ("", "data.val_path: {path} is empty"),
     ],
 )
 def test_a_bad_validation_file_is_a_config_error_naming_the_key(tmp_path, content, message):

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import job_json, read_jsonl, run_cli
 from models import build_tiny_qwen2, into_hub_cache
-from tinker_exp.config import model_path
+from tinker_exp.config import resolve_model_path
 from tinker_exp.errors import ConfigError
 
 REPO_ID = "tinkerexp-test/tiny-qwen2"
@@ -29,22 +29,22 @@ def hub_cache(qwen2_dir, tmp_path_factory):
 
 
 def test_a_local_model_dir_is_checked_without_loading_it(qwen2_dir, tmp_path):
-    assert model_path(str(qwen2_dir), download=False) == qwen2_dir
+    assert resolve_model_path(str(qwen2_dir), download=False) == qwen2_dir
     broken = tmp_path / "broken"
     shutil.copytree(qwen2_dir, broken)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (broken / name).unlink()
     with pytest.raises(ConfigError, match=r"model.path: '.*broken' has no tokenizer"):
-        model_path(str(broken), download=False)
+        resolve_model_path(str(broken), download=False)
     (broken / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match=r"has no weights"):
-        model_path(str(broken), download=False)
+        resolve_model_path(str(broken), download=False)
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2ForSequenceClassification"]}))
     with pytest.raises(ConfigError, match=r"is not a causal LM \(architectures: \['Qwen2ForSequenceClassification'\]\)"):
-        model_path(str(broken), download=False)
+        resolve_model_path(str(broken), download=False)
     with pytest.raises(ConfigError, match=r"neither a model dir nor a Hugging Face hub id"):
-        model_path(str(tmp_path / "missing"), download=False)
+        resolve_model_path(str(tmp_path / "missing"), download=False)
 
 
 def test_a_hub_id_not_in_the_cache_fails_before_ray_naming_the_id_and_the_cache(tmp_path):

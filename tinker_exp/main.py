@@ -24,7 +24,7 @@ from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_inf
 from tinker_exp.sweep.report import REPORT, write_report
 from tinker_exp.formats import read_jsonl
 from tinker_exp.train.checkpoints import ResumePoint, resume_point
-from tinker_exp.train.data import dataset_rows
+from tinker_exp.train.data import Row, dataset_rows
 from tinker_exp.train.objective import objective_metric, objective_value, write_objective
 from tinker_exp.train.protocols import Workers
 from tinker_exp.train.signals import as_stop, sigterm_raises
@@ -104,7 +104,7 @@ def run(
 def train_run(
     cfg: Config,
     plan: Plan,
-    rows: tuple[list[dict[str, str]], list[dict[str, str]]],
+    rows: tuple[list[Row], list[Row]],
     resume: ResumePoint | None,
     run_dir: Path,
     wandb_config: dict[str, Any],
@@ -119,9 +119,11 @@ def train_run(
     from tinker_exp.train.loop import train
     from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, WandbSink
 
-    model_path = model_dir(cfg.model, cfg.data)
-    examples, val_examples = load_examples(cfg.data, model_path, *rows)
     trainer, data = cfg.trainer, cfg.data
+    model_path = model_dir(cfg.model)
+    train_set, val_set = load_examples(data, model_path, *rows)  # a data error stops the run here, before any worker
+    log.info(f"data: training {train_set.describe(data)}" + (f"; validation {val_set.describe(data)}" if rows[1] else ""))
+    examples, val_examples = train_set.examples, val_set.examples
     evaluation = None
     if val_examples:
         evaluation = Evaluation(eval_batches(val_examples, trainer.batch_size), trainer.eval_every, trainer.steps)

@@ -11,7 +11,7 @@ from tinker_exp.config.schema import (
     TrainerConfig,
     register,
 )
-from tinker_exp.config.validate import check, data_path, load, model_path
+from tinker_exp.config.validate import check, data_path, load, resolve_model_path
 
 __all__ = [
     "BackendConfig",
@@ -24,7 +24,7 @@ __all__ = [
     "TrainerConfig",
     "check",
     "data_path",
-    "model_path",
+    "resolve_model_path",
     "load",
     "register",
 ]

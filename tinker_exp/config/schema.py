@@ -56,6 +56,19 @@ class ObjectiveMode(str, Enum):
     min = "min"
 
 
+class DataFormat(str, Enum):
+    auto = "auto"  # per file: messages rows if its first row has data.messages_key, else prompt/response rows
+    prompt_response = "prompt_response"  # prompt + "\n" + response, bos/eos added; loss on the response and eos
+    messages = "messages"  # a conversation rendered by the tokenizer's chat template; loss on the assistant turns
+
+
+class Truncation(str, Enum):
+    right = "right"  # keep the first data.max_length tokens
+    left = "left"  # keep the last data.max_length tokens
+    drop = "drop"  # drop the row
+    error = "error"  # stop before any worker starts, naming the row
+
+
 class ResumeMode(str, Enum):
     auto = "auto"  # continue from the newest usable checkpoint in the run dir, if it has one
     must = "must"  # the same, but fail when there is none
@@ -70,7 +83,7 @@ class ModelConfig:
     name: str = "tiny-llama"
     """Name of the built model (its cache folder's prefix)."""
     vocab_size: int = 384
-    """Tiny model: size of the byte-level BPE vocabulary trained on the data."""
+    """Tiny model: size of the byte-level BPE vocabulary (trained on the shipped data sets, ChatML tokens included)."""
     hidden_size: int = 64
     """Tiny model: width."""
     intermediate_size: int = 128
@@ -94,17 +107,26 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "builtin:tiny_sft.jsonl"
-    """A JSONL file of prompt/response rows; "builtin:NAME" is a file shipped in tinker_exp/assets."""
+    """A JSONL file (a Parquet file when it ends in .parquet or .pq) of prompt/response or messages rows;
+    "builtin:NAME" is a file shipped in tinker_exp/assets."""
+    format: DataFormat = DataFormat.auto
+    """Row format of every data file; auto: detected per file from its first row (its columns, for Parquet)."""
     prompt_key: str = "prompt"
-    """The prompt's field in each row."""
+    """prompt_response rows: the prompt's field."""
     response_key: str = "response"
-    """The response's field in each row (the loss is on its tokens only)."""
+    """prompt_response rows: the response's field (the loss is on its tokens only)."""
+    messages_key: str = "messages"
+    """messages rows: the field holding the conversation, a list of {role: system|user|assistant, content: str}
+    with at least one assistant turn (the loss is on every assistant turn's tokens, its end-of-turn token included)."""
     max_length: int = 128
-    """Tokens per example; longer ones are cut."""
+    """Tokens per example; what happens to longer rows: truncation."""
+    truncation: Truncation = Truncation.right
+    """Rows longer than max_length: cut (right: keep the start; left: keep the end), drop, or error. A row left
+    with no trained token is dropped."""
     shuffle: bool = True
     """Shuffle each epoch (seeded by trainer.seed and the epoch: a resumed run sees the same order)."""
     val_path: Optional[str] = None
-    """Validation rows, in the training file's format. None: hold out val_fraction of the training file."""
+    """Validation rows (JSONL or Parquet, either format). None: hold out val_fraction of the training file."""
     val_fraction: Optional[float] = 0.1
     """Without val_path: this share of the training file's rows is held out for validation (None: no validation)."""
     split_seed: int = 0

@@ -27,7 +27,7 @@ WEIGHTS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "p
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def model_path(path: str, download: bool, key: str = "model.path") -> Path | None:
+def resolve_model_path(path: str, download: bool, key: str = "model.path") -> Path | None:
     """`model.path` as a local Hugging Face causal-LM dir: a dir as given, or a hub id ("org/name") from the
     local Hugging Face cache, downloaded first when `download` (a run; a dry run never downloads: None when
     the id is not cached yet). A dir that is not a causal LM with weights and a tokenizer is a ConfigError."""
@@ -87,7 +87,7 @@ def check(cfg: Config) -> None:
         )
     data_path(cfg.data.path)
     if cfg.model.path:
-        model_path(cfg.model.path, download=False)
+        resolve_model_path(cfg.model.path, download=False)
     if cfg.data.val_path is not None:
         data_path(cfg.data.val_path, "data.val_path")
 
