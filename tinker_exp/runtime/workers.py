@@ -85,6 +85,13 @@ def _worker_class():
                 torch.set_num_threads(1)  # one core per worker; oversubscription makes gloo crawl
             super().__init__(config)
 
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def reset(self):
+            # Ray's workers start with a random torch seed, and verl seeds only under full_determinism: without
+            # this, LoRA's A matrices (drawn here; FSDP2 keeps rank 0's) differ from run to run.
+            torch.manual_seed(self.engine_config.seed)
+            return TinkerTrainingWorker.reset(self)
+
         def _param_group_values(self) -> list[dict[str, Any]]:
             groups = _iter_optimizer_param_groups(self.engine.optimizer)
             return [{key: group[key] for key in OVERRIDE_KEYS if key in group} for group in groups]
