@@ -32,6 +32,8 @@ from tinker_exp.train.signals import as_stop, sigterm_raises
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 WORKERS_LOG = "workers.log"
 """In the run dir: everything the workers print (verl, torch, Ray), complete."""
+ADAPTER = "adapter"
+"""In the run dir, with LoRA: the trained adapter in peft's format, written after the last step."""
 log = logging.getLogger(__name__)
 
 
@@ -64,7 +66,7 @@ def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path) -> Wo
 
     return TinkerWorkers(
         cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values,
-        resolve_device(cfg.backend.device.value), WorkerOutput(run_dir / WORKERS_LOG, echo=cfg.verbose),
+        resolve_device(cfg.backend.device.value), WorkerOutput(run_dir / WORKERS_LOG, echo=cfg.verbose), cfg.lora,
     )  # fmt: skip
 
 
@@ -119,6 +121,10 @@ def train_run(
     from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, WandbSink
 
     model_path = model_dir(cfg.model, cfg.data)
+    if cfg.lora.rank:
+        from tinker_exp.runtime import lora
+
+        log.info(f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}: {lora.check(cfg.lora, model_path)}")
     examples, val_examples = load_examples(cfg.data, model_path, *rows)
     trainer, data = cfg.trainer, cfg.data
     evaluation = None
@@ -142,6 +148,9 @@ def train_run(
             restore(workers, resume.path)
         checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, {"seed": trainer.seed})
         last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start, evaluation)
+        if cfg.lora.rank:
+            adapter = run_dir / ADAPTER
+            log.info(f"adapter: {adapter} ({workers.export_adapter(adapter):,} parameters, peft's format)")
         exit_code = 0
     except BaseException as e:
         stop = as_stop(e)
