@@ -14,7 +14,7 @@ from helpers import CONF_DIR, compose, run_cli
 from tinker_exp.main import validate
 from tinker_exp.errors import ConfigError
 
-GROUPS = ["model", "data", "optimizer", "backend", "logger", "trainer"]
+GROUPS = ["model", "lora", "data", "optimizer", "backend", "logger", "trainer"]
 
 
 def options(group: str) -> list[str]:
@@ -102,6 +102,8 @@ def test_cli_bad_override_exits_nonzero_with_a_clear_message(tmp_path):
         (["trainer.batch_size=0"], "trainer.batch_size: must be >= 1, got 0"),
         (["backend.micro_batch_size=0"], "backend.num_workers=2, backend.nodes=1 and backend.micro_batch_size=0 must be >= 1"),
         (["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0"),
+        (["lora=r8", "lora.alpha=0"], "lora.alpha: must be >= 1, got 0"),
+        (["lora.target_modules=[]"], "lora.target_modules: expected a module name, a regex or a non-empty list of names, got []"),
         (["+override.lr={schedule:cosine,value:true}"], "override.lr.value: expected a number, got True (bool)"),
         (["+override.lr={schedule:cosine,value:1e-3,min_ratio:2}"], "override.lr.min_ratio: 2 is not in [0, 1]"),
         (["+override.lr={schedule:linear,start:fast,end:0}"], "override.lr.start: expected a number, got 'fast' (str)"),

@@ -33,6 +33,8 @@ from tinker_exp.train.sinks import wandb_run_config
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 WORKERS_LOG = "workers.log"
 """In the run dir: everything the workers print (verl, torch, Ray), complete."""
+ADAPTER = "adapter"
+"""In the run dir, with LoRA: the trained adapter in peft's format, written after the last step."""
 log = logging.getLogger(__name__)
 
 
@@ -65,7 +67,7 @@ def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path) -> Wo
 
     return TinkerWorkers(
         cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values,
-        resolve_device(cfg.backend.device.value), WorkerOutput(run_dir / WORKERS_LOG, echo=cfg.verbose),
+        resolve_device(cfg.backend.device.value), WorkerOutput(run_dir / WORKERS_LOG, echo=cfg.verbose), cfg.lora,
     )  # fmt: skip
 
 
@@ -121,6 +123,10 @@ def train_run(
 
     trainer, data = cfg.trainer, cfg.data
     model_path = model_dir(cfg.model)
+    if cfg.lora.rank:
+        from tinker_exp.runtime import lora
+
+        log.info(f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}: {lora.check(cfg.lora, model_path)}")
     train_set, val_set = load_examples(data, model_path, *rows)  # a data error stops the run here, before any worker
     log.info(f"data: training {train_set.describe(data)}" + (f"; validation {val_set.describe(data)}" if rows[1] else ""))
     examples, val_examples = train_set.examples, val_set.examples
@@ -145,6 +151,9 @@ def train_run(
             restore(workers, resume.path)
         checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, {"seed": trainer.seed})
         last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start, evaluation)
+        if cfg.lora.rank:
+            adapter = run_dir / ADAPTER
+            log.info(f"adapter: {adapter} ({workers.export_adapter(adapter):,} parameters, peft's format)")
         exit_code = 0
     except BaseException as e:
         stop = as_stop(e)

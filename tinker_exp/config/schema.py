@@ -104,6 +104,38 @@ class ModelConfig:
         _at_least(1, **{f"model.{key}": getattr(self, key) for key in sizes})
 
 
+def _module_names(key: str, value: Any, allow_none: bool) -> None:
+    """peft's forms: one string (a preset such as "all-linear", or a regex) or a non-empty list of names."""
+    if value is None and allow_none:
+        return
+    names = value if isinstance(value, list) else [value]
+    if not names or not all(isinstance(name, str) and name for name in names):
+        wanted = "a module name, a regex or a non-empty list of names" + (" (or null)" if allow_none else "")
+        raise ConfigError(f"{key}: expected {wanted}, got {value!r}")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft, through verl's HFModelConfig). rank 0 trains every weight (full fine-tuning)."""
+
+    rank: int = 0
+    """Adapter rank r; 0: no adapters, full fine-tuning. > 0: the base weights are frozen, only adapters train."""
+    alpha: int = 16
+    """Adapters' scale: each update is multiplied by alpha / rank (peft's lora_alpha; an integer in verl)."""
+    target_modules: Any = "all-linear"
+    """Modules that get adapters (peft's target_modules): "all-linear" (every linear layer but the output head),
+    a list of module names (["q_proj", "v_proj"]) or a regex over module paths. Checked against the model
+    before any worker starts."""
+    exclude_modules: Any = None
+    """Modules left without adapters (peft's exclude_modules): a list of names or a regex; None: none."""
+
+    def __post_init__(self) -> None:
+        _at_least(0, **{"lora.rank": self.rank})
+        _at_least(1, **{"lora.alpha": self.alpha})
+        _module_names("lora.target_modules", self.target_modules, allow_none=False)
+        _module_names("lora.exclude_modules", self.exclude_modules, allow_none=True)
+
+
 @dataclass
 class DataConfig:
     path: str = "builtin:tiny_sft.jsonl"
@@ -260,6 +292,7 @@ class CheckpointConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)

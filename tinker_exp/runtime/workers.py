@@ -7,14 +7,16 @@ GPUs (nccl, bf16) when the device is cuda; CPU gloo workers otherwise, through t
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tinker_exp.config import BackendConfig, OptimizerConfig, TrainerConfig
+from tinker_exp.config import BackendConfig, LoraConfig, OptimizerConfig, TrainerConfig
 from tinker_exp.optim.convert import OVERRIDE_KEYS
+from tinker_exp.runtime import lora as lora_adapters
 from tinker_exp.runtime.worker_output import WorkerOutput
 from tinker_exp.train.protocols import StepResult
 from tinker_exp.train.signals import sigterm_handler_kept
@@ -73,7 +75,7 @@ def _worker_class():
     from verl.workers.engine_workers_tinker import TinkerTrainingWorker, _iter_optimizer_param_groups
 
     class TinkerExpWorker(TinkerTrainingWorker):
-        """verl's worker, plus gloo start-up on CPU and a read-back of the param groups."""
+        """verl's worker, plus gloo start-up on CPU, a read-back of the param groups and the LoRA export."""
 
         def __init__(self, config):
             if get_device_name() == "cpu" and not dist.is_initialized():
@@ -84,6 +86,13 @@ def _worker_class():
                 )
                 torch.set_num_threads(1)  # one core per worker; oversubscription makes gloo crawl
             super().__init__(config)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def reset(self):
+            # Ray's workers start with a random torch seed, and verl seeds only under full_determinism: without
+            # this, LoRA's A matrices (drawn here; FSDP2 keeps rank 0's) differ from run to run.
+            torch.manual_seed(self.engine_config.seed)
+            return TinkerTrainingWorker.reset(self)
 
         def _param_group_values(self) -> list[dict[str, Any]]:
             groups = _iter_optimizer_param_groups(self.engine.optimizer)
@@ -98,6 +107,10 @@ def _worker_class():
             # verl's step, then the values the groups hold: one round trip gives both.
             metrics = TinkerTrainingWorker.optimizer_step(self, optim_step_params=optim_step_params)
             return {**metrics, "param_groups": self._param_group_values()}
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def export_adapter(self, folder: str) -> int | None:
+            return lora_adapters.export_adapter(self.engine.module, folder)
 
     return TinkerExpWorker
 
@@ -121,9 +134,12 @@ class TinkerWorkers:
         optimizer_values: dict[str, Any],
         device: str,
         output: WorkerOutput | None = None,
+        lora: LoraConfig | None = None,
     ):
-        """`output`: where what the workers print goes (None: the terminal, as Ray prints it)."""
+        """`output`: where what the workers print goes (None: the terminal, as Ray prints it); `lora`: None or
+        rank 0 for full fine-tuning."""
         self.device = device
+        self.lora = lora if lora is not None and lora.rank > 0 else None
         self.output = output
         env = platform_env(device)
         os.environ.update(env)  # the driver resolves verl's platform too (placement groups)
@@ -198,6 +214,7 @@ class TinkerWorkers:
                 path=model_path,
                 override_config={"attn_implementation": attention_implementation(self.device)},
                 enable_gradient_checkpointing=False,
+                **lora_adapters.model_config_fields(self.lora),
             ),
             engine_config=FSDPEngineConfig(
                 strategy=backend.strategy,
@@ -220,7 +237,8 @@ class TinkerWorkers:
                 lr_scheduler_type="constant",  # the client owns the schedule (optimizer_step never steps it)
                 total_training_steps=int(trainer.steps),
             ),
-            checkpoint_config=CheckpointConfig(),
+            # LoRA: adapters and their optimizer state only; reset() rebuilds the frozen base from the model dir.
+            checkpoint_config=CheckpointConfig(save_lora_only=self.lora is not None),
         )
 
     def param_group_values(self) -> list[list[dict[str, Any]]]:
@@ -233,6 +251,18 @@ class TinkerWorkers:
     def load_checkpoint(self, folder: Path) -> None:
         """After reset() (done in __init__): a reset after loading would throw the loaded state away."""
         self.group.load_checkpoint(local_path=str(folder))
+
+    def export_adapter(self, folder: Path) -> int:
+        """The trained adapter in peft's format into `folder` (written aside, then renamed into place); returns
+        its number of parameters."""
+        partial = folder.with_name(f".{folder.name}.partial")
+        if partial.exists():
+            shutil.rmtree(partial)
+        parameters = self.group.export_adapter(str(partial))[0]  # returns when every rank is done
+        if folder.exists():  # a resumed run that had finished exports again
+            shutil.rmtree(folder)
+        partial.rename(folder)
+        return parameters
 
     def train_step(self, examples: list, optim_step_params: dict[str, Any] | None) -> StepResult:
         """zero_grad -> forward_backward (verl splits it into micro batches) -> optimizer_step(override)."""

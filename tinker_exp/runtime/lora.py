@@ -1,0 +1,97 @@
+"""LoRA through verl (peft): the HFModelConfig fields, the check before launch, the adapter export on the workers.
+
+verl 0.9.1's FSDP engine wraps the model with ``peft.get_peft_model(LoraConfig(...))`` when ``lora_rank > 0``
+(../shared/design/verl-engine-facts.md, "LoRA"); nothing in the Tinker path changes. Its optimizer keeps one
+param group over every parameter: the frozen base weights sit in it without gradients, so overrides and their
+read-back work as with full fine-tuning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tinker_exp.config import LoraConfig
+from tinker_exp.errors import ConfigError
+
+
+def model_config_fields(lora: LoraConfig | None) -> dict[str, Any]:
+    """verl's HFModelConfig LoRA fields; {} for full fine-tuning (verl's own defaults then apply)."""
+    if lora is None or lora.rank == 0:
+        return {}
+    return {
+        "lora_rank": lora.rank,
+        "lora_alpha": lora.alpha,
+        "target_modules": lora.target_modules,
+        "exclude_modules": lora.exclude_modules,
+    }
+
+
+def peft_config(lora: LoraConfig):
+    """The peft LoraConfig verl builds from those fields (FSDPEngine._build_lora_module)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import TaskType
+
+    return PeftLoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        target_modules=lora.target_modules,
+        exclude_modules=lora.exclude_modules,
+        bias="none",
+    )
+
+
+@dataclass
+class LoraSize:
+    trainable: int
+    total: int
+
+    def __str__(self) -> str:
+        return f"{self.trainable:,} trainable of {self.total:,} parameters ({100 * self.trainable / self.total:.2f}%)"
+
+
+def check(lora: LoraConfig, model_path: Path) -> LoraSize:
+    """peft on the model's architecture built on the meta device (no weights read, no memory): a listed module
+    name that matches nothing, or targets that leave no module, are a ConfigError here, not a failure on every
+    worker after launch. Returns the adapters' size."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    names = [name for name, _ in model.named_modules() if name]
+    for key, value in (("lora.target_modules", lora.target_modules), ("lora.exclude_modules", lora.exclude_modules)):
+        for wanted in value if isinstance(value, list) else []:  # peft lets a list's typo pass if another name matches
+            if not any(name == wanted or name.endswith(f".{wanted}") for name in names):
+                leaves = sorted({name.rsplit(".", 1)[-1] for name in names} - {str(i) for i in range(len(names))})
+                raise ConfigError(f"{key}: {wanted!r} matches no module of {model_path} (names: {', '.join(leaves)})")
+    try:
+        peft_model = get_peft_model(model, peft_config(lora))
+    except ValueError as e:
+        why = " ".join(str(e).split())
+        raise ConfigError(
+            f"lora.target_modules={lora.target_modules!r}, lora.exclude_modules={lora.exclude_modules!r}: {why}"
+        ) from None
+    return LoraSize(*peft_model.get_nb_trainable_parameters())
+
+
+def export_adapter(module, folder: str) -> int | None:
+    """On every rank (FSDP2 keeps each adapter tensor sharded over the ranks: the gather is collective); rank 0
+    writes `folder` with peft. Returns the number of adapter parameters on rank 0, None elsewhere."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    state = {
+        name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+        for name, tensor in module.state_dict().items()  # the same order on every rank
+        if "lora_" in name
+    }
+    if dist.get_rank() != 0:
+        return None
+    # peft's own writer: keeps the lora_ entries, drops the adapter name from the keys, adds adapter_config.json
+    module.save_pretrained(folder, state_dict=state)
+    return sum(tensor.numel() for tensor in state.values())
+
