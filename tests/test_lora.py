@@ -81,8 +81,8 @@ def lora_run(ray_address, tmp_path_factory):
     from tinker_exp.runtime.inputs import load_examples, model_dir
 
     cfg = config.load(compose(*COMMON))
-    model_path = model_dir(cfg.model, cfg.data)
-    fixed = load_examples(cfg.data, model_path, dataset_rows(cfg.data)[0])[0][:FIXED]
+    model_path = model_dir(cfg.model)
+    fixed = load_examples(cfg.data, model_path, dataset_rows(cfg.data)[0], [])[0].examples[:FIXED]
     seen: dict = {}
     run_dir = tmp_path_factory.mktemp("lora_run")
     last = run(compose(*COMMON), run_dir, start_workers=probed(fixed, seen))
@@ -209,6 +209,6 @@ def test_targets_are_checked_by_peft_on_the_model_before_launch(overrides, messa
 
     cfg = config.load(compose("lora=r8", *overrides))
     with pytest.raises(ConfigError) as info:
-        lora.check(cfg.lora, model_dir(cfg.model, cfg.data))
+        lora.check(cfg.lora, model_dir(cfg.model))
     assert str(info.value).startswith(message), str(info.value)
-    assert lora.check(config.load(compose("lora=r8")).lora, model_dir(cfg.model, cfg.data)).trainable > 0
+    assert lora.check(config.load(compose("lora=r8")).lora, model_dir(cfg.model)).trainable > 0

@@ -61,17 +61,36 @@ def test_a_hub_id_not_in_the_cache_fails_before_ray_naming_the_id_and_the_cache(
     assert offline.returncode == 2 and "and HF_HUB_OFFLINE is set" in offline.stderr
 
 
-def test_a_second_architecture_from_the_hub_cache_trains_on_the_real_workers(hub_cache, ray_address, tmp_path):
-    """A Qwen2 (GQA, no BOS token) found offline by its hub id: trains, every step applied == requested."""
+def test_chat_data_for_a_model_without_a_chat_template_fails_the_dry_run(qwen2_dir, tmp_path):
+    """Known from the model's files: the dry run (no torch, no tokenizer loaded) finds it."""
+    plain = tmp_path / "no-template"
+    shutil.copytree(qwen2_dir, plain)
+    tokenizer_config = json.loads((plain / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    result = run_cli(f"model.path={plain}", "data=tiny_chat", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("tinker_exp: config error: data.path: ") and f"messages rows need a chat template, and the tokenizer of {plain} has none" in line
+    assert run_cli(f"model.path={qwen2_dir}", "data=tiny_chat", "dry_run=true", f"hydra.run.dir={tmp_path / 'ok'}").returncode == 0
+
+
+def test_a_second_architecture_from_the_hub_cache_trains_chat_data_with_lora(hub_cache, ray_address, tmp_path):
+    """A Qwen2 (GQA, no BOS token, its own ChatML template) found offline by its hub id, on the shipped chat set,
+    with LoRA: model, data and lora compose; it trains, every step applied == requested, the adapter exported."""
     run_dir = tmp_path / "run"
     result = run_cli(
-        f"model.path={REPO_ID}", "trainer.steps=3", "logger=none", "+override.lr=2e-3", f"hydra.run.dir={run_dir}",
+        f"model.path={REPO_ID}", "data=tiny_chat", "lora=r8", "trainer.steps=3", "logger=none", "+override.lr=1e-2",
+        f"hydra.run.dir={run_dir}",
         env={"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ray_address}, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["train/step"] for row in rows] == [0, 1, 2]
-    assert all(row["applied/lr"] == row["requested/lr"] == 2e-3 for row in rows)
+    assert all(row["applied/lr"] == row["requested/lr"] == 1e-2 for row in rows)
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
-    assert "Qwen2ForCausalLM contains" in (run_dir / "workers.log").read_text()  # verl built the model found in the cache
+    adapter = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 8 and adapter["base_model_name_or_path"]
+    assert "patch for Qwen2ForCausalLM" in (run_dir / "workers.log").read_text()  # verl built the model found in the cache
     assert job_json(run_dir)["overrides"][0] == f"model.path={REPO_ID}"

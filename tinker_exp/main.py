@@ -85,6 +85,8 @@ def run(
     cfg = config.load(dcfg)
     plan = validate(cfg)
     rows = dataset_rows(cfg.data)  # read and split before any worker starts (a dry run checks them too)
+    chat = next((row.where for rows_of_a_set in rows for row in rows_of_a_set if row.messages is not None), None)
+    config.check_chat_template(cfg.model.path, chat)
     if not cfg.dry_run:
         log.info(f"worker output: {run_dir / WORKERS_LOG}" + ("" if cfg.verbose else " (verbose=true shows it here too)"))
     log.info(describe(plan))

@@ -12,7 +12,7 @@ from tinker_exp.config.schema import (
     TrainerConfig,
     register,
 )
-from tinker_exp.config.validate import check, data_path, load, resolve_model_path
+from tinker_exp.config.validate import check, check_chat_template, data_path, load, resolve_model_path
 
 __all__ = [
     "BackendConfig",
@@ -27,6 +27,7 @@ __all__ = [
     "check",
     "data_path",
     "resolve_model_path",
+    "check_chat_template",
     "load",
     "register",
 ]

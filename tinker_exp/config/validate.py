@@ -75,6 +75,21 @@ def checked_model_dir(folder: Path, path: str, key: str) -> Path:
     return folder
 
 
+def check_chat_template(model_path: str | None, where: str | None) -> None:
+    """Chat rows (`where`: the first one) need the model's chat template: known from its files, without loading
+    the tokenizer, so a dry run finds it missing. Skipped for the built tiny model (it has one) and for a hub
+    id not cached yet (checked once downloaded, when the tokenizer is loaded before any worker starts)."""
+    folder = resolve_model_path(model_path, download=False) if where and model_path else None
+    if folder is None:
+        return
+    try:
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tokenizer_config = {}
+    if not tokenizer_config.get("chat_template") and not (folder / "chat_template.jinja").exists():
+        raise ConfigError(f"{where}: messages rows need a chat template, and the tokenizer of {model_path} has none ({folder})")
+
+
 def check(cfg: Config) -> None:
     """What no single group can check alone: the batch splits over every worker into whole micro batches."""
     backend, batch = cfg.backend, cfg.trainer.batch_size
