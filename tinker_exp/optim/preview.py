@@ -129,7 +129,10 @@ def plot_plan(plan: Plan, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     steps = plot_steps(plan)
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 1.8 * len(keys) + 0.6), sharex=True, squeeze=False)
+    height = 1.8 * len(keys) + 0.6
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, height), sharex=True, squeeze=False)
+    # Fixed margins (inches) rather than tight_layout, which draws the figure once more to measure it.
+    fig.subplots_adjust(left=0.16, right=0.97, bottom=0.55 / height, top=1 - 0.45 / height, hspace=0.25)
     for ax, key in zip(axes[:, 0], keys):
         ax.plot(steps, plan.column(key)[steps], linewidth=1.2)
         ax.set_ylabel(key)
@@ -138,7 +141,6 @@ def plot_plan(plan: Plan, path: Path) -> Path | None:
             ax.axvline(boundary, color="grey", linewidth=0.6, linestyle=":")
     axes[-1, 0].set_xlabel("optimizer step (0 = first)")
     fig.suptitle("override plan")
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -4,9 +4,8 @@ Step 0 is the first optimizer step; a schedule over ``total_steps`` covers steps
 ``total_steps`` defaults to the run's ``trainer.steps``. Multiplier schedules scale ``value`` (the peak / base
 value, e.g. the peak lr); ``linear`` and ``keyframes`` give absolute values. Each function takes an integer numpy
 array of steps and returns a float64 array: a 1,000,000-step plan is a few array operations, not a million calls.
-Each branch is computed for every step and the step's own branch picked (``np.where``), so branches not taken may
-overflow or divide by zero harmlessly (the caller ignores numpy's floating-point warnings and checks what was
-picked). Formulas follow the well-known references, which the tests check at many steps:
+Most compute each branch for every step and pick the step's own (``np.where``), so branches not taken may overflow
+or divide by zero harmlessly (the caller ignores numpy's floating-point warnings and checks what was picked). Formulas follow the well-known references, which the tests check at many steps:
 
 | kind | parameters | value at step s (w = warmup_steps, T = total_steps) | reference |
 |---|---|---|---|
@@ -100,15 +99,14 @@ def wsd(
         return value * np.maximum(0.0, factor * (1.0 - min_ratio) + min_ratio)
 
     decay_start = warmup_steps + stable
-    return np.select(
-        [step < warmup_steps, step < decay_start, step < decay_start + decay_steps],
-        [
-            shaped(_warmup(step, warmup_steps), warmup_shape, rising=True),
-            np.full(step.shape, value),
-            shaped((step - warmup_steps - stable) / max(1, decay_steps), decay_shape, rising=False),
-        ],
-        value * min_ratio,
-    )
+    values = np.full(step.shape, value * min_ratio)
+    values[step < decay_start + decay_steps] = value
+    # The shaped phases are short next to a long stable one: computed at their own steps only.
+    warm = step < warmup_steps
+    values[warm] = shaped(_warmup(step[warm], warmup_steps), warmup_shape, rising=True)
+    decay = (step >= decay_start) & (step < decay_start + decay_steps)
+    values[decay] = shaped((step[decay] - warmup_steps - stable) / max(1, decay_steps), decay_shape, rising=False)
+    return values
 
 
 def step_decay(step: Steps, total: int, *, value: float, step_size: int, gamma: float = 0.1) -> np.ndarray:
