@@ -15,6 +15,15 @@ from typing import Any, Sequence
 from tinker_exp.train.protocols import StepResult
 
 
+def builtin_params(params: dict[str, Any] | None) -> None:
+    """What verl's check cannot see: a numpy float64 passes as a float once, then the param group holds a float64
+    and every later plain-float override is rejected. So only builtin floats, and tuples of them, may be sent."""
+    for key, value in (params or {}).items():
+        items = value if type(value) is tuple else (value,)
+        if type(value) not in (float, tuple) or any(type(item) is not float for item in items):
+            raise TypeError(f"{key}={value!r} ({type(value).__name__}) sent: only builtin float and tuple reach verl")
+
+
 class FakeWorkers:
     """`ranks` ranks of `groups` param groups. The "model" is one number that each step moves by lr (so the
     loss depends on every value sent); `nonfinite_at` steps report a NaN grad norm and skip the update."""
@@ -45,6 +54,7 @@ class FakeWorkers:
             deadline = time.monotonic() + 600
             while not self.gate[1].exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
+        builtin_params(optim_step_params)
         self.calls.append(optim_step_params)
         for groups in self.groups:
             for group in groups:

@@ -52,6 +52,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def planned(run_dir: Path, name: str) -> list[float]:
+    """Every step's value of one plan column (lr, beta1, ...) as the run planned it, rebuilt from its plan.json."""
+    from tinker_exp.optim.preview import PLAN_FILE, read_plan_file
+
+    return read_plan_file(run_dir / PLAN_FILE).column(name).tolist()
+
+
 def metrics_rows(run_dir: Path) -> list[dict]:
     """metrics.jsonl of a run that may still be writing it (no file yet, or a last line half written)."""
     from tinker_exp.formats import read_jsonl as read_complete_rows

@@ -81,7 +81,7 @@ def test_the_tinker_exp_entry_point_is_the_same_cli(tmp_path):
     ok = subprocess.run([str(entry), "+override=lr_cosine", "trainer.steps=30", "dry_run=true", f"hydra.run.dir={tmp_path}"],
                         cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert ok.returncode == 0, ok.stderr
-    assert "lr: cosine over 30 steps" in ok.stdout and (tmp_path / "plan.jsonl").exists()
+    assert "lr: cosine over 30 steps" in ok.stdout and (tmp_path / "plan.json").exists()
     bad = subprocess.run([str(entry), "+override.lr=-1", "dry_run=true", f"hydra.run.dir={tmp_path / 'bad'}"],
                          cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2

@@ -1,6 +1,5 @@
 """Every config in conf/ composes; the typed schema fails bad types at compose time; the CLI fails fast."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +9,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from helpers import CONF_DIR, compose, run_cli
+from helpers import CONF_DIR, compose, planned, run_cli
 from tinker_exp.main import validate
 from tinker_exp.errors import ConfigError
 
@@ -107,6 +106,8 @@ def test_cli_bad_override_exits_nonzero_with_a_clear_message(tmp_path):
         (["+override.lr={schedule:cosine,value:true}"], "override.lr.value: expected a number, got True (bool)"),
         (["+override.lr={schedule:cosine,value:1e-3,min_ratio:2}"], "override.lr.min_ratio: 2 is not in [0, 1]"),
         (["+override.lr={schedule:linear,start:fast,end:0}"], "override.lr.start: expected a number, got 'fast' (str)"),
+        (["plan_steps=[5,20]"], "plan_steps[1]: 20 is not a step of this run (0 .. 19)"),
+        (["plan_steps=[x]"], "plan_steps[0]: Value 'x' of type 'str' could not be converted to Integer"),
     ],
 )
 def test_every_kind_of_bad_input_is_one_line_and_exit_2(tmp_path, args, line):
@@ -149,5 +150,5 @@ def test_dry_run_validates_and_starts_nothing(tmp_path):
     result = run_cli("+override=constant", "override.lr=1", "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr
     assert "dry run: wrote" in result.stdout
-    assert json.loads((tmp_path / "plan.jsonl").read_text().splitlines()[0])["lr"] == 1.0
+    assert planned(tmp_path, "lr") == [1.0] * 20
     assert not (tmp_path / "metrics.jsonl").exists()

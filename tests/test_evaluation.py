@@ -144,3 +144,14 @@ def test_a_run_and_a_sweep_get_a_report_picture(tmp_path):
     sweep = write_report([("cosine", tmp_path / "cosine"), ("wsd", tmp_path / "wsd")], tmp_path / "report.png", "sweep")
     assert sweep == tmp_path / "report.png" and sweep.stat().st_size > 10_000
     assert write_report([("empty", tmp_path / "nothing")], tmp_path / "none.png", "nothing") is None  # nothing logged
+
+
+def test_a_report_whose_plan_cannot_be_rebuilt_says_so_and_draws_the_losses(tmp_path):
+    from tinker_exp.sweep import report
+
+    run(compose("+override=lr_cosine", "trainer.steps=6", "logger=none"), tmp_path, start_workers=fake_workers())
+    assert set(report._plan(tmp_path).columns) == {"lr"}  # the plan's panels come from plan.json
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan_file.read_text().replace('"min_ratio": 0.1', '"min_ratio": 0.5'))  # not the run's plan
+    with pytest.warns(UserWarning, match=r"report: no plan panels for .*: ValueError: .*plan.json: step \d+: lr is"):
+        assert report.write_report([("run", tmp_path)], tmp_path / "again.png", "run") == tmp_path / "again.png"

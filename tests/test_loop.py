@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 from fakes import FakeWorkers, fake_workers
-from helpers import REPO, compose, environment, metrics_rows, read_jsonl, wait_until
+from helpers import REPO, compose, environment, metrics_rows, planned, read_jsonl, wait_until
 from tinker_exp import config
 from tinker_exp.errors import ConfigError, NonFiniteError
 from tinker_exp.main import run, validate
@@ -53,10 +53,9 @@ def test_no_override_sends_nothing_and_every_row_shows_the_optimizer_values(tmp_
 def test_a_schedule_sends_each_steps_value_of_the_plan(tmp_path):
     start = fake_workers()
     run(compose("+override=[lr_cosine,beta2_warmup]", "trainer.steps=12", "logger=none"), tmp_path, start_workers=start)
-    plan = read_jsonl(tmp_path / "plan.jsonl")
     calls = start.started[0].calls
-    assert [call["lr"] for call in calls] == [step["lr"] for step in plan]
-    assert [call["betas"] for call in calls] == [(step["beta1"], step["beta2"]) for step in plan]
+    assert [call["lr"] for call in calls] == planned(tmp_path, "lr")
+    assert [call["betas"] for call in calls] == list(zip(planned(tmp_path, "beta1"), planned(tmp_path, "beta2")))
     assert len({call["lr"] for call in calls}) > 6  # it really changes
 
 
@@ -114,7 +113,7 @@ def test_a_resumed_run_logs_every_step_once_and_continues_the_plan(tmp_path):
     assert [row["train/step"] for row in metrics_rows(tmp_path / "run")] == list(range(6))
     start = fake_workers()
     run(compose(*common), tmp_path / "run", start_workers=start)
-    assert start.started[0].calls[0]["lr"] == read_jsonl(tmp_path / "run" / "plan.jsonl")[4]["lr"]
+    assert start.started[0].calls[0]["lr"] == planned(tmp_path / "run", "lr")[4]
     rows = metrics_rows(tmp_path / "run")
     assert [row["train/step"] for row in rows] == list(range(10))  # 4 and 5 once, from the resumed run
     assert len(rows) == len(whole)
@@ -134,7 +133,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_says_so(
     (message,) = [str(w.message) for w in caught if "broken checkpoint" in str(w.message)]
     assert message.startswith(f"not resuming from a broken checkpoint: {shard}: 100 bytes, the manifest says")
     assert message.endswith("falling back to step_00000004")
-    assert start.started[0].calls[0]["lr"] == read_jsonl(tmp_path / "plan.jsonl")[4]["lr"]  # resumed at step 4
+    assert start.started[0].calls[0]["lr"] == planned(tmp_path, "lr")[4]  # resumed at step 4
     assert [row["train/step"] for row in metrics_rows(tmp_path)] == list(range(12))
 
 

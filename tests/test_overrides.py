@@ -81,14 +81,14 @@ def test_check_like_verl_rejects_wrong_types_and_missing_keys():
 
 def test_plan_sends_the_same_converted_values_every_step():
     plan = build_plan(OmegaConf.create({"lr": 1, "betas": [0.9, 0.95]}), OptimizerConfig(), total_steps=5)
-    assert len(plan) == 5 and all(step == {"lr": 1.0, "betas": (0.9, 0.95)} for step in plan.steps)
+    assert len(plan) == 5 and all(step == {"lr": 1.0, "betas": (0.9, 0.95)} for step in plan)
     assert plan.keys == ("lr", "betas")
     assert plan.optimizer_values == {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 
 def test_plan_without_override_sends_nothing():
     plan = build_plan(None, OptimizerConfig(), total_steps=3)
-    assert plan.steps == [{}, {}, {}] and plan.keys == ()
+    assert list(plan) == [{}, {}, {}] and plan.keys == ()
 
 
 def test_plan_checks_the_optimizer_values_too():

@@ -82,17 +82,20 @@ def test_an_override_is_a_plan_verl_accepts_or_a_config_error(adamw, override, s
         assert str(e).startswith(("override", "optimizer")), str(e)  # it names the key
         return
     assert len(plan) == steps
-    for params in plan.steps:
+    for params in plan:
         _apply_optim_step_params(adamw, params)  # verl's own strict check: raises on any wrong key or type
         for group in adamw.param_groups:
             assert {key: group[key] for key in params} == params
+            # builtin float and tuple, never a numpy scalar (verl takes a float64 once, then rejects every float)
+            assert {key: type(group[key]) for key in params} == {key: type(optimizer_values(OptimizerConfig())[key]) for key in params}
+            assert all(type(beta) is float for beta in group["betas"])
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(override=junk)
 def test_an_override_that_is_no_mapping_is_a_config_error(override):
     if override in (None, {}):
-        assert build_plan(override, OptimizerConfig(), 3).steps == [{}] * 3  # nothing selected: nothing sent
+        assert list(build_plan(override, OptimizerConfig(), 3)) == [{}] * 3  # nothing selected: nothing sent
         return
     with pytest.raises(ConfigError, match=r"^override"):
         build_plan(override, OptimizerConfig(), 3)

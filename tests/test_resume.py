@@ -16,6 +16,7 @@ from helpers import (
     environment,
     job_json,
     metrics_rows,
+    planned,
     read_job_log,
     read_jsonl,
     run_cli,
@@ -63,8 +64,7 @@ def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uni
     assert 4 <= resumed_from <= killed_at
     rows = metrics_rows(tmp_path)
     assert [row["train/step"] for row in rows] == list(range(STEPS))  # each step exactly once
-    plan = read_jsonl(tmp_path / "plan.jsonl")
-    assert [row["applied/lr"] for row in rows] == [step["lr"] for step in plan]  # the plan continued
+    assert [row["applied/lr"] for row in rows] == planned(tmp_path, "lr")  # the plan continued
     # Same seed, same data order, model + optimizer + RNG restored: CPU gloo runs are bitwise equal.
     assert len(rows) == len(uninterrupted) == STEPS
     for got, want in zip(rows, uninterrupted):
@@ -138,7 +138,7 @@ def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path, s
     assert job_json(run_dir)["slurm"]["restart_count"] == "1"  # the second start
     rows = metrics_rows(run_dir)
     assert [row["train/step"] for row in rows] == list(range(40))  # each step once across both starts
-    assert [row["applied/lr"] for row in rows] == [step["lr"] for step in read_jsonl(run_dir / "plan.jsonl")]
+    assert [row["applied/lr"] for row in rows] == planned(run_dir, "lr")
     assert read_jsonl(tmp_path / "summary.jsonl")[0]["status"] == "COMPLETED"
     # The first start stopped by itself (not killed at KillWait), leaving no result behind for the launcher.
     job_log = read_job_log(tmp_path, job_id)

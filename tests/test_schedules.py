@@ -3,16 +3,18 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import transformers.optimization as hf
 from omegaconf import OmegaConf
 from verl.utils.torch_functional import get_cosine_schedule_with_warmup as verl_cosine
 
-from helpers import CONF_DIR, compose, read_jsonl, run_cli
+from helpers import CONF_DIR, compose, planned, read_jsonl, run_cli
 from tinker_exp.main import run, validate
 from tinker_exp.errors import ConfigError
 from tinker_exp.optim.plan import build_plan
+from tinker_exp.optim.preview import PLAN_FILE, plot_steps, read_plan_file, write_plan_file
 from tinker_exp.optim.schedules import compile_schedule
 from tinker_exp.config.schema import OptimizerConfig
 
@@ -31,8 +33,12 @@ def ours(spec: dict, total: int = T):
 
 
 def assert_same(schedule, reference_lambda, scale=PEAK, steps=STEPS):
-    for step in steps:
-        assert schedule(step) == pytest.approx(scale * reference_lambda(step), rel=1e-12, abs=1e-18), step
+    """Every step at once (as a plan evaluates it) and one step at a time agree with the reference."""
+    values = schedule.values(np.array(steps))
+    for step, value in zip(steps, values.tolist()):
+        assert value == pytest.approx(scale * reference_lambda(step), rel=1e-12, abs=1e-18), step
+    for step in steps[::97]:
+        assert schedule(step) == values[steps.index(step)]
 
 
 @pytest.mark.parametrize("warmup, min_ratio, cycles", [(0, 0.0, 0.5), (100, 0.1, 0.5), (37, 0.0, 1.5), (1, 0.3, 0.25)])
@@ -92,9 +98,9 @@ def test_polynomial_matches_hf(power):
 def test_decays_match_torch_schedulers(spec, scheduler, kwargs):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=PEAK)
     reference = scheduler(optimizer, **kwargs)
-    schedule = ours(spec)
+    values = ours(spec).values(np.arange(T)).tolist()
     for step in range(T):
-        assert schedule(step) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-9), step
+        assert values[step] == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-9), step
         optimizer.step()
         reference.step()
 
@@ -114,7 +120,7 @@ def test_every_step_of_a_multi_key_plan_is_converted():
     })
     plan = build_plan(override, OptimizerConfig(), 100)
     assert len(plan) == 100 and plan.keys == ("lr", "betas", "weight_decay")
-    for params in plan.steps:
+    for params in plan:  # no numpy scalar: verl would take a float64 once, then reject every plain float
         assert type(params["lr"]) is float and type(params["weight_decay"]) is float
         assert type(params["betas"]) is tuple and all(type(b) is float for b in params["betas"])
     assert plan[0]["lr"] == 0.0 and plan[10]["lr"] == 1e-3 and plan[99]["betas"][1] == pytest.approx(0.999 - 0.049 / 100)
@@ -167,7 +173,7 @@ def test_bad_plans_name_key_schedule_and_first_bad_step(override, message):
 
 def test_a_warmup_that_fills_a_polynomial_schedule_is_a_plan_not_a_division_by_zero():
     plan = build_plan({"lr": {"schedule": "polynomial", "value": 1e-3, "end": 1e-5, "warmup_steps": 5, "total_steps": 5}}, OptimizerConfig(), 8)
-    assert [params["lr"] for params in plan.steps] == pytest.approx([0.0, 2e-4, 4e-4, 6e-4, 8e-4, 1e-5, 1e-5, 1e-5])
+    assert [params["lr"] for params in plan] == pytest.approx([0.0, 2e-4, 4e-4, 6e-4, 8e-4, 1e-5, 1e-5, 1e-5])
 
 
 def test_every_schedule_parameter_is_declared_with_a_type_and_range():
@@ -202,17 +208,72 @@ def test_every_shipped_schedule_file_dry_runs(tmp_path):
     for path in sorted((CONF_DIR / "override").glob("*.yaml")):
         run_dir = tmp_path / path.stem
         run(compose(f"+override={path.stem}", "dry_run=true"), run_dir)
-        rows = read_jsonl(run_dir / "plan.jsonl")
-        assert [row["step"] for row in rows] == list(range(20)), path.name
+        plan = validate(OmegaConf.to_object(compose(f"+override={path.stem}")))
+        rebuilt = read_plan_file(run_dir / PLAN_FILE)
+        assert len(rebuilt) == 20 and rebuilt.keys == plan.keys, path.name
+        for name in plan.columns:
+            assert np.array_equal(rebuilt.column(name), plan.column(name)), (path.name, name)
+        rows = json.loads((run_dir / PLAN_FILE).read_text())["rows"]
+        assert {0, 1, 2, 19} <= {row["step"] for row in rows}, path.name
         assert (run_dir / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert not (run_dir / "metrics.jsonl").exists()
+
+
+EVERY_KIND = {
+    "lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 100, "decay_steps": 2000, "decay_shape": "1-sqrt", "min_ratio": 0.1},
+    "betas": [{"schedule": "keyframes", "points": {0: 0.8, 500: 0.9, 9000: 0.85}},
+              {"schedule": "polynomial", "value": 0.999, "end": 0.95, "power": 2.0, "warmup_steps": 10}],
+    "eps": {"schedule": "multistep", "value": 1e-8, "milestones": [10, 4000, 7000], "gamma": 0.5},
+    "weight_decay": {"schedule": "cosine_restarts", "value": 0.1, "warmup_steps": 50, "num_cycles": 3, "total_steps": 8000},
+}  # fmt: skip
+
+
+def test_plan_json_is_small_and_rebuilds_the_plan_exactly(tmp_path):
+    plan = build_plan(EVERY_KIND, OptimizerConfig(), 10_000)
+    write_plan_file(plan, tmp_path / PLAN_FILE, [1234])
+    doc = json.loads((tmp_path / PLAN_FILE).read_text())
+    assert doc["steps"] == 10_000 and doc["boundaries"] == plan.boundaries()
+    assert doc["override"]["betas"][0] == {"schedule": "keyframes", "points": {"0": 0.8, "500": 0.9, "9000": 0.85}, "total_steps": 10_000}
+    row = next(row for row in doc["rows"] if row["step"] == 1234)
+    assert row == {"step": 1234, "lr": plan[1234]["lr"], "beta1": plan[1234]["betas"][0], "beta2": plan[1234]["betas"][1],
+                   "eps": plan[1234]["eps"], "weight_decay": plan[1234]["weight_decay"]}  # fmt: skip
+    rebuilt = read_plan_file(tmp_path / PLAN_FILE)
+    assert rebuilt.keys == plan.keys and set(rebuilt.schedules) == set(plan.schedules)
+    for name in plan.columns:
+        assert np.array_equal(rebuilt.column(name), plan.column(name)), name
+    assert (tmp_path / PLAN_FILE).stat().st_size < 16_000
+
+
+def test_a_plan_json_whose_values_the_formulas_no_longer_give_is_refused(tmp_path):
+    write_plan_file(build_plan(EVERY_KIND, OptimizerConfig(), 10_000), tmp_path / PLAN_FILE)
+    text = (tmp_path / PLAN_FILE).read_text()
+    (tmp_path / PLAN_FILE).write_text(text.replace('"num_cycles": 3', '"num_cycles": 2'))  # another formula, in effect
+    with pytest.raises(ValueError, match=r"plan.json: step \d+: weight_decay is .* here, the run's plan has"):
+        read_plan_file(tmp_path / PLAN_FILE)
+
+
+def test_the_plot_of_a_long_plan_keeps_every_phase_boundary_and_every_jump():
+    plan = build_plan({"lr": {"schedule": "step", "value": 1.0, "step_size": 70_001, "gamma": 0.5},
+                       "weight_decay": {"schedule": "cosine", "value": 0.1, "warmup_steps": 12_345}}, OptimizerConfig(), 1_000_000)  # fmt: skip
+    steps = plot_steps(plan)
+    assert len(steps) <= 5_100 and steps[0] == 0 and steps[-1] == 999_999 and np.all(np.diff(steps) > 0)
+    kept = set(steps.tolist())
+    for boundary in plan.boundaries():
+        assert {boundary - 1, boundary} <= kept
+    for jump in range(70_001, 1_000_000, 70_001):  # each value of the step decay appears where it starts
+        assert plan.column("lr")[steps][np.searchsorted(steps, jump)] == plan.column("lr")[jump]
+    for name in ("lr", "weight_decay"):  # each slice's extremes: the drawn line reaches as high and low as the plan
+        drawn, every = plan.column(name)[steps], plan.column(name)
+        assert (drawn.min(), drawn.max()) == (every.min(), every.max())
+    short = build_plan({"lr": {"schedule": "cosine", "value": 1.0}}, OptimizerConfig(), 1500)
+    assert plot_steps(short).tolist() == list(range(1500))  # a short plan: every step
 
 
 def test_dry_run_cli_prints_table_and_imports_nothing_heavy(tmp_path):
     code = (
         "import sys, runpy\n"
-        "sys.argv = ['tinker_exp', '+override=[lr_wsd,beta2_warmup]', 'trainer.steps=100000', 'dry_run=true',\n"
-        "            'override.lr.decay_steps=20000', 'hydra.run.dir=%s']\n"
+        "sys.argv = ['tinker_exp', '+override=[lr_wsd,beta2_warmup]', 'trainer.steps=1000000', 'dry_run=true',\n"
+        "            'override.lr.decay_steps=20000', 'plan_steps=[123456]', 'hydra.run.dir=%s']\n"
         "try:\n"
         "    runpy.run_module('tinker_exp', run_name='__main__')\n"
         "finally:\n"
@@ -225,9 +286,15 @@ def test_dry_run_cli_prints_table_and_imports_nothing_heavy(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "HEAVY []" in out.stdout
     table_steps = [int(line.split()[0]) for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
-    assert {0, 1, 2, 79999, 80000, 99999} <= set(table_steps)  # first steps, decay start, last step
-    rows = (tmp_path / "plan.jsonl").read_text().splitlines()
-    assert len(rows) == 100000 and json.loads(rows[-1])["lr"] == pytest.approx(1e-4, rel=1e-3)  # min_ratio 0.1
+    assert {0, 1, 2, 123456, 979999, 980000, 999999} <= set(table_steps)  # first steps, asked for, decay start, last
+    assert planned(tmp_path, "lr")[-1] == pytest.approx(1e-4, rel=1e-3)  # min_ratio 0.1
+    assert sorted(p.name for p in tmp_path.glob("plan.*")) == ["plan.json", "plan.png"]
+    assert (tmp_path / "plan.json").stat().st_size < 16_000
+    # Any step's values, later, from the run dir alone
+    shown = subprocess.run([sys.executable, "-m", "tinker_exp.optim.preview", str(tmp_path / "plan.json"), "777777"],
+                           capture_output=True, text=True, timeout=60, cwd=CONF_DIR.parent, check=True).stdout  # fmt: skip
+    (line,) = [line for line in shown.splitlines() if line.split()[:1] == ["777777"]]
+    assert line.split()[1:] == [f"{planned(tmp_path, key)[777777]:.6g}" for key in ("lr", "beta1", "beta2")]
 
 
 def test_cli_bad_schedule_exits_before_workers(tmp_path):
@@ -239,12 +306,10 @@ def test_cli_bad_schedule_exits_before_workers(tmp_path):
 def test_real_run_follows_the_plan_on_lr_and_betas(ray_address, tmp_path):
     cfg = compose("+override=[lr_cosine,beta2_warmup]", "trainer.steps=6", "override.lr.warmup_steps=2", "logger=none")
     run(cfg, tmp_path)
-    plan = read_jsonl(tmp_path / "plan.jsonl")
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert len(rows) == len(plan) == 6
-    for planned, row in zip(plan, rows):
-        for key in ("lr", "beta1", "beta2"):
-            assert row[f"requested/{key}"] == planned[key] == row[f"applied/{key}"]
+    assert len(rows) == 6
+    for key in ("lr", "beta1", "beta2"):
+        assert [row[f"requested/{key}"] for row in rows] == planned(tmp_path, key) == [row[f"applied/{key}"] for row in rows]
     assert rows[0]["applied/lr"] == 0.0 and rows[2]["applied/lr"] == 1e-3
     assert rows[0]["applied/beta2"] < rows[-1]["applied/beta2"] < 0.999
     assert not math.isnan(rows[-1]["train/loss"])

@@ -137,7 +137,7 @@ def test_local_launcher_sweep_reports_the_failed_point(tmp_path):
     assert f"run dir {tmp_path}/1" in result.stderr and "job 0" not in result.stderr.split("did not complete")[1]
     rows = read_jsonl(tmp_path / "summary.jsonl")
     assert [(row["num"], row["status"]) for row in rows] == [(0, "COMPLETED"), (1, "FAILED")]
-    assert (tmp_path / "0" / "plan.jsonl").exists()
+    assert (tmp_path / "0" / "plan.json").exists()
 
 
 # --- real sweeps on the local Slurm cluster ----------------------------------------------------------

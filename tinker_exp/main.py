@@ -9,7 +9,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -18,17 +18,16 @@ from tinker_exp import config
 from tinker_exp.config import Config
 from tinker_exp.config.compose_errors import one_line_compose_errors
 from tinker_exp.errors import STOPS, Terminated, one_line
-from tinker_exp.optim import Plan, build_plan
-from tinker_exp.optim.preview import format_table, plan_table, plot_plan, write_plan_jsonl
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
-from tinker_exp.sweep.report import REPORT, write_report
 from tinker_exp.formats import read_jsonl
 from tinker_exp.train.checkpoints import ResumePoint, resume_point
 from tinker_exp.train.data import Row, dataset_rows
 from tinker_exp.train.objective import objective_metric, objective_value, write_objective
 from tinker_exp.train.protocols import Workers
 from tinker_exp.train.signals import as_stop, sigterm_raises
-from tinker_exp.train.sinks import wandb_run_config
+
+if TYPE_CHECKING:  # the plan (numpy) is imported once a plan is built: --help, --cfg, compose errors stay at Hydra's cost
+    from tinker_exp.optim import Plan
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 WORKERS_LOG = "workers.log"
@@ -40,23 +39,30 @@ log = logging.getLogger(__name__)
 
 def validate(cfg: Config) -> Plan:
     """Everything that can be checked without torch, verl or ray; returns the plan. Raises ConfigError naming the key."""
+    from tinker_exp.optim import build_plan
+
     config.check(cfg)
     objective_metric(cfg)
     return build_plan(cfg.override, cfg.optimizer, cfg.trainer.steps)
 
 
-def describe(plan: Plan) -> str:
-    return f"optimizer built with {plan.optimizer_values}; {len(plan)} steps; sent with optimizer_step:\n{format_table(plan)}"
+def describe(plan: Plan, steps: list[int]) -> str:
+    from tinker_exp.optim.preview import format_table
+
+    return f"optimizer built with {plan.optimizer_values}; {len(plan)} steps; sent with optimizer_step:\n{format_table(plan, steps)}"
 
 
-def write_plan(plan: Plan, run_dir: Path) -> Path | None:
-    """plan.jsonl (every step) and plan.png into the run dir; returns the plot's path."""
+def write_plan(plan: Plan, run_dir: Path, steps: list[int]) -> tuple[Path, Path | None]:
+    """plan.json (the schedules, boundaries, the values at some steps and `steps`) and plan.png into the run dir;
+    returns their paths (no plot when nothing is sent)."""
+    from tinker_exp.optim.preview import PLAN_FILE, plot_plan, write_plan_file
+
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_plan_jsonl(plan, run_dir / "plan.jsonl")
-    return plot_plan(plan, run_dir / "plan.png")
+    write_plan_file(plan, run_dir / PLAN_FILE, steps)
+    return run_dir / PLAN_FILE, plot_plan(plan, run_dir / "plan.png")
 
 
-StartWorkers = Callable[[Config, Plan, Path, Path], Workers]
+StartWorkers = Callable[[Config, "Plan", Path, Path], Workers]
 """(config, plan, model dir, run dir) -> the started worker group."""
 
 
@@ -89,16 +95,18 @@ def run(
     config.check_chat_template(cfg.model.path, chat)
     if not cfg.dry_run:
         log.info(f"worker output: {run_dir / WORKERS_LOG}" + ("" if cfg.verbose else " (verbose=true shows it here too)"))
-    log.info(describe(plan))
+    log.info(describe(plan, cfg.plan_steps))
     resume = resume_point(run_dir / cfg.checkpoint.dir, cfg.resume.value)
     if resume is not None:
         for why in resume.skipped:
             warnings.warn(f"not resuming from a broken checkpoint: {why}; falling back to {resume.path.name}", stacklevel=1)
         log.info(f"resuming from {resume.path} at step {resume.step}")
-    plot = write_plan(plan, run_dir)
+    plan_file, plot = write_plan(plan, run_dir, cfg.plan_steps)
     if cfg.dry_run:
-        log.info(f"dry run: wrote {run_dir / 'plan.jsonl'}" + (f" and {plot}" if plot else ""))
+        log.info(f"dry run: wrote {plan_file}" + (f" and {plot}" if plot else ""))
         return {}
+    from tinker_exp.train.sinks import wandb_run_config
+
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     wandb_config = wandb_run_config(resolved, plan, choices, job)  # one flat key per value
@@ -116,7 +124,9 @@ def train_run(
     start_workers: StartWorkers,
 ) -> dict[str, Any]:
     """Sinks, workers, the loop; the workers are freed and the sinks closed however the run ends."""
+    from tinker_exp.optim.preview import plan_table
     from tinker_exp.runtime.inputs import load_examples, model_dir
+    from tinker_exp.sweep.report import REPORT, write_report
     from tinker_exp.train.checkpoints import Checkpointer, restore
     from tinker_exp.train.data import batch_for_step, eval_batches
     from tinker_exp.train.evaluation import Evaluation
@@ -143,7 +153,7 @@ def train_run(
     if cfg.logger.name.value == "wandb":
         wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=cfg.logger.run_name or run_dir.name)
         if wandb_sink is not None:
-            wandb_sink.attach_plan(*plan_table(plan), plot)
+            wandb_sink.attach_plan(*plan_table(plan, cfg.plan_steps), plot)
     start = resume.state if resume else {}
     sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", start.get("step", 0)), wandb_sink, ProgressBar(trainer.steps)])
     exit_code, workers = 1, None

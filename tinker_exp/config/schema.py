@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from tinker_exp.errors import ConfigError
 
@@ -307,6 +307,9 @@ class Config:
     converter as they are."""
     dry_run: bool = False
     """Compose and validate everything, write and print the plan, start nothing."""
+    plan_steps: List[int] = field(default_factory=list)
+    """Steps whose values the plan's table shows too (printed at the start, in plan.json and W&B), besides the first
+    steps, each phase boundary and the last: `plan_steps=[100,99999] dry_run=true`."""
     verbose: bool = False
     """Show what the workers and libraries say on the terminal too (it always goes to the run dir's workers.log)."""
 

@@ -91,7 +91,8 @@ def check_chat_template(model_path: str | None, where: str | None) -> None:
 
 
 def check(cfg: Config) -> None:
-    """What no single group can check alone: the batch splits over every worker into whole micro batches."""
+    """What no single group can check alone: the batch splits over every worker into whole micro batches; the
+    files named exist; the plan steps asked for are steps of the run."""
     backend, batch = cfg.backend, cfg.trainer.batch_size
     workers = backend.num_workers * backend.nodes
     over = f"backend.num_workers={backend.num_workers}" + (f" x backend.nodes={backend.nodes}" if backend.nodes > 1 else "")
@@ -105,6 +106,9 @@ def check(cfg: Config) -> None:
         resolve_model_path(cfg.model.path, download=False)
     if cfg.data.val_path is not None:
         data_path(cfg.data.val_path, "data.val_path")
+    for i, step in enumerate(cfg.plan_steps):
+        if not 0 <= step < cfg.trainer.steps:
+            raise ConfigError(f"plan_steps[{i}]: {step} is not a step of this run (0 .. {cfg.trainer.steps - 1})")
 
 
 def load(dcfg: DictConfig) -> Config:

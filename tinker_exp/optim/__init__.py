@@ -1,5 +1,5 @@
 """The optimizer plan: OmegaConf values -> verl OptimStepParams (convert), per-step schedules, the whole plan
-checked before any worker starts, and its preview (table, plan.jsonl, plot). Pure Python: no torch, verl or ray."""
+checked before any worker starts, and its preview (table, plan.json, plot). Pure Python and numpy: no torch, verl or ray."""
 
 from tinker_exp.optim.convert import OVERRIDE_KEYS, convert_params, flat_values
 from tinker_exp.optim.plan import Plan, build_plan

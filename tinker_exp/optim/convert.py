@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -68,12 +69,46 @@ def number(value: Any, key: str) -> float:
     return number
 
 
+@dataclass(frozen=True)
+class Range:
+    """An interval a number must lie in. ``contains`` takes a float or a numpy array (a whole plan's column, checked
+    at once), so the plain values, schedule parameters and every step of a plan share one rule and one message."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is excluded
+    high_open: bool = False
+
+    def contains(self, x: Any) -> Any:
+        above = True if self.low is None else (x > self.low if self.low_open else x >= self.low)
+        below = True if self.high is None else (x < self.high if self.high_open else x <= self.high)
+        return above & below
+
+    def error(self, value: Any, where: str) -> ConfigError:
+        if self.high is None:
+            return ConfigError(f"{where}: must be {'>' if self.low_open else '>='} {self.low:g}, got {value!r}")
+        low, high = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return ConfigError(f"{where}: {value!r} is not in {low}{self.low:g}, {self.high:g}{high}")
+
+    def check(self, converted: float, value: Any, where: str) -> None:
+        if not self.contains(converted):
+            raise self.error(value, where)
+
+
+RANGES = {
+    "lr": Range(low=0.0),
+    "betas": Range(0.0, 1.0, high_open=True),  # each component
+    "eps": Range(low=0.0, low_open=True),
+    "weight_decay": Range(low=0.0),
+}
+"""Where each optimizer value must lie (verl would take any float; AdamW misbehaves outside these)."""
+
+
 def _betas(value: Any, key: str) -> tuple[float, float]:
     items = betas_pair(value, key)
     betas = tuple(number(item, f"{key}[{i}]") for i, item in enumerate(items))
     for i, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
-            raise ConfigError(f"{key}[{i}]: {items[i]!r} is not in [0, 1)")
+        RANGES["betas"].check(beta, items[i], f"{key}[{i}]")
     return betas  # type: ignore[return-value]
 
 
@@ -83,10 +118,7 @@ def convert_value(key: str, value: Any, where: str) -> float | tuple[float, floa
     if key == "betas":
         return _betas(value, name)
     converted = number(value, name)
-    if key == "eps" and converted <= 0.0:
-        raise ConfigError(f"{name}: must be > 0, got {value!r}")
-    if key in ("lr", "weight_decay") and converted < 0.0:
-        raise ConfigError(f"{name}: must be >= 0, got {value!r}")
+    RANGES[key].check(converted, value, name)
     return converted
 
 
@@ -129,6 +161,10 @@ def check_like_verl(params: Mapping[str, Any], group_types: Mapping[str, type], 
             )
 
 
+FLAT_NAMES = {"lr": ("lr",), "betas": ("beta1", "beta2"), "eps": ("eps",), "weight_decay": ("weight_decay",)}
+"""Each key's values as logged and plotted: betas as its two components."""
+
+
 def flat_values(prefix: str, values: Mapping[str, Any]) -> dict[str, float]:
     """{'betas': (0.9, 0.95), 'lr': 1e-3} -> {'PREFIX/lr': 1e-3, 'PREFIX/beta1': 0.9, 'PREFIX/beta2': 0.95}."""
     name = (lambda key: f"{prefix}/{key}") if prefix else (lambda key: key)
@@ -139,3 +175,12 @@ def flat_values(prefix: str, values: Mapping[str, Any]) -> dict[str, float]:
         elif key in values:
             row[name(key)] = values[key]
     return row
+
+
+def nested_values(flat: Mapping[str, float]) -> dict[str, Any]:
+    """flat_values' inverse: {'lr': 1e-3, 'beta1': 0.9, 'beta2': 0.95} -> {'lr': 1e-3, 'betas': (0.9, 0.95)}."""
+    params: dict[str, Any] = {}
+    for key, names in FLAT_NAMES.items():
+        if names[0] in flat:
+            params[key] = tuple(flat[name] for name in names) if key == "betas" else flat[key]
+    return params

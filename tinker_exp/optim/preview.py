@@ -1,35 +1,44 @@
-"""See the plan before spending GPU hours: a compact table, plan.jsonl (every step) and a PNG plot.
+"""See the plan before spending GPU hours: a compact table, plan.json (the plan in a form a person reads and the
+plan is rebuilt from) and a PNG plot.
 
-No torch, verl or ray (matplotlib only, imported for the plot).
+numpy only, no torch, verl or ray (matplotlib, imported for the plot).
+
+    python -m tinker_exp.optim.preview RUN_DIR/plan.json [STEP ...]   # the table, with these steps too
 """
 
 from __future__ import annotations
 
 import json
+import math
+import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from tinker_exp.formats import text_table
 from tinker_exp.optim.convert import flat_values
-from tinker_exp.optim.plan import Plan
+from tinker_exp.optim.plan import Plan, override_config, plan_for
 
 
-def table_steps(plan: Plan) -> list[int]:
-    """First steps, each phase boundary and the step before it, and the last step."""
+def table_steps(plan: Plan, extra: Iterable[int] = ()) -> list[int]:
+    """First steps, each phase boundary and the step before it, the last step, and `extra` (plan_steps)."""
     last = len(plan) - 1
-    steps = {0, 1, 2, last}
+    steps = {0, 1, 2, last, *extra}
     for boundary in plan.boundaries():
         steps |= {boundary - 1, boundary}
     return sorted(step for step in steps if 0 <= step <= last)
 
 
-def plan_table(plan: Plan) -> tuple[list[str], list[list]]:
+def plan_table(plan: Plan, extra: Iterable[int] = ()) -> tuple[list[str], list[list]]:
     columns = list(flat_values("", plan[0]))
-    rows = [[step, *flat_values("", plan[step]).values()] for step in table_steps(plan)]
+    rows = [[step, *flat_values("", plan[step]).values()] for step in table_steps(plan, extra)]
     return ["step", *columns], rows
 
 
-def format_table(plan: Plan) -> str:
-    header, rows = plan_table(plan)
+def format_table(plan: Plan, extra: Iterable[int] = ()) -> str:
+    header, rows = plan_table(plan, extra)
     if len(header) == 1:
         return "no override: nothing is sent with optimizer_step"
     table = text_table(header, [[str(row[0])] + [f"{v:.6g}" for v in row[1:]] for row in rows])
@@ -37,10 +46,76 @@ def format_table(plan: Plan) -> str:
     return "\n".join([table, *([phases] if phases else [])])
 
 
-def write_plan_jsonl(plan: Plan, path: Path) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for step, params in enumerate(plan.steps):
-            f.write(json.dumps({"step": step, **flat_values("", params)}) + "\n")
+PLAN_FILE = "plan.json"
+FORMAT = "tinker_exp plan 1"
+SAMPLES = 40
+"""plan.json lists the table's steps and this many evenly spaced ones more."""
+
+
+def file_steps(plan: Plan, extra: Iterable[int] = ()) -> list[int]:
+    spaced = np.linspace(0, len(plan) - 1, SAMPLES + 1).round().astype(np.int64).tolist()
+    return sorted(set(table_steps(plan, extra)) | set(spaced))
+
+
+def write_plan_file(plan: Plan, path: Path, extra: Iterable[int] = ()) -> None:
+    """plan.json: the schedule of every value sent (as the W&B config has it), the phase boundaries and the values
+    at some steps (the table's and evenly spaced ones). Kilobytes for any number of steps; the plan is rebuilt
+    from it (``read_plan_file``), and the listed values check that the rebuilt plan is the run's."""
+    head = {
+        "format": FORMAT,
+        "steps": len(plan),
+        "optimizer": {key: list(v) if isinstance(v, tuple) else v for key, v in plan.optimizer_values.items()},
+        "boundaries": plan.boundaries(),
+    }
+    override = override_config(plan)
+    lines = ["{", *(f" {json.dumps(key)}: {json.dumps(value)}," for key, value in head.items())]
+    lines += [' "override": {', ",\n".join(f"  {json.dumps(key)}: {json.dumps(v)}" for key, v in override.items()), " },"]
+    rows = (json.dumps({"step": step, **flat_values("", plan[step])}) for step in file_steps(plan, extra))
+    lines += [' "rows": [', ",\n".join(f"  {row}" for row in rows), " ]", "}"]
+    path.write_text("\n".join(line for line in lines if line) + "\n", encoding="utf-8")
+
+
+def _spec(entry: Any) -> Any:
+    """An override_config entry as an override value: a constant's value, a schedule's mapping."""
+    if isinstance(entry, list):
+        return [_spec(item) for item in entry]
+    return entry["value"] if entry["schedule"] == "constant" else entry
+
+
+def read_plan_file(path: Path) -> Plan:
+    """The plan of a run, rebuilt from its plan.json. ValueError when the file is not a plan or the rebuilt values
+    differ (beyond 1e-12 relative) from those it lists: written by a version whose formulas differ."""
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a plan file ({FORMAT!r})")
+    values = {key: tuple(v) if isinstance(v, list) else v for key, v in doc["optimizer"].items()}
+    override = {key: _spec(entry) for key, entry in doc["override"].items()}
+    plan = plan_for(override, values, doc["steps"], "the run's optimizer")
+    for row in doc["rows"]:
+        for name, value in flat_values("", plan[row["step"]]).items():
+            if not math.isclose(value, row[name], rel_tol=1e-12):
+                raise ValueError(f"{path}: step {row['step']}: {name} is {value!r} here, the run's plan has {row[name]!r}")
+    return plan
+
+
+PLOT_POINTS = 2000
+
+
+def plot_steps(plan: Plan, points: int = PLOT_POINTS) -> np.ndarray:
+    """The steps to draw: every step of a short plan. Of a long one, the lowest and highest value of every
+    column in each of `points // 2` equal slices, the first and last step, and each phase boundary and the step
+    before it: a line through them looks like the line through every step, jumps and all."""
+    n = len(plan)
+    if n <= points:
+        return np.arange(n)
+    width = -(-n // (points // 2))
+    starts = np.arange(0, n, width)
+    keep = [starts, np.array([n - 1]), *(np.array([b - 1, b]) for b in plan.boundaries())]
+    for column in plan.columns.values():
+        if isinstance(column, np.ndarray):
+            slices = np.pad(column, (0, len(starts) * width - n), mode="edge").reshape(-1, width)
+            keep += [starts + slices.argmin(axis=1), starts + slices.argmax(axis=1)]
+    return np.unique(np.minimum(np.concatenate(keep), n - 1))  # the padding repeats the last step
 
 
 def plot_plan(plan: Plan, path: Path) -> Path | None:
@@ -53,20 +128,31 @@ def plot_plan(plan: Plan, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = {key: [] for key in keys}
-    for params in plan.steps:
-        for key, value in flat_values("", params).items():
-            series[key].append(value)
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 1.8 * len(keys) + 0.6), sharex=True, squeeze=False)
+    steps = plot_steps(plan)
+    height = 1.8 * len(keys) + 0.6
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, height), sharex=True, squeeze=False)
+    # Fixed margins (inches) rather than tight_layout, which draws the figure once more to measure it.
+    fig.subplots_adjust(left=0.16, right=0.97, bottom=0.55 / height, top=1 - 0.45 / height, hspace=0.25)
     for ax, key in zip(axes[:, 0], keys):
-        ax.plot(range(len(plan)), series[key], linewidth=1.2)
+        ax.plot(steps, plan.column(key)[steps], linewidth=1.2)
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         for boundary in plan.boundaries():
             ax.axvline(boundary, color="grey", linewidth=0.6, linestyle=":")
     axes[-1, 0].set_xlabel("optimizer step (0 = first)")
     fig.suptitle("override plan")
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip().splitlines()[-1].strip())
+        return
+    plan = read_plan_file(Path(argv[0]))
+    print(f"{len(plan)} steps; sent with optimizer_step:\n{format_table(plan, [int(step) for step in argv[1:]])}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

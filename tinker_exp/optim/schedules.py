@@ -1,9 +1,11 @@
-"""Per-step schedules: small pure functions of (step, total_steps, params) -> value.
+"""Per-step schedules: small pure functions of (steps, total_steps, params) -> values, over every step at once.
 
 Step 0 is the first optimizer step; a schedule over ``total_steps`` covers steps 0 .. total_steps - 1.
 ``total_steps`` defaults to the run's ``trainer.steps``. Multiplier schedules scale ``value`` (the peak / base
-value, e.g. the peak lr); ``linear`` and ``keyframes`` give absolute values. Formulas follow the well-known
-references, which the tests check at many steps:
+value, e.g. the peak lr); ``linear`` and ``keyframes`` give absolute values. Each function takes an integer numpy
+array of steps and returns a float64 array: a 1,000,000-step plan is a few array operations, not a million calls.
+Most compute each branch for every step and pick the step's own (``np.where``), so branches not taken may overflow
+or divide by zero harmlessly (the caller ignores numpy's floating-point warnings and checks what was picked). Formulas follow the well-known references, which the tests check at many steps:
 
 | kind | parameters | value at step s (w = warmup_steps, T = total_steps) | reference |
 |---|---|---|---|
@@ -19,61 +21,59 @@ references, which the tests check at many steps:
 | polynomial | value, end, warmup_steps, power | s < w: warmup; s > T: end; else (value - end) * (1 - (s - w) / (T - w)) ** power + end | HF get_polynomial_decay_schedule_with_warmup |
 | keyframes | points {step: value} | piecewise linear between points, constant before the first and after the last | - |
 
-Pure Python: no torch, verl or ray.
+numpy only: no torch, verl or ray.
 """
 
 from __future__ import annotations
 
-import bisect
 import inspect
-import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from tinker_exp.errors import ConfigError
-from tinker_exp.optim.convert import number
+from tinker_exp.optim.convert import Range, number
 
 
-def _warmup(step: int, warmup_steps: int) -> float:
+Steps = np.ndarray  # int64 steps in, float64 values out
+
+
+def _warmup(step: Steps, warmup_steps: int) -> np.ndarray:
     return step / max(1, warmup_steps)
 
 
-def constant(step: int, total: int, *, value: float) -> float:
-    return value
+def constant(step: Steps, total: int, *, value: float) -> np.ndarray:
+    return np.full(step.shape, value)
 
 
-def linear(step: int, total: int, *, start: float, end: float, warmup_steps: int = 0) -> float:
-    if step < warmup_steps:
-        return start * _warmup(step, warmup_steps)
-    return start + (end - start) * min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
+def linear(step: Steps, total: int, *, start: float, end: float, warmup_steps: int = 0) -> np.ndarray:
+    ramp = start + (end - start) * np.minimum(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
+    return np.where(step < warmup_steps, start * _warmup(step, warmup_steps), ramp)
 
 
 def cosine(
-    step: int, total: int, *, value: float, warmup_steps: int = 0, min_ratio: float = 0.0, num_cycles: float = 0.5
-) -> float:
-    if step < warmup_steps:
-        return value * _warmup(step, warmup_steps)
+    step: Steps, total: int, *, value: float, warmup_steps: int = 0, min_ratio: float = 0.0, num_cycles: float = 0.5
+) -> np.ndarray:
     progress = (step - warmup_steps) / max(1, total - warmup_steps)
-    factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
-    return value * max(0.0, min_ratio + (1.0 - min_ratio) * factor)
+    factor = 0.5 * (1.0 + np.cos(np.pi * num_cycles * 2.0 * progress))
+    decay = value * np.maximum(0.0, min_ratio + (1.0 - min_ratio) * factor)
+    return np.where(step < warmup_steps, value * _warmup(step, warmup_steps), decay)
 
 
-def cosine_restarts(step: int, total: int, *, value: float, warmup_steps: int = 0, num_cycles: int = 1) -> float:
-    if step < warmup_steps:
-        return value * _warmup(step, warmup_steps)
+def cosine_restarts(step: Steps, total: int, *, value: float, warmup_steps: int = 0, num_cycles: int = 1) -> np.ndarray:
     progress = (step - warmup_steps) / max(1, total - warmup_steps)
-    if progress >= 1.0:
-        return 0.0
-    return value * max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((num_cycles * progress) % 1.0))))
+    cycles = value * np.maximum(0.0, 0.5 * (1.0 + np.cos(np.pi * ((num_cycles * progress) % 1.0))))
+    return np.where(step < warmup_steps, value * _warmup(step, warmup_steps), np.where(progress >= 1.0, 0.0, cycles))
 
 
 _SHAPES = ("linear", "cosine", "1-sqrt")
 
 
 def wsd(
-    step: int,
+    step: Steps,
     total: int,
     *,
     value: float,
@@ -84,71 +84,72 @@ def wsd(
     warmup_shape: str = "linear",
     min_ratio: float = 0.0,
     num_cycles: float = 0.5,
-) -> float:
+) -> np.ndarray:
     stable = total - warmup_steps - decay_steps if stable_steps is None else stable_steps
 
-    def shaped(progress: float, shape: str, rising: bool) -> float:
+    def shaped(progress: np.ndarray, shape: str, rising: bool) -> np.ndarray:
         if shape == "linear":
             factor = progress if rising else 1.0 - progress
         elif shape == "cosine":
-            factor = 0.5 * (1.0 - math.cos(math.pi * progress)) if rising else 0.5 * (
-                1.0 + math.cos(math.pi * 2.0 * num_cycles * progress)
+            factor = 0.5 * (1.0 - np.cos(np.pi * progress)) if rising else 0.5 * (
+                1.0 + np.cos(np.pi * 2.0 * num_cycles * progress)
             )
         else:  # 1-sqrt
-            factor = 1.0 - math.sqrt(1.0 - progress) if rising else 1.0 - math.sqrt(progress)
-        return value * max(0.0, factor * (1.0 - min_ratio) + min_ratio)
+            factor = 1.0 - np.sqrt(1.0 - progress) if rising else 1.0 - np.sqrt(progress)
+        return value * np.maximum(0.0, factor * (1.0 - min_ratio) + min_ratio)
 
-    if step < warmup_steps:
-        return shaped(_warmup(step, warmup_steps), warmup_shape, rising=True)
-    if step < warmup_steps + stable:
-        return value
-    if step < warmup_steps + stable + decay_steps:
-        return shaped((step - warmup_steps - stable) / max(1, decay_steps), decay_shape, rising=False)
-    return value * min_ratio
+    decay_start = warmup_steps + stable
+    values = np.full(step.shape, value * min_ratio)
+    values[step < decay_start + decay_steps] = value
+    # The shaped phases are short next to a long stable one: computed at their own steps only.
+    warm = step < warmup_steps
+    values[warm] = shaped(_warmup(step[warm], warmup_steps), warmup_shape, rising=True)
+    decay = (step >= decay_start) & (step < decay_start + decay_steps)
+    values[decay] = shaped((step[decay] - warmup_steps - stable) / max(1, decay_steps), decay_shape, rising=False)
+    return values
 
 
-def step_decay(step: int, total: int, *, value: float, step_size: int, gamma: float = 0.1) -> float:
+def step_decay(step: Steps, total: int, *, value: float, step_size: int, gamma: float = 0.1) -> np.ndarray:
     return value * gamma ** (step // step_size)
 
 
-def multistep(step: int, total: int, *, value: float, milestones: list[int], gamma: float = 0.1) -> float:
-    return value * gamma ** bisect.bisect_right(sorted(milestones), step)
+def multistep(step: Steps, total: int, *, value: float, milestones: list[int], gamma: float = 0.1) -> np.ndarray:
+    passed = np.searchsorted(np.array(sorted(milestones), dtype=np.int64), step, side="right")  # milestones <= step
+    return value * gamma ** passed
 
 
-def exponential(step: int, total: int, *, value: float, gamma: float) -> float:
+def exponential(step: Steps, total: int, *, value: float, gamma: float) -> np.ndarray:
     return value * gamma**step
 
 
-def inverse_sqrt(step: int, total: int, *, value: float, warmup_steps: int = 0, timescale: int | None = None) -> float:
+def inverse_sqrt(step: Steps, total: int, *, value: float, warmup_steps: int = 0, timescale: int | None = None) -> np.ndarray:
     timescale = timescale or warmup_steps or 10_000
-    if step < warmup_steps:
-        return value * _warmup(step, warmup_steps)
-    return value / math.sqrt((step + timescale - warmup_steps) / timescale)
+    decay = value / np.sqrt((step + timescale - warmup_steps) / timescale)
+    return np.where(step < warmup_steps, value * _warmup(step, warmup_steps), decay)
 
 
 def polynomial(
-    step: int, total: int, *, value: float, end: float = 1e-7, warmup_steps: int = 0, power: float = 1.0
-) -> float:
-    if step < warmup_steps:
-        return value * _warmup(step, warmup_steps)
-    if step >= total:  # HF has `>`; at step == total both give `end`, and this never divides by zero
-        return end
-    remaining = 1.0 - (step - warmup_steps) / (total - warmup_steps)
-    return (value - end) * remaining**power + end
+    step: Steps, total: int, *, value: float, end: float = 1e-7, warmup_steps: int = 0, power: float = 1.0
+) -> np.ndarray:
+    # HF has `step > total: end`; at step == total both give `end`. The divisor only differs (1) where a warmup
+    # fills the schedule, and there every step is warmup or end.
+    remaining = 1.0 - (step - warmup_steps) / max(1, total - warmup_steps)
+    decay = (value - end) * remaining**power + end
+    return np.where(step < warmup_steps, value * _warmup(step, warmup_steps), np.where(step >= total, end, decay))
 
 
-def keyframes(step: int, total: int, *, points: Mapping[int, float]) -> float:
-    xs = sorted(points)
-    if step <= xs[0]:
-        return points[xs[0]]
-    if step >= xs[-1]:
-        return points[xs[-1]]
-    i = bisect.bisect_right(xs, step)
-    x0, x1 = xs[i - 1], xs[i]
-    return points[x0] + (points[x1] - points[x0]) * (step - x0) / (x1 - x0)
+def keyframes(step: Steps, total: int, *, points: Mapping[int, float]) -> np.ndarray:
+    xs = np.array(sorted(points), dtype=np.int64)
+    ys = np.array([points[x] for x in sorted(points)], dtype=np.float64)
+    if len(xs) == 1:
+        return np.full(step.shape, ys[0])
+    right = np.clip(np.searchsorted(xs, step, side="right"), 1, len(xs) - 1)
+    x0, x1, y0, y1 = xs[right - 1], xs[right], ys[right - 1], ys[right]
+    between = y0 + (y1 - y0) * (step - x0) / (x1 - x0)
+    return np.where(step <= xs[0], ys[0], np.where(step >= xs[-1], ys[-1], between))
 
 
-SCHEDULES: dict[str, Callable[..., float]] = {
+SCHEDULES: dict[str, Callable[..., np.ndarray]] = {
     "constant": constant,
     "linear": linear,
     "cosine": cosine,
@@ -168,9 +169,7 @@ class Param:
     """A schedule parameter's type and range: converted and checked like plain override values."""
 
     kind: str  # "number", "int", "choice", "steps" (a list of step numbers), "points" ({step: number})
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False  # low itself is excluded
+    range: Range = Range()
     choices: tuple[str, ...] = ()
 
     def convert(self, value: Any, where: str) -> Any:
@@ -191,17 +190,12 @@ class Param:
                 raise ConfigError(f"{where}: expected a mapping {{step: value}}, got {value!r}")
             steps = [_integer(_int_key(key, where), f"{where}", low=0) for key in value]
             return {step: number(item, f"{where}[{step}]") for step, item in zip(steps, value.values())}
-        self._check_range(converted, value, where)
+        self.range.check(converted, value, where)
         return converted
 
-    def _check_range(self, converted: float, value: Any, where: str) -> None:
-        low_ok = self.low is None or (converted > self.low if self.low_open else converted >= self.low)
-        high_ok = self.high is None or converted <= self.high
-        if low_ok and high_ok:
-            return
-        if self.high is None:
-            raise ConfigError(f"{where}: must be {'>' if self.low_open else '>='} {self.low:g}, got {value!r}")
-        raise ConfigError(f"{where}: {value!r} is not in [{self.low:g}, {self.high:g}]")
+
+MAX_INT = 2**53
+"""Steps and counts are computed as int64 and float64: a larger one is beyond any plan (and would overflow)."""
 
 
 def _integer(value: Any, where: str, low: int | None = None) -> int:
@@ -209,6 +203,8 @@ def _integer(value: Any, where: str, low: int | None = None) -> int:
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if low is not None and value < low:
         raise ConfigError(f"{where}: must be >= {low}, got {value!r}")
+    if abs(value) > MAX_INT:
+        raise ConfigError(f"{where}: {value!r} is too large (at most 2**53)")
     return value
 
 
@@ -222,29 +218,30 @@ def _int_key(key: Any, where: str) -> int:
 
 
 NUMBER = Param("number")  # the value itself: its range is the override key's, checked at every step
-STEPS = Param("int", low=0)
-RATIO = Param("number", low=0.0, high=1.0)
-POSITIVE = Param("number", low=0.0, low_open=True)
+STEPS = Param("int", Range(low=0))
+RATIO = Param("number", Range(0.0, 1.0))
+POSITIVE = Param("number", Range(low=0.0, low_open=True))
+COUNT = Param("int", Range(low=1))
 SHAPE = Param("choice", choices=_SHAPES)
 
 PARAMS: dict[str, dict[str, Param]] = {
     "constant": {"value": NUMBER},
     "linear": {"start": NUMBER, "end": NUMBER, "warmup_steps": STEPS},
     "cosine": {"value": NUMBER, "warmup_steps": STEPS, "min_ratio": RATIO, "num_cycles": POSITIVE},
-    "cosine_restarts": {"value": NUMBER, "warmup_steps": STEPS, "num_cycles": Param("int", low=1)},
+    "cosine_restarts": {"value": NUMBER, "warmup_steps": STEPS, "num_cycles": COUNT},
     "wsd": {
         "value": NUMBER, "warmup_steps": STEPS, "decay_steps": STEPS, "stable_steps": STEPS, "decay_shape": SHAPE,
         "warmup_shape": SHAPE, "min_ratio": RATIO, "num_cycles": POSITIVE,
     },  # fmt: skip
-    "step": {"value": NUMBER, "step_size": Param("int", low=1), "gamma": POSITIVE},
+    "step": {"value": NUMBER, "step_size": COUNT, "gamma": POSITIVE},
     "multistep": {"value": NUMBER, "milestones": Param("steps"), "gamma": POSITIVE},
     "exponential": {"value": NUMBER, "gamma": POSITIVE},
-    "inverse_sqrt": {"value": NUMBER, "warmup_steps": STEPS, "timescale": Param("int", low=1)},
+    "inverse_sqrt": {"value": NUMBER, "warmup_steps": STEPS, "timescale": COUNT},
     "polynomial": {"value": NUMBER, "end": NUMBER, "warmup_steps": STEPS, "power": POSITIVE},
     "keyframes": {"points": Param("points")},
 }
 """Each schedule's parameters, typed and ranged (their defaults are the functions' keyword defaults)."""
-TOTAL_STEPS = Param("int", low=1)
+TOTAL_STEPS = COUNT
 
 
 def _check_consistency(kind: str, params: dict[str, Any], total: int, where: str) -> None:
@@ -277,16 +274,19 @@ def _check_consistency(kind: str, params: dict[str, Any], total: int, where: str
 class Schedule:
     kind: str
     total_steps: int
-    function: Callable[[int], float]
+    function: Callable[[np.ndarray], np.ndarray]  # int64 steps -> float64 values
     boundaries: tuple[int, ...]  # steps where a phase starts (warmup end, decay start, milestones, ...)
     where: str = "override"  # its config key, named in errors
     params: Mapping[str, Any] = field(default_factory=dict)  # every parameter of its kind, converted, defaults filled in
 
+    def values(self, steps: np.ndarray) -> np.ndarray:
+        """The value at each step (float64), unchecked: inf or nan where the parameters overflow (the plan reports
+        the first such step)."""
+        with np.errstate(all="ignore"):  # branches not taken may overflow; what is taken is checked by the plan
+            return np.asarray(self.function(np.asarray(steps, dtype=np.int64)), dtype=np.float64)
+
     def __call__(self, step: int) -> float:
-        try:
-            return self.function(step)
-        except ArithmeticError as e:  # overflow, division by zero: parameters that cannot make a plan
-            raise ConfigError(f"{self.where} at step {step} ({self.kind}): cannot be computed ({e})") from None
+        return float(self.values(np.array([step]))[0])
 
 
 def _boundaries(kind: str, params: dict[str, Any], total: int) -> tuple[int, ...]:
@@ -332,7 +332,7 @@ def compile_schedule(spec: Mapping[str, Any], run_steps: int, where: str) -> Sch
     _check_consistency(kind, spec, total, where)
     defaults = _defaults(kind)
     params = {name: spec.get(name, defaults.get(name)) for name in declared if name in spec or name in defaults}
-    return Schedule(kind, total, lambda step: function(step, total, **spec), _boundaries(kind, spec, total), where, params)
+    return Schedule(kind, total, lambda steps: function(steps, total, **spec), _boundaries(kind, spec, total), where, params)
 
 
 def _defaults(kind: str) -> dict[str, Any]:

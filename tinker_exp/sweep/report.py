@@ -4,10 +4,14 @@ Pure Python (matplotlib, imported for the plot)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tinker_exp.formats import read_jsonl
+
+if TYPE_CHECKING:  # imported when a report is drawn: Hydra imports this module with its plugins at every start
+    from tinker_exp.optim.plan import Plan
 
 REPORT = "report.png"
 
@@ -17,14 +21,43 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def _plan(run_dir: Path) -> Plan | None:
+    """The run's plan rebuilt from its plan.json; None (said aloud when the file is there) when it cannot be."""
+    from tinker_exp.optim.preview import PLAN_FILE, read_plan_file
+
+    path = run_dir / PLAN_FILE
+    if not path.exists():
+        return None
+    try:
+        return read_plan_file(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a report never fails a finished run (a ConfigError is a ValueError)
+        warnings.warn(f"report: no plan panels for {run_dir}: {type(e).__name__}: {e}", stacklevel=2)
+        return None
+
+
+def _plan_series(plan: Plan | None, key: str) -> tuple[Any, Any]:
+    from tinker_exp.optim.preview import plot_steps
+
+    if plan is None or key not in plan.columns:
+        return [], []
+    steps = plot_steps(plan)  # a long plan decimated, its jumps and phase boundaries kept
+    return steps, plan.column(key)[steps]
+
+
 def write_report(runs: Sequence[tuple[str, Path]], path: Path, title: str) -> Path | None:
     """`runs`: (label, run dir). None when no run logged a step."""
     metrics = {label: read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").exists() else [] for label, d in runs}
-    plans = {label: read_jsonl(d / "plan.jsonl") if (d / "plan.jsonl").exists() else [] for label, d in runs}
     if not any(metrics.values()):
         return None
+    plans = {label: _plan(d) for label, d in runs}
     varying = sorted(
-        {key for rows in plans.values() for key in (rows[0] if rows else {}) if key != "step" and len({r[key] for r in rows}) > 1}
+        {
+            name
+            for plan in plans.values()
+            if plan is not None
+            for name, column in plan.columns.items()
+            if not isinstance(column, float) and column.min() != column.max()
+        }
     )
     import matplotlib
 
@@ -48,7 +81,7 @@ def write_report(runs: Sequence[tuple[str, Path]], path: Path, title: str) -> Pa
         if steps:
             loss_ax.plot(steps, values, color=color, linewidth=1.6, linestyle="--", marker="o", markersize=3)
         for ax, key in zip(axes[1:, 0], varying):
-            ax.plot(*_series(plans[label], key), color=color, linewidth=1.2)
+            ax.plot(*_plan_series(plans[label], key), color=color, linewidth=1.2)
         handles.append(Line2D([], [], color=color, linewidth=2, label=label))  # one entry per run: its color
     loss_ax.set_ylabel("loss")
     loss_ax.grid(alpha=0.3)
