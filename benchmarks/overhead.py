@@ -1,8 +1,10 @@
 """Overhead of tinker_exp's loop over a bare loop that calls verl's worker group directly.
 
 Both run the same tiny model, batch (8 sequences, micro batch 2) and 2 Ray CPU workers, each in its own
-process. Prints the median step time (wall time between consecutive finished steps, logging included)
-and the time from process start to the end of the first step, for both, and their ratios.
+process. Prints the median step time (wall time between consecutive finished steps, logging included), the
+median time per step outside verl's calls (that interval less the step's own train_step time: the loop's own
+cost, paired within each step; its last column is the difference in ms, not a ratio) and the time from process start to
+the end of the first step, for both, and their ratios.
 
     .venv/bin/python benchmarks/overhead.py [--steps 40] [--set KEY=VALUE ...]
 
@@ -45,19 +47,27 @@ def bare_loop(steps: int, out: Path) -> None:
     group = workers.group
     with open(out, "w") as f:
         for step in range(steps):
+            start = time.perf_counter()  # the span tinker_exp's perf/step_time_s covers (its train_step)
             batch = workers._batch(batch_for_step(examples, step, 8, 0, True))
             group.optimizer_zero_grad()
             group.forward_backward(batch).get()
             group.optimizer_step(optim_step_params=values)
-            f.write(json.dumps({"train/step": step, "time": time.time()}) + "\n")
+            step_time = time.perf_counter() - start
+            f.write(json.dumps({"train/step": step, "time": time.time(), "perf/step_time_s": step_time}) + "\n")
     workers.shutdown()
 
 
-def timed(cmd: list[str], metrics: Path) -> tuple[float, float]:
+def timed(cmd: list[str], metrics: Path) -> tuple[float, float, float]:
+    """(median step time, start to the end of the first step, median time per step outside the verl calls).
+
+    The last is paired within each step (the interval between finished steps less that step's
+    perf/step_time_s), so load from other processes on the machine moves it far less than the step time."""
     start = time.time()
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    times = [json.loads(line)["time"] for line in metrics.read_text().splitlines()]
-    return statistics.median(b - a for a, b in zip(times, times[1:])), times[0] - start
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    times = [row["time"] for row in rows]
+    outside = [b["time"] - a["time"] - b["perf/step_time_s"] for a, b in zip(rows, rows[1:])]
+    return statistics.median(b - a for a, b in zip(times, times[1:])), times[0] - start, statistics.median(outside)
 
 
 def main() -> None:
@@ -81,6 +91,7 @@ def main() -> None:
         )
     print(f"{'':28}{'bare verl loop':>16}{'tinker_exp':>14}{'ratio':>8}")
     print(f"{'median step time (ms)':28}{bare[0] * 1e3:16.1f}{ours[0] * 1e3:14.1f}{ours[0] / bare[0]:8.3f}")
+    print(f"{'  outside verl calls (ms)':28}{bare[2] * 1e3:16.2f}{ours[2] * 1e3:14.2f}{(ours[2] - bare[2]) * 1e3:+8.2f}")
     print(f"{'start to first step (s)':28}{bare[1]:16.2f}{ours[1]:14.2f}{ours[1] / bare[1]:8.3f}")
     settings = f"; {' '.join(args.set)}" if args.set else ""
     print(f"({args.steps} steps, 2 Ray CPU workers, batch 8, micro batch 2; tinker_exp with W&B offline + JSONL{settings})")

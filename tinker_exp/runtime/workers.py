@@ -19,7 +19,7 @@ from tinker_exp.optim.convert import OVERRIDE_KEYS
 from tinker_exp.runtime import lora as lora_adapters
 from tinker_exp.runtime.worker_output import WorkerOutput
 from tinker_exp.train.protocols import StepResult
-from tinker_exp.train.signals import sigterm_handler_kept
+from tinker_exp.train.signals import ignored_by_children, sigterm_handler_kept
 
 CPU_PLATFORM_ENV = {
     "VERL_USE_EXTERNAL_MODULES": "tinker_exp.runtime.cpu_platform",  # verl imports it at `import verl`
@@ -65,6 +65,23 @@ def wait_for_nodes(nodes: int, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"backend.nodes={nodes}, but only {alive} Ray node(s) joined within {timeout_s:.0f} s")
         time.sleep(1.0)
+
+
+def start_ray(address: str | None, env: dict[str, str]) -> None:
+    """ray.init: a new local cluster (address None), never one found through /tmp/ray/ray_current_cluster.
+
+    The daemons it starts ignore Slurm's USR1/USR2 (inherited SIG_IGN): submitit's time-limit USR2 reaches every
+    process of the job, and would kill Ray's GCS and workers before the driver's handler could requeue the job."""
+    import ray
+
+    with sigterm_handler_kept(), ignored_by_children():  # ray.init replaces SIGTERM's handler with a sys.exit
+        ray.init(
+            address=address or "local",
+            runtime_env={"env_vars": env},
+            include_dashboard=False,
+            log_to_driver=True,  # worker output reaches the driver, which writes it to workers.log
+            configure_logging=False,
+        )
 
 
 def _worker_class():
@@ -150,15 +167,7 @@ class TinkerWorkers:
         # A cluster we start is ours to stop; one we join (address, or already initialized) is shared.
         self.owns_ray = not ray.is_initialized() and not backend.ray_address
         if not ray.is_initialized():
-            with sigterm_handler_kept():  # ray.init replaces it with a sys.exit
-                ray.init(
-                    # None: a new local cluster, never one found through /tmp/ray/ray_current_cluster.
-                    address=backend.ray_address or "local",
-                    runtime_env={"env_vars": env},
-                    include_dashboard=False,
-                    log_to_driver=True,  # worker output reaches the driver, which writes it to workers.log
-                    configure_logging=False,
-                )
+            start_ray(backend.ray_address, env)
         self.pool = self.group = None
         if output is not None:
             output.start()

@@ -1,4 +1,5 @@
-"""SIGTERM as an exception in the main thread, from the moment a job starts (Slurm may stop it while starting)."""
+"""SIGTERM as an exception in the main thread, from the moment a job starts (Slurm may stop it while starting);
+Slurm's warning signals kept from Ray's processes."""
 
 from __future__ import annotations
 
@@ -46,6 +47,26 @@ def sigterm_handler_kept() -> Iterator[None]:
     finally:
         if ours is not None:
             signal.signal(signal.SIGTERM, ours)
+
+
+SIGNALS_FOR_THE_DRIVER = (signal.SIGUSR1, signal.SIGUSR2)
+"""Slurm's warning signals (`--signal`, submitit's time-limit USR2): meant for the driver, whose handler requeues
+the job. Slurm delivers them to every process of the job step, and SIGUSR2's default action ends a process."""
+
+
+@contextmanager
+def ignored_by_children(signums: tuple[int, ...] = SIGNALS_FOR_THE_DRIVER) -> Iterator[None]:
+    """Within: these signals are ignored, so processes started meanwhile (Ray's GCS, raylet and, through them,
+    its workers) inherit SIG_IGN and outlive them; the driver's handlers are put back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def as_stop(error: BaseException) -> BaseException:
