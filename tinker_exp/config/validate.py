@@ -87,7 +87,7 @@ def check_chat_template(model_path: str | None, where: str | None) -> None:
     except (OSError, ValueError):
         tokenizer_config = {}
     if not tokenizer_config.get("chat_template") and not (folder / "chat_template.jinja").exists():
-        raise ConfigError(f"{where}: messages rows need a chat template, and the tokenizer of {model_path} has none ({folder})")
+        raise ConfigError(f"{where}: messages rows need a chat template, and the tokenizer of {model_path} has none")
 
 
 def check(cfg: Config) -> None:
