@@ -85,6 +85,12 @@ def read_job_log(sweep_dir: Path, job_id: str) -> str:
     return "".join(p.read_text() for p in sorted((sweep_dir / ".submitit" / job_id).glob("*_log.*")))
 
 
+def slurm_nodes_idle(slurm_env: dict) -> bool:
+    """Every node idle: no job (or the last instance of one, still cleaning up) holds any of them."""
+    states = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=environment(slurm_env), capture_output=True, text=True).stdout.split()
+    return bool(states) and all(state == "idle" for state in states)
+
+
 def squeue(slurm_env: dict) -> str:
     """`JOBID STATE` lines of the local Slurm cluster's queue."""
     return subprocess.run(["squeue", "-h", "-o", "%i %T"], env=environment(slurm_env), capture_output=True, text=True).stdout

@@ -20,6 +20,7 @@ from helpers import (
     read_job_log,
     read_jsonl,
     run_cli,
+    slurm_nodes_idle,
     squeue,
     wait_until,
     wandb_history,
@@ -128,9 +129,12 @@ def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path, s
         wait_until(checkpoint.exists, 180, "no checkpoint at step 10", driver)
         job_id = job_json(run_dir)["slurm"]["job_id"]
         subprocess.run([*stop, job_id], env=slurm, check=True)
-        # Slurm holds a requeued batch job for a while before it is eligible again: release it now.
+        # Slurm holds a requeued batch job for a while (so that its new credential postdates the old one's
+        # revocation): release it sooner, once the node is done with the first start, and still a few seconds
+        # later. A start in the same second as the revocation is killed by slurmd: "Job credential revoked".
         wait_until(lambda: f"{job_id} PENDING" in squeue(slurm_env).splitlines(), 240, "the job was not requeued")
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, check=True)
+        wait_until(lambda: slurm_nodes_idle(slurm_env), 240, "the node did not finish the first start")
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+5"], env=slurm, check=True)
         output, _ = driver.communicate(timeout=300)
     finally:
         driver.kill()
