@@ -59,10 +59,10 @@ class OptunaSweeper(Sweeper):
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         # Checked here, not in __init__: Hydra would wrap an error raised there in its own, over several lines.
-        for key in ("n_trials", "n_jobs", "n_startup_trials"):
+        for key, least in (("n_trials", 1), ("n_jobs", 1), ("n_startup_trials", 0)):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "n_startup_trials" else 1):
-                raise ConfigError(f"hydra.sweeper.{key}: {value!r} must be an int >= {0 if key == 'n_startup_trials' else 1}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"hydra.sweeper.{key}: {value!r} must be an int >= {least}")
         if self.direction not in ("minimize", "maximize"):
             raise ConfigError(f"hydra.sweeper.direction: {self.direction!r} must be minimize or maximize")
         self.hydra_context, self.config = hydra_context, config
@@ -99,12 +99,13 @@ class OptunaSweeper(Sweeper):
         storage = self.storage or f"sqlite:///{(sweep_dir / STORAGE_FILE).resolve()}"
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own lines say what happens
-        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # constant_liar's
         study = optuna.create_study(study_name=self.study_name, storage=storage, direction=self.direction, load_if_exists=True)
-        # Seeded by the trials so far: a continued study does not replay the first trials' random points.
-        study.sampler = optuna.samplers.TPESampler(
-            seed=self.seed + len(study.trials), n_startup_trials=self.n_startup_trials, constant_liar=True
-        )
+        with warnings.catch_warnings():  # constant_liar is "experimental": no warning on every study
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            # Seeded by the trials so far: a continued study does not replay the first trials' random points.
+            study.sampler = optuna.samplers.TPESampler(
+                seed=self.seed + len(study.trials), n_startup_trials=self.n_startup_trials, constant_liar=True
+            )
         if study.trials:
             self._stop_cut_off_jobs(study)
             for line in recover(study):
@@ -181,15 +182,13 @@ class OptunaSweeper(Sweeper):
         each labelled by its searched values."""
         from optuna.trial import TrialState
 
-        from tinker_exp.sweep.study import CUT_OFF, trial_label
+        from tinker_exp.sweep.study import trial_error, trial_label, trial_run_dir
 
         outcomes = []
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
-            ok = t.state == TrialState.COMPLETE
-            run_dir = Path(t.user_attrs.get("run_dir", sweep_dir / str(t.number)))
-            error = None if ok else t.user_attrs.get("error", CUT_OFF)
-            status = "COMPLETED" if ok else "FAILED"
-            outcomes.append(read_outcome(t.number, [trial_label(t.params)], status, run_dir, error, None, t.value))
+            run_dir = trial_run_dir(t) or sweep_dir / str(t.number)
+            status = "COMPLETED" if t.state == TrialState.COMPLETE else "FAILED"
+            outcomes.append(read_outcome(t.number, [trial_label(t.params)], status, run_dir, trial_error(t), None, t.value))
         summary = write_summary(sweep_dir, outcomes)
         runs = [(f"trial {o.num}: {o.overrides[0]}", Path(o.run_dir)) for o in outcomes]
         report = write_report(runs, sweep_dir / REPORT, f"study {sweep_dir}")

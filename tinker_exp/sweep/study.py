@@ -99,6 +99,11 @@ def trial_run_dir(trial: FrozenTrial) -> Path | None:
     return Path(trial.user_attrs["run_dir"]) if "run_dir" in trial.user_attrs else None
 
 
+def trial_error(trial: FrozenTrial) -> str | None:
+    """Why a failed trial failed (recorded when its job failed; none recorded: it was cut off)."""
+    return None if trial.state == TrialState.COMPLETE else trial.user_attrs.get("error", CUT_OFF)
+
+
 def recover(study: optuna.Study) -> list[str]:
     """Trials a killed study left RUNNING: recorded from their run dirs when the run completed meanwhile,
     failed otherwise (cut off). Returns one line per trial, for the log. None is run again."""
@@ -143,7 +148,7 @@ def results(study: optuna.Study, storage: str) -> dict[str, Any]:
         "best_overrides": [] if best is None else list(best.user_attrs.get("overrides", [])),
         "best_run_dir": None if best is None else best.user_attrs.get("run_dir"),
         "failed": [
-            {"trial": t.number, "overrides": list(t.user_attrs.get("overrides", [])), "error": t.user_attrs.get("error", CUT_OFF)}
+            {"trial": t.number, "overrides": list(t.user_attrs.get("overrides", [])), "error": trial_error(t)}
             for t in failed
         ],
     }
