@@ -1,11 +1,20 @@
-"""Device, precision and attention choices and the GPU count: every branch on CPU (pure functions of what the
-machine has, tinker_exp.runtime.device), and the probe of this machine's torch."""
+"""Device, precision and attention choices, the GPU count, and verl's platform: every branch on CPU.
+
+The decisions are pure functions of what this machine has (tinker_exp.runtime.device), tested here for the
+machines we do not have; the thin parts run for real: the probe of this torch (a CPU build), a CLI run asking for
+cuda, an nvidia-smi on PATH, verl's platform switched in one process, and Ray's GPU count on the shared cluster.
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import warnings
+
 import pytest
 
-from helpers import compose
+from helpers import REPO, compose, read_jsonl, run_cli
 from tinker_exp import config
 from tinker_exp.errors import ConfigError
 from tinker_exp.runtime.device import (
@@ -149,6 +158,36 @@ def test_the_probe_reads_this_torch():
         assert build.capability is None and build.bf16 is None
 
 
+def test_an_nvidia_smi_on_path_with_this_cpu_torch_warns(tmp_path, monkeypatch):
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("needs a CPU build of torch (this one is a CUDA build)")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nexit 0\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve(backend()) == DeviceChoice("cpu", "fp32", SDPA)
+    (message,) = [str(w.message) for w in caught if "backend.device=auto" in str(w.message)]
+    assert f"({smi}) but torch {torch.__version__} is not a CUDA build: training on CPU" in message
+
+
+def test_cuda_asked_for_with_this_cpu_torch_stops_before_ray_starts(tmp_path):
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("needs a CPU build of torch (this one is a CUDA build)")
+    result = run_cli("backend.device=cuda", "trainer.steps=2", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": None})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        f"tinker_exp: config error: backend.device=cuda: torch {torch.__version__} is not a CUDA build "
+        "(torch.version.cuda is None); install a CUDA build of torch, or set backend.device=cpu"
+    ]
+    assert not (tmp_path / "workers.log").exists()  # Ray never connected: no worker output was ever routed
+
+
 # --- GPU count --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "per_node, workers, nodes",
@@ -179,3 +218,47 @@ def test_two_workers_on_a_one_gpu_machine_is_a_clear_error():
 def test_too_few_gpus_is_a_clear_error(per_node, workers, nodes, message):
     with pytest.raises(ConfigError, match=message):
         check_gpus(per_node, workers, nodes)
+
+
+# --- verl's platform in one process, Ray's GPU count --------------------------------------------------------------
+def test_verl_platform_follows_each_run_in_one_process():
+    """A CPU run leaves VERL_PLATFORM=cpu and verl's cached platform behind; a cuda run after it must get GPU
+    bundles, and a CPU run after that CPU ones again (in a fresh interpreter: verl's cache is per process)."""
+    code = """
+import os
+from tinker_exp.runtime.workers import use_platform, platform_env
+from verl.plugin.platform import get_platform
+from verl.utils.device import get_resource_name
+use_platform("cpu")
+print(os.environ["VERL_PLATFORM"], get_platform().device_name, get_resource_name())
+use_platform("cuda")
+print(os.environ["VERL_PLATFORM"], get_platform().device_name, get_resource_name(), platform_env("cuda")["VERL_PLATFORM"])
+use_platform("cpu")
+print(os.environ["VERL_PLATFORM"], get_platform().device_name, get_resource_name())
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["cpu cpu CPU", "nvidia cuda GPU nvidia", "cpu cpu CPU"]
+
+
+def test_workers_asking_for_more_gpus_than_ray_has_fail_before_any_placement_group(ray_address, tmp_path):
+    """The shared Ray cluster has no GPU: 2 cuda workers (the default) are refused at once, in this process, and
+    a CPU run after it in the same process trains (verl's platform put back)."""
+    import ray
+
+    from tinker_exp.runtime.workers import TinkerWorkers
+
+    cfg = config.load(compose("trainer.steps=2", "logger=none"))
+    groups_before = len(ray.util.placement_group_table())
+    with pytest.raises(ConfigError, match=r"^backend.num_workers=2: 2 workers need 2 GPUs on each of 1 node\(s\), but Ray reports GPUs per node: 0$"):
+        TinkerWorkers(cfg.backend, cfg.optimizer, cfg.trainer, "unused", {}, DeviceChoice("cuda", "bf16", SDPA))
+    assert len(ray.util.placement_group_table()) == groups_before  # nothing asked of Ray's scheduler
+    from verl.plugin.platform import get_platform
+
+    assert get_platform().device_name == "cuda"  # what that cuda attempt's bundles would have asked for
+
+    from tinker_exp.main import run
+
+    run(compose("trainer.steps=2", "logger=none", "checkpoint.at_end=false", "data.val_fraction=null"), tmp_path)
+    assert get_platform().device_name == "cpu"
+    assert [row["train/step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]

@@ -81,7 +81,7 @@ def test_a_non_finite_step_stops_the_run_before_it_saves_again(tmp_path):
     assert [row["train/nonfinite_steps"] for row in metrics_rows(tmp_path)] == [0, 0, 0, 0, 0, 1]
     assert start.started[0].saved == [2, 4]
     state = json.loads((tmp_path / "checkpoints" / "step_00000004" / "loop.json").read_text())
-    assert state == {"step": 4, "seed": 0, "nonfinite_steps": 0}
+    assert state == {"step": 4, "seed": 0, "device": "cpu", "nonfinite_steps": 0}
 
 
 def test_non_finite_steps_up_to_the_limit_are_counted_and_tolerated(tmp_path):

@@ -1,7 +1,8 @@
 """verl's TinkerTrainingWorker on a Ray worker group: the real ``Workers`` of the training loop.
 
 GPUs (nccl, bf16) when the device is cuda; CPU gloo workers otherwise, through the platform plugin in
-``tinker_exp.runtime.cpu_platform``. The loop talks to :class:`TinkerWorkers` through the ``Workers`` protocol.
+``tinker_exp.runtime.cpu_platform``. The device, precision and attention are chosen in ``tinker_exp.runtime.device``.
+The loop talks to :class:`TinkerWorkers` through the ``Workers`` protocol.
 """
 
 from __future__ import annotations
@@ -17,41 +18,53 @@ from typing import Any
 from tinker_exp.config import BackendConfig, LoraConfig, OptimizerConfig, TrainerConfig
 from tinker_exp.optim.convert import OVERRIDE_KEYS
 from tinker_exp.runtime import lora as lora_adapters
+from tinker_exp.runtime.device import DeviceChoice, check_gpus
 from tinker_exp.runtime.worker_output import WorkerOutput
 from tinker_exp.train.protocols import StepResult
 from tinker_exp.train.signals import sigterm_handler_kept
 
 CPU_PLATFORM_ENV = {
     "VERL_USE_EXTERNAL_MODULES": "tinker_exp.runtime.cpu_platform",  # verl imports it at `import verl`
-    "VERL_PLATFORM": "cpu",
     # verl's own override of the engine-registry lookup; the FSDP engine code is device-agnostic.
     "VERL_ENGINE_DEVICE": "cuda",
 }
-
-
-def resolve_device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def attention_implementation(device: str) -> str:
-    """flash-attn where it is installed on a GPU machine; torch's SDPA everywhere else."""
-    import importlib.util
-
-    return "flash_attention_2" if device == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+VERL_PLATFORMS = {"cpu": "cpu", "cuda": "nvidia"}
+"""backend device -> verl's platform name (VERL_PLATFORM)."""
+DEVICE_ENV = "TINKER_EXP_DEVICE"
+"""The device each worker must find verl resolved to (checked in the worker)."""
 
 
 def platform_env(device: str) -> dict[str, str]:
-    """Environment for the driver and every worker; set before verl is imported anywhere."""
-    env = dict(CPU_PLATFORM_ENV) if device == "cpu" else {}
+    """Environment for the driver and every worker; set before verl is imported anywhere. The platform is named
+    for cuda too: an earlier CPU run in this process (a test session, an in-process sweep) leaves
+    VERL_PLATFORM=cpu in os.environ, which the workers would inherit."""
+    env = {**(CPU_PLATFORM_ENV if device == "cpu" else {}), "VERL_PLATFORM": VERL_PLATFORMS[device], DEVICE_ENV: device}
     # Offline W&B must never look anything up, in workers too.
     for key in ("WANDB_MODE", "WANDB_ERROR_REPORTING", "TMPDIR"):
         if key in os.environ:
             env[key] = os.environ[key]
     return env
+
+
+def use_platform(device: str) -> None:
+    """Make the driver's verl resolve `device`'s platform (the placement groups' bundles follow it). verl caches
+    its platform for the life of the process: one resolved for an earlier run is replaced."""
+    os.environ.update(platform_env(device))
+    if device == "cpu":
+        import tinker_exp.runtime.cpu_platform  # noqa: F401  (registers it even if verl was imported earlier)
+    from verl.plugin.platform import PlatformRegistry, get_platform, set_platform
+
+    if get_platform().device_name != device:
+        set_platform(PlatformRegistry.get(VERL_PLATFORMS[device])())
+    check_platform(device)
+
+
+def check_platform(device: str) -> None:
+    from verl.plugin.platform import get_platform
+
+    resolved = get_platform()
+    if resolved.device_name != device:
+        raise RuntimeError(f"verl resolved the platform {type(resolved).__name__} ({resolved.device_name}), not {device}")
 
 
 def wait_for_nodes(nodes: int, timeout_s: float) -> None:
@@ -78,6 +91,7 @@ def _worker_class():
         """verl's worker, plus gloo start-up on CPU, a read-back of the param groups and the LoRA export."""
 
         def __init__(self, config):
+            check_platform(os.environ[DEVICE_ENV])  # the platform asked for, not one inherited from elsewhere
             if get_device_name() == "cpu" and not dist.is_initialized():
                 # verl would ask for "cpu:gloo,cpu:gloo" (duplicate device type); it skips its own
                 # init when a process group exists.
@@ -93,6 +107,17 @@ def _worker_class():
             # this, LoRA's A matrices (drawn here; FSDP2 keeps rank 0's) differ from run to run.
             torch.manual_seed(self.engine_config.seed)
             return TinkerTrainingWorker.reset(self)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def device_info(self) -> dict[str, Any]:
+            """Where this rank runs: verl's platform, the torch device of its parameters, the visible GPUs."""
+            parameter = next(self.engine.module.parameters())
+            info = {"platform": get_device_name(), "parameters": str(parameter.device), "dtype": str(parameter.dtype)}
+            if torch.cuda.is_available():
+                info["cuda_device"] = torch.cuda.current_device()
+                info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+            info["attention"] = getattr(self.engine.module.config, "_attn_implementation", None)
+            return info
 
         def _param_group_values(self) -> list[dict[str, Any]]:
             groups = _iter_optimizer_param_groups(self.engine.optimizer)
@@ -123,7 +148,10 @@ def _loss(output: Any) -> float:
 
 
 class TinkerWorkers:
-    """A Ray worker group of TinkerTrainingWorkers with one FSDP2 engine over all ranks."""
+    """A Ray worker group of TinkerTrainingWorkers with one FSDP2 engine over all ranks.
+
+    Built in two parts, so that the driver's own start-up work overlaps the workers': the constructor returns once
+    every worker is asked to build its model; `ready()` waits for them."""
 
     def __init__(
         self,
@@ -132,19 +160,27 @@ class TinkerWorkers:
         trainer: TrainerConfig,
         model_path: str,
         optimizer_values: dict[str, Any],
-        device: str,
+        device: str | DeviceChoice,
         output: WorkerOutput | None = None,
         lora: LoraConfig | None = None,
     ):
-        """`output`: where what the workers print goes (None: the terminal, as Ray prints it); `lora`: None or
+        """`device`: the resolved choice, or a device name (its precision and attention resolved here);
+        `output`: where what the workers print goes (None: the terminal, as Ray prints it); `lora`: None or
         rank 0 for full fine-tuning."""
-        self.device = device
+        if isinstance(device, str):
+            from dataclasses import replace
+
+            from tinker_exp.config.schema import Device
+            from tinker_exp.runtime.device import resolve
+
+            device = resolve(replace(backend, device=Device(device)))
+        self.choice = device
+        self.device = device.device
         self.lora = lora if lora is not None and lora.rank > 0 else None
         self.output = output
-        env = platform_env(device)
-        os.environ.update(env)  # the driver resolves verl's platform too (placement groups)
-        if device == "cpu":
-            import tinker_exp.runtime.cpu_platform  # noqa: F401  (registers it even if verl was imported earlier)
+        self.pending: list = []  # reset and set_loss_fn, under way until ready()
+        env = platform_env(self.device)
+        use_platform(self.device)  # the driver's verl too: it sizes the placement groups' bundles
         import ray
 
         # A cluster we start is ours to stop; one we join (address, or already initialized) is shared.
@@ -163,6 +199,9 @@ class TinkerWorkers:
         if output is not None:
             output.start()
         try:
+            wait_for_nodes(backend.nodes, backend.nodes_timeout_s)
+            if self.device == "cuda":  # before any placement group: one the cluster cannot hold would wait forever
+                check_gpus([node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]], backend.num_workers, backend.nodes)
             self._start(ray, backend, self._worker_config(backend, optimizer, trainer, model_path, optimizer_values), env)
         except BaseException:
             self.shutdown()
@@ -172,9 +211,8 @@ class TinkerWorkers:
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl.workers.utils.losses import sft_loss
 
-        wait_for_nodes(backend.nodes, backend.nodes_timeout_s)
-        worker_cls = self.worker_class()
         on_gpu = self.device == "cuda"
+        worker_cls = self.worker_class()
         self.pool = pool = RayResourcePool(
             process_on_nodes=[backend.num_workers] * backend.nodes,  # one placement group per node
             use_gpu=on_gpu,
@@ -186,8 +224,19 @@ class TinkerWorkers:
         )
         # worker_env reaches the workers even when we join a cluster someone else started.
         self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=self.device, worker_env=env)
-        self.group.reset()  # builds model, FSDP2, optimizer on every rank
-        self.group.set_loss_fn(partial(sft_loss, config=None))
+        # Each rank builds model, FSDP2 and optimizer; asked now, awaited in ready() (an actor runs its calls in order).
+        self.pending = [
+            *self.group.execute_all_async("reset"),
+            *self.group.execute_all_async("set_loss_fn", partial(sft_loss, config=None)),
+        ]
+
+    def ready(self) -> None:
+        """Wait until every worker has built its model (a worker's start-up error is raised here)."""
+        import ray
+
+        pending, self.pending = self.pending, []
+        if pending:
+            ray.get(pending)
 
     def worker_class(self) -> type:
         """The Ray actor class of each rank (a test plants an applied/requested mismatch in a subclass)."""
@@ -204,15 +253,12 @@ class TinkerWorkers:
         from verl.trainer.config import CheckpointConfig
         from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
 
-        precision = backend.precision.value
-        if precision == "auto":
-            precision = "bf16" if self.device == "cuda" else "fp32"
-        param_dtype = "bf16" if precision == "bf16" else "fp32"
+        param_dtype = self.choice.precision  # fp32 or bf16: verl's names too
         return TrainingWorkerConfig(
             model_type="language_model",
             model_config=HFModelConfig(
                 path=model_path,
-                override_config={"attn_implementation": attention_implementation(self.device)},
+                override_config={"attn_implementation": self.choice.attention},
                 enable_gradient_checkpointing=False,
                 **lora_adapters.model_config_fields(self.lora),
             ),

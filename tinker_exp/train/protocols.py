@@ -24,6 +24,10 @@ class StepResult:
 class Workers(Protocol):
     """A group of training workers with one model and optimizer over all ranks."""
 
+    def ready(self) -> None:
+        """Wait until the group, started by its constructor, can train (the driver works meanwhile)."""
+        ...
+
     def train_step(self, examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult: ...
 
     def evaluate(self, examples: Sequence[Any]) -> float:
