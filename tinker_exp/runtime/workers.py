@@ -3,6 +3,11 @@
 GPUs (nccl, bf16) when the device is cuda; CPU gloo workers otherwise, through the platform plugin in
 ``tinker_exp.runtime.cpu_platform``. The device, precision and attention are chosen in ``tinker_exp.runtime.device``.
 The loop talks to :class:`TinkerWorkers` through the ``Workers`` protocol.
+
+Two round trips a step: forward_backward, then optimizer_step (which brings the param groups back too). No
+optimizer_zero_grad: verl's optimizer_step zeroes the grads on exit (its train_mode(zero_grad_on_exit=True), on
+an error as well), reset() and load_checkpoint() leave none, and infer_batch runs under no_grad; so every
+forward_backward starts from no grads, which tests/test_resume.py checks on the live workers.
 """
 
 from __future__ import annotations
@@ -83,12 +88,14 @@ def wait_for_nodes(nodes: int, timeout_s: float) -> None:
 def _worker_class():
     import torch
     import torch.distributed as dist
-    from verl.single_controller.base.decorator import Dispatch, register
+    from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+    from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_name
     from verl.workers.engine_workers_tinker import TinkerTrainingWorker, _iter_optimizer_param_groups
 
     class TinkerExpWorker(TinkerTrainingWorker):
-        """verl's worker, plus gloo start-up on CPU, a read-back of the param groups and the LoRA export."""
+        """verl's worker, plus gloo start-up on CPU, a read-back of the param groups, no log-probs sent back and
+        the LoRA export."""
 
         def __init__(self, config):
             check_platform(os.environ[DEVICE_ENV])  # the platform asked for, not one inherited from elsewhere
@@ -107,6 +114,15 @@ def _worker_class():
             # this, LoRA's A matrices (drawn here; FSDP2 keeps rank 0's) differ from run to run.
             torch.manual_seed(self.engine_config.seed)
             return TinkerTrainingWorker.reset(self)
+
+        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
+        def forward_backward(self, data):
+            # verl keeps and returns every token's log-prob (its Tinker API hands them to the client); the loop
+            # uses only the metrics, so only they travel back to the driver.
+            output = TinkerTrainingWorker.forward_backward(self, data)
+            if output is None:
+                return None
+            return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": output.get_non_tensor("metrics")})
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def device_info(self) -> dict[str, Any]:
@@ -311,8 +327,8 @@ class TinkerWorkers:
         return parameters
 
     def train_step(self, examples: list, optim_step_params: dict[str, Any] | None) -> StepResult:
-        """zero_grad -> forward_backward (verl splits it into micro batches) -> optimizer_step(override)."""
-        self.group.optimizer_zero_grad()
+        """forward_backward (verl splits it into micro batches) -> optimizer_step(override), which zeroes the
+        grads on its way out: the next step starts from none (see the module's docstring)."""
         output = self.group.forward_backward(self._batch(examples)).get()
         per_rank = self.group.optimizer_step(optim_step_params=optim_step_params or None)
         loss = _loss(output)

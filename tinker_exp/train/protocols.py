@@ -13,7 +13,7 @@ from typing import Any, Protocol, Sequence
 
 @dataclass
 class StepResult:
-    """What one Tinker step (zero_grad -> forward_backward -> optimizer_step) reports back."""
+    """What one Tinker step (forward_backward -> optimizer_step) reports back."""
 
     loss: float
     grad_norm: float
