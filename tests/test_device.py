@@ -23,6 +23,7 @@ from tinker_exp.runtime.device import (
     DeviceChoice,
     TorchBuild,
     check_gpus,
+    check_placement,
     choose_attention,
     choose_device,
     choose_precision,
@@ -218,6 +219,33 @@ def test_two_workers_on_a_one_gpu_machine_is_a_clear_error():
 def test_too_few_gpus_is_a_clear_error(per_node, workers, nodes, message):
     with pytest.raises(ConfigError, match=message):
         check_gpus(per_node, workers, nodes)
+
+
+# --- where each rank's model ended up ---------------------------------------------------------------------------
+def gpu_rank(rank: int, parameters: str | None = None, platform: str = "cuda") -> dict:
+    """A rank's report as TinkerExpWorker.device_info gives it on a GPU machine (Ray sets CUDA_VISIBLE_DEVICES)."""
+    return {"platform": platform, "parameters": parameters or "cuda:0", "cuda_device": 0, "visible": str(rank), "attention": FLASH}
+
+
+def test_each_rank_on_its_own_gpu_is_summarised():
+    summary = check_placement("cuda", [gpu_rank(0), gpu_rank(1)])
+    assert summary == "2 rank(s) on cuda:0 (CUDA_VISIBLE_DEVICES=0), cuda:0 (CUDA_VISIBLE_DEVICES=1); attention flash_attention_2"
+    assert check_placement("cpu", [{"platform": "cpu", "parameters": "cpu", "attention": SDPA}] * 2) == "2 rank(s) on cpu; attention sdpa"
+
+
+@pytest.mark.parametrize(
+    "device, rank1, message",
+    [
+        ("cuda", gpu_rank(1, parameters="cpu"), "rank 1: parameters on cpu, but its current CUDA device is 0"),
+        ("cuda", gpu_rank(1, parameters="cuda:1"), "rank 1: parameters on cuda:1, but its current CUDA device is 0"),
+        ("cuda", gpu_rank(1, platform="cpu"), "rank 1: verl's platform is cpu, not cuda"),
+        ("cpu", {"platform": "cpu", "parameters": "cuda:0"}, "rank 1: parameters on cuda:0, not cpu"),
+    ],
+)
+def test_a_rank_off_its_device_stops_the_run_naming_it(device, rank1, message):
+    rank0 = gpu_rank(0) if device == "cuda" else {"platform": "cpu", "parameters": "cpu"}
+    with pytest.raises(RuntimeError, match=f"^{message}$"):
+        check_placement(device, [rank0, rank1])
 
 
 # --- verl's platform in one process, Ray's GPU count --------------------------------------------------------------

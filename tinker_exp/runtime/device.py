@@ -116,6 +116,26 @@ def check_gpus(per_node: Sequence[float], num_workers: int, nodes: int) -> None:
     )
 
 
+def check_placement(device: str, ranks: Sequence[dict]) -> str:
+    """Each rank's report (TinkerExpWorker.device_info) against the device asked for: verl's platform, and on cuda
+    parameters on the rank's own current GPU. Returns a one-line summary; raises RuntimeError naming the rank."""
+    for rank, info in enumerate(ranks):
+        where = info.get("parameters", "?")
+        if info.get("platform") != device:
+            raise RuntimeError(f"rank {rank}: verl's platform is {info.get('platform')}, not {device}")
+        if device == "cuda" and where != f"cuda:{info.get('cuda_device')}":
+            raise RuntimeError(f"rank {rank}: parameters on {where}, but its current CUDA device is {info.get('cuda_device')}")
+        if device == "cpu" and where != "cpu":
+            raise RuntimeError(f"rank {rank}: parameters on {where}, not cpu")
+    attention = sorted({str(info.get("attention")) for info in ranks})
+    if device == "cuda":
+        gpus = ", ".join(f"{info['parameters']} (CUDA_VISIBLE_DEVICES={info.get('visible')})" for info in ranks[:8])
+        where = f"{gpus}{', ...' if len(ranks) > 8 else ''}"
+    else:
+        where = "cpu"
+    return f"{len(ranks)} rank(s) on {where}; attention {', '.join(attention)}"
+
+
 def resolve(backend: BackendConfig, build: TorchBuild | None = None) -> DeviceChoice:
     """The whole choice for a run (warnings as Python warnings); `build`: None probes this machine."""
     build = probe() if build is None else build

@@ -12,6 +12,7 @@ forward_backward starts from no grads, which tests/test_resume.py checks on the 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -23,10 +24,12 @@ from typing import Any
 from tinker_exp.config import BackendConfig, LoraConfig, OptimizerConfig, TrainerConfig
 from tinker_exp.optim.convert import OVERRIDE_KEYS
 from tinker_exp.runtime import lora as lora_adapters
-from tinker_exp.runtime.device import DeviceChoice, check_gpus
+from tinker_exp.runtime.device import DeviceChoice, check_gpus, check_placement
 from tinker_exp.runtime.worker_output import WorkerOutput
 from tinker_exp.train.protocols import StepResult
 from tinker_exp.train.signals import sigterm_handler_kept
+
+log = logging.getLogger(__name__)
 
 CPU_PLATFORM_ENV = {
     "VERL_USE_EXTERNAL_MODULES": "tinker_exp.runtime.cpu_platform",  # verl imports it at `import verl`
@@ -128,11 +131,11 @@ def _worker_class():
         def device_info(self) -> dict[str, Any]:
             """Where this rank runs: verl's platform, the torch device of its parameters, the visible GPUs."""
             parameter = next(self.engine.module.parameters())
-            info = {"platform": get_device_name(), "parameters": str(parameter.device), "dtype": str(parameter.dtype)}
+            info = {"platform": get_device_name(), "parameters": str(parameter.device)}
             if torch.cuda.is_available():
                 info["cuda_device"] = torch.cuda.current_device()
                 info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
-            info["attention"] = getattr(self.engine.module.config, "_attn_implementation", None)
+            info["attention"] = getattr(getattr(self.engine.module, "config", None), "_attn_implementation", None)
             return info
 
         def _param_group_values(self) -> list[dict[str, Any]]:
@@ -247,12 +250,15 @@ class TinkerWorkers:
         ]
 
     def ready(self) -> None:
-        """Wait until every worker has built its model (a worker's start-up error is raised here)."""
+        """Wait until every worker has built its model (a worker's start-up error is raised here), then check that
+        each rank's model sits where it was asked to (its own GPU on cuda)."""
         import ray
 
         pending, self.pending = self.pending, []
         if pending:
             ray.get(pending)
+            self.placement = check_placement(self.device, self.group.device_info())
+            log.info(f"workers: {self.placement}")
 
     def worker_class(self) -> type:
         """The Ray actor class of each rank (a test plants an applied/requested mismatch in a subclass)."""
