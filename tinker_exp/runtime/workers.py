@@ -166,6 +166,54 @@ def _loss(output: Any) -> float:
     return float(sum(loss) / len(loss)) if isinstance(loss, list) else float(loss)
 
 
+def worker_config(
+    backend: BackendConfig,
+    optimizer: OptimizerConfig,
+    trainer: TrainerConfig,
+    model_path: str,
+    optimizer_values: dict[str, Any],
+    choice: DeviceChoice,
+    lora: LoraConfig | None = None,
+):
+    """verl's TrainingWorkerConfig for every rank (`lora`: None for full fine-tuning)."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
+
+    lora = lora if lora is not None and lora.rank > 0 else None
+    return TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=HFModelConfig(
+            path=model_path,
+            override_config={"attn_implementation": choice.attention},
+            enable_gradient_checkpointing=False,
+            **lora_adapters.model_config_fields(lora),
+        ),
+        engine_config=FSDPEngineConfig(
+            strategy=backend.strategy,
+            use_dynamic_bsz=False,
+            micro_batch_size_per_gpu=backend.micro_batch_size,
+            infer_micro_batch_size_per_gpu=backend.micro_batch_size,  # validation (infer_batch)
+            mixed_precision={"param_dtype": choice.precision, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+            use_torch_compile=choice.device == "cuda",
+            seed=trainer.seed,
+        ),
+        # Built from the converted values: the param groups hold exactly float and tuple, so verl's
+        # strict check at the worker agrees with ours.
+        optimizer_config=FSDPOptimizerConfig(
+            optimizer=optimizer.name.value,
+            lr=optimizer_values["lr"],
+            betas=optimizer_values["betas"],
+            weight_decay=optimizer_values["weight_decay"],
+            override_optimizer_config={"eps": optimizer_values["eps"]},
+            clip_grad=float(optimizer.clip_grad),
+            lr_scheduler_type="constant",  # the client owns the schedule (optimizer_step never steps it)
+            total_training_steps=int(trainer.steps),
+        ),
+        # LoRA: adapters and their optimizer state only; reset() rebuilds the frozen base from the model dir.
+        checkpoint_config=CheckpointConfig(save_lora_only=lora is not None),
+    )
+
+
 class TinkerWorkers:
     """A Ray worker group of TinkerTrainingWorkers with one FSDP2 engine over all ranks.
 
@@ -272,42 +320,7 @@ class TinkerWorkers:
         model_path: str,
         optimizer_values: dict[str, Any],
     ):
-        from verl.trainer.config import CheckpointConfig
-        from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
-
-        param_dtype = self.choice.precision  # fp32 or bf16: verl's names too
-        return TrainingWorkerConfig(
-            model_type="language_model",
-            model_config=HFModelConfig(
-                path=model_path,
-                override_config={"attn_implementation": self.choice.attention},
-                enable_gradient_checkpointing=False,
-                **lora_adapters.model_config_fields(self.lora),
-            ),
-            engine_config=FSDPEngineConfig(
-                strategy=backend.strategy,
-                use_dynamic_bsz=False,
-                micro_batch_size_per_gpu=backend.micro_batch_size,
-                infer_micro_batch_size_per_gpu=backend.micro_batch_size,  # validation (infer_batch)
-                mixed_precision={"param_dtype": param_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-                use_torch_compile=self.device == "cuda",
-                seed=trainer.seed,
-            ),
-            # Built from the converted values: the param groups hold exactly float and tuple, so verl's
-            # strict check at the worker agrees with ours.
-            optimizer_config=FSDPOptimizerConfig(
-                optimizer=optimizer.name.value,
-                lr=optimizer_values["lr"],
-                betas=optimizer_values["betas"],
-                weight_decay=optimizer_values["weight_decay"],
-                override_optimizer_config={"eps": optimizer_values["eps"]},
-                clip_grad=float(optimizer.clip_grad),
-                lr_scheduler_type="constant",  # the client owns the schedule (optimizer_step never steps it)
-                total_training_steps=int(trainer.steps),
-            ),
-            # LoRA: adapters and their optimizer state only; reset() rebuilds the frozen base from the model dir.
-            checkpoint_config=CheckpointConfig(save_lora_only=self.lora is not None),
-        )
+        return worker_config(backend, optimizer, trainer, model_path, optimizer_values, self.choice, self.lora)
 
     def param_group_values(self) -> list[list[dict[str, Any]]]:
         return self.group.param_group_values()
