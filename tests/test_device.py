@@ -159,27 +159,33 @@ def test_the_probe_reads_this_torch():
         assert build.capability is None and build.bf16 is None
 
 
-def test_an_nvidia_smi_on_path_with_this_cpu_torch_warns(tmp_path, monkeypatch):
+def test_an_nvidia_smi_on_path_is_seen_and_with_a_cpu_torch_warns(tmp_path, monkeypatch):
     import torch
 
-    if torch.version.cuda is not None:
-        pytest.skip("needs a CPU build of torch (this one is a CUDA build)")
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\nexit 0\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    build = probe()
+    assert build.nvidia_smi == str(smi)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert resolve(backend()) == DeviceChoice("cpu", "fp32", SDPA)
-    (message,) = [str(w.message) for w in caught if "backend.device=auto" in str(w.message)]
-    assert f"({smi}) but torch {torch.__version__} is not a CUDA build: training on CPU" in message
+        choice = resolve(backend(), build)
+    said = [str(w.message) for w in caught if "backend.device=auto" in str(w.message)]
+    if torch.version.cuda is None:  # ours: a CPU build
+        assert choice == DeviceChoice("cpu", "fp32", SDPA)
+        assert len(said) == 1 and f"({smi}) but torch {torch.__version__} is not a CUDA build: training on CPU" in said[0]
+    else:  # a CUDA build: cuda when it sees a GPU, else the warning
+        assert (choice.device, bool(said)) == (("cuda", False) if build.gpus else ("cpu", True))
 
 
-def test_cuda_asked_for_with_this_cpu_torch_stops_before_ray_starts(tmp_path):
+def test_cuda_asked_for_with_this_torch(tmp_path):
+    """A CPU build (ours): the CLI stops before Ray starts, naming the build. A CUDA build: cuda is chosen."""
     import torch
 
     if torch.version.cuda is not None:
-        pytest.skip("needs a CPU build of torch (this one is a CUDA build)")
+        assert resolve(backend(device="cuda")).device == "cuda"
+        return
     result = run_cli("backend.device=cuda", "trainer.steps=2", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": None})
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines() == [
