@@ -268,3 +268,35 @@ def test_wandb_service_killed_mid_run_one_warning_and_every_step_logged(tmp_path
     assert driver.returncode == 0, stderr[-3000:]
     assert stderr.count("W&B stopped working") == 1, stderr[-3000:]
     assert [row["train/step"] for row in metrics_rows(tmp_path / "run")] == list(range(steps))
+
+
+class StartOrder(FakeWorkers):
+    """Records what the driver had done when the group was constructed (its workers starting) and when ready()."""
+
+    def __init__(self, run_dir, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.run_dir = run_dir
+        self.at_start = self.driver_state()
+
+    def driver_state(self) -> dict:
+        return {name: (self.run_dir / name).exists() for name in ("plan.jsonl", "plan.png", "wandb_run_id")}
+
+    def ready(self) -> None:
+        self.at_ready = self.driver_state()
+        super().ready()
+
+
+def test_the_plot_and_wandb_start_while_the_workers_start(tmp_path):
+    """After everything that can stop the run (plan.jsonl, data, device), the workers are started first; the plot and
+    W&B are done before the driver waits for them (ready)."""
+    started = []
+
+    def start(cfg, plan, model_path, run_dir):
+        started.append(StartOrder(run_dir, plan.optimizer_values))
+        return started[0]
+
+    run(compose("trainer.steps=2", "+override=lr_cosine"), tmp_path, start_workers=start)  # a plan to plot
+    (workers,) = started
+    assert workers.at_start == {"plan.jsonl": True, "plan.png": False, "wandb_run_id": False}
+    assert workers.at_ready == {"plan.jsonl": True, "plan.png": True, "wandb_run_id": True}
+    assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1]
