@@ -282,10 +282,14 @@ def test_workers_asking_for_more_gpus_than_ray_has_fail_before_any_placement_gro
 
     from tinker_exp.runtime.workers import TinkerWorkers
 
+    from tinker_exp.main import validate
+    from tinker_exp.runtime.inputs import model_dir
+
     cfg = config.load(compose("trainer.steps=2", "logger=none"))
+    values = validate(cfg).optimizer_values
     groups_before = len(ray.util.placement_group_table())
     with pytest.raises(ConfigError, match=r"^backend.num_workers=2: 2 workers need 2 GPUs on each of 1 node\(s\), but Ray reports GPUs per node: 0$"):
-        TinkerWorkers(cfg.backend, cfg.optimizer, cfg.trainer, "unused", {}, DeviceChoice("cuda", "bf16", SDPA))
+        TinkerWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_dir(cfg.model)), values, DeviceChoice("cuda", "bf16", SDPA))
     assert len(ray.util.placement_group_table()) == groups_before  # nothing asked of Ray's scheduler
     from verl.plugin.platform import get_platform
 

@@ -248,6 +248,10 @@ class TinkerWorkers:
         self.pending: list = []  # reset and set_loss_fn, under way until ready()
         env = platform_env(self.device)
         use_platform(self.device)  # the driver's verl too: it sizes the placement groups' bundles
+        # verl's worker modules and the model config, before ray.init: once Ray's daemons and prestarted workers
+        # are up they compete with this import for the CPU (about 1.5 s later on 2 cores).
+        worker_cls = self.worker_class()
+        worker_config = self._worker_config(backend, optimizer, trainer, model_path, optimizer_values)
         import ray
 
         # A cluster we start is ours to stop; one we join (address, or already initialized) is shared.
@@ -269,17 +273,16 @@ class TinkerWorkers:
             wait_for_nodes(backend.nodes, backend.nodes_timeout_s)
             if self.device == "cuda":  # before any placement group: one the cluster cannot hold would wait forever
                 check_gpus([node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]], backend.num_workers, backend.nodes)
-            self._start(ray, backend, self._worker_config(backend, optimizer, trainer, model_path, optimizer_values), env)
+            self._start(ray, backend, worker_cls, worker_config, env)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start(self, ray, backend: BackendConfig, worker_config: Any, env: dict[str, str]) -> None:
+    def _start(self, ray, backend: BackendConfig, worker_cls: type, worker_config: Any, env: dict[str, str]) -> None:
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl.workers.utils.losses import sft_loss
 
         on_gpu = self.device == "cuda"
-        worker_cls = self.worker_class()
         self.pool = pool = RayResourcePool(
             process_on_nodes=[backend.num_workers] * backend.nodes,  # one placement group per node
             use_gpu=on_gpu,
