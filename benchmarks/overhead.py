@@ -12,7 +12,11 @@ alternating. Per run: the median step time (wall time between consecutive finish
 the time from process start to the end of the first step. Printed: every pair, the medians, their spread
 (min..max), and the per-pair ratios' median and spread.
 
-    .venv/bin/python benchmarks/overhead.py [--pairs 5] [--steps 40] [--set KEY=VALUE ...]
+Then (not with --gpu) the step time without the drift between runs on a shared machine: one process, one Ray,
+both worker groups, the two loops' step k back to back (the bare loop's, then tinker_exp's through its real
+`run()`, logging included); printed: both medians, the per-step ratio's median and quartiles.
+
+    .venv/bin/python benchmarks/overhead.py [--pairs 5] [--steps 40] [--set KEY=VALUE ...] [--no-interleaved]
 
 `--gpu`, the GPU variant (and a first smoke check of a GPU machine): device cuda, bf16, one worker, a Qwen2 of
 Qwen2.5-0.5B's shape (494M parameters) built offline from its config (random weights, cached), 16 sequences of
@@ -48,64 +52,52 @@ TINY_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   num_key_value_heads=2, vocab_size=1024, max_position_embeddings=256)  # fmt: skip
 
 
-# --- the bare loop (its own process) ----------------------------------------------------------------------------
-def bare_loop(spec_path: Path, out: Path) -> None:
-    """verl's TinkerTrainingWorker driven directly; `spec`: what to build and the batches of every step."""
-    spec = json.loads(spec_path.read_text())
-    os.environ.update(spec["env"])  # before verl is imported: its platform (on CPU, the plugin) is chosen at import
-    from functools import partial
+# --- the bare loop ----------------------------------------------------------------------------------------------
+class BareGroup:
+    """verl's TinkerTrainingWorker on a Ray worker group (Ray connected), driven directly."""
 
-    import ray
-    import torch
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.engine_workers_tinker import TinkerTrainingWorker
-    from verl.workers.utils.losses import sft_loss
+    def __init__(self, spec: dict):
+        from functools import partial
 
-    device = spec["device"]
-    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env={"env_vars": spec["env"]},
-             include_dashboard=False, configure_logging=False)  # fmt: skip
-    if device == "cpu":
-        import torch.distributed as dist
+        import ray
+        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from verl.workers.engine_workers_tinker import TinkerTrainingWorker
+        from verl.workers.utils.losses import sft_loss
 
-        class GlooTinkerTrainingWorker(TinkerTrainingWorker):
-            """The one thing verl lacks on CPU: a gloo process group made before its own init (which asks for
-            "cpu:gloo,cpu:gloo"), one thread per worker."""
+        device = spec["device"]
+        worker_cls = gloo_worker_class() if device == "cpu" else TinkerTrainingWorker
+        pool = RayResourcePool(process_on_nodes=[spec["num_workers"]], use_gpu=device == "cuda", max_colocate_count=1)
+        init = RayClassWithInitArgs(cls=ray.remote(worker_cls), config=bare_worker_config(spec))
+        self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=device, worker_env=spec["env"])
+        self.group.reset()
+        self.group.set_loss_fn(partial(sft_loss, config=None))
+        self.params = {**spec["step_params"], "betas": tuple(spec["step_params"]["betas"])}
 
-            def __init__(self, config):
-                if not dist.is_initialized():
-                    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-                    torch.set_num_threads(1)
-                super().__init__(config)
+    def step(self, ids: list[list[int]], masks: list[list[int]]) -> float:
+        """One step (the batch built as tinker_exp builds it); returns verl's loss."""
+        import torch
+        from verl.utils import tensordict_utils as tu
 
-        worker_cls = GlooTinkerTrainingWorker
-    else:
-        worker_cls = TinkerTrainingWorker
-    pool = RayResourcePool(process_on_nodes=[spec["num_workers"]], use_gpu=device == "cuda", max_colocate_count=1)
-    init = RayClassWithInitArgs(cls=ray.remote(worker_cls), config=bare_worker_config(spec))
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=device, worker_env=spec["env"])
-    group.reset()
-    group.set_loss_fn(partial(sft_loss, config=None))
+        def nested(rows):
+            return torch.nested.as_nested_tensor([torch.tensor(r, dtype=torch.long) for r in rows], layout=torch.jagged)
 
-    def nested(rows):
-        return torch.nested.as_nested_tensor([torch.tensor(r, dtype=torch.long) for r in rows], layout=torch.jagged)
+        batch = tu.get_tensordict(
+            tensor_dict={"input_ids": nested(ids), "position_ids": nested([list(range(len(r))) for r in ids]),
+                         "loss_mask": nested(masks)},
+            non_tensor_dict={"temperature": 1.0, "global_token_num": [len(r) for r in ids]},
+        )  # fmt: skip
+        output = self.group.forward_backward(batch).get()
+        self.group.optimizer_step(optim_step_params=self.params)
+        loss = output.get_non_tensor("metrics")["loss"]
+        return float(sum(loss) / len(loss) if isinstance(loss, list) else loss)
 
-    params = {**spec["step_params"], "betas": tuple(spec["step_params"]["betas"])}
-    with open(out, "w") as f:
-        for step, (ids, masks) in enumerate(spec["batches"]):
-            batch = tu.get_tensordict(
-                tensor_dict={"input_ids": nested(ids), "position_ids": nested([list(range(len(r))) for r in ids]),
-                             "loss_mask": nested(masks)},
-                non_tensor_dict={"temperature": 1.0, "global_token_num": [len(r) for r in ids]},
-            )  # fmt: skip
-            output = group.forward_backward(batch).get()
-            group.optimizer_step(optim_step_params=params)
-            loss = output.get_non_tensor("metrics")["loss"]
-            loss = sum(loss) / len(loss) if isinstance(loss, list) else loss
-            f.write(json.dumps({"step": step, "time": time.time(), "loss": float(loss)}) + "\n")
-            f.flush()
+    def placement(self) -> list[dict]:
+        """Where each worker's model is (asked of the actors themselves: verl's worker has no method for it)."""
+        import ray
 
-        def where(worker) -> dict:  # after the loop, untimed: the smoke check's view of each worker
+        def where(worker) -> dict:
+            import torch
+
             parameter = next(worker.engine.module.parameters())
             info = {"parameters": str(parameter.device),
                     "attention": getattr(worker.engine.module.config, "_attn_implementation", None)}  # fmt: skip
@@ -113,9 +105,85 @@ def bare_loop(spec_path: Path, out: Path) -> None:
                 info["cuda_device"] = torch.cuda.current_device()
             return info
 
-        placement = ray.get([w.__ray_call__.remote(where) for w in group.workers])
-        f.write(json.dumps({"workers": placement}) + "\n")
+        return ray.get([w.__ray_call__.remote(where) for w in self.group.workers])
+
+
+def gloo_worker_class():
+    import torch
+    import torch.distributed as dist
+    from verl.workers.engine_workers_tinker import TinkerTrainingWorker
+
+    class GlooTinkerTrainingWorker(TinkerTrainingWorker):
+        """The one thing verl lacks on CPU: a gloo process group made before its own init (which asks for
+        "cpu:gloo,cpu:gloo"), one thread per worker."""
+
+        def __init__(self, config):
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+                torch.set_num_threads(1)
+            super().__init__(config)
+
+    return GlooTinkerTrainingWorker
+
+
+def bare_loop(spec_path: Path, out: Path) -> None:
+    """The bare loop's process: start Ray and the group, then a line per step; `spec`: what to build, the batches."""
+    spec = json.loads(spec_path.read_text())
+    os.environ.update(spec["env"])  # before verl is imported: its platform (on CPU, the plugin) is chosen at import
+    import ray
+    import verl.workers.engine_workers_tinker  # noqa: F401  (the imports a bare script starts with)
+
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env={"env_vars": spec["env"]},
+             include_dashboard=False, configure_logging=False)  # fmt: skip
+    group = BareGroup(spec)
+    with open(out, "w") as f:
+        for step, (ids, masks) in enumerate(spec["batches"]):
+            loss = group.step(ids, masks)
+            f.write(json.dumps({"step": step, "time": time.time(), "loss": loss}) + "\n")
+            f.flush()
+        f.write(json.dumps({"workers": group.placement()}) + "\n")  # after the loop, untimed: for the smoke check
     ray.shutdown()
+
+
+def interleaved(overrides: list[str], spec: dict, tmp: Path) -> tuple[list[float], list[float]]:
+    """Step time without the drift of a shared machine: one process, one Ray, both worker groups; each step k is
+    the bare loop's step k, then tinker_exp's step k through its real loop (`run()`: checks, sinks, evaluation,
+    checkpoints), from the end of the bare step to the start of the next (so its logging is in). Returns the
+    per-step times (bare, tinker_exp); the last step has no next start and is left out."""
+    os.environ.update(spec["env"])
+    import ray
+    from hydra import compose, initialize_config_dir
+
+    from tinker_exp import config
+    from tinker_exp.main import run, verl_workers
+
+    ray.init(address="local", num_cpus=2 * spec["num_workers"], runtime_env={"env_vars": spec["env"]},
+             include_dashboard=False, configure_logging=False)  # fmt: skip
+    bare = BareGroup(spec)
+    starts: list[float] = []
+    ends: list[float] = []
+
+    class Alternating:
+        """tinker_exp's workers, each of whose steps comes right after the bare loop's same step."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def train_step(self, examples, optim_step_params):
+            starts.append(time.time())
+            bare.step(*spec["batches"][len(ends)])
+            ends.append(time.time())
+            return self.inner.train_step(examples, optim_step_params)
+
+    config.register()
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        dcfg = compose("config", overrides=overrides)
+    run(dcfg, tmp / "interleaved", start_workers=lambda *args: Alternating(verl_workers(*args)))
+    ray.shutdown()
+    return [e - s for s, e in zip(starts, ends)][:-1], [s - e for e, s in zip(ends, starts[1:])]
 
 
 def bare_worker_config(spec: dict):
@@ -241,6 +309,11 @@ def spread(values: list[float], fmt: str) -> str:
     return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}..{format(max(values), fmt)})"
 
 
+def quartiles(values: list[float], fmt: str) -> str:
+    q1, q2, q3 = statistics.quantiles(values, n=4)
+    return f"{format(q2, fmt)} ({format(q1, fmt)}..{format(q3, fmt)})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, help="paired runs (default 5; 1 with --gpu)")
@@ -251,10 +324,16 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="with --gpu: backend.device (cpu for CI)")
     parser.add_argument("--precision", default="bf16", help="with --gpu: backend.precision")
     parser.add_argument("--workers", type=int, default=1, help="with --gpu: workers (GPUs)")
+    parser.add_argument("--no-interleaved", action="store_true", help="skip the one-process step measurement")
     parser.add_argument("--bare", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--interleaved-run", nargs=3, metavar=("SPEC", "OVERRIDES", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare:
         return bare_loop(Path(args.bare[0]), Path(args.bare[1]))
+    if args.interleaved_run:
+        spec_path, overrides_path, out = map(Path, args.interleaved_run)
+        times = interleaved(json.loads(overrides_path.read_text()), json.loads(spec_path.read_text()), out.parent)
+        return out.write_text(json.dumps(times))
 
     began = time.monotonic()
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -297,6 +376,13 @@ def main() -> None:
                 run.setdefault("first", side)
             runs.append(run)
             print(f"pair {pair + 1}/{pairs} done ({time.monotonic() - began:.0f} s)", file=sys.stderr)
+        steps_interleaved = None
+        if not args.gpu and not args.no_interleaved:  # (on GPUs both groups would need their own GPUs)
+            (tmp / "overrides.json").write_text(json.dumps(overrides))
+            out = tmp / "interleaved.json"
+            timed([sys.executable, __file__, "--interleaved-run", str(tmp / "spec.json"), str(tmp / "overrides.json"), str(out)],
+                  lambda: None)  # fmt: skip
+            steps_interleaved = json.loads(out.read_text())
 
     choice = facts["choice"]
     tokens = statistics.median(facts["tokens"])
@@ -319,6 +405,12 @@ def main() -> None:
     same = all(r["bare"][2] == r["tinker_exp"][2] for r in runs)
     gap = max(abs(a - b) for r in runs for a, b in zip(r["bare"][2], r["tinker_exp"][2]))
     print(f"losses of the two loops: {'bitwise equal' if same else f'max |difference| {gap:.2e}'}")
+    if steps_interleaved:
+        bare_steps, our_steps = steps_interleaved
+        ratios = [o / b for b, o in zip(bare_steps, our_steps)]
+        print(f"interleaved, one process ({len(ratios)} step pairs; median (quartiles)): bare {quartiles([b * 1e3 for b in bare_steps], '.1f')} ms, "
+              f"tinker_exp {quartiles([o * 1e3 for o in our_steps], '.1f')} ms; per-step ratio {quartiles(ratios, '.3f')}, "
+              f"ratio of medians {statistics.median(our_steps) / statistics.median(bare_steps):.3f}")  # fmt: skip
     print(f"({pairs} pairs of {steps} steps; {spec['num_workers']} worker(s), {choice.describe()}; "
           f"{spec['model_path']}; tinker_exp with W&B offline + JSONL{'; ' + ' '.join(args.set) if args.set else ''})")
     if args.gpu:
