@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -110,6 +111,36 @@ def run(
     return train_run(cfg, plan, rows, resume, run_dir, wandb_config, start_workers)
 
 
+def in_background(work: Callable[[], Any]) -> Callable[[float | None], Any]:
+    """Start `work` in a thread at a lower CPU priority, and return the wait for its result (its error re-raised;
+    None if it is not done within the timeout given). The driver's own start-up work then takes only the CPU the
+    workers' start-up leaves: on a machine of few cores they would otherwise share it. The main thread only waits
+    meanwhile (in ray.get): no two threads import at once."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        if sys.platform == "linux":  # Linux: per-thread niceness (a child process started here inherits it)
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except OSError:
+                pass
+        try:
+            box["result"] = work()
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="driver-start-up", daemon=True)
+    thread.start()
+
+    def result(timeout: float | None = None) -> Any:
+        thread.join(timeout)
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    return result
+
+
 def train_run(
     cfg: Config,
     plan: Plan,
@@ -122,7 +153,7 @@ def train_run(
     """Sinks, workers, the loop; the workers are freed and the sinks closed however the run ends.
 
     Everything that can stop the run (device, checkpoint, model, LoRA targets, data) is checked before any
-    worker starts; the driver's remaining start-up (W&B, the plan's plot) then runs while the workers build
+    worker starts; the driver's remaining start-up (the plan's plot, W&B) then runs while the workers build
     their models."""
     from tinker_exp.runtime.device import resolve
     from tinker_exp.runtime.inputs import load_examples, model_dir
@@ -162,14 +193,24 @@ def train_run(
             workers = verl_workers(cfg, plan, model_path, run_dir, choice)
         else:
             workers = start_workers(cfg, plan, model_path, run_dir)
-        # While the workers start: the plan's plot and W&B (neither can stop the run).
-        plot = plot_plan(plan, run_dir / "plan.png")
-        if cfg.logger.name.value == "wandb":
+
+        def plot_and_wandb() -> WandbSink | None:  # neither can stop the run (W&B warns and is left out)
+            plot = plot_plan(plan, run_dir / "plan.png")
+            if cfg.logger.name.value != "wandb":
+                return None
             wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=cfg.logger.run_name or run_dir.name)
             if wandb_sink is not None:
                 wandb_sink.attach_plan(*plan_table(plan), plot)
+            return wandb_sink
+
+        started, stopping = in_background(plot_and_wandb), True  # while the workers start
+        try:
+            workers.ready()
+            stopping = False
+        finally:
+            wandb_sink = started(10.0 if stopping else None)  # stopping: do not wait long for W&B
+            if wandb_sink is not None:
                 sinks.sinks.insert(1, wandb_sink)
-        workers.ready()
         if resume is not None:
             restore(workers, resume.path)
         run_state = {"seed": trainer.seed, "device": choice.device}  # in every checkpoint's loop.json
