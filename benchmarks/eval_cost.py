@@ -6,8 +6,8 @@ times, in a rotating order:
   the last filled up with copies that carry no loss tokens, each through verl's `infer_batch`: eval mode,
   `no_grad`);
 - eval (one call): the same sequences through one `infer_batch` call (what the per-batch calls cost);
-- train (same tokens): one training step (`TinkerWorkers.train_step`: zero_grad, forward_backward,
-  optimizer_step) on one batch of exactly the sequences the evaluation runs, fillers included;
+- train (same tokens): one training step (`TinkerWorkers.train_step`: forward_backward, optimizer_step) on one
+  batch of exactly the sequences the evaluation runs, fillers included;
 - train (one step): one ordinary training step of the run (trainer.batch_size sequences), for scale.
 After the warm-up rounds, prints each one's median and the medians of the per-round ratios.
 
@@ -57,6 +57,7 @@ def main() -> None:
         output = WorkerOutput(Path(tmp) / "workers.log", echo=False)
         values = optimizer_values(cfg.optimizer)
         workers = TinkerWorkers(cfg.backend, cfg.optimizer, trainer, str(model_path), values, "cpu", output)
+        workers.ready()
         step = 0
 
         def run_eval() -> list:

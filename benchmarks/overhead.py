@@ -1,22 +1,39 @@
-"""Overhead of tinker_exp's loop over a bare loop that calls verl's worker group directly.
+"""tinker_exp's loop against the true bare verl loop: paired runs, medians, spreads and ratios.
 
-Both run the same tiny model, batch (8 sequences, micro batch 2) and 2 Ray CPU workers, each in its own
-process. Prints the median step time (wall time between consecutive finished steps, logging included), the
-median time per step outside verl's calls (that interval less the step's own train_step time: the loop's own
-cost, paired within each step; its last column is the difference in ms, not a ratio) and the time from process start to
-the end of the first step, for both, and their ratios.
+- bare: verl's own TinkerTrainingWorker on a Ray worker group, with nothing added but the gloo start-up verl lacks on
+  CPU (and the CPU platform plugin); its driver calls forward_backward and optimizer_step (the same override as
+  tinker_exp's run, every step) and writes a line per step. No Hydra, no read-back, no checks, no sinks. Its
+  batches are tokenised ahead by this script (the same batches tinker_exp trains on), so its start-up does less.
+- tinker_exp: `python -m tinker_exp` as a user runs it (W&B offline, metrics.jsonl, checkpoints, evaluation).
 
-    .venv/bin/python benchmarks/overhead.py [--steps 40] [--set KEY=VALUE ...]
+Both train the same model, data, device, precision and attention (resolved once, here, as tinker_exp resolves
+them), each in its own process with its own Ray (or the cluster in RAY_ADDRESS). Each pair runs both, the first
+alternating. Per run: the median step time (wall time between consecutive finished steps, logging included) and
+the time from process start to the end of the first step. Printed: every pair, the medians, their spread
+(min..max), and the per-pair ratios' median and spread.
 
-`--set` passes a config override to the tinker_exp run only (e.g. `--set trainer.eval_every=0`: evaluation only
-after the last step, which a median step time does not see). The bare loop trains on the same training rows
-(the validation split held out), never evaluates.
+Then (not with --gpu) the step time without the drift between runs on a shared machine: one process, one Ray,
+both worker groups, the two loops' step k back to back (the bare loop's, then tinker_exp's through its real
+`run()`, logging included); printed: both medians, the per-step ratio's median and quartiles.
+
+    .venv/bin/python benchmarks/overhead.py [--pairs 5] [--steps 40] [--set KEY=VALUE ...] [--no-interleaved]
+
+`--gpu`, the GPU variant (and a first smoke check of a GPU machine): device cuda, bf16, one worker, a Qwen2 of
+Qwen2.5-0.5B's shape (494M parameters) built offline from its config (random weights, cached), 16 sequences of
+512 tokens a step, no checkpoints or evaluation; prints the attention kind, step time and tokens/s of both loops
+and their ratio, and fails unless the loss is finite and falls in both, applied == requested at every step, and
+every worker's model is on its own current CUDA device (tinker_exp checks that itself at start-up; the bare loop's
+workers are asked here). It is meant to finish within 5 minutes (the first run also builds the model, ~1 GB):
+
+    .venv/bin/python benchmarks/overhead.py --gpu                                 # a GPU machine
+    .venv/bin/python benchmarks/overhead.py --gpu --tiny --device cpu --pairs 1   # the same code on CPU (CI)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -26,75 +43,405 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, rope_theta=1000000.0)  # fmt: skip
+"""Qwen2.5-0.5B's shape (tied embeddings): 494M parameters."""
+TINY_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=256)  # fmt: skip
 
 
-def bare_loop(steps: int, out: Path) -> None:
-    """No Hydra, no plan, no check, no sinks: verl's zero_grad / forward_backward / optimizer_step."""
+# --- the bare loop ----------------------------------------------------------------------------------------------
+class BareGroup:
+    """verl's TinkerTrainingWorker on a Ray worker group (Ray connected), driven directly."""
+
+    def __init__(self, spec: dict):
+        from functools import partial
+
+        import ray
+        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from verl.workers.engine_workers_tinker import TinkerTrainingWorker
+        from verl.workers.utils.losses import sft_loss
+
+        device = spec["device"]
+        worker_cls = gloo_worker_class() if device == "cpu" else TinkerTrainingWorker
+        pool = RayResourcePool(process_on_nodes=[spec["num_workers"]], use_gpu=device == "cuda", max_colocate_count=1)
+        init = RayClassWithInitArgs(cls=ray.remote(worker_cls), config=bare_worker_config(spec))
+        self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=device, worker_env=spec["env"])
+        self.group.reset()
+        self.group.set_loss_fn(partial(sft_loss, config=None))
+        self.params = {**spec["step_params"], "betas": tuple(spec["step_params"]["betas"])}
+
+    def step(self, ids: list[list[int]], masks: list[list[int]]) -> float:
+        """One step (the batch built as tinker_exp builds it); returns verl's loss."""
+        import torch
+        from verl.utils import tensordict_utils as tu
+
+        def nested(rows):
+            return torch.nested.as_nested_tensor([torch.tensor(r, dtype=torch.long) for r in rows], layout=torch.jagged)
+
+        batch = tu.get_tensordict(
+            tensor_dict={"input_ids": nested(ids), "position_ids": nested([list(range(len(r))) for r in ids]),
+                         "loss_mask": nested(masks)},
+            non_tensor_dict={"temperature": 1.0, "global_token_num": [len(r) for r in ids]},
+        )  # fmt: skip
+        output = self.group.forward_backward(batch).get()
+        self.group.optimizer_step(optim_step_params=self.params)
+        loss = output.get_non_tensor("metrics")["loss"]
+        return float(sum(loss) / len(loss) if isinstance(loss, list) else loss)
+
+    def placement(self) -> list[dict]:
+        """Where each worker's model is (asked of the actors themselves: verl's worker has no method for it)."""
+        import ray
+
+        def where(worker) -> dict:
+            import torch
+
+            parameter = next(worker.engine.module.parameters())
+            info = {"parameters": str(parameter.device),
+                    "attention": getattr(worker.engine.module.config, "_attn_implementation", None)}  # fmt: skip
+            if torch.cuda.is_available():
+                info["cuda_device"] = torch.cuda.current_device()
+            return info
+
+        return ray.get([w.__ray_call__.remote(where) for w in self.group.workers])
+
+
+def gloo_worker_class():
+    import torch
+    import torch.distributed as dist
+    from verl.workers.engine_workers_tinker import TinkerTrainingWorker
+
+    class GlooTinkerTrainingWorker(TinkerTrainingWorker):
+        """The one thing verl lacks on CPU: a gloo process group made before its own init (which asks for
+        "cpu:gloo,cpu:gloo"), one thread per worker."""
+
+        def __init__(self, config):
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+                torch.set_num_threads(1)
+            super().__init__(config)
+
+    return GlooTinkerTrainingWorker
+
+
+def bare_loop(spec_path: Path, out: Path) -> None:
+    """The bare loop's process: start Ray and the group, then a line per step; `spec`: what to build, the batches."""
+    spec = json.loads(spec_path.read_text())
+    os.environ.update(spec["env"])  # before verl is imported: its platform (on CPU, the plugin) is chosen at import
+    import ray
+    import verl.workers.engine_workers_tinker  # noqa: F401  (the imports a bare script starts with)
+
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env={"env_vars": spec["env"]},
+             include_dashboard=False, configure_logging=False)  # fmt: skip
+    group = BareGroup(spec)
+    with open(out, "w") as f:
+        for step, (ids, masks) in enumerate(spec["batches"]):
+            loss = group.step(ids, masks)
+            f.write(json.dumps({"step": step, "time": time.time(), "loss": loss}) + "\n")
+            f.flush()
+        f.write(json.dumps({"workers": group.placement()}) + "\n")  # after the loop, untimed: for the smoke check
+    ray.shutdown()
+
+
+def interleaved(overrides: list[str], spec: dict, tmp: Path) -> tuple[list[float], list[float]]:
+    """Step time without the drift of a shared machine: one process, one Ray, both worker groups; each step k is
+    the bare loop's step k, then tinker_exp's step k through its real loop (`run()`: checks, sinks, evaluation,
+    checkpoints), from the end of the bare step to the start of the next (so its logging is in). Returns the
+    per-step times (bare, tinker_exp); the last step has no next start and is left out."""
+    os.environ.update(spec["env"])
+    import ray
     from hydra import compose, initialize_config_dir
 
     from tinker_exp import config
+    from tinker_exp.main import run, verl_workers
+
+    ray.init(address="local", num_cpus=2 * spec["num_workers"], runtime_env={"env_vars": spec["env"]},
+             include_dashboard=False, configure_logging=False)  # fmt: skip
+    bare = BareGroup(spec)
+    starts: list[float] = []
+    ends: list[float] = []
+
+    class Alternating:
+        """tinker_exp's workers, each of whose steps comes right after the bare loop's same step."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def train_step(self, examples, optim_step_params):
+            starts.append(time.time())
+            bare.step(*spec["batches"][len(ends)])
+            ends.append(time.time())
+            return self.inner.train_step(examples, optim_step_params)
+
+    config.register()
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        dcfg = compose("config", overrides=overrides)
+    run(dcfg, tmp / "interleaved", start_workers=lambda *args: Alternating(verl_workers(*args)))
+    ray.shutdown()
+    return [e - s for s, e in zip(starts, ends)][:-1], [s - e for e, s in zip(ends, starts[1:])]
+
+
+def bare_worker_config(spec: dict):
+    """The verl worker config, written out with verl's own classes: the same values TinkerWorkers sends
+    (tests/test_benchmarks.py holds them equal)."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
+
+    values = spec["optimizer_values"]
+    return TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=HFModelConfig(path=spec["model_path"], override_config={"attn_implementation": spec["attention"]},
+                                   enable_gradient_checkpointing=False),  # fmt: skip
+        engine_config=FSDPEngineConfig(
+            strategy=spec["strategy"], use_dynamic_bsz=False, micro_batch_size_per_gpu=spec["micro_batch_size"],
+            infer_micro_batch_size_per_gpu=spec["micro_batch_size"],
+            mixed_precision={"param_dtype": spec["precision"], "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+            use_torch_compile=spec["device"] == "cuda", seed=spec["seed"],
+        ),  # fmt: skip
+        optimizer_config=FSDPOptimizerConfig(
+            optimizer=spec["optimizer"], lr=values["lr"], betas=tuple(values["betas"]), weight_decay=values["weight_decay"],
+            override_optimizer_config={"eps": values["eps"]}, clip_grad=spec["clip_grad"], lr_scheduler_type="constant",
+            total_training_steps=spec["steps"],
+        ),  # fmt: skip
+        checkpoint_config=CheckpointConfig(save_lora_only=False),
+    )
+
+
+# --- the GPU variant's model and data, built offline --------------------------------------------------------------
+def bench_model(shape: dict, cache: Path, dtype: str) -> Path:
+    """A Qwen2 of `shape`, random weights (seed 0), with tinker_exp's tiny byte-level tokenizer; cached."""
+    import hashlib
+
+    key = hashlib.sha256(json.dumps({**shape, "dtype": dtype}, sort_keys=True).encode()).hexdigest()[:10]
+    target = cache / "models" / f"bench-qwen2-{key}"
+    if (target / "config.json").exists():
+        return target
+    import shutil
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tinker_exp.runtime.tiny_model import _corpus_texts, build_tokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    try:
+        tokenizer = build_tokenizer(384, _corpus_texts())
+        tokenizer.save_pretrained(staging)
+        config = Qwen2Config(**shape, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        torch.manual_seed(0)
+        # on CPU: a CUDA context in this process would hold GPU memory through every run it times
+        Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(staging)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def bench_data(cache: Path) -> Path:
+    """Prompt/response rows longer than any max_length used here: the shipped rows strung together."""
+    rows = [json.loads(line) for line in (REPO / "tinker_exp/assets/tiny_sft.jsonl").read_text().splitlines() if line.strip()]
+    path = cache / "bench_long_rows.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i in range(64):
+            part = [rows[(i * 24 + j) % len(rows)] for j in range(24)]
+            f.write(json.dumps({"prompt": " ".join(r["prompt"] for r in part[:4]),
+                                "response": "\n".join(f"{r['prompt']} {r['response']}" for r in part[4:])}) + "\n")  # fmt: skip
+    return path
+
+
+# --- one pair, the parent -------------------------------------------------------------------------------------------
+def prepare(overrides: list[str], tmp: Path) -> tuple[dict, dict]:
+    """Compose tinker_exp's config as its CLI would, resolve the device, tokenise its batches: the bare loop's spec."""
+    from hydra import compose, initialize_config_dir
+
+    from tinker_exp import config
+    from tinker_exp.main import validate
+    from tinker_exp.runtime.device import resolve
     from tinker_exp.runtime.inputs import load_examples, model_dir
-    from tinker_exp.runtime.workers import TinkerWorkers
+    from tinker_exp.runtime.workers import platform_env
     from tinker_exp.train.data import batch_for_step, dataset_rows
 
     config.register()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
-        cfg = config.load(compose("config", overrides=[f"trainer.steps={steps}"]))
+        cfg = config.load(compose("config", overrides=overrides))
+    plan = validate(cfg)
+    choice = resolve(cfg.backend)
     model_path = model_dir(cfg.model)
     examples = load_examples(cfg.data, model_path, dataset_rows(cfg.data)[0], [])[0].examples
-    values = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-    workers = TinkerWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), values, "cpu")
-    group = workers.group
-    with open(out, "w") as f:
-        for step in range(steps):
-            start = time.perf_counter()  # the span tinker_exp's perf/step_time_s covers (its train_step)
-            batch = workers._batch(batch_for_step(examples, step, 8, 0, True))
-            group.optimizer_zero_grad()
-            group.forward_backward(batch).get()
-            group.optimizer_step(optim_step_params=values)
-            step_time = time.perf_counter() - start
-            f.write(json.dumps({"train/step": step, "time": time.time(), "perf/step_time_s": step_time}) + "\n")
-    workers.shutdown()
+    t = cfg.trainer
+    batches = [batch_for_step(examples, step, t.batch_size, t.seed, cfg.data.shuffle) for step in range(t.steps)]
+    spec = {
+        "env": {k: v for k, v in platform_env(choice.device).items() if k not in ("TMPDIR",)},
+        "device": choice.device, "precision": choice.precision, "attention": choice.attention,
+        "model_path": str(model_path), "num_workers": cfg.backend.num_workers, "strategy": cfg.backend.strategy,
+        "micro_batch_size": cfg.backend.micro_batch_size, "seed": t.seed, "steps": t.steps,
+        "optimizer": cfg.optimizer.name.value, "clip_grad": float(cfg.optimizer.clip_grad),
+        "optimizer_values": plan.optimizer_values, "step_params": plan[0],
+        "batches": [[[e.input_ids for e in batch], [e.loss_mask for e in batch]] for batch in batches],
+    }  # fmt: skip
+    return spec, {"tokens": [sum(len(e.input_ids) for e in batch) for batch in batches], "choice": choice}
 
 
-def timed(cmd: list[str], metrics: Path) -> tuple[float, float, float]:
-    """(median step time, start to the end of the first step, median time per step outside the verl calls).
-
-    The last is paired within each step (the interval between finished steps less that step's
-    perf/step_time_s), so load from other processes on the machine moves it far less than the step time."""
+def timed(command: list[str], rows_of) -> tuple[float, list[dict]]:
+    """Run `command` (stdout and stderr kept in case it fails); its process start and its rows."""
+    env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
     start = time.time()
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    times = [row["time"] for row in rows]
-    outside = [b["time"] - a["time"] - b["perf/step_time_s"] for a, b in zip(rows, rows[1:])]
-    return statistics.median(b - a for a, b in zip(times, times[1:])), times[0] - start, statistics.median(outside)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command[:4])} ... failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return start, rows_of()
+
+
+def figures(start: float, times: list[float]) -> tuple[float, float]:
+    """(median step time, process start to the end of the first step)."""
+    return statistics.median(b - a for a, b in zip(times, times[1:])), times[0] - start
+
+
+def spread(values: list[float], fmt: str) -> str:
+    return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}..{format(max(values), fmt)})"
+
+
+def quartiles(values: list[float], fmt: str) -> str:
+    q1, q2, q3 = statistics.quantiles(values, n=4)
+    return f"{format(q2, fmt)} ({format(q1, fmt)}..{format(q3, fmt)})"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for the tinker_exp run")
-    parser.add_argument("--bare-out")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pairs", type=int, help="paired runs (default 5; 1 with --gpu)")
+    parser.add_argument("--steps", type=int, help="steps per run (default 40; 30 with --gpu, 6 with --tiny)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, both loops")
+    parser.add_argument("--gpu", action="store_true", help="the GPU variant: cuda, bf16, a ~0.5B model")
+    parser.add_argument("--tiny", action="store_true", help="with --gpu: tiny shapes (CI, on CPU)")
+    parser.add_argument("--device", default="cuda", help="with --gpu: backend.device (cpu for CI)")
+    parser.add_argument("--precision", default="bf16", help="with --gpu: backend.precision")
+    parser.add_argument("--workers", type=int, default=1, help="with --gpu: workers (GPUs)")
+    parser.add_argument("--no-interleaved", action="store_true", help="skip the one-process step measurement")
+    parser.add_argument("--bare", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--interleaved-run", nargs=3, metavar=("SPEC", "OVERRIDES", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.bare_out:
-        return bare_loop(args.steps, Path(args.bare_out))
+    if args.bare:
+        return bare_loop(Path(args.bare[0]), Path(args.bare[1]))
+    if args.interleaved_run:
+        spec_path, overrides_path, out = map(Path, args.interleaved_run)
+        times = interleaved(json.loads(overrides_path.read_text()), json.loads(spec_path.read_text()), out.parent)
+        return out.write_text(json.dumps(times))
 
+    began = time.monotonic()
     os.environ.setdefault("WANDB_MODE", "offline")
-    with tempfile.TemporaryDirectory() as tmp:
-        bare_metrics = Path(tmp) / "bare.jsonl"
-        bare = timed([sys.executable, __file__, "--steps", str(args.steps), "--bare-out", str(bare_metrics)], bare_metrics)
-        run_dir = Path(tmp) / "run"
-        ours = timed(
-            [sys.executable, "-m", "tinker_exp", "+override=constant", f"trainer.steps={args.steps}",
-             f"hydra.run.dir={run_dir}", *args.set],
-            run_dir / "metrics.jsonl",
-        )
-    print(f"{'':28}{'bare verl loop':>16}{'tinker_exp':>14}{'ratio':>8}")
-    print(f"{'median step time (ms)':28}{bare[0] * 1e3:16.1f}{ours[0] * 1e3:14.1f}{ours[0] / bare[0]:8.3f}")
-    print(f"{'  outside verl calls (ms)':28}{bare[2] * 1e3:16.2f}{ours[2] * 1e3:14.2f}{(ours[2] - bare[2]) * 1e3:+8.2f}")
-    print(f"{'start to first step (s)':28}{bare[1]:16.2f}{ours[1]:14.2f}{ours[1] / bare[1]:8.3f}")
-    settings = f"; {' '.join(args.set)}" if args.set else ""
-    print(f"({args.steps} steps, 2 Ray CPU workers, batch 8, micro batch 2; tinker_exp with W&B offline + JSONL{settings})")
+    pairs = args.pairs or (1 if args.gpu else 5)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        if args.gpu:
+            cache = Path(os.path.expanduser(os.environ.get("TINKER_EXP_CACHE", "~/.cache/tinker_exp")))
+            model = bench_model(TINY_QWEN2 if args.tiny else QWEN2_05B, cache, "float32" if args.tiny else "bfloat16")
+            steps = args.steps or (6 if args.tiny else 30)
+            length, batch, micro = (64, 4, 2) if args.tiny else (512, 16, 2)
+            overrides = [
+                f"model.path={model}", f"data.path={bench_data(cache)}", f"data.max_length={length}", "data.val_fraction=null",
+                f"backend.device={args.device}", f"backend.precision={args.precision}", f"backend.num_workers={args.workers}",
+                f"backend.micro_batch_size={micro}", f"trainer.batch_size={batch}", "checkpoint.every_steps=0",
+                "checkpoint.at_end=false",
+            ]  # fmt: skip
+        else:
+            steps, overrides = args.steps or 40, []
+        overrides += ["+override=constant", f"trainer.steps={steps}", *args.set]
+        spec, facts = prepare(overrides, tmp)
+        (tmp / "spec.json").write_text(json.dumps(spec))
+        runs: list[dict] = []
+        for pair in range(pairs):
+            run: dict = {}
+            for side in (("bare", "tinker_exp") if pair % 2 == 0 else ("tinker_exp", "bare")):
+                if side == "bare":
+                    out = tmp / f"bare_{pair}.jsonl"
+                    start, rows = timed([sys.executable, __file__, "--bare", str(tmp / "spec.json"), str(out)],
+                                        lambda: [json.loads(line) for line in out.read_text().splitlines()])  # fmt: skip
+                    run["bare_workers"] = rows[-1]["workers"]
+                    rows = rows[:-1]
+                    run["bare"] = (*figures(start, [r["time"] for r in rows]), [r["loss"] for r in rows])
+                else:
+                    run_dir = tmp / f"run_{pair}"
+                    start, rows = timed([sys.executable, "-m", "tinker_exp", *overrides, f"hydra.run.dir={run_dir}"],
+                                        lambda: [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])  # fmt: skip
+                    run["rows"], run["log"] = rows, (run_dir / "tinker_exp.log").read_text()
+                    run["tinker_exp"] = (*figures(start, [r["time"] for r in rows]), [r["train/loss"] for r in rows])
+                run.setdefault("first", side)
+            runs.append(run)
+            print(f"pair {pair + 1}/{pairs} done ({time.monotonic() - began:.0f} s)", file=sys.stderr)
+        steps_interleaved = None
+        if not args.gpu and not args.no_interleaved:  # (on GPUs both groups would need their own GPUs)
+            (tmp / "overrides.json").write_text(json.dumps(overrides))
+            out = tmp / "interleaved.json"
+            timed([sys.executable, __file__, "--interleaved-run", str(tmp / "spec.json"), str(tmp / "overrides.json"), str(out)],
+                  lambda: None)  # fmt: skip
+            steps_interleaved = json.loads(out.read_text())
+
+    choice = facts["choice"]
+    tokens = statistics.median(facts["tokens"])
+    print(f"{'pair':6}{'first':>11}{'step ms: bare':>15}{'tinker_exp':>12}{'ratio':>8}"
+          f"{'start to step 1 s: bare':>26}{'tinker_exp':>12}{'ratio':>8}")  # fmt: skip
+    for i, run in enumerate(runs):
+        (b_step, b_start, _), (o_step, o_start, _) = run["bare"], run["tinker_exp"]
+        print(f"{i + 1:<6}{run['first']:>11}{b_step * 1e3:15.1f}{o_step * 1e3:12.1f}{o_step / b_step:8.3f}"
+              f"{b_start:26.2f}{o_start:12.2f}{o_start / b_start:8.3f}")  # fmt: skip
+    b_steps, o_steps = [r["bare"][0] for r in runs], [r["tinker_exp"][0] for r in runs]
+    b_starts, o_starts = [r["bare"][1] for r in runs], [r["tinker_exp"][1] for r in runs]
+    step_ratios = [o / b for o, b in zip(o_steps, b_steps)]
+    start_ratios = [o / b for o, b in zip(o_starts, b_starts)]
+    print(f"median step time:        bare {spread([s * 1e3 for s in b_steps], '.1f')} ms, tinker_exp "
+          f"{spread([s * 1e3 for s in o_steps], '.1f')} ms; ratio {spread(step_ratios, '.3f')}")  # fmt: skip
+    print(f"start to end of step 1:  bare {spread(b_starts, '.2f')} s, tinker_exp {spread(o_starts, '.2f')} s; "
+          f"ratio {spread(start_ratios, '.3f')}")  # fmt: skip
+    print(f"tokens/s (median step):  bare {tokens / statistics.median(b_steps):,.0f}, tinker_exp "
+          f"{tokens / statistics.median(o_steps):,.0f} ({tokens:,.0f} tokens a step)")  # fmt: skip
+    same = all(r["bare"][2] == r["tinker_exp"][2] for r in runs)
+    gap = max(abs(a - b) for r in runs for a, b in zip(r["bare"][2], r["tinker_exp"][2]))
+    print(f"losses of the two loops: {'bitwise equal' if same else f'max |difference| {gap:.2e}'}")
+    if steps_interleaved:
+        bare_steps, our_steps = steps_interleaved
+        ratios = [o / b for b, o in zip(bare_steps, our_steps)]
+        print(f"interleaved, one process ({len(ratios)} step pairs; median (quartiles)): bare {quartiles([b * 1e3 for b in bare_steps], '.1f')} ms, "
+              f"tinker_exp {quartiles([o * 1e3 for o in our_steps], '.1f')} ms; per-step ratio {quartiles(ratios, '.3f')}, "
+              f"ratio of medians {statistics.median(our_steps) / statistics.median(bare_steps):.3f}")  # fmt: skip
+    print(f"({pairs} pairs of {steps} steps; {spec['num_workers']} worker(s), {choice.describe()}; "
+          f"{spec['model_path']}; tinker_exp with W&B offline + JSONL{'; ' + ' '.join(args.set) if args.set else ''})")
+    if args.gpu:
+        smoke(runs, choice, time.monotonic() - began)
+
+
+def smoke(runs: list[dict], choice, elapsed: float) -> None:
+    """The GPU variant's checks: a first run on a GPU machine that says what works."""
+    failures = []
+    for run in runs:
+        for side in ("bare", "tinker_exp"):
+            losses = run[side][2]
+            if not all(math.isfinite(x) for x in losses) or not losses[-1] < losses[0]:
+                failures.append(f"{side}: loss not finite and falling: {losses}")
+        for row in run["rows"]:
+            for key in (k.split("/", 1)[1] for k in row if k.startswith("requested/")):
+                if row[f"applied/{key}"] != row[f"requested/{key}"]:
+                    failures.append(f"tinker_exp step {row['train/step']}: applied {key} != requested")
+        placement = next((line.split("workers: ", 1)[1] for line in run["log"].splitlines() if "] - workers: " in line), None)
+        if placement is None:
+            failures.append("tinker_exp: no `workers:` line (its own placement check) in tinker_exp.log")
+        for rank, info in enumerate(run["bare_workers"]):
+            want = f"cuda:{info.get('cuda_device')}" if choice.device == "cuda" else "cpu"
+            if info["parameters"] != want:
+                failures.append(f"bare rank {rank}: parameters on {info['parameters']}, expected {want}")
+    print(f"workers (tinker_exp): {placement}")
+    print(f"workers (bare): {runs[-1]['bare_workers']}")
+    print(f"attention: {choice.attention}; {elapsed:.0f} s in all" + (" (over 5 minutes)" if elapsed > 300 else ""))
+    if failures:
+        sys.exit("smoke check FAILED:\n  " + "\n  ".join(failures))
+    print("smoke check passed: loss finite and falling in both loops, applied == requested, every rank on its device")
 
 
 if __name__ == "__main__":

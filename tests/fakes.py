@@ -48,8 +48,13 @@ class FakeWorkers:
         self.gate = gate
         self.evaluations = 0
         self.drift_at = drift_at
+        self.readied = False
+
+    def ready(self) -> None:
+        self.readied = True
 
     def train_step(self, examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult:
+        assert self.readied, "train_step before ready()"
         if self.gate is not None and self.steps_done == self.gate[0]:
             deadline = time.monotonic() + 600
             while not self.gate[1].exists() and time.monotonic() < deadline:
@@ -94,7 +99,7 @@ def fake_workers(**kwargs: Any):
     """A `start_workers` for tinker_exp.main.run that builds FakeWorkers (and keeps them for the test to inspect)."""
     started: list[FakeWorkers] = []
 
-    def start(cfg, plan, model_path, run_dir) -> FakeWorkers:
+    def start(cfg, plan, model_path, run_dir, choice=None) -> FakeWorkers:
         workers = FakeWorkers(plan.optimizer_values, **kwargs)
         started.append(workers)
         return workers

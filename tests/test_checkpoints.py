@@ -13,7 +13,9 @@ from tinker_exp.train.checkpoints import (
     MANIFEST,
     WORKERS,
     Checkpointer,
+    ResumePoint,
     begin_save,
+    check_checkpoint_device,
     commit_save,
     latest,
     problem,
@@ -147,3 +149,16 @@ def test_metrics_keep_only_the_steps_before_the_resume_point(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"train/step": 6, "train/lo')  # cut by a kill
     keep_rows_before(path, 4)
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:4]
+
+
+def test_a_checkpoint_resumes_only_on_the_device_kind_that_saved_it(tmp_path):
+    """verl loads its shards without map_location: cuda tensors do not load on a CPU machine (nor CPU ones where
+    the model lives on GPUs). The device is in loop.json; a checkpoint from before it was recorded is let through."""
+    check_checkpoint_device(ResumePoint(tmp_path, {"step": 4, "device": "cpu"}), "cpu")
+    check_checkpoint_device(ResumePoint(tmp_path, {"step": 4}), "cuda")
+    with pytest.raises(ConfigError) as info:
+        check_checkpoint_device(ResumePoint(tmp_path / "step_00000004", {"step": 4, "device": "cuda"}), "cpu")
+    assert str(info.value) == (
+        f"backend.device: this run trains on cpu, but {tmp_path / 'step_00000004'} was saved by cuda workers and verl "
+        "loads it onto cuda only: set backend.device=cuda to continue it, or use another run dir"
+    )

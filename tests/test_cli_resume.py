@@ -6,6 +6,7 @@ resume decision, happens before any worker starts (dry_run=true stops right afte
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,44 @@ def test_no_usable_checkpoint_exits_5_naming_each_one(finished_run, tmp_path):
     assert line.startswith(f"tinker_exp: checkpoint error: no usable checkpoint in {run_dir / 'checkpoints'}: ")
     assert line.count("loop.json: missing") == 2
     assert files(run_dir) == before
+
+
+def saved_on(run_dir: Path, device: str) -> None:
+    """Every checkpoint of `run_dir` as if its workers had run on `device` (loop.json and its manifest entry)."""
+    for checkpoint in (run_dir / "checkpoints").iterdir():
+        state = json.loads((checkpoint / "loop.json").read_text())
+        (checkpoint / "loop.json").write_text(json.dumps({**state, "device": device}, indent=1) + "\n")
+        manifest = json.loads((checkpoint / "MANIFEST.json").read_text())
+        manifest["files"]["loop.json"]["bytes"] = (checkpoint / "loop.json").stat().st_size
+        (checkpoint / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def test_a_checkpoint_saved_on_another_device_stops_the_run_before_any_worker_starts(finished_run, tmp_path):
+    import shutil
+
+    assert json.loads((finished_run / "checkpoints" / "step_00000004" / "loop.json").read_text())["device"] == "cpu"
+    dry = run_cli("backend.device=cuda", "trainer.steps=6", "dry_run=true", f"hydra.run.dir={finished_run}")
+    assert dry.returncode == 2, dry.stderr  # an explicit device: a dry run finds it, importing no torch
+    assert dry.stderr.strip().splitlines() == [
+        f"tinker_exp: config error: backend.device: this run trains on cuda, but {finished_run / 'checkpoints' / 'step_00000004'} "
+        "was saved by cpu workers and verl loads it onto cpu only: set backend.device=cpu to continue it, or use another run dir"
+    ]
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    saved_on(run_dir, "cuda")  # as if trained on a GPU machine, continued here (auto: cpu)
+    kept = lambda: {p: b for p, b in files(run_dir).items() if "checkpoints" in p.parts or p.name == "metrics.jsonl"}  # noqa: E731
+    before = kept()
+    real = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "fake_cli.py"), "trainer.steps=6", "checkpoint.every_steps=2",
+         "logger=none", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert real.returncode == 2, real.stderr[-3000:]
+    assert real.stderr.strip().splitlines()[-1] == (
+        f"tinker_exp: config error: backend.device: this run trains on cpu, but {run_dir / 'checkpoints' / 'step_00000004'} "
+        "was saved by cuda workers and verl loads it onto cuda only: set backend.device=cuda to continue it, or use another run dir"
+    )
+    assert kept() == before  # no row logged, no checkpoint touched: no worker started
 
 
 def test_the_tinker_exp_entry_point_is_the_same_cli(tmp_path):

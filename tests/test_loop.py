@@ -80,7 +80,7 @@ def test_a_non_finite_step_stops_the_run_before_it_saves_again(tmp_path):
     assert [row["train/nonfinite_steps"] for row in metrics_rows(tmp_path)] == [0, 0, 0, 0, 0, 1]
     assert start.started[0].saved == [2, 4]
     state = json.loads((tmp_path / "checkpoints" / "step_00000004" / "loop.json").read_text())
-    assert state == {"step": 4, "seed": 0, "nonfinite_steps": 0}
+    assert state == {"step": 4, "seed": 0, "device": "cpu", "nonfinite_steps": 0}
 
 
 def test_non_finite_steps_up_to_the_limit_are_counted_and_tolerated(tmp_path):
@@ -267,3 +267,54 @@ def test_wandb_service_killed_mid_run_one_warning_and_every_step_logged(tmp_path
     assert driver.returncode == 0, stderr[-3000:]
     assert stderr.count("W&B stopped working") == 1, stderr[-3000:]
     assert [row["train/step"] for row in metrics_rows(tmp_path / "run")] == list(range(steps))
+
+
+class StartOrder(FakeWorkers):
+    """Records what the driver had done when the group was constructed (its workers starting) and at the first step."""
+
+    def __init__(self, run_dir, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.run_dir = run_dir
+        self.at_start = self.driver_state()
+
+    def driver_state(self) -> dict:
+        return {name: (self.run_dir / name).exists() for name in ("plan.json", "plan.png", "wandb_run_id")}
+
+    def train_step(self, examples, optim_step_params):
+        self.__dict__.setdefault("at_first_step", self.driver_state())
+        return super().train_step(examples, optim_step_params)
+
+
+def test_the_plot_and_wandb_start_while_the_workers_start(tmp_path):
+    """After everything that can stop the run (plan.json, data, device), the workers are started first; the plot and
+    W&B start beside them (a thread while the driver waits in ready()) and are done before the first step."""
+    started = []
+
+    def start(cfg, plan, model_path, run_dir):
+        started.append(StartOrder(run_dir, plan.optimizer_values))
+        return started[0]
+
+    run(compose("trainer.steps=2", "+override=lr_cosine"), tmp_path, start_workers=start)  # a plan to plot
+    (workers,) = started
+    assert workers.at_start == {"plan.json": True, "plan.png": False, "wandb_run_id": False}
+    assert workers.at_first_step == {"plan.json": True, "plan.png": True, "wandb_run_id": True}
+    assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1]
+
+
+def test_the_driver_start_up_thread_returns_its_result_or_error_at_low_priority():
+    import os
+    import sys
+    import threading
+    import time
+
+    from tinker_exp.main import in_background
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    if sys.platform == "linux":  # per-thread niceness: the thread yields the CPU to the workers, not this one
+        assert in_background(niceness)() == min(niceness() + 10, 19) and niceness() < 19
+    assert in_background(lambda: "done")() == "done"
+    with pytest.raises(ZeroDivisionError):
+        in_background(lambda: 1 / 0)()
+    assert in_background(lambda: time.sleep(5))(0.05) is None  # not done in time: nothing (a stop does not wait)

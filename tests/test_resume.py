@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from helpers import (
     REPO,
+    compose,
     environment,
     job_json,
     metrics_rows,
@@ -154,3 +156,82 @@ def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path, s
         # submitit's USR2 handler ran and requeued the job (restart_count above); its own "Requeued job" line
         # may never be written: Slurm's SIGTERM for that requeue can stop the process before submitit logs it.
         assert "this job is preempted" in job_log
+
+
+# --- two round trips a step: no optimizer_zero_grad, no log-probs back -----------------------------------------------
+ROUND_TRIPS = ["trainer.steps=6", "checkpoint.every_steps=3", "trainer.eval_every=2", "logger=none", "+override=lr_cosine"]
+
+
+def grad_probed(seen: dict, explicit_zero_grad: bool = False):
+    """start_workers for run(): verl's workers that count, on every rank, the parameters holding a gradient as each
+    forward_backward begins; `explicit_zero_grad`: the loop as it was (optimizer_zero_grad first, a third round
+    trip). Before they are freed: those counts, and what one more forward_backward hands the driver."""
+    from tinker_exp.runtime.workers import TinkerWorkers
+
+    class GradProbedWorkers(TinkerWorkers):
+        def worker_class(self):
+            base = super().worker_class()
+            from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+
+            class GradProbe(base):  # a local class: Ray ships it to the workers by value
+                @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
+                def forward_backward(self, data):
+                    held = sum(p.grad is not None for p in self.engine.module.parameters())
+                    self.held = [*getattr(self, "held", []), held]
+                    return base.forward_backward(self, data)
+
+                @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+                def grads_held_at_each_forward_backward(self):
+                    return getattr(self, "held", [])
+
+            return GradProbe
+
+        def train_step(self, examples, optim_step_params):
+            self.last_examples = examples
+            if explicit_zero_grad:
+                self.group.optimizer_zero_grad()
+            return super().train_step(examples, optim_step_params)
+
+        def shutdown(self, timeout_s: float = 10.0) -> None:
+            if self.group is not None and getattr(self, "last_examples", None):
+                seen["held"] = self.group.grads_held_at_each_forward_backward()
+                seen["returned"] = self.group.forward_backward(self._batch(self.last_examples)).get()
+            super().shutdown(timeout_s)
+
+    def start(cfg, plan, model_path, run_dir):
+        return GradProbedWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values, "cpu")
+
+    return start
+
+
+def test_every_step_starts_from_no_gradient_without_zero_grad_and_trains_bitwise_as_with_it(ray_address, tmp_path):
+    """verl's optimizer_step zeroes the grads on exit, and reset, load_checkpoint and infer_batch (evaluations between
+    steps here) leave none: so every forward_backward starts from none, after a resume too, and the loop without
+    optimizer_zero_grad trains bitwise as the loop with it. forward_backward hands back its metrics, no log-probs."""
+    import pickle
+
+    from tinker_exp.main import run
+
+    keys = ("train/step", "train/loss", "train/grad_norm", "applied/lr", "val/loss")
+
+    def rows(run_dir):
+        return [[row.get(k) for k in keys] for row in read_jsonl(run_dir / "metrics.jsonl")]
+
+    whole: dict = {}
+    run(compose(*ROUND_TRIPS), tmp_path / "whole", start_workers=grad_probed(whole))
+    assert whole["held"] == [[0] * 6, [0] * 6]  # per rank, per step: no parameter held a gradient
+    returned = whole["returned"]
+    assert list(returned.keys()) == ["metrics"] and returned.get_non_tensor("metrics")["loss"]  # no log_probs
+    print(f"forward_backward's reply to the driver: {len(pickle.dumps(returned))} bytes")
+
+    with_zero_grad: dict = {}
+    run(compose(*ROUND_TRIPS), tmp_path / "zero_grad", start_workers=grad_probed(with_zero_grad, explicit_zero_grad=True))
+    assert rows(tmp_path / "zero_grad") == rows(tmp_path / "whole")  # losses, grad norms, val losses: bitwise
+
+    resumed = tmp_path / "resumed"  # as if killed after step 5, before its last save: continues from step 3
+    shutil.copytree(tmp_path / "whole", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000006")
+    again: dict = {}
+    run(compose(*ROUND_TRIPS), resumed, start_workers=grad_probed(again))
+    assert again["held"] == [[0] * 3, [0] * 3]  # steps 3, 4, 5 on freshly loaded workers
+    assert rows(resumed) == rows(tmp_path / "whole")

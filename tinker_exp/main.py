@@ -6,7 +6,9 @@ Config errors and dry runs import no torch, verl or ray: the runtime is imported
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -20,7 +22,7 @@ from tinker_exp.config.compose_errors import one_line_compose_errors
 from tinker_exp.errors import STOPS, Terminated, one_line
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
 from tinker_exp.formats import read_jsonl
-from tinker_exp.train.checkpoints import ResumePoint, resume_point
+from tinker_exp.train.checkpoints import ResumePoint, check_checkpoint_device, resume_point
 from tinker_exp.train.data import Row, dataset_rows
 from tinker_exp.train.objective import objective_metric, objective_value, write_objective
 from tinker_exp.train.protocols import Workers
@@ -52,28 +54,29 @@ def describe(plan: Plan, steps: list[int]) -> str:
     return f"optimizer built with {plan.optimizer_values}; {len(plan)} steps; sent with optimizer_step:\n{format_table(plan, steps)}"
 
 
-def write_plan(plan: Plan, run_dir: Path, steps: list[int]) -> tuple[Path, Path | None]:
-    """plan.json (the schedules, boundaries, the values at some steps and `steps`) and plan.png into the run dir;
-    returns their paths (no plot when nothing is sent)."""
-    from tinker_exp.optim.preview import PLAN_FILE, plot_plan, write_plan_file
+def write_plan(plan: Plan, run_dir: Path, steps: list[int]) -> Path:
+    """plan.json (the schedules, boundaries, the values at some steps and `steps`) into the run dir; returns its path."""
+    from tinker_exp.optim.preview import PLAN_FILE, write_plan_file
 
     run_dir.mkdir(parents=True, exist_ok=True)
     write_plan_file(plan, run_dir / PLAN_FILE, steps)
-    return run_dir / PLAN_FILE, plot_plan(plan, run_dir / "plan.png")
+    return run_dir / PLAN_FILE
 
 
 StartWorkers = Callable[[Config, "Plan", Path, Path], Workers]
-"""(config, plan, model dir, run dir) -> the started worker group."""
+"""(config, plan, model dir, run dir) -> the worker group, starting (its `ready()` waits for it)."""
 
 
-def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path) -> Workers:
-    """verl's Tinker workers on a Ray worker group; what they print goes to the run dir's workers.log."""
+def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choice: Any = None) -> Workers:
+    """verl's Tinker workers on a Ray worker group; what they print goes to the run dir's workers.log.
+    `choice`: the resolved device (runtime.device.DeviceChoice; None: resolved here)."""
+    from tinker_exp.runtime.device import resolve
     from tinker_exp.runtime.worker_output import WorkerOutput
-    from tinker_exp.runtime.workers import TinkerWorkers, resolve_device
+    from tinker_exp.runtime.workers import TinkerWorkers
 
     return TinkerWorkers(
         cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values,
-        resolve_device(cfg.backend.device.value), WorkerOutput(run_dir / WORKERS_LOG, echo=cfg.verbose), cfg.lora,
+        choice or resolve(cfg.backend), WorkerOutput(run_dir / WORKERS_LOG, echo=cfg.verbose), cfg.lora,
     )  # fmt: skip
 
 
@@ -100,9 +103,14 @@ def run(
     if resume is not None:
         for why in resume.skipped:
             warnings.warn(f"not resuming from a broken checkpoint: {why}; falling back to {resume.path.name}", stacklevel=1)
+        if cfg.backend.device.value != "auto":  # auto is resolved with torch: a real run checks it (train_run)
+            check_checkpoint_device(resume, cfg.backend.device.value)
         log.info(f"resuming from {resume.path} at step {resume.step}")
-    plan_file, plot = write_plan(plan, run_dir, cfg.plan_steps)
+    plan_file = write_plan(plan, run_dir, cfg.plan_steps)
     if cfg.dry_run:
+        from tinker_exp.optim.preview import plot_plan
+
+        plot = plot_plan(plan, run_dir / "plan.png")
         log.info(f"dry run: wrote {plan_file}" + (f" and {plot}" if plot else ""))
         return {}
     from tinker_exp.train.sinks import wandb_run_config
@@ -110,7 +118,37 @@ def run(
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     wandb_config = wandb_run_config(resolved, plan, choices, job)  # one flat key per value
-    return train_run(cfg, plan, rows, resume, run_dir, wandb_config, plot, start_workers or verl_workers)
+    return train_run(cfg, plan, rows, resume, run_dir, wandb_config, start_workers)
+
+
+def in_background(work: Callable[[], Any]) -> Callable[[float | None], Any]:
+    """Start `work` in a thread at a lower CPU priority, and return the wait for its result (its error re-raised;
+    None if it is not done within the timeout given). The driver's own start-up work then takes only the CPU the
+    workers' start-up leaves: on a machine of few cores they would otherwise share it. The main thread only waits
+    meanwhile (in ray.get): no two threads import at once."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        if sys.platform == "linux":  # Linux: per-thread niceness (a child process started here inherits it)
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except OSError:
+                pass
+        try:
+            box["result"] = work()
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="driver-start-up", daemon=True)
+    thread.start()
+
+    def result(timeout: float | None = None) -> Any:
+        thread.join(timeout)
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    return result
 
 
 def train_run(
@@ -120,21 +158,29 @@ def train_run(
     resume: ResumePoint | None,
     run_dir: Path,
     wandb_config: dict[str, Any],
-    plot: Path | None,
-    start_workers: StartWorkers,
+    start_workers: StartWorkers | None,
 ) -> dict[str, Any]:
-    """Sinks, workers, the loop; the workers are freed and the sinks closed however the run ends."""
-    from tinker_exp.optim.preview import plan_table
+    """Sinks, workers, the loop; the workers are freed and the sinks closed however the run ends.
+
+    Everything that can stop the run (device, checkpoint, model, LoRA targets, data) is checked before any
+    worker starts; the driver's remaining start-up (the plan's plot, W&B) then runs while the workers build
+    their models."""
+    from tinker_exp.optim.preview import plan_table, plot_plan
+    from tinker_exp.runtime.device import resolve
     from tinker_exp.runtime.inputs import load_examples, model_dir
     from tinker_exp.sweep.report import REPORT, write_report
     from tinker_exp.train.checkpoints import Checkpointer, restore
     from tinker_exp.train.data import batch_for_step, eval_batches
     from tinker_exp.train.evaluation import Evaluation
     from tinker_exp.train.loop import train
-    from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, WandbSink
+    from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, WandbSink, wandb_environment
 
     trainer, data = cfg.trainer, cfg.data
-    model_path = model_dir(cfg.model)
+    choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
+    log.info(f"device: {choice.describe()}")
+    if resume is not None:
+        check_checkpoint_device(resume, choice.device)
+    model_path = model_dir(cfg.model)  # on disk before any worker builds it
     if cfg.lora.rank:
         from tinker_exp.runtime import lora
 
@@ -149,19 +195,38 @@ def train_run(
     def batch_for(step: int) -> list:
         return batch_for_step(examples, step, trainer.batch_size, trainer.seed, data.shuffle)
 
-    wandb_sink = None
-    if cfg.logger.name.value == "wandb":
-        wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=cfg.logger.run_name or run_dir.name)
-        if wandb_sink is not None:
-            wandb_sink.attach_plan(*plan_table(plan, cfg.plan_steps), plot)
+    if cfg.logger.name.value == "wandb":  # before the workers start: they inherit it (offline stays offline)
+        os.environ.update(wandb_environment(run_dir, cfg.logger.mode.value))
     start = resume.state if resume else {}
-    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", start.get("step", 0)), wandb_sink, ProgressBar(trainer.steps)])
+    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", start.get("step", 0)), ProgressBar(trainer.steps)])
     exit_code, workers = 1, None
     try:
-        workers = start_workers(cfg, plan, model_path, run_dir)
+        if start_workers is None:
+            workers = verl_workers(cfg, plan, model_path, run_dir, choice)
+        else:
+            workers = start_workers(cfg, plan, model_path, run_dir)
+
+        def plot_and_wandb() -> WandbSink | None:  # neither can stop the run (W&B warns and is left out)
+            plot = plot_plan(plan, run_dir / "plan.png")
+            if cfg.logger.name.value != "wandb":
+                return None
+            wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=cfg.logger.run_name or run_dir.name)
+            if wandb_sink is not None:
+                wandb_sink.attach_plan(*plan_table(plan, cfg.plan_steps), plot)
+            return wandb_sink
+
+        started, stopping = in_background(plot_and_wandb), True  # while the workers start
+        try:
+            workers.ready()
+            stopping = False
+        finally:
+            wandb_sink = started(10.0 if stopping else None)  # stopping: do not wait long for W&B
+            if wandb_sink is not None:
+                sinks.sinks.insert(1, wandb_sink)
         if resume is not None:
             restore(workers, resume.path)
-        checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, {"seed": trainer.seed})
+        run_state = {"seed": trainer.seed, "device": choice.device}  # in every checkpoint's loop.json
+        checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, run_state)
         last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start, evaluation)
         if cfg.lora.rank:
             adapter = run_dir / ADAPTER

@@ -1,11 +1,18 @@
 """verl's TinkerTrainingWorker on a Ray worker group: the real ``Workers`` of the training loop.
 
 GPUs (nccl, bf16) when the device is cuda; CPU gloo workers otherwise, through the platform plugin in
-``tinker_exp.runtime.cpu_platform``. The loop talks to :class:`TinkerWorkers` through the ``Workers`` protocol.
+``tinker_exp.runtime.cpu_platform``. The device, precision and attention are chosen in ``tinker_exp.runtime.device``.
+The loop talks to :class:`TinkerWorkers` through the ``Workers`` protocol.
+
+Two round trips a step: forward_backward, then optimizer_step (which brings the param groups back too). No
+optimizer_zero_grad: verl's optimizer_step zeroes the grads on exit (its train_mode(zero_grad_on_exit=True), on
+an error as well), reset() and load_checkpoint() leave none, and infer_batch runs under no_grad; so every
+forward_backward starts from no grads, which tests/test_resume.py checks on the live workers.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -17,41 +24,55 @@ from typing import Any
 from tinker_exp.config import BackendConfig, LoraConfig, OptimizerConfig, TrainerConfig
 from tinker_exp.optim.convert import OVERRIDE_KEYS
 from tinker_exp.runtime import lora as lora_adapters
+from tinker_exp.runtime.device import DeviceChoice, check_gpus, check_placement
 from tinker_exp.runtime.worker_output import WorkerOutput
 from tinker_exp.train.protocols import StepResult
 from tinker_exp.train.signals import ignored_by_children, sigterm_handler_kept
 
+log = logging.getLogger(__name__)
+
 CPU_PLATFORM_ENV = {
     "VERL_USE_EXTERNAL_MODULES": "tinker_exp.runtime.cpu_platform",  # verl imports it at `import verl`
-    "VERL_PLATFORM": "cpu",
     # verl's own override of the engine-registry lookup; the FSDP engine code is device-agnostic.
     "VERL_ENGINE_DEVICE": "cuda",
 }
-
-
-def resolve_device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def attention_implementation(device: str) -> str:
-    """flash-attn where it is installed on a GPU machine; torch's SDPA everywhere else."""
-    import importlib.util
-
-    return "flash_attention_2" if device == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+VERL_PLATFORMS = {"cpu": "cpu", "cuda": "nvidia"}
+"""backend device -> verl's platform name (VERL_PLATFORM)."""
+DEVICE_ENV = "TINKER_EXP_DEVICE"
+"""The device each worker must find verl resolved to (checked in the worker)."""
 
 
 def platform_env(device: str) -> dict[str, str]:
-    """Environment for the driver and every worker; set before verl is imported anywhere."""
-    env = dict(CPU_PLATFORM_ENV) if device == "cpu" else {}
+    """Environment for the driver and every worker; set before verl is imported anywhere. The platform is named
+    for cuda too: an earlier CPU run in this process (a test session, an in-process sweep) leaves
+    VERL_PLATFORM=cpu in os.environ, which the workers would inherit."""
+    env = {**(CPU_PLATFORM_ENV if device == "cpu" else {}), "VERL_PLATFORM": VERL_PLATFORMS[device], DEVICE_ENV: device}
     # Offline W&B must never look anything up, in workers too.
     for key in ("WANDB_MODE", "WANDB_ERROR_REPORTING", "TMPDIR"):
         if key in os.environ:
             env[key] = os.environ[key]
     return env
+
+
+def use_platform(device: str) -> None:
+    """Make the driver's verl resolve `device`'s platform (the placement groups' bundles follow it). verl caches
+    its platform for the life of the process: one resolved for an earlier run is replaced."""
+    os.environ.update(platform_env(device))
+    if device == "cpu":
+        import tinker_exp.runtime.cpu_platform  # noqa: F401  (registers it even if verl was imported earlier)
+    from verl.plugin.platform import PlatformRegistry, get_platform, set_platform
+
+    if get_platform().device_name != device:
+        set_platform(PlatformRegistry.get(VERL_PLATFORMS[device])())
+    check_platform(device)
+
+
+def check_platform(device: str) -> None:
+    from verl.plugin.platform import get_platform
+
+    resolved = get_platform()
+    if resolved.device_name != device:
+        raise RuntimeError(f"verl resolved the platform {type(resolved).__name__} ({resolved.device_name}), not {device}")
 
 
 def wait_for_nodes(nodes: int, timeout_s: float) -> None:
@@ -87,14 +108,17 @@ def start_ray(address: str | None, env: dict[str, str]) -> None:
 def _worker_class():
     import torch
     import torch.distributed as dist
-    from verl.single_controller.base.decorator import Dispatch, register
+    from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+    from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_name
     from verl.workers.engine_workers_tinker import TinkerTrainingWorker, _iter_optimizer_param_groups
 
     class TinkerExpWorker(TinkerTrainingWorker):
-        """verl's worker, plus gloo start-up on CPU, a read-back of the param groups and the LoRA export."""
+        """verl's worker, plus gloo start-up on CPU, a read-back of the param groups, no log-probs sent back and
+        the LoRA export."""
 
         def __init__(self, config):
+            check_platform(os.environ[DEVICE_ENV])  # the platform asked for, not one inherited from elsewhere
             if get_device_name() == "cpu" and not dist.is_initialized():
                 # verl would ask for "cpu:gloo,cpu:gloo" (duplicate device type); it skips its own
                 # init when a process group exists.
@@ -110,6 +134,26 @@ def _worker_class():
             # this, LoRA's A matrices (drawn here; FSDP2 keeps rank 0's) differ from run to run.
             torch.manual_seed(self.engine_config.seed)
             return TinkerTrainingWorker.reset(self)
+
+        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
+        def forward_backward(self, data):
+            # verl keeps and returns every token's log-prob (its Tinker API hands them to the client); the loop
+            # uses only the metrics, so only they travel back to the driver.
+            output = TinkerTrainingWorker.forward_backward(self, data)
+            if output is None:
+                return None
+            return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": output.get_non_tensor("metrics")})
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def device_info(self) -> dict[str, Any]:
+            """Where this rank runs: verl's platform, the torch device of its parameters, the visible GPUs."""
+            parameter = next(self.engine.module.parameters())
+            info = {"platform": get_device_name(), "parameters": str(parameter.device)}
+            if torch.cuda.is_available():
+                info["cuda_device"] = torch.cuda.current_device()
+                info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+            info["attention"] = getattr(getattr(self.engine.module, "config", None), "_attn_implementation", None)
+            return info
 
         def _param_group_values(self) -> list[dict[str, Any]]:
             groups = _iter_optimizer_param_groups(self.engine.optimizer)
@@ -139,8 +183,59 @@ def _loss(output: Any) -> float:
     return float(sum(loss) / len(loss)) if isinstance(loss, list) else float(loss)
 
 
+def worker_config(
+    backend: BackendConfig,
+    optimizer: OptimizerConfig,
+    trainer: TrainerConfig,
+    model_path: str,
+    optimizer_values: dict[str, Any],
+    choice: DeviceChoice,
+    lora: LoraConfig | None = None,
+):
+    """verl's TrainingWorkerConfig for every rank (`lora`: None for full fine-tuning)."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
+
+    lora = lora if lora is not None and lora.rank > 0 else None
+    return TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=HFModelConfig(
+            path=model_path,
+            override_config={"attn_implementation": choice.attention},
+            enable_gradient_checkpointing=False,
+            **lora_adapters.model_config_fields(lora),
+        ),
+        engine_config=FSDPEngineConfig(
+            strategy=backend.strategy,
+            use_dynamic_bsz=False,
+            micro_batch_size_per_gpu=backend.micro_batch_size,
+            infer_micro_batch_size_per_gpu=backend.micro_batch_size,  # validation (infer_batch)
+            mixed_precision={"param_dtype": choice.precision, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+            use_torch_compile=choice.device == "cuda",
+            seed=trainer.seed,
+        ),
+        # Built from the converted values: the param groups hold exactly float and tuple, so verl's
+        # strict check at the worker agrees with ours.
+        optimizer_config=FSDPOptimizerConfig(
+            optimizer=optimizer.name.value,
+            lr=optimizer_values["lr"],
+            betas=optimizer_values["betas"],
+            weight_decay=optimizer_values["weight_decay"],
+            override_optimizer_config={"eps": optimizer_values["eps"]},
+            clip_grad=float(optimizer.clip_grad),
+            lr_scheduler_type="constant",  # the client owns the schedule (optimizer_step never steps it)
+            total_training_steps=int(trainer.steps),
+        ),
+        # LoRA: adapters and their optimizer state only; reset() rebuilds the frozen base from the model dir.
+        checkpoint_config=CheckpointConfig(save_lora_only=lora is not None),
+    )
+
+
 class TinkerWorkers:
-    """A Ray worker group of TinkerTrainingWorkers with one FSDP2 engine over all ranks."""
+    """A Ray worker group of TinkerTrainingWorkers with one FSDP2 engine over all ranks.
+
+    Built in two parts, so that the driver's own start-up work overlaps the workers': the constructor returns once
+    every worker is asked to build its model; `ready()` waits for them."""
 
     def __init__(
         self,
@@ -149,19 +244,31 @@ class TinkerWorkers:
         trainer: TrainerConfig,
         model_path: str,
         optimizer_values: dict[str, Any],
-        device: str,
+        device: str | DeviceChoice,
         output: WorkerOutput | None = None,
         lora: LoraConfig | None = None,
     ):
-        """`output`: where what the workers print goes (None: the terminal, as Ray prints it); `lora`: None or
+        """`device`: the resolved choice, or a device name (its precision and attention resolved here);
+        `output`: where what the workers print goes (None: the terminal, as Ray prints it); `lora`: None or
         rank 0 for full fine-tuning."""
-        self.device = device
+        if isinstance(device, str):
+            from dataclasses import replace
+
+            from tinker_exp.config.schema import Device
+            from tinker_exp.runtime.device import resolve
+
+            device = resolve(replace(backend, device=Device(device)))
+        self.choice = device
+        self.device = device.device
         self.lora = lora if lora is not None and lora.rank > 0 else None
         self.output = output
-        env = platform_env(device)
-        os.environ.update(env)  # the driver resolves verl's platform too (placement groups)
-        if device == "cpu":
-            import tinker_exp.runtime.cpu_platform  # noqa: F401  (registers it even if verl was imported earlier)
+        self.pending: list = []  # reset and set_loss_fn, under way until ready()
+        env = platform_env(self.device)
+        use_platform(self.device)  # the driver's verl too: it sizes the placement groups' bundles
+        # verl's worker modules and the model config, before ray.init: once Ray's daemons and prestarted workers
+        # are up they compete with this import for the CPU (about 1.5 s later on 2 cores).
+        worker_cls = self.worker_class()
+        worker_config = self._worker_config(backend, optimizer, trainer, model_path, optimizer_values)
         import ray
 
         # A cluster we start is ours to stop; one we join (address, or already initialized) is shared.
@@ -172,17 +279,18 @@ class TinkerWorkers:
         if output is not None:
             output.start()
         try:
-            self._start(ray, backend, self._worker_config(backend, optimizer, trainer, model_path, optimizer_values), env)
+            wait_for_nodes(backend.nodes, backend.nodes_timeout_s)
+            if self.device == "cuda":  # before any placement group: one the cluster cannot hold would wait forever
+                check_gpus([node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]], backend.num_workers, backend.nodes)
+            self._start(ray, backend, worker_cls, worker_config, env)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start(self, ray, backend: BackendConfig, worker_config: Any, env: dict[str, str]) -> None:
+    def _start(self, ray, backend: BackendConfig, worker_cls: type, worker_config: Any, env: dict[str, str]) -> None:
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl.workers.utils.losses import sft_loss
 
-        wait_for_nodes(backend.nodes, backend.nodes_timeout_s)
-        worker_cls = self.worker_class()
         on_gpu = self.device == "cuda"
         self.pool = pool = RayResourcePool(
             process_on_nodes=[backend.num_workers] * backend.nodes,  # one placement group per node
@@ -195,8 +303,22 @@ class TinkerWorkers:
         )
         # worker_env reaches the workers even when we join a cluster someone else started.
         self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=self.device, worker_env=env)
-        self.group.reset()  # builds model, FSDP2, optimizer on every rank
-        self.group.set_loss_fn(partial(sft_loss, config=None))
+        # Each rank builds model, FSDP2 and optimizer; asked now, awaited in ready() (an actor runs its calls in order).
+        self.pending = [
+            *self.group.execute_all_async("reset"),
+            *self.group.execute_all_async("set_loss_fn", partial(sft_loss, config=None)),
+        ]
+
+    def ready(self) -> None:
+        """Wait until every worker has built its model (a worker's start-up error is raised here), then check that
+        each rank's model sits where it was asked to (its own GPU on cuda)."""
+        import ray
+
+        pending, self.pending = self.pending, []
+        if pending:
+            ray.get(pending)
+            self.placement = check_placement(self.device, self.group.device_info())
+            log.info(f"workers: {self.placement}")
 
     def worker_class(self) -> type:
         """The Ray actor class of each rank (a test plants an applied/requested mismatch in a subclass)."""
@@ -210,45 +332,7 @@ class TinkerWorkers:
         model_path: str,
         optimizer_values: dict[str, Any],
     ):
-        from verl.trainer.config import CheckpointConfig
-        from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
-
-        precision = backend.precision.value
-        if precision == "auto":
-            precision = "bf16" if self.device == "cuda" else "fp32"
-        param_dtype = "bf16" if precision == "bf16" else "fp32"
-        return TrainingWorkerConfig(
-            model_type="language_model",
-            model_config=HFModelConfig(
-                path=model_path,
-                override_config={"attn_implementation": attention_implementation(self.device)},
-                enable_gradient_checkpointing=False,
-                **lora_adapters.model_config_fields(self.lora),
-            ),
-            engine_config=FSDPEngineConfig(
-                strategy=backend.strategy,
-                use_dynamic_bsz=False,
-                micro_batch_size_per_gpu=backend.micro_batch_size,
-                infer_micro_batch_size_per_gpu=backend.micro_batch_size,  # validation (infer_batch)
-                mixed_precision={"param_dtype": param_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-                use_torch_compile=self.device == "cuda",
-                seed=trainer.seed,
-            ),
-            # Built from the converted values: the param groups hold exactly float and tuple, so verl's
-            # strict check at the worker agrees with ours.
-            optimizer_config=FSDPOptimizerConfig(
-                optimizer=optimizer.name.value,
-                lr=optimizer_values["lr"],
-                betas=optimizer_values["betas"],
-                weight_decay=optimizer_values["weight_decay"],
-                override_optimizer_config={"eps": optimizer_values["eps"]},
-                clip_grad=float(optimizer.clip_grad),
-                lr_scheduler_type="constant",  # the client owns the schedule (optimizer_step never steps it)
-                total_training_steps=int(trainer.steps),
-            ),
-            # LoRA: adapters and their optimizer state only; reset() rebuilds the frozen base from the model dir.
-            checkpoint_config=CheckpointConfig(save_lora_only=self.lora is not None),
-        )
+        return worker_config(backend, optimizer, trainer, model_path, optimizer_values, self.choice, self.lora)
 
     def param_group_values(self) -> list[list[dict[str, Any]]]:
         return self.group.param_group_values()
@@ -274,8 +358,8 @@ class TinkerWorkers:
         return parameters
 
     def train_step(self, examples: list, optim_step_params: dict[str, Any] | None) -> StepResult:
-        """zero_grad -> forward_backward (verl splits it into micro batches) -> optimizer_step(override)."""
-        self.group.optimizer_zero_grad()
+        """forward_backward (verl splits it into micro batches) -> optimizer_step(override), which zeroes the
+        grads on its way out: the next step starts from none (see the module's docstring)."""
         output = self.group.forward_backward(self._batch(examples)).get()
         per_rank = self.group.optimizer_step(optim_step_params=optim_step_params or None)
         loss = _loss(output)

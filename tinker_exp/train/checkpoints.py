@@ -2,7 +2,7 @@
 
     <run dir>/checkpoints/step_00000010/    10 steps done: a resumed run continues at step 10
         workers/       verl's files, one set per rank (model, optimizer, extra state: lr scheduler + RNG)
-        loop.json      the loop's own state: next step, seed, W&B run id, non-finite count
+        loop.json      the loop's own state: next step, seed, device (cpu, cuda), non-finite count
         MANIFEST.json  written last: every file with its size (and sha256 when asked)
 
 A save is written into `.step_00000010.partial/` and renamed into place after its manifest: a crash while
@@ -162,6 +162,18 @@ def rotate(root: Path, keep_last: int) -> list[Path]:
     return doomed
 
 
+def check_checkpoint_device(point: ResumePoint, device: str) -> None:
+    """A checkpoint loads only on the device kind it was saved from: verl loads its shards without map_location
+    (cuda tensors on a CPU machine fail; CPU ones on GPUs would land beside the model). Checked before any worker
+    starts. Checkpoints from before the device was recorded are let through."""
+    saved = point.state.get("device")
+    if saved is not None and saved != device:
+        raise ConfigError(
+            f"backend.device: this run trains on {device}, but {point.path} was saved by {saved} workers and verl "
+            f"loads it onto {saved} only: set backend.device={saved} to continue it, or use another run dir"
+        )
+
+
 def resume_point(root: Path, mode: str) -> ResumePoint | None:
     """Where a run continues, by `resume` mode (auto, must, never); checked before any worker starts."""
     if mode == "never":
@@ -181,7 +193,7 @@ class Checkpointer:
         self, root: Path, cfg: CheckpointConfig, total_steps: int, workers: Workers, run_state: dict[str, Any]
     ):
         self.root, self.cfg, self.total_steps, self.workers = root, cfg, total_steps, workers
-        self.run_state = run_state  # what every checkpoint of this run records (seed, W&B run id)
+        self.run_state = run_state  # what every checkpoint of this run records (seed, device)
 
     def due(self, steps_done: int) -> bool:
         every = self.cfg.every_steps

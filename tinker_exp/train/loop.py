@@ -54,7 +54,7 @@ def train(
         requested = plan[step]
 
         start_time = time.perf_counter()
-        result = workers.train_step(batch, requested)  # zero_grad -> forward_backward -> optimizer_step
+        result = workers.train_step(batch, requested)  # forward_backward -> optimizer_step
         step_time = time.perf_counter() - start_time
 
         applied = check_applied(step, requested, result.applied)

@@ -13,7 +13,7 @@ from typing import Any, Protocol, Sequence
 
 @dataclass
 class StepResult:
-    """What one Tinker step (zero_grad -> forward_backward -> optimizer_step) reports back."""
+    """What one Tinker step (forward_backward -> optimizer_step) reports back."""
 
     loss: float
     grad_norm: float
@@ -23,6 +23,10 @@ class StepResult:
 
 class Workers(Protocol):
     """A group of training workers with one model and optimizer over all ranks."""
+
+    def ready(self) -> None:
+        """Wait until the group, started by its constructor, can train (the driver works meanwhile)."""
+        ...
 
     def train_step(self, examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult: ...
 

@@ -1,0 +1,180 @@
+"""Which device, precision and attention a run uses, and whether the cluster can hold its workers.
+
+The decisions are pure functions of what was asked for and what this machine has (a `TorchBuild`, the GPUs Ray
+reports), so every branch is tested on CPU; `probe()` and `flash_attn_usable()` are the thin parts that look at
+the real torch, GPU and flash-attn. All of it runs before Ray starts (the GPU count: before any worker starts).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+from tinker_exp.config import BackendConfig
+from tinker_exp.errors import ConfigError
+
+SDPA = "sdpa"
+FLASH = "flash_attention_2"
+
+
+@dataclass(frozen=True)
+class TorchBuild:
+    """What the driver's torch is and sees."""
+
+    version: str
+    """torch.__version__ (2.13.0+cpu, 2.13.0+cu128)."""
+    cuda: str | None
+    """torch.version.cuda: None for a CPU (or ROCm) build."""
+    gpus: int = 0
+    """CUDA GPUs this process sees."""
+    capability: tuple[int, int] | None = None
+    """GPU 0's compute capability (None: no GPU seen)."""
+    gpu_name: str | None = None
+    nvidia_smi: str | None = None
+    """Path of nvidia-smi, if on PATH: a machine with NVIDIA GPUs, whatever torch can use."""
+
+    @property
+    def bf16(self) -> bool | None:
+        """Native bf16 (Ampere, compute capability 8.0, and later); None when no GPU is seen from here."""
+        return None if self.capability is None else self.capability >= (8, 0)
+
+    def describe(self) -> str:
+        if not self.gpus:
+            return f"torch {self.version}"
+        return f"torch {self.version}, {self.gpus} GPU(s): {self.gpu_name} (compute capability {self.capability[0]}.{self.capability[1]})"
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """The resolved backend: what the workers are built with."""
+
+    device: str  # cpu | cuda
+    precision: str  # fp32 | bf16
+    attention: str  # sdpa | flash_attention_2
+
+    def describe(self) -> str:
+        return f"{self.device}, {self.precision}, attention {self.attention}"
+
+
+def choose_device(requested: str, build: TorchBuild) -> tuple[str, str | None]:
+    """backend.device -> (cpu or cuda, a warning or None). cuda with a torch that cannot drive CUDA is refused
+    here: verl would ask for cuda:nccl inside every worker and crash there."""
+    if requested == "cpu":
+        return "cpu", None
+    if requested == "cuda":
+        if build.cuda is None:
+            raise ConfigError(
+                f"backend.device=cuda: torch {build.version} is not a CUDA build (torch.version.cuda is None); "
+                "install a CUDA build of torch, or set backend.device=cpu"
+            )
+        return "cuda", None  # a CUDA build seeing no GPU here may drive the GPUs of a cluster: Ray's count decides
+    if build.cuda is not None and build.gpus > 0:
+        return "cuda", None
+    if build.nvidia_smi:
+        why = "is not a CUDA build" if build.cuda is None else f"(CUDA {build.cuda}) sees no GPU"
+        return "cpu", (
+            f"backend.device=auto: this machine has NVIDIA GPUs ({build.nvidia_smi}) but torch {build.version} {why}: "
+            "training on CPU (install a CUDA build of torch to use them; backend.device=cpu silences this)"
+        )
+    return "cpu", None
+
+
+def choose_precision(requested: str, device: str, bf16: bool | None, gpu: str = "GPU 0") -> str:
+    """backend.precision -> fp32 or bf16. auto: bf16 on a GPU with native bf16 (or one not seen from the driver),
+    else fp32. bf16 asked for on a GPU without it is refused (emulated, slow, some kernels missing)."""
+    if requested == "auto":
+        return "bf16" if device == "cuda" and bf16 is not False else "fp32"
+    if requested == "bf16" and device == "cuda" and bf16 is False:
+        raise ConfigError(f"backend.precision=bf16: {gpu} has no native bf16 (compute capability < 8.0); use fp32 or auto")
+    return requested
+
+
+def choose_attention(device: str, precision: str, bf16: bool | None, flash_attn: bool) -> str:
+    """flash-attn only for bf16 on a GPU known to support it, when it imports against this torch: it has no
+    fp32 kernels (precision=fp32 would fail at the first forward); torch's SDPA everywhere else."""
+    return FLASH if device == "cuda" and precision == "bf16" and bf16 is True and flash_attn else SDPA
+
+
+def needs_flash_probe(device: str, precision: str, bf16: bool | None) -> bool:
+    """Whether flash-attn's availability matters (importing it costs time: only ask when it could be used)."""
+    return choose_attention(device, precision, bf16, flash_attn=True) == FLASH
+
+
+def check_gpus(per_node: Sequence[float], num_workers: int, nodes: int) -> None:
+    """Each node's placement group packs `num_workers` one-GPU workers onto one node (verl's STRICT_PACK), and
+    there are `nodes` of them: a cluster that cannot hold them would leave Ray waiting forever."""
+    groups = sum(int(gpus // num_workers) for gpus in per_node)
+    if groups >= nodes:
+        return
+    over = f"backend.num_workers={num_workers}" + (f" x backend.nodes={nodes}" if nodes > 1 else "")
+    have = ", ".join(f"{gpus:g}" for gpus in per_node) or "none"
+    hint = f"; set backend.num_workers={int(max(per_node))}" if nodes == 1 and per_node and max(per_node) >= 1 else ""
+    raise ConfigError(
+        f"{over}: {num_workers * nodes} workers need {num_workers} GPUs on each of {nodes} node(s), but Ray reports "
+        f"GPUs per node: {have}{hint}"
+    )
+
+
+def check_placement(device: str, ranks: Sequence[dict]) -> str:
+    """Each rank's report (TinkerExpWorker.device_info) against the device asked for: verl's platform, and on cuda
+    parameters on the rank's own current GPU. Returns a one-line summary; raises RuntimeError naming the rank."""
+    for rank, info in enumerate(ranks):
+        where = info.get("parameters", "?")
+        if info.get("platform") != device:
+            raise RuntimeError(f"rank {rank}: verl's platform is {info.get('platform')}, not {device}")
+        if device == "cuda" and where != f"cuda:{info.get('cuda_device')}":
+            raise RuntimeError(f"rank {rank}: parameters on {where}, but its current CUDA device is {info.get('cuda_device')}")
+        if device == "cpu" and where != "cpu":
+            raise RuntimeError(f"rank {rank}: parameters on {where}, not cpu")
+    attention = sorted({str(info.get("attention")) for info in ranks})
+    if device == "cuda":
+        gpus = ", ".join(f"{info['parameters']} (CUDA_VISIBLE_DEVICES={info.get('visible')})" for info in ranks[:8])
+        where = f"{gpus}{', ...' if len(ranks) > 8 else ''}"
+    else:
+        where = "cpu"
+    return f"{len(ranks)} rank(s) on {where}; attention {', '.join(attention)}"
+
+
+def resolve(backend: BackendConfig, build: TorchBuild | None = None) -> DeviceChoice:
+    """The whole choice for a run (warnings as Python warnings); `build`: None probes this machine."""
+    build = probe() if build is None else build
+    device, warning = choose_device(backend.device.value, build)
+    if warning:
+        warnings.warn(warning, stacklevel=2)
+    gpu = f"GPU 0 ({build.gpu_name})" if build.gpu_name else "GPU 0"
+    precision = choose_precision(backend.precision.value, device, build.bf16, gpu)
+    flash = needs_flash_probe(device, precision, build.bf16) and flash_attn_usable()
+    return DeviceChoice(device, precision, choose_attention(device, precision, build.bf16, flash))
+
+
+def probe() -> TorchBuild:
+    """This process's torch and GPUs (device properties only: no tensor is put on a GPU)."""
+    import shutil
+
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.version.cuda else 0
+    return TorchBuild(
+        version=torch.__version__,
+        cuda=torch.version.cuda,
+        gpus=gpus,
+        capability=tuple(torch.cuda.get_device_capability(0)) if gpus else None,
+        gpu_name=torch.cuda.get_device_name(0) if gpus else None,
+        nvidia_smi=shutil.which("nvidia-smi"),
+    )
+
+
+def flash_attn_usable() -> bool:
+    """transformers' own check (package, version, CUDA), then the import itself: a wheel built against another
+    torch is found by find_spec but fails to load its CUDA extension."""
+    from transformers.utils import is_flash_attn_2_available
+
+    if not is_flash_attn_2_available():
+        return False
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401  (loads flash_attn_2_cuda)
+    except Exception as e:  # ImportError, OSError (undefined symbol): any of them means no flash-attn here
+        warnings.warn(f"flash-attn is installed but does not import ({type(e).__name__}: {e}); using sdpa", stacklevel=2)
+        return False
+    return True
