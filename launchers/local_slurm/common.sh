@@ -23,12 +23,13 @@ wait_until() {
 # Running and not a zombie.
 alive() { kill -0 "$1" 2>/dev/null && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status" 2>/dev/null; }
 
-# Live pid of daemon NAME from its pid file (checks the pid really is NAME, not a recycled pid).
+# Live pid of daemon NAME from its pid file (checks the pid really is NAME, not a recycled pid;
+# slurmd-NODE is a slurmd).
 pid_of() {
     local pid
     pid=$(cat "$RUN/$1.pid" 2>/dev/null) || return 1
     [[ $pid =~ ^[0-9]+$ ]] || return 1
-    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$1" ]] || return 1
+    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "${1%%-*}" ]] || return 1
     alive "$pid" || return 1
     echo "$pid"
 }

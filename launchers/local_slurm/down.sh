@@ -100,7 +100,10 @@ main() {
 
     cancel_jobs
     local name pid stopped=()
-    for name in slurmd slurmctld slurmdbd mariadbd munged; do
+    local slurmds=("$RUN"/slurmd-*.pid)
+    slurmds=("${slurmds[@]##*/}")
+    for name in "${slurmds[@]%.pid}" slurmctld slurmdbd mariadbd munged; do
+        [[ $name == "slurmd-*" ]] && continue  # no slurmd pid file
         if pid=$(pid_of "$name"); then
             stop_pids "$pid"
             stopped+=("$name")

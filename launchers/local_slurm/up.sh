@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Bring up a real single-node Slurm 22.05 cluster with accounting (slurmdbd + MariaDB) on this machine.
+# Bring up a real Slurm 22.05 cluster with accounting (slurmdbd + MariaDB) on this machine.
+# Usage: up.sh [NODES]   NODES: how many Slurm nodes (one slurmd each) share this machine's CPUs and memory;
+# default 1 (a node named after the host), or $TINKER_EXP_SLURM_NODES. Nodes n1..nN when more than one.
 # Everything (config, state, logs, sockets, pid files) lives under one folder; see README.md.
 # Idempotent: healthy daemons are left alone, dead/stale/reconfigured ones are (re)started.
 # Progress goes to stderr; the last stdout line is `export SLURM_CONF=...` (also in $BASE/env.sh).
@@ -18,6 +20,11 @@ PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
 DBD_CONF="$ETC/slurmdbd.conf" KEY="$ETC/munge.key" DB_PASS_FILE="$ETC/db.pass"
 MUNGE_SOCK="$RUN/munge.sock" DB_SOCK="$RUN/mysqld.sock"
 HOST="$(hostname -s)"
+NODE_COUNT="${1:-${TINKER_EXP_SLURM_NODES:-1}}"
+[[ $NODE_COUNT =~ ^[1-9][0-9]?$ ]] || { say "ERROR: NODES must be a number from 1 to 99, got '$NODE_COUNT'"; exit 2; }
+if ((NODE_COUNT == 1)); then NODES=("$HOST"); else mapfile -t NODES < <(seq -f 'n%g' 1 "$NODE_COUNT"); fi
+# A node's slurmd port: the first takes SLURMD_PORT, the others the ports after the database's.
+node_port() { if (($1 == 0)); then echo "$SLURMD_PORT"; else echo $((DB_PORT + $1)); fi; }
 export SLURM_CONF="$CONF"
 
 # Print why NAME failed plus the tail of its logs, then exit non-zero.
@@ -31,15 +38,32 @@ fail() {
     exit 1
 }
 
-# Pids of processes we started (tagged environment) whose command is NAME.
+# Pids of processes we started (tagged environment) that are daemon NAME (slurmd-NODE: the slurmd of NODE;
+# slurmd-*: every slurmd).
 tagged_pids() {
-    local p comm
+    local p comm node
     for p in /proc/[0-9]*; do
         read -r comm <"$p/comm" 2>/dev/null || continue
-        [[ $comm == "$1" ]] || continue
+        [[ $comm == "${1%%-*}" ]] || continue
+        if [[ $1 == slurmd-* ]]; then
+            node=$({ tr '\0' '\n' <"$p/cmdline"; } 2>/dev/null | sed -n '/^-N$/{n;p;}')
+            [[ $1 == "slurmd-*" || $node == "${1#slurmd-}" ]] || continue
+        fi
         { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qxF "$TAG" && echo "${p#/proc/}"
     done
     return 0
+}
+
+# slurmd daemons of nodes no longer in the config (the node count changed).
+stop_other_slurmds() {
+    local p node keep=" ${NODES[*]} " stray=()
+    for p in $(tagged_pids "slurmd-*"); do
+        node=$({ tr '\0' '\n' <"/proc/$p/cmdline"; } 2>/dev/null | sed -n '/^-N$/{n;p;}')
+        [[ $keep == *" $node "* ]] || stray+=("$p")
+    done
+    ((${#stray[@]})) || return 0
+    say "stopping the slurmd of nodes no longer configured (pids ${stray[*]})"
+    stop_pids "${stray[@]}"
 }
 
 # SIGTERM the pids, SIGKILL whatever is left after 20 s.
@@ -99,7 +123,9 @@ install_packages() {
 }
 
 prepare_dirs() {
-    mkdir -p "$ETC" "$RUN" "$LOG" "$STATE/slurmctld" "$STATE/slurmd" "$STATE/munge"
+    mkdir -p "$ETC" "$RUN" "$LOG" "$STATE/slurmctld" "$STATE/munge"
+    local node
+    for node in "${NODES[@]}"; do mkdir -p "$STATE/slurmd/$node"; done
     # munged refuses group/world-writable dirs; non-root clients need to reach the socket.
     chmod 755 "$BASE" "$ETC" "$RUN" "$LOG" "$STATE"
     chmod 700 "$STATE/munge"
@@ -113,11 +139,21 @@ prepare_dirs() {
 }
 
 write_configs() {
-    local hw db_pass
+    local hw db_pass cpus mem i node_lines=""
     db_pass=$(<"$DB_PASS_FILE")
     # e.g. "CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 ThreadsPerCore=1 RealMemory=23990"
     hw=$(slurmd -C 2>/dev/null | sed -n '1s/^NodeName=[^ ]* //p')
     [[ $hw == CPUs=*RealMemory=* ]] || fail slurmd "cannot read the node's hardware from 'slurmd -C': $hw"
+    if ((NODE_COUNT == 1)); then
+        node_lines="NodeName=$HOST NodeAddr=127.0.0.1 Port=$SLURMD_PORT $hw"
+    else  # the machine's CPUs and memory shared out: scheduling labels only, nothing is confined
+        cpus=$(sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' <<<"$hw") mem=$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$hw")
+        ((cpus >= NODE_COUNT)) || fail slurmd "$NODE_COUNT nodes need at least $NODE_COUNT CPUs; this machine has $cpus"
+        for i in "${!NODES[@]}"; do
+            node_lines+="NodeName=${NODES[i]} NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$(node_port "$i")"
+            node_lines+=" CPUs=$((cpus / NODE_COUNT)) RealMemory=$((mem / NODE_COUNT))"$'\n'
+        done
+    fi
 
     update_file "$DBD_CONF" 600 <<EOF
 # Written by launchers/local_slurm/up.sh; edits are overwritten.
@@ -150,11 +186,12 @@ AuthType=auth/munge
 AuthInfo=socket=$MUNGE_SOCK
 CredType=cred/munge
 StateSaveLocation=$STATE/slurmctld
-SlurmdSpoolDir=$STATE/slurmd
+# Per node (%n): several slurmd daemons share this machine.
+SlurmdSpoolDir=$STATE/slurmd/%n
 SlurmctldPidFile=$RUN/slurmctld.pid
-SlurmdPidFile=$RUN/slurmd.pid
+SlurmdPidFile=$RUN/slurmd-%n.pid
 SlurmctldLogFile=$LOG/slurmctld.log
-SlurmdLogFile=$LOG/slurmd.log
+SlurmdLogFile=$LOG/slurmd-%n.log
 # No cgroups/systemd here: resources are scheduling labels, nothing is confined.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -175,8 +212,8 @@ AccountingStoragePort=$DBD_PORT
 AccountingStoragePass=$MUNGE_SOCK
 JobAcctGatherType=jobacct_gather/linux
 JobCompType=jobcomp/none
-NodeName=$HOST NodeAddr=127.0.0.1 $hw
-PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
+${node_lines%$'\n'}
+PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP
 EOF
 
     echo "export SLURM_CONF=$CONF" | update_file "$BASE/env.sh" 644
@@ -192,15 +229,14 @@ MARIADBD_CMD=(mariadbd --no-defaults --user=root --datadir="$DB" --socket="$DB_S
     --innodb-log-file-size=64M --innodb-lock-wait-timeout=900 --max-allowed-packet=64M)
 SLURMDBD_CMD=(slurmdbd)                     # finds slurmdbd.conf next to $SLURM_CONF
 SLURMCTLD_CMD=(slurmctld -f "$CONF")        # no -c: keep job/node state across restarts
-SLURMD_CMD=(slurmd -f "$CONF" -N "$HOST")
-
+# Daemon names: munged, mariadbd, slurmdbd, slurmctld, and slurmd-NODE for each node's slurmd.
 cmd_of() {
     case $1 in
         munged) printf '%s\n' "${MUNGED_CMD[@]}" ;;
         mariadbd) printf '%s\n' "${MARIADBD_CMD[@]}" ;;
         slurmdbd) printf '%s\n' "${SLURMDBD_CMD[@]}" ;;
         slurmctld) printf '%s\n' "${SLURMCTLD_CMD[@]}" ;;
-        slurmd) printf '%s\n' "${SLURMD_CMD[@]}" ;;
+        slurmd-*) printf '%s\n' slurmd -f "$CONF" -N "${1#slurmd-}" ;;
     esac
 }
 
@@ -210,7 +246,7 @@ fingerprint() {
         munged) { cmd_of munged; cat "$KEY"; } | cksum ;;
         mariadbd) cmd_of mariadbd | cksum ;;
         slurmdbd) { cmd_of slurmdbd; cat "$DBD_CONF"; } | cksum ;;
-        slurmctld | slurmd) { cmd_of "$1"; cat "$CONF"; } | cksum ;;
+        slurmctld | slurmd-*) { cmd_of "$1"; cat "$CONF"; } | cksum ;;
     esac
 }
 
@@ -221,22 +257,23 @@ healthy_mariadbd() { mariadb --no-defaults -S "$DB_SOCK" -u root -e 'SELECT 1' >
 CLUSTERS=""   # set by healthy_slurmdbd, saves a second sacctmgr call
 healthy_slurmdbd() { CLUSTERS=$(timeout 10 sacctmgr -n -P list cluster format=cluster 2>/dev/null); }
 healthy_slurmctld() { timeout 5 scontrol ping 2>/dev/null | grep -q 'is UP'; }
-RESUMED=0
+declare -A RESUMED=()
 healthy_slurmd() {
-    local state
-    state=$(timeout 5 sinfo -h -N -n "$HOST" -o %t 2>/dev/null) || return 1
+    local node=$1 state
+    state=$(timeout 5 sinfo -h -N -n "$node" -o %t 2>/dev/null) || return 1
     case $state in
         idle | mix | alloc | comp) return 0 ;;
         drain | drng | down | fail | failg)  # answering but held back by an old reason: release it once
-            if ((!RESUMED)); then
-                RESUMED=1
-                say "node $HOST is '$state'; resuming it"
-                timeout 5 scontrol update NodeName="$HOST" State=RESUME >/dev/null 2>&1 || true
+            if [[ -z ${RESUMED[$node]:-} ]]; then
+                RESUMED[$node]=1
+                say "node $node is '$state'; resuming it"
+                timeout 5 scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true
             fi
             return 1 ;;
         *) return 1 ;;
     esac
 }
+healthy() { case $1 in slurmd-*) healthy_slurmd "${1#slurmd-}" ;; *) "healthy_$1" ;; esac; }
 
 pre_start_mariadbd() {
     # Initialise the data dir once; a half-made one (no marker) is redone from scratch.
@@ -265,9 +302,16 @@ launch_munged() { launch munged "${MUNGED_CMD[@]}"; }
 launch_mariadbd() { launch mariadbd setsid -f "${MARIADBD_CMD[@]}"; } # it does not daemonize itself
 launch_slurmdbd() { launch slurmdbd "${SLURMDBD_CMD[@]}"; }
 launch_slurmctld() { launch slurmctld "${SLURMCTLD_CMD[@]}"; }
-launch_slurmd() { launch slurmd "${SLURMD_CMD[@]}"; }
+launch_daemon() {
+    local cmd
+    case $1 in
+        slurmd-*) mapfile -t cmd < <(cmd_of "$1"); launch "$1" "${cmd[@]}" ;;
+        *) "launch_$1" ;;
+    esac
+}
 
-declare -A PORT=([mariadbd]=$DB_PORT [slurmdbd]=$DBD_PORT [slurmctld]=$CTLD_PORT [slurmd]=$SLURMD_PORT)
+declare -A PORT=([mariadbd]=$DB_PORT [slurmdbd]=$DBD_PORT [slurmctld]=$CTLD_PORT)
+for i in "${!NODES[@]}"; do PORT[slurmd-${NODES[i]}]=$(node_port "$i"); done
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 declare -A START_TIMEOUT=([munged]=15 [mariadbd]=60 [slurmdbd]=90 [slurmctld]=60 [slurmd]=60)
 STARTED=()
@@ -279,7 +323,7 @@ ensure() {
     if pid=$(pid_of "$name"); then
         if [[ $(cat "$RUN/$name.fingerprint" 2>/dev/null) != "$want" ]]; then
             reason="config changed"
-        elif wait_until 10 "healthy_$name"; then
+        elif wait_until 10 healthy "$name"; then
             return 0
         else
             reason="running (pid $pid) but not answering"
@@ -298,13 +342,13 @@ ensure() {
     fi
     if declare -F "pre_start_$name" >/dev/null; then "pre_start_$name"; fi
     say "starting $name"
-    "launch_$name" || fail "$name" "failed to start"
+    launch_daemon "$name" || fail "$name" "failed to start"
     echo "$want" >"$RUN/$name.fingerprint"
     STARTED+=("$name")
-    local t0=$SECONDS
-    until "healthy_$name"; do
-        if ((SECONDS - t0 >= START_TIMEOUT[$name])); then
-            fail "$name" "not ready after ${START_TIMEOUT[$name]} s"
+    local t0=$SECONDS timeout=${START_TIMEOUT[${name%%-*}]}
+    until healthy "$name"; do
+        if ((SECONDS - t0 >= timeout)); then
+            fail "$name" "not ready after $timeout s"
         fi
         # Give it a few seconds to write its pid file before declaring it dead.
         if ((SECONDS - t0 >= 5)) && ! pid_of "$name" >/dev/null; then
@@ -338,7 +382,9 @@ main() {
     ensure slurmdbd
     ensure_cluster_registered
     ensure slurmctld
-    ensure slurmd
+    stop_other_slurmds
+    local node
+    for node in "${NODES[@]}"; do ensure "slurmd-$node"; done
 
     # "idle" can show before slurmd has really registered: prove it with a job after any start.
     # Skipped when jobs are queued: they prove it, and the probe would wait behind them.
@@ -346,10 +392,10 @@ main() {
     if ((${#STARTED[@]})) && [[ -n $(timeout 10 squeue -h -o %A 2>/dev/null) ]]; then
         say "up (started: ${STARTED[*]}); jobs are queued, so no probe job"
     elif ((${#STARTED[@]})); then
-        out=$(timeout 60 srun -N1 -n1 -J up-probe -t 1 true 2>&1) || {
+        out=$(timeout 60 srun -N"$NODE_COUNT" -n"$NODE_COUNT" -J up-probe -t 1 true 2>&1) || {
             echo "$out" >&2
             tail -n 15 "$LOG/slurmctld.log" >&2
-            fail slurmd "probe job 'srun -N1 -n1 true' did not complete within 60 s"
+            fail "slurmd-${NODES[0]}" "probe job 'srun -N$NODE_COUNT -n$NODE_COUNT true' did not complete within 60 s"
         }
         say "up (started: ${STARTED[*]})"
     else
