@@ -23,7 +23,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import OmegaConf, open_dict
 
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
-from tinker_exp.errors import one_line
+from tinker_exp.errors import ConfigError, one_line
 from tinker_exp.sweep.jobs import JobOutcome, failure_report, read_outcome, summary_table, write_summary
 from tinker_exp.sweep.report import REPORT, write_report
 from tinker_exp.sweep.slurm import cancel_slurm_jobs, slurm_state, slurm_verdict
@@ -78,8 +78,26 @@ class SweepLauncher(BaseSubmititLauncher):
         )
         return executor
 
+    def nodes(self) -> int:
+        """Nodes per job: more than one makes each sweep point one run over a Ray cluster of its nodes."""
+        return int(self.params.get("nodes") or 1) if self._EXECUTOR == "slurm" else 1
+
+    def __call__(self, *args: Any) -> Any:
+        """The job, in each of its tasks: one task a node. Task 0 runs the Ray head and the tinker_exp run; the
+        others are Ray nodes of it until it ends (tinker_exp.runtime.ray_cluster)."""
+        job = super().__call__
+        if self.nodes() == 1:
+            return job(*args)
+        import submitit
+
+        from tinker_exp.runtime.ray_cluster import run_on_allocation
+
+        return run_on_allocation(lambda address: job(*args), submitit.JobEnvironment().paths.folder)
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None
+        if self.nodes() > 1:  # the run spans the job's nodes: backend.nodes follows the allocation
+            job_overrides = [spanning(overrides, self.nodes()) for overrides in job_overrides]
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
@@ -88,7 +106,7 @@ class SweepLauncher(BaseSubmititLauncher):
             log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}")
         args = [(list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", Singleton.get_state()) for n, o in zip(nums, job_overrides)]
         executor = self._executor()
-        with sigint_deferred() as interrupted:  # a Ctrl-C inside sbatch would leave jobs we never learn the ids of
+        with sigint_deferred() as interrupted, ray_token(self.nodes() > 1):  # a Ctrl-C inside sbatch would leave jobs we never learn the ids of
             jobs = executor.map_array(self, *zip(*args))
         if interrupted():
             cancel(jobs)
@@ -125,6 +143,33 @@ class SweepLauncher(BaseSubmititLauncher):
         if not all(outcome.ok for outcome in outcomes):
             raise SweepFailedError(failure_report(outcomes, summary), returns)
         return returns
+
+
+def spanning(overrides: Sequence[str], nodes: int) -> list[str]:
+    """A point's overrides with backend.nodes set to the job's node count (another value given for it: an error)."""
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key == "backend.nodes" and value != str(nodes):
+            raise ConfigError(f"backend.nodes={value}: a sweep point spans hydra.launcher.nodes={nodes} nodes; leave backend.nodes out")
+    return [*(o for o in overrides if o.lstrip("+~").partition("=")[0] != "backend.nodes"), f"backend.nodes={nodes}"]
+
+
+@contextmanager
+def ray_token(needed: bool) -> Iterator[None]:
+    """Multi-node jobs: a Ray auth token for their clusters in the environment the jobs are submitted with (Slurm
+    passes it to every task), never in a file; one for the sweep. The submitting process's own is put back."""
+    import os
+
+    if not needed or os.environ.get("RAY_AUTH_TOKEN"):
+        yield
+        return
+    from tinker_exp.runtime.ray_cluster import new_token
+
+    os.environ["RAY_AUTH_TOKEN"] = new_token()
+    try:
+        yield
+    finally:
+        os.environ.pop("RAY_AUTH_TOKEN", None)
 
 
 def job_error(ret: JobReturn) -> str:

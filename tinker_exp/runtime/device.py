@@ -116,9 +116,10 @@ def check_gpus(per_node: Sequence[float], num_workers: int, nodes: int) -> None:
     )
 
 
-def check_placement(device: str, ranks: Sequence[dict]) -> str:
-    """Each rank's report (TinkerExpWorker.device_info) against the device asked for: verl's platform, and on cuda
-    parameters on the rank's own current GPU. Returns a one-line summary; raises RuntimeError naming the rank."""
+def check_placement(device: str, ranks: Sequence[dict], nodes: int = 1) -> str:
+    """Each rank's report (TinkerExpWorker.device_info) against the device asked for: verl's platform, on cuda
+    parameters on the rank's own current GPU, and the ranks spread over `nodes` Ray nodes. Returns a one-line
+    summary; raises RuntimeError naming the rank."""
     for rank, info in enumerate(ranks):
         where = info.get("parameters", "?")
         if info.get("platform") != device:
@@ -133,6 +134,11 @@ def check_placement(device: str, ranks: Sequence[dict]) -> str:
         where = f"{gpus}{', ...' if len(ranks) > 8 else ''}"
     else:
         where = "cpu"
+    spanned = {tuple(info["node"]) for info in ranks if info.get("node")}
+    if nodes > 1 and len(spanned) != nodes:  # a node's Ray took more than its allocation (--num-cpus/--num-gpus)
+        raise RuntimeError(f"backend.nodes={nodes}, but the {len(ranks)} ranks run on {len(spanned)} Ray node(s)")
+    if len(spanned) > 1:  # which rank runs where: Ray node id (short) and host or Slurm node
+        where += "; Ray nodes: " + ", ".join(f"rank {r} {info['node'][1]} ({info['node'][0][:8]})" for r, info in enumerate(ranks[:16]))
     return f"{len(ranks)} rank(s) on {where}; attention {', '.join(attention)}"
 
 

@@ -18,6 +18,7 @@ import shutil
 import threading
 import warnings
 from functools import partial
+from platform import node as platform_node
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,10 @@ def _worker_class():
                 info["cuda_device"] = torch.cuda.current_device()
                 info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
             info["attention"] = getattr(getattr(self.engine.module, "config", None), "_attn_implementation", None)
+            import ray
+
+            # the Ray node (and, under Slurm, the node's name): each rank of a multi-node run on a node of its own
+            info["node"] = (ray.get_runtime_context().get_node_id(), os.environ.get("SLURMD_NODENAME") or platform_node())
             return info
 
         def _param_group_values(self) -> list[dict[str, Any]]:
@@ -260,6 +265,7 @@ class TinkerWorkers:
             device = resolve(replace(backend, device=Device(device)))
         self.choice = device
         self.device = device.device
+        self.nodes = backend.nodes
         self.lora = lora if lora is not None and lora.rank > 0 else None
         self.output = output
         self.pending: list = []  # reset and set_loss_fn, under way until ready()
@@ -317,7 +323,7 @@ class TinkerWorkers:
         pending, self.pending = self.pending, []
         if pending:
             ray.get(pending)
-            self.placement = check_placement(self.device, self.group.device_info())
+            self.placement = check_placement(self.device, self.group.device_info(), self.nodes)
             log.info(f"workers: {self.placement}")
 
     def worker_class(self) -> type:

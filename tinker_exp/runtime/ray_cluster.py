@@ -1,0 +1,255 @@
+"""One Ray cluster over a Slurm allocation of several nodes, for one tinker_exp run.
+
+Every task of the job (one per node) calls :func:`run_on_allocation`: task 0 starts the Ray head in its
+allocation and runs the tinker_exp driver, which joins it; each other task starts a Ray node that joins the
+head and blocks until the driver is done (the head gone), then exits. Used by `launchers/slurm_multinode.sbatch`
+(`srun python -m tinker_exp.runtime.ray_cluster OVERRIDES`) and by a multi-node sweep point (the submitit
+launchers run their job function once per task).
+
+Each Ray node takes the CPUs and GPUs Slurm gave its task (`--num-cpus`, `--num-gpus`), so Ray places as many
+workers on it as the allocation holds, and free ports of its own: several nodes may share one host (the local
+Slurm cluster runs two on one machine), and Ray's fixed default ports would collide. The head's address reaches
+the other tasks through a small file in a folder they all see (the job's submitit folder, or the recipe's); the
+cluster's auth token only through the environment, never a file. Ray's processes stay children of their task
+(`ray start --block`), so Slurm ends them with the job, and they ignore Slurm's USR1/USR2 (the time-limit
+signal is the driver's to handle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, TypeVar
+
+from tinker_exp.train.signals import ignored_by_children
+
+T = TypeVar("T")
+
+HEAD_WAIT_S = 300.0
+"""How long a node waits for the head's address (the head's task may start later than its own)."""
+HEAD_GONE_CHECKS = 3
+"""A node stops once the head has not answered this many checks in a row, a second apart."""
+RENDEZVOUS_ENV = "TINKER_EXP_RAY_RENDEZVOUS"
+"""The folder, seen by every task, where the head's address is left (the recipe's default: outputs/.ray)."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """This task's place in its Slurm job (read from the environment Slurm sets for each task)."""
+
+    job_id: str
+    """The job (for an array task, its own job id); with the restart count, names the head's address file."""
+    restarts: int
+    """How often Slurm requeued the job: a requeued job's new head never meets the old one's address."""
+    rank: int
+    """SLURM_PROCID: 0 runs the Ray head and the driver."""
+    nodes: int
+    """The job's nodes: one task, and one Ray node, each."""
+    node: str
+    """This task's Slurm node name."""
+    cpus: int
+    """CPUs Slurm gave this node's task: the Ray node's --num-cpus."""
+    gpus: int
+    """GPUs Slurm gave it (SLURM_GPUS_ON_NODE, or the CUDA_VISIBLE_DEVICES it set): the Ray node's --num-gpus."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Allocation":
+        env = os.environ if env is None else env
+        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        return cls(
+            job_id=env["SLURM_JOB_ID"],
+            restarts=int(env.get("SLURM_RESTART_COUNT", "0")),
+            rank=int(env.get("SLURM_PROCID", "0")),
+            nodes=int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"),
+            node=env.get("SLURMD_NODENAME", socket.gethostname()),
+            cpus=int(env.get("SLURM_CPUS_ON_NODE", "1")),
+            gpus=int(env.get("SLURM_GPUS_ON_NODE") or len(visible)),
+        )
+
+    def head_file(self, rendezvous: Path) -> Path:
+        return rendezvous / f"ray_head_{self.job_id}_{self.restarts}.json"
+
+    def temp_dir(self) -> Path:
+        """Ray's files for this node of this job: nothing a later Ray on the host could find, removed at the end."""
+        return Path(os.environ.get("TMPDIR", "/tmp")) / f"ray_job_{self.job_id}_{self.rank}"
+
+
+def run_on_allocation(driver: Callable[[str], T], rendezvous: Path) -> T | None:
+    """Task 0: the Ray head, then `driver(address)` (its return value returned); other tasks: a Ray node until
+    the head is gone (None). The driver finds the address in RAY_ADDRESS too."""
+    allocation = Allocation.from_env()
+    ensure_token()
+    if allocation.rank == 0:
+        with ray_head(allocation, rendezvous) as address:
+            return driver(address)
+    ray_node(allocation, rendezvous)
+    return None
+
+
+def ensure_token() -> None:
+    """Ray clusters started by `ray start` take clients with the cluster's token only: one per job, in the
+    environment of every task (a launcher sets it before submitting; srun passes it on)."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if not os.environ.get("RAY_AUTH_TOKEN"):
+        raise RuntimeError("RAY_AUTH_TOKEN is not set in this job's environment: every task needs the same token")
+
+
+def new_token() -> str:
+    return secrets.token_hex(32)
+
+
+def node_ip() -> str:
+    """This host's address as other hosts reach it (hostname -I when the name maps to loopback)."""
+    ip = socket.gethostbyname(socket.gethostname())
+    if ip.startswith("127."):
+        found = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+        ip = next((a for a in found if ":" not in a), ip)
+    return ip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def ray_start_command(allocation: Allocation, ip: str, head_port: int | None = None, head: str | None = None) -> list[str]:
+    """`ray start --block` for this node: the head (head_port) or a node joining `head`; CPUs and GPUs from the
+    allocation, free ports for whatever Ray would otherwise put on a fixed port."""
+    command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--log-color=false", f"--node-ip-address={ip}"]
+    command += [f"--num-cpus={allocation.cpus}", f"--num-gpus={allocation.gpus}", f"--temp-dir={allocation.temp_dir()}"]
+    if head is None:
+        command += ["--head", f"--port={head_port}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}"]
+    else:
+        command += [f"--address={head}"]
+    ports = ("node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent")
+    command += [f"--{name}-port={free_port()}" for name in ports]
+    return command + ["--min-worker-port=0", "--max-worker-port=0"]  # 0: each worker takes a free port
+
+
+def answers(address: str, timeout_s: float = 2.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+@contextmanager
+def ray_process(command: list[str], allocation: Allocation) -> Iterator[subprocess.Popen]:
+    """`ray start --block` in a process group of its own, stopped with everything it started on the way out."""
+    with ignored_by_children():  # submitit's time-limit USR2 reaches every process of the job
+        process = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        yield process
+    finally:
+        stop_group(process)
+        import shutil
+
+        shutil.rmtree(allocation.temp_dir(), ignore_errors=True)
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the Ray node's process group, SIGKILL what is left after `grace_s` (a node whose head is gone
+    cannot drain itself and would wait on the GCS)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        if not group_alive(process.pid):
+            return
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@contextmanager
+def ray_head(allocation: Allocation, rendezvous: Path) -> Iterator[str]:
+    """Task 0: the Ray head, its address left for the other tasks and set as RAY_ADDRESS while inside."""
+    ip, port = node_ip(), free_port()
+    address = f"{ip}:{port}"
+    print(f"tinker_exp multinode: job {allocation.job_id}, {allocation.nodes} node(s), Ray head {address} on {allocation.node}", flush=True)
+    head_file = allocation.head_file(rendezvous)
+    with ray_process(ray_start_command(allocation, ip, head_port=port), allocation) as process:
+        deadline = time.monotonic() + HEAD_WAIT_S
+        while not answers(address):
+            if process.poll() is not None:
+                raise RuntimeError(f"the Ray head on {allocation.node} exited ({process.returncode}) before answering")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray head at {address} did not answer within {HEAD_WAIT_S:.0f} s")
+            time.sleep(0.5)
+        rendezvous.mkdir(parents=True, exist_ok=True)
+        tmp = head_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"address": address, "node": allocation.node}))
+        tmp.replace(head_file)  # whole or absent for the readers
+        previous = os.environ.get("RAY_ADDRESS")
+        os.environ["RAY_ADDRESS"] = address
+        try:
+            yield address
+        finally:
+            head_file.unlink(missing_ok=True)
+            if previous is None:
+                os.environ.pop("RAY_ADDRESS", None)
+            else:
+                os.environ["RAY_ADDRESS"] = previous
+
+
+def ray_node(allocation: Allocation, rendezvous: Path) -> None:
+    """Another task: a Ray node that joins the head and runs until the head stops answering."""
+    head_file = allocation.head_file(rendezvous)
+    deadline = time.monotonic() + HEAD_WAIT_S
+    while not head_file.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no Ray head address in {head_file} within {HEAD_WAIT_S:.0f} s (task 0 did not start it)")
+        time.sleep(0.5)
+    head = json.loads(head_file.read_text())["address"]
+    print(f"tinker_exp multinode: node {allocation.node} joins the Ray head at {head}", flush=True)
+    with ray_process(ray_start_command(allocation, node_ip(), head=head), allocation) as process:
+        missed = 0
+        while process.poll() is None and missed < HEAD_GONE_CHECKS:
+            time.sleep(1.0)
+            missed = 0 if answers(head) else missed + 1
+    print(f"tinker_exp multinode: node {allocation.node}: the Ray head is gone; this node stopped", flush=True)
+
+
+def main() -> None:
+    """`srun python -m tinker_exp.runtime.ray_cluster OVERRIDES` (launchers/slurm_multinode.sbatch): one task a
+    node; task 0 runs `python -m tinker_exp backend.nodes=<nodes> OVERRIDES` in the cluster."""
+    allocation = Allocation.from_env()
+    rendezvous = Path(os.environ.get(RENDEZVOUS_ENV) or Path.cwd() / "outputs" / ".ray")
+
+    def driver(address: str) -> int:
+        from tinker_exp.main import main as tinker_exp_main
+
+        sys.argv = ["tinker_exp", f"backend.nodes={allocation.nodes}", *sys.argv[1:]]
+        try:
+            tinker_exp_main()
+        except SystemExit as stop:
+            return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        return 0
+
+    sys.exit(run_on_allocation(driver, rendezvous) or 0)
+
+
+if __name__ == "__main__":
+    main()
