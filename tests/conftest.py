@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, SLURM_NODES
 
 # Nothing may leave this machine: offline W&B is set in the environment before wandb is imported, so
 # this process, its subprocesses and Ray workers all inherit it.
@@ -25,14 +25,15 @@ def ray_address():
 
 @pytest.fixture(scope="session")
 def slurm_env():
-    """The local single-node Slurm cluster (launchers/local_slurm/up.sh: idempotent), as client env vars.
+    """The local Slurm cluster of SLURM_NODES nodes (launchers/local_slurm/up.sh: idempotent), as client env vars.
+    Every Slurm test runs on it: single-node jobs take one node, multi-node ones span them.
 
     A cluster that does not come up fails these tests, in `make test` as in CI: skips are for a missing GPU only.
     """
     import subprocess
 
     up = subprocess.run(
-        ["bash", str(REPO / "launchers" / "local_slurm" / "up.sh")], capture_output=True, text=True, timeout=600
+        ["bash", str(REPO / "launchers" / "local_slurm" / "up.sh"), str(SLURM_NODES)], capture_output=True, text=True, timeout=600
     )
     if up.returncode != 0:
         pytest.fail(f"the local Slurm cluster did not start (up.sh exit {up.returncode}):\n{up.stdout[-2000:]}{up.stderr[-2000:]}")

@@ -10,6 +10,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import Iterable
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
@@ -83,6 +84,27 @@ def job_json(run_dir: Path) -> dict:
 def read_job_log(sweep_dir: Path, job_id: str) -> str:
     """A sweep job's submitit logs (stdout and stderr, every start of it)."""
     return "".join(p.read_text() for p in sorted((sweep_dir / ".submitit" / job_id).glob("*_log.*")))
+
+
+def job_processes(job_ids: Iterable[str]) -> list[str]:
+    """`pid node command` of every process on this machine (all nodes of the local cluster) that belongs to one of
+    these Slurm jobs: its environment names the job (Ray's processes inherit it from their task)."""
+    wanted = {f"SLURM_JOB_ID={job_id}".encode() for job_id in job_ids}
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if wanted.intersection(environ):
+            node = next((e.decode().partition("=")[2] for e in environ if e.startswith(b"SLURMD_NODENAME=")), "?")
+            found.append(f"{proc.name} {node} {command}")
+    return found
+
+
+SLURM_NODES = 2
+"""Nodes of the local Slurm cluster the tests share (.ci/run starts it with the same count)."""
 
 
 def slurm_nodes_idle(slurm_env: dict) -> bool:

@@ -13,6 +13,8 @@ from helpers import (
     compose,
     environment,
     job_json,
+    job_processes,
+    planned,
     metrics_rows,
     read_job_log,
     read_jsonl,
@@ -122,8 +124,8 @@ def test_signal_delay_past_the_time_limit_fails_before_submitting(tmp_path):
         "-m", "hydra/launcher=slurm_local", "dry_run=true", f"hydra.sweep.dir={tmp_path}",
         "hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=60",
     )  # fmt: skip
-    assert result.returncode != 0
-    assert "hydra.launcher.signal_delay_s=60 must be below hydra.launcher.timeout_min*60=60" in result.stderr
+    assert result.returncode == 2
+    assert "tinker_exp: config error: hydra.launcher.signal_delay_s=60 must be below hydra.launcher.timeout_min*60=60" in result.stderr
     assert not (tmp_path / ".submitit").exists()
 
 
@@ -244,28 +246,54 @@ def sacct_state(slurm_env: dict, job_id: str) -> str:
 RAY_TOKEN = "tinker-exp-test-ray-token-0123456789abcdef"
 
 
-def test_multinode_recipe_on_one_node(slurm_env, tmp_path):
-    """launchers/slurm_multinode.sbatch: Ray head in the allocation, driver joins it, workers placed per node."""
-    run_dir = tmp_path / "run"
+def ray_nodes_of_ranks(run_dir: Path) -> list[tuple[str, str]]:
+    """(Slurm node, Ray node id) of each rank, as the run logged where its workers landed."""
+    line = next(line for line in (run_dir / "tinker_exp.log").read_text().splitlines() if "Ray nodes: " in line)
+    return re.findall(r"rank \d+ (\S+) \(([0-9a-f]{8})\)", line.split("Ray nodes: ")[1])
+
+
+def assert_one_rank_per_node(run_dir: Path) -> None:
+    """Each rank on a Ray node of its own, each Ray node on a Slurm node of its own: n1 and n2."""
+    nodes = ray_nodes_of_ranks(run_dir)
+    assert sorted(slurm for slurm, _ in nodes) == ["n1", "n2"] and len({ray for _, ray in nodes}) == 2, nodes
+
+
+def test_multinode_recipe_on_two_nodes(slurm_env, ray_address, tmp_path):
+    """launchers/slurm_multinode.sbatch on 2 Slurm nodes, one worker each (world size 2): a Ray node per Slurm node,
+    one rank on each, applied == requested every step, the losses of the same run on one node with 2 workers bitwise
+    (same world size, sharding, data order and gloo reductions over 2 ranks), and nothing left of the job after it."""
+    run_dir, rendezvous = tmp_path / "run", tmp_path / "rendezvous"
+    run = ["trainer.steps=4", "logger=none", "+override=lr_cosine", "checkpoint.every_steps=0", "checkpoint.at_end=false"]
     result = subprocess.run(
         [
-            "sbatch", "--wait", "--nodes=1", "--cpus-per-task=1", f"--output={tmp_path}/slurm-%j.out",
-            "launchers/slurm_multinode.sbatch", "trainer.steps=2", "logger=none", f"hydra.run.dir={run_dir}",
+            "sbatch", "--wait", "--nodes=2", "--cpus-per-task=1", f"--output={tmp_path}/slurm-%j.out",
+            "launchers/slurm_multinode.sbatch", *run, "backend.num_workers=1", f"hydra.run.dir={run_dir}",
         ],
-        cwd=REPO, env=environment({**slurm_env, "TINKER_EXP_PYTHON": sys.executable, "RAY_AUTH_TOKEN": RAY_TOKEN}),
-        capture_output=True, text=True, timeout=600,
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env=environment({**slurm_env, "TINKER_EXP_PYTHON": sys.executable, "RAY_AUTH_TOKEN": RAY_TOKEN,
+                         "TINKER_EXP_RAY_RENDEZVOUS": str(rendezvous)}),
     )  # fmt: skip
     (log,) = tmp_path.glob("slurm-*.out")
-    assert result.returncode == 0, log.read_text()[-3000:]
-    assert "1 node(s)" in log.read_text() and "Ray head" in log.read_text()
+    text = log.read_text()
+    assert result.returncode == 0, text[-3000:]
     job = job_json(run_dir)
-    assert job["slurm"]["num_nodes"] == "1" and log.name == f"slurm-{job['slurm']['job_id']}.out"
-    assert not Path(f"/tmp/ray_job_{job['slurm']['job_id']}").exists()  # the job's Ray files are removed
-    assert [m["train/step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1]
+    assert job["slurm"]["num_nodes"] == "2" and log.name == f"slurm-{job['slurm']['job_id']}.out"
+    assert "2 node(s)" in text and "the Ray head is gone; this node stopped" in text  # the other task ended with it
+    assert_one_rank_per_node(run_dir)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["train/step"] for m in rows] == [0, 1, 2, 3]
+    assert [m["applied/lr"] for m in rows] == [m["requested/lr"] for m in rows] == planned(run_dir, "lr")
+    config = (run_dir / "config.yaml").read_text()
+    address = text.split("Ray head ")[1].split()[0]
+    assert f"ray_address: {address}" in config and "nodes: 2" in config  # joined the allocation's Ray, 2 nodes
+    one_node = run_cli(*run, f"hydra.run.dir={tmp_path / 'one_node'}", env={"RAY_ADDRESS": ray_address})
+    assert one_node.returncode == 0, one_node.stderr[-3000:]
+    assert [m["train/loss"] for m in rows] == [m["train/loss"] for m in read_jsonl(tmp_path / "one_node" / "metrics.jsonl")]
+    # nothing of the job left: no process on either node, no Ray files, no head address; the token never written
+    assert job_processes([job["slurm"]["job_id"]]) == []
+    assert not list(Path("/tmp").glob(f"ray_job_{job['slurm']['job_id']}_*")) and not list(rendezvous.iterdir())
     written = [p.read_text(errors="replace") for p in [log, *run_dir.rglob("*")] if p.is_file()]
-    assert not any(RAY_TOKEN in text for text in written)  # the cluster's token is never written down
-    address = log.read_text().split("Ray head ")[1].split()[0]
-    assert f"ray_address: {address}" in (run_dir / "config.yaml").read_text()  # joined the allocation's Ray
+    assert not any(RAY_TOKEN in text for text in written)
 
 
 def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):

@@ -53,9 +53,11 @@ class SweepLauncher(BaseSubmititLauncher):
         timeout_s, delay_s = params.get("timeout_min", 0) * 60, params.get("signal_delay_s")
         if delay_s is not None and delay_s >= timeout_s:
             # submitit would signal the job before it starts and then refuse to requeue it.
-            raise ValueError(
+            raise ConfigError(
                 f"hydra.launcher.signal_delay_s={delay_s} must be below hydra.launcher.timeout_min*60={timeout_s}"
             )
+        if self._EXECUTOR != "slurm" and (params.get("nodes") or 1) > 1:
+            raise ConfigError(f"hydra.launcher.nodes={params['nodes']}: the local launcher runs each job on this machine; a point spans nodes with hydra/launcher=slurm")
         super().__init__(**params)
         self.outcomes: dict[int, JobOutcome] = {}  # every job this launcher ran, by number: a sweep in batches
         self.summarize = True  # the table on the terminal after each launch (a study prints its own)

@@ -39,6 +39,7 @@ def as_config_error(error: BaseException) -> ConfigError:
 @contextmanager
 def one_line_compose_errors() -> Iterator[None]:
     from hydra._internal import utils as hydra_utils
+    from hydra.errors import InstantiationException
 
     original = hydra_utils.run_and_report
 
@@ -46,6 +47,11 @@ def one_line_compose_errors() -> Iterator[None]:
         def guarded() -> Any:
             try:
                 return func()
+            except InstantiationException as e:  # a launcher or sweeper refusing its keys: ours in one line
+                if not isinstance(e.__cause__, TinkerExpError):
+                    raise
+                print(f"tinker_exp: {one_line(e.__cause__)}", file=sys.stderr)
+                sys.exit(e.__cause__.exit_code)
             except (*COMPOSE_ERRORS, TinkerExpError) as e:  # ours too: a sweeper's config error (its search space)
                 error = e if isinstance(e, TinkerExpError) else as_config_error(e)
                 print(f"tinker_exp: {one_line(error)}", file=sys.stderr)

@@ -1,0 +1,87 @@
+"""One Ray cluster over a multi-node Slurm allocation: the pure parts (a task's allocation, each node's `ray start`,
+a sweep point's overrides, the placement check). The real runs on the 2-node local Slurm cluster are in
+tests/test_sweeps.py (the recipe, a sweep of 2-node points, a cancelled one) and tests/test_resume.py (a requeued one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import run_cli
+from hydra_plugins.tinker_exp_plugins.launchers import spanning
+from tinker_exp.errors import ConfigError
+from tinker_exp.runtime.device import check_placement
+from tinker_exp.runtime.ray_cluster import Allocation, ray_start_command
+
+TASK_1 = {
+    "SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2", "SLURM_PROCID": "1", "SLURM_JOB_NUM_NODES": "2",
+    "SLURMD_NODENAME": "n2", "SLURM_CPUS_ON_NODE": "16", "SLURM_GPUS_ON_NODE": "8",
+}  # fmt: skip
+
+
+def test_a_task_reads_its_place_in_the_allocation():
+    assert Allocation.from_env(TASK_1) == Allocation(job_id="41", restarts=2, rank=1, nodes=2, node="n2", cpus=16, gpus=8)
+    # GPUs as Slurm's gres sets them when SLURM_GPUS_ON_NODE is missing; a first start; a CPU node
+    gpus = Allocation.from_env({**TASK_1, "SLURM_GPUS_ON_NODE": "", "CUDA_VISIBLE_DEVICES": "0,1,2"})
+    assert gpus.gpus == 3
+    first = Allocation.from_env({k: v for k, v in TASK_1.items() if k not in ("SLURM_RESTART_COUNT", "SLURM_GPUS_ON_NODE")})
+    assert (first.restarts, first.gpus) == (0, 0)
+
+
+def test_a_requeued_job_never_reads_the_old_heads_address(tmp_path):
+    before = Allocation.from_env({**TASK_1, "SLURM_RESTART_COUNT": "0"})
+    after = Allocation.from_env(TASK_1)
+    assert before.head_file(tmp_path) != after.head_file(tmp_path)
+    assert before.temp_dir() == after.temp_dir() != Allocation.from_env({**TASK_1, "SLURM_PROCID": "0"}).temp_dir()
+
+
+def flags(command: list[str]) -> dict[str, str]:
+    return dict(arg[2:].partition("=")[::2] for arg in command if arg.startswith("--"))
+
+
+def test_each_ray_node_takes_its_allocation_and_ports_of_its_own():
+    """Two Ray nodes may share a host: every port Ray would otherwise fix is a free one, per node; CPUs and GPUs are
+    the task's (so a node holds the workers its allocation can, one per node here)."""
+    task = Allocation.from_env(TASK_1)
+    head = flags(ray_start_command(task, "10.0.0.1", head_port=6400))
+    node = flags(ray_start_command(task, "10.0.0.2", head="10.0.0.1:6400"))
+    for started in (head, node):
+        assert started["num-cpus"] == "16" and started["num-gpus"] == "8" and "block" in started
+        assert (started["min-worker-port"], started["max-worker-port"]) == ("0", "0")  # each worker a free port
+        assert started["temp-dir"] == str(task.temp_dir())
+    assert "head" in head and head["port"] == "6400" and head["node-ip-address"] == "10.0.0.1"
+    assert "head" not in node and node["address"] == "10.0.0.1:6400" and node["node-ip-address"] == "10.0.0.2"
+    ports = ["node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+             "metrics-export-port", "runtime-env-agent-port"]  # fmt: skip
+    chosen = [int(started[p]) for started in (head, node) for p in ports] + [int(head["ray-client-server-port"])]
+    assert len(set(chosen)) == len(chosen) and 52365 not in chosen and 10001 not in chosen  # not Ray's fixed defaults
+
+
+def test_a_sweep_point_spans_the_jobs_nodes():
+    assert spanning(["optimizer.lr=1e-3"], 2) == ["optimizer.lr=1e-3", "backend.nodes=2"]
+    assert spanning(["backend.nodes=2", "trainer.steps=3"], 2) == ["trainer.steps=3", "backend.nodes=2"]
+    with pytest.raises(ConfigError, match=r"^backend.nodes=3: a sweep point spans hydra.launcher.nodes=2 nodes"):
+        spanning(["backend.nodes=3"], 2)
+
+
+def test_nodes_on_the_local_launcher_is_a_config_error(tmp_path):
+    result = run_cli("-m", "hydra/launcher=local", "hydra.launcher.nodes=2", f"hydra.sweep.dir={tmp_path}", "dry_run=true")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "tinker_exp: config error: hydra.launcher.nodes=2: the local launcher runs each job on this machine; "
+        "a point spans nodes with hydra/launcher=slurm"
+    )
+    assert not (tmp_path / ".submitit").exists()
+
+
+def cpu_rank(node: str, node_id: str) -> dict:
+    return {"platform": "cpu", "parameters": "cpu", "attention": "sdpa", "node": (node_id, node)}
+
+
+def test_ranks_of_a_multi_node_run_each_on_its_own_node():
+    ranks = [cpu_rank("n1", "a" * 56), cpu_rank("n2", "b" * 56)]
+    assert check_placement("cpu", ranks, nodes=2) == (
+        "2 rank(s) on cpu; Ray nodes: rank 0 n1 (aaaaaaaa), rank 1 n2 (bbbbbbbb); attention sdpa"
+    )
+    with pytest.raises(RuntimeError, match=r"^backend.nodes=2, but the 2 ranks run on 1 Ray node\(s\)$"):
+        check_placement("cpu", [cpu_rank("n1", "a" * 56)] * 2, nodes=2)
+    assert check_placement("cpu", [cpu_rank("vm", "a" * 56)] * 2) == "2 rank(s) on cpu; attention sdpa"  # one node
