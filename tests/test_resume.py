@@ -111,16 +111,19 @@ def test_non_finite_steps_stop_the_run_keeping_the_last_good_checkpoint(ray_addr
 
 
 @pytest.mark.parametrize(
-    "stop",
+    "stop, nodes",
     [
-        ["scontrol", "requeue"],  # preemption with requeue: Slurm signals the job and puts it back in the queue
-        ["scancel", "--signal=USR2"],  # the time-limit warning (signal_delay_s): submitit requeues the job itself
+        (["scontrol", "requeue"], 2),  # preemption with requeue: Slurm signals the job and puts it back in the queue
+        (["scancel", "--signal=USR2"], 1),  # the time-limit warning (signal_delay_s): submitit requeues the job itself
     ],
-    ids=["preempted", "time-limit-signal"],
+    ids=["preempted-2-nodes", "time-limit-signal"],
 )
-def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path, stop):
+def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path, stop, nodes):
+    """A requeued sweep point resumes from its last checkpoint: a 2-node point (its Ray cluster formed again over
+    both nodes) preempted, and a single-node one at the time-limit signal."""
+    spanning = [f"hydra.launcher.nodes={nodes}", "backend.num_workers=1"] if nodes > 1 else []
     command = [
-        sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}", *spanning,
         "trainer.steps=40", "checkpoint.every_steps=5", "logger=none", "+override=lr_cosine",
     ]  # fmt: skip
     slurm = environment(slurm_env)
@@ -142,6 +145,9 @@ def test_a_requeued_slurm_job_resumes_from_its_checkpoint(slurm_env, tmp_path, s
         driver.kill()
     assert driver.returncode == 0, output[-3000:]
     assert job_json(run_dir)["slurm"]["restart_count"] == "1"  # the second start
+    assert job_json(run_dir)["slurm"]["num_nodes"] == str(nodes)
+    starts = [line for line in (run_dir / "tinker_exp.log").read_text().splitlines() if "workers: " in line]
+    assert len(starts) == 2 and all(("Ray nodes: " in line) == (nodes > 1) for line in starts)  # both starts span the nodes
     rows = metrics_rows(run_dir)
     assert [row["train/step"] for row in rows] == list(range(40))  # each step once across both starts
     assert [row["applied/lr"] for row in rows] == planned(run_dir, "lr")

@@ -145,10 +145,13 @@ def test_local_launcher_sweep_reports_the_failed_point(tmp_path):
 # --- real sweeps on the local Slurm cluster ----------------------------------------------------------
 
 
-def test_sweep_runs_each_point_as_a_slurm_job(slurm_env, tmp_path):
+def test_sweep_runs_each_point_as_a_slurm_job_spanning_two_nodes(slurm_env, tmp_path):
+    """hydra.launcher.nodes=2: each point one run over both nodes of its job (one after the other on this cluster),
+    one run dir and one W&B run a point, nothing left of either job on either node."""
     sweep = tmp_path / "lr_sweep"
     result = run_cli(
-        "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={sweep}", "trainer.steps=3", "optimizer.lr=1e-3,3e-4",
+        "-m", "hydra/launcher=slurm_local", "hydra.launcher.nodes=2", "backend.num_workers=1", f"hydra.sweep.dir={sweep}",
+        "trainer.steps=3", "optimizer.lr=1e-3,3e-4",
         env=slurm_env, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -160,7 +163,9 @@ def test_sweep_runs_each_point_as_a_slurm_job(slurm_env, tmp_path):
     for row, lr in zip(summary, ("0.001", "0.0003")):
         run_dir = Path(row["run_dir"])
         job = job_json(run_dir)
-        assert job["slurm"]["job_id"].isdigit() and job["slurm"]["partition"] == "debug"
+        assert job["slurm"]["job_id"].isdigit() and job["slurm"]["partition"] == "debug" and job["slurm"]["num_nodes"] == "2"
+        assert_one_rank_per_node(run_dir)
+        assert_nothing_left(slurm_env, job["slurm"]["job_id"])
         assert row["job_id"] == f"{job['slurm']['array_job_id']}_{job['slurm']['array_task_id']}"
         array_ids.add(job["slurm"]["array_job_id"])
         metrics = read_jsonl(run_dir / "metrics.jsonl")
@@ -170,10 +175,11 @@ def test_sweep_runs_each_point_as_a_slurm_job(slurm_env, tmp_path):
         records = wandb_finished_records(run_dir)  # W&B's service may write the exit record a moment later
         run = wandb_run_record(records)
         groups.add(run.run_group)
-        assert run.display_name == f"trainer.steps=3,optimizer.lr={lr}"
+        assert run.display_name == f"backend.num_workers=1,trainer.steps=3,optimizer.lr={lr},backend.nodes=2"
         exits = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
         assert [e.exit_code for e in exits] == [0]
     assert groups == {"lr_sweep"} and len(array_ids) == 1  # one Slurm array, one W&B group
+    assert len(list((sweep / "0").glob("wandb/offline-run-*"))) == 1  # one W&B run a point (task 0's)
     assert "final loss" in (sweep / "summary.md").read_text()
     assert (sweep / "report.png").read_bytes()[:4] == b"\x89PNG" and f"{sweep / 'report.png'}" in result.stderr + result.stdout
     assert "final loss" in result.stdout  # the summary table is printed too
@@ -195,22 +201,24 @@ def test_sweep_with_a_bad_point_fails_that_job_and_completes_the_others(slurm_en
     assert job_json(tmp_path / "1")["slurm"]["job_id"]  # it did run under Slurm
 
 
-def test_a_cancelled_job_is_reported_not_waited_on(slurm_env, tmp_path):
+def test_a_cancelled_two_node_job_is_reported_not_waited_on_and_stops_on_both_nodes(slurm_env, tmp_path):
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
-        "trainer.steps=1000", "optimizer.lr=1e-3",
+        "hydra.launcher.nodes=2", "backend.num_workers=1", "trainer.steps=1000", "optimizer.lr=1e-3",
     ]  # fmt: skip
     driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: len(metrics_rows(tmp_path / "0")) >= 2, 180, "the job never started training", driver)
         wait_until(lambda: wandb_train_rows(tmp_path / "0"), 120, "W&B never wrote a step", driver)
         job_id = job_json(tmp_path / "0")["slurm"]["job_id"]
+        running = job_processes([job_id])
+        assert {"n1", "n2"} <= {process.split()[1] for process in running}, running  # the run spans both nodes
         subprocess.run(["scancel", job_id], env=environment(slurm_env), check=True)
         _, stderr = driver.communicate(timeout=180)  # reported, never waited on forever
     finally:
         driver.kill()
     assert driver.returncode == 1
-    assert "job 0 [trainer.steps=1000 optimizer.lr=0.001] CANCELLED" in stderr, stderr
+    assert "job 0 [backend.num_workers=1 trainer.steps=1000 optimizer.lr=0.001 backend.nodes=2] CANCELLED" in stderr, stderr
     assert f"run dir {tmp_path}/0" in stderr
     assert read_jsonl(tmp_path / "summary.jsonl")[0]["status"] == "CANCELLED"
     # The job stopped on SIGTERM by itself, well before Slurm's SIGKILL, and wrote no result of its own.
@@ -220,15 +228,25 @@ def test_a_cancelled_job_is_reported_not_waited_on(slurm_env, tmp_path):
     ours = "tinker_exp: stopped: terminated by SIGTERM" in job_log
     rays = re.search(r"task 0: Exited with exit code 1$", job_log, re.M) is not None
     assert (ours or rays) and "Killed" not in job_log, job_log[-3000:]
-    assert not list((tmp_path / ".submitit").glob("*/*_result.pkl"))
+    assert not list((tmp_path / ".submitit").glob("*/*_0_result.pkl"))  # task 0: the run's
     steps = [m["train/step"] for m in metrics_rows(tmp_path / "0")]
     assert steps == list(range(len(steps))) and len(steps) >= 2
     # scancel signals every process of the job, W&B's service too (wandb/wandb#9963): the run cannot be
     # finished, and steps it had not yet written are lost. What it wrote agrees with metrics.jsonl.
     logged = wandb_train_rows(tmp_path / "0")
     assert logged and [row["train/step"] for row in logged] == steps[: len(logged)]
-    # then Slurm reaps every process of the job (COMPLETING until then)
-    wait_until(lambda: job_id not in squeue(slurm_env).split(), 90, f"job {job_id} still in squeue", poll=1)
+    # then Slurm reaps every process of the job (COMPLETING until then), on both nodes: Ray's too
+    assert_nothing_left(slurm_env, job_id, files=False)
+
+
+def assert_nothing_left(slurm_env: dict, job_id: str, files: bool = True) -> None:
+    """Once Slurm is done with the job, no process of it runs on any node (Ray's processes included: one that
+    escaped Slurm's process tracking would still be there); `files`: and its Ray files are gone (a job that ended
+    by itself; a cancelled one can leave its head's, see the README)."""
+    queued = lambda: subprocess.run(["squeue", "-h", "-o", "%A"], env=environment(slurm_env), capture_output=True, text=True).stdout  # noqa: E731
+    wait_until(lambda: job_id not in queued().split(), 90, f"job {job_id} still in squeue", poll=1)  # %A: an array task's own id
+    assert job_processes([job_id]) == []
+    assert not files or not list(Path("/tmp").glob(f"ray_job_{job_id}_*"))
 
 
 def wandb_train_rows(run_dir: Path) -> list[dict]:
@@ -290,8 +308,8 @@ def test_multinode_recipe_on_two_nodes(slurm_env, ray_address, tmp_path):
     assert one_node.returncode == 0, one_node.stderr[-3000:]
     assert [m["train/loss"] for m in rows] == [m["train/loss"] for m in read_jsonl(tmp_path / "one_node" / "metrics.jsonl")]
     # nothing of the job left: no process on either node, no Ray files, no head address; the token never written
-    assert job_processes([job["slurm"]["job_id"]]) == []
-    assert not list(Path("/tmp").glob(f"ray_job_{job['slurm']['job_id']}_*")) and not list(rendezvous.iterdir())
+    assert_nothing_left(slurm_env, job["slurm"]["job_id"])
+    assert not list(rendezvous.iterdir())
     written = [p.read_text(errors="replace") for p in [log, *run_dir.rglob("*")] if p.is_file()]
     assert not any(RAY_TOKEN in text for text in written)
 

@@ -229,6 +229,8 @@ def ray_node(allocation: Allocation, rendezvous: Path) -> None:
         while process.poll() is None and missed < HEAD_GONE_CHECKS:
             time.sleep(1.0)
             missed = 0 if answers(head) else missed + 1
+        if missed < HEAD_GONE_CHECKS and answers(head):  # this node died under a running head: the task fails
+            raise RuntimeError(f"the Ray node on {allocation.node} exited ({process.returncode}) while the head at {head} runs")
     print(f"tinker_exp multinode: node {allocation.node}: the Ray head is gone; this node stopped", flush=True)
 
 
