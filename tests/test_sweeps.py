@@ -321,7 +321,12 @@ def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
         sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
         "trainer.steps=1000", "logger=none", "optimizer.lr=1e-3,3e-4",
     ]  # fmt: skip
-    driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Ctrl-C as a terminal delivers it: SIGINT at its default in the driver. A suite started in the background by a
+    # non-interactive shell (CI behind `&`) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    driver = subprocess.Popen(
+        command, cwd=REPO, env=environment(slurm_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         both_run = lambda: all((tmp_path / str(n) / "job.json").exists() for n in (0, 1))  # noqa: E731
         wait_until(both_run, 120, "the jobs never started", driver)
