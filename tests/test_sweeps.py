@@ -19,7 +19,6 @@ from helpers import (
     read_job_log,
     read_jsonl,
     run_cli,
-    squeue,
     wait_until,
     wandb_history,
     wandb_records,

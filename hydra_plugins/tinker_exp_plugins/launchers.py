@@ -94,7 +94,7 @@ class SweepLauncher(BaseSubmititLauncher):
 
         from tinker_exp.runtime.ray_cluster import run_on_allocation
 
-        return run_on_allocation(lambda address: job(*args), submitit.JobEnvironment().paths.folder)
+        return run_on_allocation(lambda: job(*args), submitit.JobEnvironment().paths.folder)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -83,14 +84,14 @@ class Allocation:
         return Path(os.environ.get("TMPDIR", "/tmp")) / f"ray_job_{self.job_id}_{self.rank}"
 
 
-def run_on_allocation(driver: Callable[[str], T], rendezvous: Path) -> T | None:
-    """Task 0: the Ray head, then `driver(address)` (its return value returned); other tasks: a Ray node until
-    the head is gone (None). The driver finds the address in RAY_ADDRESS too."""
+def run_on_allocation(driver: Callable[[], T], rendezvous: Path) -> T | None:
+    """Task 0: the Ray head, then `driver()` (its return value returned), which finds the head in RAY_ADDRESS;
+    other tasks: a Ray node until the head is gone (None)."""
     allocation = Allocation.from_env()
     ensure_token()
     if allocation.rank == 0:
-        with ray_head(allocation, rendezvous) as address:
-            return driver(address)
+        with ray_head(allocation, rendezvous):
+            return driver()
     ray_node(allocation, rendezvous)
     return None
 
@@ -154,8 +155,6 @@ def ray_process(command: list[str], allocation: Allocation) -> Iterator[subproce
         yield process
     finally:
         stop_group(process)
-        import shutil
-
         shutil.rmtree(allocation.temp_dir(), ignore_errors=True)
 
 
@@ -240,7 +239,7 @@ def main() -> None:
     allocation = Allocation.from_env()
     rendezvous = Path(os.environ.get(RENDEZVOUS_ENV) or Path.cwd() / "outputs" / ".ray")
 
-    def driver(address: str) -> int:
+    def driver() -> int:
         from tinker_exp.main import main as tinker_exp_main
 
         sys.argv = ["tinker_exp", f"backend.nodes={allocation.nodes}", *sys.argv[1:]]
