@@ -10,7 +10,7 @@ from helpers import REPO, environment
 
 PROBE = """
 import os, signal, time, psutil, ray
-from tinker_exp.runtime.workers import start_ray
+from tinker_exp.runtime.ray_cluster import start_ray
 
 handled = []
 signal.signal(signal.SIGUSR2, lambda signum, frame: handled.append(signum))  # submitit's, in a real job

@@ -1,6 +1,7 @@
-"""One Ray cluster over a Slurm allocation of several nodes, for one tinker_exp run.
+"""The Ray cluster of a run: a local one started for it or one it joins (:func:`start_ray`), and one over a Slurm
+allocation of several nodes (:func:`run_on_allocation`), whose nodes the driver waits for (:func:`wait_for_nodes`).
 
-Every task of the job (one per node) calls :func:`run_on_allocation`: task 0 starts the Ray head in its
+Over an allocation, every task of the job (one per node) calls :func:`run_on_allocation`: task 0 starts the Ray head in its
 allocation and runs the tinker_exp driver, which joins it; each other task starts a Ray node that joins the
 head and blocks until the driver is done (the head gone), then exits. Used by `launchers/slurm_multinode.sbatch`
 (`srun python -m tinker_exp.runtime.ray_cluster OVERRIDES`) and by a multi-node sweep point (the submitit
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, TypeVar
 
-from tinker_exp.train.signals import ignored_by_children
+from tinker_exp.train.signals import ignored_by_children, sigterm_handler_kept
 
 T = TypeVar("T")
 
@@ -82,6 +83,36 @@ class Allocation:
     def temp_dir(self) -> Path:
         """Ray's files for this node of this job: nothing a later Ray on the host could find, removed at the end."""
         return Path(os.environ.get("TMPDIR", "/tmp")) / f"ray_job_{self.job_id}_{self.rank}"
+
+
+def wait_for_nodes(nodes: int, timeout_s: float) -> None:
+    """Multi-node: the other nodes' `ray start` may still be joining; fail clearly rather than hang in placement."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while (alive := sum(node["Alive"] for node in ray.nodes())) < nodes:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"backend.nodes={nodes}, but only {alive} Ray node(s) joined within {timeout_s:.0f} s")
+        time.sleep(1.0)
+
+
+def start_ray(address: str | None, env: dict[str, str]) -> None:
+    """ray.init: a new local cluster (address None), never one found through /tmp/ray/ray_current_cluster.
+
+    The daemons it starts ignore Slurm's USR1/USR2 (inherited SIG_IGN): submitit's time-limit USR2 reaches every
+    process of the job, and would kill Ray's GCS and workers before the driver's handler could requeue the job."""
+    import ray
+
+    with sigterm_handler_kept(), ignored_by_children():  # ray.init replaces SIGTERM's handler with a sys.exit
+        ray.init(
+            address=address or "local",
+            runtime_env={"env_vars": env},
+            include_dashboard=False,
+            log_to_driver=True,  # worker output reaches the driver, which writes it to workers.log
+            configure_logging=False,
+        )
 
 
 def run_on_allocation(driver: Callable[[], T], rendezvous: Path) -> T | None:

@@ -26,9 +26,9 @@ from tinker_exp.config import BackendConfig, LoraConfig, OptimizerConfig, Traine
 from tinker_exp.optim.convert import OVERRIDE_KEYS
 from tinker_exp.runtime import lora as lora_adapters
 from tinker_exp.runtime.device import DeviceChoice, check_gpus, check_placement
+from tinker_exp.runtime.ray_cluster import start_ray, wait_for_nodes
 from tinker_exp.runtime.worker_output import WorkerOutput
 from tinker_exp.train.protocols import StepResult
-from tinker_exp.train.signals import ignored_by_children, sigterm_handler_kept
 
 log = logging.getLogger(__name__)
 
@@ -74,36 +74,6 @@ def check_platform(device: str) -> None:
     resolved = get_platform()
     if resolved.device_name != device:
         raise RuntimeError(f"verl resolved the platform {type(resolved).__name__} ({resolved.device_name}), not {device}")
-
-
-def wait_for_nodes(nodes: int, timeout_s: float) -> None:
-    """Multi-node: the other nodes' `ray start` may still be joining; fail clearly rather than hang in placement."""
-    import time
-
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    while (alive := sum(node["Alive"] for node in ray.nodes())) < nodes:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"backend.nodes={nodes}, but only {alive} Ray node(s) joined within {timeout_s:.0f} s")
-        time.sleep(1.0)
-
-
-def start_ray(address: str | None, env: dict[str, str]) -> None:
-    """ray.init: a new local cluster (address None), never one found through /tmp/ray/ray_current_cluster.
-
-    The daemons it starts ignore Slurm's USR1/USR2 (inherited SIG_IGN): submitit's time-limit USR2 reaches every
-    process of the job, and would kill Ray's GCS and workers before the driver's handler could requeue the job."""
-    import ray
-
-    with sigterm_handler_kept(), ignored_by_children():  # ray.init replaces SIGTERM's handler with a sys.exit
-        ray.init(
-            address=address or "local",
-            runtime_env={"env_vars": env},
-            include_dashboard=False,
-            log_to_driver=True,  # worker output reaches the driver, which writes it to workers.log
-            configure_logging=False,
-        )
 
 
 def _worker_class():
