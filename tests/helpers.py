@@ -202,3 +202,9 @@ def verl_adamw(values: dict):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     groups = [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
     return build_optimizer(groups, config)
+
+
+def wandb_train_rows(run_dir: Path) -> list[dict]:
+    """The steps W&B has written so far (the file may be half written: complete records only)."""
+    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    return [row for row in wandb_history(wandb_records(files[0])) if "train/loss" in row] if files else []

@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 from fakes import FakeWorkers, fake_workers
-from helpers import REPO, compose, environment, metrics_rows, planned, read_jsonl, wait_until
+from helpers import REPO, compose, environment, metrics_rows, planned, read_jsonl, wait_until, wandb_finished_records, wandb_history, wandb_train_rows
 from tinker_exp import config
 from tinker_exp.errors import ConfigError, NonFiniteError
 from tinker_exp.main import run, validate
@@ -254,6 +254,8 @@ def test_wandb_service_killed_mid_run_one_warning_and_every_step_logged(tmp_path
     )  # fmt: skip
     try:
         wait_until(lambda: len(metrics_rows(tmp_path / "run")) >= 2, 180, "training never started", driver)
+        # W&B starts beside the steps: once its run is there it is handed the rows that waited (steps 0 and 1)
+        wait_until(lambda: wandb_train_rows(tmp_path / "run"), 120, "W&B never got a step", driver)
         services = [p for p in psutil.Process(driver.pid).children(recursive=True) if "wandb-core" in p.name()]
         assert services, "no wandb-core process under the driver"
         for service in services:
@@ -285,20 +287,44 @@ class StartOrder(FakeWorkers):
         return super().train_step(examples, optim_step_params)
 
 
-def test_the_plot_and_wandb_start_while_the_workers_start(tmp_path):
+def test_the_plot_and_wandb_start_while_the_workers_start_and_no_step_waits_for_wandb(tmp_path, monkeypatch):
     """After everything that can stop the run (plan.json, data, device), the workers are started first; the plot and
-    W&B start beside them (a thread while the driver waits in ready()) and are done before the first step."""
-    started = []
+    W&B start beside them (a thread) and no step waits for them: here W&B's start is held until two steps are done,
+    and every step's row still reaches W&B, in order."""
+    import threading
+
+    from tinker_exp.train.sinks import WandbSink
+
+    held, started = threading.Event(), []
+    real_start = WandbSink.start.__func__
+
+    def held_start(cls, *args, **kwargs):
+        assert held.wait(120), "the steps waited for W&B"
+        return real_start(cls, *args, **kwargs)
+
+    monkeypatch.setattr(WandbSink, "start", classmethod(held_start))
+
+    class HoldingWandb(StartOrder):
+        def train_step(self, examples, optim_step_params):
+            result = super().train_step(examples, optim_step_params)
+            self.steps = getattr(self, "steps", 0) + 1
+            if self.steps == 2:
+                self.at_second_step = self.driver_state()
+                held.set()
+            return result
 
     def start(cfg, plan, model_path, run_dir):
-        started.append(StartOrder(run_dir, plan.optimizer_values))
+        started.append(HoldingWandb(run_dir, plan.optimizer_values))
         return started[0]
 
-    run(compose("trainer.steps=2", "+override=lr_cosine"), tmp_path, start_workers=start)  # a plan to plot
+    run(compose("trainer.steps=4", "+override=lr_cosine"), tmp_path, start_workers=start)  # a plan to plot
     (workers,) = started
     assert workers.at_start == {"plan.json": True, "plan.png": False, "wandb_run_id": False}
-    assert workers.at_first_step == {"plan.json": True, "plan.png": True, "wandb_run_id": True}
-    assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1]
+    assert workers.at_second_step["wandb_run_id"] is False  # two steps done before W&B's run existed
+    assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1, 2, 3]
+    history = [row for row in wandb_history(wandb_finished_records(tmp_path)) if "train/loss" in row]
+    assert [row["train/step"] for row in history] == [0, 1, 2, 3]  # the rows that waited, then the rest
+    assert (tmp_path / "plan.png").exists()
 
 
 def test_the_driver_start_up_thread_returns_its_result_or_error_at_low_priority():
@@ -307,14 +333,48 @@ def test_the_driver_start_up_thread_returns_its_result_or_error_at_low_priority(
     import threading
     import time
 
-    from tinker_exp.main import in_background
+    from tinker_exp.train.sinks import Background
 
     def niceness() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     if sys.platform == "linux":  # per-thread niceness: the thread yields the CPU to the workers, not this one
-        assert in_background(niceness)() == min(niceness() + 10, 19) and niceness() < 19
-    assert in_background(lambda: "done")() == "done"
+        assert Background(niceness)() == min(niceness() + 10, 19) and niceness() < 19
+    assert Background(lambda: "done")() == "done"
     with pytest.raises(ZeroDivisionError):
-        in_background(lambda: 1 / 0)()
-    assert in_background(lambda: time.sleep(5))(0.05) is None  # not done in time: nothing (a stop does not wait)
+        Background(lambda: 1 / 0)()
+    slow = Background(lambda: time.sleep(5))
+    assert slow(0.05) is None and not slow.done()  # not done in time: nothing (a stop does not wait)
+
+
+def test_a_starting_sink_keeps_the_rows_until_it_is_there():
+    import threading
+
+    from tinker_exp.train.sinks import StartingSink
+
+    class Rows:
+        def __init__(self):
+            self.rows, self.closed = [], None
+
+        def log(self, row):
+            self.rows.append(row)
+
+        def close(self, exit_code=0):
+            self.closed = exit_code
+
+    gate, target = threading.Event(), Rows()
+    sink = StartingSink(lambda: gate.wait(60) and target)
+    sink.log({"step": 0})
+    sink.log({"step": 1})
+    assert target.rows == []  # still starting: nothing waits for it
+    gate.set()
+    wait_until(lambda: target.rows, 60, "the rows never reached the sink")  # handed over as soon as it is there
+    sink.log({"step": 2})
+    sink.close(0)  # a finished run waits for it
+    assert target.rows == [{"step": 0}, {"step": 1}, {"step": 2}] and target.closed == 0
+    left_out = StartingSink(lambda: None)  # W&B warned and is left out: rows go nowhere, no error
+    left_out.log({"step": 0})
+    left_out.close(0)
+    broken = StartingSink(lambda: 1 / 0)
+    with pytest.warns(UserWarning, match="W&B's start failed: ZeroDivisionError"):
+        broken.close(1)

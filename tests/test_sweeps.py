@@ -20,8 +20,7 @@ from helpers import (
     read_jsonl,
     run_cli,
     wait_until,
-    wandb_history,
-    wandb_records,
+    wandb_train_rows,
     wandb_finished_records,
     wandb_run_record,
 )
@@ -246,12 +245,6 @@ def assert_nothing_left(slurm_env: dict, job_id: str, files: bool = True) -> Non
     wait_until(lambda: job_id not in queued().split(), 90, f"job {job_id} still in squeue", poll=1)  # %A: an array task's own id
     assert job_processes([job_id]) == []
     assert not files or not list(Path("/tmp").glob(f"ray_job_{job_id}_*"))
-
-
-def wandb_train_rows(run_dir: Path) -> list[dict]:
-    """The steps W&B has written so far (the file may be half written: complete records only)."""
-    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    return [row for row in wandb_history(wandb_records(files[0])) if "train/loss" in row] if files else []
 
 
 def sacct_state(slurm_env: dict, job_id: str) -> str:

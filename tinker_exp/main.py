@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -121,36 +120,6 @@ def run(
     return train_run(cfg, plan, rows, resume, run_dir, wandb_config, start_workers)
 
 
-def in_background(work: Callable[[], Any]) -> Callable[[float | None], Any]:
-    """Start `work` in a thread at a lower CPU priority, and return the wait for its result (its error re-raised;
-    None if it is not done within the timeout given). The driver's own start-up work then takes only the CPU the
-    workers' start-up leaves: on a machine of few cores they would otherwise share it. The main thread only waits
-    meanwhile (in ray.get): no two threads import at once."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        if sys.platform == "linux":  # Linux: per-thread niceness (a child process started here inherits it)
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-            except OSError:
-                pass
-        try:
-            box["result"] = work()
-        except BaseException as e:  # re-raised in the caller
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name="driver-start-up", daemon=True)
-    thread.start()
-
-    def result(timeout: float | None = None) -> Any:
-        thread.join(timeout)
-        if "error" in box:
-            raise box["error"]
-        return box.get("result")
-
-    return result
-
-
 def train_run(
     cfg: Config,
     plan: Plan,
@@ -173,7 +142,7 @@ def train_run(
     from tinker_exp.train.data import batch_for_step, eval_batches
     from tinker_exp.train.evaluation import Evaluation
     from tinker_exp.train.loop import train
-    from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, WandbSink, wandb_environment
+    from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, StartingSink, WandbSink, wandb_environment
 
     trainer, data = cfg.trainer, cfg.data
     choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
@@ -215,14 +184,9 @@ def train_run(
                 wandb_sink.attach_plan(*plan_table(plan, cfg.plan_steps), plot)
             return wandb_sink
 
-        started, stopping = in_background(plot_and_wandb), True  # while the workers start
-        try:
-            workers.ready()
-            stopping = False
-        finally:
-            wandb_sink = started(10.0 if stopping else None)  # stopping: do not wait long for W&B
-            if wandb_sink is not None:
-                sinks.sinks.insert(1, wandb_sink)
+        # Beside the workers' start, and no step waits for it: W&B's rows wait until its run is there.
+        sinks.sinks.insert(1, StartingSink(plot_and_wandb))
+        workers.ready()
         if resume is not None:
             restore(workers, resume.path)
         run_state = {"seed": trainer.seed, "device": choice.device}  # in every checkpoint's loop.json

@@ -7,12 +7,14 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tinker_exp.config import LoggerConfig
+from tinker_exp.errors import one_line
 from tinker_exp.formats import read_jsonl
 from tinker_exp.optim.plan import Plan, override_config
 
@@ -200,6 +202,80 @@ class ProgressBar:
     def close(self, exit_code: int = 0) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+class Background:
+    """Work running in a thread at a lower CPU priority: the driver's own start-up work then takes only the CPU the
+    workers' start-up leaves (on a machine of few cores they would otherwise share it)."""
+
+    def __init__(self, work: Callable[[], Any]):
+        self.box: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._run, args=(work,), name="driver-start-up", daemon=True)
+        self.thread.start()
+
+    def _run(self, work: Callable[[], Any]) -> None:
+        if sys.platform == "linux":  # Linux: per-thread niceness (a child process started here inherits it)
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except OSError:
+                pass
+        try:
+            self.box["result"] = work()
+        except BaseException as e:  # re-raised in the caller
+            self.box["error"] = e
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def __call__(self, timeout: float | None = None) -> Any:
+        """The result (the work's error re-raised); None if it is not done within `timeout`."""
+        self.thread.join(timeout)
+        if "error" in self.box:
+            raise self.box["error"]
+        return self.box.get("result")
+
+
+class StartingSink:
+    """A sink that starts in the background (W&B's run, started beside the workers), so that no step waits for it.
+    Rows wait, in order, until it is there; the thread that started it then hands it the waiting rows. Closing
+    waits for it (at most 10 s when the run failed). A start that gave no sink (W&B warned and is left out) or
+    failed drops the rows."""
+
+    def __init__(self, start: Callable[[], Any]):
+        self.lock = threading.Lock()
+        self.sink: Any = None
+        self.waiting: list[dict[str, Any]] | None = []  # None once started (or failed)
+        self.started = Background(lambda: self._started(start))
+
+    def _started(self, start: Callable[[], Any]) -> Any:
+        sink = None
+        try:
+            sink = start()
+        finally:
+            with self.lock:  # a row logged meanwhile waits for this, so the order holds
+                self.sink, waiting, self.waiting = sink, self.waiting or [], None
+                for row in waiting if sink is not None else ():
+                    sink.log(row)
+        return sink
+
+    def log(self, row: dict[str, Any]) -> None:
+        with self.lock:
+            if self.waiting is not None:
+                self.waiting.append(row)
+                return
+        if self.sink is not None:
+            self.sink.log(row)
+
+    def close(self, exit_code: int = 0) -> None:
+        try:
+            self.started(None if exit_code == 0 else 10.0)
+        except Exception as e:  # the start failed: the other sinks still close
+            warnings.warn(f"W&B's start failed: {one_line(e)}", stacklevel=1)
+            return
+        with self.lock:
+            sink = self.sink
+        if sink is not None:
+            sink.close(exit_code)
 
 
 class Sinks:
