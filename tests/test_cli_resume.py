@@ -16,14 +16,19 @@ import pytest
 from helpers import REPO, environment, run_cli
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("finished")
-    made = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "fake_cli.py"), "trainer.steps=4", "checkpoint.every_steps=2",
+def fake_cli(run_dir: Path, steps: int) -> subprocess.CompletedProcess:
+    """The real CLI with FakeWorkers: `steps` steps into `run_dir`, a checkpoint every 2."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "tests" / "fake_cli.py"), f"trainer.steps={steps}", "checkpoint.every_steps=2",
          "logger=none", f"hydra.run.dir={run_dir}"],
         cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("finished")
+    made = fake_cli(run_dir, 4)
     assert made.returncode == 0, made.stderr[-3000:]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
     return run_dir
@@ -102,11 +107,7 @@ def test_a_checkpoint_saved_on_another_device_stops_the_run_before_any_worker_st
     saved_on(run_dir, "cuda")  # as if trained on a GPU machine, continued here (auto: cpu)
     kept = lambda: {p: b for p, b in files(run_dir).items() if "checkpoints" in p.parts or p.name == "metrics.jsonl"}  # noqa: E731
     before = kept()
-    real = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "fake_cli.py"), "trainer.steps=6", "checkpoint.every_steps=2",
-         "logger=none", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    real = fake_cli(run_dir, 6)
     assert real.returncode == 2, real.stderr[-3000:]
     assert real.stderr.strip().splitlines()[-1] == (
         f"tinker_exp: config error: backend.device: this run trains on cpu, but {run_dir / 'checkpoints' / 'step_00000004'} "
