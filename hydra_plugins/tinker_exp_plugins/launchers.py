@@ -57,7 +57,10 @@ class SweepLauncher(BaseSubmititLauncher):
                 f"hydra.launcher.signal_delay_s={delay_s} must be below hydra.launcher.timeout_min*60={timeout_s}"
             )
         if self._EXECUTOR != "slurm" and (params.get("nodes") or 1) > 1:
-            raise ConfigError(f"hydra.launcher.nodes={params['nodes']}: the local launcher runs each job on this machine; a point spans nodes with hydra/launcher=slurm")
+            raise ConfigError(
+                f"hydra.launcher.nodes={params['nodes']}: the local launcher runs each job on this machine; "
+                "a point spans nodes with hydra/launcher=slurm"
+            )
         super().__init__(**params)
         self.outcomes: dict[int, JobOutcome] = {}  # every job this launcher ran, by number: a sweep in batches
         self.summarize = True  # the table on the terminal after each launch (a study prints its own)
@@ -108,7 +111,8 @@ class SweepLauncher(BaseSubmititLauncher):
             log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}")
         args = [(list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", Singleton.get_state()) for n, o in zip(nums, job_overrides)]
         executor = self._executor()
-        with sigint_deferred() as interrupted, ray_token(self.nodes() > 1):  # a Ctrl-C inside sbatch would leave jobs we never learn the ids of
+        # A Ctrl-C inside sbatch would leave jobs we never learn the ids of; multi-node jobs need their Ray token.
+        with sigint_deferred() as interrupted, ray_token(self.nodes() > 1):
             jobs = executor.map_array(self, *zip(*args))
         if interrupted():
             cancel(jobs)
@@ -152,7 +156,9 @@ def spanning(overrides: Sequence[str], nodes: int) -> list[str]:
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
         if key == "backend.nodes" and value != str(nodes):
-            raise ConfigError(f"backend.nodes={value}: a sweep point spans hydra.launcher.nodes={nodes} nodes; leave backend.nodes out")
+            raise ConfigError(
+                f"backend.nodes={value}: a sweep point spans hydra.launcher.nodes={nodes} nodes; leave backend.nodes out"
+            )
     return [*(o for o in overrides if o.lstrip("+~").partition("=")[0] != "backend.nodes"), f"backend.nodes={nodes}"]
 
 

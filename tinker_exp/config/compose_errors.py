@@ -43,6 +43,10 @@ def one_line_compose_errors() -> Iterator[None]:
 
     original = hydra_utils.run_and_report
 
+    def stop(error: TinkerExpError) -> None:
+        print(f"tinker_exp: {one_line(error)}", file=sys.stderr)
+        sys.exit(error.exit_code)
+
     def run_and_report(func: Callable[[], Any]) -> Any:
         def guarded() -> Any:
             try:
@@ -50,12 +54,9 @@ def one_line_compose_errors() -> Iterator[None]:
             except InstantiationException as e:  # a launcher or sweeper refusing its keys: ours in one line
                 if not isinstance(e.__cause__, TinkerExpError):
                     raise
-                print(f"tinker_exp: {one_line(e.__cause__)}", file=sys.stderr)
-                sys.exit(e.__cause__.exit_code)
+                stop(e.__cause__)
             except (*COMPOSE_ERRORS, TinkerExpError) as e:  # ours too: a sweeper's config error (its search space)
-                error = e if isinstance(e, TinkerExpError) else as_config_error(e)
-                print(f"tinker_exp: {one_line(error)}", file=sys.stderr)
-                sys.exit(error.exit_code)
+                stop(e if isinstance(e, TinkerExpError) else as_config_error(e))
 
         return original(guarded)
 
