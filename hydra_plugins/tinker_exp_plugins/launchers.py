@@ -92,12 +92,19 @@ class SweepLauncher(BaseSubmititLauncher):
         others are Ray nodes of it until it ends (tinker_exp.runtime.ray_cluster)."""
         job = super().__call__
         if self.nodes() == 1:
-            return job(*args)
-        import submitit
+            ret = job(*args)
+        else:
+            import submitit
 
-        from tinker_exp.runtime.ray_cluster import run_on_allocation
+            from tinker_exp.runtime.ray_cluster import run_on_allocation
 
-        return run_on_allocation(lambda: job(*args), submitit.JobEnvironment().paths.folder)
+            ret = run_on_allocation(lambda: job(*args), submitit.JobEnvironment().paths.folder)
+        if self._EXECUTOR == "slurm" and isinstance(ret, JobReturn) and ret.status == JobStatus.FAILED and slurm_ending_job():
+            # The run failed because Slurm is ending the job (requeue, cancel): another node's processes got its
+            # SIGTERM first and the workers there died, before it reached this one. No result, as on SIGTERM, so
+            # the launcher reads the job's fate from Slurm (a requeued job runs again).
+            raise SystemExit(143)
+        return ret
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None
@@ -149,6 +156,14 @@ class SweepLauncher(BaseSubmititLauncher):
         if not all(outcome.ok for outcome in outcomes):
             raise SweepFailedError(failure_report(outcomes, summary), returns)
         return returns
+
+
+def slurm_ending_job() -> bool:
+    """This job, asked from inside it: Slurm no longer runs it (requeued, cancelled, completing)."""
+    import os
+
+    state = slurm_state(os.environ["SLURM_JOB_ID"])
+    return state not in ("RUNNING", "UNKNOWN")
 
 
 def spanning(overrides: Sequence[str], nodes: int) -> list[str]:
