@@ -1,11 +1,12 @@
-"""Measure the figures quoted in docs/lora.md and docs/data-and-models.md: the default run's start line about its
-data, and full fine-tuning against LoRA on the tiny default model (losses, checkpoint sizes, trainable parameters).
+"""Measure the figures quoted in docs/lora.md and docs/data-and-models.md: full fine-tuning against LoRA on the
+tiny default model (losses, checkpoint sizes, trainable parameters) and the start line about the data of a run on
+the shipped chat set.
 
 Runs the real CLI (`python -m tinker_exp`: 20 steps, 2 CPU workers, W&B off) once per variant, one after the
 other, each in its own temporary run dir, and prints per variant: the first and last training loss, the last
 validation loss, the newest checkpoint's size, and what the run logged about its data and (LoRA) its adapters.
 
-    .venv/bin/python scripts/doc_figures.py            # all four variants, about 40 s each on 2 cores
+    .venv/bin/python scripts/doc_figures.py            # all five variants, about 40 s each on 2 cores
     .venv/bin/python scripts/doc_figures.py full r8    # only the variants named
 """
 
@@ -23,6 +24,7 @@ VARIANTS = {
     "r8": ["lora=r8"],
     "r32": ["lora=r32"],
     "r8_lr1e-2": ["lora=r8", "optimizer.lr=1e-2"],
+    "chat": ["data=tiny_chat"],  # the shipped conversations: its data line
 }
 LOGGED = ("data: ", "LoRA rank ")  # the lines of tinker_exp.log worth quoting, from where they start
 
