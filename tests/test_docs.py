@@ -165,3 +165,46 @@ def test_the_readme_two_point_sweep_as_a_dry_run(tmp_path: Path):
     (sweep_dir,) = (tmp_path / "outputs" / "sweeps").glob("*/*")
     jobs = [json.loads(line) for line in (sweep_dir / "summary.jsonl").read_text().splitlines()]
     assert len(jobs) == 2 and {job["status"] for job in jobs} == {"COMPLETED"}
+
+
+def section(path: Path, heading: str) -> list[str]:
+    """The lines under `heading` up to the next heading of any level."""
+    lines = path.read_text().splitlines()
+    start = lines.index(heading) + 1
+    end = next((i for i in range(start, len(lines)) if HEADING.match(lines[i])), len(lines))
+    return lines[start:end]
+
+
+def test_the_readme_single_runs_compose_and_plan(tmp_path: Path):
+    """Every single-run line of the README's ten commands (not the sweeps, not the user's data file) composes
+    and plans as a dry run."""
+    block = code_block(REPO / "README.md", "python -m tinker_exp +override=lr_cosine ")
+    commands = [line.removeprefix("python -m tinker_exp") for line in block if line.startswith("python -m tinker_exp")]
+    runs = [f"python -m tinker_exp{args}" for args in commands if " -m " not in args and "$HOME" not in args]
+    assert len(runs) >= 6
+    for line in runs:
+        done = run_shell([line], tmp_path, extra=" dry_run=true")
+        assert done.returncode == 0, f"{line}\n{done.stderr}"
+
+
+def test_when_plus_is_needed_as_the_readme_says(tmp_path: Path):
+    """Each `write` cell of the README's table composes and plans; each error it quotes is what the CLI says."""
+    lines = section(REPO / "README.md", "### When is `+` needed")
+    table = [line for line in lines if line.startswith("| ") and "`" in line.split("|")[2]]
+    writes = [re.search(r"`([^`]+)`", line.split("|")[2])[1] for line in table]
+    assert len(writes) == 5 and any(write.startswith("+override=[") for write in writes)
+    for write in writes:
+        done = run_shell([f"python -m tinker_exp {write}"], tmp_path, extra=" dry_run=true")
+        assert done.returncode == 0, f"{write}\n{done.stderr}"
+    text = " ".join(lines)
+    for args, message in [
+        ("override.lr=5e-4", "override.lr: Key 'lr' is not in struct"),
+        ("+override=lr_cosine_restarts override.lr.min_ratio=0.1", "Key 'min_ratio' is not in struct"),
+        ("+override=constant +override.lr=5e-4", "Could not append to config. An item is already at 'override.lr'"),
+        ("override=lr_cosine", "override"),
+    ]:
+        assert message in text
+        done = run_shell([f"python -m tinker_exp {args}"], tmp_path, extra=" dry_run=true")
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, f"{args}\n{done.stderr}"
+    done = run_shell(["python -m tinker_exp +override=constant ++override.lr=5e-4"], tmp_path, extra=" dry_run=true")
+    assert done.returncode == 0, done.stderr
