@@ -201,7 +201,7 @@ def test_when_plus_is_needed_as_the_readme_says(tmp_path: Path):
         ("override.lr=5e-4", "override.lr: Key 'lr' is not in struct"),
         ("+override=lr_cosine_restarts override.lr.min_ratio=0.1", "Key 'min_ratio' is not in struct"),
         ("+override=constant +override.lr=5e-4", "Could not append to config. An item is already at 'override.lr'"),
-        ("override=lr_cosine", "override"),
+        ("override=lr_cosine", "Could not override 'override'. No match in the defaults list."),
     ]:
         assert message in text
         done = run_shell([f"python -m tinker_exp {args}"], tmp_path, extra=" dry_run=true")
