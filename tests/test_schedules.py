@@ -209,6 +209,9 @@ def test_composed_files_later_wins_and_cli_tweaks():
     assert plan.schedules["lr"].kind == "wsd"
     later = validate(OmegaConf.to_object(compose("+override=[lr_wsd,lr_cosine]")))
     assert later.schedules["lr"].kind == "cosine"
+    with pytest.warns(UserWarning, match=r"override.lr: ignoring \['end'\], not parameters of cosine") as said:
+        validate(OmegaConf.to_object(compose("+override=[lr_linear,lr_cosine]")))  # lr_linear's `start: null` says nothing
+    assert len(said) == 1
     tweaked = validate(OmegaConf.to_object(compose("+override=lr_cosine", "override.lr.warmup_steps=5", "override.lr.min_ratio=0.5")))
     assert tweaked[4]["lr"] == pytest.approx(0.8e-3) and tweaked[19]["lr"] > 0.5e-3
     constant = validate(OmegaConf.to_object(compose("+override=lr_cosine", "override.lr=3e-4")))

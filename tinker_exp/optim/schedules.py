@@ -368,7 +368,9 @@ def compile_schedule(spec: Mapping[str, Any], run_steps: int, where: str, peak: 
     # and parameters only the earlier kind takes are dropped (said aloud). Unknown names still fail below.
     leftovers = sorted(set(spec) - set(declared) & set().union(*PARAMS.values()))
     if leftovers:
-        warnings.warn(f"{where}: ignoring {leftovers}, not parameters of {kind} (left from an earlier override file?)", stacklevel=2)
+        said = [name for name in leftovers if spec[name] is not None]  # a null (a preset's "the optimizer's") says nothing
+        if said:
+            warnings.warn(f"{where}: ignoring {said}, not parameters of {kind} (left from an earlier override file?)", stacklevel=2)
         spec = {k: v for k, v in spec.items() if k not in leftovers}
     unknown = sorted(set(spec) - set(declared))
     if unknown:
