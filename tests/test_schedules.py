@@ -461,3 +461,5 @@ def test_the_plot_names_each_keys_schedule_with_its_resolved_steps(tmp_path):
     plan = validate(OmegaConf.to_object(compose("+override=[lr_wsd,beta2_warmup]")))
     assert plot_title(plan) == "lr: wsd (warmup 1, decay 4, 1-sqrt), betas[0]: constant, betas[1]: linear"
     assert plot_plan(plan, tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    wide = validate(OmegaConf.to_object(compose("+override=[lr_wsd,beta2_warmup,wd_cosine]")))  # wrapped between keys
+    assert plot_title(wide) == "lr: wsd (warmup 1, decay 4, 1-sqrt), betas[0]: constant, betas[1]: linear,\nweight_decay: cosine"

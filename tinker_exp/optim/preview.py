@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -147,12 +146,23 @@ def plot_steps(plan: Plan, points: int = PLOT_POINTS) -> np.ndarray:
     return np.unique(np.minimum(np.concatenate(keep), n - 1))  # the padding repeats the last step
 
 
+TITLE_WIDTH = 90
+"""Characters of the plot's title a line (9 pt on the 7-inch figure)."""
+
+
 def plot_title(plan: Plan) -> str:
     """The schedule of each key sent ("lr: wsd (warmup 1, decay 4, 1-sqrt), betas[1]: linear"; a constant is
-    "eps: constant"), wrapped to the figure's width."""
+    "eps: constant"), wrapped to the figure's width between keys, never inside one."""
     labels = [label for key in plan.keys for label in (("betas[0]", "betas[1]") if key == "betas" else (key,))]
     named = [f"{label}: {describe(plan.schedules[label]) if label in plan.schedules else 'constant'}" for label in labels]
-    return textwrap.fill(", ".join(named), width=90)
+    lines = [named[0]]
+    for item in named[1:]:
+        if len(lines[-1]) + len(item) + 2 > TITLE_WIDTH:
+            lines[-1] += ","
+            lines.append(item)
+        else:
+            lines[-1] += f", {item}"
+    return "\n".join(lines)
 
 
 def plot_plan(plan: Plan, path: Path) -> Path | None:
