@@ -169,7 +169,8 @@ def train_run(
     if cfg.logger.name.value == "wandb":  # before the workers start: they inherit it (offline stays offline)
         os.environ.update(wandb_environment(run_dir, cfg.logger.mode.value))
     start = resume.state if resume else {}
-    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", start.get("step", 0)), ProgressBar(trainer.steps)])
+    first_step = start.get("step", 0)
+    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", first_step), ProgressBar(trainer.steps, first_step)])
     exit_code, workers = 1, None
     try:
         if start_workers is None:
