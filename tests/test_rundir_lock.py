@@ -98,6 +98,52 @@ def test_the_heartbeat_refreshes_the_lock_files_mtime(tmp_path, monkeypatch):
         wait_until(lambda: lock.stat().st_mtime > time.time() - 60, 30, "the heartbeat never touched the lock")
 
 
+def test_a_holder_whose_lock_was_taken_over_stops_its_heartbeat_and_leaves_the_new_lock(tmp_path, monkeypatch, caplog):
+    """A requeued job took the dir over while the earlier start still runs: the earlier one's release keeps it."""
+    monkeypatch.setattr(rundir_lock, "HEARTBEAT_S", 0.05)
+    held = RunDirLock(tmp_path, environment(NO_SLURM))
+    held.acquire()
+    try:
+        newer = json.dumps(holder(host="node-c", token="t-requeued").__dict__) + "\n"
+        (tmp_path / LOCK_FILE).write_text(newer)
+        wait_until(lambda: not held._heartbeat.is_alive(), 30, "the heartbeat never noticed")
+    finally:
+        held.release()
+    assert (tmp_path / LOCK_FILE).read_text() == newer
+    assert "this run no longer holds its run dir (the lock is held by host node-c, pid 1234, since" in caplog.text
+
+
+def contend(run_dir: Path, start, results, release) -> None:
+    start.wait()
+    try:
+        with RunDirLock(run_dir, environment(NO_SLURM)):
+            results.put("won")
+            release.wait()
+    except RunDirInUse as e:
+        results.put(str(e))
+
+
+def test_of_processes_taking_over_one_stale_lock_at_once_exactly_one_wins(tmp_path):
+    """Exclusive creation under contention (the narrow rename race itself: the test above, deterministically)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    write_lock(tmp_path, STALE_AFTER_S + 60, host="other-node", pid=4321)
+    start, release, results = context.Barrier(6), context.Event(), context.Queue()
+    contenders = [context.Process(target=contend, args=(tmp_path, start, results, release)) for _ in range(6)]
+    for process in contenders:
+        process.start()
+    try:
+        outcomes = [results.get(timeout=120) for _ in contenders]
+    finally:
+        release.set()
+        for process in contenders:
+            process.join(60)
+    assert outcomes.count("won") == 1, outcomes
+    assert all("is in use by host " + HOST in outcome for outcome in outcomes if outcome != "won"), outcomes
+    assert not list(tmp_path.iterdir())
+
+
 # --- real processes on one run dir ---------------------------------------------------------------------------------
 
 def snapshot(run_dir: Path) -> dict[str, tuple]:
