@@ -38,7 +38,8 @@ def test_another_hosts_lock_is_taken_over_only_once_its_heartbeat_is_stale():
     never_asked = lambda pid: pytest.fail("another host's pid is not looked up here")  # noqa: E731
     assert takeover_reason(holder(), ME, 5.0, never_asked) is None
     assert takeover_reason(holder(), ME, STALE_AFTER_S - 1, never_asked) is None
-    assert takeover_reason(holder(), ME, STALE_AFTER_S + 1, never_asked) == f"no heartbeat for {STALE_AFTER_S + 1:.0f} s (> {STALE_AFTER_S:.0f} s)"
+    stale = STALE_AFTER_S + 1
+    assert takeover_reason(holder(), ME, stale, never_asked) == f"no heartbeat for {stale:.0f} s (> {STALE_AFTER_S:.0f} s)"
 
 
 def test_this_hosts_lock_is_taken_over_when_its_pid_is_gone_or_reused_whatever_its_heartbeat():
@@ -81,10 +82,20 @@ def test_a_takeover_that_finds_the_lock_changed_hands_puts_it_back(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]
 
 
+def test_an_unreadable_lock_is_refused_while_fresh_and_taken_over_once_stale(tmp_path):
+    lock = tmp_path / LOCK_FILE
+    lock.write_text("")  # as a holder leaves it between creating the file and writing its line
+    with pytest.raises(RunDirInUse, match=f"is held by {re.escape(str(lock))}, which is not readable"):
+        RunDirLock(tmp_path, environment(NO_SLURM)).acquire()
+    os.utime(lock, (time.time() - STALE_AFTER_S - 60,) * 2)
+    with RunDirLock(tmp_path, environment(NO_SLURM)) as taken:
+        assert taken.holds()
+
+
 def test_a_lock_is_released_on_exit_and_refused_while_held(tmp_path):
     with RunDirLock(tmp_path, environment(NO_SLURM)) as held:
         assert held.holds()
-        with pytest.raises(RunDirInUse, match=rf"is in use by host {re.escape(HOST)}, pid {os.getpid()}, since "):
+        with pytest.raises(RunDirInUse, match=rf"is held by host {re.escape(HOST)}, pid {os.getpid()}, since "):
             RunDirLock(tmp_path, environment(NO_SLURM)).acquire()
         assert held.holds()
     assert not (tmp_path / LOCK_FILE).exists()
@@ -140,7 +151,7 @@ def test_of_processes_taking_over_one_stale_lock_at_once_exactly_one_wins(tmp_pa
         for process in contenders:
             process.join(60)
     assert outcomes.count("won") == 1, outcomes
-    assert all("is in use by host " + HOST in outcome for outcome in outcomes if outcome != "won"), outcomes
+    assert all("is held by host " + HOST in outcome for outcome in outcomes if outcome != "won"), outcomes
     assert not list(tmp_path.iterdir())
 
 
@@ -180,7 +191,8 @@ def fake_cli(run_dir: Path, steps: int, env: dict | None = None) -> subprocess.C
     )  # fmt: skip
 
 
-IN_USE = r"tinker_exp: run dir in use: {dir} is in use by host {host}, pid {pid}, since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC: wait for it to end, or use another run dir"
+IN_USE = (r"tinker_exp: run dir in use: {dir} is held by host {host}, pid {pid}, since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC: "
+          "wait for it to end, or use another run dir")
 
 
 @pytest.mark.parametrize("second", ["dry run", "training run"])
@@ -197,7 +209,8 @@ def test_a_second_process_on_a_held_run_dir_exits_2_with_one_line_and_writes_not
             result = fake_cli(run_dir, 4)
         assert result.returncode == 2, result.stderr[-3000:]
         lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and re.fullmatch(IN_USE.format(dir=re.escape(str(run_dir)), host=re.escape(HOST), pid=first.pid), lines[0]), lines
+        one_line = IN_USE.format(dir=re.escape(str(run_dir)), host=re.escape(HOST), pid=first.pid)
+        assert len(lines) == 1 and re.fullmatch(one_line, lines[0]), lines
         assert snapshot(run_dir) == before
         gate.touch()
         _, stderr = first.communicate(timeout=180)
@@ -244,7 +257,7 @@ def test_another_hosts_fresh_lock_is_refused_and_its_stale_one_taken_over(tmp_pa
     refused = run_cli("dry_run=true", f"hydra.run.dir={run_dir}", env=NO_SLURM)
     assert refused.returncode == 2, refused.stderr
     assert refused.stderr.strip().splitlines() == [
-        f"tinker_exp: run dir in use: {run_dir} is in use by host other-node, pid 4321, since 2026-12-01 08:00:00 UTC: "
+        f"tinker_exp: run dir in use: {run_dir} is held by host other-node, pid 4321, since 2026-12-01 08:00:00 UTC: "
         "wait for it to end, or use another run dir"
     ]
     assert snapshot(run_dir) == before
@@ -261,7 +274,7 @@ def test_a_requeued_slurm_job_takes_over_its_earlier_starts_fresh_lock(tmp_path)
     write_lock(run_dir, 1.0, host="other-node", pid=4321, slurm_job_id="4242", slurm_restarts=0)
     same_start = run_cli("dry_run=true", f"hydra.run.dir={run_dir}", env={"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0"})
     assert same_start.returncode == 2, same_start.stderr
-    assert "is in use by host other-node, pid 4321, Slurm job 4242, since 2026-12-01 08:00:00 UTC" in same_start.stderr
+    assert "is held by host other-node, pid 4321, Slurm job 4242, since 2026-12-01 08:00:00 UTC" in same_start.stderr
     requeued = run_cli("dry_run=true", f"hydra.run.dir={run_dir}", env={"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1"})
     assert requeued.returncode == 0, requeued.stderr
     assert "taken over: Slurm requeued job 4242 (restart 0 -> 1)" in requeued.stdout

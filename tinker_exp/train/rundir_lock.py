@@ -72,7 +72,9 @@ class Holder:
         )
 
     def describe(self) -> str:
-        slurm = f", Slurm job {self.slurm_job_id}" + (f" (restart {self.slurm_restarts})" if self.slurm_restarts else "") if self.slurm_job_id else ""
+        slurm = ""
+        if self.slurm_job_id:
+            slurm = f", Slurm job {self.slurm_job_id}" + (f" (restart {self.slurm_restarts})" if self.slurm_restarts else "")
         return f"host {self.host}, pid {self.pid}{slurm}, since {self.since}"
 
 
@@ -107,7 +109,8 @@ def takeover_reason(holder: Holder, me: Holder, heartbeat_age_s: float, started:
     - the same Slurm job, requeued since (a higher restart count; the old start may still be dying, anywhere);
     - this host, and the pid is gone, or now another process (another start time);
     - another host, and the heartbeat is older than STALE_AFTER_S."""
-    if holder.slurm_job_id is not None and holder.slurm_job_id == me.slurm_job_id and me.slurm_restarts > holder.slurm_restarts:
+    same_job = holder.slurm_job_id is not None and holder.slurm_job_id == me.slurm_job_id
+    if same_job and me.slurm_restarts > holder.slurm_restarts:
         return f"Slurm requeued job {me.slurm_job_id} (restart {holder.slurm_restarts} -> {me.slurm_restarts})"
     if holder.host == me.host:
         now = started(holder.pid)
@@ -152,7 +155,8 @@ class RunDirLock:
         self.release()
 
     def acquire(self) -> None:
-        for _ in range(5):  # each turn: create, or judge the holder; another contender may change it meanwhile
+        turns = 5  # each turn: create it, or judge its holder (another contender may change it meanwhile)
+        for turn in range(turns):
             if self._create():
                 self._heartbeat = threading.Thread(target=self._beat, name="run-dir-lock-heartbeat", daemon=True)
                 self._heartbeat.start()
@@ -161,18 +165,20 @@ class RunDirLock:
             if found is None:
                 continue  # released meanwhile
             holder, age = found
-            if holder is None:  # half written (a holder starting now) or garbage
+            if holder is None:  # not (yet) readable: its holder writes its one line right after creating it
                 if age <= STALE_AFTER_S:
-                    time.sleep(0.2)  # a holder writes its one line right after creating the file
-                    found = read_holder(self.path)
-                    if found is not None and found[0] is None and found[1] <= STALE_AFTER_S:
-                        raise RunDirInUse(f"{self.path.parent}: locked by {self.path}, which is not readable: wait, or remove it if no run uses this dir")
-                    continue
+                    if turn < turns - 1:
+                        time.sleep(0.1)
+                        continue
+                    raise RunDirInUse(
+                        f"{self.path.parent} is held by {self.path}, which is not readable: wait, or remove it if no run uses the dir"
+                    )
                 reason = f"unreadable, no heartbeat for {age:.0f} s"
             else:
                 reason = takeover_reason(holder, self.me, age, process_started)
                 if reason is None:
-                    raise RunDirInUse(f"{self.path.parent} is in use by {holder.describe()}: wait for it to end, or use another run dir")
+                    where, who = self.path.parent, holder.describe()
+                    raise RunDirInUse(f"{where} is held by {who}: wait for it to end, or use another run dir")
             if self._remove_stale(holder):
                 log.warning(f"run dir lock of {holder.describe() if holder else 'an unknown holder'} taken over: {reason}")
         raise RunDirInUse(f"{self.path.parent}: its lock kept changing hands; try again")
