@@ -147,8 +147,12 @@ def label_runs(runs: Sequence[RunInfo]) -> None:
     def differing(keys: Sequence[str]) -> list[str]:
         return [key for key in keys if key not in IDENTITY_KEYS and len({_short(value(run, key)) for run in runs}) > 1]
 
-    def labels_by(keys: Sequence[str]) -> list[str]:  # a key a run has no value for ("-") is left out of its label
-        return [" ".join(f"{key}={_short(value(run, key))}" for key in keys if value(run, key) != "-") for run in runs]
+    def label_by(run: RunInfo, keys: Sequence[str]) -> str:  # a key the run has no value for is left out
+        parts = [f"{key}={_short(value(run, key))}" for key in keys if value(run, key) != "-"]
+        return " ".join(parts) or ("no " + ", ".join(keys) if keys else "")
+
+    def labels_by(keys: Sequence[str]) -> list[str]:
+        return [label_by(run, keys) for run in runs]
 
     override_keys = list(dict.fromkeys(key for run in runs for key in run.overrides))
     keys = differing(override_keys)
