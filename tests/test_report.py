@@ -51,6 +51,15 @@ def make_run(run_dir: Path, overrides=(), losses=(5.0, 4.5, 4.2, 4.0), schedule=
     return run_dir
 
 
+@pytest.fixture(autouse=True)
+def close_figures():
+    """draw_report leaves its figures open for reading back; closed after each test."""
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
 def texts(fig) -> list[str]:
     from matplotlib.text import Text
 
@@ -95,6 +104,12 @@ def test_a_runs_report_is_titled_by_its_name_and_its_legend_names_its_overrides(
     fig = draw_report([read_run(named)], f"run {title_name(named)}")
     assert fig._suptitle.get_text() == "run lr-cosine-short (named)"  # the schedules are the legend
     assert legend(fig) == ["lr: cosine (value 0.001, warmup_steps 2, min_ratio 0.1, num_cycles 0.5)"]
+    # A sweep's job: W&B's name for it is made of its overrides, which the legend shows (floats shortened).
+    job = make_run(tmp_path / "outputs" / "sweeps" / "s" / "1", ["+override=lr_cosine", "override.lr.value=0.0006380556092044456"],
+                   config="logger:\n  run_name: override=lr_cosine,override.lr.value=0.0006380556092044456\n")  # fmt: skip
+    fig = draw_report([read_run(job)], f"run {title_name(job)}")
+    assert fig._suptitle.get_text().splitlines()[0] == "run sweeps/s/1"
+    assert legend(fig) == ["+override=lr_cosine override.lr.value=0.000638"]
     plain = make_run(tmp_path / "plain", schedule=None)
     assert legend(draw_report([read_run(plain)], "run plain")) == ["defaults, no override"]
     assert [ax.get_ylabel() for ax in draw_report([read_run(plain)], "run plain").axes] == ["loss"]
@@ -169,8 +184,11 @@ def test_a_legend_of_long_labels_goes_below_the_plot_short_ones_beside_it(tmp_pa
             for n, values in enumerate(((6e-4, 2, 0.3), (4e-4, 5, 0.1)))]  # fmt: skip
     fig = draw_report([read_run(d) for d in wide], "wide")
     assert len(legend(fig)[0]) > 60 and fig.legends  # a figure legend, below: the plot keeps its width
-    fig = draw_report([read_run(long[0])], "one")
+    fig = draw_report([read_run(make_run(tmp_path / "short", ["trainer.seed=1"]))], "one")
     assert not fig.legends and fig.axes[0].get_legend() is not None  # one run: inside the loss panel
+    assert fig.axes[0].get_legend().get_bbox_to_anchor().x0 <= fig.axes[0].bbox.x0
+    fig = draw_report([read_run(wide[0])], "one, long")
+    assert fig.legends and legend(fig) == ["override.lr.value=0.0006 override.lr.warmup_steps=2 override.lr.min_ratio=0.3"]
 
 
 def test_write_report_writes_a_png_and_nothing_when_no_run_logged_a_step(tmp_path):

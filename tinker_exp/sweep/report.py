@@ -38,10 +38,16 @@ def display_name(path: Path) -> str:
 
 
 def title_name(run_dir: Path) -> str:
-    """A run's name in a title: its W&B run name (logger.run_name, when set) and where it is below outputs/."""
+    """A run's name in a title: where it is below outputs/, after its W&B run name when one was given (not the
+    one a sweep makes of the job's overrides: the legend has those)."""
+    from tinker_exp.sweep.jobs import run_name
+
     where = display_name(run_dir)
     wandb_name = _flat(_read_yaml(run_dir / "config.yaml")).get("logger.run_name")
-    return f"{wandb_name} ({where})" if wandb_name not in (None, "", "None", where) else where
+    overrides = (read_json(run_dir / "job.json") or {}).get("overrides") or []
+    if wandb_name in (None, "", "None", where, run_name(overrides, where)):
+        return where
+    return f"{wandb_name} ({where})"
 
 
 @dataclass
@@ -138,7 +144,9 @@ def label_runs(runs: Sequence[RunInfo]) -> None:
     does, the run dir. One run: its overrides, else its schedules."""
     if len(runs) == 1:
         run = runs[0]
-        run.label = " ".join(run.command_line) or run.schedules or "defaults, no override"
+        shown = [f"{key}={_short(value)}" if sep else key
+                 for key, sep, value in (override.partition("=") for override in run.command_line)]  # fmt: skip
+        run.label = " ".join(shown) or run.schedules or "defaults, no override"
         return
 
     def value(run: RunInfo, key: str) -> str:
@@ -234,10 +242,10 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     plt = _pyplot()
     from matplotlib.lines import Line2D
 
-    # Several runs: the legend never over the lines; beside the plot, or below it when the labels are long.
+    # The legend never over several runs' lines: beside the plot, or below it when the labels are long.
     widest = max(len(run.label) for run in runs) + 12
-    beside = len(runs) > 1 and widest <= LEGEND_BESIDE
-    below = len(runs) > 1 and not beside
+    below = widest > LEGEND_BESIDE
+    beside = len(runs) > 1 and not below  # one run with a short label: inside its loss panel
     legend_width = 0.075 * widest if beside else 0
     fig, axes = plt.subplots(1 + len(varying), 1, figsize=(8 + legend_width, 3.4 + 1.8 * len(varying)), sharex=True,
                              squeeze=False, gridspec_kw={"height_ratios": [2.2] + [1] * len(varying)})  # fmt: skip
