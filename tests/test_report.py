@@ -291,3 +291,25 @@ def test_a_path_that_is_not_a_run_dir_is_one_line_and_exit_2(tmp_path):
     ):
         result = subprocess.run([sys.executable, "-m", "tinker_exp.report", *args], capture_output=True, text=True, cwd=REPO)
         assert (result.returncode, result.stdout, result.stderr) == (2, "", f"tinker_exp.report: {message}\n")
+
+
+def test_a_study_over_a_choice_rings_the_best_on_the_numeric_axes_and_one_parameter_keeps_our_title(tmp_path):
+    import optuna
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    space = {"optimizer.name": CategoricalDistribution(["adamw", "sgd"]), "trainer.batch_size": IntDistribution(2, 8)}
+    for value in (1.0, 0.5, 2.0):
+        study.tell(study.ask(space), value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Optuna's ExperimentalWarning is silenced where the picture is built
+        fig = draw_study(study, "study")
+    rings = {ax.get_xlabel(): [c for c in ax.collections if c.get_label().startswith("best:")] for ax in fig.axes if ax.get_xlabel()}
+    assert {name: len(found) for name, found in rings.items()} == {"optimizer.name": 0, "trainer.batch_size": 1}
+
+    single = optuna.create_study(storage=f"sqlite:///{tmp_path / 'optuna.db'}", study_name="one parameter")
+    single.tell(single.ask({"optimizer.lr": FloatDistribution(1e-4, 1e-2)}), 3.0)
+    single.tell(single.ask({"optimizer.lr": FloatDistribution(1e-4, 1e-2)}), 2.0)
+    fig = draw_study(single, "study of one")
+    assert "Slice Plot" not in texts(fig) and fig._suptitle.get_text().startswith("study of one\n")

@@ -331,14 +331,18 @@ def draw_study(study: Any, title: str) -> Figure | None:
         axes = optuna.visualization.matplotlib.plot_slice(study)
     axes_list = list(getattr(axes, "flat", [axes]))
     best = study.best_trial
+    ringed = []
     for ax in axes_list:
-        name = ax.get_xlabel()
-        if name in best.params:
-            ax.scatter([best.params[name]], [best.value], s=160, facecolors="none", edgecolors="red", linewidths=2,
-                       zorder=5, label=f"best: trial {best.number}")  # fmt: skip
+        ax.set_title("")  # one parameter: Optuna's "Slice Plot" over our title
+        value = best.params.get(ax.get_xlabel())
+        if _finite(value):  # a categorical axis places its values by Optuna's own mapping: not ringed
+            ax.scatter([value], [best.value], s=160, facecolors="none", edgecolors="red", linewidths=2, zorder=5,
+                       label=f"best: trial {best.number}")  # fmt: skip
+            ringed.append(ax)
     ring = Line2D([], [], linestyle="none", marker="o", markersize=11, markerfacecolor="none", markeredgecolor="red",
                   markeredgewidth=2, label=f"best: trial {best.number}")  # fmt: skip
-    axes_list[0].legend(handles=[ring], loc="best", fontsize=8)  # not Optuna's own (an empty "Infeasible Trial")
+    if ringed:  # our legend, not Optuna's own (an empty "Infeasible Trial")
+        ringed[0].legend(handles=[ring], loc="best", fontsize=8)
     fig = axes_list[0].figure
     fig.set_size_inches(4.2 * len(axes_list) + 1.5, 4.5)  # Optuna's default crowds a log axis' tick labels
     fig.suptitle(f"{title}\nobjective (lower is better) against each searched parameter; best: trial {best.number}, "
