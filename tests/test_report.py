@@ -313,3 +313,11 @@ def test_a_study_over_a_choice_rings_the_best_on_the_numeric_axes_and_one_parame
     single.tell(single.ask({"optimizer.lr": FloatDistribution(1e-4, 1e-2)}), 2.0)
     fig = draw_study(single, "study of one")
     assert "Slice Plot" not in texts(fig) and fig._suptitle.get_text().startswith("study of one\n")
+
+
+def test_a_job_that_logged_no_step_is_named_in_the_title_and_still_labels_the_others(tmp_path):
+    make_run(tmp_path / "0", ["+override=lr_cosine", "trainer.steps=6"], num=0)
+    write_job_info(tmp_path / "1", job_info(1, ["+override=lr_wsd", "trainer.steps=6"]))  # failed at its config
+    fig = draw_report([read_run(tmp_path / str(n), f"job {n}") for n in range(2)], "sweep s")
+    assert legend(fig) == ["job 0: override=lr_cosine"]  # what tells it from job 1, not all its overrides
+    assert fig._suptitle.get_text().splitlines()[-1] == "not drawn, no step logged: job 1"

@@ -225,10 +225,11 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     """The figure (not saved): loss panel, then one panel per plan key that changes. Each run's loss lines
     carry its label as their gid, and the legend one entry per run, so what is drawn can be read back. None when
     no run logged a step."""
+    label_runs(runs)  # over every run: a failed job's overrides still tell the others apart
+    silent = [run for run in runs if not run.rows]
     runs = [run for run in runs if run.rows]
     if not runs:
         return None
-    label_runs(runs)
     best = best_run(runs)
     varying = sorted(
         {
@@ -290,6 +291,8 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
         lines.append(f"best of {judged} by {objective['metric']} ({objective['mode']}): {best.name or best.label}, {objective['value']:.4g}")
     elif len(runs) == 1 and runs[0].schedules and runs[0].label != runs[0].schedules:
         lines.append(runs[0].schedules)  # the legend has the overrides; the schedules they made, here
+    if silent:
+        lines.append("not drawn, no step logged: " + ", ".join(run.name or run.label for run in silent))
     fig.suptitle("\n".join(_wrap(line, 110 + int(12 * legend_width)) for line in lines), fontsize=10)
     fig.tight_layout()
     return fig
