@@ -284,18 +284,25 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("optimizer step (0 = first)")
+    lines = _title_lines(title, runs, best, silent)
+    fig.suptitle("\n".join(_wrap(line, 110 + int(12 * legend_width)) for line in lines), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _title_lines(title: str, runs: Sequence[RunInfo], best: RunInfo | None, silent: Sequence[RunInfo]) -> list[str]:
+    """The title, then the best run and what judged it (several runs), or the schedules (one run), then the runs
+    not drawn."""
     lines = [title]
     if best is not None:
         judged = sum(run.objective is not None for run in runs)
-        objective = best.objective
-        lines.append(f"best of {judged} by {objective['metric']} ({objective['mode']}): {best.name or best.label}, {objective['value']:.4g}")
+        metric, mode, value = best.objective["metric"], best.objective["mode"], best.objective["value"]
+        lines.append(f"best of {judged} by {metric} ({mode}): {best.name or best.label}, {value:.4g}")
     elif len(runs) == 1 and runs[0].schedules and runs[0].label != runs[0].schedules:
         lines.append(runs[0].schedules)  # the legend has the overrides; the schedules they made, here
     if silent:
         lines.append("not drawn, no step logged: " + ", ".join(run.name or run.label for run in silent))
-    fig.suptitle("\n".join(_wrap(line, 110 + int(12 * legend_width)) for line in lines), fontsize=10)
-    fig.tight_layout()
-    return fig
+    return lines
 
 
 def _wrap(text: str, width: int) -> str:
