@@ -171,6 +171,8 @@ def test_runs_are_labelled_by_what_differs_between_them(tmp_path):
     (c / ".hydra").mkdir()
     (c / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      override: lr_cosine\n      hydra/env: default\n")
     none = make_run(tmp_path / "none", [], schedule=None)
+    (none / ".hydra").mkdir()
+    (none / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      override: null\n      hydra/env: other\n")
     assert labels(c, none) == ["override=lr_cosine", "no override"]
 
 

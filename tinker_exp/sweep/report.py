@@ -76,7 +76,8 @@ def read_run(run_dir: Path, name: str = "") -> RunInfo:
         overrides[key] = value
     settings = _flat(_read_yaml(run_dir / "config.yaml"))
     choices = (_read_yaml(run_dir / ".hydra" / "hydra.yaml") or {}).get("hydra", {}).get("runtime", {}).get("choices", {})
-    settings.update({key: str(value) for key, value in (choices or {}).items() if not key.startswith("hydra/")})
+    # A group left out (hparams_search: null) reads as no value, as a +group never given does.
+    settings.update({k: str(v) for k, v in (choices or {}).items() if v is not None and not k.startswith("hydra/")})
     objective = read_json(run_dir / "objective.json")
     if not (isinstance(objective, dict) and _finite(objective.get("value"))):
         objective = None
