@@ -290,6 +290,7 @@ def test_a_path_that_is_not_a_run_dir_is_one_line_and_exit_2(tmp_path):
         ([str(tmp_path / "run"), str(tmp_path / "missing")], f"{tmp_path / 'missing'}: not a run dir (no job.json or metrics.jsonl) nor a sweep dir of run dirs"),
         ([str(tmp_path / "empty")], f"{tmp_path / 'empty'}: not a run dir (no job.json or metrics.jsonl) nor a sweep dir of run dirs"),
         ([str(tmp_path / "run"), "-o", str(tmp_path / "r.jpg")], f"-o {tmp_path / 'r.jpg'}: the report is a PNG; name it *.png"),
+        ([str(tmp_path / "run"), "-o", str(tmp_path / "no" / "r.png")], f"-o {tmp_path / 'no' / 'r.png'}: no such directory {tmp_path / 'no'}"),
     ):
         result = subprocess.run([sys.executable, "-m", "tinker_exp.report", *args], capture_output=True, text=True, cwd=REPO)
         assert (result.returncode, result.stdout, result.stderr) == (2, "", f"tinker_exp.report: {message}\n")
@@ -323,3 +324,11 @@ def test_a_job_that_logged_no_step_is_named_in_the_title_and_still_labels_the_ot
     fig = draw_report([read_run(tmp_path / str(n), f"job {n}") for n in range(2)], "sweep s")
     assert legend(fig) == ["job 0: override=lr_cosine"]  # what tells it from job 1, not all its overrides
     assert fig._suptitle.get_text().splitlines()[-1] == "not drawn, no step logged: job 1"
+
+
+def test_the_command_on_runs_that_logged_no_step_draws_nothing_and_says_so(tmp_path, capsys):
+    write_job_info(tmp_path / "dry", job_info(None, ["dry_run=true"]))  # a dry run: job.json and plan.json only
+    assert command.main([str(tmp_path / "dry")]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"tinker_exp.report: no run logged a step ({tmp_path / 'dry'}); nothing drawn\n"
+    assert not (tmp_path / "dry" / "report.png").exists()
