@@ -139,7 +139,7 @@ def train_run(
     from tinker_exp.optim.preview import plan_table, plot_plan
     from tinker_exp.runtime.device import resolve
     from tinker_exp.runtime.inputs import load_examples, model_dir
-    from tinker_exp.sweep.report import REPORT, write_report
+    from tinker_exp.sweep.report import REPORT, title_name, write_report
     from tinker_exp.train.checkpoints import Checkpointer, restore
     from tinker_exp.train.data import batch_for_step, eval_batches
     from tinker_exp.train.evaluation import Evaluation
@@ -211,7 +211,7 @@ def train_run(
                 workers.shutdown()
         finally:
             sinks.close(exit_code)  # the W&B run is finished (with the exit code) however the job ends
-    report = write_report([(run_dir.name, run_dir)], run_dir / REPORT, f"run {run_dir}")
+    report = write_report([("", run_dir)], run_dir / REPORT, f"run {title_name(run_dir)}")
     if last:
         val = f", val loss {last['val/loss']:.4f}" if "val/loss" in last else ""
         log.info(f"done: {last['train/step'] + 1} steps, final loss {last['train/loss']:.4f}{val}; {run_dir / 'metrics.jsonl'}; {report}")
