@@ -47,6 +47,7 @@ OVERRIDE = "override"
 NOT_IN_DEFAULTS = re.compile(r"Could not override '(?P<group>[^']+)'\. No match in the defaults list")
 TWICE = re.compile(r"Multiple values for (?P<group>\S+)\. To override a value use")
 NEW_KEY = re.compile(r"Could not override '(?P<key>[^']+)'\.")
+ALREADY_SET = re.compile(r"Could not append to config\. An item is already at '(?P<key>[^']+)'")
 APPEND_AS = re.compile(r"To append to your (?:config|default list) use \+(?P<text>.+)$", re.MULTILINE)
 
 
@@ -61,6 +62,7 @@ def grammar_message(error: BaseException, argv: list[str] | None = None) -> str 
     """The line for a mistake in the CLI's grammar (None: not one). `argv`: the CLI's arguments (sys.argv[1:])."""
     from hydra.errors import MissingConfigException
 
+    argv = sys.argv[1:] if argv is None else argv  # what Hydra parsed: for the flags its messages leave out
     text = str(error)
     appended = APPEND_AS.search(text)
     typed = appended.group("text").strip() if appended else None
@@ -71,7 +73,11 @@ def grammar_message(error: BaseException, argv: list[str] | None = None) -> str 
         )  # fmt: skip
         return f"{typed}: type +{typed} ({why})"
     if (match := TWICE.match(text)) and match.group("group") == OVERRIDE:
-        return twice_message(sys.argv[1:] if argv is None else argv)
+        return twice_message(argv)
+    if match := ALREADY_SET.match(text):
+        key = match.group("key")
+        given = next((arg[1:] for arg in argv if arg.startswith(f"+{key}=")), f"{key}=...")
+        return f"+{given}: {key} is set already: type {given} (no +; ++{given} sets it either way)"
     if isinstance(error, MissingConfigException) and error.missing_cfg_file:
         return missing_option_message(error.missing_cfg_file, error.options)
     cause = error.__cause__
