@@ -54,7 +54,7 @@ APPEND_AS = re.compile(r"To append to your (?:config|default list) use \+(?P<tex
 def suggest(name: str, known: Iterable[str], label: str) -> str:
     """ "; did you mean X? (LABEL: a, b)" with the closest known name (difflib), or just " (LABEL: a, b)"."""
     known = list(known)
-    close = difflib.get_close_matches(name, known, n=1)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.65)  # warmup -> warmup_steps; not nonexistent -> constant
     return (f"; did you mean {close[0]}?" if close else "") + f" ({label} {', '.join(known)})"
 
 
