@@ -43,6 +43,11 @@ GRAMMAR = [
         "override=lr_cosine: type +override=lr_cosine (the + adds the group, which is not in the defaults list on purpose)",
     ),
     (
+        ["override=[lr_cosine,lr_wsd]"],  # as typed, not as Hydra's repr of the list
+        "override=[lr_cosine,lr_wsd]: type +override=[lr_cosine,lr_wsd] "
+        "(the + adds the group, which is not in the defaults list on purpose)",
+    ),
+    (
         ["+override=lr_cosine", "+override=lr_wsd"],
         "+override=lr_cosine, +override=lr_wsd: one +override flag only; compose presets in it: "
         "+override=[lr_cosine,lr_wsd] (a later file wins)",
@@ -101,6 +106,25 @@ GRAMMAR = [
         f"(trainer's keys: {', '.join(f.name for f in fields(TrainerConfig))})",
     ),
 ]
+
+
+SWEEP_WITHOUT_M = [
+    (
+        ["+override=lr_cosine,lr_wsd"],
+        "+override=lr_cosine,lr_wsd: a comma list is a sweep: add -m (one run per preset), "
+        "or compose them in one run: +override=[lr_cosine,lr_wsd]",
+    ),
+    (
+        ["optimizer.lr=1e-4,3e-4"],
+        "optimizer.lr=1e-4,3e-4: a comma list is a sweep: add -m (one run per value), "
+        "or give a list: optimizer.lr=[1e-4,3e-4] (a string: optimizer.lr='1e-4,3e-4')",
+    ),
+]
+
+
+@pytest.mark.parametrize("args, line", SWEEP_WITHOUT_M, ids=[" ".join(args) for args, _ in SWEEP_WITHOUT_M])
+def test_a_comma_list_without_m_says_sweep_or_list(monkeypatch, capsys, tmp_path, args, line):
+    check_one_line(*run_main(monkeypatch, capsys, *args, f"hydra.run.dir={tmp_path}", "dry_run=true"), line)
 
 
 @pytest.mark.parametrize("mode", [[], ["-m"]], ids=["run", "multirun"])

@@ -48,6 +48,7 @@ NOT_IN_DEFAULTS = re.compile(r"Could not override '(?P<group>[^']+)'\. No match 
 TWICE = re.compile(r"Multiple values for (?P<group>\S+)\. To override a value use")
 NEW_KEY = re.compile(r"Could not override '(?P<key>[^']+)'\.")
 ALREADY_SET = re.compile(r"Could not append to config\. An item is already at '(?P<key>[^']+)'")
+AMBIGUOUS = re.compile(r"Ambiguous value for argument '(?P<arg>[^']+)'")
 APPEND_AS = re.compile(r"To append to your (?:config|default list) use \+(?P<text>.+)$", re.MULTILINE)
 
 
@@ -68,17 +69,24 @@ def grammar_message(error: BaseException, argv: list[str] | None = None) -> str 
     typed = appended.group("text").strip() if appended else None
     if (match := NOT_IN_DEFAULTS.match(text)) and typed:
         group = match.group("group")
+        typed = next((arg for arg in argv if arg.startswith(f"{group}=")), typed)  # as typed (Hydra's is a repr)
         why = "the + adds the group, which is not in the defaults list on purpose" if group == OVERRIDE else (
             f"the + adds {group}, which is not in the defaults list"
         )  # fmt: skip
         return f"{typed}: type +{typed} ({why})"
+    if match := AMBIGUOUS.match(text):
+        arg = match.group("arg")
+        key, _, values = arg.partition("=")
+        if key == f"+{OVERRIDE}":
+            return f"{arg}: a comma list is a sweep: add -m (one run per preset), or compose them in one run: {key}=[{values}]"
+        return f"{arg}: a comma list is a sweep: add -m (one run per value), or give a list: {key}=[{values}] (a string: {key}='{values}')"
     if (match := TWICE.match(text)) and match.group("group") == OVERRIDE:
         return twice_message(argv)
     if match := ALREADY_SET.match(text):
         key = match.group("key")
         given = next((arg[1:] for arg in argv if arg.startswith(f"+{key}=")), f"{key}=...")
         return f"+{given}: {key} is set already: type {given} (no +; ++{given} sets it either way)"
-    if isinstance(error, MissingConfigException) and error.missing_cfg_file:
+    if isinstance(error, MissingConfigException) and "/" in (error.missing_cfg_file or ""):  # GROUP/OPTION
         return missing_option_message(error.missing_cfg_file, error.options)
     cause = error.__cause__
     if (match := NEW_KEY.match(text)) and typed and isinstance(cause, OmegaConfBaseException):
