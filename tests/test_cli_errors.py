@@ -59,7 +59,8 @@ GRAMMAR = [
     ),
     (
         ["+override=lr_cosine", "override.lr.decay_steps=3"],
-        f"override.lr.decay_steps: decay_steps is a parameter of wsd, not of cosine (override.lr.schedule); cosine takes {COSINE_TAKES}",
+        f"override.lr.decay_steps: decay_steps is a parameter of wsd, not of cosine (override.lr.schedule); cosine takes {COSINE_TAKES}; "
+        "to switch kinds: override.lr.schedule=wsd +override.lr.decay_steps=3",
     ),
     (
         ["+override=lr_wsd", "override.lr.stable_steps=3"],
@@ -139,7 +140,8 @@ def test_what_the_line_says_to_type_composes(monkeypatch, capsys, tmp_path):
     """The fix each line names, typed instead, gets past composing (a dry run)."""
     for args in (["+override=lr_cosine"], ["+override=[lr_cosine,lr_wsd]"], ["+override.lr=1e-3"],
                  ["+override=lr_wsd", "+override.lr.stable_steps=3"], ["+override=lr_cosine", "override.lr.min_ratio=0.2"],
-                 ["+override=lr_cosine", "++override.lr.min_ratio=0.2"]):  # fmt: skip
+                 ["+override=lr_cosine", "++override.lr.min_ratio=0.2"],
+                 ["+override=lr_cosine", "override.lr.schedule=wsd", "+override.lr.decay_steps=3"]):  # fmt: skip
         run_dir = tmp_path / str(len(list(tmp_path.iterdir())))
         monkeypatch.setattr(sys, "argv", ["tinker_exp", *args, f"hydra.run.dir={run_dir}", "dry_run=true"])
         main()

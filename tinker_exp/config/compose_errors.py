@@ -153,12 +153,15 @@ def schedule_parameter_message(kind: str, key: str, name: str, typed: str) -> st
     if kind not in PARAMS:
         return f"{key}: not in the selected override: type +{typed} to add it"
     takes = [*PARAMS[kind], "total_steps"]  # every kind takes total_steps (default: trainer.steps)
-    schedule = f"{key.rpartition('.')[0]}.schedule"
     if name in PARAMS[kind] or name == "total_steps":
         return f"{typed}: the selected override does not set {name}: type +{typed} (the + adds a parameter the file does not set)"
     owners = [other for other, params in PARAMS.items() if name in params]
     if owners:
-        return f"{key}: {name} is a parameter of {', '.join(owners)}, not of {kind} ({schedule}); {kind} takes {', '.join(takes)}"
+        schedule = f"{typed.partition('=')[0].rpartition('.')[0]}.schedule"  # as typed: betas.1, not betas[1]
+        return (
+            f"{key}: {name} is a parameter of {', '.join(owners)}, not of {kind} ({schedule}); {kind} takes "
+            f"{', '.join(takes)}; to switch kinds: {schedule}={owners[0]} +{typed}"
+        )
     return f"{key}: {kind} has no parameter {name}" + suggest(name, takes, f"{kind} takes")
 
 
