@@ -1,7 +1,8 @@
 """`python -m tinker_exp --help`: the parts of conf/hydra/help/tinker_exp.yaml generated from the code.
 
-The override keys and the schedule kinds with their parameters come from tinker_exp/optim (through the
-``tinker_exp_help`` resolver in the help template), so the help cannot drift from what the plan accepts.
+Through the ``tinker_exp_help`` resolver in the help template: the override keys and the schedule kinds with
+their parameters from tinker_exp/optim, the launcher and sweeper options from Hydra's config loader, so the help
+cannot drift from what the plan and Hydra accept.
 Pure Python; tinker_exp.optim (numpy) is imported only when the help is printed.
 """
 
