@@ -24,23 +24,31 @@ def overrides_section() -> str:
     lines = [
         f"Keys: {', '.join(OVERRIDE_KEYS)}. Each is a number (sent with every step) or a schedule",
         "{schedule: KIND, PARAMETER: VALUE, ...}; betas is [beta1, beta2], each a number or a schedule.",
-        "Schedule kinds and their parameters (name=default; [name]: optional; every kind also takes",
-        "total_steps, default trainer.steps):",
+        "Schedule kinds and their parameters (name=default; [name]: optional; name=optimizer's: the optimizer's",
+        "own value for that key when not given or null; every kind also takes total_steps, default trainer.steps):",
     ]
     width = max(map(len, PARAMS))
     choices: dict[str, tuple[str, ...]] = {}
+    lengths: dict[str, None] = {}  # in order, once each
     for kind, params in PARAMS.items():
         defaults = _defaults(kind)
 
         def shown(name: str) -> str:
+            if params[name].peak:
+                return f"{name}=optimizer's"
             if name not in defaults:
                 return name
             return f"[{name}]" if defaults[name] is None else f"{name}={defaults[name]}"
 
         choices.update({name: param.choices for name, param in params.items() if param.choices})
+        lengths.update({name: None for name, param in params.items() if param.kind in ("length", "lengths")})
         text = f"  {kind.ljust(width)}  {', '.join(shown(name) for name in params)}"
         lines += textwrap.wrap(text, LINE_WIDTH, subsequent_indent=" " * (width + 4), break_on_hyphens=False)
     lines += [f"  {name}: {', '.join(values)}" for name, values in choices.items()]
+    lines += textwrap.wrap(
+        f"  {', '.join(lengths)}: an integer is a number of steps, a float in [0, 1] a fraction of the schedule",
+        LINE_WIDTH, subsequent_indent="    ",
+    )  # fmt: skip
     return "\n".join(lines)
 
 
