@@ -11,7 +11,7 @@ from dataclasses import fields
 import pytest
 
 from helpers import CONF_DIR, run_cli
-from tinker_exp.config import TrainerConfig
+from tinker_exp.config import Config, LoraConfig, TrainerConfig
 from tinker_exp.main import main
 from tinker_exp.optim.convert import OVERRIDE_KEYS
 from tinker_exp.optim.schedules import PARAMS
@@ -146,6 +146,20 @@ def test_what_the_line_says_to_type_composes(monkeypatch, capsys, tmp_path):
         monkeypatch.setattr(sys, "argv", ["tinker_exp", *args, f"hydra.run.dir={run_dir}", "dry_run=true"])
         main()
         assert (run_dir / "plan.json").is_file(), (args, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "arg, line",
+    [
+        ("+trainer.stpes=3", f"trainer.stpes: trainer has no key stpes; did you mean steps? (trainer's keys: {', '.join(f.name for f in fields(TrainerConfig))})"),
+        ("++lora.rnk=8", f"lora.rnk: lora has no key rnk; did you mean rank? (lora's keys: {', '.join(f.name for f in fields(LoraConfig))})"),
+        ("+foo=1", f"foo: the config has no key foo (the config's keys: {', '.join(f.name for f in fields(Config))})"),
+    ],
+)
+def test_a_key_added_with_plus_where_the_schema_has_none_is_refused(monkeypatch, capsys, tmp_path, arg, line):
+    """`+` composes it (open struct), and the typed config would drop it without a word."""
+    check_one_line(*run_main(monkeypatch, capsys, arg, f"hydra.run.dir={tmp_path}", "dry_run=true"), line)
+    assert not (tmp_path / "plan.json").exists()
 
 
 def test_a_data_path_that_is_a_directory_says_so(monkeypatch, capsys, tmp_path):

@@ -140,10 +140,33 @@ def new_key_message(cause: OmegaConfBaseException, key: str, typed: str) -> str:
         return schedule_parameter_message(str(parent["schedule"]), key, name, typed)
     if key.startswith(f"{OVERRIDE}."):
         return f"{key}: not in the selected override: type +{typed} to add it"
-    known = [k for k in siblings if k != "hydra"]
-    where, _, _ = key.rpartition(".")
-    owner = where or "the config"
+    return no_such_key(key, name, [k for k in siblings if k != "hydra"])
+
+
+def no_such_key(key: str, name: str, known: list[str]) -> str:
+    owner = key.rpartition(".")[0] or "the config"
     return f"{key}: {owner} has no key {name}" + suggest(name, known, f"{owner}'s keys:")
+
+
+def unknown_key(node: Any, where: str = "") -> str | None:
+    """The line for the first key of a typed group that its dataclass lacks (`+trainer.stpes=3` composes, and
+    OmegaConf.to_object would drop it silently); None when there is none. Interpolations are left unresolved."""
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return None
+    known = [field.name for field in dataclasses.fields(schema)]
+    for name, child in node.items_ex(resolve=False):
+        key = f"{where}.{name}" if where else str(name)
+        if name not in known:
+            return no_such_key(key, str(name), known)
+        found = unknown_key(child, key)
+        if found:
+            return found
+    return None
 
 
 def schedule_parameter_message(kind: str, key: str, name: str, typed: str) -> str:
