@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -10,10 +11,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from helpers import CONF_DIR, compose, planned, run_cli
+from tinker_exp.config import TrainerConfig
 from tinker_exp.main import validate
 from tinker_exp.errors import ConfigError
 
 GROUPS = ["model", "lora", "data", "optimizer", "backend", "logger", "trainer"]
+TRAINER_KEYS = [field.name for field in fields(TrainerConfig)]
 
 
 def options(group: str) -> list[str]:
@@ -95,8 +98,8 @@ def test_cli_bad_override_exits_nonzero_with_a_clear_message(tmp_path):
         (["optimizer.lr=abc"], "optimizer.lr: Value 'abc' of type 'str' could not be converted to Float"),
         (["backend.device=tpu"], "backend.device: Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
         (["trainer.steps=1.5"], "trainer.steps: Value '1.5' of type 'float' could not be converted to Integer"),
-        (["trainer.foo=1"], "trainer.foo: Key 'foo' not in 'TrainerConfig'"),
-        (["+override=nonexistent"], "In 'config': Could not find 'override/nonexistent'"),
+        (["trainer.foo=1"], f"trainer.foo: trainer has no key foo (trainer's keys: {', '.join(TRAINER_KEYS)})"),
+        (["+override=nonexistent"], f"+override=nonexistent: override has no option nonexistent (options: {', '.join(options('override'))})"),
         (["trainer.steps=[1"], "'trainer.steps=[1': no viable alternative at input '[1'"),
         (["trainer.batch_size=0"], "trainer.batch_size: must be >= 1, got 0"),
         (["backend.micro_batch_size=0"], "backend.num_workers=2, backend.nodes=1 and backend.micro_batch_size=0 must be >= 1"),

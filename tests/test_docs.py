@@ -198,10 +198,11 @@ def test_when_plus_is_needed_as_the_readme_says(tmp_path: Path):
         assert done.returncode == 0, f"{write}\n{done.stderr}"
     text = " ".join(lines)
     for args, message in [
-        ("override.lr=5e-4", "override.lr: Key 'lr' is not in struct"),
-        ("+override=lr_cosine_restarts override.lr.min_ratio=0.1", "Key 'min_ratio' is not in struct"),
-        ("+override=constant +override.lr=5e-4", "Could not append to config. An item is already at 'override.lr'"),
-        ("override=lr_cosine", "Could not override 'override'. No match in the defaults list."),
+        ("override=lr_cosine", "override=lr_cosine: type +override=lr_cosine (the + adds the group, which is not in the defaults list"),
+        ("override.lr=5e-4", "override.lr=5e-4: no override is selected, so override.lr is new: type +override.lr=5e-4"),
+        ("+override=lr_wsd override.lr.warmup_shape=cosine", "does not set warmup_shape: type +override.lr.warmup_shape=cosine"),
+        ("+override=constant +override.lr=5e-4", "+override.lr=5e-4: override.lr is set already: type override.lr=5e-4"),
+        ("+override=lr_wsd +override=beta2_warmup", "one +override flag only; compose presets in it: +override=[lr_wsd,beta2_warmup]"),
     ]:
         assert message in text
         done = run_shell([f"python -m tinker_exp {args}"], tmp_path, extra=" dry_run=true")
