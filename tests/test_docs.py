@@ -209,3 +209,58 @@ def test_when_plus_is_needed_as_the_readme_says(tmp_path: Path):
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, f"{args}\n{done.stderr}"
     done = run_shell(["python -m tinker_exp +override=constant ++override.lr=5e-4"], tmp_path, extra=" dry_run=true")
     assert done.returncode == 0, done.stderr
+
+
+def transcripts(path: Path) -> list[tuple[str, list[str]]]:
+    """Each `$ python -m tinker_exp ...` line of `path`'s fenced blocks and the output lines quoted under it (up to
+    the next `$` line or the block's end; a `...` line stands for lines left out)."""
+    found, in_code, quoted = [], False, None
+    for line in path.read_text().splitlines():
+        if FENCE.match(line.strip()):
+            in_code, quoted = not in_code, None
+        elif in_code and line.startswith("$ python -m tinker_exp"):
+            quoted = []
+            found.append((line.removeprefix("$ "), quoted))
+        elif quoted is not None and line.strip() not in ("", "..."):
+            quoted.append(line)
+    return found
+
+
+@pytest.mark.parametrize("page", [REPO / "README.md", REPO / "docs" / "schedules.md"], ids=lambda p: p.name)
+def test_quoted_outputs_are_what_the_cli_prints(page: Path, tmp_path: Path):
+    """Every `$ python -m tinker_exp ...` transcript on the page, run (as a dry run): each quoted line is in its
+    output; a quoted config error comes with exit status 2 and no traceback."""
+    quoted = [(command, lines) for command, lines in transcripts(page) if lines]
+    assert len(quoted) >= (4 if page.name == "schedules.md" else 1)
+    for command, lines in quoted:
+        done = run_shell([command], tmp_path, extra="" if "dry_run=true" in command else " dry_run=true")
+        output = done.stdout + done.stderr
+        error = any(line.startswith("tinker_exp: config error") for line in lines)
+        assert done.returncode == (2 if error else 0) and "Traceback" not in output, f"{command}\n{output}"
+        for line in lines:
+            assert line in output.splitlines(), f"{command}: {line!r} not in\n{output}"
+
+
+def test_the_schedules_examples_compose_and_plan(tmp_path: Path):
+    """The schedules section's example lines (all but the preview of a run dir's plan.json) and the after-the-end
+    one dry-run as written,
+    and what its comments say of the peak, the fractions and the end holds in their plan.json."""
+    page = REPO / "docs" / "schedules.md"
+    block = code_block(page, "+override=lr_cosine override.lr.value=3e-4") + code_block(page, "+override.lr.total_steps=10")
+    runs = [line for line in block if line.startswith("python -m tinker_exp ")]
+    assert len(runs) >= 8
+    plans = {}
+    for line in runs:
+        done = run_shell([line], tmp_path, extra="" if "dry_run=true" in line else " dry_run=true")
+        assert done.returncode == 0, f"{line}\n{done.stderr}"
+        plans[re.sub(r"\s+#\s.*$", "", line)] = json.loads((run_dirs(tmp_path)[-1] / "plan.json").read_text())
+    lr = {command: plan["override"].get("lr") for command, plan in plans.items()}
+    assert lr["python -m tinker_exp optimizer.lr=1e-2 +override=lr_cosine"]["value"] == 1e-2
+    assert lr["python -m tinker_exp +override=lr_cosine override.lr.value=3e-4"]["value"] == 3e-4
+    assert lr["python -m tinker_exp +override=lr_cosine override.lr.warmup_steps=0.25"]["warmup_steps"] == 5  # of 20
+    wsd = lr["python -m tinker_exp +override=lr_wsd trainer.steps=1000000 dry_run=true"]
+    assert (wsd["warmup_steps"], wsd["decay_steps"]) == (50_000, 200_000)
+    assert wsd["fractions"] == {"warmup_steps": 0.05, "decay_steps": 0.2}
+    (short,) = [plan for command, plan in plans.items() if "+override.lr.total_steps=10" in command]
+    past_the_end = [row["lr"] for row in short["rows"] if row["step"] >= 10]
+    assert past_the_end and past_the_end == pytest.approx([1e-3 * 0.1] * len(past_the_end))  # lr * min_ratio, held
