@@ -24,6 +24,7 @@ from typing import Any
 
 from tinker_exp.config import BackendConfig, LoraConfig, OptimizerConfig, TrainerConfig
 from tinker_exp.optim.convert import OVERRIDE_KEYS
+from tinker_exp.optim.optimizers import verl_optimizer_fields
 from tinker_exp.runtime import lora as lora_adapters
 from tinker_exp.runtime.device import DeviceChoice, check_gpus, check_placement
 from tinker_exp.runtime.ray_cluster import start_ray, wait_for_nodes
@@ -192,11 +193,7 @@ def worker_config(
         # Built from the converted values: the param groups hold exactly float and tuple, so verl's
         # strict check at the worker agrees with ours.
         optimizer_config=FSDPOptimizerConfig(
-            optimizer=optimizer.name.value,
-            lr=optimizer_values["lr"],
-            betas=optimizer_values["betas"],
-            weight_decay=optimizer_values["weight_decay"],
-            override_optimizer_config={"eps": optimizer_values["eps"]},
+            **verl_optimizer_fields(optimizer.name.value, optimizer_values),
             clip_grad=float(optimizer.clip_grad),
             lr_scheduler_type="constant",  # the client owns the schedule (optimizer_step never steps it)
             total_training_steps=int(trainer.steps),
