@@ -4,6 +4,7 @@ test_optimizers_ray.py)."""
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -232,3 +233,62 @@ def test_muon_state_round_trips_through_state_dict(tiny_llama):
     assert all(torch.equal(continued[k], v) for k, v in model.state_dict().items())  # bitwise
     assert not all(torch.equal(start[k], v) for k, v in model.state_dict().items())
     model.load_state_dict(start)
+
+
+# --- one_cycle against torch's OneCycleLR ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        {"anneal": "linear"},
+        {"pct_start": 0.1, "div_factor": 10.0, "final_div_factor": 100.0},
+        {"three_phase": True},
+        {"three_phase": True, "anneal": "linear", "pct_start": 0.45},
+    ],
+)
+@pytest.mark.parametrize("total", [7, 100, 1013])
+def test_one_cycle_matches_torch_one_cycle_lr_and_its_momentum(params, total):
+    """lr and momentum at every step, as torch's OneCycleLR sets them on SGD (momentum) and AdamW (beta1)."""
+    from tinker_exp.optim.schedules import compile_schedule
+
+    torch_args = {"anneal_strategy": {"cosine": "cos", "linear": "linear"}[params.get("anneal", "cosine")],
+                  **{k: v for k, v in params.items() if k != "anneal"}}
+    for optimizer_class, momentum_key in ((torch.optim.SGD, "momentum"), (torch.optim.AdamW, "betas")):
+        model = torch.nn.Linear(2, 1)
+        extra = {"momentum": 0.9} if optimizer_class is torch.optim.SGD else {}
+        optimizer = optimizer_class(model.parameters(), lr=0.1, **extra)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=0.1, total_steps=total, base_momentum=0.8, max_momentum=0.95, **torch_args
+        )
+        want_lr, want_momentum = [], []
+        for _ in range(total):
+            group = optimizer.param_groups[0]
+            want_lr.append(group["lr"])
+            want_momentum.append(group["momentum"] if momentum_key == "momentum" else group["betas"][0])
+            optimizer.step()
+            scheduler.step()
+        lr = compile_schedule({"schedule": "one_cycle", "value": 0.1, **params}, total, "override.lr")
+        momentum = compile_schedule(
+            {"schedule": "one_cycle_momentum", "base_momentum": 0.8, "max_momentum": 0.95,
+             **{k: v for k, v in params.items() if k in ("pct_start", "anneal", "three_phase")}},
+            total, "override.momentum",
+        )
+        steps = np.arange(total)
+        np.testing.assert_allclose(lr.values(steps), want_lr, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(momentum.values(steps), want_momentum, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("name, keys", [("adamw_one_cycle", ("lr", "betas")), ("sgd_one_cycle", ("lr", "momentum"))])
+def test_one_cycle_override_files_plan(name, keys):
+    from tinker_exp.config.validate import load
+
+    option = "sgd" if name.startswith("sgd") else "adamw"
+    cfg = load(compose(f"optimizer={option}", f"+override={name}", "trainer.steps=50"))
+    plan = build_plan(cfg.override, cfg.optimizer, cfg.trainer.steps)
+    assert plan.keys == keys
+    lr = plan.column("lr")
+    assert lr.argmax() == 14 and lr[0] < lr[14] and lr[-1] < lr[0]  # up over 30% of the run, then down
+    inverse = plan.column("beta1" if "betas" in keys else "momentum")
+    assert inverse.argmin() == 14 and inverse[0] == inverse[-1] == 0.95

@@ -20,6 +20,8 @@ or divide by zero harmlessly (the caller ignores numpy's floating-point warnings
 | inverse_sqrt | value, warmup_steps, [timescale] | s < w: warmup; else value / sqrt((s + timescale - w) / timescale) | HF get_inverse_sqrt_schedule |
 | polynomial | value, end, warmup_steps, power | s < w: warmup; s > T: end; else (value - end) * (1 - (s - w) / (T - w)) ** power + end | HF get_polynomial_decay_schedule_with_warmup |
 | keyframes | points {step: value} | piecewise linear between points, constant before the first and after the last | - |
+| one_cycle | value, pct_start, div_factor, final_div_factor, anneal, three_phase | value / div_factor up to value over pct_start * T steps, then down to value / div_factor / final_div_factor (three_phase: back to value / div_factor first) | torch OneCycleLR |
+| one_cycle_momentum | base_momentum, max_momentum, pct_start, anneal, three_phase | one_cycle's inverse: max_momentum down to base_momentum while the lr rises, then back up (momentum, or beta1) | torch OneCycleLR (cycle_momentum) |
 
 numpy only: no torch, verl or ray.
 """
@@ -149,6 +151,42 @@ def keyframes(step: Steps, total: int, *, points: Mapping[int, float]) -> np.nda
     return np.where(step <= xs[0], ys[0], np.where(step >= xs[-1], ys[-1], between))
 
 
+def _one_cycle_phases(step: Steps, total: int, starts_ends: list[tuple[float, float]], pct_start: float,
+                      anneal: str, three_phase: bool) -> np.ndarray:
+    """torch's OneCycleLR: phase i runs from the previous end step to its own end step (pct_start * T - 1, then
+    2 * pct_start * T - 2 in three phases, then T - 1), annealing from its start to its end value."""
+    ends = [pct_start * total - 1, 2 * pct_start * total - 2, total - 1] if three_phase else [pct_start * total - 1, total - 1]
+    values = np.empty(step.shape)
+    done = np.zeros(step.shape, dtype=bool)
+    begin = 0.0
+    for index, (end, (start_value, end_value)) in enumerate(zip(ends, starts_ends)):
+        here = ~done & ((step <= end) | (index == len(ends) - 1))
+        with np.errstate(all="ignore"):
+            pct = (step[here] - begin) / (end - begin)
+        if anneal == "cosine":
+            values[here] = end_value + (start_value - end_value) / 2.0 * (np.cos(np.pi * pct) + 1)
+        else:
+            values[here] = (end_value - start_value) * pct + start_value
+        done |= here
+        begin = end
+    return values
+
+
+def one_cycle(step: Steps, total: int, *, value: float, pct_start: float = 0.3, div_factor: float = 25.0,
+              final_div_factor: float = 1e4, anneal: str = "cosine", three_phase: bool = False) -> np.ndarray:
+    initial = value / div_factor
+    low = initial / final_div_factor
+    phases = [(initial, value), (value, initial), (initial, low)] if three_phase else [(initial, value), (value, low)]
+    return _one_cycle_phases(step, total, phases, pct_start, anneal, three_phase)
+
+
+def one_cycle_momentum(step: Steps, total: int, *, base_momentum: float = 0.85, max_momentum: float = 0.95,
+                       pct_start: float = 0.3, anneal: str = "cosine", three_phase: bool = False) -> np.ndarray:
+    phases = [(max_momentum, base_momentum), (base_momentum, max_momentum)]
+    phases += [(max_momentum, max_momentum)] if three_phase else []
+    return _one_cycle_phases(step, total, phases, pct_start, anneal, three_phase)
+
+
 SCHEDULES: dict[str, Callable[..., np.ndarray]] = {
     "constant": constant,
     "linear": linear,
@@ -161,6 +199,8 @@ SCHEDULES: dict[str, Callable[..., np.ndarray]] = {
     "inverse_sqrt": inverse_sqrt,
     "polynomial": polynomial,
     "keyframes": keyframes,
+    "one_cycle": one_cycle,
+    "one_cycle_momentum": one_cycle_momentum,
 }
 
 
@@ -239,6 +279,16 @@ PARAMS: dict[str, dict[str, Param]] = {
     "inverse_sqrt": {"value": NUMBER, "warmup_steps": STEPS, "timescale": COUNT},
     "polynomial": {"value": NUMBER, "end": NUMBER, "warmup_steps": STEPS, "power": POSITIVE},
     "keyframes": {"points": Param("points")},
+    "one_cycle": {
+        "value": NUMBER, "pct_start": Param("number", Range(0.0, 1.0, low_open=True, high_open=True)),
+        "div_factor": POSITIVE, "final_div_factor": POSITIVE, "anneal": Param("choice", choices=("cosine", "linear")),
+        "three_phase": Param("choice", choices=(False, True)),
+    },  # fmt: skip
+    "one_cycle_momentum": {
+        "base_momentum": NUMBER, "max_momentum": NUMBER,
+        "pct_start": Param("number", Range(0.0, 1.0, low_open=True, high_open=True)),
+        "anneal": Param("choice", choices=("cosine", "linear")), "three_phase": Param("choice", choices=(False, True)),
+    },  # fmt: skip
 }
 """Each schedule's parameters, typed and ranged (their defaults are the functions' keyword defaults)."""
 TOTAL_STEPS = COUNT
@@ -302,6 +352,10 @@ def _boundaries(kind: str, params: dict[str, Any], total: int) -> tuple[int, ...
         steps |= set(range(params["step_size"], total, params["step_size"])[:20])
     elif kind == "keyframes":
         steps |= set(params["points"])
+    elif kind in ("one_cycle", "one_cycle_momentum"):
+        pct = params.get("pct_start", 0.3)
+        ends = [pct * total - 1, 2 * pct * total - 2] if params.get("three_phase") else [pct * total - 1]
+        steps |= {int(np.floor(end)) + 1 for end in ends}
     return tuple(sorted(step for step in steps if 0 < step < total))
 
 
