@@ -9,7 +9,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from helpers import CONF_DIR, compose, planned, run_cli
+from helpers import CONF_DIR, compose, optimizer_for, planned, run_cli
 from tinker_exp.main import validate
 from tinker_exp.errors import ConfigError
 
@@ -32,7 +32,7 @@ def test_every_group_option_composes_and_validates(group, option):
 
 @pytest.mark.parametrize("option", options("override"))
 def test_every_override_file_composes_and_validates(option):
-    plan = validate(typed(compose(f"+override={option}")))
+    plan = validate(typed(compose(*optimizer_for(option), f"+override={option}")))
     assert plan.keys, f"conf/override/{option}.yaml sends nothing"
 
 

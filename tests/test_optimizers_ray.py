@@ -94,7 +94,8 @@ def adamw(ray_address, tmp_path_factory):
     return whole_and_resumed(tmp_path_factory, "adamw", "+override=beta2_warmup")
 
 
-def assert_trains_and_applies(result: dict, scheduled: str, constants: dict[str, float]) -> None:
+def assert_trains_and_applies(result: dict, scheduled: str, constants: dict[str, float], kept: dict[str, float]) -> None:
+    """`scheduled` and `constants` are sent; `kept` are not, and the groups keep the optimizer's own values."""
     rows = result["rows"]
     assert [row["train/step"] for row in rows] == list(range(6))
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
@@ -103,6 +104,8 @@ def assert_trains_and_applies(result: dict, scheduled: str, constants: dict[str,
     assert [row[f"requested/{scheduled}"] for row in rows] == values == [row[f"applied/{scheduled}"] for row in rows]
     for key, value in constants.items():
         assert all(row[f"requested/{key}"] == row[f"applied/{key}"] == value for row in rows)
+    for key, value in kept.items():
+        assert all(f"requested/{key}" not in row and row[f"applied/{key}"] == value for row in rows)
 
 
 def assert_resumes_bitwise(result: dict) -> None:
@@ -123,19 +126,19 @@ def assert_groups_match_the_table(result: dict, name: str) -> None:
 
 
 def test_sgd_with_a_scheduled_momentum(sgd):
-    assert_trains_and_applies(sgd, "momentum", {"lr": 0.05, "weight_decay": 0.0, "dampening": 0.0})
+    assert_trains_and_applies(sgd, "momentum", {"lr": 0.05}, {"weight_decay": 0.0, "dampening": 0.0})
     assert_resumes_bitwise(sgd)
     assert_groups_match_the_table(sgd, "SGD")
 
 
 def test_rmsprop_with_a_scheduled_alpha(rmsprop):
-    assert_trains_and_applies(rmsprop, "alpha", {"momentum": 0.5, "eps": 1e-6})
+    assert_trains_and_applies(rmsprop, "alpha", {"momentum": 0.5, "eps": 1e-6}, {"lr": 1e-3, "weight_decay": 0.0})
     assert_resumes_bitwise(rmsprop)
 
 
 def test_muon_and_adamw_with_a_scheduled_lr(muon):
-    assert_trains_and_applies(muon, "lr", {"weight_decay": 0.01})
-    assert "requested/betas" not in muon["rows"][0] and "requested/beta1" not in muon["rows"][0]
+    assert_trains_and_applies(muon, "lr", {}, {"weight_decay": 0.01, "momentum": 0.95, "eps": 1e-7})  # Muon's group
+    assert not any(key.startswith("requested/") and key != "requested/lr" for key in muon["rows"][0])
     assert_resumes_bitwise(muon)
     assert_groups_match_the_table(muon, "Muon")
 

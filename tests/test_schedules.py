@@ -10,7 +10,7 @@ import transformers.optimization as hf
 from omegaconf import OmegaConf
 from verl.utils.torch_functional import get_cosine_schedule_with_warmup as verl_cosine
 
-from helpers import CONF_DIR, compose, planned, read_jsonl, run_cli
+from helpers import CONF_DIR, compose, optimizer_for, planned, read_jsonl, run_cli
 from tinker_exp.main import run, validate
 from tinker_exp.errors import ConfigError
 from tinker_exp.optim.plan import build_plan
@@ -207,8 +207,8 @@ def test_composed_files_later_wins_and_cli_tweaks():
 def test_every_shipped_schedule_file_dry_runs(tmp_path):
     for path in sorted((CONF_DIR / "override").glob("*.yaml")):
         run_dir = tmp_path / path.stem
-        run(compose(f"+override={path.stem}", "dry_run=true"), run_dir)
-        plan = validate(OmegaConf.to_object(compose(f"+override={path.stem}")))
+        run(compose(*optimizer_for(path.stem), f"+override={path.stem}", "dry_run=true"), run_dir)
+        plan = validate(OmegaConf.to_object(compose(*optimizer_for(path.stem), f"+override={path.stem}")))
         rebuilt = read_plan_file(run_dir / PLAN_FILE)
         assert len(rebuilt) == 20 and rebuilt.keys == plan.keys, path.name
         for name in plan.columns:
