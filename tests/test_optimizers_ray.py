@@ -149,12 +149,15 @@ def test_adamw_groups_match_the_table(adamw):
 
 
 def test_muon_on_two_workers_steps_as_on_one(muon, tmp_path: Path):
-    """FSDP2 shards Muon's matrices over the ranks; its Newton-Schulz step sees the whole matrix (DTensor): the
-    losses of 1 and 2 workers agree within float tolerance (the order of the gradient sums differs)."""
+    """FSDP2 shards Muon's matrices over the ranks; its Newton-Schulz step sees the whole matrix (DTensor): 1 and 2
+    workers agree within float tolerance (the order of the gradient sums differs, and torch's Muon orthogonalises in
+    bf16, so the gap grows a little with each step: tighter over the first steps)."""
     run(compose(*COMMON, "optimizer=muon", "+override=lr_cosine", "backend.num_workers=1",
                 "checkpoint.every_steps=0", "checkpoint.at_end=false"), tmp_path)
     one = read_jsonl(tmp_path / "metrics.jsonl")
     two = muon["rows"]
-    for a, b in zip(one, two):
-        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
-        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+    gaps = [(abs(a["train/loss"] / b["train/loss"] - 1), abs(a["train/grad_norm"] / b["train/grad_norm"] - 1))
+            for a, b in zip(one, two)]
+    assert len(gaps) == 6 and [a["applied/lr"] for a in one] == [b["applied/lr"] for b in two]
+    assert all(loss < 1e-5 and norm < 1e-4 for loss, norm in gaps[:3]), gaps  # two Muon updates (step 0's lr is 0)
+    assert all(loss < 1e-4 and norm < 1e-3 for loss, norm in gaps), gaps
