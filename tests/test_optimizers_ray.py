@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import compose, planned, read_jsonl
+from helpers import compose, planned, read_jsonl, wandb_finished_records, wandb_history
 from tinker_exp.main import run
 from tinker_exp.optim.optimizers import AUTO, CHOICE, COEFFS, FLAG, FLOAT, INT, OPTIMIZERS, PAIR
 
 KIND_TYPES = {FLOAT: "float", PAIR: "tuple", FLAG: "bool", INT: "int", COEFFS: "tuple", CHOICE: "str", AUTO: "NoneType"}
-COMMON = ["trainer.steps=6", "checkpoint.every_steps=3", "trainer.eval_every=0", "logger=none"]
+COMMON = ["trainer.steps=6", "checkpoint.every_steps=3", "trainer.eval_every=0"]
 KEYS = ("train/step", "train/loss", "train/grad_norm")
 
 
@@ -72,7 +72,7 @@ def whole_and_resumed(tmp_path_factory, name: str, *overrides: str) -> dict:
 def sgd(ray_address, tmp_path_factory):
     return whole_and_resumed(
         tmp_path_factory, "sgd", "optimizer=sgd", "+override.momentum={schedule: linear, start: 0.5, end: 0.9}",
-        "+override.lr=0.05",
+        "+override.lr=0.05", "logger=wandb",
     )
 
 
@@ -80,18 +80,18 @@ def sgd(ray_address, tmp_path_factory):
 def rmsprop(ray_address, tmp_path_factory):
     return whole_and_resumed(
         tmp_path_factory, "rmsprop", "optimizer=rmsprop", "+override.alpha={schedule: linear, start: 0.9, end: 0.99}",
-        "+override.momentum=0.5", "+override.eps=1e-6",
+        "+override.momentum=0.5", "+override.eps=1e-6", "logger=none",
     )
 
 
 @pytest.fixture(scope="module")
 def muon(ray_address, tmp_path_factory):
-    return whole_and_resumed(tmp_path_factory, "muon", "optimizer=muon", "+override=lr_cosine")
+    return whole_and_resumed(tmp_path_factory, "muon", "optimizer=muon", "+override=lr_cosine", "logger=none")
 
 
 @pytest.fixture(scope="module")
 def adamw(ray_address, tmp_path_factory):
-    return whole_and_resumed(tmp_path_factory, "adamw", "+override=beta2_warmup")
+    return whole_and_resumed(tmp_path_factory, "adamw", "+override=beta2_warmup", "logger=none")
 
 
 def assert_trains_and_applies(result: dict, scheduled: str, constants: dict[str, float], kept: dict[str, float]) -> None:
@@ -129,6 +129,9 @@ def test_sgd_with_a_scheduled_momentum(sgd):
     assert_trains_and_applies(sgd, "momentum", {"lr": 0.05}, {"weight_decay": 0.0, "dampening": 0.0})
     assert_resumes_bitwise(sgd)
     assert_groups_match_the_table(sgd, "SGD")
+    history = [row for row in wandb_history(wandb_finished_records(sgd["dir"])) if "train/loss" in row]
+    momentum = planned(sgd["dir"], "momentum")
+    assert [row["requested/momentum"] for row in history] == momentum == [row["applied/momentum"] for row in history]
 
 
 def test_rmsprop_with_a_scheduled_alpha(rmsprop):
@@ -152,7 +155,7 @@ def test_muon_on_two_workers_steps_as_on_one(muon, tmp_path: Path):
     """FSDP2 shards Muon's matrices over the ranks; its Newton-Schulz step sees the whole matrix (DTensor): 1 and 2
     workers agree within float tolerance (the order of the gradient sums differs, and torch's Muon orthogonalises in
     bf16, so the gap grows a little with each step: tighter over the first steps)."""
-    run(compose(*COMMON, "optimizer=muon", "+override=lr_cosine", "backend.num_workers=1",
+    run(compose(*COMMON, "optimizer=muon", "+override=lr_cosine", "backend.num_workers=1", "logger=none",
                 "checkpoint.every_steps=0", "checkpoint.at_end=false"), tmp_path)
     one = read_jsonl(tmp_path / "metrics.jsonl")
     two = muon["rows"]
