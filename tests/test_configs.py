@@ -156,3 +156,34 @@ def test_dry_run_validates_and_starts_nothing(tmp_path):
     assert "dry run: wrote" in result.stdout
     assert planned(tmp_path, "lr") == [1.0] * 20
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def search_space_ends(space: str) -> list:
+    """The two ends of a preset's `interval(a, b)` (wrapped in `int(...)` or `tag(log, ...)`), as the sweeper draws them."""
+    import re
+
+    low, high = re.search(r"interval\(([^,]+),([^)]+)\)", space).groups()
+    cast = int if space.startswith("int(") else float
+    return [cast(float(low)), cast(float(high))]
+
+
+@pytest.mark.parametrize("option", options("hparams_search"))
+def test_every_search_preset_composes_and_dry_runs_at_both_ends_of_its_space(option, tmp_path):
+    """A trial's schedule parameters (a warmup drawn as a fraction of the schedule, say) make a valid plan."""
+    params = compose(f"hparams_search={option}", with_hydra=True).hydra.sweeper.params
+    ends = {key: search_space_ends(space) for key, space in params.items() if "interval(" in space}
+    assert ends, f"conf/hparams_search/{option}.yaml searches no interval"
+    for end in (0, 1):
+        chosen = [f"{key}={values[end]}" for key, values in ends.items()]
+        plan = validate(typed(compose(f"hparams_search={option}", *chosen)))
+        assert plan.schedules, option
+    result = run_cli(f"hparams_search={option}", "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "plan.json").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_searched_warmup_fraction_follows_trainer_steps():
+    """The cosine search draws its warmup as a fraction: the same trial warms up over the same share of any run."""
+    short = validate(typed(compose("hparams_search=lr_cosine", "override.lr.warmup_steps=0.25")))
+    long = validate(typed(compose("hparams_search=lr_cosine", "override.lr.warmup_steps=0.25", "trainer.steps=4000")))
+    assert short.schedules["lr"].params["warmup_steps"] == 5 and long.schedules["lr"].params["warmup_steps"] == 1000

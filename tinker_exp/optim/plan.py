@@ -147,8 +147,11 @@ def _labels(key: str) -> tuple[str, ...]:
     return ("betas[0]", "betas[1]") if key == "betas" else (key,)
 
 
-def _sources(override: Mapping[str, Any], run_steps: int) -> dict[str, tuple[str, str, float | Schedule]]:
-    """flat name -> (override key, label, a converted and checked constant or a compiled schedule)."""
+def _sources(
+    override: Mapping[str, Any], run_steps: int, values: Mapping[str, Any]
+) -> dict[str, tuple[str, str, float | Schedule]]:
+    """flat name -> (override key, label, a converted and checked constant or a compiled schedule). A schedule's
+    peak defaults to the optimizer's value for its key (`values`: lr, or betas[i] for a betas component)."""
     sources: dict[str, tuple[str, str, float | Schedule]] = {}
     for key, spec in override.items():
         if spec is None:
@@ -156,10 +159,11 @@ def _sources(override: Mapping[str, Any], run_steps: int) -> dict[str, tuple[str
         if key == "betas" and isinstance(spec, Mapping):
             raise ConfigError("override.betas: schedule each component on its own: [beta1, beta2]")
         items = betas_pair(spec, "override.betas") if key == "betas" else [spec]
-        for name, label, item in zip(FLAT_NAMES[key], _labels(key), items):
+        peaks = values[key] if key == "betas" else [values[key]]
+        for name, label, item, peak in zip(FLAT_NAMES[key], _labels(key), items, peaks):
             where = f"override.{label}"
             if isinstance(item, Mapping):
-                source: float | Schedule = compile_schedule(item, run_steps, where)
+                source: float | Schedule = compile_schedule(item, run_steps, where, peak)
             else:
                 source = number(item, where)
                 RANGES[key].check(source, item, where)
@@ -203,7 +207,7 @@ def plan_for(override: Mapping[str, Any], values: dict[str, Any], total_steps: i
     spec = spec_of(optimizer)
     override = verl_names(override, values, spec)
     check_sendable(override, spec)
-    sources = _sources(override, total_steps)
+    sources = _sources(override, total_steps, values)
     schedules = {label: s for _, label, s in sources.values() if isinstance(s, Schedule)}
     steps = np.arange(total_steps, dtype=np.int64) if schedules else None
     columns: dict[str, Column] = {}
@@ -221,21 +225,23 @@ def plan_for(override: Mapping[str, Any], values: dict[str, Any], total_steps: i
     return plan
 
 
-def override_config(plan: Plan) -> dict[str, Any]:
+def override_config(plan: Plan, fractions: bool = False) -> dict[str, Any]:
     """The override as the plan uses it, one entry per value sent (the W&B run config's `override` section, and
     plan.json's: the plan is rebuilt from it).
 
     Every key sent maps to its schedule: ``{"schedule": kind, <every parameter of the kind, converted, defaults
-    filled in>, "total_steps": n}``; a plain value is ``{"schedule": "constant", "value": v}`` (a constant has no
-    total_steps); betas is a list of two of them. Parameters left from an earlier composed override file are
-    not in it (the plan dropped them), nor are keys that are not sent.
+    filled in, lengths in steps>, "total_steps": n}``; a plain value is ``{"schedule": "constant", "value": v}`` (a
+    constant has no total_steps); betas is a list of two of them. With `fractions`, a schedule given lengths as
+    fractions also holds them as given (``"fractions": {"warmup_steps": 0.05}``, plan.json's). Parameters left from
+    an earlier composed override file are not in it (the plan dropped them), nor are keys that are not sent.
     """
 
     def entry(label: str, constant: float) -> dict[str, Any]:
         schedule = plan.schedules.get(label)
         if schedule is None or schedule.kind == "constant":
             return {"schedule": "constant", "value": schedule.params["value"] if schedule else constant}
-        return {"schedule": schedule.kind, **schedule.params, "total_steps": schedule.total_steps}
+        given = {"fractions": dict(schedule.fractions)} if fractions and schedule.fractions else {}
+        return {"schedule": schedule.kind, **schedule.params, "total_steps": schedule.total_steps, **given}
 
     config: dict[str, Any] = {}
     first = plan[0]

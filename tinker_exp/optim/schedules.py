@@ -2,7 +2,26 @@
 
 Step 0 is the first optimizer step; a schedule over ``total_steps`` covers steps 0 .. total_steps - 1.
 ``total_steps`` defaults to the run's ``trainer.steps``. Multiplier schedules scale ``value`` (the peak / base
-value, e.g. the peak lr); ``linear`` and ``keyframes`` give absolute values. Each function takes an integer numpy
+value, e.g. the peak lr); ``linear`` and ``keyframes`` give absolute values.
+
+The peak follows the optimizer: a parameter declared ``PEAK`` below (every kind's ``value``, linear's ``start`` and
+``end``) that is not given, or given as null, is the optimizer's own value for that key (``optimizer.lr`` for lr,
+``optimizer.betas[1]`` for betas[1], ...). An explicit value wins.
+
+Lengths (``warmup_steps``, ``stable_steps``, ``decay_steps``, ``step_size``, each of ``milestones``, ``timescale``):
+an integer is a number of steps; a float is a fraction of the schedule's ``total_steps`` and must be in [0, 1],
+resolved to ``floor(fraction * total_steps + 0.5)`` steps (the nearest step, halves up: 0.05 of 20 steps is 1,
+of 1,000,000 is 50,000). So ``1`` is one step and ``1.0`` the whole schedule. The resolved count is then checked
+like an integer one (a ``step_size`` of 0.01 of 20 steps resolves to 0: an error). The plan, its table, plan.json
+and the W&B config show the resolved counts.
+
+After the end (a run longer than ``total_steps``): a kind with an end holds its value at the end of its formula
+(step ``total_steps``): constant, linear (``end``), cosine (``value * min_ratio`` for the default half cycle: its
+progress is clamped at 1, where HF's formula, never evaluated past its end there, would rise back), cosine_restarts
+(0), wsd (``value * min_ratio``), polynomial (``end``), keyframes (the last point). step, multistep, exponential
+and inverse_sqrt have no end: they go on by their formula.
+
+Each function takes an integer numpy
 array of steps and returns a float64 array: a 1,000,000-step plan is a few array operations, not a million calls.
 Most compute each branch for every step and pick the step's own (``np.where``), so branches not taken may overflow
 or divide by zero harmlessly (the caller ignores numpy's floating-point warnings and checks what was picked). Formulas follow the well-known references, which the tests check at many steps:
@@ -11,7 +30,7 @@ or divide by zero harmlessly (the caller ignores numpy's floating-point warnings
 |---|---|---|---|
 | constant | value | value | - |
 | linear | start, end, warmup_steps | s < w: start * s / w; else start + (end - start) * (s - w) / (T - w) | HF get_linear_schedule_with_warmup (end = 0) |
-| cosine | value, warmup_steps, min_ratio, num_cycles | s < w: value * s / w; else value * (m + (1 - m) * 0.5 * (1 + cos(2 pi c p))), p = (s - w) / (T - w) | HF get_cosine_with_min_lr_schedule_with_warmup, verl get_cosine_schedule_with_warmup |
+| cosine | value, warmup_steps, min_ratio, num_cycles | s < w: value * s / w; else value * (m + (1 - m) * 0.5 * (1 + cos(2 pi c p))), p = min(1, (s - w) / (T - w)) | HF get_cosine_with_min_lr_schedule_with_warmup, verl get_cosine_schedule_with_warmup |
 | cosine_restarts | value, warmup_steps, num_cycles | s < w: warmup; else value * 0.5 * (1 + cos(pi * ((c p) mod 1))), 0 once p >= 1 | HF get_cosine_with_hard_restarts_schedule_with_warmup |
 | wsd | value, warmup_steps, decay_steps, [stable_steps], decay_shape, min_ratio, warmup_shape | warmup, hold value, decay (linear / cosine / 1-sqrt) to min_ratio * value | HF get_wsd_schedule, torchtitan's WSD |
 | step | value, step_size, gamma | value * gamma ** (s // step_size) | torch StepLR |
@@ -29,6 +48,7 @@ numpy only: no torch, verl or ray.
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -59,7 +79,7 @@ def linear(step: Steps, total: int, *, start: float, end: float, warmup_steps: i
 def cosine(
     step: Steps, total: int, *, value: float, warmup_steps: int = 0, min_ratio: float = 0.0, num_cycles: float = 0.5
 ) -> np.ndarray:
-    progress = (step - warmup_steps) / max(1, total - warmup_steps)
+    progress = np.minimum(1.0, (step - warmup_steps) / max(1, total - warmup_steps))  # past the end: hold the end
     factor = 0.5 * (1.0 + np.cos(np.pi * num_cycles * 2.0 * progress))
     decay = value * np.maximum(0.0, min_ratio + (1.0 - min_ratio) * factor)
     return np.where(step < warmup_steps, value * _warmup(step, warmup_steps), decay)
@@ -208,23 +228,27 @@ SCHEDULES: dict[str, Callable[..., np.ndarray]] = {
 class Param:
     """A schedule parameter's type and range: converted and checked like plain override values."""
 
-    kind: str  # "number", "int", "choice", "steps" (a list of step numbers), "points" ({step: number})
+    kind: str  # "number", "int", "length", "choice", "lengths" (a list of lengths), "points" ({step: number})
     range: Range = Range()
     choices: tuple[str, ...] = ()
+    peak: bool = False  # not given (or null): the optimizer's own value for the key (see the module's docstring)
 
-    def convert(self, value: Any, where: str) -> Any:
+    def convert(self, value: Any, where: str, total: int) -> Any:
+        """The converted value; a length (or each of lengths) resolved to steps of a `total`-step schedule."""
         if self.kind == "number":
             converted = number(value, where)
         elif self.kind == "int":
             converted = _integer(value, where)
+        elif self.kind == "length":
+            return _length(value, where, total, self.range.low)
         elif self.kind == "choice":
             if value not in self.choices:
                 raise ConfigError(f"{where}: {value!r} is not one of {list(self.choices)}")
             return value
-        elif self.kind == "steps":
+        elif self.kind == "lengths":
             if isinstance(value, (str, Mapping)) or not isinstance(value, (list, tuple)):
                 raise ConfigError(f"{where}: expected a list of steps, got {value!r}")
-            return [_integer(item, f"{where}[{i}]", low=0) for i, item in enumerate(value)]
+            return [_length(item, f"{where}[{i}]", total, 0) for i, item in enumerate(value)]
         else:  # points
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{where}: expected a mapping {{step: value}}, got {value!r}")
@@ -232,6 +256,11 @@ class Param:
             return {step: number(item, f"{where}[{step}]") for step, item in zip(steps, value.values())}
         self.range.check(converted, value, where)
         return converted
+
+    def fraction_given(self, value: Any) -> bool:
+        """Whether `value` holds a length given as a fraction (plan.json keeps it beside the resolved steps)."""
+        items = value if self.kind == "lengths" and isinstance(value, (list, tuple)) else [value]
+        return self.kind in ("length", "lengths") and any(isinstance(item, float) for item in items)
 
 
 MAX_INT = 2**53
@@ -248,6 +277,21 @@ def _integer(value: Any, where: str, low: int | None = None) -> int:
     return value
 
 
+def _length(value: Any, where: str, total: int, low: float | None) -> int:
+    """A length in steps: an integer as given, a float as that fraction of the schedule (the rule: module docstring)."""
+    if isinstance(value, float):
+        if not 0.0 <= value <= 1.0:  # nan too
+            raise ConfigError(
+                f"{where}: {value!r} is not in [0, 1]: a float is a fraction of the schedule ({total} steps), "
+                "an integer a number of steps"
+            )
+        steps = math.floor(value * total + 0.5)
+        if low is not None and steps < low:
+            raise ConfigError(f"{where}: {value!r} of the schedule ({total} steps) is {steps} steps; must be >= {low:g}")
+        return steps
+    return _integer(value, where, low=None if low is None else int(low))
+
+
 def _int_key(key: Any, where: str) -> int:
     """Keyframe steps: YAML/CLI may give them as int or as digit strings."""
     if isinstance(key, str) and key.strip().lstrip("-").isdigit():
@@ -258,26 +302,28 @@ def _int_key(key: Any, where: str) -> int:
 
 
 NUMBER = Param("number")  # the value itself: its range is the override key's, checked at every step
-STEPS = Param("int", Range(low=0))
+PEAK = Param("number", peak=True)  # a value that defaults to the optimizer's
+STEPS = Param("length", Range(low=0))
 RATIO = Param("number", Range(0.0, 1.0))
 POSITIVE = Param("number", Range(low=0.0, low_open=True))
 COUNT = Param("int", Range(low=1))
+LENGTH = Param("length", Range(low=1))  # a length of at least one step
 SHAPE = Param("choice", choices=_SHAPES)
 
 PARAMS: dict[str, dict[str, Param]] = {
-    "constant": {"value": NUMBER},
-    "linear": {"start": NUMBER, "end": NUMBER, "warmup_steps": STEPS},
-    "cosine": {"value": NUMBER, "warmup_steps": STEPS, "min_ratio": RATIO, "num_cycles": POSITIVE},
-    "cosine_restarts": {"value": NUMBER, "warmup_steps": STEPS, "num_cycles": COUNT},
+    "constant": {"value": PEAK},
+    "linear": {"start": PEAK, "end": PEAK, "warmup_steps": STEPS},
+    "cosine": {"value": PEAK, "warmup_steps": STEPS, "min_ratio": RATIO, "num_cycles": POSITIVE},
+    "cosine_restarts": {"value": PEAK, "warmup_steps": STEPS, "num_cycles": COUNT},
     "wsd": {
-        "value": NUMBER, "warmup_steps": STEPS, "decay_steps": STEPS, "stable_steps": STEPS, "decay_shape": SHAPE,
+        "value": PEAK, "warmup_steps": STEPS, "decay_steps": STEPS, "stable_steps": STEPS, "decay_shape": SHAPE,
         "warmup_shape": SHAPE, "min_ratio": RATIO, "num_cycles": POSITIVE,
     },  # fmt: skip
-    "step": {"value": NUMBER, "step_size": COUNT, "gamma": POSITIVE},
-    "multistep": {"value": NUMBER, "milestones": Param("steps"), "gamma": POSITIVE},
-    "exponential": {"value": NUMBER, "gamma": POSITIVE},
-    "inverse_sqrt": {"value": NUMBER, "warmup_steps": STEPS, "timescale": COUNT},
-    "polynomial": {"value": NUMBER, "end": NUMBER, "warmup_steps": STEPS, "power": POSITIVE},
+    "step": {"value": PEAK, "step_size": LENGTH, "gamma": POSITIVE},
+    "multistep": {"value": PEAK, "milestones": Param("lengths"), "gamma": POSITIVE},
+    "exponential": {"value": PEAK, "gamma": POSITIVE},
+    "inverse_sqrt": {"value": PEAK, "warmup_steps": STEPS, "timescale": LENGTH},
+    "polynomial": {"value": PEAK, "end": NUMBER, "warmup_steps": STEPS, "power": POSITIVE},
     "keyframes": {"points": Param("points")},
     "one_cycle": {
         "value": NUMBER, "pct_start": Param("number", Range(0.0, 1.0, low_open=True, high_open=True)),
@@ -328,6 +374,7 @@ class Schedule:
     boundaries: tuple[int, ...]  # steps where a phase starts (warmup end, decay start, milestones, ...)
     where: str = "override"  # its config key, named in errors
     params: Mapping[str, Any] = field(default_factory=dict)  # every parameter of its kind, converted, defaults filled in
+    fractions: Mapping[str, Any] = field(default_factory=dict)  # lengths given as fractions, as given (resolved in params)
 
     def values(self, steps: np.ndarray) -> np.ndarray:
         """The value at each step (float64), unchecked: inf or nan where the parameters overflow (the plan reports
@@ -359,34 +406,42 @@ def _boundaries(kind: str, params: dict[str, Any], total: int) -> tuple[int, ...
     return tuple(sorted(step for step in steps if 0 < step < total))
 
 
-def compile_schedule(spec: Mapping[str, Any], run_steps: int, where: str) -> Schedule:
-    """A schedule mapping from the config -> a step -> value function; parameters converted and checked up front."""
+def compile_schedule(spec: Mapping[str, Any], run_steps: int, where: str, peak: float | None = None) -> Schedule:
+    """A schedule mapping from the config -> a step -> value function; parameters converted and checked up front,
+    lengths resolved to steps, and each ``PEAK`` parameter not given set to `peak` (the optimizer's value)."""
     spec = dict(spec)
     kind = spec.pop("schedule", None)
     if not isinstance(kind, str) or kind not in SCHEDULES:
         raise ConfigError(f"{where}.schedule: {kind!r} is not one of {sorted(SCHEDULES)} (a schedule needs `schedule:`)")
     total = run_steps
     if spec.get("total_steps") is not None:
-        total = TOTAL_STEPS.convert(spec["total_steps"], f"{where}.total_steps")
+        total = TOTAL_STEPS.convert(spec["total_steps"], f"{where}.total_steps", run_steps)
     spec.pop("total_steps", None)
     function, declared = SCHEDULES[kind], PARAMS[kind]
     # `+override=[lr_wsd,lr_cosine]` merges the two `lr` mappings key by key; the later file's schedule wins,
     # and parameters only the earlier kind takes are dropped (said aloud). Unknown names still fail below.
     leftovers = sorted(set(spec) - set(declared) & set().union(*PARAMS.values()))
     if leftovers:
-        warnings.warn(f"{where}: ignoring {leftovers}, not parameters of {kind} (left from an earlier override file?)", stacklevel=2)
+        said = [name for name in leftovers if spec[name] is not None]  # a null (a preset's "the optimizer's") says nothing
+        if said:
+            warnings.warn(f"{where}: ignoring {said}, not parameters of {kind} (left from an earlier override file?)", stacklevel=2)
         spec = {k: v for k, v in spec.items() if k not in leftovers}
     unknown = sorted(set(spec) - set(declared))
     if unknown:
         raise ConfigError(f"{where} ({kind}): unknown parameter(s) {unknown}; {kind} takes {sorted(declared)}")
-    spec = {name: declared[name].convert(value, f"{where}.{name}") for name, value in spec.items() if value is not None}
+    given = {name: value for name, value in spec.items() if value is not None}
+    spec = {name: declared[name].convert(value, f"{where}.{name}", total) for name, value in given.items()}
+    if peak is not None:
+        spec |= {name: peak for name, param in declared.items() if param.peak and name not in spec}
+    fractions = {name: value for name, value in given.items() if declared[name].fraction_given(value)}
     missing = sorted(name for name in _required(kind) if name not in spec)
     if missing:
         raise ConfigError(f"{where} ({kind}): missing parameter(s) {missing}")
     _check_consistency(kind, spec, total, where)
     defaults = _defaults(kind)
     params = {name: spec.get(name, defaults.get(name)) for name in declared if name in spec or name in defaults}
-    return Schedule(kind, total, lambda steps: function(steps, total, **spec), _boundaries(kind, spec, total), where, params)
+    boundaries = _boundaries(kind, spec, total)
+    return Schedule(kind, total, lambda steps: function(steps, total, **spec), boundaries, where, params, fractions)
 
 
 def _defaults(kind: str) -> dict[str, Any]:
