@@ -18,7 +18,8 @@ and the W&B config show the resolved counts.
 After the end (a run longer than ``total_steps``): a kind with an end holds its value at the end of its formula
 (step ``total_steps``): constant, linear (``end``), cosine (``value * min_ratio`` for the default half cycle: its
 progress is clamped at 1, where HF's formula, never evaluated past its end there, would rise back), cosine_restarts
-(0), wsd (``value * min_ratio``), polynomial (``end``), keyframes (the last point). step, multistep, exponential
+(0), wsd (``value * min_ratio``), polynomial (``end``), keyframes (the last point), one_cycle (its floor,
+``value / div_factor / final_div_factor``), one_cycle_momentum (``max_momentum``). step, multistep, exponential
 and inverse_sqrt have no end: they go on by their formula.
 
 Each function takes an integer numpy
@@ -40,7 +41,7 @@ or divide by zero harmlessly (the caller ignores numpy's floating-point warnings
 | polynomial | value, end, warmup_steps, power | s < w: warmup; s > T: end; else (value - end) * (1 - (s - w) / (T - w)) ** power + end | HF get_polynomial_decay_schedule_with_warmup |
 | keyframes | points {step: value} | piecewise linear between points, constant before the first and after the last | - |
 | one_cycle | value, pct_start, div_factor, final_div_factor, anneal, three_phase | value / div_factor up to value over pct_start * T steps, then down to value / div_factor / final_div_factor (three_phase: back to value / div_factor first) | torch OneCycleLR |
-| one_cycle_momentum | base_momentum, max_momentum, pct_start, anneal, three_phase | one_cycle's inverse: max_momentum down to base_momentum while the lr rises, then back up (momentum, or beta1) | torch OneCycleLR (cycle_momentum) |
+| one_cycle_momentum | base_momentum, max_momentum, pct_start, anneal, three_phase | one_cycle's inverse: max_momentum (the peak: the optimizer's momentum or beta1) down to base_momentum while the lr rises, then back up | torch OneCycleLR (cycle_momentum) |
 
 numpy only: no torch, verl or ray.
 """
@@ -181,8 +182,8 @@ def _one_cycle_phases(step: Steps, total: int, starts_ends: list[tuple[float, fl
     begin = 0.0
     for index, (end, (start_value, end_value)) in enumerate(zip(ends, starts_ends)):
         here = ~done & ((step <= end) | (index == len(ends) - 1))
-        with np.errstate(all="ignore"):
-            pct = (step[here] - begin) / (end - begin)
+        with np.errstate(all="ignore"):  # past the last phase's end (step T - 1) it holds its end value
+            pct = np.minimum(1.0, (step[here] - begin) / (end - begin))
         if anneal == "cosine":
             values[here] = end_value + (start_value - end_value) / 2.0 * (np.cos(np.pi * pct) + 1)
         else:
@@ -326,12 +327,12 @@ PARAMS: dict[str, dict[str, Param]] = {
     "polynomial": {"value": PEAK, "end": NUMBER, "warmup_steps": STEPS, "power": POSITIVE},
     "keyframes": {"points": Param("points")},
     "one_cycle": {
-        "value": NUMBER, "pct_start": Param("number", Range(0.0, 1.0, low_open=True, high_open=True)),
+        "value": PEAK, "pct_start": Param("number", Range(0.0, 1.0, low_open=True, high_open=True)),
         "div_factor": POSITIVE, "final_div_factor": POSITIVE, "anneal": Param("choice", choices=("cosine", "linear")),
         "three_phase": Param("choice", choices=(False, True)),
     },  # fmt: skip
     "one_cycle_momentum": {
-        "base_momentum": NUMBER, "max_momentum": NUMBER,
+        "base_momentum": NUMBER, "max_momentum": PEAK,
         "pct_start": Param("number", Range(0.0, 1.0, low_open=True, high_open=True)),
         "anneal": Param("choice", choices=("cosine", "linear")), "three_phase": Param("choice", choices=(False, True)),
     },  # fmt: skip
