@@ -196,6 +196,8 @@ class SweepLauncher(BaseSubmititLauncher):
                 at_once = points_at_once(os.cpu_count(), workers, self.params.get("max_parallel"))
                 log.info(f"{len(args)} local jobs, at most {at_once} at a time (hydra.launcher.max_parallel)")
                 start_local(lambda arg: executor.submit(self, *arg), args, at_once, jobs)
+                if jobs:
+                    log.info(f"submitted {', '.join(job.job_id for job in jobs)}; waiting for all of them")
             started = iter(jobs)
             for num, overrides in zip(nums, job_overrides):
                 job = None if num in refused else next(started)
