@@ -412,3 +412,38 @@ def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
     # Slurm's accounting records both as cancelled (not merely gone from the queue)
     states = lambda: [sacct_state(slurm_env, job_id) for job_id in job_ids]  # noqa: E731
     wait_until(lambda: states() == ["CANCELLED", "CANCELLED"], 120, f"not cancelled in sacct: {states()}", poll=1)
+
+
+def test_ctrl_c_in_a_local_sweep_stops_the_running_point_and_starts_no_other(ray_address, tmp_path):
+    """hydra.launcher.max_parallel=1: point 1 waits for point 0; Ctrl-C while point 0 trains cancels it, and point 1
+    is never started."""
+    import signal
+
+    import psutil
+
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=local", "hydra.launcher.max_parallel=1",
+        f"hydra.sweep.dir={tmp_path}", "trainer.steps=1000", "logger=none", "optimizer.lr=1e-3,3e-4",
+    ]  # fmt: skip
+    driver = subprocess.Popen(
+        command, cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        wait_until(lambda: len(metrics_rows(tmp_path / "0")) >= 1, 300, "point 0 never trained", driver)
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    (job_id,) = [p.name for p in (tmp_path / ".submitit").iterdir() if p.name.isdigit()]  # one job started
+    assert driver.returncode == 130 and f"interrupted: cancelled {job_id}" in output, output[-3000:]
+    assert "1 local jobs" not in output and "2 local jobs, at most 1 at a time" in output
+    assert not (tmp_path / "1").exists()
+
+    def ended() -> bool:  # gone, or a zombie nobody reaps (on this machine PID 1 is no init system)
+        try:
+            return psutil.Process(int(job_id)).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_until(ended, 120, f"job {job_id} still running after the cancel", poll=1)

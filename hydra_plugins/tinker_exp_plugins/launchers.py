@@ -201,23 +201,9 @@ class SweepLauncher(BaseSubmititLauncher):
             started = iter(jobs)
             for num, overrides in zip(nums, job_overrides):
                 job = None if num in refused else next(started)
-                ended_by = None if job is None else wait_for(job)  # None: the job wrote its result
-                if job is None:  # a study's trial whose point is bad: failed without a job
-                    status, error = "FAILED", refused[num]
-                    ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
-                elif ended_by is None:
-                    ret = job.results()[0]
-                    status, error = "COMPLETED", None
-                    if ret.status != JobStatus.COMPLETED:  # raised in the job: a config error, NaN, ...
-                        status, error = "FAILED", job_error(ret)
-                else:  # cancelled, timed out, preempted without requeue, killed, out of memory
-                    status, error = ended_by, f"ended by the scheduler ({ended_by}); job log {job.paths.stderr}"
-                    ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
-                run_dir = job_run_dir(self.hydra_context, self.config, overrides, num)
-                objective = ret.return_value if status == "COMPLETED" else None  # what the task function returned
-                job_id = None if job is None else job.job_id
-                outcomes.append(read_outcome(num, filter_overrides(overrides), status, run_dir, error, job_id, objective))
+                ret, outcome = self._outcome(num, overrides, job, refused.get(num))
                 returns.append(ret)
+                outcomes.append(outcome)
         except KeyboardInterrupt:
             cancel(jobs)  # first, before anything that could be slow on a loaded machine
             raise
@@ -228,6 +214,25 @@ class SweepLauncher(BaseSubmititLauncher):
         else:  # on disk after every batch; the terminal gets the table once, at the sweep's end
             self._write_summary(sweep_dir)
         return returns
+
+    def _outcome(self, num: int, overrides: Sequence[str], job: Any, refused: str | None) -> tuple[JobReturn, JobOutcome]:
+        """What job `num` came to, once it ended (waited for here); `job` None: refused by the checks (a study's)."""
+        ended_by = None if job is None else wait_for(job)  # None: the job wrote its result
+        if job is None:  # a study's trial whose point is bad: failed without a job
+            status, error = "FAILED", refused
+            ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
+        elif ended_by is None:
+            ret = job.results()[0]
+            status, error = "COMPLETED", None
+            if ret.status != JobStatus.COMPLETED:  # raised in the job: a config error, NaN, ...
+                status, error = "FAILED", job_error(ret)
+        else:  # cancelled, timed out, preempted without requeue, killed, out of memory
+            status, error = ended_by, f"ended by the scheduler ({ended_by}); job log {job.paths.stderr}"
+            ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
+        run_dir = job_run_dir(self.hydra_context, self.config, overrides, num)
+        objective = ret.return_value if status == "COMPLETED" else None  # what the task function returned
+        job_id = None if job is None else job.job_id
+        return ret, read_outcome(num, filter_overrides(overrides), status, run_dir, error, job_id, objective)
 
     def _submit(self, executor: Any, args: Sequence[tuple]) -> list[Any]:
         """Every job at once (a Slurm job array): the scheduler decides when each runs."""
