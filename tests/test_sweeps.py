@@ -136,12 +136,13 @@ def test_local_points_at_once_are_as_many_as_the_cpus_hold_unless_set():
     assert points_at_once(cpus=16, workers_per_point=2, max_parallel=3) == 3  # hydra.launcher.max_parallel wins
 
 
-BAD_POINTS = ["+override.lr=1e-3,-1", "trainer.steps=2,0"]  # 4 points: only the first is good
+BAD_POINTS = ["+override.lr=1e-3,-1", "data.val_fraction=0.5,0.0001"]  # 4 points: only the first is good
 BAD_POINTS_REPORT = [
     "tinker_exp: config error: 3 of 4 sweep points are wrong; no job was started:",
-    "  job 1 [+override.lr=0.001 trainer.steps=0]: config error: trainer.steps: must be >= 1, got 0",
-    "  job 2 [+override.lr=-1 trainer.steps=2]: config error: override.lr: must be >= 0, got -1",
-    "  job 3 [+override.lr=-1 trainer.steps=0]: config error: trainer.steps: must be >= 1, got 0",
+    "  job 1 [+override.lr=0.001 data.val_fraction=0.0001]: config error: data.val_fraction: 0.0001 of 256 rows "
+    "leaves 256 for training and 0 for validation (both need rows; null: no validation)",  # the data rows, read
+    "  job 2 [+override.lr=-1 data.val_fraction=0.5]: config error: override.lr: must be >= 0, got -1",
+    "  job 3 [+override.lr=-1 data.val_fraction=0.0001]: config error: override.lr: must be >= 0, got -1",
 ]
 
 

@@ -60,9 +60,12 @@ class BadPointsError(ConfigError):
     """Sweep points that would stop their jobs before any worker starts: every one named, nothing launched."""
 
 
-def point_error(hydra_context: Any, config: DictConfig, overrides: Sequence[str]) -> tuple[Any, str | None]:
+def point_error(
+    hydra_context: Any, config: DictConfig, overrides: Sequence[str], data_checked: set[str] | None = None
+) -> tuple[Any, str | None]:
     """(the point's typed config, None), or (None, why its job would stop before any worker starts): composed
-    as its job is, then the pure checks `tinker_exp.main.run` makes first (config, plan, data rows, chat template)."""
+    as its job is, then the pure checks `tinker_exp.main.run` makes first (config, plan, data rows, chat template).
+    `data_checked`: the data settings already found good in this sweep (a data set is read once, not per point)."""
     from tinker_exp.main import validate  # the entry's one list of checks; imports no torch, verl or ray
     from tinker_exp.train.data import dataset_rows
 
@@ -72,9 +75,13 @@ def point_error(hydra_context: Any, config: DictConfig, overrides: Sequence[str]
             del job_cfg["hydra"]  # what the task function gets (Hydra's run_job)
         cfg = tinker_config.load(job_cfg)
         validate(cfg)
-        rows = dataset_rows(cfg.data)
-        chat = next((row.where for rows_of_a_set in rows for row in rows_of_a_set if row.messages is not None), None)
-        tinker_config.check_chat_template(cfg.model.path, chat)
+        data_key = repr((cfg.data, cfg.model.path))
+        if data_checked is None or data_key not in data_checked:
+            rows = dataset_rows(cfg.data)
+            chat = next((row.where for rows_of_a_set in rows for row in rows_of_a_set if row.messages is not None), None)
+            tinker_config.check_chat_template(cfg.model.path, chat)
+            if data_checked is not None:
+                data_checked.add(data_key)
     except COMPOSE_ERRORS as e:
         return None, one_line(as_config_error(e))
     except TinkerExpError as e:
@@ -84,7 +91,8 @@ def point_error(hydra_context: Any, config: DictConfig, overrides: Sequence[str]
 
 def check_points(hydra_context: Any, config: DictConfig, points: Sequence[Sequence[str]], first: int) -> list[Any]:
     """Every point's typed config (numbered from `first`); raises BadPointsError naming every bad point."""
-    checked = [point_error(hydra_context, config, overrides) for overrides in points]
+    data_checked: set[str] = set()
+    checked = [point_error(hydra_context, config, overrides, data_checked) for overrides in points]
     bad = {first + i: (filter_overrides(o), error) for i, (o, (_, error)) in enumerate(zip(points, checked)) if error}
     if bad:
         raise BadPointsError(bad_points_report(bad, len(points)))
@@ -172,7 +180,8 @@ class SweepLauncher(BaseSubmititLauncher):
             configs = check_points(self.hydra_context, self.config, job_overrides, initial_job_idx)
             refused: dict[int, str] = {}
         else:
-            checked = [point_error(self.hydra_context, self.config, o) for o in job_overrides]
+            data_checked: set[str] = set()
+            checked = [point_error(self.hydra_context, self.config, o, data_checked) for o in job_overrides]
             configs = [cfg for cfg, _ in checked]
             refused = {num: error for num, (_, error) in zip(nums, checked) if error}
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
