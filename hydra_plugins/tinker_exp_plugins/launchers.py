@@ -148,6 +148,12 @@ class SweepLauncher(BaseSubmititLauncher):
         )
         return executor
 
+    def job_points(self, points: Sequence[Sequence[str]]) -> list[list[str]]:
+        """The overrides each point's job runs with: a point spanning nodes gets backend.nodes of its allocation."""
+        if self.nodes() > 1:
+            return [spanning(overrides, self.nodes()) for overrides in points]
+        return [list(overrides) for overrides in points]
+
     def nodes(self) -> int:
         """Nodes per job: more than one makes each sweep point one run over a Ray cluster of its nodes."""
         return int(self.params.get("nodes") or 1) if self._EXECUTOR == "slurm" else 1
@@ -173,8 +179,7 @@ class SweepLauncher(BaseSubmititLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None
-        if self.nodes() > 1:  # the run spans the job's nodes: backend.nodes follows the allocation
-            job_overrides = [spanning(overrides, self.nodes()) for overrides in job_overrides]
+        job_overrides = self.job_points(job_overrides)
         nums = [initial_job_idx + i for i in range(len(job_overrides))]
         if self.refuse_bad_points:  # before anything is written or submitted
             configs = check_points(self.hydra_context, self.config, job_overrides, initial_job_idx)
@@ -396,7 +401,8 @@ class GridSweeper(BasicSweeper):
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         self.overrides = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), self.max_batch_size)
-        check_points(self.hydra_context, self.config, [point for batch in self.overrides for point in batch], 0)
+        points = [point for batch in self.overrides for point in batch]
+        check_points(self.hydra_context, self.config, self.launcher.job_points(points) if self.ours else points, 0)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
