@@ -128,6 +128,14 @@ def test_signal_delay_past_the_time_limit_fails_before_submitting(tmp_path):
     assert not (tmp_path / ".submitit").exists()
 
 
+def test_minus_m_sweeps_with_the_grid_sweeper_and_a_preset_still_picks_optuna():
+    """Our GridSweeper is stored as hydra/sweeper=basic (Hydra's default); an hparams_search preset overrides it."""
+    assert compose(with_hydra=True).hydra.sweeper._target_ == "hydra_plugins.tinker_exp_plugins.launchers.GridSweeper"
+    assert compose("hparams_search=lr_cosine", with_hydra=True).hydra.sweeper._target_.endswith("OptunaSweeper")
+    launcher = compose("hydra/launcher=local", "hydra.launcher.max_parallel=3", with_hydra=True).hydra.launcher
+    assert launcher.max_parallel == 3 and launcher._target_.endswith("LocalSweepLauncher")
+
+
 def test_local_points_at_once_are_as_many_as_the_cpus_hold_unless_set():
     assert points_at_once(cpus=16, workers_per_point=2, max_parallel=None) == 8  # a CPU a worker
     assert points_at_once(cpus=2, workers_per_point=2, max_parallel=None) == 1  # this machine: one point at a time
