@@ -10,7 +10,7 @@ import transformers.optimization as hf
 from omegaconf import OmegaConf
 from verl.utils.torch_functional import get_cosine_schedule_with_warmup as verl_cosine
 
-from helpers import CONF_DIR, compose, planned, read_jsonl, run_cli
+from helpers import CONF_DIR, compose, optimizer_for, planned, read_jsonl, run_cli
 from tinker_exp.main import run, validate
 from tinker_exp.errors import ConfigError
 from tinker_exp.optim.plan import build_plan
@@ -221,8 +221,8 @@ def test_composed_files_later_wins_and_cli_tweaks():
 def test_every_shipped_schedule_file_dry_runs(tmp_path):
     for path in sorted((CONF_DIR / "override").glob("*.yaml")):
         run_dir = tmp_path / path.stem
-        run(compose(f"+override={path.stem}", "dry_run=true"), run_dir)
-        plan = validate(OmegaConf.to_object(compose(f"+override={path.stem}")))
+        run(compose(*optimizer_for(path.stem), f"+override={path.stem}", "dry_run=true"), run_dir)
+        plan = validate(OmegaConf.to_object(compose(*optimizer_for(path.stem), f"+override={path.stem}")))
         rebuilt = read_plan_file(run_dir / PLAN_FILE)
         assert len(rebuilt) == 20 and rebuilt.keys == plan.keys, path.name
         for name in plan.columns:
@@ -339,6 +339,8 @@ HOLDS = {
     "wsd": ({"value": PEAK, "warmup_steps": 0.1, "decay_steps": 0.2, "decay_shape": "1-sqrt", "min_ratio": 0.1}, 0.1 * PEAK),
     "polynomial": ({"value": PEAK, "end": 1e-6, "warmup_steps": 0.1, "power": 2.0}, 1e-6),
     "keyframes": ({"points": {0: 1e-5, 100: PEAK, 800: 3e-5}}, 3e-5),
+    "one_cycle": ({"value": PEAK, "three_phase": True}, PEAK / 25 / 1e4),
+    "one_cycle_momentum": ({"base_momentum": 0.85, "max_momentum": 0.95}, 0.95),
 }
 GOES_ON = {
     "step": ({"value": PEAK, "step_size": 300, "gamma": 0.5}, lambda s: PEAK * 0.5 ** (s // 300)),
@@ -372,27 +374,30 @@ def test_a_schedule_without_an_end_goes_on_past_total_steps(kind):
         assert plan[step]["lr"] == pytest.approx(formula(step), rel=1e-12), step
 
 
-OPTIMIZER = ["optimizer.lr=1e-2", "optimizer.weight_decay=0.05", "optimizer.betas=[0.8,0.99]"]
-FOLLOWED = {"lr": 1e-2, "weight_decay": 0.05, "betas[0]": 0.8, "betas[1]": 0.99}
-COLUMN = {"lr": "lr", "weight_decay": "weight_decay", "betas[0]": "beta1", "betas[1]": "beta2"}
+OPTIMIZER = ["optimizer.lr=1e-2", "optimizer.weight_decay=0.05", "optimizer.betas=[0.8,0.99]", "optimizer.momentum=0.9"]
+FOLLOWED = {"lr": 1e-2, "weight_decay": 0.05, "betas[0]": 0.8, "betas[1]": 0.99, "momentum": 0.9}
+COLUMN = {"lr": "lr", "weight_decay": "weight_decay", "betas[0]": "beta1", "betas[1]": "beta2", "momentum": "momentum"}
 
 
 @pytest.mark.parametrize("option", sorted(p.stem for p in (CONF_DIR / "override").glob("*.yaml")))
 def test_every_shipped_schedule_peaks_at_the_optimizers_value(option):
     """`optimizer.lr=1e-2 +override=lr_cosine` peaks at 1e-2; beta2_warmup rises to the optimizer's beta2. Only
     keyframes (absolute values by step) and the constants file (fixed values by design) name their values."""
-    plan = validate(OmegaConf.to_object(compose(f"+override={option}", *OPTIMIZER)))
+    plan = validate(OmegaConf.to_object(compose(*optimizer_for(option), f"+override={option}", *OPTIMIZER)))
     if option in ("lr_keyframes", "constant"):
         return
     preset = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "override" / f"{option}.yaml"))
     assert plan.schedules, option
     for label, schedule in plan.schedules.items():
-        spec = preset["betas"][int(label[-2])] if label.startswith("betas") else preset[label]
+        betas = preset.get("betas") or [preset.get("beta1"), preset.get("beta2")]  # Tinker's spelling too
+        spec = betas[int(label[-2])] if label.startswith("betas") else preset[label]
         followed = [name for name, param in PARAMS[schedule.kind].items() if param.peak and spec.get(name) is None]
         assert followed and all(schedule.params[name] == FOLLOWED[label] for name in followed), (option, label)
         column = plan.column(COLUMN[label])
         if option == "beta2_warmup":  # 0.95 up to the optimizer's beta2 at the end of the run (step 20)
             assert column[0] == 0.95 and column[19] == pytest.approx(0.95 + (0.99 - 0.95) * 19 / 20)
+        elif schedule.kind == "one_cycle_momentum":  # between its own base_momentum and the optimizer's value
+            assert {column.max(), column.min()} == {FOLLOWED[label], schedule.params["base_momentum"]}, option
         else:
             assert column.max() == pytest.approx(FOLLOWED[label], rel=1e-12), option
 

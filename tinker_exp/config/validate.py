@@ -103,6 +103,11 @@ def check(cfg: Config) -> None:
             f"trainer.batch_size={batch} must split evenly over {over} "
             f"into micro batches of backend.micro_batch_size={backend.micro_batch_size}"
         )
+    if cfg.optimizer.name.value == "Muon" and cfg.lora.rank > 0:
+        raise ConfigError(
+            f"optimizer.name: Muon with lora.rank={cfg.lora.rank} is not supported (Muon splits the full model's "
+            "weight matrices; LoRA trains adapters only): use AdamW with LoRA"
+        )
     data_path(cfg.data.path)
     if cfg.model.path:
         resolve_model_path(cfg.model.path, download=False)

@@ -89,6 +89,7 @@ def write_plan_file(plan: Plan, path: Path, extra: Iterable[int] = ()) -> None:
     head = {
         "format": FORMAT,
         "steps": len(plan),
+        "optimizer_name": plan.optimizer,
         "optimizer": {key: list(v) if isinstance(v, tuple) else v for key, v in plan.optimizer_values.items()},
         "boundaries": plan.boundaries(),
     }
@@ -118,7 +119,7 @@ def read_plan_file(path: Path) -> Plan:
         raise ValueError(f"{path}: not a plan file ({FORMAT!r})")
     values = {key: tuple(v) if isinstance(v, list) else v for key, v in doc["optimizer"].items()}
     override = {key: _spec(entry) for key, entry in doc["override"].items()}
-    plan = plan_for(override, values, doc["steps"], "the run's optimizer")
+    plan = plan_for(override, values, doc["steps"], doc.get("optimizer_name", "AdamW"))  # older files: AdamW
     for row in doc["rows"]:
         for name, value in flat_values("", plan[row["step"]]).items():
             if not math.isclose(value, row[name], rel_tol=1e-12):

@@ -18,7 +18,8 @@ and the W&B config show the resolved counts.
 After the end (a run longer than ``total_steps``): a kind with an end holds its value at the end of its formula
 (step ``total_steps``): constant, linear (``end``), cosine (``value * min_ratio`` for the default half cycle: its
 progress is clamped at 1, where HF's formula, never evaluated past its end there, would rise back), cosine_restarts
-(0), wsd (``value * min_ratio``), polynomial (``end``), keyframes (the last point). step, multistep, exponential
+(0), wsd (``value * min_ratio``), polynomial (``end``), keyframes (the last point), one_cycle (its floor,
+``value / div_factor / final_div_factor``), one_cycle_momentum (``max_momentum``). step, multistep, exponential
 and inverse_sqrt have no end: they go on by their formula.
 
 Each function takes an integer numpy
@@ -39,6 +40,8 @@ or divide by zero harmlessly (the caller ignores numpy's floating-point warnings
 | inverse_sqrt | value, warmup_steps, [timescale] | s < w: warmup; else value / sqrt((s + timescale - w) / timescale) | HF get_inverse_sqrt_schedule |
 | polynomial | value, end, warmup_steps, power | s < w: warmup; s > T: end; else (value - end) * (1 - (s - w) / (T - w)) ** power + end | HF get_polynomial_decay_schedule_with_warmup |
 | keyframes | points {step: value} | piecewise linear between points, constant before the first and after the last | - |
+| one_cycle | value, pct_start, div_factor, final_div_factor, anneal, three_phase | value / div_factor up to value over pct_start * T steps, then down to value / div_factor / final_div_factor (three_phase: back to value / div_factor first) | torch OneCycleLR |
+| one_cycle_momentum | base_momentum, max_momentum, pct_start, anneal, three_phase | one_cycle's inverse: max_momentum (the peak: the optimizer's momentum or beta1) down to base_momentum while the lr rises, then back up | torch OneCycleLR (cycle_momentum) |
 
 numpy only: no torch, verl or ray.
 """
@@ -169,6 +172,42 @@ def keyframes(step: Steps, total: int, *, points: Mapping[int, float]) -> np.nda
     return np.where(step <= xs[0], ys[0], np.where(step >= xs[-1], ys[-1], between))
 
 
+def _one_cycle_phases(step: Steps, total: int, starts_ends: list[tuple[float, float]], pct_start: float,
+                      anneal: str, three_phase: bool) -> np.ndarray:
+    """torch's OneCycleLR: phase i runs from the previous end step to its own end step (pct_start * T - 1, then
+    2 * pct_start * T - 2 in three phases, then T - 1), annealing from its start to its end value."""
+    ends = [pct_start * total - 1, 2 * pct_start * total - 2, total - 1] if three_phase else [pct_start * total - 1, total - 1]
+    values = np.empty(step.shape)
+    done = np.zeros(step.shape, dtype=bool)
+    begin = 0.0
+    for index, (end, (start_value, end_value)) in enumerate(zip(ends, starts_ends)):
+        here = ~done & ((step <= end) | (index == len(ends) - 1))
+        with np.errstate(all="ignore"):  # past the last phase's end (step T - 1) it holds its end value
+            pct = np.minimum(1.0, (step[here] - begin) / (end - begin))
+        if anneal == "cosine":
+            values[here] = end_value + (start_value - end_value) / 2.0 * (np.cos(np.pi * pct) + 1)
+        else:
+            values[here] = (end_value - start_value) * pct + start_value
+        done |= here
+        begin = end
+    return values
+
+
+def one_cycle(step: Steps, total: int, *, value: float, pct_start: float = 0.3, div_factor: float = 25.0,
+              final_div_factor: float = 1e4, anneal: str = "cosine", three_phase: bool = False) -> np.ndarray:
+    initial = value / div_factor
+    low = initial / final_div_factor
+    phases = [(initial, value), (value, initial), (initial, low)] if three_phase else [(initial, value), (value, low)]
+    return _one_cycle_phases(step, total, phases, pct_start, anneal, three_phase)
+
+
+def one_cycle_momentum(step: Steps, total: int, *, base_momentum: float = 0.85, max_momentum: float = 0.95,
+                       pct_start: float = 0.3, anneal: str = "cosine", three_phase: bool = False) -> np.ndarray:
+    phases = [(max_momentum, base_momentum), (base_momentum, max_momentum)]
+    phases += [(max_momentum, max_momentum)] if three_phase else []
+    return _one_cycle_phases(step, total, phases, pct_start, anneal, three_phase)
+
+
 SCHEDULES: dict[str, Callable[..., np.ndarray]] = {
     "constant": constant,
     "linear": linear,
@@ -181,6 +220,8 @@ SCHEDULES: dict[str, Callable[..., np.ndarray]] = {
     "inverse_sqrt": inverse_sqrt,
     "polynomial": polynomial,
     "keyframes": keyframes,
+    "one_cycle": one_cycle,
+    "one_cycle_momentum": one_cycle_momentum,
 }
 
 
@@ -285,6 +326,16 @@ PARAMS: dict[str, dict[str, Param]] = {
     "inverse_sqrt": {"value": PEAK, "warmup_steps": STEPS, "timescale": LENGTH},
     "polynomial": {"value": PEAK, "end": NUMBER, "warmup_steps": STEPS, "power": POSITIVE},
     "keyframes": {"points": Param("points")},
+    "one_cycle": {
+        "value": PEAK, "pct_start": Param("number", Range(0.0, 1.0, low_open=True, high_open=True)),
+        "div_factor": POSITIVE, "final_div_factor": POSITIVE, "anneal": Param("choice", choices=("cosine", "linear")),
+        "three_phase": Param("choice", choices=(False, True)),
+    },  # fmt: skip
+    "one_cycle_momentum": {
+        "base_momentum": NUMBER, "max_momentum": PEAK,
+        "pct_start": Param("number", Range(0.0, 1.0, low_open=True, high_open=True)),
+        "anneal": Param("choice", choices=("cosine", "linear")), "three_phase": Param("choice", choices=(False, True)),
+    },  # fmt: skip
 }
 """Each schedule's parameters, typed and ranged (their defaults are the functions' keyword defaults)."""
 TOTAL_STEPS = COUNT
@@ -349,6 +400,10 @@ def _boundaries(kind: str, params: dict[str, Any], total: int) -> tuple[int, ...
         steps |= set(range(params["step_size"], total, params["step_size"])[:20])
     elif kind == "keyframes":
         steps |= set(params["points"])
+    elif kind in ("one_cycle", "one_cycle_momentum"):
+        pct = params.get("pct_start", 0.3)
+        ends = [pct * total - 1, 2 * pct * total - 2] if params.get("three_phase") else [pct * total - 1]
+        steps |= {int(np.floor(end)) + 1 for end in ends}
     return tuple(sorted(step for step in steps if 0 < step < total))
 
 
