@@ -303,8 +303,10 @@ def test_a_study_over_a_choice_rings_the_best_on_the_numeric_axes_and_one_parame
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'optuna.db'}")
     space = {"optimizer.name": CategoricalDistribution(["adamw", "sgd"]), "trainer.batch_size": IntDistribution(2, 8)}
-    for value in (1.0, 0.5, 2.0):
-        study.tell(study.ask(space), value)
+    for params, value in (({"optimizer.name": "adamw", "trainer.batch_size": 2}, 1.0),
+                          ({"optimizer.name": "sgd", "trainer.batch_size": 4}, 0.5),
+                          ({"optimizer.name": "adamw", "trainer.batch_size": 8}, 2.0)):  # fixed: no axis of one value
+        study.add_trial(optuna.trial.create_trial(params=params, distributions=space, value=value))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # Optuna's ExperimentalWarning is silenced where the picture is built
         fig = draw_study(study, "study")
