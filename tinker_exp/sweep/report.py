@@ -122,7 +122,7 @@ def _schedules(run_dir: Path) -> str:
             return str(entry)
         if entry.get("schedule") == "constant":
             return _short(entry.get("value"))
-        shown = [f"{key} {_short(value)}" for key, value in entry.items() if key not in ("schedule", "total_steps")]
+        shown = [f"{key} {_short(value)}" for key, value in entry.items() if key not in ("schedule", "total_steps", "fractions")]
         return f"{entry.get('schedule')} ({', '.join(shown)})" if shown else str(entry.get("schedule"))
 
     return "; ".join(f"{key}: {words(entry)}" for key, entry in override.items())
@@ -284,6 +284,9 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     for ax, key in zip(axes[1:, 0], varying):
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 0.5 tick on a short run
     axes[-1, 0].set_xlabel("optimizer step (0 = first)")
     lines = _title_lines(title, runs, best, silent)
     fig.suptitle("\n".join(_wrap(line, 110 + int(12 * legend_width)) for line in lines), fontsize=10)
