@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -21,11 +20,12 @@ from tinker_exp.config.compose_errors import one_line_compose_errors
 from tinker_exp.errors import STOPS, Terminated, one_line
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
 from tinker_exp.formats import read_jsonl
-from tinker_exp.train.checkpoints import ResumePoint, check_checkpoint_device, resume_point
+from tinker_exp.train.checkpoints import check_checkpoint_device
 from tinker_exp.train.data import Row, dataset_rows
 from tinker_exp.train.objective import objective_metric, objective_value, write_objective
 from tinker_exp.train.protocols import Workers
 from tinker_exp.train.signals import as_stop, sigterm_raises
+from tinker_exp.train.start import SAVED_CONFIG, StartPoint, start_point
 
 if TYPE_CHECKING:  # the plan (numpy) is imported once a plan is built: --help, --cfg, compose errors stay at Hydra's cost
     from tinker_exp.optim import Plan
@@ -53,12 +53,19 @@ def describe(plan: Plan, steps: list[int]) -> str:
     return f"optimizer built with {plan.optimizer_values}; {len(plan)} steps; sent with optimizer_step:\n{format_table(plan, steps)}"
 
 
-def write_plan(plan: Plan, run_dir: Path, steps: list[int]) -> Path:
-    """plan.json (the schedules, boundaries, the values at some steps and `steps`) into the run dir; returns its path."""
+def write_plan(plan: Plan, run_dir: Path, steps: list[int], lineage: dict[str, Any] | None = None) -> Path:
+    """plan.json (the schedules, boundaries, the values at some steps and `steps`) into the run dir; returns its path.
+    A branch's plan.json also says where it came from (`branch`: the trunk's dir and step; the trunk's plan.json
+    holds the plan of the steps before)."""
+    import json
+
     from tinker_exp.optim.preview import PLAN_FILE, write_plan_file
 
     run_dir.mkdir(parents=True, exist_ok=True)
     write_plan_file(plan, run_dir / PLAN_FILE, steps)
+    if lineage:
+        doc = json.loads((run_dir / PLAN_FILE).read_text())
+        (run_dir / PLAN_FILE).write_text(json.dumps({"branch": lineage, **doc}, indent=1) + "\n")
     return run_dir / PLAN_FILE
 
 
@@ -95,17 +102,20 @@ def run(
     rows = dataset_rows(cfg.data)  # read and split before any worker starts (a dry run checks them too)
     chat = next((row.where for rows_of_a_set in rows for row in rows_of_a_set if row.messages is not None), None)
     config.check_chat_template(cfg.model.path, chat)
+    resolved = OmegaConf.to_container(dcfg, resolve=True)
+    start = start_point(cfg, resolved, run_dir)  # resume or branch: checked against its config, before any worker
+    if start.kind != "start":
+        log.info(start.describe())
+    if start.lineage():
+        write_job_info(run_dir, {**(job or job_info(None, [])), "branch": start.lineage()})
+    if start.complete:
+        log.info(f"run complete: {run_dir} has its {cfg.trainer.steps} steps (checkpoint {start.checkpoint.path}); nothing to train")
+        logged = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        return logged[-1] if logged else {}
     if not cfg.dry_run:
         log.info(f"worker output: {run_dir / WORKERS_LOG}" + ("" if cfg.verbose else " (verbose=true shows it here too)"))
     log.info(describe(plan, cfg.plan_steps))
-    resume = resume_point(run_dir / cfg.checkpoint.dir, cfg.resume.value)
-    if resume is not None:
-        for why in resume.skipped:
-            warnings.warn(f"not resuming from a broken checkpoint: {why}; falling back to {resume.path.name}", stacklevel=1)
-        if cfg.backend.device.value != "auto":  # auto is resolved with torch: a real run checks it (train_run)
-            check_checkpoint_device(resume, cfg.backend.device.value)
-        log.info(f"resuming from {resume.path} at step {resume.step}")
-    plan_file = write_plan(plan, run_dir, cfg.plan_steps)
+    plan_file = write_plan(plan, run_dir, cfg.plan_steps, start.lineage())
     if cfg.dry_run:
         from tinker_exp.optim.preview import plot_plan
 
@@ -114,17 +124,18 @@ def run(
         return {}
     from tinker_exp.train.sinks import wandb_run_config
 
-    resolved = OmegaConf.to_container(dcfg, resolve=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    (run_dir / SAVED_CONFIG).write_text(OmegaConf.to_yaml(resolved))
     wandb_config = wandb_run_config(resolved, plan, choices, job)  # one flat key per value
-    return train_run(cfg, plan, rows, resume, run_dir, wandb_config, start_workers)
+    if start.trunk_wandb_run_id:
+        wandb_config["branch.trunk_wandb_run_id"] = start.trunk_wandb_run_id
+    return train_run(cfg, plan, rows, start, run_dir, wandb_config, start_workers)
 
 
 def train_run(
     cfg: Config,
     plan: Plan,
     rows: tuple[list[Row], list[Row]],
-    resume: ResumePoint | None,
+    start: StartPoint,
     run_dir: Path,
     wandb_config: dict[str, Any],
     start_workers: StartWorkers | None,
@@ -147,8 +158,8 @@ def train_run(
     trainer, data = cfg.trainer, cfg.data
     choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
     log.info(f"device: {choice.describe()}")
-    if resume is not None:
-        check_checkpoint_device(resume, choice.device)
+    if start.checkpoint is not None:
+        check_checkpoint_device(start.checkpoint, choice.device)
     model_path = model_dir(cfg.model)  # on disk before any worker builds it
     if cfg.lora.rank:
         from tinker_exp.runtime import lora
@@ -166,8 +177,7 @@ def train_run(
 
     if cfg.logger.name.value == "wandb":  # before the workers start: they inherit it (offline stays offline)
         os.environ.update(wandb_environment(run_dir, cfg.logger.mode.value))
-    start = resume.state if resume else {}
-    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", start.get("step", 0)), ProgressBar(trainer.steps)])
+    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", start.step), ProgressBar(trainer.steps)])
     exit_code, workers = 1, None
     try:
         if start_workers is None:
@@ -187,11 +197,11 @@ def train_run(
         # Beside the workers' start, and no step waits for it: W&B's rows wait until its run is there.
         sinks.sinks.insert(1, StartingSink(plot_and_wandb))
         workers.ready()
-        if resume is not None:
-            restore(workers, resume.path)
+        if start.checkpoint is not None:
+            restore(workers, start.checkpoint.path)
         run_state = {"seed": trainer.seed, "device": choice.device}  # in every checkpoint's loop.json
         checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, run_state)
-        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start, evaluation)
+        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start.loop_state, evaluation)
         if cfg.lora.rank:
             adapter = run_dir / ADAPTER
             log.info(f"adapter: {adapter} ({workers.export_adapter(adapter):,} parameters, peft's format)")
