@@ -22,7 +22,7 @@ from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_inf
 from tinker_exp.formats import read_jsonl
 from tinker_exp.train.checkpoints import check_checkpoint_device
 from tinker_exp.train.data import Row, dataset_rows
-from tinker_exp.train.objective import objective_metric, objective_value, write_objective
+from tinker_exp.train.objective import Watch, check_early_stop, objective_metric, objective_value, write_objective
 from tinker_exp.train.protocols import Workers
 from tinker_exp.train.signals import as_stop, sigterm_raises
 from tinker_exp.train.start import SAVED_CONFIG, StartPoint, start_point
@@ -44,6 +44,7 @@ def validate(cfg: Config) -> Plan:
 
     config.check(cfg)
     objective_metric(cfg)
+    check_early_stop(cfg)
     return build_plan(cfg.override, cfg.optimizer, cfg.trainer.steps)
 
 
@@ -109,7 +110,8 @@ def run(
     if start.lineage():
         write_job_info(run_dir, {**(job or job_info(None, [])), "branch": start.lineage()})
     if start.complete:
-        log.info(f"run complete: {run_dir} has its {cfg.trainer.steps} steps (checkpoint {start.checkpoint.path}); nothing to train")
+        why = "it stopped early" if start.loop_state.get("early_stopped") else f"trainer.steps={cfg.trainer.steps}"
+        log.info(f"run complete: {run_dir} is done at step {start.step} ({why}; {start.checkpoint.path}); nothing to train")
         logged = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
         return logged[-1] if logged else {}
     if not cfg.dry_run:
@@ -200,8 +202,10 @@ def train_run(
         if start.checkpoint is not None:
             restore(workers, start.checkpoint.path)
         run_state = {"seed": trainer.seed, "device": choice.device}  # in every checkpoint's loop.json
-        checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, run_state)
-        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start.loop_state, evaluation)
+        metric, early = objective_metric(cfg), trainer.early_stop
+        checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, run_state, metric)
+        watch = Watch(metric, early.patience, early.min_delta, start.loop_state.get("watch")) if early.patience else None
+        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start.loop_state, evaluation, watch)
         if cfg.lora.rank:
             adapter = run_dir / ADAPTER
             log.info(f"adapter: {adapter} ({workers.export_adapter(adapter):,} parameters, peft's format)")
@@ -231,9 +235,12 @@ def objective(cfg: Config, run_dir: Path) -> float | None:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
         return None
+    from tinker_exp.train.checkpoints import best_checkpoint
+
     metric, mode = objective_metric(cfg), cfg.trainer.objective_mode.value
     value = objective_value(read_jsonl(metrics), metric, mode)
-    write_objective(run_dir, metric, mode, value)
+    best = best_checkpoint(run_dir / cfg.checkpoint.dir) if cfg.checkpoint.keep_best else None
+    write_objective(run_dir, metric, mode, value, best)
     return value
 
 

@@ -299,6 +299,9 @@ class CheckpointConfig:
     keep_every: int = 0
     """Also keep, outside the keep_last rotation, every checkpoint whose step is a multiple of N (branch points;
     0: none)."""
+    keep_best: bool = False
+    """Also keep, outside the rotation, the checkpoint with the lowest objective metric among those saved at an
+    evaluation step (named in checkpoints/BEST.json and objective.json)."""
 
     def __post_init__(self) -> None:
         for key in ("every_steps", "keep_last", "keep_every"):

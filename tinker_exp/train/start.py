@@ -143,7 +143,7 @@ def resumed(cfg: Config, resolved: Mapping[str, Any], run_dir: Path, point: Resu
                 f"logging, checkpoint and evaluation settings; to train this config from its checkpoint, start a new "
                 f"run dir with branch.from={run_dir}"
             )
-    return StartPoint(point, complete=point.step >= cfg.trainer.steps)
+    return StartPoint(point, complete=point.step >= cfg.trainer.steps or bool(point.state.get("early_stopped")))
 
 
 def branched(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> StartPoint:
