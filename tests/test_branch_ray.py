@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import metrics_rows, planned, run_cli, wandb_run_file, wandb_records, wandb_run_record
+from helpers import metrics_rows, planned, read_jsonl, run_cli, wandb_run_file, wandb_records, wandb_run_record
 
 STEPS, AT = 12, 4
 BASE = [f"trainer.steps={STEPS}", "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
@@ -81,3 +81,28 @@ def test_a_lora_branch_starts_from_the_trunks_adapters(ray_address, tmp_path):
     assert (rows[0]["train/loss"], rows[0]["train/grad_norm"]) == (trunk_rows[2]["train/loss"], trunk_rows[2]["train/grad_norm"])
     assert [row["applied/lr"] for row in rows] == [3e-3] * 4
     assert rows[1]["train/loss"] != trunk_rows[3]["train/loss"]  # ... and acts from the branch's first update on
+
+
+def test_a_sweep_of_decay_branches_from_one_trunk(trunk, ray_address, tmp_path):
+    # the shipped preset, narrowed to 2 branches: decays of 4 steps at steps 4 and 8 of the trunk
+    result = run_cli(
+        "-m", "branch_sweep=wsd_decay", f"branch.from={trunk}", "branch.step=4,8", "override.lr.decay_steps=4",
+        "override.lr.decay_shape=1-sqrt", "checkpoint.every_steps=4", "logger=none", f"hydra.sweep.dir={tmp_path}",
+        env={"RAY_ADDRESS": ray_address}, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_jsonl(tmp_path / "summary.jsonl")
+    assert [(row["status"], row["steps"]) for row in summary] == [("COMPLETED", 4), ("COMPLETED", 4)]
+    trunk_rows = metrics_rows(trunk)
+    ats = []
+    for job in summary:  # sorted by objective
+        run_dir = Path(job["run_dir"])
+        at = json.loads((run_dir / "job.json").read_text())["branch"]["step"]
+        ats.append(at)
+        assert f"branch.step={at}" in job["overrides"]
+        rows = metrics_rows(run_dir)
+        assert [row["train/step"] for row in rows] == list(range(at, at + 4))
+        assert (rows[0]["train/loss"], rows[0]["train/grad_norm"]) == (trunk_rows[at]["train/loss"], trunk_rows[at]["train/grad_norm"])
+        assert [row["applied/lr"] for row in rows] == planned(run_dir, "lr")[at:]
+        assert rows[-1]["applied/lr"] == pytest.approx(1e-4)  # decayed to min_ratio * value at its last step
+    assert sorted(ats) == [4, 8]

@@ -371,8 +371,17 @@ class Config:
         self.branch = BranchConfig.of(self.branch)
 
 
+def _add(*values: Any) -> int:
+    """`${add:a,b}`: a sum of integers (a decay branch's trainer.steps: its branch.step plus the decay's length)."""
+    if not all(type(value) is int for value in values):
+        raise ConfigError(f"add: expected integers, got {list(values)!r}")
+    return sum(values)
+
+
 def register() -> None:
-    """Store the schema in Hydra's ConfigStore (before composing; idempotent)."""
+    """Store the schema in Hydra's ConfigStore and our resolvers in OmegaConf (before composing; idempotent)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    OmegaConf.register_new_resolver("add", _add, replace=True)
