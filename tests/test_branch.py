@@ -17,6 +17,7 @@ from helpers import compose, job_json, metrics_rows, planned, run_cli
 from tinker_exp.errors import ConfigError
 from tinker_exp.main import objective, run
 from tinker_exp import config
+from tinker_exp.train.start import differing
 
 STEPS = 8
 BASE = [f"trainer.steps={STEPS}", "checkpoint.every_steps=2", "checkpoint.keep_last=0", "logger=none"]
@@ -197,3 +198,10 @@ def test_early_stop_ends_the_run_with_a_checkpoint_at_that_step(tmp_path, caplog
 def test_bad_kept_checkpoint_and_early_stop_values_are_one_line(tmp_path, arg, message):
     result = run_cli(arg, "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"tinker_exp: config error: {message}"]
+
+
+def test_differing_names_each_key_and_skips_keys_the_schema_gained_since():
+    saved = {"trainer": {"steps": 8, "seed": 0}, "override": None}
+    now = {"trainer": {"steps": 8, "seed": 1, "early_stop": {"patience": 0}}, "override": {"lr": 1e-3}}
+    assert differing(saved, now, lambda key: True) == ["override.lr: None -> 0.001", "trainer.seed: 0 -> 1"]
+    assert differing(saved, now, lambda key: key.startswith("trainer.")) == ["trainer.seed: 0 -> 1"]

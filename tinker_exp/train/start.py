@@ -97,9 +97,12 @@ def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def differing(saved: Mapping[str, Any], now: Mapping[str, Any], compared: Any) -> list[str]:
-    """`key: saved -> now` for each key, selected by `compared(key)`, whose values differ (absent counts as None)."""
+    """`key: saved -> now` for each key, selected by `compared(key)`, whose values differ. A key only one side has
+    counts (as None) under `override`, where keys come and go with the plan; elsewhere it is a key the schema gained
+    since the saved config was written, which then held its default."""
     old, new = flat(saved), flat(now)
-    keys = sorted(key for key in old.keys() | new.keys() if compared(key))
+    both = lambda key: (key in old and key in new) or key.split(".")[0] == "override"  # noqa: E731
+    keys = sorted(key for key in old.keys() | new.keys() if both(key) and compared(key))
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in keys if old.get(key) != new.get(key)]
 
 
