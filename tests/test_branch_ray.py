@@ -83,15 +83,16 @@ def test_a_lora_branch_starts_from_the_trunks_adapters(ray_address, tmp_path):
     assert rows[1]["train/loss"] != trunk_rows[3]["train/loss"]  # ... and acts from the branch's first update on
 
 
-def test_a_sweep_of_decay_branches_from_one_trunk(trunk, ray_address, tmp_path):
-    # the shipped preset, narrowed to 2 branches: decays of 4 steps at steps 4 and 8 of the trunk
+def branch_sweep(trunk: Path, sweep_dir: Path, env: dict, *launcher: str) -> None:
+    """The shipped preset, narrowed to 2 branches: decays of 4 steps at steps 4 and 8 of the trunk; checks every
+    branch and the summary."""
     result = run_cli(
-        "-m", "branch_sweep=wsd_decay", f"branch.from={trunk}", "branch.step=4,8", "override.lr.decay_steps=4",
-        "override.lr.decay_shape=1-sqrt", "checkpoint.every_steps=4", "logger=none", f"hydra.sweep.dir={tmp_path}",
-        env={"RAY_ADDRESS": ray_address}, timeout=900,
+        "-m", "branch_sweep=wsd_decay", *launcher, f"branch.from={trunk}", "branch.step=4,8", "override.lr.decay_steps=4",
+        "override.lr.decay_shape=1-sqrt", "checkpoint.every_steps=4", "logger=none", f"hydra.sweep.dir={sweep_dir}",
+        env=env, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = read_jsonl(tmp_path / "summary.jsonl")
+    summary = read_jsonl(sweep_dir / "summary.jsonl")
     assert [(row["status"], row["steps"]) for row in summary] == [("COMPLETED", 4), ("COMPLETED", 4)]
     trunk_rows = metrics_rows(trunk)
     ats = []
@@ -107,3 +108,11 @@ def test_a_sweep_of_decay_branches_from_one_trunk(trunk, ray_address, tmp_path):
         lrs = [row["applied/lr"] for row in rows]
         assert lrs[0] <= 1e-3 and all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < 3e-4  # each trains its decay
     assert sorted(ats) == [4, 8]
+
+
+def test_a_sweep_of_decay_branches_from_one_trunk(trunk, ray_address, tmp_path):
+    branch_sweep(trunk, tmp_path, {"RAY_ADDRESS": ray_address})  # the preset's local launcher
+
+
+def test_a_sweep_of_decay_branches_on_the_local_slurm_cluster(trunk, slurm_env, tmp_path):
+    branch_sweep(trunk, tmp_path, slurm_env, "hydra/launcher=slurm_local")
