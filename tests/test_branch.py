@@ -69,9 +69,12 @@ def test_branch_step_defaults_to_the_trunks_newest_checkpoint_and_a_killed_branc
     branch(trunk, tmp_path, "trainer.steps=12")
     assert metrics_rows(tmp_path)[0]["train/step"] == STEPS
     shutil.rmtree(tmp_path / "checkpoints" / "step_00000012")  # as if killed after its checkpoint at 10
+    lineage = job_json(tmp_path)["branch"]
     start = branch(trunk, tmp_path, "trainer.steps=12")
     assert start.started[0].calls[0]["lr"] == planned(tmp_path, "lr")[10]  # resumed its own, not the trunk's
     assert [row["train/step"] for row in metrics_rows(tmp_path)] == list(range(STEPS, 12))
+    assert lineage["step"] == STEPS and job_json(tmp_path)["branch"] == lineage  # still says where it came from
+    assert json.loads((tmp_path / "plan.json").read_text())["branch"] == lineage
 
 
 @pytest.mark.parametrize(

@@ -107,8 +107,8 @@ def run(
     start = start_point(cfg, resolved, run_dir)  # resume or branch: checked against its config, before any worker
     if start.kind != "start":
         log.info(start.describe())
-    if start.lineage():
-        write_job_info(run_dir, {**(job or job_info(None, [])), "branch": start.lineage()})
+    if start.lineage:
+        write_job_info(run_dir, {**(job or job_info(None, [])), "branch": start.lineage})
     if start.complete:
         why = "it stopped early" if start.loop_state.get("early_stopped") else f"trainer.steps={cfg.trainer.steps}"
         log.info(f"run complete: {run_dir} is done at step {start.step} ({why}; {start.checkpoint.path}); nothing to train")
@@ -117,7 +117,7 @@ def run(
     if not cfg.dry_run:
         log.info(f"worker output: {run_dir / WORKERS_LOG}" + ("" if cfg.verbose else " (verbose=true shows it here too)"))
     log.info(describe(plan, cfg.plan_steps))
-    plan_file = write_plan(plan, run_dir, cfg.plan_steps, start.lineage())
+    plan_file = write_plan(plan, run_dir, cfg.plan_steps, start.lineage)
     if cfg.dry_run:
         from tinker_exp.optim.preview import plot_plan
 
@@ -202,6 +202,8 @@ def train_run(
         if start.checkpoint is not None:
             restore(workers, start.checkpoint.path)
         run_state = {"seed": trainer.seed, "device": choice.device}  # in every checkpoint's loop.json
+        if start.lineage:
+            run_state["branch"] = start.lineage  # a resumed branch still knows where it came from
         metric, early = objective_metric(cfg), trainer.early_stop
         checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, run_state, metric)
         watch = Watch(metric, early.patience, early.min_delta, start.loop_state.get("watch")) if early.patience else None

@@ -48,17 +48,15 @@ against the checkpoint itself (loop.json)."""
 
 @dataclass
 class StartPoint:
+    kind: str = "start"
+    """start (step 0), resume (the run dir's own checkpoint) or branch (another run's checkpoint)."""
     checkpoint: ResumePoint | None = None
     """What the workers load; None: step 0."""
-    trunk: Path | None = None
-    """A branch: the trunk's run dir."""
-    trunk_wandb_run_id: str | None = None
+    lineage: dict[str, Any] | None = None
+    """A branch's origin, also when the branch itself is resumed: the trunk's run dir (`from`), `step`, the
+    `checkpoint` loaded and the trunk's W&B run id. Into plan.json, job.json and the W&B config."""
     complete: bool = False
-    """A resume at the run's last step: there is nothing to train."""
-
-    @property
-    def kind(self) -> str:
-        return "branch" if self.trunk is not None else "resume" if self.checkpoint is not None else "start"
+    """A resume at the run's last step (or after an early stop): there is nothing to train."""
 
     @property
     def step(self) -> int:
@@ -69,20 +67,20 @@ class StartPoint:
     def loop_state(self) -> dict[str, Any]:
         return dict(self.checkpoint.state) if self.checkpoint else {}
 
-    def lineage(self) -> dict[str, Any] | None:
-        """Where a branch came from (plan.json, job.json, W&B config); None for a run of its own."""
-        if self.trunk is None:
-            return None
-        assert self.checkpoint is not None
-        return {"from": str(self.trunk), "step": self.step, "checkpoint": str(self.checkpoint.path), "trunk_wandb_run_id": self.trunk_wandb_run_id}
+    @property
+    def trunk_wandb_run_id(self) -> str | None:
+        return (self.lineage or {}).get("trunk_wandb_run_id")
 
     def describe(self) -> str:
         """The terminal's line about where the run starts."""
         if self.kind == "branch":
+            assert self.checkpoint is not None and self.lineage is not None
             wandb = f", trunk W&B run {self.trunk_wandb_run_id}" if self.trunk_wandb_run_id else ""
-            return f"branch of {self.trunk} at step {self.step} (its checkpoint {self.checkpoint.path}{wandb}); this run's own plan from step {self.step}"
+            return f"branch of {self.lineage['from']} at step {self.step} (its checkpoint {self.checkpoint.path}{wandb}); this run's own plan from step {self.step}"
         if self.kind == "resume":
-            return f"resuming from {self.checkpoint.path} at step {self.step}"
+            assert self.checkpoint is not None
+            origin = f" (a branch of {self.lineage['from']} at step {self.lineage['step']})" if self.lineage else ""
+            return f"resuming from {self.checkpoint.path} at step {self.step}{origin}"
         return "starting at step 0"
 
 
@@ -146,7 +144,8 @@ def resumed(cfg: Config, resolved: Mapping[str, Any], run_dir: Path, point: Resu
                 f"logging, checkpoint and evaluation settings; to train this config from its checkpoint, start a new "
                 f"run dir with branch.from={run_dir}"
             )
-    return StartPoint(point, complete=point.step >= cfg.trainer.steps or bool(point.state.get("early_stopped")))
+    lineage = point.state.get("branch")  # a branch's checkpoints carry its origin (loop.json)
+    return StartPoint("resume", point, lineage, complete=point.step >= cfg.trainer.steps or bool(point.state.get("early_stopped")))
 
 
 def branched(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> StartPoint:
@@ -171,7 +170,11 @@ def branched(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> StartPo
         )
     _check_device(cfg, point)
     wandb_id = trunk / WANDB_RUN_ID
-    return StartPoint(point, trunk=trunk, trunk_wandb_run_id=wandb_id.read_text().strip() if wandb_id.is_file() else None)
+    lineage = {
+        "from": str(trunk), "step": point.step, "checkpoint": str(point.path),
+        "trunk_wandb_run_id": wandb_id.read_text().strip() if wandb_id.is_file() else None,
+    }  # fmt: skip
+    return StartPoint("branch", point, lineage)
 
 
 def checkpoint_at(root: Path, step: int | None, source: str) -> ResumePoint:
