@@ -28,10 +28,10 @@ OVERRIDES = [
     "+override.eps={schedule:exponential,value:1e-8,gamma:0.99999}",
     "override.lr.decay_steps=20000",
 ]
-OVERRIDE = {  # the same four keys, in process
-    "lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 2, "decay_steps": 20000, "decay_shape": "1-sqrt", "min_ratio": 0.1},
-    "betas": [0.9, {"schedule": "linear", "start": 0.95, "end": 0.999}],
-    "weight_decay": {"schedule": "cosine", "value": 0.1},
+OVERRIDE = {  # the same four keys in process, as the CLI composes them (the presets' fractions and null peaks)
+    "lr": {"schedule": "wsd", "value": None, "warmup_steps": 0.05, "decay_steps": 20000, "decay_shape": "1-sqrt", "min_ratio": 0.1},
+    "betas": [0.9, {"schedule": "linear", "start": 0.95, "end": None}],
+    "weight_decay": {"schedule": "cosine", "value": None, "min_ratio": 0.0},
     "eps": {"schedule": "exponential", "value": 1e-8, "gamma": 0.99999},
 }
 MiB = 1024 * 1024

@@ -1,6 +1,7 @@
 """`python tests/fake_cli.py ARGS`: the real CLI (Hydra, config, sinks, signals), with FakeWorkers for verl.
 
-For bookkeeping tests that need a separate process (W&B's service killed under it). FAKE_GATE_STEP and
+For bookkeeping tests that need a separate process (W&B's service killed under it, a second process on a held run
+dir, Ctrl-C). FAKE_GATE_STEP and
 FAKE_GATE_FILE make the fake wait before that step until the file exists; FAKE_DRIFT_AT makes rank 1's group 0
 hold another lr after that step.
 """

@@ -208,3 +208,10 @@ def wandb_train_rows(run_dir: Path) -> list[dict]:
     """The steps W&B has written so far (the file may be half written: complete records only)."""
     files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     return [row for row in wandb_history(wandb_records(files[0])) if "train/loss" in row] if files else []
+
+
+def optimizer_for(override_file: str) -> list[str]:
+    """The optimizer an override file of conf/override/ is for: one named after another optimizer than the default
+    (sgd_one_cycle) is composed with it (optimizer=sgd); the others with the default."""
+    prefix = override_file.split("_")[0]
+    return [f"optimizer={prefix}"] if (CONF_DIR / "optimizer" / f"{prefix}.yaml").exists() else []

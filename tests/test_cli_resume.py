@@ -7,22 +7,25 @@ resume decision, happens before any worker starts (dry_run=true stops right afte
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, environment, run_cli
+from helpers import REPO, environment, metrics_rows, run_cli, wait_until
+
+
+def fake_cli_command(run_dir: Path, steps: int) -> list[str]:
+    """The real CLI with FakeWorkers: `steps` steps into `run_dir`, a checkpoint every 2."""
+    return [sys.executable, str(REPO / "tests" / "fake_cli.py"), f"trainer.steps={steps}", "checkpoint.every_steps=2",
+            "logger=none", f"hydra.run.dir={run_dir}"]  # fmt: skip
 
 
 def fake_cli(run_dir: Path, steps: int) -> subprocess.CompletedProcess:
-    """The real CLI with FakeWorkers: `steps` steps into `run_dir`, a checkpoint every 2."""
-    return subprocess.run(
-        [sys.executable, str(REPO / "tests" / "fake_cli.py"), f"trainer.steps={steps}", "checkpoint.every_steps=2",
-         "logger=none", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    return subprocess.run(fake_cli_command(run_dir, steps), cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +38,8 @@ def finished_run(tmp_path_factory) -> Path:
 
 
 def files(run_dir: Path) -> dict[Path, bytes]:
-    """Everything in the run dir but what records each attempt, a failed one too: job.json, the logs (appended) and
-    Hydra's .hydra/ (Hydra writes it before tinker_exp runs)."""
+    """Everything in the run dir but what records each attempt that got the run dir, a failed one too: job.json, the
+    logs (appended) and Hydra's .hydra/ (written once the run dir's lock is held)."""
     attempt = lambda p: p.name == "job.json" or p.suffix == ".log" or ".hydra" in p.parts  # noqa: E731
     return {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and not attempt(p)}
 
@@ -127,3 +130,40 @@ def test_the_tinker_exp_entry_point_is_the_same_cli(tmp_path):
                          cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == ["tinker_exp: config error: override.lr: must be >= 0, got -1"]
+
+
+def test_a_resumed_runs_progress_bar_starts_at_its_first_step_and_ends_at_the_last(finished_run, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")  # as if killed before its last checkpoint
+    resumed = fake_cli(run_dir, 4)  # the same command (another trainer.steps is refused: a branch's job)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    counts = re.findall(r"train:\s+\d+%\|[^|]*\| (\d+)/(\d+) ", resumed.stderr)  # each redraw of the bar
+    assert counts[0] == ("2", "4") and counts[-1] == ("4", "4"), resumed.stderr[-3000:]
+    assert all(int(done) >= 2 for done, _ in counts)
+
+
+@pytest.mark.parametrize("gate_step, continues", [(3, "continues from {checkpoints}/step_00000002"),
+                                                  (1, "starts again from step 0: no checkpoint yet")])  # fmt: skip
+def test_ctrl_c_says_where_the_same_command_continues(tmp_path, gate_step, continues):
+    """SIGINT as a terminal's Ctrl-C delivers it, while the run waits before `gate_step` (its gate never opens)."""
+    run_dir = tmp_path / "run"
+    driver = subprocess.Popen(
+        fake_cli_command(run_dir, 6), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=environment({"FAKE_GATE_STEP": str(gate_step), "FAKE_GATE_FILE": str(tmp_path / "never")}),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a suite run under `&` ignores SIGINT
+    )  # fmt: skip
+    try:
+        log = run_dir / "tinker_exp.log"
+        ready = lambda: len(metrics_rows(run_dir)) >= gate_step and (gate_step < 2 or "checkpoint: " in log.read_text())  # noqa: E731
+        wait_until(ready, 180, "the run never reached its gate", driver)
+        driver.send_signal(signal.SIGINT)
+        _, stderr = driver.communicate(timeout=180)
+    finally:
+        driver.kill()
+    assert driver.returncode == 130, stderr[-3000:]
+    where = continues.format(checkpoints=run_dir / "checkpoints")
+    assert stderr.strip().splitlines()[-1] == f"tinker_exp: interrupted (Ctrl-C); the same command {where}"
+    assert not (run_dir / "tinker_exp.lock").exists()

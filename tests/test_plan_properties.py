@@ -29,25 +29,29 @@ small = st.one_of(
     st.floats(-2.0, 2.0, allow_nan=False), st.integers(-2, 3), st.sampled_from([1e-8, 1e-3, 0.9, 0.999, 1e5, 1e300, -1e300])
 )
 steps_ints = st.one_of(st.integers(0, 12), st.integers(-2, 60))  # mostly short: phases that meet the run's end
+lengths = st.one_of(steps_ints, st.floats(0.0, 1.0), st.floats(-0.5, 1.5))  # counts, and fractions in and out of [0, 1]
 
 
 def plausible(param: Param) -> st.SearchStrategy:
     """Values of the parameter's own type, in and around its range."""
     if param.kind == "int":
         return steps_ints
+    if param.kind == "length":
+        return lengths
     if param.kind == "choice":
         return st.sampled_from([*param.choices, "sqrt"])
-    if param.kind == "steps":
-        return st.lists(steps_ints, max_size=4)
+    if param.kind == "lengths":
+        return st.lists(lengths, max_size=4)
     if param.kind == "points":
         return st.dictionaries(steps_ints, small, max_size=4)
     return small
 
 
 def schedule(kind: str) -> st.SearchStrategy:
-    """Required parameters mostly present (else every example is a 'missing parameter'), the rest optional."""
+    """Required parameters mostly present (else every example is a 'missing parameter'), the rest optional; a
+    peak is optional too (missing or null, it is the optimizer's value)."""
     params = {name: st.one_of(plausible(param), plausible(param), plausible(param), junk) for name, param in PARAMS[kind].items()}
-    required = {name: params.pop(name) for name in _required(kind)}
+    required = {name: params.pop(name) for name in _required(kind) if not PARAMS[kind][name].peak}
     extra = {"total_steps": st.one_of(steps_ints, junk), "warmup": junk}
     fixed = {"schedule": st.sampled_from([kind] * 9 + ["sawtooth"]), **required}
     return st.fixed_dictionaries(fixed, optional={**params, **extra})

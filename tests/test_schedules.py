@@ -10,17 +10,18 @@ import transformers.optimization as hf
 from omegaconf import OmegaConf
 from verl.utils.torch_functional import get_cosine_schedule_with_warmup as verl_cosine
 
-from helpers import CONF_DIR, compose, planned, read_jsonl, run_cli
+from helpers import CONF_DIR, compose, optimizer_for, planned, read_jsonl, run_cli
 from tinker_exp.main import run, validate
 from tinker_exp.errors import ConfigError
 from tinker_exp.optim.plan import build_plan
 from tinker_exp.optim.preview import PLAN_FILE, plot_steps, read_plan_file, write_plan_file
-from tinker_exp.optim.schedules import compile_schedule
+from tinker_exp.optim.schedules import PARAMS, compile_schedule
 from tinker_exp.config.schema import OptimizerConfig
 
 PEAK = 3e-4
 T = 1000
 STEPS = list(range(0, T)) + [T, T + 7]
+WITHIN = list(range(0, T + 1))  # HF's cosine is never evaluated past its end; there it rises back, ours holds
 
 
 def lambda_of(factory, **kwargs):
@@ -44,8 +45,10 @@ def assert_same(schedule, reference_lambda, scale=PEAK, steps=STEPS):
 @pytest.mark.parametrize("warmup, min_ratio, cycles", [(0, 0.0, 0.5), (100, 0.1, 0.5), (37, 0.0, 1.5), (1, 0.3, 0.25)])
 def test_cosine_matches_verl_and_hf(warmup, min_ratio, cycles):
     schedule = ours({"schedule": "cosine", "value": PEAK, "warmup_steps": warmup, "min_ratio": min_ratio, "num_cycles": cycles})
-    assert_same(schedule, lambda_of(verl_cosine, num_warmup_steps=warmup, num_training_steps=T, min_lr_ratio=min_ratio, num_cycles=cycles))
-    assert_same(schedule, lambda_of(hf.get_cosine_with_min_lr_schedule_with_warmup, num_warmup_steps=warmup, num_training_steps=T, num_cycles=cycles, min_lr_rate=min_ratio))
+    verl_lambda = lambda_of(verl_cosine, num_warmup_steps=warmup, num_training_steps=T, min_lr_ratio=min_ratio, num_cycles=cycles)
+    assert_same(schedule, verl_lambda, steps=WITHIN)
+    assert_same(schedule, lambda_of(hf.get_cosine_with_min_lr_schedule_with_warmup, num_warmup_steps=warmup, num_training_steps=T, num_cycles=cycles, min_lr_rate=min_ratio), steps=WITHIN)
+    assert schedule(2 * T) == schedule(T) == pytest.approx(PEAK * verl_lambda(T), rel=1e-12)  # held past the end
 
 
 @pytest.mark.parametrize("warmup, cycles", [(0, 1), (50, 3)])
@@ -147,7 +150,15 @@ def test_every_step_of_a_multi_key_plan_is_converted():
         ({"lr": {"schedule": "wsd", "value": 1e-3}}, "override.lr (wsd): missing parameter(s) ['decay_steps', 'warmup_steps']"),
         ({"lr": {"schedule": "sawtooth", "value": 1e-3}}, "override.lr.schedule: 'sawtooth' is not one of"),
         ({"lr": {"value": 1e-3}}, "override.lr.schedule: None is not one of"),
-        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": 2.5}}, "override.lr.warmup_steps: expected an integer, got 2.5"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": 2.5}}, "override.lr.warmup_steps: 2.5 is not in [0, 1]: a float is a fraction of the schedule (100 steps), an integer a number of steps"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": 1.5}}, "override.lr.warmup_steps: 1.5 is not in [0, 1]: a float is a fraction"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": -0.1}}, "override.lr.warmup_steps: -0.1 is not in [0, 1]"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": float("nan")}}, "override.lr.warmup_steps: nan is not in [0, 1]"),
+        ({"lr": {"schedule": "step", "value": 1e-3, "step_size": 0.004}}, "override.lr.step_size: 0.004 of the schedule (100 steps) is 0 steps; must be >= 1"),
+        ({"lr": {"schedule": "multistep", "value": 1e-3, "milestones": [0.5, 1.5]}}, "override.lr.milestones[1]: 1.5 is not in [0, 1]"),
+        ({"lr": {"schedule": "multistep", "value": 1e-3, "milestones": [0.5, 0.501]}}, "override.lr.milestones: must be strictly increasing, got [50, 50]"),
+        ({"lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 0.5, "decay_steps": 0.6}}, "override.lr: warmup_steps + stable_steps + decay_steps = 110 runs past the end (100 steps)"),
+        ({"lr": {"schedule": "inverse_sqrt", "value": 1e-3, "timescale": 0.0}}, "override.lr.timescale: 0.0 of the schedule (100 steps) is 0 steps; must be >= 1"),
         ({"betas": {"schedule": "linear", "start": 0.9, "end": 0.95}}, "override.betas: schedule each component on its own"),
         ({"lr": {"schedule": "cosine", "value": float("nan")}}, "override.lr.value: expected a finite number, got nan"),
         # Schedule parameters are held to the standard of plain values: types, ranges, one error naming the parameter.
@@ -198,6 +209,9 @@ def test_composed_files_later_wins_and_cli_tweaks():
     assert plan.schedules["lr"].kind == "wsd"
     later = validate(OmegaConf.to_object(compose("+override=[lr_wsd,lr_cosine]")))
     assert later.schedules["lr"].kind == "cosine"
+    with pytest.warns(UserWarning, match=r"override.lr: ignoring \['end'\], not parameters of cosine") as said:
+        validate(OmegaConf.to_object(compose("+override=[lr_linear,lr_cosine]")))  # lr_linear's `start: null` says nothing
+    assert len(said) == 1
     tweaked = validate(OmegaConf.to_object(compose("+override=lr_cosine", "override.lr.warmup_steps=5", "override.lr.min_ratio=0.5")))
     assert tweaked[4]["lr"] == pytest.approx(0.8e-3) and tweaked[19]["lr"] > 0.5e-3
     constant = validate(OmegaConf.to_object(compose("+override=lr_cosine", "override.lr=3e-4")))
@@ -207,8 +221,8 @@ def test_composed_files_later_wins_and_cli_tweaks():
 def test_every_shipped_schedule_file_dry_runs(tmp_path):
     for path in sorted((CONF_DIR / "override").glob("*.yaml")):
         run_dir = tmp_path / path.stem
-        run(compose(f"+override={path.stem}", "dry_run=true"), run_dir)
-        plan = validate(OmegaConf.to_object(compose(f"+override={path.stem}")))
+        run(compose(*optimizer_for(path.stem), f"+override={path.stem}", "dry_run=true"), run_dir)
+        plan = validate(OmegaConf.to_object(compose(*optimizer_for(path.stem), f"+override={path.stem}")))
         rebuilt = read_plan_file(run_dir / PLAN_FILE)
         assert len(rebuilt) == 20 and rebuilt.keys == plan.keys, path.name
         for name in plan.columns:
@@ -313,3 +327,144 @@ def test_real_run_follows_the_plan_on_lr_and_betas(ray_address, tmp_path):
     assert rows[0]["applied/lr"] == 0.0 and rows[2]["applied/lr"] == 1e-3
     assert rows[0]["applied/beta2"] < rows[-1]["applied/beta2"] < 0.999
     assert not math.isnan(rows[-1]["train/loss"])
+
+
+# Past the end: a run 3x longer than the schedule. A kind with an end holds its value at the end of its formula
+# (step total_steps); the kinds without one go on by their formula.
+HOLDS = {
+    "constant": ({"value": PEAK}, PEAK),
+    "linear": ({"start": PEAK, "end": 1e-5, "warmup_steps": 0.1}, 1e-5),
+    "cosine": ({"value": PEAK, "warmup_steps": 0.1, "min_ratio": 0.1}, 0.1 * PEAK),
+    "cosine_restarts": ({"value": PEAK, "warmup_steps": 0.1, "num_cycles": 3}, 0.0),
+    "wsd": ({"value": PEAK, "warmup_steps": 0.1, "decay_steps": 0.2, "decay_shape": "1-sqrt", "min_ratio": 0.1}, 0.1 * PEAK),
+    "polynomial": ({"value": PEAK, "end": 1e-6, "warmup_steps": 0.1, "power": 2.0}, 1e-6),
+    "keyframes": ({"points": {0: 1e-5, 100: PEAK, 800: 3e-5}}, 3e-5),
+    "one_cycle": ({"value": PEAK, "three_phase": True}, PEAK / 25 / 1e4),
+    "one_cycle_momentum": ({"base_momentum": 0.85, "max_momentum": 0.95}, 0.95),
+}
+GOES_ON = {
+    "step": ({"value": PEAK, "step_size": 300, "gamma": 0.5}, lambda s: PEAK * 0.5 ** (s // 300)),
+    "multistep": ({"value": PEAK, "milestones": [0.5, 2000], "gamma": 0.5}, lambda s: PEAK * 0.5 ** ((s >= 500) + (s >= 2000))),
+    "exponential": ({"value": PEAK, "gamma": 0.999}, lambda s: PEAK * 0.999**s),
+    "inverse_sqrt": ({"value": PEAK, "warmup_steps": 100}, lambda s: PEAK / math.sqrt(s / 100)),
+}
+
+
+def test_every_kind_is_said_to_hold_or_go_on_past_its_end():
+    from tinker_exp.optim.schedules import SCHEDULES
+
+    assert set(HOLDS) | set(GOES_ON) == set(SCHEDULES) and not set(HOLDS) & set(GOES_ON)
+
+
+@pytest.mark.parametrize("kind", sorted(HOLDS))
+def test_a_schedule_with_an_end_holds_its_end_value_past_it(kind):
+    params, end = HOLDS[kind]
+    plan = build_plan({"lr": {"schedule": kind, **params, "total_steps": T}}, OptimizerConfig(), 3 * T)
+    after = plan.column("lr")[T:]
+    assert after[0] == pytest.approx(end, abs=1e-18) and np.all(after == after[0]), kind  # step T on: one value
+    before = plan.column("lr")[:T]
+    assert before.min() - 1e-18 <= end <= before.max() + 1e-18  # the end of the formula, not a new value
+
+
+@pytest.mark.parametrize("kind", sorted(GOES_ON))
+def test_a_schedule_without_an_end_goes_on_past_total_steps(kind):
+    params, formula = GOES_ON[kind]
+    plan = build_plan({"lr": {"schedule": kind, **params, "total_steps": T}}, OptimizerConfig(), 3 * T)
+    for step in (T - 1, T, 2 * T + 1, 3 * T - 1):
+        assert plan[step]["lr"] == pytest.approx(formula(step), rel=1e-12), step
+
+
+OPTIMIZER = ["optimizer.lr=1e-2", "optimizer.weight_decay=0.05", "optimizer.betas=[0.8,0.99]", "optimizer.momentum=0.9"]
+FOLLOWED = {"lr": 1e-2, "weight_decay": 0.05, "betas[0]": 0.8, "betas[1]": 0.99, "momentum": 0.9}
+COLUMN = {"lr": "lr", "weight_decay": "weight_decay", "betas[0]": "beta1", "betas[1]": "beta2", "momentum": "momentum"}
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (CONF_DIR / "override").glob("*.yaml")))
+def test_every_shipped_schedule_peaks_at_the_optimizers_value(option):
+    """`optimizer.lr=1e-2 +override=lr_cosine` peaks at 1e-2; beta2_warmup rises to the optimizer's beta2. Only
+    keyframes (absolute values by step) and the constants file (fixed values by design) name their values."""
+    plan = validate(OmegaConf.to_object(compose(*optimizer_for(option), f"+override={option}", *OPTIMIZER)))
+    if option in ("lr_keyframes", "constant"):
+        return
+    preset = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "override" / f"{option}.yaml"))
+    assert plan.schedules, option
+    for label, schedule in plan.schedules.items():
+        betas = preset.get("betas") or [preset.get("beta1"), preset.get("beta2")]  # Tinker's spelling too
+        spec = betas[int(label[-2])] if label.startswith("betas") else preset[label]
+        followed = [name for name, param in PARAMS[schedule.kind].items() if param.peak and spec.get(name) is None]
+        assert followed and all(schedule.params[name] == FOLLOWED[label] for name in followed), (option, label)
+        column = plan.column(COLUMN[label])
+        if option == "beta2_warmup":  # 0.95 up to the optimizer's beta2 at the end of the run (step 20)
+            assert column[0] == 0.95 and column[19] == pytest.approx(0.95 + (0.99 - 0.95) * 19 / 20)
+        elif schedule.kind == "one_cycle_momentum":  # between its own base_momentum and the optimizer's value
+            assert {column.max(), column.min()} == {FOLLOWED[label], schedule.params["base_momentum"]}, option
+        else:
+            assert column.max() == pytest.approx(FOLLOWED[label], rel=1e-12), option
+
+
+def test_an_explicit_peak_wins_and_null_is_the_optimizers():
+    explicit = validate(OmegaConf.to_object(compose("+override=lr_cosine", "optimizer.lr=1e-2", "override.lr.value=3e-4")))
+    assert explicit.schedules["lr"].params["value"] == 3e-4 and explicit.column("lr").max() == pytest.approx(3e-4)
+    plan = build_plan({"lr": {"schedule": "linear", "end": 1e-4}, "eps": {"schedule": "exponential", "value": None, "gamma": 0.5}},
+                      OptimizerConfig(lr=2e-3, eps=1e-6), 10)  # fmt: skip
+    assert plan[0]["lr"] == 2e-3 and plan[9]["lr"] == pytest.approx(2e-3 + (1e-4 - 2e-3) * 0.9) and plan[1]["eps"] == 5e-7
+    with pytest.raises(ConfigError, match=r"override.lr \(cosine\): missing parameter\(s\) \['value'\]"):
+        compile_schedule({"schedule": "cosine"}, 10, "override.lr")  # no optimizer to follow: the peak is needed
+
+
+@pytest.mark.parametrize(
+    "given, total, steps",
+    [(0.05, 20, 1), (0.05, 1_000_000, 50_000), (0.125, 20, 3), (0.1, 25, 3), (0.02, 25, 1), (0.0, 20, 0), (1.0, 20, 20), (7, 20, 7), (1, 20, 1)],
+)
+def test_a_float_length_is_that_fraction_of_the_schedule_rounded_halves_up(given, total, steps):
+    schedule = ours({"schedule": "cosine", "value": PEAK, "warmup_steps": given}, total=total)
+    assert schedule.params["warmup_steps"] == steps and type(schedule.params["warmup_steps"]) is int
+    assert schedule.fractions == ({"warmup_steps": given} if isinstance(given, float) else {})
+    if 0 < steps < total:
+        assert schedule.boundaries == (steps,) and schedule(steps) == PEAK
+
+
+def test_fractions_are_of_the_schedules_own_length():
+    plan = build_plan({"lr": {"schedule": "multistep", "value": 1.0, "milestones": [0.25, 30], "total_steps": 40}}, OptimizerConfig(), 100)
+    assert plan.schedules["lr"].params["milestones"] == [10, 30] and plan.boundaries() == [10, 30]
+
+
+def test_presets_follow_trainer_steps_in_the_table_plan_json_and_wandb_config(tmp_path):
+    """`+override=lr_wsd trainer.steps=1000000` warms up over 50,000 steps (0.05) and decays over the last 200,000."""
+    from tinker_exp.train.sinks import wandb_run_config
+
+    result = run_cli("+override=lr_wsd", "trainer.steps=1000000", "optimizer.lr=1e-2", "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert "lr: wsd over 1000000 steps (warmup 50000 = 0.05, decay 200000 = 0.2, 1-sqrt)" in result.stdout
+    shown = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert {"49999", "50000", "799999", "800000"} <= {row[0] for row in shown}
+    assert [row[1] for row in shown if row[0] == "50000"] == ["0.01"]  # the peak: optimizer.lr
+    doc = json.loads((tmp_path / PLAN_FILE).read_text())
+    lr = doc["override"]["lr"]
+    assert (lr["warmup_steps"], lr["decay_steps"], lr["value"], lr["fractions"]) == (50_000, 200_000, 1e-2, {"warmup_steps": 0.05, "decay_steps": 0.2})
+    assert doc["boundaries"] == [50_000, 800_000]
+    rebuilt = read_plan_file(tmp_path / PLAN_FILE)
+    assert dict(rebuilt.schedules["lr"].params) == {k: v for k, v in lr.items() if k not in ("schedule", "total_steps", "fractions")}
+    dcfg = compose("+override=lr_wsd", "trainer.steps=1000000")
+    flat = wandb_run_config(OmegaConf.to_container(dcfg, resolve=True), validate(OmegaConf.to_object(dcfg)), {}, {})
+    assert (flat["override.lr.warmup_steps"], flat["override.lr.decay_steps"], flat["override.lr.value"]) == (50_000, 200_000, 1e-3)
+    assert not any(".fractions" in key for key in flat)
+
+
+def test_cli_bad_fraction_is_one_line_naming_the_key(tmp_path):
+    result = run_cli("+override=lr_wsd", "override.lr.warmup_steps=1.5", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2 and not (tmp_path / "metrics.jsonl").exists()
+    assert result.stderr.strip().splitlines() == [
+        "tinker_exp: config error: override.lr.warmup_steps: 1.5 is not in [0, 1]: a float is a fraction of the "
+        "schedule (20 steps), an integer a number of steps"
+    ]
+
+
+def test_the_plot_names_each_keys_schedule_with_its_resolved_steps(tmp_path):
+    from tinker_exp.optim.preview import plot_plan, plot_title
+
+    plan = validate(OmegaConf.to_object(compose("+override=[lr_wsd,beta2_warmup]")))
+    assert plot_title(plan) == "lr: wsd (warmup 1, decay 4, 1-sqrt), betas[0]: constant, betas[1]: linear"
+    assert plot_plan(plan, tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    wide = validate(OmegaConf.to_object(compose("+override=[lr_wsd,beta2_warmup,wd_cosine]")))  # wrapped between keys
+    assert plot_title(wide) == "lr: wsd (warmup 1, decay 4, 1-sqrt), betas[0]: constant, betas[1]: linear,\nweight_decay: cosine"

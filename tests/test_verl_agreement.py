@@ -14,7 +14,7 @@ from tinker_exp.config.schema import OptimizerConfig
 
 @pytest.fixture
 def built():
-    values = optimizer_values(OmegaConf.create({"lr": 1, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0}))
+    values = optimizer_values(OmegaConf.create({"name": "AdamW", "lr": 1, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0}))
     return values, verl_adamw(values)
 
 

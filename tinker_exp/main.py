@@ -5,6 +5,7 @@ Config errors and dry runs import no torch, verl or ray: the runtime is imported
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -12,18 +13,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from tinker_exp import config
 from tinker_exp.config import Config
 from tinker_exp.config.compose_errors import one_line_compose_errors
-from tinker_exp.errors import STOPS, Terminated, one_line
+from tinker_exp.errors import STOPS, Terminated, TinkerExpError, one_line
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
 from tinker_exp.formats import read_jsonl
-from tinker_exp.train.checkpoints import check_checkpoint_device
+from tinker_exp.train.checkpoints import check_checkpoint_device, resume_point
 from tinker_exp.train.data import Row, dataset_rows
 from tinker_exp.train.objective import Watch, check_early_stop, objective_metric, objective_value, write_objective
 from tinker_exp.train.protocols import Workers
+from tinker_exp.train.rundir_lock import RunDirLock
 from tinker_exp.train.signals import as_stop, sigterm_raises
 from tinker_exp.train.start import SAVED_CONFIG, StartPoint, start_point
 
@@ -150,7 +152,7 @@ def train_run(
     from tinker_exp.optim.preview import plan_table, plot_plan
     from tinker_exp.runtime.device import resolve
     from tinker_exp.runtime.inputs import load_examples, model_dir
-    from tinker_exp.sweep.report import REPORT, write_report
+    from tinker_exp.sweep.report import REPORT, title_name, write_report
     from tinker_exp.train.checkpoints import Checkpointer, restore
     from tinker_exp.train.data import batch_for_step, eval_batches
     from tinker_exp.train.evaluation import Evaluation
@@ -179,7 +181,7 @@ def train_run(
 
     if cfg.logger.name.value == "wandb":  # before the workers start: they inherit it (offline stays offline)
         os.environ.update(wandb_environment(run_dir, cfg.logger.mode.value))
-    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", start.step), ProgressBar(trainer.steps)])
+    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", start.step), ProgressBar(trainer.steps, start.step)])
     exit_code, workers = 1, None
     try:
         if start_workers is None:
@@ -224,7 +226,7 @@ def train_run(
                 workers.shutdown()
         finally:
             sinks.close(exit_code)  # the W&B run is finished (with the exit code) however the job ends
-    report = write_report([(run_dir.name, run_dir)], run_dir / REPORT, f"run {run_dir}")
+    report = write_report([("", run_dir)], run_dir / REPORT, f"run {title_name(run_dir)}")
     if last:
         val = f", val loss {last['val/loss']:.4f}" if "val/loss" in last else ""
         log.info(f"done: {last['train/step'] + 1} steps, final loss {last['train/loss']:.4f}{val}; {run_dir / 'metrics.jsonl'}; {report}")
@@ -246,6 +248,45 @@ def objective(cfg: Config, run_dir: Path) -> float | None:
     return value
 
 
+HYDRA_FILES = ".hydra"
+"""In the run dir: Hydra's record of the job (config.yaml, hydra.yaml, overrides.yaml). conf/config.yaml sets
+hydra.output_subdir to null, so Hydra does not write it before the run dir is locked; we write it right after."""
+
+
+def hydra_output_files(task_cfg: DictConfig, hydra_cfg: Any) -> dict[str, str]:
+    """What Hydra's run_job would have written into HYDRA_FILES, as Hydra writes it (hydra.yaml names HYDRA_FILES as
+    its output_subdir). Taken before the task changes its config (a sweep job's W&B group and name)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    whole = copy.deepcopy(HydraConfig.instance().cfg)  # the `hydra` node, as Hydra's run_job saves it
+    with read_write(whole.hydra):
+        whole.hydra.output_subdir = HYDRA_FILES
+    return {
+        "config.yaml": OmegaConf.to_yaml(task_cfg),
+        "hydra.yaml": OmegaConf.to_yaml(whole),
+        "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
+    }
+
+
+def write_hydra_files(run_dir: Path, files: dict[str, str]) -> None:
+    if files:
+        (run_dir / HYDRA_FILES).mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (run_dir / HYDRA_FILES / name).write_text(text, encoding="utf-8")
+
+
+def where_a_rerun_starts(dcfg: DictConfig, run_dir: Path) -> str:
+    """For Ctrl-C's line: the checkpoint the same command continues from (its resume mode), or step 0."""
+    try:
+        cfg = config.load(dcfg)
+        point = resume_point(run_dir / cfg.checkpoint.dir, cfg.resume.value)
+    except TinkerExpError:  # resume=never with checkpoints, none usable, an invalid config: the rerun says why
+        return ""
+    if point is None:
+        return "the same command starts again from step 0: no checkpoint yet"
+    return f"the same command continues from {point.path}"
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(dcfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
@@ -253,6 +294,7 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    hydra_files = hydra_output_files(dcfg, hydra_cfg) if hydra_cfg.output_subdir is None else {}
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
     task_overrides = list(hydra_cfg.overrides.task)
     if in_sweep:  # one W&B group per sweep; each job named by its overrides
@@ -264,7 +306,9 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
         ours.handlers = []
     job = job_info(hydra_cfg.job.get("num") if in_sweep else None, task_overrides)
     try:
-        with sigterm_raises():  # from the start: Slurm may stop a job while it is still starting up
+        # From the start: Slurm may stop a job while it is still starting up. The lock before anything is written.
+        with sigterm_raises(), RunDirLock(run_dir):
+            write_hydra_files(run_dir, hydra_files)
             run(dcfg, run_dir, dict(hydra_cfg.runtime.choices), job)
             return objective(config.load(dcfg), run_dir)  # what any Hydra sweeper optimises (lower is better)
     except STOPS as e:
@@ -272,6 +316,10 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
         if in_sweep:
             raise  # the sweep's launcher reports it with the job's overrides and run dir
         sys.exit(e.exit_code)
+    except KeyboardInterrupt as e:
+        if in_sweep:
+            raise
+        raise KeyboardInterrupt(where_a_rerun_starts(dcfg, run_dir)) from e
 
 
 def main() -> None:
@@ -279,8 +327,8 @@ def main() -> None:
     try:
         with one_line_compose_errors():  # Hydra's compose errors: one line and exit 2, like every config error
             _hydra_main()
-    except KeyboardInterrupt:  # Ctrl-C: what was running is stopped (a sweep's jobs cancelled); no traceback
-        print("tinker_exp: interrupted (Ctrl-C)", file=sys.stderr)
+    except KeyboardInterrupt as e:  # Ctrl-C: what was running is stopped (a sweep's jobs cancelled); no traceback
+        print("tinker_exp: interrupted (Ctrl-C)" + (f"; {e}" if str(e) else ""), file=sys.stderr)
         sys.exit(130)
 
 

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf, open_dict
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import ConfigError, one_line
 from tinker_exp.sweep.jobs import JobOutcome, failure_report, read_outcome, summary_table, write_summary
-from tinker_exp.sweep.report import REPORT, write_report
+from tinker_exp.sweep.report import REPORT, display_name, write_report
 from tinker_exp.sweep.slurm import cancel_slurm_jobs, slurm_state, slurm_verdict
 
 log = logging.getLogger(__name__)
@@ -149,8 +149,8 @@ class SweepLauncher(BaseSubmititLauncher):
         self.outcomes.update((o.num, o) for o in outcomes)
         everything = list(self.outcomes.values())  # a sweep launched in batches: the summary covers them all
         summary = write_summary(sweep_dir, everything)
-        runs = [(" ".join(o.overrides) or f"job {o.num}", Path(o.run_dir)) for o in everything]
-        report = write_report(runs, sweep_dir / REPORT, f"sweep {sweep_dir}")
+        runs = [(f"job {o.num}", Path(o.run_dir)) for o in everything]  # each labelled by what differs
+        report = write_report(runs, sweep_dir / REPORT, f"sweep {display_name(sweep_dir)}")
         if self.summarize:
             log.info(f"sweep summary ({', '.join(str(p) for p in (summary, report) if p)}):\n{summary_table(everything)}")
         if not all(outcome.ok for outcome in outcomes):

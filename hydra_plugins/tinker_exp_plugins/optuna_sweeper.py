@@ -30,7 +30,7 @@ from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, job_err
 from tinker_exp.errors import ConfigError
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.jobs import JOB_FILE, read_outcome, summary_table, write_summary
-from tinker_exp.sweep.report import REPORT, write_report
+from tinker_exp.sweep.report import REPORT, STUDY_REPORT, display_name, write_report, write_study_report
 from tinker_exp.sweep.slurm import cancel_slurm_jobs
 from tinker_exp.train.objective import read_objective
 
@@ -190,9 +190,10 @@ class OptunaSweeper(Sweeper):
             status = "COMPLETED" if t.state == TrialState.COMPLETE else "FAILED"
             outcomes.append(read_outcome(t.number, [trial_label(t.params)], status, run_dir, trial_error(t), None, t.value))
         summary = write_summary(sweep_dir, outcomes)
-        runs = [(f"trial {o.num}: {o.overrides[0]}", Path(o.run_dir)) for o in outcomes]
-        report = write_report(runs, sweep_dir / REPORT, f"study {sweep_dir}")
-        log.info(f"study summary ({', '.join(str(p) for p in (summary, report) if p)}):\n{summary_table(outcomes)}")
+        runs = [(f"trial {o.num}", Path(o.run_dir)) for o in outcomes]  # each labelled by what differs
+        report = write_report(runs, sweep_dir / REPORT, f"study {display_name(sweep_dir)}")
+        slices = write_study_report(study, sweep_dir / STUDY_REPORT, f"study {display_name(sweep_dir)}")
+        log.info(f"study summary ({', '.join(str(p) for p in (summary, report, slices) if p)}):\n{summary_table(outcomes)}")
 
 
 def trial_value(ret: JobReturn) -> tuple[float | None, str | None]:

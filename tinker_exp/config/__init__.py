@@ -1,5 +1,6 @@
 """Config: the typed schema (defaults, meanings, per-group checks) and the checks across groups. Pure Python."""
 
+from tinker_exp.config import cli_help, schema
 from tinker_exp.config.schema import (
     BackendConfig,
     CheckpointConfig,
@@ -10,9 +11,15 @@ from tinker_exp.config.schema import (
     ModelConfig,
     OptimizerConfig,
     TrainerConfig,
-    register,
 )
 from tinker_exp.config.validate import check, check_chat_template, data_path, load, resolve_model_path
+
+
+def register() -> None:
+    """Before composing (idempotent): the schema in Hydra's ConfigStore, the --help template's resolver."""
+    schema.register()
+    cli_help.register()
+
 
 __all__ = [
     "BackendConfig",

@@ -2,14 +2,20 @@
 
 Hydra prints them over several lines and exits 1; every other config error of ours is one line naming the key,
 exit 2. Hydra reports through ``hydra._internal.utils.run_and_report``, which is internal API: within
-``one_line_compose_errors`` a guard around the function it runs turns those errors into ours first. Pure Python.
+``one_line_compose_errors`` a guard around the function it runs turns those errors into ours first.
+
+The override grammar's mistakes (``override=NAME`` without the ``+``, two ``+override`` flags, a key or schedule
+parameter the selected preset does not set, a typo) get a line that says what to type instead of Hydra's words,
+which speak of defaults lists and structs. Pure Python.
 """
 
 from __future__ import annotations
 
+import difflib
+import re
 import sys
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
@@ -20,7 +26,11 @@ COMPOSE_ERRORS = (ConfigCompositionException, OverrideParseException, OmegaConfB
 
 
 def compose_message(error: BaseException) -> str:
-    """One line: the key and what is wrong with its value (OmegaConf's words), else Hydra's first line."""
+    """One line: what to type instead for a grammar mistake, else the key and what is wrong with its value
+    (OmegaConf's words), else Hydra's first line."""
+    grammar = grammar_message(error)
+    if grammar is not None:
+        return grammar
     if isinstance(error, OverrideParseException):  # the CLI text itself does not parse
         return f"{error.override!r}: {error.message.strip().splitlines()[0]}"
     cause = error if isinstance(error, OmegaConfBaseException) else error.__cause__
@@ -30,6 +40,152 @@ def compose_message(error: BaseException) -> str:
         key = getattr(cause, "full_key", None)
         return f"{key}: {message}" if key else (message if cause is error else f"{head}: {message}")
     return head
+
+
+OVERRIDE = "override"
+"""The group of optimizer-override presets (conf/override/), left out of the defaults list on purpose."""
+NOT_IN_DEFAULTS = re.compile(r"Could not override '(?P<group>[^']+)'\. No match in the defaults list")
+TWICE = re.compile(r"Multiple values for (?P<group>\S+)\. To override a value use")
+NEW_KEY = re.compile(r"Could not override '(?P<key>[^']+)'\.")
+ALREADY_SET = re.compile(r"Could not append to config\. An item is already at '(?P<key>[^']+)'")
+AMBIGUOUS = re.compile(r"Ambiguous value for argument '(?P<arg>[^']+)'")
+APPEND_AS = re.compile(r"To append to your (?:config|default list) use \+(?P<text>.+)$", re.MULTILINE)
+
+
+def suggest(name: str, known: Iterable[str], label: str) -> str:
+    """ "; did you mean X? (LABEL: a, b)" with the closest known name (difflib), or just " (LABEL: a, b)"."""
+    known = list(known)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.65)  # warmup -> warmup_steps; not nonexistent -> constant
+    return (f"; did you mean {close[0]}?" if close else "") + f" ({label} {', '.join(known)})"
+
+
+def grammar_message(error: BaseException, argv: list[str] | None = None) -> str | None:
+    """The line for a mistake in the CLI's grammar (None: not one). `argv`: the CLI's arguments (sys.argv[1:])."""
+    from hydra.errors import MissingConfigException
+
+    argv = sys.argv[1:] if argv is None else argv  # what Hydra parsed: for the flags its messages leave out
+    text = str(error)
+    appended = APPEND_AS.search(text)
+    typed = appended.group("text").strip() if appended else None
+    if (match := NOT_IN_DEFAULTS.match(text)) and typed:
+        group = match.group("group")
+        typed = next((arg for arg in argv if arg.startswith(f"{group}=")), typed)  # as typed (Hydra's is a repr)
+        why = "the + adds the group, which is not in the defaults list on purpose" if group == OVERRIDE else (
+            f"the + adds {group}, which is not in the defaults list"
+        )  # fmt: skip
+        return f"{typed}: type +{typed} ({why})"
+    if match := AMBIGUOUS.match(text):
+        arg = match.group("arg")
+        key, _, values = arg.partition("=")
+        if key == f"+{OVERRIDE}":
+            return f"{arg}: a comma list is a sweep: add -m (one run per preset), or compose them in one run: {key}=[{values}]"
+        return f"{arg}: a comma list is a sweep: add -m (one run per value), or give a list: {key}=[{values}] (a string: {key}='{values}')"
+    if (match := TWICE.match(text)) and match.group("group") == OVERRIDE:
+        return twice_message(argv)
+    if match := ALREADY_SET.match(text):
+        key = match.group("key")
+        given = next((arg[1:] for arg in argv if arg.startswith(f"+{key}=")), f"{key}=...")
+        return f"+{given}: {key} is set already: type {given} (no +; ++{given} sets it either way)"
+    if isinstance(error, MissingConfigException) and "/" in (error.missing_cfg_file or ""):  # GROUP/OPTION
+        return missing_option_message(error.missing_cfg_file, error.options)
+    cause = error.__cause__
+    if (match := NEW_KEY.match(text)) and typed and isinstance(cause, OmegaConfBaseException):
+        return new_key_message(cause, match.group("key"), typed)
+    return None
+
+
+def twice_message(argv: list[str]) -> str:
+    names: list[str] = []
+    for arg in argv:
+        if arg.startswith(f"+{OVERRIDE}="):
+            value = arg.split("=", 1)[1].strip()
+            names += [n.strip() for n in value.strip("[]").split(",")] if value.startswith("[") else [value]
+    given = ", ".join(f"+{OVERRIDE}={n}" for n in names) if names else f"+{OVERRIDE}"
+    composed = f"[{','.join(names)}]" if len(names) > 1 else "[a,b]"
+    return f"{given}: one +{OVERRIDE} flag only; compose presets in it: +{OVERRIDE}={composed} (a later file wins)"
+
+
+def missing_option_message(missing: str, options: Iterable[str] | None) -> str:
+    group, _, name = missing.rpartition("/")
+    known = sorted(options) if options else group_options(group)
+    typed = f"+{group}" if group == OVERRIDE else group  # how it is selected
+    return f"{typed}={name}: {group} has no option {name}" + (suggest(name, known, "options:") if known else "")
+
+
+def group_options(group: str) -> list[str]:
+    """A config group's options from Hydra's config loader (Hydra lists them only for some errors)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    try:
+        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+    except Exception:  # noqa: BLE001 - the options only decorate the message
+        return []
+
+
+def new_key_message(cause: OmegaConfBaseException, key: str, typed: str) -> str:
+    """`typed` (KEY=VALUE as given) names a key the composed config does not have."""
+    from tinker_exp.optim.convert import OVERRIDE_KEYS
+
+    parent = getattr(cause, "parent_node", None)
+    name = str(getattr(cause, "key", None) or key.rsplit(".", 1)[-1])
+    key = getattr(cause, "full_key", None) or key  # the first key that is missing (typed may go deeper)
+    siblings = [str(k) for k in parent.keys()] if parent is not None and hasattr(parent, "keys") else []
+    if key == f"{OVERRIDE}.{name}" and not siblings:
+        return f"{typed}: no override is selected, so {key} is new: type +{typed} (or select a preset first: +{OVERRIDE}=NAME)"
+    if key == f"{OVERRIDE}.{name}":
+        if name in OVERRIDE_KEYS:
+            return f"{typed}: the selected override does not set {name}: type +{typed} (the + adds a key the file does not set)"
+        return f"{key}: not an override key" + suggest(name, OVERRIDE_KEYS, "the keys:")
+    if key.startswith(f"{OVERRIDE}.") and "schedule" in siblings:
+        return schedule_parameter_message(str(parent["schedule"]), key, name, typed)
+    if key.startswith(f"{OVERRIDE}."):
+        return f"{key}: not in the selected override: type +{typed} to add it"
+    return no_such_key(key, name, [k for k in siblings if k != "hydra"])
+
+
+def no_such_key(key: str, name: str, known: list[str]) -> str:
+    owner = key.rpartition(".")[0] or "the config"
+    return f"{key}: {owner} has no key {name}" + suggest(name, known, f"{owner}'s keys:")
+
+
+def unknown_key(node: Any, where: str = "") -> str | None:
+    """The line for the first key of a typed group that its dataclass lacks (`+trainer.stpes=3` composes, and
+    OmegaConf.to_object would drop it silently); None when there is none. Interpolations are left unresolved."""
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return None
+    known = [field.name for field in dataclasses.fields(schema)]
+    for name, child in node.items_ex(resolve=False):
+        key = f"{where}.{name}" if where else str(name)
+        if name not in known:
+            return no_such_key(key, str(name), known)
+        found = unknown_key(child, key)
+        if found:
+            return found
+    return None
+
+
+def schedule_parameter_message(kind: str, key: str, name: str, typed: str) -> str:
+    """A parameter of a schedule mapping that the selected preset does not set."""
+    from tinker_exp.optim.schedules import PARAMS
+
+    if kind not in PARAMS:
+        return f"{key}: not in the selected override: type +{typed} to add it"
+    takes = [*PARAMS[kind], "total_steps"]  # every kind takes total_steps (default: trainer.steps)
+    if name in PARAMS[kind] or name == "total_steps":
+        return f"{typed}: the selected override does not set {name}: type +{typed} (the + adds a parameter the file does not set)"
+    owners = [other for other, params in PARAMS.items() if name in params]
+    if owners:
+        schedule = f"{typed.partition('=')[0].rpartition('.')[0]}.schedule"  # as typed: betas.1, not betas[1]
+        return (
+            f"{key}: {name} is a parameter of {', '.join(owners)}, not of {kind} ({schedule}); {kind} takes "
+            f"{', '.join(takes)}; to switch kinds: {schedule}={owners[0]} +{typed}"
+        )
+    return f"{key}: {kind} has no parameter {name}" + suggest(name, takes, f"{kind} takes")
 
 
 def as_config_error(error: BaseException) -> ConfigError:
@@ -63,5 +219,7 @@ def one_line_compose_errors() -> Iterator[None]:
     hydra_utils.run_and_report = run_and_report
     try:
         yield
+    except COMPOSE_ERRORS as e:  # --help composes outside run_and_report
+        stop(as_config_error(e))
     finally:
         hydra_utils.run_and_report = original

@@ -47,8 +47,17 @@ class WandbMode(str, Enum):
 
 
 class OptimizerName(str, Enum):
+    """The optimizers of tinker_exp.optim.optimizers.OPTIMIZERS (a test holds the two lists equal)."""
+
     AdamW = "AdamW"
     Adam = "Adam"
+    SGD = "SGD"
+    RMSprop = "RMSprop"
+    Adagrad = "Adagrad"
+    NAdam = "NAdam"
+    RAdam = "RAdam"
+    Adamax = "Adamax"
+    Muon = "Muon"  # Muon on the blocks' 2-D weight matrices, AdamW on the rest (tinker_exp.runtime.muon)
 
 
 class ObjectiveMode(str, Enum):
@@ -172,24 +181,62 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    """The worker's optimizer. lr, betas, eps and weight_decay are converted (float, tuple) and range-checked
-    by the same converter as overrides (tinker_exp.optim.convert), so its param groups hold exactly those types."""
+    """The worker's optimizer. Its float values are converted (float, tuple) and range-checked by the same converter
+    as overrides (tinker_exp.optim.convert), so its param groups hold exactly those types. Each optimizer is built
+    with the fields its entry in tinker_exp.optim.optimizers.OPTIMIZERS lists (built_with); the others are unused."""
 
     name: OptimizerName = OptimizerName.AdamW
-    """torch.optim class verl builds."""
+    """The optimizer verl builds: a torch.optim class, or Muon (Muon + AdamW)."""
     lr: float = 1e-3
-    """Learning rate the optimizer is built with (an override replaces it per step)."""
+    """Learning rate the optimizer is built with (an override replaces it per step). Muon: both sub-optimizers'."""
     betas: Tuple[float, float] = (0.9, 0.999)
-    """Adam betas."""
+    """Adam family (AdamW, Adam, NAdam, RAdam, Adamax; Muon's AdamW part): betas."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam family and RMSprop, Adagrad: the denominator's epsilon (Muon's AdamW part too)."""
     weight_decay: float = 0.01
-    """Decoupled weight decay (AdamW)."""
+    """Weight decay (decoupled for AdamW and Muon; L2 in the gradient for the others)."""
+    momentum: float = 0.0
+    """SGD, RMSprop: momentum factor."""
+    dampening: float = 0.0
+    """SGD: dampening of the momentum."""
+    nesterov: bool = False
+    """SGD: Nesterov momentum (needs momentum > 0 and dampening 0)."""
+    alpha: float = 0.99
+    """RMSprop: smoothing constant of the squared-gradient average."""
+    centered: bool = False
+    """RMSprop: normalise by the gradient's estimated variance."""
+    lr_decay: float = 0.0
+    """Adagrad: learning-rate decay."""
+    initial_accumulator_value: float = 0.0
+    """Adagrad: starting value of the squared-gradient sums."""
+    momentum_decay: float = 4e-3
+    """NAdam: momentum decay (psi)."""
+    decoupled_weight_decay: bool = False
+    """NAdam, RAdam: decoupled weight decay (AdamW-style) instead of L2."""
+    muon_momentum: float = 0.95
+    """Muon: momentum of its matrices' part."""
+    muon_nesterov: bool = True
+    """Muon: Nesterov momentum."""
+    muon_eps: float = 1e-7
+    """Muon: the Newton-Schulz iteration's eps (not Adam's)."""
+    ns_steps: int = 5
+    """Muon: Newton-Schulz iterations per step."""
+    adjust_lr_fn: str = "match_rms_adamw"
+    """Muon: how its update is scaled; match_rms_adamw (Moonlight) gives it AdamW's RMS, so one lr serves both
+    parts; "original" is Keller Jordan's scaling (then lr means something else for the two parts)."""
     clip_grad: float = 1.0
-    """Gradient-norm clip."""
+    """Gradient-norm clip (fixed when verl builds the engine: it cannot be sent per step)."""
 
     def __post_init__(self) -> None:
         _at_least(0, **{"optimizer.clip_grad": self.clip_grad})
+        _at_least(1, **{"optimizer.ns_steps": self.ns_steps})
+        if self.name == OptimizerName.SGD and self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ConfigError(
+                f"optimizer.nesterov: true needs momentum > 0 and dampening 0 (got momentum={self.momentum}, "
+                f"dampening={self.dampening})"
+            )
+        if self.adjust_lr_fn not in ("match_rms_adamw", "original"):
+            raise ConfigError(f"optimizer.adjust_lr_fn: {self.adjust_lr_fn!r} is not match_rms_adamw or original")
 
 
 @dataclass

@@ -18,6 +18,8 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 def data_path(path: str, key: str = "data.path") -> Path:
     """A data file (`key` names it in errors): "builtin:NAME" is tinker_exp/assets/NAME; it must exist."""
     resolved = ASSETS / path.removeprefix("builtin:") if path.startswith("builtin:") else Path(path)
+    if resolved.is_dir():
+        raise ConfigError(f"{key}: {path!r} is a directory, not a JSONL or Parquet file")
     if not resolved.is_file():
         raise ConfigError(f"{key}: no such file: {path!r} (looked at {resolved})")
     return resolved
@@ -101,6 +103,11 @@ def check(cfg: Config) -> None:
             f"trainer.batch_size={batch} must split evenly over {over} "
             f"into micro batches of backend.micro_batch_size={backend.micro_batch_size}"
         )
+    if cfg.optimizer.name.value == "Muon" and cfg.lora.rank > 0:
+        raise ConfigError(
+            f"optimizer.name: Muon with lora.rank={cfg.lora.rank} is not supported (Muon splits the full model's "
+            "weight matrices; LoRA trains adapters only): use AdamW with LoRA"
+        )
     data_path(cfg.data.path)
     if cfg.model.path:
         resolve_model_path(cfg.model.path, download=False)
@@ -113,11 +120,14 @@ def check(cfg: Config) -> None:
 
 def load(dcfg: DictConfig) -> Config:
     """The composed DictConfig as the typed Config; each group's own checks run here (`check` does the rest)."""
+    from tinker_exp.config.compose_errors import as_config_error, unknown_key
+
+    unknown = unknown_key(dcfg)  # a key added with + where the schema has none: to_object would drop it
+    if unknown is not None:
+        raise ConfigError(unknown)
     try:
         cfg = OmegaConf.to_object(dcfg)
     except OmegaConfBaseException as e:  # a value that does not resolve or convert (an ${oc.env:...}, say)
-        from tinker_exp.config.compose_errors import as_config_error
-
         raise as_config_error(e) from None
     assert isinstance(cfg, Config), f"not composed from the schema: {type(cfg).__name__}"
     return cfg

@@ -19,8 +19,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from tinker_exp.errors import ConfigError
 
-# The keys verl's OptimStepParams carries, in a stable order.
-OVERRIDE_KEYS = ("lr", "betas", "eps", "weight_decay")
+from tinker_exp.optim.optimizers import GROUP_KEYS, NOT_SENDABLE, TINKER_SPELLINGS, VOCABULARY
+
+OVERRIDE_KEYS = VOCABULARY
+"""Every key an override may name (which of them an optimizer accepts: tinker_exp.optim.optimizers), in a stable
+order. verl's OptimStepParams declares lr, betas, eps and weight_decay; its check takes any key the groups hold."""
 
 
 def plain(node: Any) -> Any:
@@ -35,7 +38,10 @@ def override_mapping(node: Any, where: str = "override") -> Mapping[str, Any]:
         return {}
     if not isinstance(node, Mapping):
         raise ConfigError(f"{where}: expected a mapping of {list(OVERRIDE_KEYS)}, got {node!r}")
-    unknown = [key for key in node if key not in OVERRIDE_KEYS]
+    for key, reason in NOT_SENDABLE.items():
+        if key in node:
+            raise ConfigError(f"{where}.{key}: {reason}")
+    unknown = [key for key in node if key not in GROUP_KEYS and key not in TINKER_SPELLINGS]
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys: {list(OVERRIDE_KEYS)}")
     return node
@@ -100,6 +106,12 @@ RANGES = {
     "betas": Range(0.0, 1.0, high_open=True),  # each component
     "eps": Range(low=0.0, low_open=True),
     "weight_decay": Range(low=0.0),
+    "momentum": Range(0.0, 1.0, high_open=True),
+    "dampening": Range(0.0, 1.0),
+    "alpha": Range(0.0, 1.0),
+    "lr_decay": Range(low=0.0),
+    "initial_accumulator_value": Range(low=0.0),
+    "momentum_decay": Range(low=0.0),
 }
 """Where each optimizer value must lie (verl would take any float; AdamW misbehaves outside these)."""
 
@@ -115,6 +127,8 @@ def _betas(value: Any, key: str) -> tuple[float, float]:
 def convert_value(key: str, value: Any, where: str) -> float | tuple[float, float]:
     """Convert one optimizer value; ``where`` is the config path shown in errors (e.g. ``override``)."""
     name = f"{where}.{key}"
+    if key not in RANGES:
+        raise ConfigError(f"{name}: not a float key; only float keys can be sent per step")
     if key == "betas":
         return _betas(value, name)
     converted = number(value, name)
@@ -128,11 +142,8 @@ def convert_params(node: Any, where: str = "override") -> dict[str, Any]:
     ``None`` (no override selected) and ``null`` values mean "not sent", as in verl.
     """
     node = override_mapping(node, where)
-    return {
-        key: convert_value(key, node[key], where)
-        for key in OVERRIDE_KEYS
-        if key in node and node[key] is not None
-    }
+    ordered = (*OVERRIDE_KEYS, *(key for key in node if key not in OVERRIDE_KEYS))
+    return {key: convert_value(key, node[key], where) for key in ordered if key in node and node[key] is not None}
 
 
 def param_group_types(optimizer_values: Mapping[str, Any]) -> dict[str, type]:
@@ -161,7 +172,7 @@ def check_like_verl(params: Mapping[str, Any], group_types: Mapping[str, type], 
             )
 
 
-FLAT_NAMES = {"lr": ("lr",), "betas": ("beta1", "beta2"), "eps": ("eps",), "weight_decay": ("weight_decay",)}
+FLAT_NAMES = {key: ("beta1", "beta2") if key == "betas" else (key,) for key in OVERRIDE_KEYS}
 """Each key's values as logged and plotted: betas as its two components."""
 
 

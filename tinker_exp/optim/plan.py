@@ -29,8 +29,8 @@ from tinker_exp.optim.convert import (
     nested_values,
     number,
     override_mapping,
-    param_group_types,
 )
+from tinker_exp.optim.optimizers import PAIR, OptimizerSpec, sendable_message, spec_of
 from tinker_exp.optim.schedules import Schedule, compile_schedule
 
 Column = float | np.ndarray
@@ -50,6 +50,7 @@ class Plan:
     columns: Mapping[str, Column]
     optimizer_values: dict[str, Any]  # the values the worker's optimizer is built from
     schedules: dict[str, Schedule] = field(default_factory=dict)  # "lr", "betas[1]", ... -> its schedule
+    optimizer: str = "AdamW"  # optimizer.name: which keys its groups hold (tinker_exp.optim.optimizers)
 
     def __len__(self) -> int:
         return self.length
@@ -77,13 +78,68 @@ class Plan:
         return sorted({b for s in self.schedules.values() for b in s.boundaries if b < self.length})
 
 
-def optimizer_values(optimizer_cfg: Any) -> dict[str, Any]:
-    """The optimizer's own lr/betas/eps/weight_decay as exactly float and tuple.
+MUON_FIELDS = {"muon_momentum": "momentum", "muon_eps": "eps"}
+"""Muon's own float fields -> the key whose range they share."""
 
-    The worker builds AdamW from this dict, so its param groups hold these types and verl's check at
+
+def optimizer_values(optimizer_cfg: Any) -> dict[str, Any]:
+    """The values the optimizer's constructor is given (its spec's built_with), floats and tuples converted and
+    range-checked like overrides; flags, counts and names as the typed schema holds them.
+
+    The worker builds the optimizer from this dict, so its param groups hold these types and verl's check at
     the worker agrees with ours.
     """
-    return {key: convert_value(key, getattr(optimizer_cfg, key), "optimizer") for key in OVERRIDE_KEYS}
+    spec = spec_of(_name(optimizer_cfg))
+    values: dict[str, Any] = {}
+    for key in spec.built_with:
+        raw = getattr(optimizer_cfg, key)
+        if key in MUON_FIELDS:
+            values[key] = number(raw, f"optimizer.{key}")
+            RANGES[MUON_FIELDS[key]].check(values[key], raw, f"optimizer.{key}")
+        elif key in RANGES:
+            values[key] = convert_value(key, raw, "optimizer")
+        else:
+            values[key] = raw
+    return values
+
+
+def _name(optimizer_cfg: Any) -> str:
+    return getattr(optimizer_cfg.name, "value", optimizer_cfg.name)
+
+
+def group_types(spec: OptimizerSpec) -> dict[str, type]:
+    """The types every param group holds for each key an override may send (the table's kinds)."""
+    return {key: tuple if spec.parts[next(iter(spec.parts))].keys[key] == PAIR else float for key in spec.sendable}
+
+
+def check_sendable(override: Mapping[str, Any], spec: OptimizerSpec) -> None:
+    """The seed's rule (a key every group holds, as a float), moved before any worker starts."""
+    for key, value in override.items():
+        reason = spec.refusal(key) if value is not None else None
+        if reason is not None:
+            raise ConfigError(f"override.{key}: {reason}; {sendable_message(spec)}")
+
+
+def verl_names(override: Mapping[str, Any], values: Mapping[str, Any], spec: OptimizerSpec) -> dict[str, Any]:
+    """Tinker's AdamParams spellings (learning_rate, beta1, beta2) as verl's lr and betas; a beta given alone keeps
+    the optimizer's own other beta. The same value in both spellings is an error."""
+    out = dict(override)
+    if out.get("learning_rate") is not None:
+        if out.get("lr") is not None:
+            raise ConfigError("override.learning_rate: lr is set too (the same value in two spellings); keep one")
+        out["lr"] = out.pop("learning_rate")
+    out.pop("learning_rate", None)
+    beta1, beta2 = out.pop("beta1", None), out.pop("beta2", None)
+    if beta1 is not None or beta2 is not None:
+        name = "beta1" if beta1 is not None else "beta2"
+        if out.get("betas") is not None:
+            raise ConfigError(f"override.{name}: betas is set too (the same value in two spellings); keep one")
+        if "betas" not in values:
+            raise ConfigError(f"override.{name} (betas[{int(name == 'beta2')}]): {spec.refusal('betas')}; "
+                              f"{sendable_message(spec)}")
+        own = values["betas"]
+        out["betas"] = [own[0] if beta1 is None else beta1, own[1] if beta2 is None else beta2]
+    return out
 
 
 def _labels(key: str) -> tuple[str, ...]:
@@ -91,8 +147,11 @@ def _labels(key: str) -> tuple[str, ...]:
     return ("betas[0]", "betas[1]") if key == "betas" else (key,)
 
 
-def _sources(override: Mapping[str, Any], run_steps: int) -> dict[str, tuple[str, str, float | Schedule]]:
-    """flat name -> (override key, label, a converted and checked constant or a compiled schedule)."""
+def _sources(
+    override: Mapping[str, Any], run_steps: int, values: Mapping[str, Any]
+) -> dict[str, tuple[str, str, float | Schedule]]:
+    """flat name -> (override key, label, a converted and checked constant or a compiled schedule). A schedule's
+    peak defaults to the optimizer's value for its key (`values`: lr, or betas[i] for a betas component)."""
     sources: dict[str, tuple[str, str, float | Schedule]] = {}
     for key, spec in override.items():
         if spec is None:
@@ -100,10 +159,11 @@ def _sources(override: Mapping[str, Any], run_steps: int) -> dict[str, tuple[str
         if key == "betas" and isinstance(spec, Mapping):
             raise ConfigError("override.betas: schedule each component on its own: [beta1, beta2]")
         items = betas_pair(spec, "override.betas") if key == "betas" else [spec]
-        for name, label, item in zip(FLAT_NAMES[key], _labels(key), items):
+        peaks = values[key] if key == "betas" else [values[key]]
+        for name, label, item, peak in zip(FLAT_NAMES[key], _labels(key), items, peaks):
             where = f"override.{label}"
             if isinstance(item, Mapping):
-                source: float | Schedule = compile_schedule(item, run_steps, where)
+                source: float | Schedule = compile_schedule(item, run_steps, where, peak)
             else:
                 source = number(item, where)
                 RANGES[key].check(source, item, where)
@@ -139,13 +199,15 @@ def build_plan(override_node: Any, optimizer_cfg: Any, total_steps: int) -> Plan
 
     `total_steps` is trainer.steps (>= 1, checked by TrainerConfig)."""
     values = optimizer_values(optimizer_cfg)
-    optimizer = getattr(optimizer_cfg.name, "value", optimizer_cfg.name)
-    return plan_for(override_mapping(override_node), values, total_steps, optimizer)
+    return plan_for(override_mapping(override_node), values, total_steps, _name(optimizer_cfg))
 
 
 def plan_for(override: Mapping[str, Any], values: dict[str, Any], total_steps: int, optimizer: str) -> Plan:
     """The plan of an override mapping for an optimizer built from `values` (`optimizer` names it in errors)."""
-    sources = _sources(override, total_steps)
+    spec = spec_of(optimizer)
+    override = verl_names(override, values, spec)
+    check_sendable(override, spec)
+    sources = _sources(override, total_steps, values)
     schedules = {label: s for _, label, s in sources.values() if isinstance(s, Schedule)}
     steps = np.arange(total_steps, dtype=np.int64) if schedules else None
     columns: dict[str, Column] = {}
@@ -158,26 +220,28 @@ def plan_for(override: Mapping[str, Any], values: dict[str, Any], total_steps: i
     if error is not None:
         raise error
     ordered = {name: columns[name] for key in OVERRIDE_KEYS for name in FLAT_NAMES[key] if name in columns}
-    plan = Plan(length=total_steps, columns=ordered, optimizer_values=values, schedules=schedules)
-    check_like_verl(plan[0], param_group_types(values), optimizer)  # same keys and types at every step
+    plan = Plan(length=total_steps, columns=ordered, optimizer_values=values, schedules=schedules, optimizer=optimizer)
+    check_like_verl(plan[0], group_types(spec), optimizer)  # same keys and types at every step
     return plan
 
 
-def override_config(plan: Plan) -> dict[str, Any]:
+def override_config(plan: Plan, fractions: bool = False) -> dict[str, Any]:
     """The override as the plan uses it, one entry per value sent (the W&B run config's `override` section, and
     plan.json's: the plan is rebuilt from it).
 
     Every key sent maps to its schedule: ``{"schedule": kind, <every parameter of the kind, converted, defaults
-    filled in>, "total_steps": n}``; a plain value is ``{"schedule": "constant", "value": v}`` (a constant has no
-    total_steps); betas is a list of two of them. Parameters left from an earlier composed override file are
-    not in it (the plan dropped them), nor are keys that are not sent.
+    filled in, lengths in steps>, "total_steps": n}``; a plain value is ``{"schedule": "constant", "value": v}`` (a
+    constant has no total_steps); betas is a list of two of them. With `fractions`, a schedule given lengths as
+    fractions also holds them as given (``"fractions": {"warmup_steps": 0.05}``, plan.json's). Parameters left from
+    an earlier composed override file are not in it (the plan dropped them), nor are keys that are not sent.
     """
 
     def entry(label: str, constant: float) -> dict[str, Any]:
         schedule = plan.schedules.get(label)
         if schedule is None or schedule.kind == "constant":
             return {"schedule": "constant", "value": schedule.params["value"] if schedule else constant}
-        return {"schedule": schedule.kind, **schedule.params, "total_steps": schedule.total_steps}
+        given = {"fractions": dict(schedule.fractions)} if fractions and schedule.fractions else {}
+        return {"schedule": schedule.kind, **schedule.params, "total_steps": schedule.total_steps, **given}
 
     config: dict[str, Any] = {}
     first = plan[0]

@@ -20,6 +20,7 @@ import numpy as np
 from tinker_exp.formats import text_table
 from tinker_exp.optim.convert import flat_values
 from tinker_exp.optim.plan import Plan, override_config, plan_for
+from tinker_exp.optim.schedules import Schedule
 
 
 def table_steps(plan: Plan, extra: Iterable[int] = ()) -> list[int]:
@@ -42,8 +43,32 @@ def format_table(plan: Plan, extra: Iterable[int] = ()) -> str:
     if len(header) == 1:
         return "no override: nothing is sent with optimizer_step"
     table = text_table(header, [[str(row[0])] + [f"{v:.6g}" for v in row[1:]] for row in rows])
-    phases = ", ".join(f"{label}: {s.kind} over {s.total_steps} steps" for label, s in plan.schedules.items())
-    return "\n".join([table, *([phases] if phases else [])])
+    phases = [f"{label}: {describe(s, detail=True)}" for label, s in plan.schedules.items()]
+    return "\n".join([table, *phases])
+
+
+_LENGTHS = {"warmup_steps": "warmup", "stable_steps": "stable", "decay_steps": "decay", "step_size": "every",
+            "milestones": "milestones", "timescale": "timescale"}  # fmt: skip
+
+
+def describe(schedule: Schedule, detail: bool = False) -> str:
+    """A schedule in words with its lengths in steps as resolved: "wsd (warmup 1, decay 4, 1-sqrt)" (the plot's
+    title); `detail` (the table's): "wsd over 20 steps (warmup 1 = 0.05, decay 4 = 0.2, 1-sqrt)"."""
+    params, given = schedule.params, schedule.fractions
+    parts = []
+    for name, word in _LENGTHS.items():
+        steps = params.get(name)
+        if steps is None or (steps == 0 and name not in given):
+            continue
+        text = f"{word} {steps}" if not isinstance(steps, list) else f"{word} {','.join(map(str, steps))}"
+        if detail and name in given:
+            fraction = given[name]
+            text += f" = {','.join(map(str, fraction)) if isinstance(fraction, list) else fraction}"
+        parts.append(text)
+    if schedule.kind == "wsd":
+        parts.append(params["decay_shape"])
+    head = f"{schedule.kind} over {schedule.total_steps} steps" if detail else schedule.kind
+    return f"{head} ({', '.join(parts)})" if parts else head
 
 
 PLAN_FILE = "plan.json"
@@ -64,10 +89,11 @@ def write_plan_file(plan: Plan, path: Path, extra: Iterable[int] = ()) -> None:
     head = {
         "format": FORMAT,
         "steps": len(plan),
+        "optimizer_name": plan.optimizer,
         "optimizer": {key: list(v) if isinstance(v, tuple) else v for key, v in plan.optimizer_values.items()},
         "boundaries": plan.boundaries(),
     }
-    override = override_config(plan)
+    override = override_config(plan, fractions=True)
     lines = ["{", *(f" {json.dumps(key)}: {json.dumps(value)}," for key, value in head.items())]
     lines += [' "override": {', ",\n".join(f"  {json.dumps(key)}: {json.dumps(v)}" for key, v in override.items()), " },"]
     rows = (json.dumps({"step": step, **flat_values("", plan[step])}) for step in file_steps(plan, extra))
@@ -76,10 +102,13 @@ def write_plan_file(plan: Plan, path: Path, extra: Iterable[int] = ()) -> None:
 
 
 def _spec(entry: Any) -> Any:
-    """An override_config entry as an override value: a constant's value, a schedule's mapping."""
+    """An override_config entry as an override value: a constant's value, a schedule's mapping (its lengths in
+    steps as resolved; the fractions they were given from are only shown)."""
     if isinstance(entry, list):
         return [_spec(item) for item in entry]
-    return entry["value"] if entry["schedule"] == "constant" else entry
+    if entry["schedule"] == "constant":
+        return entry["value"]
+    return {name: value for name, value in entry.items() if name != "fractions"}
 
 
 def read_plan_file(path: Path) -> Plan:
@@ -90,7 +119,7 @@ def read_plan_file(path: Path) -> Plan:
         raise ValueError(f"{path}: not a plan file ({FORMAT!r})")
     values = {key: tuple(v) if isinstance(v, list) else v for key, v in doc["optimizer"].items()}
     override = {key: _spec(entry) for key, entry in doc["override"].items()}
-    plan = plan_for(override, values, doc["steps"], "the run's optimizer")
+    plan = plan_for(override, values, doc["steps"], doc.get("optimizer_name", "AdamW"))  # older files: AdamW
     for row in doc["rows"]:
         for name, value in flat_values("", plan[row["step"]]).items():
             if not math.isclose(value, row[name], rel_tol=1e-12):
@@ -118,6 +147,25 @@ def plot_steps(plan: Plan, points: int = PLOT_POINTS) -> np.ndarray:
     return np.unique(np.minimum(np.concatenate(keep), n - 1))  # the padding repeats the last step
 
 
+TITLE_WIDTH = 90
+"""Characters of the plot's title a line (9 pt on the 7-inch figure)."""
+
+
+def plot_title(plan: Plan) -> str:
+    """The schedule of each key sent ("lr: wsd (warmup 1, decay 4, 1-sqrt), betas[1]: linear"; a constant is
+    "eps: constant"), wrapped to the figure's width between keys, never inside one."""
+    labels = [label for key in plan.keys for label in (("betas[0]", "betas[1]") if key == "betas" else (key,))]
+    named = [f"{label}: {describe(plan.schedules[label]) if label in plan.schedules else 'constant'}" for label in labels]
+    lines = [named[0]]
+    for item in named[1:]:
+        if len(lines[-1]) + len(item) + 2 > TITLE_WIDTH:
+            lines[-1] += ","
+            lines.append(item)
+        else:
+            lines[-1] += f", {item}"
+    return "\n".join(lines)
+
+
 def plot_plan(plan: Plan, path: Path) -> Path | None:
     """One panel per value sent; None when nothing is sent."""
     keys = list(flat_values("", plan[0]))
@@ -127,20 +175,25 @@ def plot_plan(plan: Plan, path: Path) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     steps = plot_steps(plan)
-    height = 1.8 * len(keys) + 0.6
+    title = plot_title(plan)
+    top = 0.25 + 0.18 * (title.count("\n") + 1)  # inches above the panels: the title's lines
+    height = 1.8 * len(keys) + 0.15 + top
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, height), sharex=True, squeeze=False)
     # Fixed margins (inches) rather than tight_layout, which draws the figure once more to measure it.
-    fig.subplots_adjust(left=0.16, right=0.97, bottom=0.55 / height, top=1 - 0.45 / height, hspace=0.25)
+    fig.subplots_adjust(left=0.16, right=0.97, bottom=0.55 / height, top=1 - top / height, hspace=0.25)
     for ax, key in zip(axes[:, 0], keys):
         ax.plot(steps, plan.column(key)[steps], linewidth=1.2)
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         for boundary in plan.boundaries():
             ax.axvline(boundary, color="grey", linewidth=0.6, linestyle=":")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 2.5 tick on a short plan
+    axes[-1, 0].xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{int(x):,}"))  # 1,000,000, not 1e6 offset
     axes[-1, 0].set_xlabel("optimizer step (0 = first)")
-    fig.suptitle("override plan")
+    fig.suptitle(title, fontsize=9, y=1 - 0.12 / height, va="top")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

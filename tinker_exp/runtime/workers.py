@@ -24,6 +24,7 @@ from typing import Any
 
 from tinker_exp.config import BackendConfig, LoraConfig, OptimizerConfig, TrainerConfig
 from tinker_exp.optim.convert import OVERRIDE_KEYS
+from tinker_exp.optim.optimizers import verl_optimizer_fields
 from tinker_exp.runtime import lora as lora_adapters
 from tinker_exp.runtime.device import DeviceChoice, check_gpus, check_placement
 from tinker_exp.runtime.ray_cluster import start_ray, wait_for_nodes
@@ -172,6 +173,11 @@ def worker_config(
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
 
     lora = lora if lora is not None and lora.rank > 0 else None
+    optimizer_fields = verl_optimizer_fields(optimizer.name.value, optimizer_values)
+    if optimizer_fields["optimizer_impl"] == "tinker_exp.runtime.muon":  # it splits the model by parameter name
+        from tinker_exp.runtime.muon import parameter_names
+
+        optimizer_fields["override_optimizer_config"]["param_names"] = parameter_names(model_path)
     return TrainingWorkerConfig(
         model_type="language_model",
         model_config=HFModelConfig(
@@ -192,11 +198,7 @@ def worker_config(
         # Built from the converted values: the param groups hold exactly float and tuple, so verl's
         # strict check at the worker agrees with ours.
         optimizer_config=FSDPOptimizerConfig(
-            optimizer=optimizer.name.value,
-            lr=optimizer_values["lr"],
-            betas=optimizer_values["betas"],
-            weight_decay=optimizer_values["weight_decay"],
-            override_optimizer_config={"eps": optimizer_values["eps"]},
+            **optimizer_fields,
             clip_grad=float(optimizer.clip_grad),
             lr_scheduler_type="constant",  # the client owns the schedule (optimizer_step never steps it)
             total_training_steps=int(trainer.steps),

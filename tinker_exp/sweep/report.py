@@ -1,19 +1,188 @@
 """report.png: look rather than read. Every run's training and validation loss overlaid, and every key whose
-plan changes over the run, one panel each. For a sweep (every job, labelled by its overrides) and a single run.
-Pure Python (matplotlib, imported for the plot)."""
+plan changes over the run, one panel each. One run, a sweep (the best job by its objective drawn thick and named
+in the legend), a study (the same, and study.png: the objective against each searched parameter), or any runs
+together (`python -m tinker_exp.report`). Each run is labelled by what differs between the runs drawn.
+
+Pure Python (matplotlib, and optuna for a study, imported when a picture is drawn)."""
 
 from __future__ import annotations
 
+import math
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from tinker_exp.formats import read_jsonl
+from tinker_exp.formats import read_json, read_jsonl
 
 if TYPE_CHECKING:  # imported when a report is drawn: Hydra imports this module with its plugins at every start
+    from matplotlib.figure import Figure
+
     from tinker_exp.optim.plan import Plan
 
 REPORT = "report.png"
+STUDY_REPORT = "study.png"  # a study's objective against each searched parameter
+# Per-run identity, not a setting: a sweep names each job's W&B run and group after its overrides and sweep dir.
+IDENTITY_KEYS = ("logger.run_name", "logger.group")
+LINE_WIDTH, BEST_LINE_WIDTH = 1.0, 2.8
+LEGEND_BESIDE = 60  # labels up to this many characters: the legend beside the plot, longer ones below it
+
+
+def display_name(path: Path) -> str:
+    """A run or sweep dir as a person names it: below outputs/ (runs/DATE/TIME, sweeps/DATE/TIME/3), else its name."""
+    parts = Path(path).resolve().parts
+    if "outputs" in parts[:-1]:
+        last = len(parts) - 1 - parts[::-1].index("outputs")
+        return "/".join(parts[last + 1 :])
+    return Path(path).name
+
+
+def title_name(run_dir: Path) -> str:
+    """A run's name in a title: where it is below outputs/, after its W&B run name when one was given (not the
+    one a sweep makes of the job's overrides: the legend has those)."""
+    from tinker_exp.sweep.jobs import run_name
+
+    where = display_name(run_dir)
+    wandb_name = _flat(_read_yaml(run_dir / "config.yaml")).get("logger.run_name")
+    overrides = (read_json(run_dir / "job.json") or {}).get("overrides") or []
+    if wandb_name in (None, "", "None", where, run_name(overrides, where)):
+        return where
+    return f"{wandb_name} ({where})"
+
+
+@dataclass
+class RunInfo:
+    """What a run dir tells the report: its metrics, plan, objective and what it was started with."""
+
+    dir: Path
+    name: str  # the caller's name for it ("job 3", "trial 2"); "" for none
+    rows: list[dict[str, Any]]
+    plan: Plan | None
+    command_line: list[str]  # job.json's command-line overrides, as written
+    overrides: dict[str, str]  # the same, key (without +/~) -> value as written
+    settings: dict[str, str]  # config.yaml flattened, and Hydra's group choices (.hydra/hydra.yaml)
+    objective: dict[str, Any] | None  # objective.json: metric, mode, value (a finite value, else None)
+    schedules: str  # the plan's schedules in words ("lr: cosine"); "" when it sends nothing
+    label: str = field(default="")
+
+
+def read_run(run_dir: Path, name: str = "") -> RunInfo:
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    job = read_json(run_dir / "job.json") or {}
+    overrides = {}
+    for override in job.get("overrides") or []:
+        key, _, value = str(override).lstrip("+~").partition("=")
+        overrides[key] = value
+    settings = _flat(_read_yaml(run_dir / "config.yaml"))
+    choices = (_read_yaml(run_dir / ".hydra" / "hydra.yaml") or {}).get("hydra", {}).get("runtime", {}).get("choices", {})
+    # A group left out (hparams_search: null) reads as no value, as a +group never given does.
+    settings.update({k: str(v) for k, v in (choices or {}).items() if v is not None and not k.startswith("hydra/")})
+    objective = read_json(run_dir / "objective.json")
+    if not (isinstance(objective, dict) and _finite(objective.get("value"))):
+        objective = None
+    command_line = [str(override) for override in job.get("overrides") or []]
+    return RunInfo(run_dir, name, read_jsonl(metrics) if metrics.exists() else [], _plan(run_dir), command_line, overrides,
+                   settings, objective, _schedules(run_dir))  # fmt: skip
+
+
+def _read_yaml(path: Path) -> Any:
+    if not path.exists():
+        return None
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, str]:
+    """Nested mappings as dotted keys -> the value as text (lists whole)."""
+    if not isinstance(tree, dict):
+        return {prefix: str(tree)} if prefix else {}
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _schedules(run_dir: Path) -> str:
+    """plan.json's override in words: "lr: cosine (warmup_steps 2, min_ratio 0.1); beta2: 0.95"."""
+    override = (read_json(run_dir / "plan.json") or {}).get("override") or {}
+
+    def words(entry: Any) -> str:
+        if isinstance(entry, list):  # one entry per param group
+            return "[" + ", ".join(words(item) for item in entry) + "]"
+        if not isinstance(entry, dict):
+            return str(entry)
+        if entry.get("schedule") == "constant":
+            return _short(entry.get("value"))
+        shown = [f"{key} {_short(value)}" for key, value in entry.items() if key not in ("schedule", "total_steps")]
+        return f"{entry.get('schedule')} ({', '.join(shown)})" if shown else str(entry.get("schedule"))
+
+    return "; ".join(f"{key}: {words(entry)}" for key, entry in override.items())
+
+
+def _short(value: Any) -> str:
+    """A value for a legend: floats (also as written on a command line) to 3 significant digits."""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return f"{number:.3g}" if ("." in value or "e" in value.lower()) and math.isfinite(number) else value
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def label_runs(runs: Sequence[RunInfo]) -> None:
+    """Each run's label: what differs between the runs. The command-line overrides first (a run without one
+    shows its config's value); where they leave runs alike, every config key that differs; where even that
+    does, the run dir. One run: its overrides, else its schedules."""
+    if len(runs) == 1:
+        run = runs[0]
+        shown = [f"{key}={_short(value)}" if sep else key
+                 for key, sep, value in (override.partition("=") for override in run.command_line)]  # fmt: skip
+        run.label = " ".join(shown) or run.schedules or "defaults, no override"
+        return
+
+    def value(run: RunInfo, key: str) -> str:
+        return run.overrides.get(key, run.settings.get(key, "-"))
+
+    def differing(keys: Sequence[str]) -> list[str]:
+        return [key for key in keys if key not in IDENTITY_KEYS and len({_short(value(run, key)) for run in runs}) > 1]
+
+    def label_by(run: RunInfo, keys: Sequence[str]) -> str:  # a key the run has no value for is left out
+        parts = [f"{key}={_short(value(run, key))}" for key in keys if value(run, key) != "-"]
+        return " ".join(parts) or ("no " + ", ".join(keys) if keys else "")
+
+    def labels_by(keys: Sequence[str]) -> list[str]:
+        return [label_by(run, keys) for run in runs]
+
+    override_keys = list(dict.fromkeys(key for run in runs for key in run.overrides))
+    keys = differing(override_keys)
+    labels = labels_by(keys)
+    if len(set(labels)) < len(runs):
+        setting_keys = sorted({key for run in runs for key in run.settings} - set(override_keys))
+        keys += differing(setting_keys)
+        labels = labels_by(keys)
+    if len(set(labels)) < len(runs):
+        labels = [f"{label} {display_name(run.dir)}".strip() for label, run in zip(labels, runs)]
+    for run, label in zip(runs, labels):
+        run.label = ": ".join(part for part in (run.name, label) if part)
+
+
+def best_run(runs: Sequence[RunInfo]) -> RunInfo | None:
+    """The run with the lowest objective (what every sweeper minimises), when at least two runs have one and
+    all of them judge by the same metric and mode (runs of sweeps with different objectives are not ranked)."""
+    judged = [run for run in runs if run.objective is not None]
+    if len(judged) < 2 or len({(run.objective["metric"], run.objective["mode"]) for run in judged}) > 1:
+        return None
+    return min(judged, key=lambda run: run.objective["value"])
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -44,57 +213,158 @@ def _plan_series(plan: Plan | None, key: str) -> tuple[Any, Any]:
     return steps, plan.column(key)[steps]
 
 
-def write_report(runs: Sequence[tuple[str, Path]], path: Path, title: str) -> Path | None:
-    """`runs`: (label, run dir). None when no run logged a step."""
-    metrics = {label: read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").exists() else [] for label, d in runs}
-    if not any(metrics.values()):
-        return None
-    plans = {label: _plan(d) for label, d in runs}
-    varying = sorted(
-        {
-            name
-            for plan in plans.values()
-            if plan is not None
-            for name, column in plan.columns.items()
-            if not isinstance(column, float) and column.min() != column.max()
-        }
-    )
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
+    """The figure (not saved): loss panel, then one panel per plan key that changes. Each run's loss lines
+    carry its label as their gid, and the legend one entry per run, so what is drawn can be read back. None when
+    no run logged a step."""
+    label_runs(runs)  # over every run: a failed job's overrides still tell the others apart
+    silent = [run for run in runs if not run.rows]
+    runs = [run for run in runs if run.rows]
+    if not runs:
+        return None
+    best = best_run(runs)
+    varying = sorted(
+        {
+            name
+            for run in runs
+            if run.plan is not None
+            for name, column in run.plan.columns.items()
+            if not isinstance(column, float) and column.min() != column.max()
+        }
+    )
+    plt = _pyplot()
     from matplotlib.lines import Line2D
 
-    many = len(metrics) > 6  # a study: the legend goes beside the plot, not over it
-    panels = 1 + len(varying)
-    fig, axes = plt.subplots(panels, 1, figsize=(12 if many else 8, 3.2 + 1.8 * len(varying)), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": [2.2] + [1] * len(varying)})  # fmt: skip
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    # The legend never over several runs' lines: beside the plot, or below it when the labels are long.
+    widest = max(len(run.label) for run in runs) + 12
+    below = widest > LEGEND_BESIDE
+    beside = len(runs) > 1 and not below  # one run with a short label: inside its loss panel
+    legend_width = 0.075 * widest if beside else 0
+    fig, axes = plt.subplots(1 + len(varying), 1, figsize=(8 + legend_width, 3.4 + 1.8 * len(varying)), sharex=True,
+                             squeeze=False, gridspec_kw={"height_ratios": [2.2] + [1] * len(varying)})  # fmt: skip
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] if len(runs) <= 10 else plt.get_cmap("tab20").colors
     loss_ax = axes[0, 0]
     handles = [Line2D([], [], color="0.3", linewidth=1.0, label="train"),
                Line2D([], [], color="0.3", linewidth=1.6, linestyle="--", marker="o", markersize=3, label="val")]  # fmt: skip
-    for i, (label, rows) in enumerate(metrics.items()):
-        color = colors[i % len(colors)]
-        loss_ax.plot(*_series(rows, "train/loss"), color=color, linewidth=1.0, alpha=0.7)
-        steps, values = _series(rows, "val/loss")
+    for i, run in enumerate(runs):
+        color, is_best = colors[i % len(colors)], run is best
+        width = BEST_LINE_WIDTH if is_best else LINE_WIDTH
+        alpha = 1.0 if is_best or best is None else 0.6
+        z = 3 if is_best else 2
+        loss_ax.plot(*_series(run.rows, "train/loss"), color=color, linewidth=width, alpha=alpha, zorder=z, gid=run.label)
+        steps, values = _series(run.rows, "val/loss")
         if steps:
-            loss_ax.plot(steps, values, color=color, linewidth=1.6, linestyle="--", marker="o", markersize=3)
+            loss_ax.plot(steps, values, color=color, linewidth=width + 0.6, linestyle="--", marker="o",
+                         markersize=5 if is_best else 3, alpha=alpha, zorder=z, gid=run.label)  # fmt: skip
         for ax, key in zip(axes[1:, 0], varying):
-            ax.plot(*_plan_series(plans[label], key), color=color, linewidth=1.2)
-        handles.append(Line2D([], [], color=color, linewidth=2, label=label))  # one entry per run: its color
+            ax.plot(*_plan_series(run.plan, key), color=color, linewidth=width + 0.2, alpha=alpha, zorder=z, gid=run.label)
+        label = run.label
+        if run.objective is not None and len(runs) > 1:
+            label += f" -> {run.objective['value']:.4g}"
+        if is_best:
+            label = f"best: {label}"
+        handles.append(Line2D([], [], color=color, linewidth=4 if is_best else 2, label=label))
     loss_ax.set_ylabel("loss")
     loss_ax.grid(alpha=0.3)
-    if many:
-        loss_ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if beside:
+        loss_ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    elif below:
+        fig.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(0.0, 0.0), frameon=False)
     else:
-        loss_ax.legend(handles=handles, fontsize=7, loc="best")
+        loss_ax.legend(handles=handles, fontsize=8, loc="best")
     for ax, key in zip(axes[1:, 0], varying):
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("optimizer step (0 = first)")
-    fig.suptitle(title, fontsize=10)
+    lines = _title_lines(title, runs, best, silent)
+    fig.suptitle("\n".join(_wrap(line, 110 + int(12 * legend_width)) for line in lines), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def _title_lines(title: str, runs: Sequence[RunInfo], best: RunInfo | None, silent: Sequence[RunInfo]) -> list[str]:
+    """The title, then the best run and what judged it (several runs), or the schedules (one run), then the runs
+    not drawn."""
+    lines = [title]
+    if best is not None:
+        judged = sum(run.objective is not None for run in runs)
+        metric, mode, value = best.objective["metric"], best.objective["mode"], best.objective["value"]
+        lines.append(f"best of {judged} by {metric} ({mode}): {best.name or best.label}, {value:.4g}")
+    elif len(runs) == 1 and runs[0].schedules and runs[0].label != runs[0].schedules:
+        lines.append(runs[0].schedules)  # the legend has the overrides; the schedules they made, here
+    if silent:
+        lines.append("not drawn, no step logged: " + ", ".join(run.name or run.label for run in silent))
+    return lines
+
+
+def _wrap(text: str, width: int) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width)) or text
+
+
+def write_report(runs: Sequence[tuple[str, Path]], path: Path, title: str) -> Path | None:
+    """`runs`: (name, run dir); the name ("job 3", "" for none) leads the run's label. None when no run logged
+    a step."""
+    fig = draw_report([read_run(run_dir, name) for name, run_dir in runs], title)
+    if fig is None:
+        return None
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    _pyplot().close(fig)
+    return path
+
+
+def draw_study(study: Any, title: str) -> Figure | None:
+    """The objective against each searched parameter (Optuna's slice plot: one panel per parameter, a point per
+    completed trial, coloured by trial number), the best trial ringed in red. None when no trial completed."""
+    import optuna
+    from optuna.trial import TrialState
+
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    if not complete:
+        return None
+    import matplotlib
+    from matplotlib.lines import Line2D
+
+    _pyplot()
+    # Optuna sets its own style (ggplot) for good: the rc context keeps it to this figure, not the next report's.
+    with warnings.catch_warnings(), matplotlib.rc_context():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # "experimental": not in the log
+        axes = optuna.visualization.matplotlib.plot_slice(study)
+    axes_list = list(getattr(axes, "flat", [axes]))
+    best = study.best_trial
+    ringed = []
+    for ax in axes_list:
+        ax.set_title("")  # one parameter: Optuna's "Slice Plot" over our title
+        value = best.params.get(ax.get_xlabel())
+        if _finite(value):  # a categorical axis places its values by Optuna's own mapping: not ringed
+            ax.scatter([value], [best.value], s=160, facecolors="none", edgecolors="red", linewidths=2, zorder=5,
+                       label=f"best: trial {best.number}")  # fmt: skip
+            ringed.append(ax)
+    ring = Line2D([], [], linestyle="none", marker="o", markersize=11, markerfacecolor="none", markeredgecolor="red",
+                  markeredgewidth=2, label=f"best: trial {best.number}")  # fmt: skip
+    if ringed:  # our legend, not Optuna's own (an empty "Infeasible Trial")
+        ringed[0].legend(handles=[ring], loc="best", fontsize=8)
+    fig = axes_list[0].figure
+    fig.set_size_inches(4.2 * len(axes_list) + 1.5, 4.5)  # Optuna's default crowds a log axis' tick labels
+    fig.suptitle(f"{title}\nobjective (lower is better) against each searched parameter; best: trial {best.number}, "
+                 f"{best.value:.4g}", fontsize=10)  # fmt: skip
+    return fig
+
+
+def write_study_report(study: Any, path: Path, title: str) -> Path | None:
+    fig = draw_study(study, title)
+    if fig is None:
+        return None
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    _pyplot().close(fig)
     return path

@@ -186,15 +186,19 @@ class WandbSink:
 
 
 class ProgressBar:
-    def __init__(self, total: int):
-        self.total = total
+    """Steps done of trainer.steps on stderr; a resumed run's bar starts at its first step (20/60, not 0/60)."""
+
+    def __init__(self, total: int, first_step: int = 0):
+        self.total, self.first_step = total, first_step
         self._bar = None
 
     def log(self, row: dict[str, Any]) -> None:
         if self._bar is None:  # opened at the first step, so worker start-up does not skew its rate
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+            self._bar = tqdm(
+                total=self.total, initial=self.first_step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True
+            )
         lr = row.get("applied/lr", float("nan"))
         self._bar.set_postfix(step=row["train/step"], loss=f"{row['train/loss']:.4f}", lr=f"{lr:.3g}", refresh=False)
         self._bar.update(1)

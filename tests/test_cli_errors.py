@@ -1,0 +1,229 @@
+"""The override grammar's mistakes and typos: one line through the CLI's entry that says what to type; --help.
+
+In-process through tinker_exp.main.main() with sys.argv set, as `python -m tinker_exp ARGS` runs it (a compose
+error starts nothing, so no run dir is written); the help's example commands run as a user types them.
+"""
+
+import shlex
+import sys
+from dataclasses import fields
+
+import pytest
+
+from helpers import CONF_DIR, run_cli
+from tinker_exp.config import Config, LoraConfig, TrainerConfig
+from tinker_exp.main import main
+from tinker_exp.optim.convert import OVERRIDE_KEYS
+from tinker_exp.optim.schedules import PARAMS
+
+
+def options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `python -m tinker_exp ARGS`, in this process."""
+    monkeypatch.setattr(sys, "argv", ["tinker_exp", *args])
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    out = capsys.readouterr()
+    return stopped.value.code, out.out, out.err
+
+
+def check_one_line(code: int, out: str, err: str, line: str) -> None:
+    assert code == 2, err
+    assert err.strip().splitlines() == [f"tinker_exp: config error: {line}"], err
+    assert "Traceback" not in out + err and "HYDRA_FULL_ERROR" not in out + err
+
+
+COSINE_TAKES = ", ".join([*PARAMS["cosine"], "total_steps"])
+GRAMMAR = [
+    (
+        ["override=lr_cosine"],
+        "override=lr_cosine: type +override=lr_cosine (the + adds the group, which is not in the defaults list on purpose)",
+    ),
+    (
+        ["override=[lr_cosine,lr_wsd]"],  # as typed, not as Hydra's repr of the list
+        "override=[lr_cosine,lr_wsd]: type +override=[lr_cosine,lr_wsd] "
+        "(the + adds the group, which is not in the defaults list on purpose)",
+    ),
+    (
+        ["+override=lr_cosine", "+override=lr_wsd"],
+        "+override=lr_cosine, +override=lr_wsd: one +override flag only; compose presets in it: "
+        "+override=[lr_cosine,lr_wsd] (a later file wins)",
+    ),
+    (
+        ["override.lr=1e-3"],
+        "override.lr=1e-3: no override is selected, so override.lr is new: type +override.lr=1e-3 "
+        "(or select a preset first: +override=NAME)",
+    ),
+    (
+        ["+override=lr_cosine", "override.lr.decay_steps=3"],
+        f"override.lr.decay_steps: decay_steps is a parameter of wsd, not of cosine (override.lr.schedule); cosine takes {COSINE_TAKES}; "
+        "to switch kinds: override.lr.schedule=wsd +override.lr.decay_steps=3",
+    ),
+    (
+        ["+override=lr_wsd", "override.lr.stable_steps=3"],
+        "override.lr.stable_steps=3: the selected override does not set stable_steps: type +override.lr.stable_steps=3 "
+        "(the + adds a parameter the file does not set)",
+    ),
+    (
+        ["+override=lr_cosine", "override.lr.warmup=3"],
+        f"override.lr.warmup: cosine has no parameter warmup; did you mean warmup_steps? (cosine takes {COSINE_TAKES})",
+    ),
+    (
+        ["+override=lr_cosine", "override.betas=[0.9,0.95]"],
+        "override.betas=[0.9,0.95]: the selected override does not set betas: type +override.betas=[0.9,0.95] "
+        "(the + adds a key the file does not set)",
+    ),
+    (
+        ["+override=lr_cosine", "override.lrr=0.1"],
+        f"override.lrr: not an override key; did you mean lr? (the keys: {', '.join(OVERRIDE_KEYS)})",
+    ),
+    (
+        ["+override=lr_cosine", "+override.lr.min_ratio=0.2"],
+        "+override.lr.min_ratio=0.2: override.lr.min_ratio is set already: type override.lr.min_ratio=0.2 "
+        "(no +; ++override.lr.min_ratio=0.2 sets it either way)",
+    ),
+    (
+        ["+override=lr_cosin"],
+        f"+override=lr_cosin: override has no option lr_cosin; did you mean lr_cosine? (options: {', '.join(options('override'))})",
+    ),
+    (
+        ["+override=[lr_wsd,lr_cosin]"],  # Hydra lists no options for a list: they are looked up
+        f"+override=lr_cosin: override has no option lr_cosin; did you mean lr_cosine? (options: {', '.join(options('override'))})",
+    ),
+    (
+        ["optimizer=adamx"],
+        f"optimizer=adamx: optimizer has no option adamx; did you mean adamw? (options: {', '.join(options('optimizer'))})",
+    ),
+    (
+        ["data=tiny_chatt"],
+        f"data=tiny_chatt: data has no option tiny_chatt; did you mean tiny_chat? (options: {', '.join(options('data'))})",
+    ),
+    (
+        ["trainer.stpes=3"],
+        "trainer.stpes: trainer has no key stpes; did you mean steps? "
+        f"(trainer's keys: {', '.join(f.name for f in fields(TrainerConfig))})",
+    ),
+]
+
+
+SWEEP_WITHOUT_M = [
+    (
+        ["+override=lr_cosine,lr_wsd"],
+        "+override=lr_cosine,lr_wsd: a comma list is a sweep: add -m (one run per preset), "
+        "or compose them in one run: +override=[lr_cosine,lr_wsd]",
+    ),
+    (
+        ["optimizer.lr=1e-4,3e-4"],
+        "optimizer.lr=1e-4,3e-4: a comma list is a sweep: add -m (one run per value), "
+        "or give a list: optimizer.lr=[1e-4,3e-4] (a string: optimizer.lr='1e-4,3e-4')",
+    ),
+]
+
+
+@pytest.mark.parametrize("args, line", SWEEP_WITHOUT_M, ids=[" ".join(args) for args, _ in SWEEP_WITHOUT_M])
+def test_a_comma_list_without_m_says_sweep_or_list(monkeypatch, capsys, tmp_path, args, line):
+    check_one_line(*run_main(monkeypatch, capsys, *args, f"hydra.run.dir={tmp_path}", "dry_run=true"), line)
+
+
+@pytest.mark.parametrize("mode", [[], ["-m"]], ids=["run", "multirun"])
+@pytest.mark.parametrize("args, line", GRAMMAR, ids=[" ".join(args) for args, _ in GRAMMAR])
+def test_a_grammar_mistake_is_one_line_that_says_what_to_type(monkeypatch, capsys, tmp_path, mode, args, line):
+    where = [f"hydra.sweep.dir={tmp_path}"] if mode else [f"hydra.run.dir={tmp_path}"]
+    check_one_line(*run_main(monkeypatch, capsys, *mode, *args, *where, "dry_run=true"), line)
+    assert not any(tmp_path.iterdir())  # stopped while composing: nothing started, nothing written
+
+
+def test_what_the_line_says_to_type_composes(monkeypatch, capsys, tmp_path):
+    """The fix each line names, typed instead, gets past composing (a dry run)."""
+    for args in (["+override=lr_cosine"], ["+override=[lr_cosine,lr_wsd]"], ["+override.lr=1e-3"],
+                 ["+override=lr_wsd", "+override.lr.stable_steps=3"], ["+override=lr_cosine", "override.lr.min_ratio=0.2"],
+                 ["+override=lr_cosine", "++override.lr.min_ratio=0.2"],
+                 ["+override=lr_cosine", "override.lr.schedule=wsd", "+override.lr.decay_steps=3"]):  # fmt: skip
+        run_dir = tmp_path / str(len(list(tmp_path.iterdir())))
+        monkeypatch.setattr(sys, "argv", ["tinker_exp", *args, f"hydra.run.dir={run_dir}", "dry_run=true"])
+        main()
+        assert (run_dir / "plan.json").is_file(), (args, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "arg, line",
+    [
+        ("+trainer.stpes=3", f"trainer.stpes: trainer has no key stpes; did you mean steps? (trainer's keys: {', '.join(f.name for f in fields(TrainerConfig))})"),
+        ("++lora.rnk=8", f"lora.rnk: lora has no key rnk; did you mean rank? (lora's keys: {', '.join(f.name for f in fields(LoraConfig))})"),
+        ("+foo=1", f"foo: the config has no key foo (the config's keys: {', '.join(f.name for f in fields(Config))})"),
+    ],
+)
+def test_a_key_added_with_plus_where_the_schema_has_none_is_refused(monkeypatch, capsys, tmp_path, arg, line):
+    """`+` composes it (open struct), and the typed config would drop it without a word."""
+    check_one_line(*run_main(monkeypatch, capsys, arg, f"hydra.run.dir={tmp_path}", "dry_run=true"), line)
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_data_path_that_is_a_directory_says_so(monkeypatch, capsys, tmp_path):
+    line = f"data.path: '{tmp_path}' is a directory, not a JSONL or Parquet file"
+    check_one_line(*run_main(monkeypatch, capsys, f"data.path={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}", "dry_run=true"), line)
+
+
+def test_the_real_cli_prints_the_one_line_too(tmp_path):
+    result = run_cli("override=lr_cosine", f"hydra.run.dir={tmp_path}")
+    check_one_line(result.returncode, result.stdout, result.stderr, GRAMMAR[0][1])
+
+
+def test_help_with_a_mistake_is_the_same_one_line(monkeypatch, capsys):
+    check_one_line(*run_main(monkeypatch, capsys, "--help", "override=lr_cosine"), GRAMMAR[0][1])
+
+
+def help_text(monkeypatch, capsys, flag: str = "--help") -> str:
+    code, out, err = run_main(monkeypatch, capsys, flag)
+    assert code == 0 and not err, err
+    return out
+
+
+def test_help_lists_every_group_option_in_conf(monkeypatch, capsys):
+    lines = help_text(monkeypatch, capsys).splitlines()
+    groups = [path.relative_to(CONF_DIR).as_posix() for path in CONF_DIR.glob("**/") if any(path.glob("*.yaml"))]
+    groups = [group for group in groups if group not in (".", "hydra/job_logging", "hydra/help")]  # not a user's pick
+    assert "override" in groups and "hydra/launcher" in groups and "hydra/sweeper" in groups
+    for group in groups:
+        listed = [line for line in lines if line.startswith(f"{group}: ")]
+        assert len(listed) == 1, group
+        assert set(options(group)) <= set(listed[0].removeprefix(f"{group}: ").split(", ")), listed[0]
+
+
+def test_help_lists_every_override_key_and_schedule_kind_with_its_parameters(monkeypatch, capsys):
+    text = help_text(monkeypatch, capsys)
+    assert f"Keys: {', '.join(OVERRIDE_KEYS)}." in text
+    section = text.split("Schedule kinds and their parameters")[1].split("== When is + needed ==")[0]
+    rows: dict[str, str] = {}
+    for line in section.splitlines():
+        if line.startswith("   ") and rows:  # a long row wrapped: its parameters go on
+            rows[last] += " " + line.strip()
+        elif line.startswith("  "):
+            last, _, shown = line.strip().partition(" ")
+            rows[last] = shown.strip()
+    assert set(PARAMS) <= set(rows)
+    for kind, params in PARAMS.items():
+        assert [name.split("=")[0].strip("[]") for name in rows[kind].split(", ")] == list(params), kind
+
+
+def test_help_examples_run(monkeypatch, capsys, tmp_path):
+    """The five example commands as a user types them (shell quoting included), as dry runs."""
+    text = help_text(monkeypatch, capsys)
+    examples = [line.strip() for line in text.split("== Examples ==")[1].splitlines() if line.strip().startswith("python -m tinker_exp")]
+    assert len(examples) == 5
+    for i, example in enumerate(examples):
+        args = shlex.split(example)[3:]
+        if "-m" in args:  # a sweep: composing its first job is enough here (test_sweeps runs sweeps)
+            args = [arg.split(",")[0] if "=" in arg and "[" not in arg else arg for arg in args if arg != "-m"]
+            args = [arg for arg in args if not arg.startswith("hydra/launcher=")]
+        result = run_cli(*args, f"hydra.run.dir={tmp_path / str(i)}", "dry_run=true", timeout=120)
+        assert result.returncode == 0, (example, result.stderr)
+        assert (tmp_path / str(i) / "plan.json").is_file(), example
+
+
+def test_hydra_help_stays_hydras(monkeypatch, capsys):
+    text = help_text(monkeypatch, capsys, "--hydra-help")
+    assert text.startswith("Hydra (") and "== Flags ==" in text and "hydra/launcher:" in text

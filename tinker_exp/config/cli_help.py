@@ -1,0 +1,75 @@
+"""`python -m tinker_exp --help`: the parts of conf/hydra/help/tinker_exp.yaml generated from the code.
+
+Through the ``tinker_exp_help`` resolver in the help template: the override keys and the schedule kinds with
+their parameters from tinker_exp/optim, the launcher and sweeper options from Hydra's config loader, so the help
+cannot drift from what the plan and Hydra accept.
+Pure Python; tinker_exp.optim (numpy) is imported only when the help is printed.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Callable
+
+RESOLVER = "tinker_exp_help"
+"""`${tinker_exp_help:SECTION}` in the help template."""
+LINE_WIDTH = 110
+
+
+def overrides_section() -> str:
+    """The override keys, then one line per schedule kind: its parameters, `name=default` where it has one."""
+    from tinker_exp.optim.convert import OVERRIDE_KEYS
+    from tinker_exp.optim.schedules import PARAMS, _defaults
+
+    lines = [
+        f"Keys: {', '.join(OVERRIDE_KEYS)}. Each is a number (sent with every step) or a schedule",
+        "{schedule: KIND, PARAMETER: VALUE, ...}; betas is [beta1, beta2], each a number or a schedule.",
+        "Schedule kinds and their parameters (name=default; [name]: optional; name=optimizer's: the optimizer's",
+        "own value for that key when not given or null; every kind also takes total_steps, default trainer.steps):",
+    ]
+    width = max(map(len, PARAMS))
+    choices: dict[str, tuple[str, ...]] = {}
+    lengths: dict[str, None] = {}  # in order, once each
+    for kind, params in PARAMS.items():
+        defaults = _defaults(kind)
+
+        def shown(name: str) -> str:
+            if params[name].peak:
+                return f"{name}=optimizer's"
+            if name not in defaults:
+                return name
+            return f"[{name}]" if defaults[name] is None else f"{name}={defaults[name]}"
+
+        choices.update({name: param.choices for name, param in params.items() if param.choices})
+        lengths.update({name: None for name, param in params.items() if param.kind in ("length", "lengths")})
+        text = f"  {kind.ljust(width)}  {', '.join(shown(name) for name in params)}"
+        lines += textwrap.wrap(text, LINE_WIDTH, subsequent_indent=" " * (width + 4), break_on_hyphens=False)
+    lines += [f"  {name}: {', '.join(values)}" for name, values in choices.items()]
+    lines += textwrap.wrap(
+        f"  {', '.join(lengths)}: an integer is a number of steps, a float in [0, 1] a fraction of the schedule",
+        LINE_WIDTH, subsequent_indent="    ",
+    )  # fmt: skip
+    return "\n".join(lines)
+
+
+def hydra_groups_section() -> str:
+    """The options of the Hydra groups a user picks (launcher, sweeper), from Hydra's config loader."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    loader = GlobalHydra.instance().config_loader()
+    return "\n".join(f"{group}: {', '.join(sorted(loader.get_group_options(group)))}" for group in HYDRA_GROUPS)
+
+
+HYDRA_GROUPS = ("hydra/launcher", "hydra/sweeper")
+SECTIONS: dict[str, Callable[[], str]] = {"overrides": overrides_section, "hydra_groups": hydra_groups_section}
+
+
+def help_section(name: str) -> str:
+    return SECTIONS[name]()
+
+
+def register() -> None:
+    """The help template's resolver (idempotent)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver(RESOLVER, help_section, replace=True)
