@@ -94,8 +94,8 @@ GRAMMAR = [
         f"+override=lr_cosin: override has no option lr_cosin; did you mean lr_cosine? (options: {', '.join(options('override'))})",
     ),
     (
-        ["optimizer=adamx"],
-        f"optimizer=adamx: optimizer has no option adamx; did you mean adamw? (options: {', '.join(options('optimizer'))})",
+        ["optimizer=adamww"],
+        f"optimizer=adamww: optimizer has no option adamww; did you mean adamw? (options: {', '.join(options('optimizer'))})",
     ),
     (
         ["data=tiny_chatt"],

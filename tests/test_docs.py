@@ -264,3 +264,30 @@ def test_the_schedules_examples_compose_and_plan(tmp_path: Path):
     (short,) = [plan for command, plan in plans.items() if "+override.lr.total_steps=10" in command]
     past_the_end = [row["lr"] for row in short["rows"] if row["step"] >= 10]
     assert past_the_end and past_the_end == pytest.approx([1e-3 * 0.1] * len(past_the_end))  # lr * min_ratio, held
+
+
+def test_a_data_path_that_is_a_directory_as_the_data_page_quotes(tmp_path: Path):
+    """docs/data-and-models.md's `data.path=data/` transcript, run beside a folder `data/`: its one line, exit 2."""
+    (quoted,) = [(command, lines) for command, lines in transcripts(REPO / "docs" / "data-and-models.md") if "data/" in command]
+    command, lines = quoted
+    (tmp_path / "data").mkdir()
+    done = run_shell([command], tmp_path, extra=" dry_run=true")
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in output, output
+    assert lines and all(line in output.splitlines() for line in lines), output
+
+
+def test_the_report_command_says_what_the_logging_page_quotes(tmp_path: Path):
+    """docs/logging.md's `python -m tinker_exp.report` transcripts, run in order: a folder that is no run dir is
+    one line and exit 2; a dry run's dir (no step logged) draws nothing, one line and exit 1; nothing is drawn."""
+    quoted = transcripts(REPO / "docs" / "logging.md")
+    assert [command.split()[2] for command, _ in quoted] == ["tinker_exp.report", "tinker_exp", "tinker_exp.report"]
+    (tmp_path / "outputs" / "my_notes").mkdir(parents=True)
+    exit_codes = []
+    for command, lines in quoted:
+        done = run_shell([command], tmp_path)
+        output = done.stdout + done.stderr
+        assert "Traceback" not in output and all(line in output.splitlines() for line in lines), f"{command}\n{output}"
+        exit_codes.append(done.returncode)
+    assert exit_codes == [2, 0, 1]
+    assert not list(tmp_path.rglob("*.png"))  # a dry run without an override draws no plan, the report nothing

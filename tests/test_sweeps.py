@@ -28,6 +28,7 @@ from tinker_exp.sweep.slurm import slurm_verdict
 from tinker_exp.sweep.jobs import (
     JobOutcome,
     failure_report,
+    points_at_once,
     read_outcome,
     run_name,
     slurm_job,
@@ -127,17 +128,95 @@ def test_signal_delay_past_the_time_limit_fails_before_submitting(tmp_path):
     assert not (tmp_path / ".submitit").exists()
 
 
-def test_local_launcher_sweep_reports_the_failed_point(tmp_path):
-    """hydra/launcher=local (no scheduler): every point runs, the bad one is named with its run dir."""
+def test_minus_m_sweeps_with_the_grid_sweeper_and_a_preset_still_picks_optuna():
+    """Our GridSweeper is stored as hydra/sweeper=basic (Hydra's default); an hparams_search preset overrides it."""
+    assert compose(with_hydra=True).hydra.sweeper._target_ == "hydra_plugins.tinker_exp_plugins.launchers.GridSweeper"
+    assert compose("hparams_search=lr_cosine", with_hydra=True).hydra.sweeper._target_.endswith("OptunaSweeper")
+    launcher = compose("hydra/launcher=local", "hydra.launcher.max_parallel=3", with_hydra=True).hydra.launcher
+    assert launcher.max_parallel == 3 and launcher._target_.endswith("LocalSweepLauncher")
+
+
+def test_local_points_at_once_are_as_many_as_the_cpus_hold_unless_set():
+    assert points_at_once(cpus=16, workers_per_point=2, max_parallel=None) == 8  # a CPU a worker
+    assert points_at_once(cpus=2, workers_per_point=2, max_parallel=None) == 1  # this machine: one point at a time
+    assert points_at_once(cpus=3, workers_per_point=4, max_parallel=None) == 1  # never none
+    assert points_at_once(cpus=None, workers_per_point=2, max_parallel=None) == 1  # os.cpu_count() unknown
+    assert points_at_once(cpus=16, workers_per_point=2, max_parallel=3) == 3  # hydra.launcher.max_parallel wins
+
+
+BAD_POINTS = ["+override.lr=1e-3,-1", "data.val_fraction=0.5,0.0001"]  # 4 points: only the first is good
+BAD_POINTS_REPORT = [
+    "tinker_exp: config error: 3 of 4 sweep points are wrong; no job was started:",
+    "  job 1 [+override.lr=0.001 data.val_fraction=0.0001]: config error: data.val_fraction: 0.0001 of 256 rows "
+    "leaves 256 for training and 0 for validation (both need rows; null: no validation)",  # the data rows, read
+    "  job 2 [+override.lr=-1 data.val_fraction=0.5]: config error: override.lr: must be >= 0, got -1",
+    "  job 3 [+override.lr=-1 data.val_fraction=0.0001]: config error: override.lr: must be >= 0, got -1",
+]
+
+
+def assert_refused_before_any_job(result: subprocess.CompletedProcess, sweep_dir: Path) -> None:
+    """Exit 2, every bad point named with its overrides and its one-line error, and nothing else; nothing written."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == BAD_POINTS_REPORT, result.stderr
+    assert not sweep_dir.exists()  # no multirun.yaml, no job dir, no .submitit (so no job was submitted)
+
+
+def test_local_sweep_with_bad_points_is_refused_before_any_job(tmp_path):
+    """Batches of one: the bad points of later batches are found before the first batch runs."""
+    sweep = tmp_path / "sweep"
+    result = run_cli("-m", "hydra/launcher=local", "hydra.sweeper.max_batch_size=1", f"hydra.sweep.dir={sweep}", *BAD_POINTS)
+    assert_refused_before_any_job(result, sweep)
+
+
+def test_max_parallel_is_checked_before_anything_runs(tmp_path):
+    result = run_cli("-m", "hydra/launcher=local", "hydra.launcher.max_parallel=0", "dry_run=true", f"hydra.sweep.dir={tmp_path / 's'}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("tinker_exp: config error: hydra.launcher.max_parallel=0: must be an int >= 1")
+    assert not (tmp_path / "s" / ".submitit").exists()
+
+
+def test_local_sweep_in_batches_runs_max_parallel_points_at_a_time_and_counts_once(tmp_path):
+    """4 points in batches of 3 (hydra.sweeper.max_batch_size), one at a time (hydra.launcher.max_parallel=1);
+    resume=must fails in its job (its run dir holds no checkpoint: found only there), in the first batch.
+    Every batch runs anyway; one table and one failure count over the whole sweep, and no Hydra hint after it."""
     result = run_cli(
-        "-m", "hydra/launcher=local", "dry_run=true", f"hydra.sweep.dir={tmp_path}", "+override.lr=1e-3,-1",
+        "-m", "hydra/launcher=local", "hydra.launcher.max_parallel=1", "hydra.sweeper.max_batch_size=3", "dry_run=true",
+        f"hydra.sweep.dir={tmp_path}", "resume=must,auto", "trainer.steps=2,3",
     )  # fmt: skip
-    assert result.returncode == 1, result.stderr
-    assert "job 1 [dry_run=True +override.lr=-1] FAILED: config error: override.lr: must be >= 0" in result.stderr
-    assert f"run dir {tmp_path}/1" in result.stderr and "job 0" not in result.stderr.split("did not complete")[1]
-    rows = read_jsonl(tmp_path / "summary.jsonl")
-    assert [(row["num"], row["status"]) for row in rows] == [(0, "COMPLETED"), (1, "FAILED")]
-    assert (tmp_path / "0" / "plan.json").exists()
+    assert result.returncode == 1, result.stderr[-3000:]
+    rows = sorted(read_jsonl(tmp_path / "summary.jsonl"), key=lambda row: row["num"])
+    assert [(row["num"], row["status"]) for row in rows] == [(0, "FAILED"), (1, "FAILED"), (2, "COMPLETED"), (3, "COMPLETED")]
+    assert result.stderr.count("did not complete") == 1 and "tinker_exp: error: 2 of 4 sweep jobs did not complete" in result.stderr
+    for num, steps in ((0, 2), (1, 3)):
+        message = f"job {num} [dry_run=True resume=must trainer.steps={steps}] FAILED: config error: resume=must, but there is no checkpoint"
+        assert message in result.stderr and f"run dir {tmp_path}/{num}" in result.stderr
+    assert "HYDRA_FULL_ERROR" not in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout.count("sweep summary") == 1 and result.stdout.count("final loss") == 1  # one table, at the end
+    assert "3 local jobs, at most 1 at a time" in result.stdout
+    # One at a time: each job started (its job.json, written first) after the one before had written its result.
+    spans = []
+    for row in rows:
+        job_id = row["job_id"]
+        started = (Path(row["run_dir"]) / "job.json").stat().st_mtime_ns
+        ended = (tmp_path / ".submitit" / job_id / f"{job_id}_0_result.pkl").stat().st_mtime_ns
+        spans.append((started, ended))
+    assert all(ended_before <= started_after for (_, ended_before), (started_after, _) in zip(spans, spans[1:])), spans
+
+
+def test_a_study_trial_whose_point_is_bad_fails_without_a_job_and_the_study_goes_on(tmp_path):
+    """An odd batch does not split over 2 workers: each sampled point is refused by the checks, so its trial
+    fails at once (no job, no run dir), the study runs all its batches and exits 1 with one line."""
+    result = run_cli(
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", "dry_run=true",
+        "trainer.batch_size=choice(3,5)", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("tinker_exp: error: none of the 3 trials completed")
+    assert "HYDRA_FULL_ERROR" not in result.stderr
+    assert result.stdout.count("trial 0 failed: config error: trainer.batch_size") == 1
+    assert result.stdout.count("study summary") == 1
+    assert not [p for p in tmp_path.iterdir() if p.name.isdigit()] and not list(tmp_path.glob(".submitit/*/*_result.pkl"))
+    assert [row["status"] for row in read_jsonl(tmp_path / "summary.jsonl")] == ["FAILED"] * 3
 
 
 # --- real sweeps on the local Slurm cluster ----------------------------------------------------------
@@ -183,19 +262,27 @@ def test_sweep_runs_each_point_as_a_slurm_job_spanning_two_nodes(slurm_env, tmp_
     assert "final loss" in result.stdout  # the summary table is printed too
 
 
-def test_sweep_with_a_bad_point_fails_that_job_and_completes_the_others(slurm_env, tmp_path):
+def test_slurm_sweep_with_bad_points_is_refused_before_any_job(slurm_env, tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli("-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={sweep}", *BAD_POINTS, env=slurm_env)
+    assert_refused_before_any_job(result, sweep)
+
+
+def test_sweep_with_a_point_failing_in_its_job_fails_that_job_and_completes_the_others(slurm_env, tmp_path):
+    """resume=must passes the checks before the sweep (it depends on the run dir) and fails in its job."""
     result = run_cli(
         "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=2", "logger=none",
-        "+override.lr=1e-3,-1",
+        "resume=auto,must",
         env=slurm_env, timeout=600,
     )  # fmt: skip
     assert result.returncode == 1
-    report = result.stderr.split("did not complete")[1]
-    assert "job 1 [trainer.steps=2 logger=none +override.lr=-1] FAILED: config error: override.lr" in report
+    assert "HYDRA_FULL_ERROR" not in result.stderr
+    report = result.stderr.split("1 of 2 sweep jobs did not complete")[1]
+    assert "job 1 [trainer.steps=2 logger=none resume=must] FAILED: config error: resume=must" in report
     assert f"run dir {tmp_path}/1" in report and "job 0" not in report
     summary = read_jsonl(tmp_path / "summary.jsonl")
     assert [(row["status"], row["steps"]) for row in summary] == [("COMPLETED", 2), ("FAILED", 0)]
-    assert "tinker_exp: config error: override.lr" in read_job_log(tmp_path, summary[1]["job_id"])
+    assert "tinker_exp: config error: resume=must" in read_job_log(tmp_path, summary[1]["job_id"])
     assert job_json(tmp_path / "1")["slurm"]["job_id"]  # it did run under Slurm
 
 
@@ -334,3 +421,38 @@ def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
     # Slurm's accounting records both as cancelled (not merely gone from the queue)
     states = lambda: [sacct_state(slurm_env, job_id) for job_id in job_ids]  # noqa: E731
     wait_until(lambda: states() == ["CANCELLED", "CANCELLED"], 120, f"not cancelled in sacct: {states()}", poll=1)
+
+
+def test_ctrl_c_in_a_local_sweep_stops_the_running_point_and_starts_no_other(ray_address, tmp_path):
+    """hydra.launcher.max_parallel=1: point 1 waits for point 0; Ctrl-C while point 0 trains cancels it, and point 1
+    is never started."""
+    import signal
+
+    import psutil
+
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=local", "hydra.launcher.max_parallel=1",
+        f"hydra.sweep.dir={tmp_path}", "trainer.steps=1000", "logger=none", "optimizer.lr=1e-3,3e-4",
+    ]  # fmt: skip
+    driver = subprocess.Popen(
+        command, cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        wait_until(lambda: len(metrics_rows(tmp_path / "0")) >= 1, 300, "point 0 never trained", driver)
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    (job_id,) = [p.name for p in (tmp_path / ".submitit").iterdir() if p.name.isdigit()]  # one job started
+    assert driver.returncode == 130 and f"interrupted: cancelled {job_id}" in output, output[-3000:]
+    assert "1 local jobs" not in output and "2 local jobs, at most 1 at a time" in output
+    assert not (tmp_path / "1").exists()
+
+    def ended() -> bool:  # gone, or a zombie nobody reaps (on this machine PID 1 is no init system)
+        try:
+            return psutil.Process(int(job_id)).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_until(ended, 120, f"job {job_id} still running after the cancel", poll=1)

@@ -1,43 +1,102 @@
-"""Submitit launchers that wait for every job, summarize the sweep, and fail naming the jobs that failed.
+"""Submitit launchers that check every point first, wait for every job, summarize the sweep, and fail naming the
+jobs that failed; and the grid sweeper that checks every batch's points before the first one is launched.
 
 hydra-submitit-launcher's own `launch` returns at the first job Slurm killed (abandoning the rest) and
-leaves failures to Hydra's sweeper, which names only the first. Ours: wait for all jobs (a killed job is
-reported by Slurm's accounting, never waited on forever), write summary.md/summary.jsonl into the sweep
-dir, then raise one error naming every job that did not complete and its run dir. Ctrl-C cancels the jobs.
+leaves failures to Hydra's sweeper, which names only the first. Ours: refuse a sweep with a bad point before
+anything is written or submitted (every bad point named), run at most `max_parallel` local points at once,
+wait for all jobs (a killed job is reported by Slurm's accounting, never waited on forever), write
+summary.md/summary.jsonl into the sweep dir, then raise one error naming every job that did not complete and
+its run dir. Ctrl-C cancels the jobs.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
-from hydra.errors import CompactHydraException
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from tinker_exp import config as tinker_config
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
-from tinker_exp.errors import ConfigError, one_line
-from tinker_exp.sweep.jobs import JobOutcome, failure_report, read_outcome, summary_table, write_summary
+from tinker_exp.errors import ConfigError, TinkerExpError, one_line
+from tinker_exp.sweep.jobs import (
+    JobOutcome,
+    bad_points_report,
+    failure_report,
+    points_at_once,
+    read_outcome,
+    summary_table,
+    write_summary,
+)
 from tinker_exp.sweep.report import REPORT, display_name, write_report
 from tinker_exp.sweep.slurm import cancel_slurm_jobs, slurm_state, slurm_verdict
 
 log = logging.getLogger(__name__)
 
 
-class SweepFailedError(CompactHydraException):
-    """Some jobs did not complete. Compact: Hydra prints the message (every failed job), no traceback.
-    `returns` holds every job's return, for a sweeper that goes on past failed jobs (a study)."""
+class SweepFailedError(TinkerExpError):
+    """Some jobs did not complete. Ours: the entry point prints the message (every failed job) and nothing else
+    (no traceback, no Hydra hint), exit 1. `returns` holds every job's return, for a sweeper that goes on past
+    failed jobs (a study)."""
 
     def __init__(self, message: str, returns: Sequence[JobReturn] = ()) -> None:
         super().__init__(message)
         self.returns = list(returns)
+
+
+class BadPointsError(ConfigError):
+    """Sweep points that would stop their jobs before any worker starts: every one named, nothing launched."""
+
+
+def point_error(
+    hydra_context: Any, config: DictConfig, overrides: Sequence[str], data_checked: set[str] | None = None
+) -> tuple[Any, str | None]:
+    """(the point's typed config, None), or (None, why its job would stop before any worker starts): composed
+    as its job is, then the pure checks `tinker_exp.main.run` makes first (config, plan, data rows, chat template).
+    `data_checked`: the data settings already found good in this sweep (a data set is read once, not per point)."""
+    from tinker_exp.main import validate  # the entry's one list of checks; imports no torch, verl or ray
+    from tinker_exp.train.data import dataset_rows
+
+    try:
+        job_cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+        with read_write(job_cfg), open_dict(job_cfg):
+            del job_cfg["hydra"]  # what the task function gets (Hydra's run_job)
+        cfg = tinker_config.load(job_cfg)
+        validate(cfg)
+        data_key = repr((cfg.data, cfg.model.path))
+        if data_checked is None or data_key not in data_checked:
+            rows = dataset_rows(cfg.data)
+            chat = next((row.where for rows_of_a_set in rows for row in rows_of_a_set if row.messages is not None), None)
+            tinker_config.check_chat_template(cfg.model.path, chat)
+            if data_checked is not None:
+                data_checked.add(data_key)
+    except COMPOSE_ERRORS as e:
+        return None, one_line(as_config_error(e))
+    except TinkerExpError as e:
+        return None, one_line(e)
+    return cfg, None
+
+
+def check_points(hydra_context: Any, config: DictConfig, points: Sequence[Sequence[str]], first: int) -> list[Any]:
+    """Every point's typed config (numbered from `first`); raises BadPointsError naming every bad point."""
+    data_checked: set[str] = set()
+    checked = [point_error(hydra_context, config, overrides, data_checked) for overrides in points]
+    bad = {first + i: (filter_overrides(o), error) for i, (o, (_, error)) in enumerate(zip(points, checked)) if error}
+    if bad:
+        raise BadPointsError(bad_points_report(bad, len(points)))
+    return [cfg for cfg, _ in checked]
 
 
 def job_run_dir(hydra_context: Any, config: Any, overrides: Sequence[str], num: int) -> Path:
@@ -61,16 +120,22 @@ class SweepLauncher(BaseSubmititLauncher):
                 f"hydra.launcher.nodes={params['nodes']}: the local launcher runs each job on this machine; "
                 "a point spans nodes with hydra/launcher=slurm"
             )
+        max_parallel = params.get("max_parallel")
+        if max_parallel is not None and (not isinstance(max_parallel, int) or isinstance(max_parallel, bool) or max_parallel < 1):
+            raise ConfigError(f"hydra.launcher.max_parallel={max_parallel}: must be an int >= 1, or null (as many as the CPUs hold)")
         super().__init__(**params)
         self.outcomes: dict[int, JobOutcome] = {}  # every job this launcher ran, by number: a sweep in batches
-        self.summarize = True  # the table on the terminal after each launch (a study prints its own)
-
+        # True: each launch is the whole sweep (the table, and an error at a failed job). A sweeper that launches
+        # in batches sets False and ends the sweep itself: `finish` (a grid), or its own table (a study).
+        self.summarize = True
+        # True: a bad point refuses the whole launch. False (a study): it fails its own trial, without a job.
+        self.refuse_bad_points = True
 
     def _executor(self) -> Any:
         """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it)."""
         import submitit
 
-        init_keys = {"max_num_timeout"}
+        init_keys, ours = {"max_num_timeout"}, {"max_parallel"}
         init = {f"{self._EXECUTOR}_{k}": v for k, v in self.params.items() if k in init_keys}
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=self.params["submitit_folder"], **init)
         common = set(OmegaConf.structured(BaseQueueConf).keys())
@@ -78,10 +143,16 @@ class SweepLauncher(BaseSubmititLauncher):
             **{
                 k if k in common else f"{self._EXECUTOR}_{k}": v
                 for k, v in self.params.items()
-                if k not in init_keys | {"submitit_folder"}
+                if k not in init_keys | ours | {"submitit_folder"}
             }
         )
         return executor
+
+    def job_points(self, points: Sequence[Sequence[str]]) -> list[list[str]]:
+        """The overrides each point's job runs with: a point spanning nodes gets backend.nodes of its allocation."""
+        if self.nodes() > 1:
+            return [spanning(overrides, self.nodes()) for overrides in points]
+        return [list(overrides) for overrides in points]
 
     def nodes(self) -> int:
         """Nodes per job: more than one makes each sweep point one run over a Ray cluster of its nodes."""
@@ -108,16 +179,79 @@ class SweepLauncher(BaseSubmititLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None
-        if self.nodes() > 1:  # the run spans the job's nodes: backend.nodes follows the allocation
-            job_overrides = [spanning(overrides, self.nodes()) for overrides in job_overrides]
+        job_overrides = self.job_points(job_overrides)
+        nums = [initial_job_idx + i for i in range(len(job_overrides))]
+        if self.refuse_bad_points:  # before anything is written or submitted
+            configs = check_points(self.hydra_context, self.config, job_overrides, initial_job_idx)
+            refused: dict[int, str] = {}
+        else:
+            data_checked: set[str] = set()
+            checked = [point_error(self.hydra_context, self.config, o, data_checked) for o in job_overrides]
+            configs = [cfg for cfg, _ in checked]
+            refused = {num: error for num, (_, error) in zip(nums, checked) if error}
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
-        nums = [initial_job_idx + i for i in range(len(job_overrides))]
         for num, overrides in zip(nums, job_overrides):
-            log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}")
-        args = [(list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", Singleton.get_state()) for n, o in zip(nums, job_overrides)]
+            log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}" + (f" (not started: {refused[num]})" if num in refused else ""))
+        args = [
+            (list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", Singleton.get_state())
+            for n, o in zip(nums, job_overrides)
+            if n not in refused
+        ]
         executor = self._executor()
+        jobs: list[Any] = []  # as they are started (local) or submitted
+        if self._EXECUTOR != "local":
+            jobs = self._submit(executor, args)
+        returns, outcomes = [], []
+        try:
+            if self._EXECUTOR == "local":
+                workers = max((cfg.backend.num_workers for cfg in configs if cfg is not None), default=1)
+                at_once = points_at_once(os.cpu_count(), workers, self.params.get("max_parallel"))
+                log.info(f"{len(args)} local jobs, at most {at_once} at a time (hydra.launcher.max_parallel)")
+                start_local(lambda arg: executor.submit(self, *arg), args, at_once, jobs)
+                if jobs:
+                    log.info(f"submitted {', '.join(job.job_id for job in jobs)}; waiting for all of them")
+            started = iter(jobs)
+            for num, overrides in zip(nums, job_overrides):
+                job = None if num in refused else next(started)
+                ret, outcome = self._outcome(num, overrides, job, refused.get(num))
+                returns.append(ret)
+                outcomes.append(outcome)
+        except KeyboardInterrupt:
+            cancel(jobs)  # first, before anything that could be slow on a loaded machine
+            raise
+
+        self.outcomes.update((o.num, o) for o in outcomes)
+        if self.summarize:
+            self.finish(returns)
+        else:  # on disk after every batch; the terminal gets the table once, at the sweep's end
+            self._write_summary(sweep_dir)
+        return returns
+
+    def _outcome(self, num: int, overrides: Sequence[str], job: Any, refused: str | None) -> tuple[JobReturn, JobOutcome]:
+        """What job `num` came to, once it ended (waited for here); `job` None: refused by the checks (a study's)."""
+        ended_by = None if job is None else wait_for(job)  # None: the job wrote its result
+        if job is None:  # a study's trial whose point is bad: failed without a job
+            status, error = "FAILED", refused
+            ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
+        elif ended_by is None:
+            ret = job.results()[0]
+            status, error = "COMPLETED", None
+            if ret.status != JobStatus.COMPLETED:  # raised in the job: a config error, NaN, ...
+                status, error = "FAILED", job_error(ret)
+        else:  # cancelled, timed out, preempted without requeue, killed, out of memory
+            status, error = ended_by, f"ended by the scheduler ({ended_by}); job log {job.paths.stderr}"
+            ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
+        run_dir = job_run_dir(self.hydra_context, self.config, overrides, num)
+        objective = ret.return_value if status == "COMPLETED" else None  # what the task function returned
+        job_id = None if job is None else job.job_id
+        return ret, read_outcome(num, filter_overrides(overrides), status, run_dir, error, job_id, objective)
+
+    def _submit(self, executor: Any, args: Sequence[tuple]) -> list[Any]:
+        """Every job at once (a Slurm job array): the scheduler decides when each runs."""
+        if not args:
+            return []
         # A Ctrl-C inside sbatch would leave jobs we never learn the ids of; multi-node jobs need their Ray token.
         with sigint_deferred() as interrupted, ray_token(self.nodes() > 1):
             jobs = executor.map_array(self, *zip(*args))
@@ -125,37 +259,35 @@ class SweepLauncher(BaseSubmititLauncher):
             cancel(jobs)
             raise KeyboardInterrupt
         log.info(f"submitted {', '.join(job.job_id for job in jobs)}; waiting for all of them")
+        return jobs
 
-        returns, outcomes = [], []
-        try:
-            for num, overrides, job in zip(nums, job_overrides, jobs):
-                ended_by = wait_for(job)  # None: the job wrote its result
-                if ended_by is None:
-                    ret = job.results()[0]
-                    status, error = "COMPLETED", None
-                    if ret.status != JobStatus.COMPLETED:  # raised in the job: a config error, NaN, ...
-                        status, error = "FAILED", job_error(ret)
-                else:  # cancelled, timed out, preempted without requeue, killed, out of memory
-                    status, error = ended_by, f"ended by the scheduler ({ended_by}); job log {job.paths.stderr}"
-                    ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
-                run_dir = job_run_dir(self.hydra_context, self.config, overrides, num)
-                objective = ret.return_value if status == "COMPLETED" else None  # what the task function returned
-                outcomes.append(read_outcome(num, filter_overrides(overrides), status, run_dir, error, job.job_id, objective))
-                returns.append(ret)
-        except KeyboardInterrupt:
-            cancel(jobs)  # first, before anything that could be slow on a loaded machine
-            raise
-
-        self.outcomes.update((o.num, o) for o in outcomes)
-        everything = list(self.outcomes.values())  # a sweep launched in batches: the summary covers them all
+    def _write_summary(self, sweep_dir: Path) -> tuple[Path, Path | None]:
+        """summary.md/jsonl and report.png over every job so far (a sweep launched in batches: all of them)."""
+        everything = list(self.outcomes.values())
         summary = write_summary(sweep_dir, everything)
         runs = [(f"job {o.num}", Path(o.run_dir)) for o in everything]  # each labelled by what differs
-        report = write_report(runs, sweep_dir / REPORT, f"sweep {display_name(sweep_dir)}")
-        if self.summarize:
-            log.info(f"sweep summary ({', '.join(str(p) for p in (summary, report) if p)}):\n{summary_table(everything)}")
-        if not all(outcome.ok for outcome in outcomes):
-            raise SweepFailedError(failure_report(outcomes, summary), returns)
-        return returns
+        return summary, write_report(runs, sweep_dir / REPORT, f"sweep {display_name(sweep_dir)}")
+
+    def finish(self, returns: Sequence[JobReturn] = ()) -> None:
+        """The end of a sweep: summary files and the table over every job this launcher ran (all batches), then
+        one error counting and naming every job that did not complete."""
+        assert self.config is not None
+        everything = list(self.outcomes.values())
+        if not everything:
+            return
+        summary, report = self._write_summary(Path(str(self.config.hydra.sweep.dir)))
+        log.info(f"sweep summary ({', '.join(str(p) for p in (summary, report) if p)}):\n{summary_table(everything)}")
+        if not all(outcome.ok for outcome in everything):
+            raise SweepFailedError(failure_report(everything, summary), returns)
+
+
+def start_local(start: Callable[[tuple], Any], args: Sequence[tuple], at_once: int, jobs: list[Any]) -> None:
+    """Start a local job for each of `args` into `jobs`, in order, with at most `at_once` running: the next one
+    starts as an earlier one ends. Returns once the last has started (those still running are waited for after)."""
+    for arg in args:
+        while sum(not job.done() for job in jobs) >= at_once:
+            time.sleep(0.2)  # submitit's own wait() polls its processes the same way
+        jobs.append(start(arg))
 
 
 def slurm_ending_job() -> bool:
@@ -252,3 +384,37 @@ class SlurmSweepLauncher(SweepLauncher):
 class LocalSweepLauncher(SweepLauncher):
     _EXECUTOR = "local"
 
+
+
+class GridSweeper(BasicSweeper):
+    """Hydra's basic sweeper (every combination; `max_batch_size` launches them in batches), plus: every point
+    of every batch checked before anything is written or launched, and with our launchers one failure count and
+    one summary table over the whole sweep at its end (each batch runs even when an earlier one had failures)."""
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        self.ours = isinstance(self.launcher, SweepLauncher)
+        if self.ours:
+            self.launcher.summarize = False
+
+    def sweep(self, arguments: list[str]) -> Any:
+        assert self.config is not None and self.launcher is not None and self.hydra_context is not None
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        self.overrides = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), self.max_batch_size)
+        points = [point for batch in self.overrides for point in batch]
+        check_points(self.hydra_context, self.config, self.launcher.job_points(points) if self.ours else points, 0)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        returns, first = [], 0
+        while not self.is_done():
+            batch = self.get_job_batch()
+            results = self.launcher.launch(batch, initial_job_idx=first)
+            if not self.ours:  # another launcher: Hydra's way, the first failed job raises
+                for result in results:
+                    _ = result.return_value
+            first += len(batch)
+            returns.append(results)
+        if self.ours:
+            self.launcher.finish([r for results in returns for r in results])
+        return returns

@@ -21,13 +21,12 @@ from typing import Any, Sequence
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
-from hydra.errors import CompactHydraException
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, job_error, job_run_dir
-from tinker_exp.errors import ConfigError
+from tinker_exp.errors import ConfigError, TinkerExpError
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.jobs import JOB_FILE, read_outcome, summary_table, write_summary
 from tinker_exp.sweep.report import REPORT, STUDY_REPORT, display_name, write_report, write_study_report
@@ -37,8 +36,8 @@ from tinker_exp.train.objective import read_objective
 log = logging.getLogger(__name__)
 
 
-class StudyFailedError(CompactHydraException):
-    """No trial completed: Hydra prints the message (every failed trial), exit status 1."""
+class StudyFailedError(TinkerExpError):
+    """No trial completed: the entry point prints the message and nothing else (no Hydra hint), exit status 1."""
 
 
 class OptunaSweeper(Sweeper):
@@ -71,6 +70,8 @@ class OptunaSweeper(Sweeper):
         )
         if hasattr(self.launcher, "summarize"):  # ours: the study prints one line per trial and one summary
             self.launcher.summarize = False
+            # A sampled point that fails the checks fails its trial without a job; the study goes on.
+            self.launcher.refuse_bad_points = False
 
     def sweep(self, arguments: list[str]) -> Any:
         import optuna

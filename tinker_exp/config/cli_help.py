@@ -16,6 +16,11 @@ RESOLVER = "tinker_exp_help"
 LINE_WIDTH = 110
 
 
+def _yaml_word(value: object) -> str:
+    """A choice as a user types it (one_cycle's three_phase True is YAML's true)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def overrides_section() -> str:
     """The override keys, then one line per schedule kind: its parameters, `name=default` where it has one."""
     from tinker_exp.optim.convert import OVERRIDE_KEYS
@@ -28,7 +33,7 @@ def overrides_section() -> str:
         "own value for that key when not given or null; every kind also takes total_steps, default trainer.steps):",
     ]
     width = max(map(len, PARAMS))
-    choices: dict[str, tuple[str, ...]] = {}
+    choices: dict[str, tuple[object, ...]] = {}
     lengths: dict[str, None] = {}  # in order, once each
     for kind, params in PARAMS.items():
         defaults = _defaults(kind)
@@ -38,13 +43,13 @@ def overrides_section() -> str:
                 return f"{name}=optimizer's"
             if name not in defaults:
                 return name
-            return f"[{name}]" if defaults[name] is None else f"{name}={defaults[name]}"
+            return f"[{name}]" if defaults[name] is None else f"{name}={_yaml_word(defaults[name])}"
 
         choices.update({name: param.choices for name, param in params.items() if param.choices})
         lengths.update({name: None for name, param in params.items() if param.kind in ("length", "lengths")})
         text = f"  {kind.ljust(width)}  {', '.join(shown(name) for name in params)}"
         lines += textwrap.wrap(text, LINE_WIDTH, subsequent_indent=" " * (width + 4), break_on_hyphens=False)
-    lines += [f"  {name}: {', '.join(values)}" for name, values in choices.items()]
+    lines += [f"  {name}: {', '.join(map(_yaml_word, values))}" for name, values in choices.items()]
     lines += textwrap.wrap(
         f"  {', '.join(lengths)}: an integer is a number of steps, a float in [0, 1] a fraction of the schedule",
         LINE_WIDTH, subsequent_indent="    ",

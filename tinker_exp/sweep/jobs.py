@@ -137,10 +137,29 @@ def write_summary(sweep_dir: Path, outcomes: Sequence[JobOutcome]) -> Path:
     return sweep_dir / SUMMARY_MD
 
 
+def points_at_once(cpus: int | None, workers_per_point: int, max_parallel: int | None) -> int:
+    """How many points the local launcher runs at once: hydra.launcher.max_parallel when set, else as many as the
+    machine's CPUs hold at one CPU a worker (more would only slow every point down, and can run it out of memory)."""
+    if max_parallel is not None:
+        return max_parallel
+    return max(1, (cpus or 1) // max(1, workers_per_point))
+
+
+def label(overrides: Sequence[str], num: int) -> str:
+    """A job as the sweep's messages name it: its number and its overrides."""
+    return f"job {num} [{' '.join(overrides)}]"
+
+
+def bad_points_report(bad: Mapping[int, tuple[Sequence[str], str]], points: int) -> str:
+    """Every point refused before the sweep started (num -> (overrides, its one-line error))."""
+    lines = [f"{len(bad)} of {points} sweep points are wrong; no job was started:"]
+    lines += [f"  {label(overrides, num)}: {error}" for num, (overrides, error) in sorted(bad.items())]
+    return "\n".join(lines)
+
 
 def failure_report(outcomes: Sequence[JobOutcome], summary: Path) -> str:
     """Every job that did not complete, with its overrides, why, and its run dir."""
     failed = [o for o in outcomes if not o.ok]
     lines = [f"{len(failed)} of {len(outcomes)} sweep jobs did not complete (summary: {summary}):"]
-    lines += [f"  job {o.num} [{' '.join(o.overrides)}] {o.status}: {o.error}; run dir {o.run_dir}" for o in failed]
+    lines += [f"  {label(o.overrides, o.num)} {o.status}: {o.error}; run dir {o.run_dir}" for o in failed]
     return "\n".join(lines)

@@ -1,0 +1,38 @@
+"""Schemas stored in Hydra's ConfigStore: hydra/launcher=local (submitit's local keys, ours on top), and
+hydra/sweeper=basic, the sweeper `-m` uses unless told otherwise, as our GridSweeper.
+
+Why `basic` is replaced rather than a `grid` option added: a default picked in conf/config.yaml's defaults list
+would win over the `override /hydra/sweeper: optuna` of an hparams_search preset (Hydra applies the primary
+config's overrides last). Hydra scans its core plugins before hydra_plugins, so this entry is the one it keeps.
+
+In a module of its own, without `from __future__ import annotations`: Hydra's plugin scan imports these modules
+outside sys.modules, where a dataclass cannot resolve string annotations.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeperConf
+from hydra.core.config_store import ConfigStore
+from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf
+
+
+@dataclass
+class LocalLauncherConf(LocalQueueConf):
+    _target_: str = "hydra_plugins.tinker_exp_plugins.launchers.LocalSweepLauncher"
+    max_parallel: Optional[int] = None
+    """Points run at once (the rest start as earlier ones end); null: as many as the CPUs hold at one CPU a worker
+    (tinker_exp.sweep.jobs.points_at_once)."""
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="tinker_exp_local", node=LocalLauncherConf, provider="tinker_exp")
+
+
+@dataclass
+class GridSweeperConf(BasicSweeperConf):
+    """Hydra's basic sweeper's keys (max_batch_size, params): every combination of the swept values."""
+
+    _target_: str = "hydra_plugins.tinker_exp_plugins.launchers.GridSweeper"
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="basic", node=GridSweeperConf, provider="tinker_exp")
