@@ -208,3 +208,13 @@ def test_differing_names_each_key_and_skips_keys_the_schema_gained_since():
     now = {"trainer": {"steps": 8, "seed": 1, "early_stop": {"patience": 0}}, "override": {"lr": 1e-3}}
     assert differing(saved, now, lambda key: True) == ["override.lr: None -> 0.001", "trainer.seed: 0 -> 1"]
     assert differing(saved, now, lambda key: key.startswith("trainer.")) == ["trainer.seed: 0 -> 1"]
+
+
+def test_the_wsd_branch_preset_composes_each_branch_and_needs_a_trunk(trunk, tmp_path):
+    cfg = config.load(compose("branch_sweep=wsd_decay", f"branch.from={trunk}", "branch.step=12"))
+    assert cfg.trainer.steps == 18 and cfg.override["lr"]["schedule"] == "wsd" and cfg.branch.step == 12
+    result = run_cli("branch_sweep=wsd_decay", "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "tinker_exp: config error: branch.step=6 needs branch.from=<run dir> (the run to branch from)"
+    ]
