@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -24,6 +23,7 @@ from tinker_exp.train.checkpoints import (
     saved_steps,
     step_dir,
 )
+from tinker_exp.config import CheckpointConfig
 from tinker_exp.errors import CheckpointError, ConfigError
 from tinker_exp.train.sinks import keep_rows_before
 
@@ -123,7 +123,7 @@ def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
 
 
 def test_checkpointer_saves_when_due_and_rotates(tmp_path):
-    cfg = SimpleNamespace(every_steps=3, at_end=True, keep_last=2, sha256=False)
+    cfg = CheckpointConfig(every_steps=3, at_end=True, keep_last=2, sha256=False)
     checkpointer = Checkpointer(tmp_path, cfg, total_steps=10, workers=FakeShardWriter(), run_state={"seed": 7})
     due = [steps for steps in range(1, 11) if checkpointer.due(steps)]
     assert due == [3, 6, 9, 10]

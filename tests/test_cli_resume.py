@@ -107,13 +107,14 @@ def test_a_checkpoint_saved_on_another_device_stops_the_run_before_any_worker_st
     ]
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")  # as if killed after step 2: not complete
     saved_on(run_dir, "cuda")  # as if trained on a GPU machine, continued here (auto: cpu)
     kept = lambda: {p: b for p, b in files(run_dir).items() if "checkpoints" in p.parts or p.name == "metrics.jsonl"}  # noqa: E731
     before = kept()
-    real = fake_cli(run_dir, 6)
+    real = fake_cli(run_dir, 4)  # the same config: a resume
     assert real.returncode == 2, real.stderr[-3000:]
     assert real.stderr.strip().splitlines()[-1] == (
-        f"tinker_exp: config error: backend.device: this run trains on cpu, but {run_dir / 'checkpoints' / 'step_00000004'} "
+        f"tinker_exp: config error: backend.device: this run trains on cpu, but {run_dir / 'checkpoints' / 'step_00000002'} "
         "was saved by cuda workers and verl loads it onto cuda only: set backend.device=cuda to continue it, or use another run dir"
     )
     assert kept() == before  # no row logged, no checkpoint touched: no worker started
@@ -136,11 +137,12 @@ def test_a_resumed_runs_progress_bar_starts_at_its_first_step_and_ends_at_the_la
 
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
-    resumed = fake_cli(run_dir, 6)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")  # as if killed before its last checkpoint
+    resumed = fake_cli(run_dir, 4)  # the same command (another trainer.steps is refused: a branch's job)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     counts = re.findall(r"train:\s+\d+%\|[^|]*\| (\d+)/(\d+) ", resumed.stderr)  # each redraw of the bar
-    assert counts[0] == ("4", "6") and counts[-1] == ("6", "6"), resumed.stderr[-3000:]
-    assert all(int(done) >= 4 for done, _ in counts)
+    assert counts[0] == ("2", "4") and counts[-1] == ("4", "4"), resumed.stderr[-3000:]
+    assert all(int(done) >= 2 for done, _ in counts)
 
 
 @pytest.mark.parametrize("gate_step, continues", [(3, "continues from {checkpoints}/step_00000002"),

@@ -109,8 +109,8 @@ def test_the_objective_is_the_last_or_lowest_value_of_its_metric(tmp_path):
 
 def test_a_resumed_run_has_every_evaluation_row_once(tmp_path):
     common = ["trainer.steps=8", "trainer.eval_every=2", "checkpoint.every_steps=4", "logger=none"]
-    run(compose(*common, "trainer.steps=6"), tmp_path, start_workers=fake_workers())  # as if killed after step 5
-    (tmp_path / "checkpoints" / "step_00000006").rename(tmp_path / "elsewhere")
+    run(compose(*common), tmp_path, start_workers=fake_workers())
+    (tmp_path / "checkpoints" / "step_00000008").rename(tmp_path / "elsewhere")  # as if killed before saving step 8
     run(compose(*common), tmp_path, start_workers=fake_workers())
     rows = metrics_rows(tmp_path)
     assert [row["train/step"] for row in rows] == list(range(8))

@@ -7,6 +7,7 @@ written, what is sent each step, resume row-dropping, the non-finite count and s
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import warnings
@@ -122,8 +123,9 @@ def test_a_resumed_run_logs_every_step_once_and_continues_the_plan(tmp_path):
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_says_so(tmp_path):
-    common = ["+override=lr_cosine", "trainer.steps=12", "checkpoint.every_steps=4", "logger=none"]
-    run(compose(*common, "trainer.steps=8"), tmp_path, start_workers=fake_workers())
+    common = ["+override=lr_cosine", "trainer.steps=12", "checkpoint.every_steps=4", "checkpoint.keep_last=0", "logger=none"]
+    run(compose(*common), tmp_path, start_workers=fake_workers())
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000012")  # as if killed before saving step 12
     shard = tmp_path / "checkpoints" / "step_00000008" / "workers" / "fake_rank_1.json"
     shard.write_bytes(shard.read_bytes()[:100])
     start = fake_workers()

@@ -87,7 +87,7 @@ def test_a_checkpoint_that_does_not_load_is_a_clear_error(ray_address, tmp_path)
     (tmp_path / "checkpoints" / "step_00000006").rename(tmp_path / "elsewhere")  # as if killed at step 6
     shard = tmp_path / "checkpoints" / "step_00000004" / "workers" / "model_world_size_2_rank_0.pt"
     shard.write_bytes(b"\x00" * shard.stat().st_size)  # same size: passes the manifest's size check
-    result = run_cli(*COMMON, "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
+    result = run_cli(*COMMON, "trainer.steps=6", "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
     assert result.returncode == 5
     assert f"tinker_exp: checkpoint error: {shard.parent.parent}: verl could not load it" in result.stderr
     assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1, 2, 3, 4, 5]  # nothing logged is lost

@@ -9,7 +9,6 @@ import copy
 import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -22,12 +21,13 @@ from tinker_exp.config.compose_errors import one_line_compose_errors
 from tinker_exp.errors import STOPS, Terminated, TinkerExpError, one_line
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
 from tinker_exp.formats import read_jsonl
-from tinker_exp.train.checkpoints import ResumePoint, check_checkpoint_device, resume_point
+from tinker_exp.train.checkpoints import check_checkpoint_device, resume_point
 from tinker_exp.train.data import Row, dataset_rows
-from tinker_exp.train.objective import objective_metric, objective_value, write_objective
+from tinker_exp.train.objective import Watch, check_early_stop, objective_metric, objective_value, write_objective
 from tinker_exp.train.protocols import Workers
 from tinker_exp.train.rundir_lock import RunDirLock
 from tinker_exp.train.signals import as_stop, sigterm_raises
+from tinker_exp.train.start import SAVED_CONFIG, StartPoint, start_point
 
 if TYPE_CHECKING:  # the plan (numpy) is imported once a plan is built: --help, --cfg, compose errors stay at Hydra's cost
     from tinker_exp.optim import Plan
@@ -46,6 +46,7 @@ def validate(cfg: Config) -> Plan:
 
     config.check(cfg)
     objective_metric(cfg)
+    check_early_stop(cfg)
     return build_plan(cfg.override, cfg.optimizer, cfg.trainer.steps)
 
 
@@ -55,12 +56,19 @@ def describe(plan: Plan, steps: list[int]) -> str:
     return f"optimizer built with {plan.optimizer_values}; {len(plan)} steps; sent with optimizer_step:\n{format_table(plan, steps)}"
 
 
-def write_plan(plan: Plan, run_dir: Path, steps: list[int]) -> Path:
-    """plan.json (the schedules, boundaries, the values at some steps and `steps`) into the run dir; returns its path."""
+def write_plan(plan: Plan, run_dir: Path, steps: list[int], lineage: dict[str, Any] | None = None) -> Path:
+    """plan.json (the schedules, boundaries, the values at some steps and `steps`) into the run dir; returns its path.
+    A branch's plan.json also says where it came from (`branch`: the trunk's dir and step; the trunk's plan.json
+    holds the plan of the steps before)."""
+    import json
+
     from tinker_exp.optim.preview import PLAN_FILE, write_plan_file
 
     run_dir.mkdir(parents=True, exist_ok=True)
     write_plan_file(plan, run_dir / PLAN_FILE, steps)
+    if lineage:
+        doc = json.loads((run_dir / PLAN_FILE).read_text())
+        (run_dir / PLAN_FILE).write_text(json.dumps({"branch": lineage, **doc}, indent=1) + "\n")
     return run_dir / PLAN_FILE
 
 
@@ -97,17 +105,21 @@ def run(
     rows = dataset_rows(cfg.data)  # read and split before any worker starts (a dry run checks them too)
     chat = next((row.where for rows_of_a_set in rows for row in rows_of_a_set if row.messages is not None), None)
     config.check_chat_template(cfg.model.path, chat)
+    resolved = OmegaConf.to_container(dcfg, resolve=True)
+    start = start_point(cfg, resolved, run_dir)  # resume or branch: checked against its config, before any worker
+    if start.kind != "start":
+        log.info(start.describe())
+    if start.lineage:
+        write_job_info(run_dir, {**(job or job_info(None, [])), "branch": start.lineage})
+    if start.complete:
+        why = "it stopped early" if start.loop_state.get("early_stopped") else f"trainer.steps={cfg.trainer.steps}"
+        log.info(f"run complete: {run_dir} is done at step {start.step} ({why}; {start.checkpoint.path}); nothing to train")
+        logged = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        return logged[-1] if logged else {}
     if not cfg.dry_run:
         log.info(f"worker output: {run_dir / WORKERS_LOG}" + ("" if cfg.verbose else " (verbose=true shows it here too)"))
     log.info(describe(plan, cfg.plan_steps))
-    resume = resume_point(run_dir / cfg.checkpoint.dir, cfg.resume.value)
-    if resume is not None:
-        for why in resume.skipped:
-            warnings.warn(f"not resuming from a broken checkpoint: {why}; falling back to {resume.path.name}", stacklevel=1)
-        if cfg.backend.device.value != "auto":  # auto is resolved with torch: a real run checks it (train_run)
-            check_checkpoint_device(resume, cfg.backend.device.value)
-        log.info(f"resuming from {resume.path} at step {resume.step}")
-    plan_file = write_plan(plan, run_dir, cfg.plan_steps)
+    plan_file = write_plan(plan, run_dir, cfg.plan_steps, start.lineage)
     if cfg.dry_run:
         from tinker_exp.optim.preview import plot_plan
 
@@ -116,17 +128,18 @@ def run(
         return {}
     from tinker_exp.train.sinks import wandb_run_config
 
-    resolved = OmegaConf.to_container(dcfg, resolve=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    (run_dir / SAVED_CONFIG).write_text(OmegaConf.to_yaml(resolved))
     wandb_config = wandb_run_config(resolved, plan, choices, job)  # one flat key per value
-    return train_run(cfg, plan, rows, resume, run_dir, wandb_config, start_workers)
+    if start.trunk_wandb_run_id:
+        wandb_config["branch.trunk_wandb_run_id"] = start.trunk_wandb_run_id
+    return train_run(cfg, plan, rows, start, run_dir, wandb_config, start_workers)
 
 
 def train_run(
     cfg: Config,
     plan: Plan,
     rows: tuple[list[Row], list[Row]],
-    resume: ResumePoint | None,
+    start: StartPoint,
     run_dir: Path,
     wandb_config: dict[str, Any],
     start_workers: StartWorkers | None,
@@ -149,8 +162,8 @@ def train_run(
     trainer, data = cfg.trainer, cfg.data
     choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
     log.info(f"device: {choice.describe()}")
-    if resume is not None:
-        check_checkpoint_device(resume, choice.device)
+    if start.checkpoint is not None:
+        check_checkpoint_device(start.checkpoint, choice.device)
     model_path = model_dir(cfg.model)  # on disk before any worker builds it
     if cfg.lora.rank:
         from tinker_exp.runtime import lora
@@ -168,9 +181,7 @@ def train_run(
 
     if cfg.logger.name.value == "wandb":  # before the workers start: they inherit it (offline stays offline)
         os.environ.update(wandb_environment(run_dir, cfg.logger.mode.value))
-    start = resume.state if resume else {}
-    first_step = start.get("step", 0)
-    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", first_step), ProgressBar(trainer.steps, first_step)])
+    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", start.step), ProgressBar(trainer.steps, start.step)])
     exit_code, workers = 1, None
     try:
         if start_workers is None:
@@ -190,11 +201,15 @@ def train_run(
         # Beside the workers' start, and no step waits for it: W&B's rows wait until its run is there.
         sinks.sinks.insert(1, StartingSink(plot_and_wandb))
         workers.ready()
-        if resume is not None:
-            restore(workers, resume.path)
+        if start.checkpoint is not None:
+            restore(workers, start.checkpoint.path)
         run_state = {"seed": trainer.seed, "device": choice.device}  # in every checkpoint's loop.json
-        checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, run_state)
-        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start, evaluation)
+        if start.lineage:
+            run_state["branch"] = start.lineage  # a resumed branch still knows where it came from
+        metric, early = objective_metric(cfg), trainer.early_stop
+        checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, run_state, metric)
+        watch = Watch(metric, early.patience, early.min_delta, start.loop_state.get("watch")) if early.patience else None
+        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start.loop_state, evaluation, watch)
         if cfg.lora.rank:
             adapter = run_dir / ADAPTER
             log.info(f"adapter: {adapter} ({workers.export_adapter(adapter):,} parameters, peft's format)")
@@ -224,9 +239,12 @@ def objective(cfg: Config, run_dir: Path) -> float | None:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
         return None
+    from tinker_exp.train.checkpoints import best_checkpoint
+
     metric, mode = objective_metric(cfg), cfg.trainer.objective_mode.value
     value = objective_value(read_jsonl(metrics), metric, mode)
-    write_objective(run_dir, metric, mode, value)
+    best = best_checkpoint(run_dir / cfg.checkpoint.dir) if cfg.checkpoint.keep_best else None
+    write_objective(run_dir, metric, mode, value, best)
     return value
 
 

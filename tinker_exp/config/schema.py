@@ -289,6 +289,18 @@ class LoggerConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    patience: int = 0
+    """Evaluations in a row without an improvement of at least min_delta in the objective metric (lower is
+    better) after which the run ends, with a checkpoint at that step; 0: never stop early."""
+    min_delta: float = 0.0
+    """The least decrease of the objective metric that counts as an improvement."""
+
+    def __post_init__(self) -> None:
+        _at_least(0, **{"trainer.early_stop.patience": self.patience, "trainer.early_stop.min_delta": self.min_delta})
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 20
     """Optimizer steps of the run."""
@@ -306,6 +318,8 @@ class TrainerConfig:
     validation data."""
     objective_mode: ObjectiveMode = ObjectiveMode.last
     """last: the metric's last logged value; min: its lowest."""
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    """End the run early when the objective metric stops improving at evaluations."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -329,11 +343,48 @@ class CheckpointConfig:
     """Inside the run dir."""
     sha256: bool = False
     """Hash every file on save and check on load (sizes are always checked)."""
+    keep_every: int = 0
+    """Also keep, outside the keep_last rotation, every checkpoint whose step is a multiple of N (branch points;
+    0: none)."""
+    keep_best: bool = False
+    """Also keep, outside the rotation, the checkpoint with the lowest objective metric among those saved at an
+    evaluation step (named in checkpoints/BEST.json and objective.json)."""
 
     def __post_init__(self) -> None:
-        for key in ("every_steps", "keep_last"):
+        for key in ("every_steps", "keep_last", "keep_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"checkpoint.{key}={getattr(self, key)} must be >= 0")
+
+
+BRANCH_KEYS = ("from", "step")
+
+
+@dataclass
+class BranchConfig:
+    """Start a new run from another run's checkpoint (`branch.from=<run dir> branch.step=N`). Built from the
+    `branch` node by ``Config.__post_init__``: `from` is a Python keyword, so the node is a plain mapping."""
+
+    source: Optional[str] = None
+    """`branch.from`: the trunk's run dir (a run's or a sweep job's); None: not a branch."""
+    step: Optional[int] = None
+    """`branch.step`: the trunk's checkpoint to start from (a step it has one for); None: its newest usable one."""
+
+    @classmethod
+    def of(cls, node: Any) -> "BranchConfig":
+        if isinstance(node, BranchConfig):
+            return node
+        node = dict(node or {})
+        for key in node:
+            if key not in BRANCH_KEYS:
+                raise ConfigError(f"branch.{key}: not a key of branch (its keys: {', '.join(BRANCH_KEYS)})")
+        source, step = node.get("from"), node.get("step")
+        if source is not None and (not isinstance(source, str) or not source):
+            raise ConfigError(f"branch.from: expected a run dir, got {source!r}")
+        if step is not None and (type(step) is not int or step < 0):
+            raise ConfigError(f"branch.step: expected a step >= 0 (an integer), got {step!r}")
+        if step is not None and source is None:
+            raise ConfigError(f"branch.step={step} needs branch.from=<run dir> (the run to branch from)")
+        return cls(source, step)
 
 
 @dataclass
@@ -348,6 +399,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: ResumeMode = ResumeMode.auto
     """Re-running in the same run dir continues from its newest checkpoint (auto), must (must) or must not (never)."""
+    branch: Any = field(default_factory=lambda: {"from": None, "step": None})
+    """`branch.from=<run dir>` (and `branch.step=N`): a new run starting from another run's checkpoint with this
+    config's plan, steps, evaluation and data (tinker_exp.train.start). Read as a BranchConfig."""
     override: Any = None
     """Values sent with every optimizer_step (lr, betas, eps, weight_decay; constants or schedules); None: nothing
     is sent. Selected with +override=NAME or +override.KEY=VALUE; untyped so YAML ints and lists reach the
@@ -360,9 +414,21 @@ class Config:
     verbose: bool = False
     """Show what the workers and libraries say on the terminal too (it always goes to the run dir's workers.log)."""
 
+    def __post_init__(self) -> None:
+        self.branch = BranchConfig.of(self.branch)
+
+
+def _add(*values: Any) -> int:
+    """`${add:a,b}`: a sum of integers (a decay branch's trainer.steps: its branch.step plus the decay's length)."""
+    if not all(type(value) is int for value in values):
+        raise ConfigError(f"add: expected integers, got {list(values)!r}")
+    return sum(values)
+
 
 def register() -> None:
-    """Store the schema in Hydra's ConfigStore (before composing; idempotent)."""
+    """Store the schema in Hydra's ConfigStore and our resolvers in OmegaConf (before composing; idempotent)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    OmegaConf.register_new_resolver("add", _add, replace=True)

@@ -151,15 +151,35 @@ def latest(root: Path) -> ResumePoint | None:
     return None
 
 
-def rotate(root: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints (0: keep all); returns what was deleted."""
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name[len(PREFIX) :])
+
+
+def rotate(root: Path, keep_last: int, keep_every: int = 0, keep: tuple[int, ...] = ()) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints (0: keep all), sparing every step that is a
+    multiple of `keep_every` (branch points) and the steps in `keep` (the best); returns what was deleted."""
     if keep_last <= 0:
         return []
     complete = [p for p in saved_steps(root) if (p / MANIFEST).is_file()]
-    doomed = complete[keep_last:]
+    kept = lambda p: (keep_every and step_of(p) % keep_every == 0) or step_of(p) in keep  # noqa: E731
+    doomed = [p for p in complete[keep_last:] if not kept(p)]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+BEST = "BEST.json"
+"""In the checkpoint root, with checkpoint.keep_best: the kept best checkpoint's step, metric and value."""
+
+
+def best_checkpoint(root: Path) -> dict[str, Any] | None:
+    """What BEST.json says (step, metric, value, path), if the checkpoint it names still exists."""
+    try:
+        best = json.loads((root / BEST).read_text())
+    except (OSError, ValueError):
+        return None
+    path = step_dir(root, best["step"])
+    return {**best, "path": str(path)} if path.is_dir() else None
 
 
 def check_checkpoint_device(point: ResumePoint, device: str) -> None:
@@ -187,23 +207,34 @@ def resume_point(root: Path, mode: str) -> ResumePoint | None:
 
 
 class Checkpointer:
-    """Saves through the workers into the checkpoint root when a save is due, atomically, then rotates."""
+    """Saves through the workers into the checkpoint root when a save is due, atomically, then rotates.
+
+    `metric`: the objective metric; with checkpoint.keep_best a checkpoint saved at an evaluation step with its lowest
+    value so far is kept outside the rotation (BEST.json names it; a resumed run reads it back)."""
 
     def __init__(
-        self, root: Path, cfg: CheckpointConfig, total_steps: int, workers: Workers, run_state: dict[str, Any]
-    ):
+        self, root: Path, cfg: CheckpointConfig, total_steps: int, workers: Workers, run_state: dict[str, Any],
+        metric: str | None = None,
+    ):  # fmt: skip
         self.root, self.cfg, self.total_steps, self.workers = root, cfg, total_steps, workers
         self.run_state = run_state  # what every checkpoint of this run records (seed, device)
+        self.metric = metric
+        self.best = best_checkpoint(root) if cfg.keep_best else None
 
     def due(self, steps_done: int) -> bool:
         every = self.cfg.every_steps
         return bool(every and steps_done % every == 0) or (self.cfg.at_end and steps_done == self.total_steps)
 
-    def save(self, steps_done: int, loop_state: dict[str, Any]) -> Path:
+    def save(self, steps_done: int, loop_state: dict[str, Any], row: dict[str, Any] | None = None) -> Path:
+        """`row`: the step's metrics row (its objective value decides the best checkpoint)."""
         tmp = begin_save(self.root, steps_done)
         self.workers.save_checkpoint(tmp / WORKERS, steps_done)
         final = commit_save(tmp, steps_done, {**self.run_state, **loop_state}, hashes=self.cfg.sha256)
-        rotate(self.root, self.cfg.keep_last)
+        value = (row or {}).get(self.metric) if self.cfg.keep_best and self.metric else None
+        if value is not None and (self.best is None or value < self.best["value"]):
+            self.best = {"step": steps_done, "metric": self.metric, "value": value, "path": str(final)}
+            (self.root / BEST).write_text(json.dumps(self.best) + "\n")
+        rotate(self.root, self.cfg.keep_last, self.cfg.keep_every, (self.best["step"],) if self.best else ())
         return final
 
 

@@ -1,0 +1,118 @@
+"""Real branches: verl's workers (2 Ray CPU gloo workers) load another run's checkpoint and go on with a plan.
+
+One trunk per module, every branch from it: with the trunk's config a branch is the trunk from step N on, bitwise;
+with another plan it starts from the very same state (its first step is the trunk's, bitwise) and then applies its
+own plan. A LoRA trunk and branch too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import metrics_rows, planned, read_jsonl, run_cli, wandb_run_file, wandb_records, wandb_run_record
+
+STEPS, AT = 12, 4
+BASE = [f"trainer.steps={STEPS}", "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
+TRUNK = ["+override=lr_cosine", "override.lr.warmup_steps=2", *BASE]
+KEYS = ("train/loss", "train/grad_norm", "applied/lr", "applied/beta1")
+
+
+def values(rows: list[dict]) -> list[list]:
+    return [[row.get(key) for key in KEYS] for row in rows]
+
+
+def cli(run_dir: Path, ray_address: str, *args: str):
+    result = run_cli(*args, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def trunk(ray_address, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("trunk")
+    cli(run_dir, ray_address, *TRUNK)  # W&B offline: its run id is the branches' lineage
+    return run_dir
+
+
+def test_a_branch_with_the_trunks_config_is_the_trunk_from_step_n_on_bitwise(trunk, ray_address, tmp_path):
+    cli(tmp_path, ray_address, *TRUNK, "logger=none", f"branch.from={trunk}", f"branch.step={AT}")
+    rows = metrics_rows(tmp_path)
+    assert [row["train/step"] for row in rows] == list(range(AT, STEPS))
+    assert values(rows) == values(metrics_rows(trunk)[AT:])
+
+
+def test_a_branch_with_another_plan_starts_from_the_trunks_state_then_applies_its_own(trunk, ray_address, tmp_path):
+    trunk_files = {p: p.stat().st_mtime_ns for p in trunk.rglob("*") if p.is_file()}
+    branch = ["+override=lr_wsd", "override.lr.decay_steps=6", *BASE, "trainer.steps=14", f"branch.from={trunk}", f"branch.step={AT}"]
+    result = cli(tmp_path, ray_address, *branch)
+    rows, trunk_rows = metrics_rows(tmp_path), metrics_rows(trunk)
+    assert [row["train/step"] for row in rows] == list(range(AT, 14))
+    # the very same state: step N's forward and backward are the trunk's, before any value of the new plan acts
+    assert (rows[0]["train/loss"], rows[0]["train/grad_norm"]) == (trunk_rows[AT]["train/loss"], trunk_rows[AT]["train/grad_norm"])
+    assert [row["applied/lr"] for row in rows] == [row["requested/lr"] for row in rows] == planned(tmp_path, "lr")[AT:]
+    assert planned(tmp_path, "lr")[AT:STEPS] != planned(trunk, "lr")[AT:]
+    assert rows[1]["train/loss"] != trunk_rows[AT + 1]["train/loss"]
+    assert {p: p.stat().st_mtime_ns for p in trunk.rglob("*") if p.is_file()} == trunk_files  # only read
+
+    trunk_id = (trunk / "wandb_run_id").read_text().strip()
+    checkpoint = str(trunk / "checkpoints" / f"step_{AT:08d}")
+    assert result.stdout.splitlines()[0].endswith(
+        f"branch of {trunk} at step {AT} (its checkpoint {checkpoint}, trunk W&B run {trunk_id}); this run's own plan from step {AT}"
+    )
+    lineage = {"from": str(trunk), "step": AT, "checkpoint": checkpoint, "trunk_wandb_run_id": trunk_id}
+    assert json.loads((tmp_path / "plan.json").read_text())["branch"] == lineage
+    assert json.loads((tmp_path / "job.json").read_text())["branch"] == lineage
+    run_record = wandb_run_record(wandb_records(wandb_run_file(tmp_path)))
+    config = {item.key: json.loads(item.value_json) for item in run_record.config.update}
+    assert (config["branch.from"], config["branch.step"], config["branch.trunk_wandb_run_id"]) == (str(trunk), AT, trunk_id)
+    assert run_record.run_id != trunk_id
+
+
+def test_a_lora_branch_starts_from_the_trunks_adapters(ray_address, tmp_path):
+    lora = ["lora=r8", "optimizer.lr=1e-2", "trainer.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=0", "logger=none"]
+    cli(tmp_path / "trunk", ray_address, *lora)
+    cli(tmp_path / "branch", ray_address, *lora, "+override.lr=3e-3", f"branch.from={tmp_path / 'trunk'}", "branch.step=2")
+    rows, trunk_rows = metrics_rows(tmp_path / "branch"), metrics_rows(tmp_path / "trunk")
+    assert [row["train/step"] for row in rows] == list(range(2, 6))
+    assert values(rows[:1]) != values(trunk_rows[2:3])  # the lr sent differs ...
+    assert (rows[0]["train/loss"], rows[0]["train/grad_norm"]) == (trunk_rows[2]["train/loss"], trunk_rows[2]["train/grad_norm"])
+    assert [row["applied/lr"] for row in rows] == [3e-3] * 4
+    assert rows[1]["train/loss"] != trunk_rows[3]["train/loss"]  # ... and acts from the branch's first update on
+
+
+def branch_sweep(trunk: Path, sweep_dir: Path, env: dict, *launcher: str) -> None:
+    """The shipped preset, narrowed to 2 branches: decays of 4 steps at steps 4 and 8 of the trunk; checks every
+    branch and the summary."""
+    result = run_cli(
+        "-m", "branch_sweep=wsd_decay", *launcher, f"branch.from={trunk}", "branch.step=4,8", "override.lr.decay_steps=4",
+        "override.lr.decay_shape=1-sqrt", "checkpoint.every_steps=4", "logger=none", f"hydra.sweep.dir={sweep_dir}",
+        env=env, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_jsonl(sweep_dir / "summary.jsonl")
+    assert [(row["status"], row["steps"]) for row in summary] == [("COMPLETED", 4), ("COMPLETED", 4)]
+    trunk_rows = metrics_rows(trunk)
+    ats = []
+    for job in summary:  # sorted by objective
+        run_dir = Path(job["run_dir"])
+        at = json.loads((run_dir / "job.json").read_text())["branch"]["step"]
+        ats.append(at)
+        assert f"branch.step={at}" in job["overrides"]
+        rows = metrics_rows(run_dir)
+        assert [row["train/step"] for row in rows] == list(range(at, at + 4))
+        assert (rows[0]["train/loss"], rows[0]["train/grad_norm"]) == (trunk_rows[at]["train/loss"], trunk_rows[at]["train/grad_norm"])
+        assert [row["applied/lr"] for row in rows] == planned(run_dir, "lr")[at:]
+        lrs = [row["applied/lr"] for row in rows]
+        assert lrs[0] <= 1e-3 and all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < 3e-4  # each trains its decay
+    assert sorted(ats) == [4, 8]
+
+
+def test_a_sweep_of_decay_branches_from_one_trunk(trunk, ray_address, tmp_path):
+    branch_sweep(trunk, tmp_path, {"RAY_ADDRESS": ray_address})  # the preset's local launcher
+
+
+def test_a_sweep_of_decay_branches_on_the_local_slurm_cluster(trunk, slurm_env, tmp_path):
+    branch_sweep(trunk, tmp_path, slurm_env, "hydra/launcher=slurm_local")

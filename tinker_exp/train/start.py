@@ -1,0 +1,196 @@
+"""Where a run starts: step 0, its own run dir's checkpoint (resume) or another run's checkpoint (branch).
+
+One answer for `main.py`: what is loaded, from which step the plan applies, which metrics rows are kept, and what
+the terminal, plan.json, job.json and W&B are told. Everything here is decided before any worker starts. Pure Python.
+
+- Resume: the run dir has a usable checkpoint. Its saved config.yaml must train the same thing: only RESUME_FREE keys
+  may differ (a different plan, model, data, ... is a new run: `branch.from=`). A run whose checkpoint is at its last
+  step is complete: nothing is started.
+- Branch: `branch.from=<trunk run dir>` and no checkpoint of its own yet. The trunk's checkpoint at `branch.step` is
+  loaded (model, optimizer, RNG, the loop's state), and from that step on this config's plan, steps, evaluation and
+  data apply. The batch of step s is a function of (data file, trainer.seed, s) (train/data.py), so with the trunk's
+  data and seed the branch sees the batches the trunk would have seen. Only BRANCH_FIXED keys must equal the trunk's:
+  the checkpoint would not load, or would mean something else, otherwise. The trunk's run dir is only read.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from tinker_exp.config import Config
+from tinker_exp.errors import ConfigError
+from tinker_exp.train.checkpoints import LOOP_STATE, ResumePoint, check_checkpoint_device, latest, problem, resume_point, saved_steps, step_dir
+
+log = logging.getLogger(__name__)
+
+SAVED_CONFIG = "config.yaml"
+"""In the run dir: the resolved config of its last start (what a resume is compared with, a branch checked against)."""
+WANDB_RUN_ID = "wandb_run_id"
+
+RESUME_FREE = (
+    "logger.", "verbose", "dry_run", "resume", "plan_steps", "checkpoint.", "trainer.eval_every", "trainer.objective",
+    "trainer.objective_mode", "trainer.max_nonfinite_steps", "backend.ray_address", "backend.nodes_timeout_s",
+    "model.cache_dir",
+)  # fmt: skip
+"""Keys (a trailing dot: a whole group) a resume may change: they change nothing that was or will be trained."""
+
+BRANCH_FIXED = (
+    "model.", "lora.", "optimizer.", "backend.strategy", "backend.num_workers", "backend.nodes", "backend.precision",
+)  # fmt: skip
+"""Keys a branch must share with its trunk: the checkpoint would not load (world size, model, adapters) or would mean
+something else (the optimizer's class and values). `model.cache_dir` is where, not what; the device kind is checked
+against the checkpoint itself (loop.json)."""
+
+
+@dataclass
+class StartPoint:
+    kind: str = "start"
+    """start (step 0), resume (the run dir's own checkpoint) or branch (another run's checkpoint)."""
+    checkpoint: ResumePoint | None = None
+    """What the workers load; None: step 0."""
+    lineage: dict[str, Any] | None = None
+    """A branch's origin, also when the branch itself is resumed: the trunk's run dir (`from`), `step`, the
+    `checkpoint` loaded and the trunk's W&B run id. Into plan.json, job.json and the W&B config."""
+    complete: bool = False
+    """A resume at the run's last step (or after an early stop): there is nothing to train."""
+
+    @property
+    def step(self) -> int:
+        """The first step this run trains (and logs: metrics.jsonl keeps the rows before it)."""
+        return self.checkpoint.step if self.checkpoint else 0
+
+    @property
+    def loop_state(self) -> dict[str, Any]:
+        return dict(self.checkpoint.state) if self.checkpoint else {}
+
+    @property
+    def trunk_wandb_run_id(self) -> str | None:
+        return (self.lineage or {}).get("trunk_wandb_run_id")
+
+    def describe(self) -> str:
+        """The terminal's line about where the run starts."""
+        if self.kind == "branch":
+            assert self.checkpoint is not None and self.lineage is not None
+            wandb = f", trunk W&B run {self.trunk_wandb_run_id}" if self.trunk_wandb_run_id else ""
+            return f"branch of {self.lineage['from']} at step {self.step} (its checkpoint {self.checkpoint.path}{wandb}); this run's own plan from step {self.step}"
+        if self.kind == "resume":
+            assert self.checkpoint is not None
+            origin = f" (a branch of {self.lineage['from']} at step {self.lineage['step']})" if self.lineage else ""
+            return f"resuming from {self.checkpoint.path} at step {self.step}{origin}"
+        return "starting at step 0"
+
+
+def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as {dotted key: leaf value} (lists are leaves)."""
+    if isinstance(tree, Mapping) and tree:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: None if isinstance(tree, Mapping) else tree}
+
+
+def differing(saved: Mapping[str, Any], now: Mapping[str, Any], compared: Any) -> list[str]:
+    """`key: saved -> now` for each key, selected by `compared(key)`, whose values differ. A key only one side has
+    counts (as None) under `override`, where keys come and go with the plan; elsewhere it is a key the schema gained
+    since the saved config was written, which then held its default."""
+    old, new = flat(saved), flat(now)
+    both = lambda key: (key in old and key in new) or key.split(".")[0] == "override"  # noqa: E731
+    keys = sorted(key for key in old.keys() | new.keys() if both(key) and compared(key))
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in keys if old.get(key) != new.get(key)]
+
+
+def _matches(key: str, patterns: tuple[str, ...]) -> bool:
+    return any(key.startswith(p) if p.endswith(".") else key == p or key.startswith(p + ".") for p in patterns)
+
+
+def read_saved_config(run_dir: Path) -> dict[str, Any] | None:
+    from omegaconf import OmegaConf
+
+    path = run_dir / SAVED_CONFIG
+    return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else None  # type: ignore[return-value]
+
+
+def start_point(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> StartPoint:
+    """Where this run starts; `resolved`: its config as config.yaml will hold it. Raises ConfigError (one line,
+    naming the keys) when the run dir or the trunk cannot start this config."""
+    own = resume_point(run_dir / cfg.checkpoint.dir, cfg.resume.value)  # a killed branch resumes from its own
+    if own is not None:
+        return resumed(cfg, resolved, run_dir, own)
+    if cfg.branch.source is not None:
+        return branched(cfg, resolved, run_dir)
+    return StartPoint()
+
+
+def _check_device(cfg: Config, point: ResumePoint) -> None:
+    if cfg.backend.device.value != "auto":  # auto is resolved with torch: a real run checks it (train_run)
+        check_checkpoint_device(point, cfg.backend.device.value)
+
+
+def resumed(cfg: Config, resolved: Mapping[str, Any], run_dir: Path, point: ResumePoint) -> StartPoint:
+    for why in point.skipped:
+        warnings.warn(f"not resuming from a broken checkpoint: {why}; falling back to {point.path.name}", stacklevel=1)
+    _check_device(cfg, point)
+    saved = read_saved_config(run_dir)
+    if saved is not None:
+        changed = differing(saved, resolved, lambda key: not _matches(key, RESUME_FREE))
+        if changed:
+            raise ConfigError(
+                f"{run_dir} holds a run of another config ({'; '.join(changed)}): a resume may change only "
+                f"logging, checkpoint and evaluation settings; to train this config from its checkpoint, start a new "
+                f"run dir with branch.from={run_dir}"
+            )
+    lineage = point.state.get("branch")  # a branch's checkpoints carry its origin (loop.json)
+    return StartPoint("resume", point, lineage, complete=point.step >= cfg.trainer.steps or bool(point.state.get("early_stopped")))
+
+
+def branched(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> StartPoint:
+    trunk = Path(cfg.branch.source).expanduser().resolve()
+    if trunk == run_dir.resolve():
+        raise ConfigError(f"branch.from={cfg.branch.source}: that is this run's own dir; a branch starts a new run dir")
+    trunk_config = read_saved_config(trunk) if trunk.is_dir() else None
+    if trunk_config is None:
+        raise ConfigError(f"branch.from={cfg.branch.source}: not a tinker_exp run dir (no {SAVED_CONFIG} in {trunk})")
+    root = trunk / str(trunk_config.get("checkpoint", {}).get("dir", "checkpoints"))
+    point = checkpoint_at(root, cfg.branch.step, cfg.branch.source)
+    if point.step >= cfg.trainer.steps:
+        raise ConfigError(
+            f"branch.step: {point.step} (the trunk's checkpoint) must be below trainer.steps={cfg.trainer.steps}: "
+            "the branch would train nothing"
+        )
+    changed = differing(trunk_config, resolved, lambda key: _matches(key, BRANCH_FIXED) and key != "model.cache_dir")
+    if changed:
+        raise ConfigError(
+            f"branch.from={cfg.branch.source}: {'; '.join(changed)} (the trunk's -> this run's); a branch must keep the "
+            "trunk's model, LoRA, optimizer and workers for its checkpoint to load as saved"
+        )
+    _check_device(cfg, point)
+    wandb_id = trunk / WANDB_RUN_ID
+    lineage = {
+        "from": str(trunk), "step": point.step, "checkpoint": str(point.path),
+        "trunk_wandb_run_id": wandb_id.read_text().strip() if wandb_id.is_file() else None,
+    }  # fmt: skip
+    return StartPoint("branch", point, lineage)
+
+
+def checkpoint_at(root: Path, step: int | None, source: str) -> ResumePoint:
+    """The trunk's checkpoint at `step` (None: its newest usable one), complete and intact."""
+    import json
+
+    if step is None:
+        point = latest(root)  # CheckpointError (exit 5) when it has checkpoints and none is usable
+        if point is None:
+            raise ConfigError(f"branch.from={source}: the run has no checkpoint to branch from (in {root})")
+        return point
+    path = step_dir(root, step)
+    if not path.is_dir():
+        have = sorted(int(p.name.split("_")[1]) for p in saved_steps(root) if problem(p) is None)
+        raise ConfigError(f"branch.step: {source} has no checkpoint at step {step} (it has: {have or 'none'})")
+    why = problem(path)
+    if why is not None:
+        raise ConfigError(f"branch.step={step}: the trunk's checkpoint is not usable: {why}")
+    return ResumePoint(path, json.loads((path / LOOP_STATE).read_text()))
