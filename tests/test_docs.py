@@ -226,12 +226,12 @@ def transcripts(path: Path) -> list[tuple[str, list[str]]]:
     return found
 
 
-@pytest.mark.parametrize("page", [REPO / "README.md", REPO / "docs" / "schedules.md"], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [REPO / "README.md", REPO / "docs" / "schedules.md", REPO / "docs" / "branching.md"], ids=lambda p: p.name)
 def test_quoted_outputs_are_what_the_cli_prints(page: Path, tmp_path: Path):
     """Every `$ python -m tinker_exp ...` transcript on the page, run (as a dry run): each quoted line is in its
     output; a quoted config error comes with exit status 2 and no traceback."""
     quoted = [(command, lines) for command, lines in transcripts(page) if lines]
-    assert len(quoted) >= (4 if page.name == "schedules.md" else 1)
+    assert len(quoted) >= {"schedules.md": 4, "branching.md": 4}.get(page.name, 1)
     for command, lines in quoted:
         done = run_shell([command], tmp_path, extra="" if "dry_run=true" in command else " dry_run=true")
         output = done.stdout + done.stderr
