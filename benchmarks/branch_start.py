@@ -10,7 +10,7 @@ Per run: process start to the first metrics.jsonl row of step `--at` (its `time`
 here just before the process is started) and the process's wall time. Printed: each pair, the medians, the ratio
 of the medians (branch / resume) and the per-pair ratios.
 
-    .venv/bin/python benchmarks/branch_start.py [--pairs 3] [--steps 8] [--at 4] [--set KEY=VALUE ...]
+    .venv/bin/python benchmarks/branch_start.py [--pairs 3] [--steps 8] [--at 4] [--set KEY=VALUE ...] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="trainer.steps of every run")
     parser.add_argument("--at", type=int, default=4, help="the checkpoint step a resume and a branch start from")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more overrides, every run")
+    parser.add_argument("--keep", type=Path, help="put the run dirs here and keep them (default: a temp dir, removed)")
     args = parser.parse_args()
     if not 0 < args.at < args.steps or args.steps % args.at:
         sys.exit("--at must be below --steps and divide it (the trunk checkpoints every --at steps)")
@@ -59,7 +60,7 @@ def main() -> None:
     common = ["+override=constant", f"trainer.steps={args.steps}", f"checkpoint.every_steps={args.at}", *args.set]
     step_dir = f"step_{args.steps:08d}"  # the trunk's newest checkpoint, removed from a resume's copy
     with tempfile.TemporaryDirectory(prefix="branch_start_") as tmp:
-        root = Path(tmp)
+        root = args.keep.resolve() if args.keep else Path(tmp)
         trunk = root / "trunk"
         _, trunk_wall = run_cli([*common, f"hydra.run.dir={trunk}"])
         print(f"trunk: {args.steps} steps, checkpoints {sorted(p.name for p in (trunk / 'checkpoints').glob('step_*'))}, {trunk_wall:.1f} s")
