@@ -9,6 +9,7 @@ import copy
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
