@@ -226,12 +226,13 @@ def transcripts(path: Path) -> list[tuple[str, list[str]]]:
     return found
 
 
-@pytest.mark.parametrize("page", [REPO / "README.md", REPO / "docs" / "schedules.md"], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [REPO / "README.md", REPO / "docs" / "schedules.md", REPO / "docs" / "optimizers.md"],
+                         ids=lambda p: p.name)
 def test_quoted_outputs_are_what_the_cli_prints(page: Path, tmp_path: Path):
     """Every `$ python -m tinker_exp ...` transcript on the page, run (as a dry run): each quoted line is in its
     output; a quoted config error comes with exit status 2 and no traceback."""
     quoted = [(command, lines) for command, lines in transcripts(page) if lines]
-    assert len(quoted) >= (4 if page.name == "schedules.md" else 1)
+    assert len(quoted) >= {"schedules.md": 4, "optimizers.md": 7}.get(page.name, 1)
     for command, lines in quoted:
         done = run_shell([command], tmp_path, extra="" if "dry_run=true" in command else " dry_run=true")
         output = done.stdout + done.stderr
@@ -291,3 +292,28 @@ def test_the_report_command_says_what_the_logging_page_quotes(tmp_path: Path):
         exit_codes.append(done.returncode)
     assert exit_codes == [2, 0, 1]
     assert not list(tmp_path.rglob("*.png"))  # a dry run without an override draws no plan, the report nothing
+
+
+def test_the_optimizers_examples_plan_what_their_comments_say(tmp_path: Path):
+    """docs/optimizers.md's example lines dry-run as written; the optimizer each builds and the values it sends are
+    what the page says (SGD's one cycle, Muon's peak at its own lr, a beta alone keeping the other, learning_rate)."""
+    page = REPO / "docs" / "optimizers.md"
+    runs = [line for line in code_block(page, "optimizer.nesterov=true") + code_block(page, "+override.beta1=0.8")
+            if line.startswith("python -m tinker_exp ")]
+    assert len(runs) == 6 and all("dry_run=true" in line for line in runs)
+    plans = {}
+    for line in runs:
+        done = run_shell([line], tmp_path)
+        assert done.returncode == 0, f"{line}\n{done.stderr}"
+        plans[re.sub(r"\s+#\s.*$", "", line).split(" dry_run")[0].removeprefix("python -m tinker_exp ")] = json.loads(
+            (run_dirs(tmp_path)[-1] / "plan.json").read_text()
+        )
+    sgd = plans["optimizer=sgd +override=sgd_one_cycle"]
+    assert sgd["optimizer"]["lr"] == 0.05 and sgd["optimizer"]["momentum"] == 0.9
+    assert set(sgd["override"]) == {"lr", "momentum"}
+    assert sgd["override"]["lr"]["value"] == 0.05 and sgd["override"]["momentum"]["max_momentum"] == 0.9  # the peaks
+    muon = plans["optimizer=muon +override=lr_cosine"]
+    assert muon["optimizer"]["lr"] == 2e-3 and muon["override"]["lr"]["value"] == 2e-3
+    assert plans["optimizer=sgd optimizer.nesterov=true"]["optimizer"]["nesterov"] is True
+    assert all(row["lr"] == 1e-4 for row in plans["+override.learning_rate=1e-4"]["rows"])
+    assert all((row["beta1"], row["beta2"]) == (0.8, 0.999) for row in plans["+override.beta1=0.8"]["rows"])
