@@ -262,9 +262,15 @@ def test_the_schedules_examples_compose_and_plan(tmp_path: Path):
     wsd = lr["python -m tinker_exp +override=lr_wsd trainer.steps=1000000 dry_run=true"]
     assert (wsd["warmup_steps"], wsd["decay_steps"]) == (50_000, 200_000)
     assert wsd["fractions"] == {"warmup_steps": 0.05, "decay_steps": 0.2}
-    (short,) = [plan for command, plan in plans.items() if "+override.lr.total_steps=10" in command]
+    (short,) = [plan for command, plan in plans.items() if "lr_cosine +override.lr.total_steps=10" in command]
     past_the_end = [row["lr"] for row in short["rows"] if row["step"] >= 10]
     assert past_the_end and past_the_end == pytest.approx([1e-3 * 0.1] * len(past_the_end))  # lr * min_ratio, held
+    (cycle,) = [plan for command, plan in plans.items() if "adamw_one_cycle +override.lr.total_steps=10" in command]
+    floor = [row["lr"] for row in cycle["rows"] if row["step"] >= 9]
+    assert floor and floor == pytest.approx([1e-3 / 25 / 1e4] * len(floor))  # one_cycle's floor, held past its end
+    one_cycle = plans["python -m tinker_exp +override=adamw_one_cycle"]["rows"]
+    peak = next(row for row in one_cycle if row["step"] == 5)
+    assert (one_cycle[0]["lr"], peak["lr"], one_cycle[0]["beta1"], peak["beta1"]) == pytest.approx((4e-5, 1e-3, 0.9, 0.85))
 
 
 def test_a_data_path_that_is_a_directory_as_the_data_page_quotes(tmp_path: Path):
