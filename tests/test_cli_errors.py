@@ -5,6 +5,7 @@ error starts nothing, so no run dir is written); the help's example commands run
 """
 
 import shlex
+import subprocess
 import sys
 from dataclasses import fields
 
@@ -227,3 +228,18 @@ def test_help_examples_run(monkeypatch, capsys, tmp_path):
 def test_hydra_help_stays_hydras(monkeypatch, capsys):
     text = help_text(monkeypatch, capsys, "--hydra-help")
     assert text.startswith("Hydra (") and "== Flags ==" in text and "hydra/launcher:" in text
+
+
+def test_our_warnings_reach_the_terminal_as_one_line(tmp_path):
+    """A leftover parameter of an earlier composed file is dropped with a warning: ours read as one line, as our
+    errors do, not as Python's file:line and source echo."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tinker_exp", "+override=[lr_cosine,lr_linear]", "dry_run=true", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if "ignoring" in line]
+    assert said == [
+        "tinker_exp: warning: override.lr: ignoring ['min_ratio', 'num_cycles'], not parameters of linear"
+        " (left from an earlier override file?)"
+    ], result.stderr

@@ -304,8 +304,20 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
         raise KeyboardInterrupt(where_a_rerun_starts(dcfg, run_dir)) from e
 
 
+def one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:
+    """Our own warnings (a broken checkpoint skipped, a leftover schedule parameter) as one line, as our errors
+    are; a library's keep Python's form, with its file and line."""
+    if Path(filename).resolve().is_relative_to(Path(__file__).resolve().parent):
+        return f"tinker_exp: warning: {message}\n"
+    return _python_format_warning(message, category, filename, lineno, line)
+
+
+_python_format_warning = warnings.formatwarning
+
+
 def main() -> None:
     config.register()
+    warnings.formatwarning = one_line_warning
     try:
         with one_line_compose_errors():  # Hydra's compose errors: one line and exit 2, like every config error
             _hydra_main()
