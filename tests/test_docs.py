@@ -323,3 +323,17 @@ def test_the_optimizers_examples_plan_what_their_comments_say(tmp_path: Path):
     assert plans["optimizer=sgd optimizer.nesterov=true"]["optimizer"]["nesterov"] is True
     assert all(row["lr"] == 1e-4 for row in plans["+override.learning_rate=1e-4"]["rows"])
     assert all((row["beta1"], row["beta2"]) == (0.8, 0.999) for row in plans["+override.beta1=0.8"]["rows"])
+
+
+def test_the_sweeps_pages_refused_points_are_what_the_cli_prints(tmp_path: Path):
+    """docs/sweeps-and-slurm.md's quoted sweeps refused before launch (a bad point, an override one of the swept
+    optimizers cannot take): each quoted line is printed, exit 2, no traceback, and no sweep dir is written."""
+    quoted = [(command, lines) for command, lines in transcripts(REPO / "docs" / "sweeps-and-slurm.md")
+              if lines and "no job was started" in lines[0]]
+    assert any("optimizer=adamw,sgd" in command for command, _ in quoted)
+    for command, lines in quoted:
+        done = run_shell([command], tmp_path)
+        output = done.stdout + done.stderr
+        assert done.returncode == 2 and "Traceback" not in output, f"{command}\n{output}"
+        assert all(line in output.splitlines() for line in lines), f"{command}\n{output}"
+    assert not (tmp_path / "outputs").exists()
