@@ -89,12 +89,13 @@ def test_a_branchs_report_draws_the_trunk_grey_up_to_its_step_a_line_there_and_i
     b1 = make_run(tmp_path / "b1", COSINE, trunk=trunk, at=4, overrides=["+override=lr_cosine", f"branch.from={trunk}", "branch.step=4"])
     fig = draw_report([read_run(b1)], "run b1")
     assert fig._suptitle.get_text().splitlines()[:2] == ["run b1", "branch of t at step 4"]
-    assert legend(fig) == ["train", "val", "trunk t (steps 0..3)", f"+override=lr_cosine branch.from={trunk} branch.step=4"]
+    label = "+override=lr_cosine branch.from=t branch.step=4"  # the trunk named as in its own entry, not a whole path
+    assert legend(fig) == ["train", "val", "trunk t (steps 0..3)", label]
     loss_ax, lr_ax = fig.axes
     assert lr_ax.get_ylabel() == "lr"
     drawn = lines_by_gid(loss_ax)
     assert drawn["trunk t (steps 0..3)"] == [[0, 1, 2, 3], [1, 3]]  # train, val: the trunk's rows before step 4 only
-    own = drawn[f"+override=lr_cosine branch.from={trunk} branch.step=4"]
+    own = drawn[label]
     assert own == [list(range(4, STEPS)), [5, 7, 9, 11]]
     trunk_loss = loss_ax.get_lines()[0]
     assert trunk_loss.get_color() == "0.55" and trunk_loss.get_linewidth() < 1.0  # grey and thin
@@ -102,7 +103,7 @@ def test_a_branchs_report_draws_the_trunk_grey_up_to_its_step_a_line_there_and_i
     # The plan panel: the trunk's plan (its plan.json) before 4, the branch's own from 4.
     plans = lines_by_gid(lr_ax)
     assert plans["trunk t (steps 0..3)"] == [[0, 1, 2, 3]]
-    assert plans[f"+override=lr_cosine branch.from={trunk} branch.step=4"] == [list(range(4, STEPS))]
+    assert plans[label] == [list(range(4, STEPS))]
     trunk_plan, branch_plan = read_plan_file(trunk / "plan.json"), read_plan_file(b1 / "plan.json")
     trunk_lr, branch_lr = (line.get_ydata() for line in lr_ax.get_lines()[:2])
     assert np.array_equal(trunk_lr, trunk_plan.column("lr")[:4])

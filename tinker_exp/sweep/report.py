@@ -161,6 +161,9 @@ def label_runs(runs: Sequence[RunInfo]) -> None:
         run = runs[0]
         shown = [f"{key}={_short(value)}" if sep else key
                  for key, sep, value in (override.partition("=") for override in run.command_line)]  # fmt: skip
+        if len(run.parts) > 1:  # a branch: its trunk as the trunk's legend entry names it, not a whole path
+            shown = [f"branch.from={display_name(run.parts[-2].run_dir)}" if item.startswith("branch.from=") else item
+                     for item in shown]  # fmt: skip
         run.label = " ".join(shown) or run.schedules or "defaults, no override"
         return
 
