@@ -1,7 +1,7 @@
 """What a branch's pictures and summaries show, read back as data (titles, legend labels, each line's x range, the
 vertical line at the branch step), not as pixels. Run dirs are written by hand with the project's own writers
-(write_plan_file, and a branch's lineage on top of its plan.json as main.write_plan puts it; job.json with it;
-metrics.jsonl with the branch's own steps only), as tests/test_branch.py's (fake-worker) branches leave them."""
+(main.write_plan for plan.json with a branch's lineage, job.json with it, metrics.jsonl with the branch's own steps
+only), as tests/test_branch.py's (fake-worker) branches leave them."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from tinker_exp import report as command
+from tinker_exp.main import write_plan
 from tinker_exp.optim.plan import plan_for
-from tinker_exp.optim.preview import draw_plan, history, plot_plan, read_plan_file, write_plan_file
+from tinker_exp.optim.preview import draw_plan, history, plot_plan, read_plan_file
 from tinker_exp.sweep.jobs import job_info, read_outcome, summary_table, write_job_info, write_summary
 from tinker_exp.sweep.report import draw_report, read_run
 
@@ -33,10 +34,7 @@ def make_run(run_dir: Path, schedule=WSD, steps=STEPS, trunk: Path | None = None
         checkpoint = trunk / "checkpoints" / f"step_{at:08d}"
         lineage = {"from": str(trunk), "step": at, "checkpoint": str(checkpoint), "trunk_wandb_run_id": None}
     write_job_info(run_dir, {**job_info(num, list(overrides)), **({"branch": lineage} if lineage else {})})
-    write_plan_file(plan_for(schedule, dict(ADAMW), steps, "AdamW"), run_dir / "plan.json")
-    if lineage:  # main.write_plan's form: {"branch": lineage, **the plan}
-        doc = json.loads((run_dir / "plan.json").read_text())
-        (run_dir / "plan.json").write_text(json.dumps({"branch": lineage, **doc}, indent=1) + "\n")
+    write_plan(plan_for(schedule, dict(ADAMW), steps, "AdamW"), run_dir, [], lineage)
     base = 4.0 if trunk is not None else 5.0
     rows = [{"train/step": s, "train/loss": base - s / 10, **({"val/loss": base - s / 10 + 0.05} if s % 2 else {})}
             for s in range(at, steps)]  # fmt: skip
