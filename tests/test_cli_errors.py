@@ -196,7 +196,8 @@ def test_help_lists_every_group_option_in_conf(monkeypatch, capsys):
 
 def test_help_lists_every_override_key_and_schedule_kind_with_its_parameters(monkeypatch, capsys):
     text = help_text(monkeypatch, capsys)
-    assert f"Keys: {', '.join(OVERRIDE_KEYS)}." in text
+    assert f"Keys: {', '.join(OVERRIDE_KEYS)} (" in text
+    assert all(spelling in text for spelling in ("learning_rate = lr", "beta1 = betas[0]", "beta2 = betas[1]"))
     section = text.split("Schedule kinds and their parameters")[1].split("== When is + needed ==")[0]
     rows: dict[str, str] = {}
     for line in section.splitlines():

@@ -176,7 +176,7 @@ def section(path: Path, heading: str) -> list[str]:
 
 
 def test_the_readme_single_runs_compose_and_plan(tmp_path: Path):
-    """Every single-run line of the README's ten commands (not the sweeps, not the user's data file) composes
+    """Every single-run line of the README's eleven commands (not the sweeps, not the user's data file) composes
     and plans as a dry run."""
     block = code_block(REPO / "README.md", "python -m tinker_exp +override=lr_cosine ")
     commands = [line.removeprefix("python -m tinker_exp") for line in block if line.startswith("python -m tinker_exp")]
@@ -226,12 +226,14 @@ def transcripts(path: Path) -> list[tuple[str, list[str]]]:
     return found
 
 
-@pytest.mark.parametrize("page", [REPO / "README.md", REPO / "docs" / "schedules.md", REPO / "docs" / "branching.md"], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "page", [REPO / "README.md", *(REPO / "docs" / name for name in ("schedules.md", "optimizers.md", "branching.md"))], ids=lambda p: p.name
+)
 def test_quoted_outputs_are_what_the_cli_prints(page: Path, tmp_path: Path):
     """Every `$ python -m tinker_exp ...` transcript on the page, run (as a dry run): each quoted line is in its
     output; a quoted config error comes with exit status 2 and no traceback."""
     quoted = [(command, lines) for command, lines in transcripts(page) if lines]
-    assert len(quoted) >= {"schedules.md": 4, "branching.md": 4}.get(page.name, 1)
+    assert len(quoted) >= {"schedules.md": 4, "optimizers.md": 7, "branching.md": 4}.get(page.name, 1)
     for command, lines in quoted:
         done = run_shell([command], tmp_path, extra="" if "dry_run=true" in command else " dry_run=true")
         output = done.stdout + done.stderr
@@ -261,9 +263,15 @@ def test_the_schedules_examples_compose_and_plan(tmp_path: Path):
     wsd = lr["python -m tinker_exp +override=lr_wsd trainer.steps=1000000 dry_run=true"]
     assert (wsd["warmup_steps"], wsd["decay_steps"]) == (50_000, 200_000)
     assert wsd["fractions"] == {"warmup_steps": 0.05, "decay_steps": 0.2}
-    (short,) = [plan for command, plan in plans.items() if "+override.lr.total_steps=10" in command]
+    (short,) = [plan for command, plan in plans.items() if "lr_cosine +override.lr.total_steps=10" in command]
     past_the_end = [row["lr"] for row in short["rows"] if row["step"] >= 10]
     assert past_the_end and past_the_end == pytest.approx([1e-3 * 0.1] * len(past_the_end))  # lr * min_ratio, held
+    (cycle,) = [plan for command, plan in plans.items() if "adamw_one_cycle +override.lr.total_steps=10" in command]
+    floor = [row["lr"] for row in cycle["rows"] if row["step"] >= 9]
+    assert floor and floor == pytest.approx([1e-3 / 25 / 1e4] * len(floor))  # one_cycle's floor, held past its end
+    one_cycle = plans["python -m tinker_exp +override=adamw_one_cycle"]["rows"]
+    peak = next(row for row in one_cycle if row["step"] == 5)
+    assert (one_cycle[0]["lr"], peak["lr"], one_cycle[0]["beta1"], peak["beta1"]) == pytest.approx((4e-5, 1e-3, 0.9, 0.85))
 
 
 def test_a_data_path_that_is_a_directory_as_the_data_page_quotes(tmp_path: Path):
@@ -291,3 +299,42 @@ def test_the_report_command_says_what_the_logging_page_quotes(tmp_path: Path):
         exit_codes.append(done.returncode)
     assert exit_codes == [2, 0, 1]
     assert not list(tmp_path.rglob("*.png"))  # a dry run without an override draws no plan, the report nothing
+
+
+def test_the_optimizers_examples_plan_what_their_comments_say(tmp_path: Path):
+    """docs/optimizers.md's example lines dry-run as written; the optimizer each builds and the values it sends are
+    what the page says (SGD's one cycle, Muon's peak at its own lr, a beta alone keeping the other, learning_rate)."""
+    page = REPO / "docs" / "optimizers.md"
+    runs = [line for line in code_block(page, "optimizer.nesterov=true") + code_block(page, "+override.beta1=0.8")
+            if line.startswith("python -m tinker_exp ")]
+    assert len(runs) == 6 and all("dry_run=true" in line for line in runs)
+    plans = {}
+    for line in runs:
+        done = run_shell([line], tmp_path)
+        assert done.returncode == 0, f"{line}\n{done.stderr}"
+        plans[re.sub(r"\s+#\s.*$", "", line).split(" dry_run")[0].removeprefix("python -m tinker_exp ")] = json.loads(
+            (run_dirs(tmp_path)[-1] / "plan.json").read_text()
+        )
+    sgd = plans["optimizer=sgd +override=sgd_one_cycle"]
+    assert sgd["optimizer"]["lr"] == 0.05 and sgd["optimizer"]["momentum"] == 0.9
+    assert set(sgd["override"]) == {"lr", "momentum"}
+    assert sgd["override"]["lr"]["value"] == 0.05 and sgd["override"]["momentum"]["max_momentum"] == 0.9  # the peaks
+    muon = plans["optimizer=muon +override=lr_cosine"]
+    assert muon["optimizer"]["lr"] == 2e-3 and muon["override"]["lr"]["value"] == 2e-3
+    assert plans["optimizer=sgd optimizer.nesterov=true"]["optimizer"]["nesterov"] is True
+    assert all(row["lr"] == 1e-4 for row in plans["+override.learning_rate=1e-4"]["rows"])
+    assert all((row["beta1"], row["beta2"]) == (0.8, 0.999) for row in plans["+override.beta1=0.8"]["rows"])
+
+
+def test_the_sweeps_pages_refused_points_are_what_the_cli_prints(tmp_path: Path):
+    """docs/sweeps-and-slurm.md's quoted sweeps refused before launch (a bad point, an override one of the swept
+    optimizers cannot take): each quoted line is printed, exit 2, no traceback, and no sweep dir is written."""
+    quoted = [(command, lines) for command, lines in transcripts(REPO / "docs" / "sweeps-and-slurm.md")
+              if lines and "no job was started" in lines[0]]
+    assert any("optimizer=adamw,sgd" in command for command, _ in quoted)
+    for command, lines in quoted:
+        done = run_shell([command], tmp_path)
+        output = done.stdout + done.stderr
+        assert done.returncode == 2 and "Traceback" not in output, f"{command}\n{output}"
+        assert all(line in output.splitlines() for line in lines), f"{command}\n{output}"
+    assert not (tmp_path / "outputs").exists()

@@ -93,8 +93,8 @@ def test_each_optimizer_accepts_its_own_keys(name, sendable):
         ("RMSprop", {"momentum": 1.0}, "override.momentum: 1.0 is not in [0, 1)"),
         ("SGD", {"momentum": {"schedule": "linear", "start": 0.5, "end": 1.5}}, "override.momentum at step 3 (linear): 1.1 is not in [0, 1)"),
         ("SGD", {"beta1": 0.9}, "override.beta1 (betas[0]): optimizer SGD has no param-group key 'betas'"),
-        ("AdamW", {"learning_rate": 1e-3, "lr": 1e-3}, "override.learning_rate: lr is set too (the same value in two spellings); keep one"),
-        ("AdamW", {"beta2": 0.95, "betas": [0.9, 0.95]}, "override.beta2: betas is set too (the same value in two spellings); keep one"),
+        ("AdamW", {"learning_rate": 1e-3, "lr": 1e-3}, "override.learning_rate: lr is set too (one key in two spellings: Tinker's and verl's); keep one"),
+        ("AdamW", {"beta2": 0.95, "betas": [0.9, 0.95]}, "override.beta2: betas is set too (one key in two spellings: Tinker's and verl's); keep one"),
     ],
 )
 def test_overrides_the_optimizer_cannot_take_are_refused_before_launch(name, override, message):

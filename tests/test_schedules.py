@@ -468,3 +468,11 @@ def test_the_plot_names_each_keys_schedule_with_its_resolved_steps(tmp_path):
     assert plot_plan(plan, tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     wide = validate(OmegaConf.to_object(compose("+override=[lr_wsd,beta2_warmup,wd_cosine]")))  # wrapped between keys
     assert plot_title(wide) == "lr: wsd (warmup 1, decay 4, 1-sqrt), betas[0]: constant, betas[1]: linear,\nweight_decay: cosine"
+
+
+def test_a_momentum_cycle_that_runs_the_wrong_way_is_warned_of():
+    """one_cycle_momentum falls from max_momentum to base_momentum while the lr rises: a peak below the floor (the
+    optimizer's momentum of 0, as RMSprop's default) inverts it; torch allows it, so a warning names both."""
+    with pytest.warns(UserWarning, match=r"override.momentum.max_momentum: 0.0 is below base_momentum 0.85"):
+        compile_schedule({"schedule": "one_cycle_momentum", "max_momentum": 0.0}, 10, "override.momentum")
+    assert compile_schedule({"schedule": "one_cycle_momentum", "max_momentum": 0.95}, 10, "override.momentum").total_steps == 10

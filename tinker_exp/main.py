@@ -9,6 +9,7 @@ import copy
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -48,6 +49,15 @@ def validate(cfg: Config) -> Plan:
     objective_metric(cfg)
     check_early_stop(cfg)
     return build_plan(cfg.override, cfg.optimizer, cfg.trainer.steps)
+
+
+def checked_rows(cfg: Config) -> tuple[list[Row], list[Row]]:
+    """The training and validation rows, read, split and checked (the chat template too) before any worker starts:
+    a dry run and a sweep's check of its points find a data error as the run would."""
+    rows = dataset_rows(cfg.data)
+    chat = next((row.where for rows_of_a_set in rows for row in rows_of_a_set if row.messages is not None), None)
+    config.check_chat_template(cfg.model.path, chat)
+    return rows
 
 
 def describe(plan: Plan, steps: list[int]) -> str:
@@ -102,9 +112,7 @@ def run(
     write_job_info(run_dir, job or job_info(None, []))
     cfg = config.load(dcfg)
     plan = validate(cfg)
-    rows = dataset_rows(cfg.data)  # read and split before any worker starts (a dry run checks them too)
-    chat = next((row.where for rows_of_a_set in rows for row in rows_of_a_set if row.messages is not None), None)
-    config.check_chat_template(cfg.model.path, chat)
+    rows = checked_rows(cfg)
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     start = start_point(cfg, resolved, run_dir)  # resume or branch: checked against its config, before any worker
     if start.kind != "start":

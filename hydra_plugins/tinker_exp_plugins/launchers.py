@@ -66,8 +66,7 @@ def point_error(
     """(the point's typed config, None), or (None, why its job would stop before any worker starts): composed
     as its job is, then the pure checks `tinker_exp.main.run` makes first (config, plan, data rows, chat template).
     `data_checked`: the data settings already found good in this sweep (a data set is read once, not per point)."""
-    from tinker_exp.main import validate  # the entry's one list of checks; imports no torch, verl or ray
-    from tinker_exp.train.data import dataset_rows
+    from tinker_exp.main import checked_rows, validate  # the entry's own checks; they import no torch, verl or ray
 
     try:
         job_cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
@@ -77,9 +76,7 @@ def point_error(
         validate(cfg)
         data_key = repr((cfg.data, cfg.model.path))
         if data_checked is None or data_key not in data_checked:
-            rows = dataset_rows(cfg.data)
-            chat = next((row.where for rows_of_a_set in rows for row in rows_of_a_set if row.messages is not None), None)
-            tinker_config.check_chat_template(cfg.model.path, chat)
+            checked_rows(cfg)
             if data_checked is not None:
                 data_checked.add(data_key)
     except COMPOSE_ERRORS as e:

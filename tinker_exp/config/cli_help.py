@@ -24,10 +24,13 @@ def _yaml_word(value: object) -> str:
 def overrides_section() -> str:
     """The override keys, then one line per schedule kind: its parameters, `name=default` where it has one."""
     from tinker_exp.optim.convert import OVERRIDE_KEYS
+    from tinker_exp.optim.optimizers import TINKER_SPELLINGS
     from tinker_exp.optim.schedules import PARAMS, _defaults
 
+    spellings = ", ".join(f"{tinker} = {ours}" for tinker, ours in TINKER_SPELLINGS.items())
     lines = [
-        f"Keys: {', '.join(OVERRIDE_KEYS)}. Each is a number (sent with every step) or a schedule",
+        f"Keys: {', '.join(OVERRIDE_KEYS)} (those the chosen optimizer's groups hold; Tinker's {spellings}).",
+        "Each is a number (sent with every step) or a schedule",
         "{schedule: KIND, PARAMETER: VALUE, ...}; betas is [beta1, beta2], each a number or a schedule.",
         "Schedule kinds and their parameters (name=default; [name]: optional; name=optimizer's: the optimizer's",
         "own value for that key when not given or null; every kind also takes total_steps, default trainer.steps):",

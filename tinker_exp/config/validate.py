@@ -106,7 +106,7 @@ def check(cfg: Config) -> None:
     if cfg.optimizer.name.value == "Muon" and cfg.lora.rank > 0:
         raise ConfigError(
             f"optimizer.name: Muon with lora.rank={cfg.lora.rank} is not supported (Muon splits the full model's "
-            "weight matrices; LoRA trains adapters only): use AdamW with LoRA"
+            "weight matrices; LoRA trains adapters only): choose another optimizer with LoRA"
         )
     data_path(cfg.data.path)
     if cfg.model.path:

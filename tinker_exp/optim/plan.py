@@ -126,14 +126,14 @@ def verl_names(override: Mapping[str, Any], values: Mapping[str, Any], spec: Opt
     out = dict(override)
     if out.get("learning_rate") is not None:
         if out.get("lr") is not None:
-            raise ConfigError("override.learning_rate: lr is set too (the same value in two spellings); keep one")
+            raise ConfigError("override.learning_rate: lr is set too (one key in two spellings: Tinker's and verl's); keep one")
         out["lr"] = out.pop("learning_rate")
     out.pop("learning_rate", None)
     beta1, beta2 = out.pop("beta1", None), out.pop("beta2", None)
     if beta1 is not None or beta2 is not None:
         name = "beta1" if beta1 is not None else "beta2"
         if out.get("betas") is not None:
-            raise ConfigError(f"override.{name}: betas is set too (the same value in two spellings); keep one")
+            raise ConfigError(f"override.{name}: betas is set too (one key in two spellings: Tinker's and verl's); keep one")
         if "betas" not in values:
             raise ConfigError(f"override.{name} (betas[{int(name == 'beta2')}]): {spec.refusal('betas')}; "
                               f"{sendable_message(spec)}")

@@ -12,6 +12,7 @@ import json
 import math
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -166,8 +167,78 @@ def plot_title(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def plot_plan(plan: Plan, path: Path) -> Path | None:
-    """One panel per value sent; None when nothing is sent."""
+@dataclass(frozen=True)
+class Part:
+    """Steps [first, end) of a run's history, trained in `run_dir` (end None: to that run's last step)."""
+
+    run_dir: Path
+    first: int = 0
+    end: int | None = None
+
+    def holds(self, step: int) -> bool:
+        return step >= self.first and (self.end is None or step < self.end)
+
+
+def branch_of(run_dir: Path) -> dict[str, Any] | None:
+    """A branch's lineage as its plan.json has it ({from, step, checkpoint, trunk_wandb_run_id}); None for a run
+    from step 0 (or a run dir without a readable plan.json)."""
+    try:
+        doc = json.loads((Path(run_dir) / PLAN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    lineage = doc.get("branch") if isinstance(doc, dict) else None
+    return lineage if isinstance(lineage, dict) and "from" in lineage and "step" in lineage else None
+
+
+def history(run_dir: Path) -> list[Part]:
+    """Where each step of a run was trained, oldest first: a run from step 0 is [itself]; a branch at step N is
+    its trunk's history before N, then itself from N (a branch of a branch: recursively). A trunk that is gone
+    (moved, deleted) leaves only the branch's own part, from N, and a warning: a picture never fails a run."""
+    return _history(Path(run_dir), set())
+
+
+def _history(run_dir: Path, seen: set[Path]) -> list[Part]:
+    lineage = branch_of(run_dir)
+    if lineage is None:
+        return [Part(run_dir)]
+    step, trunk = int(lineage["step"]), Path(lineage["from"])
+    seen = seen | {run_dir.resolve()}
+    if trunk.resolve() in seen or not (trunk / PLAN_FILE).is_file():
+        import warnings
+
+        warnings.warn(f"{run_dir}: its trunk {trunk} (branch.from) is not there; only the branch's own steps are drawn", stacklevel=3)
+        return [Part(run_dir, step)]
+    before = [Part(p.run_dir, p.first, step if p.end is None else min(p.end, step)) for p in _history(trunk, seen) if p.first < step]
+    return [*before, Part(run_dir, step)]
+
+
+def steps_word(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}..{last}"
+
+
+TRUNK_COLOR, TRUNK_WIDTH = "0.55", 0.9
+"""The trunk's part of a branch's pictures: grey and thin, the branch's own in colour."""
+BRANCH_LINE = {"color": "0.15", "linewidth": 1.0, "linestyle": "--"}
+"""The vertical line at a branch step, in every panel."""
+
+
+def plot_plan(plan: Plan, path: Path, parts: list[Part] | None = None) -> Path | None:
+    """plan.png: one panel per value sent; None when nothing is sent. `parts`: where the run's steps were trained
+    (None: read from the plan.json beside `path`, which a run writes first)."""
+    fig = draw_plan(plan, parts if parts is not None else history(Path(path).parent))
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def draw_plan(plan: Plan, parts: list[Part]) -> Any:
+    """The figure (not saved; a matplotlib Figure) of plan.png, None when nothing is sent. A branch's (`parts`
+    from `history`) draws its trunk's plan before the branch step (grey, from the trunk's plan.json), a dashed
+    line at the step and its own plan from there; each line's label (and the line's gid) says whose it is."""
     keys = list(flat_values("", plan[0]))
     if not keys:
         return None
@@ -177,26 +248,57 @@ def plot_plan(plan: Plan, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+    from tinker_exp.sweep.report import display_name  # how every picture names a run dir
+
+    trunks = [(part, _trunk_plan(part.run_dir)) for part in parts[:-1]]
+    first = parts[-1].first  # the branch's own part: from its branch step on (0: a run from step 0)
     steps = plot_steps(plan)
+    own = steps[steps >= first]
     title = plot_title(plan)
+    if first:
+        named = f"branch of {display_name(parts[-2].run_dir)} at step {first}" if trunks else f"branch at step {first} (its trunk is not there)"
+        title = f"{named}; its own plan from there:\n{title}"
     top = 0.25 + 0.18 * (title.count("\n") + 1)  # inches above the panels: the title's lines
     height = 1.8 * len(keys) + 0.15 + top
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, height), sharex=True, squeeze=False)
     # Fixed margins (inches) rather than tight_layout, which draws the figure once more to measure it.
     fig.subplots_adjust(left=0.16, right=0.97, bottom=0.55 / height, top=1 - top / height, hspace=0.25)
     for ax, key in zip(axes[:, 0], keys):
-        ax.plot(steps, plan.column(key)[steps], linewidth=1.2)
+        for part, trunk_plan in trunks:
+            if trunk_plan is not None and key in trunk_plan.columns:
+                shown = [s for s in plot_steps(trunk_plan) if part.holds(s)]
+                last = (part.end if part.end is not None else len(trunk_plan)) - 1
+                label = f"trunk {display_name(part.run_dir)} ({steps_word(part.first, last)})"
+                ax.plot(shown, trunk_plan.column(key)[shown], color=TRUNK_COLOR, linewidth=TRUNK_WIDTH, label=label, gid=label)
+        label = f"this branch (from step {first})" if first else None
+        ax.plot(own, plan.column(key)[own], linewidth=1.2, label=label, gid=label or "plan")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         for boundary in plan.boundaries():
-            ax.axvline(boundary, color="grey", linewidth=0.6, linestyle=":")
+            if boundary >= first:
+                ax.axvline(boundary, color="grey", linewidth=0.6, linestyle=":")
+        for part in parts:
+            if part.first:
+                ax.axvline(part.first, gid=f"branch step {part.first}", **BRANCH_LINE)
+    if first:
+        axes[0, 0].legend(fontsize=7, loc="best")
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 2.5 tick on a short plan
     axes[-1, 0].xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{int(x):,}"))  # 1,000,000, not 1e6 offset
     axes[-1, 0].set_xlabel("optimizer step (0 = first)")
     fig.suptitle(title, fontsize=9, y=1 - 0.12 / height, va="top")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def _trunk_plan(run_dir: Path) -> Plan | None:
+    """A trunk's plan from its plan.json; None (with a warning) when it cannot be rebuilt: the branch's own part is
+    still drawn."""
+    try:
+        return read_plan_file(run_dir / PLAN_FILE)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        import warnings
+
+        warnings.warn(f"plan.png: no trunk plan from {run_dir}: {type(e).__name__}: {e}", stacklevel=3)
+        return None
 
 
 def main(argv: list[str]) -> None:

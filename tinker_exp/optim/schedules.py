@@ -353,6 +353,14 @@ def _check_consistency(kind: str, params: dict[str, Any], total: int, where: str
             raise ConfigError(
                 f"{where}: warmup_steps + stable_steps + decay_steps = {used} runs past the end ({total} steps)"
             )
+    if kind == "one_cycle_momentum":
+        given = {**_defaults(kind), **params}
+        if given["max_momentum"] < given["base_momentum"]:  # e.g. RMSprop's default momentum 0 as the peak
+            warnings.warn(  # torch's OneCycleLR allows it too; it is rarely meant
+                f"{where}.max_momentum: {given['max_momentum']} is below base_momentum {given['base_momentum']}: "
+                "the cycle rises while the lr rises (set max_momentum, or the optimizer's momentum it defaults to)",
+                stacklevel=2,
+            )
     if kind == "multistep":
         milestones = list(params["milestones"])
         if milestones != sorted(milestones) or len(set(milestones)) != len(milestones):

@@ -74,6 +74,8 @@ class JobOutcome:
     steps: int = 0  # steps logged to metrics.jsonl
     final_loss: float | None = None
     objective: float | None = None  # what the job returned to the sweeper (trainer.objective)
+    branch_from: str | None = None  # a branch's trunk run dir (job.json's lineage), its steps before branch_step
+    branch_step: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -91,6 +93,13 @@ def read_outcome(
 ) -> JobOutcome:
     """What a job left in its run dir (whatever it got to before it ended), and the objective it returned."""
     outcome = JobOutcome(num, list(overrides), status, str(run_dir), error, job_id, objective=objective)
+    job = run_dir / JOB_FILE
+    try:
+        lineage = json.loads(job.read_text()).get("branch") if job.is_file() else None
+    except (OSError, ValueError, AttributeError):  # a job killed while writing it: no lineage, the rest still counts
+        lineage = None
+    if isinstance(lineage, dict):
+        outcome.branch_from, outcome.branch_step = lineage.get("from"), lineage.get("step")
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         rows = read_jsonl(metrics)
@@ -105,8 +114,22 @@ def ranked(outcomes: Sequence[JobOutcome]) -> list[JobOutcome]:
     return sorted(outcomes, key=lambda o: (o.objective is None, o.objective if o.objective is not None else 0, o.num))
 
 
+def branches_line(branches: Sequence[tuple[str, int]]) -> str | None:
+    """(trunk, branch step) of each branch, said once: "branch of T at step 4", "branches of T at steps 4, 8"
+    ("; of " between trunks); None for no branch. The sweep's summary and its report.png say it so."""
+    steps_of: dict[str, set[int]] = {}
+    for trunk, step in branches:
+        steps_of.setdefault(trunk, set()).add(step)
+    if not steps_of:
+        return None
+    said = [f"{trunk} at {'step' if len(steps) == 1 else 'steps'} {', '.join(map(str, sorted(steps)))}"
+            for trunk, steps in steps_of.items()]  # fmt: skip
+    return f"{'branch' if len(branches) == 1 else 'branches'} of " + "; of ".join(said)
+
+
 def summary_table(outcomes: Sequence[JobOutcome]) -> str:
-    """Sorted by objective, the best job marked with `*`."""
+    """Sorted by objective, the best job marked with `*`; a sweep of branches says once where they came from,
+    above the table (its steps column counts each branch's own steps)."""
     header = ["job", "overrides", "status", "steps", "final loss", "objective", "job id", "run dir"]
     ordered = ranked(outcomes)
     best = ordered[0] if ordered and ordered[0].objective is not None else None
@@ -123,7 +146,8 @@ def summary_table(outcomes: Sequence[JobOutcome]) -> str:
         ]
         for o in ordered
     ]
-    return text_table(header, rows)
+    origin = branches_line([(o.branch_from, int(o.branch_step or 0)) for o in outcomes if o.branch_from is not None])
+    return (f"{origin}\n" if origin else "") + text_table(header, rows)
 
 
 def write_summary(sweep_dir: Path, outcomes: Sequence[JobOutcome]) -> Path:

@@ -3,6 +3,11 @@ plan changes over the run, one panel each. One run, a sweep (the best job by its
 in the legend), a study (the same, and study.png: the objective against each searched parameter), or any runs
 together (`python -m tinker_exp.report`). Each run is labelled by what differs between the runs drawn.
 
+A branch (branch.from) logs only its own steps: its trunk's curves and plan before the branch step are read from
+the trunk's run dir and drawn grey and thin (a branch of a branch: each trunk's part), with a dashed line at the
+step. Branches of one trunk drawn together (a sweep of branch steps, or `python -m tinker_exp.report TRUNK
+BRANCH...`) show the trunk once: up to their last branch step, or whole when it is one of the runs given.
+
 Pure Python (matplotlib, and optuna for a study, imported when a picture is drawn)."""
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ if TYPE_CHECKING:  # imported when a report is drawn: Hydra imports this module 
     from matplotlib.figure import Figure
 
     from tinker_exp.optim.plan import Plan
+    from tinker_exp.optim.preview import Part
 
 REPORT = "report.png"
 STUDY_REPORT = "study.png"  # a study's objective against each searched parameter
@@ -63,7 +69,13 @@ class RunInfo:
     settings: dict[str, str]  # config.yaml flattened, and Hydra's group choices (.hydra/hydra.yaml)
     objective: dict[str, Any] | None  # objective.json: metric, mode, value (a finite value, else None)
     schedules: str  # the plan's schedules in words ("lr: cosine"); "" when it sends nothing
+    parts: list[Part]  # where its steps were trained (preview.history): [itself], or a branch's trunks then itself
     label: str = field(default="")
+
+    @property
+    def first(self) -> int:
+        """The first step the run trained itself (its branch step; 0 for a run from step 0)."""
+        return self.parts[-1].first
 
 
 def read_run(run_dir: Path, name: str = "") -> RunInfo:
@@ -82,8 +94,10 @@ def read_run(run_dir: Path, name: str = "") -> RunInfo:
     if not (isinstance(objective, dict) and _finite(objective.get("value"))):
         objective = None
     command_line = [str(override) for override in job.get("overrides") or []]
+    from tinker_exp.optim.preview import history
+
     return RunInfo(run_dir, name, read_jsonl(metrics) if metrics.exists() else [], _plan(run_dir), command_line, overrides,
-                   settings, objective, _schedules(run_dir))  # fmt: skip
+                   settings, objective, _schedules(run_dir), history(run_dir))  # fmt: skip
 
 
 def _read_yaml(path: Path) -> Any:
@@ -147,6 +161,9 @@ def label_runs(runs: Sequence[RunInfo]) -> None:
         run = runs[0]
         shown = [f"{key}={_short(value)}" if sep else key
                  for key, sep, value in (override.partition("=") for override in run.command_line)]  # fmt: skip
+        if len(run.parts) > 1:  # a branch: its trunk as the trunk's legend entry names it, not a whole path
+            shown = [f"branch.from={display_name(run.parts[-2].run_dir)}" if item.startswith("branch.from=") else item
+                     for item in shown]  # fmt: skip
         run.label = " ".join(shown) or run.schedules or "defaults, no override"
         return
 
@@ -185,8 +202,12 @@ def best_run(runs: Sequence[RunInfo]) -> RunInfo | None:
     return min(judged, key=lambda run: run.objective["value"])
 
 
+def _step(row: dict) -> Any:
+    return row.get("train/step", row.get("step"))
+
+
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(row.get("train/step", row.get("step")), row[key]) for row in rows if key in row]
+    points = [(_step(row), row[key]) for row in rows if key in row]
     return [p[0] for p in points], [p[1] for p in points]
 
 
@@ -204,13 +225,63 @@ def _plan(run_dir: Path) -> Plan | None:
         return None
 
 
-def _plan_series(plan: Plan | None, key: str) -> tuple[Any, Any]:
+def _plan_series(plan: Plan | None, key: str, part: Part | None = None) -> tuple[Any, Any]:
+    """The plan's `key` at the steps to draw; `part`: only the steps it holds (a branch's own, a trunk's before)."""
     from tinker_exp.optim.preview import plot_steps
 
     if plan is None or key not in plan.columns:
         return [], []
     steps = plot_steps(plan)  # a long plan decimated, its jumps and phase boundaries kept
+    if part is not None:
+        steps = steps[(steps >= part.first) & (steps < (part.end if part.end is not None else len(plan)))]
     return steps, plan.column(key)[steps]
+
+
+@dataclass
+class Trunk:
+    """A trunk's part of the report: drawn once, grey and thin, however many branches of it are drawn."""
+
+    run: RunInfo
+    part: Part  # the steps drawn: up to the last branch step drawn, or to the end (a trunk given as a run)
+
+    @property
+    def label(self) -> str:
+        from tinker_exp.optim.preview import steps_word
+
+        logged = [_step(row) for row in self.run.rows if self.part.holds(_step(row))]
+        last = self.part.end - 1 if self.part.end is not None else max(logged, default=self.part.first)
+        return f"trunk {display_name(self.run.dir)} ({steps_word(self.part.first, last)})"
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [row for row in self.run.rows if self.part.holds(_step(row))]
+
+
+def trunks_of(runs: Sequence[RunInfo]) -> tuple[list[Trunk], list[RunInfo]]:
+    """The trunks of the runs that are branches (each once, oldest first), and the runs drawn in colour: a run
+    that is itself a trunk of another run drawn is drawn as a trunk, whole."""
+    from tinker_exp.optim.preview import Part
+
+    given = {run.dir.resolve(): run for run in runs}
+    spans: dict[Path, Part] = {}
+
+    def merge(part: Part) -> None:
+        key = part.run_dir.resolve()
+        seen = spans.get(key)
+        if seen is not None:
+            end = None if None in (seen.end, part.end) else max(seen.end, part.end)  # type: ignore[type-var]
+            part = Part(seen.run_dir, min(seen.first, part.first), end)
+        spans[key] = part
+
+    for run in runs:
+        for part in run.parts[:-1]:
+            merge(part)
+    drawn = [run for run in runs if run.dir.resolve() not in spans]
+    if not drawn:  # runs that are each other's trunks (a copied run dir): draw them all as runs
+        return [], list(runs)
+    for key in spans.keys() & given.keys():
+        merge(Part(given[key].dir, given[key].first, None))
+    trunks = [Trunk(given.get(key) or read_run(part.run_dir), part) for key, part in spans.items()]
+    return sorted(trunks, key=lambda trunk: trunk.part.first), drawn
 
 
 def _pyplot() -> Any:
@@ -226,6 +297,7 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     """The figure (not saved): loss panel, then one panel per plan key that changes. Each run's loss lines
     carry its label as their gid, and the legend one entry per run, so what is drawn can be read back. None when
     no run logged a step."""
+    trunks, runs = trunks_of(runs)
     label_runs(runs)  # over every run: a failed job's overrides still tell the others apart
     silent = [run for run in runs if not run.rows]
     runs = [run for run in runs if run.rows]
@@ -235,17 +307,20 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     varying = sorted(
         {
             name
-            for run in runs
+            for run in [*runs, *(trunk.run for trunk in trunks)]
             if run.plan is not None
             for name, column in run.plan.columns.items()
             if not isinstance(column, float) and column.min() != column.max()
         }
     )
+    branch_steps = sorted({part.first for run in runs for part in run.parts if part.first})  # also a gone trunk's
     plt = _pyplot()
     from matplotlib.lines import Line2D
 
+    from tinker_exp.optim.preview import BRANCH_LINE, TRUNK_COLOR, TRUNK_WIDTH  # as plan.png draws a branch
+
     # The legend never over several runs' lines: beside the plot, or below it when the labels are long.
-    widest = max(len(run.label) for run in runs) + 12
+    widest = max([len(run.label) for run in runs] + [len(trunk.label) for trunk in trunks]) + 12
     below = widest > LEGEND_BESIDE
     beside = len(runs) > 1 and not below  # one run with a short label: inside its loss panel
     legend_width = 0.075 * widest if beside else 0
@@ -255,6 +330,17 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     loss_ax = axes[0, 0]
     handles = [Line2D([], [], color="0.3", linewidth=1.0, label="train"),
                Line2D([], [], color="0.3", linewidth=1.6, linestyle="--", marker="o", markersize=3, label="val")]  # fmt: skip
+    for trunk in trunks:
+        rows = trunk.rows()
+        loss_ax.plot(*_series(rows, "train/loss"), color=TRUNK_COLOR, linewidth=TRUNK_WIDTH, zorder=1, gid=trunk.label)
+        steps, values = _series(rows, "val/loss")
+        if steps:
+            loss_ax.plot(steps, values, color=TRUNK_COLOR, linewidth=TRUNK_WIDTH + 0.4, linestyle="--", marker="o",
+                         markersize=2.5, zorder=1, gid=trunk.label)  # fmt: skip
+        for ax, key in zip(axes[1:, 0], varying):
+            ax.plot(*_plan_series(trunk.run.plan, key, trunk.part), color=TRUNK_COLOR, linewidth=TRUNK_WIDTH, zorder=1,
+                    gid=trunk.label)  # fmt: skip
+        handles.append(Line2D([], [], color=TRUNK_COLOR, linewidth=TRUNK_WIDTH + 0.6, label=trunk.label))
     for i, run in enumerate(runs):
         color, is_best = colors[i % len(colors)], run is best
         width = BEST_LINE_WIDTH if is_best else LINE_WIDTH
@@ -265,8 +351,9 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
         if steps:
             loss_ax.plot(steps, values, color=color, linewidth=width + 0.6, linestyle="--", marker="o",
                          markersize=5 if is_best else 3, alpha=alpha, zorder=z, gid=run.label)  # fmt: skip
-        for ax, key in zip(axes[1:, 0], varying):
-            ax.plot(*_plan_series(run.plan, key), color=color, linewidth=width + 0.2, alpha=alpha, zorder=z, gid=run.label)
+        for ax, key in zip(axes[1:, 0], varying):  # a branch's plan from its branch step: the trunk's is grey
+            ax.plot(*_plan_series(run.plan, key, run.parts[-1]), color=color, linewidth=width + 0.2, alpha=alpha,
+                    zorder=z, gid=run.label)  # fmt: skip
         label = run.label
         if run.objective is not None and len(runs) > 1:
             label += f" -> {run.objective['value']:.4g}"
@@ -284,6 +371,9 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     for ax, key in zip(axes[1:, 0], varying):
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        for step in branch_steps:
+            ax.axvline(step, gid=f"branch step {step}", zorder=0, **BRANCH_LINE)
     from matplotlib.ticker import MaxNLocator
 
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 0.5 tick on a short run
@@ -295,9 +385,14 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
 
 
 def _title_lines(title: str, runs: Sequence[RunInfo], best: RunInfo | None, silent: Sequence[RunInfo]) -> list[str]:
-    """The title, then the best run and what judged it (several runs), or the schedules (one run), then the runs
-    not drawn."""
+    """The title, where the branches drawn came from, then the best run and what judged it (several runs), or the
+    schedules (one run), then the runs not drawn."""
+    from tinker_exp.sweep.jobs import branches_line
+
     lines = [title]
+    origin = branches_line([(display_name(run.parts[-2].run_dir), run.first) for run in runs if len(run.parts) > 1 and run.first])
+    if origin:
+        lines.append(origin)
     if best is not None:
         judged = sum(run.objective is not None for run in runs)
         metric, mode, value = best.objective["metric"], best.objective["mode"], best.objective["value"]
