@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 
 from helpers import REPO, environment, job_json, read_jsonl, run_cli, wait_until
 from tinker_exp.errors import ConfigError
-from tinker_exp.sweep.study import CUT_OFF, recover, results, search_space
+from tinker_exp.sweep.study import CUT_OFF, masked, open_storage, recover, results, search_space, steps_line, study_in, sweep_storage
 from tinker_exp.train.objective import read_objective, write_objective
 
 
@@ -29,7 +29,10 @@ def parse(*overrides: str):
 
 
 def storage_trials(sweep_dir, name: str = "tinker_exp") -> list:
-    return optuna.load_study(study_name=name, storage=f"sqlite:///{sweep_dir / 'optuna.db'}").trials
+    """The study as the sweeper left it in its sweep dir: Optuna's journal file, read with Optuna's own classes."""
+    assert (sweep_dir / "optuna.journal").exists() and not (sweep_dir / "optuna.db").exists()
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(sweep_dir / "optuna.journal")))
+    return optuna.load_study(study_name=name, storage=storage).trials
 
 
 # --- pure: the search space and a killed study's bookkeeping ------------------------------------------
@@ -102,6 +105,39 @@ def test_a_killed_study_is_continued_from_its_storage_and_run_dirs(tmp_path):
     assert recover(continued) == []  # nothing left running
 
 
+def test_a_study_of_an_earlier_version_keeps_its_sqlite_file_a_new_one_gets_a_journal(tmp_path):
+    assert sweep_storage(tmp_path) == f"journal:///{tmp_path.resolve() / 'optuna.journal'}" and study_in(tmp_path) is None
+    optuna.create_study(study_name="old", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    assert sweep_storage(tmp_path) == study_in(tmp_path) == f"sqlite:///{(tmp_path / 'optuna.db').resolve()}"
+    assert optuna.load_study(study_name="old", storage=open_storage(sweep_storage(tmp_path))).study_name == "old"
+    assert masked("postgresql://bob:p@ss:w@db.lab:5432/studies") == "postgresql://bob:***@db.lab:5432/studies"
+    assert masked("postgresql://bob@db.lab/studies") == "postgresql://bob@db.lab/studies"
+
+
+def test_a_killed_pruning_study_records_a_trial_pruned_meanwhile_as_pruned(tmp_path):
+    """A job that its pruner stopped while the study was down: PRUNED with its last reported value, where it
+    stopped in optimization_results.yaml, and the steps it did not train counted."""
+    storage = sweep_storage(tmp_path)
+    study = optuna.create_study(study_name="s", storage=open_storage(storage))
+    space = {"x": FloatDistribution(0.0, 1.0)}
+    trials = [study.ask(space) for _ in range(2)]
+    for trial in trials:
+        trial.set_user_attr("run_dir", str(tmp_path / str(trial.number)))
+        (tmp_path / str(trial.number)).mkdir()
+    trials[0].report(3.0, 1)
+    trials[0].report(2.5, 3)
+    write_objective(tmp_path / "0", "val/loss", "last", 2.5, None, {"steps": 4, "steps_planned": 6, "pruned_at_step": 4})
+    write_objective(tmp_path / "1", "val/loss", "last", 1.0, None, {"steps": 6, "steps_planned": 6})
+    continued = optuna.load_study(study_name="s", storage=open_storage(storage))
+    lines = recover(continued)
+    assert [t.state for t in continued.trials] == [TrialState.PRUNED, TrialState.COMPLETE]
+    assert continued.trials[0].value == 2.5 and "trial 0: pruned at step 4 while the study was down: 2.5" in lines[0]
+    summary = results(continued, storage)
+    assert summary["pruned"] == [{"trial": 0, "step": 4, "value": 2.5, "overrides": []}] and summary["best_trial"] == 1
+    assert (summary["steps_trained"], summary["steps_without_pruning"]) == (10, 12)
+    assert steps_line(summary) == "steps trained: 10 (83%) of the 12 a study without pruning would have trained; 1 trials pruned"
+
+
 # --- the CLI: errors before anything runs, and a study whose trials all fail ---------------------------
 
 
@@ -111,13 +147,26 @@ def test_a_killed_study_is_continued_from_its_storage_and_run_dirs(tmp_path):
         ([], "config error: hydra.sweeper.params: no search space"),
         (["optimizer.lr=tag(log,interval(0,1))"], "config error: optimizer.lr: a log-scale interval must start above 0"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.n_trials=0"], "config error: hydra.sweeper.n_trials: 0 must be an int >= 1"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.n_jobs=0"], "config error: hydra.sweeper.n_jobs: 0 must be an int >= 1"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=early"], "config error: hydra.sweeper.pruner: 'early' is not a pruner; one of none, median,"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=median", "+hydra.sweeper.pruner_args.n_warmup_steps=-1"],
+         "config error: hydra.sweeper.pruner_args: {'n_warmup_steps': -1} for pruner 'median': Number of warmup steps cannot be negative"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=median", "+hydra.sweeper.pruner_args.n_startup_trials=two"],
+         "config error: hydra.sweeper.pruner_args.n_startup_trials: 'two' must be a number"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=median", "trainer.eval_every=0"],
+         "config error: hydra.sweeper.pruner=median: trainer.eval_every=0 evaluates only after the last step"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=threshold", "+hydra.sweeper.pruner_args.upper=1", "data.val_fraction=null"],
+         "config error: hydra.sweeper.pruner=threshold: the pruner needs evaluations, and there is no validation data"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.storage=postgresql://bob:hunter2@127.0.0.1:1/studies"],
+         "config error: hydra.sweeper.storage: postgresql://bob:***@127.0.0.1:1/studies: cannot open the study:"),
     ],
 )
 def test_a_bad_study_is_one_line_and_exit_2_before_any_trial(tmp_path, args, message):
     result = run_cli("-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", *args)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(f"tinker_exp: {message}"), result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "optuna.db").exists()
+    assert "Traceback" not in result.stderr and not list(tmp_path.glob("optuna.*"))
+    assert "hunter2" not in result.stdout + result.stderr + "".join(p.read_text() for p in tmp_path.rglob("*.yaml"))
 
 
 def test_failed_trials_are_recorded_and_the_study_goes_on_exit_1_when_none_completed(tmp_path):

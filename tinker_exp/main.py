@@ -21,7 +21,7 @@ from tinker_exp.config import Config
 from tinker_exp.config.compose_errors import one_line_compose_errors
 from tinker_exp.errors import STOPS, Terminated, TinkerExpError, one_line
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
-from tinker_exp.formats import read_jsonl
+from tinker_exp.formats import masked, read_jsonl
 from tinker_exp.train.checkpoints import check_checkpoint_device, resume_point
 from tinker_exp.train.data import Row, dataset_rows
 from tinker_exp.train.objective import Watch, check_early_stop, objective_metric, objective_value, write_objective
@@ -277,13 +277,9 @@ def hydra_output_files(task_cfg: DictConfig, hydra_cfg: Any) -> dict[str, str]:
     whole = copy.deepcopy(HydraConfig.instance().cfg)  # the `hydra` node, as Hydra's run_job saves it
     with read_write(whole.hydra):
         whole.hydra.output_subdir = HYDRA_FILES
-        if isinstance(whole.hydra.sweeper.get("storage"), str):  # a study's database URL: its password not written
-            from tinker_exp.sweep.study import masked
-
-            whole.hydra.sweeper.storage = masked(whole.hydra.sweeper.storage)
     return {
         "config.yaml": OmegaConf.to_yaml(task_cfg),
-        "hydra.yaml": OmegaConf.to_yaml(whole),
+        "hydra.yaml": masked(OmegaConf.to_yaml(whole)),  # a study's database URL: its password not written
         "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
     }
 

@@ -116,10 +116,8 @@ class OptunaSweeper(Sweeper):
             )
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        saved = OmegaConf.to_container(self.config)  # the URL's password is not written
-        if self.storage:
-            saved["hydra"]["sweeper"]["storage"] = masked(self.storage)
-        OmegaConf.save(OmegaConf.create(saved), sweep_dir / "multirun.yaml")
+        # The storage URL's password is not written (the sweeper's node and Hydra's record of the command line).
+        (sweep_dir / "multirun.yaml").write_text(masked(OmegaConf.to_yaml(self.config)))
         storage = self.storage or sweep_storage(sweep_dir)
         shown = masked(storage)
         if storage.startswith("sqlite:") and not self.storage:

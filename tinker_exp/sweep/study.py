@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import statistics
 import warnings
 import json
@@ -26,6 +25,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.trial import FrozenTrial, TrialState
 
 from tinker_exp.errors import ConfigError
+from tinker_exp.formats import masked  # noqa: F401 (the sweeper's and the tests' name for it)
 from tinker_exp.train.objective import read_objective, read_run_end
 
 RESULTS_FILE = "optimization_results.yaml"
@@ -61,11 +61,6 @@ def open_storage(url: str) -> Any:
         path = url[len(JOURNAL) - 1 :]
         return JournalStorage(JournalFileBackend(path, lock_obj=JournalFileOpenLock(path)))
     return url
-
-
-def masked(url: str) -> str:
-    """The URL as printed and saved: a database password replaced by ***."""
-    return re.sub(r"(://[^:/@]*):[^/]*@", r"\1:***@", url)
 
 
 PRUNERS = {
