@@ -21,6 +21,8 @@ from optuna.trial import TrialState
 from helpers import REPO, environment, job_json, read_jsonl, run_cli, wait_until
 from tinker_exp.errors import ConfigError
 from tinker_exp.sweep.study import CUT_OFF, masked, open_storage, recover, results, search_space, steps_line, study_in, sweep_storage
+from tinker_exp.formats import read_json
+from tinker_exp.train.checkpoints import latest
 from tinker_exp.train.objective import read_objective, write_objective
 
 
@@ -106,7 +108,7 @@ def test_a_killed_study_is_continued_from_its_storage_and_run_dirs(tmp_path):
 
 
 def test_a_study_of_an_earlier_version_keeps_its_sqlite_file_a_new_one_gets_a_journal(tmp_path):
-    assert sweep_storage(tmp_path) == f"journal:///{tmp_path.resolve() / 'optuna.journal'}" and study_in(tmp_path) is None
+    assert sweep_storage(tmp_path) == f"journal://{tmp_path.resolve() / 'optuna.journal'}" and study_in(tmp_path) is None
     optuna.create_study(study_name="old", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
     assert sweep_storage(tmp_path) == study_in(tmp_path) == f"sqlite:///{(tmp_path / 'optuna.db').resolve()}"
     assert optuna.load_study(study_name="old", storage=open_storage(sweep_storage(tmp_path))).study_name == "old"
@@ -271,3 +273,49 @@ def test_a_study_on_the_local_slurm_cluster(slurm_env, tmp_path):
     saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
     assert saved.best_value == min(t.value for t in trials) and saved.failed == []
     assert os.path.samefile(saved.best_run_dir, tmp_path / str(saved.best_trial))
+
+
+def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_records_them_pruned(ray_address, tmp_path):
+    """The threshold pruner on the requested learning rate (override constant, so whether a trial must be pruned is known
+    from its point): every trial above the threshold is pruned at its first evaluation (step 2 of 6), ends
+    cleanly with a checkpoint there, and is PRUNED in the journal with the value it reported; the others run to
+    the end. Storage, run dirs, summary and optimization_results.yaml agree."""
+    upper = 2e-3
+    result = run_cli(
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=6",
+        "trainer.eval_every=2", "trainer.batch_size=4", "logger=none", "trainer.objective=requested/lr",
+        "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
+        "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}",
+        env={"RAY_ADDRESS": ray_address}, timeout=900,
+    )  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    trials = storage_trials(tmp_path)
+    pruned = [t for t in trials if t.params["override.lr"] > upper]
+    assert pruned and len(pruned) < len(trials)  # the seeded sampler gives both kinds (else: another seed)
+    saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
+    for trial in trials:
+        run_dir = tmp_path / str(trial.number)
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        evaluated = {row["train/step"]: row["requested/lr"] for row in rows if "val/loss" in row}
+        assert trial.intermediate_values == evaluated  # each evaluation reported at its train/step, nothing else
+        last = latest(run_dir / "checkpoints")
+        assert last.step == rows[-1]["train/step"] + 1  # a checkpoint where it stopped
+        loop = last.state
+        if trial in pruned:
+            assert trial.state == TrialState.PRUNED and [row["train/step"] for row in rows] == [0, 1]
+            assert trial.value == rows[-1]["requested/lr"] and loop["pruned"] is True
+            job_log = (run_dir / "tinker_exp.log").read_text()
+            assert f"pruned at step 2: requested/lr {trial.value:.6g} (median of the other trials " in job_log
+            assert f"trial {trial.number}: pruned at step 2: {trial.value:.6g}" in out
+            assert read_json(run_dir / "objective.json")["pruned_at_step"] == 2
+        else:
+            assert trial.state == TrialState.COMPLETE and len(rows) == 6 and "pruned" not in loop
+    assert [(p.trial, p.step) for p in saved.pruned] == [(t.number, 2) for t in pruned]
+    assert saved.n_pruned == len(pruned) and saved.best_value == min(t.value for t in trials if t not in pruned)
+    assert saved.failed == [] and "cut off" not in (tmp_path / "summary.md").read_text()
+    statuses = {row["num"]: row["status"] for row in read_jsonl(tmp_path / "summary.jsonl")}
+    assert statuses == {t.number: "PRUNED" if t in pruned else "COMPLETED" for t in trials}
+    trained = 2 * len(pruned) + 6 * (len(trials) - len(pruned))
+    assert (saved.steps_trained, saved.steps_without_pruning) == (trained, 6 * len(trials))
+    assert f"steps trained: {trained} ({trained / 24:.0%}) of the 24 a study without pruning would have trained" in out

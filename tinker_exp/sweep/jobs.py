@@ -109,7 +109,7 @@ def summary_table(outcomes: Sequence[JobOutcome]) -> str:
     """Sorted by objective, the best job marked with `*`."""
     header = ["job", "overrides", "status", "steps", "final loss", "objective", "job id", "run dir"]
     ordered = ranked(outcomes)
-    best = ordered[0] if ordered and ordered[0].objective is not None else None
+    best = next((o for o in ordered if o.ok and o.objective is not None), None)  # a pruned trial is never the best
     rows = [
         [
             f"*{o.num}" if o is best else str(o.num),

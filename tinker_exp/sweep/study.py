@@ -31,7 +31,7 @@ from tinker_exp.train.objective import read_objective, read_run_end
 RESULTS_FILE = "optimization_results.yaml"
 JOURNAL_FILE = "optuna.journal"  # the default storage: Optuna's journal, safe for writers on several nodes
 SQLITE_FILE = "optuna.db"  # what studies of earlier versions used: still read and written when it is there
-JOURNAL = "journal:///"  # our URL for a journal file (Optuna's own URLs are for databases)
+JOURNAL = "journal://"  # our URL for a journal file (Optuna's own URLs are for databases)
 STUDY_ENV = "TINKER_EXP_STUDY"  # what a job is told of its study: {"storage": URL, "study_name": ...} as JSON
 CUT_OFF = "cut off: the study stopped while it ran"  # a failed trial without an error of its own
 
@@ -58,7 +58,7 @@ def open_storage(url: str) -> Any:
         from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 
         # The open(O_EXCL) lock works on NFS too; its grace period frees a lock whose holder was killed.
-        path = url[len(JOURNAL) - 1 :]
+        path = url[len(JOURNAL) :]
         return JournalStorage(JournalFileBackend(path, lock_obj=JournalFileOpenLock(path)))
     return url
 
@@ -172,7 +172,7 @@ def trial_run_dir(trial: FrozenTrial) -> Path | None:
 
 def trial_error(trial: FrozenTrial) -> str | None:
     """Why a failed trial failed (recorded when its job failed; none recorded: it was cut off)."""
-    return None if trial.state == TrialState.COMPLETE else trial.user_attrs.get("error", CUT_OFF)
+    return None if trial.state in (TrialState.COMPLETE, TrialState.PRUNED) else trial.user_attrs.get("error", CUT_OFF)
 
 
 def recover(study: optuna.Study) -> list[str]:
