@@ -275,13 +275,18 @@ def test_a_study_on_the_local_slurm_cluster(slurm_env, tmp_path):
     assert os.path.samefile(saved.best_run_dir, tmp_path / str(saved.best_trial))
 
 
-def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_records_them_pruned(ray_address, tmp_path):
-    """The threshold pruner on the requested learning rate (override constant, so whether a trial must be pruned is known
-    from its point): every trial above the threshold is pruned at its first evaluation (step 2 of 6), ends
-    cleanly with a checkpoint there, and is PRUNED in the journal with the value it reported; the others run to
-    the end. Storage, run dirs, summary and optimization_results.yaml agree."""
+@pytest.mark.parametrize("server", [False, True], ids=["journal", "postgres"])
+def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_records_them_pruned(ray_address, tmp_path, request, server):
+    """The threshold pruner on the requested learning rate (override constant, so whether a trial must be pruned is
+    known from its point): every trial above the threshold is pruned at its first evaluation (step 2 of 6), ends
+    cleanly with a checkpoint there, and is PRUNED in the storage (the journal file, or a real PostgreSQL server
+    the jobs report to) with the value it reported; the others run to the end. Storage, run dirs, summary and
+    optimization_results.yaml agree; the server's password is in nothing printed or written."""
     upper = 2e-3
-    result = run_cli(
+    url = request.getfixturevalue("postgres_url") if server else None
+    name = f"pruning-{tmp_path.name}-{os.getpid()}" if server else "tinker_exp"  # one server, many studies
+    storage = [f"hydra.sweeper.storage={url}", f"hydra.sweeper.study_name={name}"] if server else []
+    result = run_cli(*storage,
         "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=6",
         "trainer.eval_every=2", "trainer.batch_size=4", "logger=none", "trainer.objective=requested/lr",
         "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
@@ -290,7 +295,12 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
     )  # fmt: skip
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
-    trials = storage_trials(tmp_path)
+    trials = optuna.load_study(study_name=name, storage=url).trials if server else storage_trials(tmp_path)
+    if server:
+        password = url.split(":")[2].split("@")[0]
+        written = [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".md", ".log")]
+        assert password not in out and not any(password in text for text in written)
+        assert f"({url.replace(password, '***')})" in out and not list(tmp_path.glob("optuna.*"))
     pruned = [t for t in trials if t.params["override.lr"] > upper]
     assert pruned and len(pruned) < len(trials)  # the seeded sampler gives both kinds (else: another seed)
     saved = OmegaConf.load(tmp_path / "optimization_results.yaml")

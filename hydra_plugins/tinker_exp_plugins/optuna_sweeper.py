@@ -232,7 +232,8 @@ class OptunaSweeper(Sweeper):
             status = {TrialState.COMPLETE: "COMPLETED", TrialState.PRUNED: "PRUNED"}.get(t.state, "FAILED")
             outcomes.append(read_outcome(t.number, [trial_label(t.params)], status, run_dir, trial_error(t), None, t.value))
         summary = write_summary(sweep_dir, outcomes)
-        runs = [(f"trial {o.num}", Path(o.run_dir)) for o in outcomes]  # each labelled by what differs
+        # Each labelled by what differs; a pruned trial's curve ends where it stopped, and says so.
+        runs = [(f"trial {o.num}" + (f" (pruned at {o.steps})" if o.status == "PRUNED" else ""), Path(o.run_dir)) for o in outcomes]
         report = write_report(runs, sweep_dir / REPORT, f"study {display_name(sweep_dir)}")
         slices = write_study_report(study, sweep_dir / STUDY_REPORT, f"study {display_name(sweep_dir)}")
         log.info(f"study summary ({', '.join(str(p) for p in (summary, report, slices) if p)}):\n{summary_table(outcomes)}")
