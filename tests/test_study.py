@@ -286,11 +286,11 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
     url = request.getfixturevalue("postgres_url") if server else None
     name = f"pruning-{tmp_path.name}-{os.getpid()}" if server else "tinker_exp"  # one server, many studies
     storage = [f"hydra.sweeper.storage={url}", f"hydra.sweeper.study_name={name}"] if server else []
-    result = run_cli(*storage,
+    result = run_cli(
         "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=6",
         "trainer.eval_every=2", "trainer.batch_size=4", "logger=none", "trainer.objective=requested/lr",
         "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
-        "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}",
+        "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}", *storage,
         env={"RAY_ADDRESS": ray_address}, timeout=900,
     )  # fmt: skip
     out = result.stdout + result.stderr
