@@ -329,3 +329,26 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
     trained = 2 * len(pruned) + 6 * (len(trials) - len(pruned))
     assert (saved.steps_trained, saved.steps_without_pruning) == (trained, 6 * len(trials))
     assert f"steps trained: {trained} ({trained / 24:.0%}) of the 24 a study without pruning would have trained" in out
+
+
+def test_a_pruning_study_on_the_local_slurm_cluster_reports_from_both_nodes_to_one_journal(slurm_env, tmp_path):
+    """Slurm jobs (one array of 4, on both nodes) report their evaluations to the journal in the sweep dir; the
+    threshold pruner stops each trial above it at its first evaluation, as on the local launcher."""
+    upper = 2e-3
+    result = run_cli(
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=6",
+        "trainer.eval_every=2", "trainer.batch_size=4", "logger=none", "trainer.objective=requested/lr",
+        "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=4",
+        "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}",
+        env=slurm_env, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    trials = storage_trials(tmp_path)
+    nodes = {job_json(tmp_path / str(t.number))["slurm"]["nodelist"] for t in trials}
+    assert len(nodes) == 2, nodes  # jobs on both nodes wrote to the one journal
+    for trial in trials:
+        rows = read_jsonl(tmp_path / str(trial.number) / "metrics.jsonl")
+        assert trial.intermediate_values == {row["train/step"]: row["requested/lr"] for row in rows if "val/loss" in row}
+        must_prune = trial.params["override.lr"] > upper
+        assert trial.state == (TrialState.PRUNED if must_prune else TrialState.COMPLETE)
+        assert len(rows) == (2 if must_prune else 6)
