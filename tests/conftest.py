@@ -40,3 +40,15 @@ def slurm_env():
     env_file = up.stdout.strip().splitlines()[-1]  # up.sh prints `export SLURM_CONF=...` last
     key, _, value = env_file.removeprefix("export ").partition("=")
     return {key: value, "RAY_ADDRESS": None}  # a sweep job starts its own Ray in its allocation
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """A real PostgreSQL server on this machine (launchers/local_postgres/up.sh: idempotent): its storage URL.
+    A server that does not come up fails these tests, as the Slurm cluster does."""
+    import subprocess
+
+    up = subprocess.run(["bash", str(REPO / "launchers" / "local_postgres" / "up.sh")], capture_output=True, text=True, timeout=600)
+    if up.returncode != 0:
+        pytest.fail(f"the local PostgreSQL server did not start (up.sh exit {up.returncode}):\n{up.stdout[-2000:]}{up.stderr[-2000:]}")
+    return up.stdout.strip().splitlines()[-1]

@@ -203,15 +203,15 @@ def test_write_report_writes_a_png_and_nothing_when_no_run_logged_a_step(tmp_pat
 
 
 def study_dir(tmp_path: Path) -> tuple[Path, object]:
-    """A study as hydra/sweeper=optuna leaves it: optuna.db in the sweep dir, a run dir per trial."""
+    """A study as hydra/sweeper=optuna leaves it: optuna.journal in the sweep dir, a run dir per trial."""
     import optuna
 
-    from tinker_exp.sweep.study import STORAGE_FILE
+    from tinker_exp.sweep.study import open_storage, sweep_storage
 
     sweep = tmp_path / "outputs" / "sweeps" / "2026-12-01" / "08-37-19"
     sweep.mkdir(parents=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(study_name="tinker_exp", storage=f"sqlite:///{sweep / STORAGE_FILE}")
+    study = optuna.create_study(study_name="tinker_exp", storage=open_storage(sweep_storage(sweep)))
     space = {"override.lr.value": optuna.distributions.FloatDistribution(1e-4, 3e-3, log=True),
              "override.lr.warmup_steps": optuna.distributions.IntDistribution(0, 5)}  # fmt: skip
     for number, (lr, warmup, value) in enumerate(((6e-4, 2, 5.7), (4e-4, 5, 5.5), (3e-4, 4, 5.9))):

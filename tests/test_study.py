@@ -20,7 +20,9 @@ from optuna.trial import TrialState
 
 from helpers import REPO, environment, job_json, read_jsonl, run_cli, wait_until
 from tinker_exp.errors import ConfigError
-from tinker_exp.sweep.study import CUT_OFF, recover, results, search_space
+from tinker_exp.sweep.study import CUT_OFF, masked, open_storage, recover, results, search_space, steps_line, study_in, sweep_storage
+from tinker_exp.formats import read_json
+from tinker_exp.train.checkpoints import latest
 from tinker_exp.train.objective import read_objective, write_objective
 
 
@@ -29,7 +31,10 @@ def parse(*overrides: str):
 
 
 def storage_trials(sweep_dir, name: str = "tinker_exp") -> list:
-    return optuna.load_study(study_name=name, storage=f"sqlite:///{sweep_dir / 'optuna.db'}").trials
+    """The study as the sweeper left it in its sweep dir: Optuna's journal file, read with Optuna's own classes."""
+    assert (sweep_dir / "optuna.journal").exists() and not (sweep_dir / "optuna.db").exists()
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(sweep_dir / "optuna.journal")))
+    return optuna.load_study(study_name=name, storage=storage).trials
 
 
 # --- pure: the search space and a killed study's bookkeeping ------------------------------------------
@@ -102,6 +107,39 @@ def test_a_killed_study_is_continued_from_its_storage_and_run_dirs(tmp_path):
     assert recover(continued) == []  # nothing left running
 
 
+def test_a_study_of_an_earlier_version_keeps_its_sqlite_file_a_new_one_gets_a_journal(tmp_path):
+    assert sweep_storage(tmp_path) == f"journal://{tmp_path.resolve() / 'optuna.journal'}" and study_in(tmp_path) is None
+    optuna.create_study(study_name="old", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    assert sweep_storage(tmp_path) == study_in(tmp_path) == f"sqlite:///{(tmp_path / 'optuna.db').resolve()}"
+    assert optuna.load_study(study_name="old", storage=open_storage(sweep_storage(tmp_path))).study_name == "old"
+    assert masked("postgresql://bob:p@ss:w@db.lab:5432/studies") == "postgresql://bob:***@db.lab:5432/studies"
+    assert masked("postgresql://bob@db.lab/studies") == "postgresql://bob@db.lab/studies"
+
+
+def test_a_killed_pruning_study_records_a_trial_pruned_meanwhile_as_pruned(tmp_path):
+    """A job that its pruner stopped while the study was down: PRUNED with its last reported value, where it
+    stopped in optimization_results.yaml, and the steps it did not train counted."""
+    storage = sweep_storage(tmp_path)
+    study = optuna.create_study(study_name="s", storage=open_storage(storage))
+    space = {"x": FloatDistribution(0.0, 1.0)}
+    trials = [study.ask(space) for _ in range(2)]
+    for trial in trials:
+        trial.set_user_attr("run_dir", str(tmp_path / str(trial.number)))
+        (tmp_path / str(trial.number)).mkdir()
+    trials[0].report(3.0, 1)
+    trials[0].report(2.5, 3)
+    write_objective(tmp_path / "0", "val/loss", "last", 2.5, None, {"steps": 4, "steps_planned": 6, "pruned_at_step": 4})
+    write_objective(tmp_path / "1", "val/loss", "last", 1.0, None, {"steps": 6, "steps_planned": 6})
+    continued = optuna.load_study(study_name="s", storage=open_storage(storage))
+    lines = recover(continued)
+    assert [t.state for t in continued.trials] == [TrialState.PRUNED, TrialState.COMPLETE]
+    assert continued.trials[0].value == 2.5 and "trial 0: pruned at step 4 while the study was down: 2.5" in lines[0]
+    summary = results(continued, storage)
+    assert summary["pruned"] == [{"trial": 0, "step": 4, "value": 2.5, "overrides": []}] and summary["best_trial"] == 1
+    assert (summary["steps_trained"], summary["steps_without_pruning"]) == (10, 12)
+    assert steps_line(summary) == "steps trained: 10 (83%) of the 12 a study without pruning would have trained; 1 trials pruned"
+
+
 # --- the CLI: errors before anything runs, and a study whose trials all fail ---------------------------
 
 
@@ -111,13 +149,26 @@ def test_a_killed_study_is_continued_from_its_storage_and_run_dirs(tmp_path):
         ([], "config error: hydra.sweeper.params: no search space"),
         (["optimizer.lr=tag(log,interval(0,1))"], "config error: optimizer.lr: a log-scale interval must start above 0"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.n_trials=0"], "config error: hydra.sweeper.n_trials: 0 must be an int >= 1"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.n_jobs=0"], "config error: hydra.sweeper.n_jobs: 0 must be an int >= 1"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=early"], "config error: hydra.sweeper.pruner: 'early' is not a pruner; one of none, median,"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=median", "+hydra.sweeper.pruner_args.n_warmup_steps=-1"],
+         "config error: hydra.sweeper.pruner_args: {'n_warmup_steps': -1} for pruner 'median': Number of warmup steps cannot be negative"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=median", "+hydra.sweeper.pruner_args.n_startup_trials=two"],
+         "config error: hydra.sweeper.pruner_args.n_startup_trials: 'two' must be a number"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=median", "trainer.eval_every=0"],
+         "config error: hydra.sweeper.pruner=median: trainer.eval_every=0 evaluates only after the last step"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=threshold", "+hydra.sweeper.pruner_args.upper=1", "data.val_fraction=null"],
+         "config error: hydra.sweeper.pruner=threshold: the pruner needs evaluations, and there is no validation data"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.storage=postgresql://bob:hunter2@127.0.0.1:1/studies"],
+         "config error: hydra.sweeper.storage: postgresql://bob:***@127.0.0.1:1/studies: cannot open the study:"),
     ],
 )
 def test_a_bad_study_is_one_line_and_exit_2_before_any_trial(tmp_path, args, message):
     result = run_cli("-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", *args)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(f"tinker_exp: {message}"), result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "optuna.db").exists()
+    assert "Traceback" not in result.stderr and not list(tmp_path.glob("optuna.*"))
+    assert "hunter2" not in result.stdout + result.stderr + "".join(p.read_text() for p in tmp_path.rglob("*.yaml"))
 
 
 def test_failed_trials_are_recorded_and_the_study_goes_on_exit_1_when_none_completed(tmp_path):
@@ -222,3 +273,82 @@ def test_a_study_on_the_local_slurm_cluster(slurm_env, tmp_path):
     saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
     assert saved.best_value == min(t.value for t in trials) and saved.failed == []
     assert os.path.samefile(saved.best_run_dir, tmp_path / str(saved.best_trial))
+
+
+@pytest.mark.parametrize("server", [False, True], ids=["journal", "postgres"])
+def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_records_them_pruned(ray_address, tmp_path, request, server):
+    """The threshold pruner on the requested learning rate (override constant, so whether a trial must be pruned is
+    known from its point): every trial above the threshold is pruned at its first evaluation (step 2 of 6), ends
+    cleanly with a checkpoint there, and is PRUNED in the storage (the journal file, or a real PostgreSQL server
+    the jobs report to) with the value it reported; the others run to the end. Storage, run dirs, summary and
+    optimization_results.yaml agree; the server's password is in nothing printed or written."""
+    upper = 2e-3
+    url = request.getfixturevalue("postgres_url") if server else None
+    name = f"pruning-{tmp_path.name}-{os.getpid()}" if server else "tinker_exp"  # one server, many studies
+    storage = [f"hydra.sweeper.storage={url}", f"hydra.sweeper.study_name={name}"] if server else []
+    result = run_cli(
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=6",
+        "trainer.eval_every=2", "trainer.batch_size=4", "logger=none", "trainer.objective=requested/lr",
+        "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
+        "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}", *storage,
+        env={"RAY_ADDRESS": ray_address}, timeout=900,
+    )  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    trials = optuna.load_study(study_name=name, storage=url).trials if server else storage_trials(tmp_path)
+    if server:
+        password = url.split(":")[2].split("@")[0]
+        written = [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".md", ".log")]
+        assert password not in out and not any(password in text for text in written)
+        assert f"({url.replace(password, '***')})" in out and not list(tmp_path.glob("optuna.*"))
+    pruned = [t for t in trials if t.params["override.lr"] > upper]
+    assert pruned and len(pruned) < len(trials)  # the seeded sampler gives both kinds (else: another seed)
+    saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
+    for trial in trials:
+        run_dir = tmp_path / str(trial.number)
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        evaluated = {row["train/step"]: row["requested/lr"] for row in rows if "val/loss" in row}
+        assert trial.intermediate_values == evaluated  # each evaluation reported at its train/step, nothing else
+        last = latest(run_dir / "checkpoints")
+        assert last.step == rows[-1]["train/step"] + 1  # a checkpoint where it stopped
+        loop = last.state
+        if trial in pruned:
+            assert trial.state == TrialState.PRUNED and [row["train/step"] for row in rows] == [0, 1]
+            assert trial.value == rows[-1]["requested/lr"] and loop["pruned"] is True
+            job_log = (run_dir / "tinker_exp.log").read_text()
+            assert f"pruned at step 2: requested/lr {trial.value:.6g} (median of the other trials " in job_log
+            assert f"trial {trial.number}: pruned at step 2: {trial.value:.6g}" in out
+            assert read_json(run_dir / "objective.json")["pruned_at_step"] == 2
+        else:
+            assert trial.state == TrialState.COMPLETE and len(rows) == 6 and "pruned" not in loop
+    assert [(p.trial, p.step) for p in saved.pruned] == [(t.number, 2) for t in pruned]
+    assert saved.n_pruned == len(pruned) and saved.best_value == min(t.value for t in trials if t not in pruned)
+    assert saved.failed == [] and "cut off" not in (tmp_path / "summary.md").read_text()
+    statuses = {row["num"]: row["status"] for row in read_jsonl(tmp_path / "summary.jsonl")}
+    assert statuses == {t.number: "PRUNED" if t in pruned else "COMPLETED" for t in trials}
+    trained = 2 * len(pruned) + 6 * (len(trials) - len(pruned))
+    assert (saved.steps_trained, saved.steps_without_pruning) == (trained, 6 * len(trials))
+    assert f"steps trained: {trained} ({trained / 24:.0%}) of the 24 a study without pruning would have trained" in out
+
+
+def test_a_pruning_study_on_the_local_slurm_cluster_reports_from_both_nodes_to_one_journal(slurm_env, tmp_path):
+    """Slurm jobs (one array of 4, on both nodes) report their evaluations to the journal in the sweep dir; the
+    threshold pruner stops each trial above it at its first evaluation, as on the local launcher."""
+    upper = 2e-3
+    result = run_cli(
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=6",
+        "trainer.eval_every=2", "trainer.batch_size=4", "logger=none", "trainer.objective=requested/lr",
+        "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=4",
+        "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}",
+        env=slurm_env, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    trials = storage_trials(tmp_path)
+    nodes = {job_json(tmp_path / str(t.number))["slurm"]["nodelist"] for t in trials}
+    assert len(nodes) == 2, nodes  # jobs on both nodes wrote to the one journal
+    for trial in trials:
+        rows = read_jsonl(tmp_path / str(trial.number) / "metrics.jsonl")
+        assert trial.intermediate_values == {row["train/step"]: row["requested/lr"] for row in rows if "val/loss" in row}
+        must_prune = trial.params["override.lr"] > upper
+        assert trial.state == (TrialState.PRUNED if must_prune else TrialState.COMPLETE)
+        assert len(rows) == (2 if must_prune else 6)

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
+
+
+def masked(text: str) -> str:
+    """Text as printed and saved: the password of every URL in it (a study's database) replaced by ***."""
+    return re.sub(r"(://[^:/@\s]*):[^/\s]*@", r"\1:***@", text)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

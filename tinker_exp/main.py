@@ -21,7 +21,7 @@ from tinker_exp.config import Config
 from tinker_exp.config.compose_errors import one_line_compose_errors
 from tinker_exp.errors import STOPS, Terminated, TinkerExpError, one_line
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
-from tinker_exp.formats import read_jsonl
+from tinker_exp.formats import masked, read_jsonl
 from tinker_exp.train.checkpoints import check_checkpoint_device, resume_point
 from tinker_exp.train.data import Row, dataset_rows
 from tinker_exp.train.objective import Watch, check_early_stop, objective_metric, objective_value, write_objective
@@ -120,7 +120,8 @@ def run(
     if start.lineage:
         write_job_info(run_dir, {**(job or job_info(None, [])), "branch": start.lineage})
     if start.complete:
-        why = "it stopped early" if start.loop_state.get("early_stopped") else f"trainer.steps={cfg.trainer.steps}"
+        state = start.loop_state
+        why = "it was pruned" if state.get("pruned") else "it stopped early" if state.get("early_stopped") else f"trainer.steps={cfg.trainer.steps}"
         log.info(f"run complete: {run_dir} is done at step {start.step} ({why}; {start.checkpoint.path}); nothing to train")
         logged = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
         return logged[-1] if logged else {}
@@ -140,7 +141,7 @@ def run(
     wandb_config = wandb_run_config(resolved, plan, choices, job)  # one flat key per value
     if start.trunk_wandb_run_id:
         wandb_config["branch.trunk_wandb_run_id"] = start.trunk_wandb_run_id
-    return train_run(cfg, plan, rows, start, run_dir, wandb_config, start_workers)
+    return train_run(cfg, plan, rows, start, run_dir, wandb_config, start_workers, (job or {}).get("num"))
 
 
 def train_run(
@@ -151,8 +152,9 @@ def train_run(
     run_dir: Path,
     wandb_config: dict[str, Any],
     start_workers: StartWorkers | None,
+    trial_number: int | None = None,
 ) -> dict[str, Any]:
-    """Sinks, workers, the loop; the workers are freed and the sinks closed however the run ends.
+    """Sinks, workers, the loop; `trial_number`: a sweep job's number, its trial when its study prunes. the workers are freed and the sinks closed however the run ends.
 
     Everything that can stop the run (device, checkpoint, model, LoRA targets, data) is checked before any
     worker starts; the driver's remaining start-up (the plan's plot, W&B) then runs while the workers build
@@ -166,6 +168,7 @@ def train_run(
     from tinker_exp.train.evaluation import Evaluation
     from tinker_exp.train.loop import train
     from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, StartingSink, WandbSink, wandb_environment
+    from tinker_exp.sweep.study import TrialReport
 
     trainer, data = cfg.trainer, cfg.data
     choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
@@ -217,7 +220,8 @@ def train_run(
         metric, early = objective_metric(cfg), trainer.early_stop
         checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, run_state, metric)
         watch = Watch(metric, early.patience, early.min_delta, start.loop_state.get("watch")) if early.patience else None
-        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start.loop_state, evaluation, watch)
+        trial = TrialReport.from_environment(metric, trial_number)  # None unless a pruning study launched this job
+        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start.loop_state, evaluation, watch, trial)
         if cfg.lora.rank:
             adapter = run_dir / ADAPTER
             log.info(f"adapter: {adapter} ({workers.export_adapter(adapter):,} parameters, peft's format)")
@@ -250,9 +254,13 @@ def objective(cfg: Config, run_dir: Path) -> float | None:
     from tinker_exp.train.checkpoints import best_checkpoint
 
     metric, mode = objective_metric(cfg), cfg.trainer.objective_mode.value
-    value = objective_value(read_jsonl(metrics), metric, mode)
+    rows = read_jsonl(metrics)
+    value = objective_value(rows, metric, mode)
     best = best_checkpoint(run_dir / cfg.checkpoint.dir) if cfg.checkpoint.keep_best else None
-    write_objective(run_dir, metric, mode, value, best)
+    last = resume_point(run_dir / cfg.checkpoint.dir, "auto")
+    steps = {"steps": rows[-1]["train/step"] + 1 if rows else 0, "steps_planned": cfg.trainer.steps}
+    pruned = {"pruned_at_step": last.step} if last is not None and last.state.get("pruned") else {}
+    write_objective(run_dir, metric, mode, value, best, {**steps, **pruned})
     return value
 
 
@@ -271,7 +279,7 @@ def hydra_output_files(task_cfg: DictConfig, hydra_cfg: Any) -> dict[str, str]:
         whole.hydra.output_subdir = HYDRA_FILES
     return {
         "config.yaml": OmegaConf.to_yaml(task_cfg),
-        "hydra.yaml": OmegaConf.to_yaml(whole),
+        "hydra.yaml": masked(OmegaConf.to_yaml(whole)),  # a study's database URL: its password not written
         "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
     }
 

@@ -3,7 +3,7 @@
     python -m tinker_exp.report RUN_DIR|SWEEP_DIR... [-o OUT.png]
 
 A sweep dir stands for its jobs (its numbered run dirs). OUT defaults to report.png in the one dir given, else
-in the current dir. A study's dir (optuna.db) given alone also gets study.png there (with -o: OUT's stem +
+in the current dir. A study's dir (optuna.journal, or an earlier optuna.db) given alone also gets study.png there (with -o: OUT's stem +
 "_study.png"): the objective against each searched parameter. Prints each file it wrote. A path that is neither
 a run dir nor a sweep dir: one line, exit 2. Pure Python (matplotlib; optuna for a study).
 """
@@ -18,7 +18,7 @@ from typing import Sequence
 from tinker_exp.errors import ConfigError
 from tinker_exp.sweep.jobs import JOB_FILE
 from tinker_exp.sweep.report import REPORT, STUDY_REPORT, display_name, title_name, write_report, write_study_report
-from tinker_exp.sweep.study import STORAGE_FILE
+from tinker_exp.sweep.study import open_storage, study_in
 
 RUN_FILES = (JOB_FILE, "metrics.jsonl")  # every run writes job.json first; a run dir from elsewhere has metrics
 
@@ -45,7 +45,7 @@ def runs_of(paths: Sequence[Path]) -> list[tuple[str, Path]]:
         else:
             raise ConfigError(f"{path}: not a run dir (no {' or '.join(RUN_FILES)}) nor a sweep dir of run dirs")
     if len(paths) == 1 and not is_run_dir(paths[0]):
-        word = "trial" if (paths[0] / STORAGE_FILE).exists() else "job"
+        word = "trial" if study_in(paths[0]) else "job"
         return [(f"{word} {d.name}", d) for d in dirs]
     if len(dirs) == 1:
         return [("", dirs[0])]
@@ -68,7 +68,7 @@ def title(paths: Sequence[Path], runs: Sequence[tuple[str, Path]]) -> str:
         path = paths[0]
         if is_run_dir(path):
             return f"run {title_name(path)}"
-        return f"{'study' if (path / STORAGE_FILE).exists() else 'sweep'} {display_name(path)}"
+        return f"{'study' if study_in(path) else 'sweep'} {display_name(path)}"
     return f"{len(runs)} runs: " + ", ".join(display_name(path) for path in paths)
 
 
@@ -77,7 +77,7 @@ def load_study(sweep_dir: Path):  # -> optuna.Study | None
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        return optuna.load_study(study_name=None, storage=f"sqlite:///{(sweep_dir / STORAGE_FILE).resolve()}")
+        return optuna.load_study(study_name=None, storage=open_storage(study_in(sweep_dir)))
     except ValueError:  # several studies in the one storage: the picture of runs is still drawn
         return None
 
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tinker_exp.report: no run logged a step ({', '.join(str(d) for _, d in runs)}); nothing drawn", file=sys.stderr)
         return 1
     print(written)
-    if len(args.paths) == 1 and (args.paths[0] / STORAGE_FILE).exists():
+    if len(args.paths) == 1 and study_in(args.paths[0]):
         study = load_study(args.paths[0])
         beside = out.with_name(STUDY_REPORT if args.out is None else out.stem + "_study.png")
         picture = study and write_study_report(study, beside, title(args.paths, runs))

@@ -6,14 +6,17 @@ small: Hydra's override parser gives the search space (tinker_exp/sweep/study.py
 
 Each batch: ask `n_jobs` trials, launch them as one batch of jobs (job number = trial number, so each trial has its
 own run dir and never resumes another's checkpoint), tell each trial what its job returned, or FAIL when the job
-failed; the study goes on. At the end: the best trial printed and written to optimization_results.yaml, the
+failed; the study goes on. With a pruner (hydra.sweeper.pruner), each job is told its study through STUDY_ENV and
+reports every evaluation to its trial; a job its pruner stopped ends cleanly and is told PRUNED. At the end: the best trial printed and written to optimization_results.yaml, the
 failed trials named, a summary and report over every trial; exit 0 when at least one trial completed.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -31,7 +34,7 @@ from tinker_exp.formats import read_json
 from tinker_exp.sweep.jobs import JOB_FILE, read_outcome, summary_table, write_summary
 from tinker_exp.sweep.report import REPORT, STUDY_REPORT, display_name, write_report, write_study_report
 from tinker_exp.sweep.slurm import cancel_slurm_jobs
-from tinker_exp.train.objective import read_objective
+from tinker_exp.train.objective import read_objective, read_run_end
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +54,14 @@ class OptunaSweeper(Sweeper):
         study_name: str = "tinker_exp",
         storage: str | None = None,
         params: dict[str, str] | None = None,
+        pruner: str = "none",
+        pruner_args: dict[str, Any] | None = None,
     ) -> None:
         self.n_trials, self.n_jobs, self.seed, self.direction = n_trials, n_jobs, seed, direction
         self.n_startup_trials, self.study_name, self.storage = n_startup_trials, study_name, storage
         self.params = dict(params or {})
+        self.pruner = pruner
+        self.pruner_args = OmegaConf.to_container(pruner_args) if isinstance(pruner_args, DictConfig) else dict(pruner_args or {})
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         # Checked here, not in __init__: Hydra would wrap an error raised there in its own, over several lines.
@@ -64,6 +71,15 @@ class OptunaSweeper(Sweeper):
                 raise ConfigError(f"hydra.sweeper.{key}: {value!r} must be an int >= {least}")
         if self.direction not in ("minimize", "maximize"):
             raise ConfigError(f"hydra.sweeper.direction: {self.direction!r} must be minimize or maximize")
+        from tinker_exp.sweep.study import make_pruner
+
+        self.optuna_pruner = make_pruner(self.pruner, self.pruner_args)
+        if self.pruner != "none":
+            trainer, data = config.trainer, config.data
+            if data.get("val_path") is None and data.get("val_fraction") is None:
+                raise ConfigError(f"hydra.sweeper.pruner={self.pruner}: the pruner needs evaluations, and there is no validation data (data.val_path or data.val_fraction)")
+            if not trainer.eval_every:
+                raise ConfigError(f"hydra.sweeper.pruner={self.pruner}: trainer.eval_every=0 evaluates only after the last step; the pruner has nothing to judge")
         self.hydra_context, self.config = hydra_context, config
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config
@@ -78,12 +94,16 @@ class OptunaSweeper(Sweeper):
 
         from tinker_exp.sweep.study import (
             RESULTS_FILE,
-            STORAGE_FILE,
+            STUDY_ENV,
             best_trial,
             finished,
+            masked,
+            open_storage,
             recover,
             results,
             search_space,
+            steps_line,
+            sweep_storage,
             trial_overrides,
         )
 
@@ -96,11 +116,26 @@ class OptunaSweeper(Sweeper):
             )
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        storage = self.storage or f"sqlite:///{(sweep_dir / STORAGE_FILE).resolve()}"
+        # The storage URL's password is not written (the sweeper's node and Hydra's record of the command line).
+        (sweep_dir / "multirun.yaml").write_text(masked(OmegaConf.to_yaml(self.config)))
+        storage = self.storage or sweep_storage(sweep_dir)
+        shown = masked(storage)
+        if storage.startswith("sqlite:") and not self.storage:
+            log.info(f"a study of an earlier version: its {shown} stays its storage (a new study gets a journal file)")
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own lines say what happens
-        study = optuna.create_study(study_name=self.study_name, storage=storage, direction=self.direction, load_if_exists=True)
+        try:
+            study = optuna.create_study(
+                study_name=self.study_name, storage=open_storage(storage), direction=self.direction, load_if_exists=True,
+                pruner=self.optuna_pruner,
+            )  # fmt: skip
+        except Exception as e:  # SQLAlchemy's errors (no server, a bad URL) carry the URL: said once, masked
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"hydra.sweeper.storage: {shown}: cannot open the study: {masked(why)[:300]}") from None
+        if self.pruner != "none":  # each job reports to its trial (number = job number) through the same storage
+            os.environ[STUDY_ENV] = json.dumps(
+                {"storage": storage, "study_name": self.study_name, "pruner": self.pruner, "pruner_args": self.pruner_args}
+            )
         with warnings.catch_warnings():  # constant_liar is "experimental": no warning on every study
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             # Seeded by the trials so far: a continued study does not replay the first trials' random points.
@@ -111,16 +146,16 @@ class OptunaSweeper(Sweeper):
             self._stop_cut_off_jobs(study)
             for line in recover(study):
                 log.info(line)
-            log.info(f"continuing study {self.study_name!r} ({storage}): {len(finished(study))} of {self.n_trials} trials done")
+            log.info(f"continuing study {self.study_name!r} ({shown}): {len(finished(study))} of {self.n_trials} trials done")
         else:
-            log.info(f"study {self.study_name!r} ({storage}): {self.n_trials} trials, {self.n_jobs} at a time")
+            log.info(f"study {self.study_name!r} ({shown}): {self.n_trials} trials, {self.n_jobs} at a time")
         log.info("search space: " + ", ".join(f"{k}: {d}" for k, d in space.items()))
 
         while len(finished(study)) < self.n_trials:
             trials = [study.ask(space) for _ in range(min(self.n_jobs, self.n_trials - len(finished(study))))]
             numbers = [t.number for t in trials]
             if numbers != list(range(numbers[0], numbers[0] + len(numbers))):  # another process asks too
-                raise ConfigError(f"hydra.sweeper.storage: trials {numbers} are not consecutive; is another study running on {storage}?")
+                raise ConfigError(f"hydra.sweeper.storage: trials {numbers} are not consecutive; is another study running on {shown}?")
             batch = [trial_overrides(fixed, t.params) for t in trials]
             for trial, overrides in zip(trials, batch):
                 trial.set_user_attr("overrides", overrides)
@@ -134,7 +169,11 @@ class OptunaSweeper(Sweeper):
                 raise
             for trial, ret in zip(trials, returns):
                 value, error = trial_value(ret)
-                if error is None:
+                pruned_at = read_run_end(Path(trial.user_attrs["run_dir"])).get("pruned_at_step")
+                if error is None and pruned_at is not None:
+                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # its value: the last one it reported
+                    log.info(f"trial {trial.number}: pruned at step {pruned_at}: {value:.6g}; {trial.user_attrs['run_dir']}")
+                elif error is None:
                     study.tell(trial, value)
                     best = study.best_trial
                     log.info(f"trial {trial.number}: {value:.6g} (best: trial {best.number}, {best.value:.6g}); {trial.user_attrs['run_dir']}")
@@ -143,11 +182,13 @@ class OptunaSweeper(Sweeper):
                     study.tell(trial, state=optuna.trial.TrialState.FAIL)
                     log.warning(f"trial {trial.number} failed: {error}")
 
-        summary = results(study, storage)
+        summary = results(study, shown)
         OmegaConf.save(OmegaConf.create(summary), sweep_dir / RESULTS_FILE)
         self._write_summary(study, sweep_dir)
         for failed in summary["failed"]:
             log.warning(f"failed trial {failed['trial']} [{' '.join(failed['overrides'])}]: {failed['error']}")
+        if self.pruner != "none":
+            log.info(steps_line(summary))
         best = best_trial(study)
         if best is None:
             raise StudyFailedError(f"none of the {summary['n_trials']} trials completed; {sweep_dir / RESULTS_FILE}")
@@ -186,12 +227,13 @@ class OptunaSweeper(Sweeper):
         from tinker_exp.sweep.study import trial_error, trial_label, trial_run_dir
 
         outcomes = []
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
             run_dir = trial_run_dir(t) or sweep_dir / str(t.number)
-            status = "COMPLETED" if t.state == TrialState.COMPLETE else "FAILED"
+            status = {TrialState.COMPLETE: "COMPLETED", TrialState.PRUNED: "PRUNED"}.get(t.state, "FAILED")
             outcomes.append(read_outcome(t.number, [trial_label(t.params)], status, run_dir, trial_error(t), None, t.value))
         summary = write_summary(sweep_dir, outcomes)
-        runs = [(f"trial {o.num}", Path(o.run_dir)) for o in outcomes]  # each labelled by what differs
+        # Each labelled by what differs; a pruned trial's curve ends where it stopped, and says so.
+        runs = [(f"trial {o.num}" + (f" (pruned at {o.steps})" if o.status == "PRUNED" else ""), Path(o.run_dir)) for o in outcomes]
         report = write_report(runs, sweep_dir / REPORT, f"study {display_name(sweep_dir)}")
         slices = write_study_report(study, sweep_dir / STUDY_REPORT, f"study {display_name(sweep_dir)}")
         log.info(f"study summary ({', '.join(str(p) for p in (summary, report, slices) if p)}):\n{summary_table(outcomes)}")

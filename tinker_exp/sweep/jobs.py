@@ -132,7 +132,7 @@ def summary_table(outcomes: Sequence[JobOutcome]) -> str:
     above the table (its steps column counts each branch's own steps)."""
     header = ["job", "overrides", "status", "steps", "final loss", "objective", "job id", "run dir"]
     ordered = ranked(outcomes)
-    best = ordered[0] if ordered and ordered[0].objective is not None else None
+    best = next((o for o in ordered if o.ok and o.objective is not None), None)  # a pruned trial is never the best
     rows = [
         [
             f"*{o.num}" if o is best else str(o.num),

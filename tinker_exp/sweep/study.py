@@ -2,13 +2,20 @@
 
 Pure Python (optuna, Hydra's parser; no torch, verl or ray). The Hydra sweeper plugin
 (hydra_plugins/tinker_exp_plugins/optuna_sweeper.py) asks for a batch of trials, launches them as one batch of
-jobs through any launcher, and tells the study what each job returned. The study lives in SQLite in the sweep dir,
-so the same command continues a killed study (`recover`).
+jobs through any launcher, and tells the study what each job returned. The study lives in Optuna's journal file in
+the sweep dir (many jobs on a shared file system may write to it; an older study's optuna.db is still read), or at
+any Optuna storage URL, so the same command continues a killed study (`recover`). With a pruner, each job reports
+its evaluations to its trial (`TrialReport`) and stops when the pruner says so.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import statistics
+import warnings
+import json
+import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -18,13 +25,77 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.trial import FrozenTrial, TrialState
 
 from tinker_exp.errors import ConfigError
-from tinker_exp.train.objective import read_objective
+from tinker_exp.formats import masked  # noqa: F401 (the sweeper's and the tests' name for it)
+from tinker_exp.train.objective import read_objective, read_run_end
 
 RESULTS_FILE = "optimization_results.yaml"
-STORAGE_FILE = "optuna.db"
+JOURNAL_FILE = "optuna.journal"  # the default storage: Optuna's journal, safe for writers on several nodes
+SQLITE_FILE = "optuna.db"  # what studies of earlier versions used: still read and written when it is there
+JOURNAL = "journal://"  # our URL for a journal file (Optuna's own URLs are for databases)
+STUDY_ENV = "TINKER_EXP_STUDY"  # what a job is told of its study: {"storage": URL, "study_name": ...} as JSON
 CUT_OFF = "cut off: the study stopped while it ran"  # a failed trial without an error of its own
 
 log = logging.getLogger(__name__)
+
+
+def sweep_storage(sweep_dir: Path) -> str:
+    """The storage of a study kept in its sweep dir: its journal, or an earlier version's optuna.db if only that is there."""
+    sqlite, journal = sweep_dir / SQLITE_FILE, sweep_dir / JOURNAL_FILE
+    if sqlite.exists() and not journal.exists():
+        return f"sqlite:///{sqlite.resolve()}"
+    return JOURNAL + str(journal.resolve())
+
+
+def study_in(sweep_dir: Path) -> str | None:
+    """The storage URL of the study kept in this dir, None when it holds none."""
+    return sweep_storage(sweep_dir) if (sweep_dir / JOURNAL_FILE).exists() or (sweep_dir / SQLITE_FILE).exists() else None
+
+
+def open_storage(url: str) -> Any:
+    """What optuna's create_study/load_study take: a journal file's storage, or the database URL itself."""
+    if url.startswith(JOURNAL):
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+
+        # The open(O_EXCL) lock works on NFS too; its grace period frees a lock whose holder was killed.
+        path = url[len(JOURNAL) :]
+        return JournalStorage(JournalFileBackend(path, lock_obj=JournalFileOpenLock(path)))
+    return url
+
+
+PRUNERS = {
+    "none": "NopPruner",
+    "median": "MedianPruner",
+    "percentile": "PercentilePruner",
+    "successive_halving": "SuccessiveHalvingPruner",
+    "hyperband": "HyperbandPruner",
+    "threshold": "ThresholdPruner",
+    "patient": "PatientPruner",
+}
+
+
+def make_pruner(name: str, args: Mapping[str, Any]) -> optuna.pruners.BasePruner:
+    """Optuna's pruner of that name, built from hydra.sweeper.pruner_args (its own keyword arguments; `patient`
+    also takes `wrapped`, a pruner name, and `wrapped_args`). Optuna's own checks give the message."""
+    if name not in PRUNERS:
+        raise ConfigError(f"hydra.sweeper.pruner: {name!r} is not a pruner; one of {', '.join(PRUNERS)}")
+    kwargs = dict(args)
+    if name == "patient":
+        wrapped = kwargs.pop("wrapped", "median")
+        if wrapped in ("none", "patient"):
+            raise ConfigError(f"hydra.sweeper.pruner_args.wrapped: {wrapped!r}: patient wraps another pruner")
+        kwargs["wrapped_pruner"] = make_pruner(wrapped, kwargs.pop("wrapped_args", {}) or {})
+    for key, value in kwargs.items():  # Optuna compares without checking types: "2" < 0 would be a TypeError
+        if key == "wrapped_pruner" or value is None or (key in ("min_resource", "max_resource") and value == "auto"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"hydra.sweeper.pruner_args.{key}: {value!r} must be a number")
+    try:
+        with warnings.catch_warnings():  # PatientPruner is "experimental"
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return getattr(optuna.pruners, PRUNERS[name])(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"hydra.sweeper.pruner_args: {dict(args)} for pruner {name!r}: {e}") from None
 
 
 def distribution(override: Override) -> BaseDistribution:
@@ -101,7 +172,7 @@ def trial_run_dir(trial: FrozenTrial) -> Path | None:
 
 def trial_error(trial: FrozenTrial) -> str | None:
     """Why a failed trial failed (recorded when its job failed; none recorded: it was cut off)."""
-    return None if trial.state == TrialState.COMPLETE else trial.user_attrs.get("error", CUT_OFF)
+    return None if trial.state in (TrialState.COMPLETE, TrialState.PRUNED) else trial.user_attrs.get("error", CUT_OFF)
 
 
 def recover(study: optuna.Study) -> list[str]:
@@ -111,7 +182,11 @@ def recover(study: optuna.Study) -> list[str]:
     for trial in running(study):
         run_dir = trial_run_dir(trial)
         value = None if run_dir is None else read_objective(run_dir)
-        if value is not None:
+        pruned_at = None if run_dir is None else read_run_end(run_dir).get("pruned_at_step")
+        if value is not None and pruned_at is not None:
+            study.tell(trial.number, state=TrialState.PRUNED)
+            lines.append(f"trial {trial.number}: pruned at step {pruned_at} while the study was down: {value:.6g} ({run_dir})")
+        elif value is not None:
             study.tell(trial.number, value)
             lines.append(f"trial {trial.number}: completed while the study was down: {value:.6g} ({run_dir})")
         else:
@@ -132,9 +207,11 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
 
 def results(study: optuna.Study, storage: str) -> dict[str, Any]:
     """What optimization_results.yaml holds: the best trial (params, value, the overrides that reproduce it,
-    its run dir), and every failed trial with why."""
+    its run dir), every pruned trial with where it stopped, every failed trial with why, and the steps trained."""
     best = best_trial(study)
     failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+    pruned = study.get_trials(deepcopy=False, states=(TrialState.PRUNED,))
+    ends = {t.number: read_run_end(trial_run_dir(t)) if trial_run_dir(t) else {} for t in finished(study)}
     return {
         "name": "optuna",
         "study_name": study.study_name,
@@ -147,8 +224,74 @@ def results(study: optuna.Study, storage: str) -> dict[str, Any]:
         "best_params": {} if best is None else dict(best.params),
         "best_overrides": [] if best is None else list(best.user_attrs.get("overrides", [])),
         "best_run_dir": None if best is None else best.user_attrs.get("run_dir"),
+        "n_pruned": len(pruned),
+        "pruned": [
+            {"trial": t.number, "step": ends[t.number].get("pruned_at_step"), "value": t.value,
+             "overrides": list(t.user_attrs.get("overrides", []))}
+            for t in pruned
+        ],  # fmt: skip
         "failed": [
             {"trial": t.number, "overrides": list(t.user_attrs.get("overrides", [])), "error": trial_error(t)}
             for t in failed
         ],
+        # Of the trials that ran to their end or were pruned: what they trained, and what they would have unpruned.
+        "steps_trained": sum(ends[t.number].get("steps", 0) for t in finished(study) if t.state != TrialState.FAIL),
+        "steps_without_pruning": sum(
+            ends[t.number].get("steps_planned", ends[t.number].get("steps", 0)) for t in finished(study) if t.state != TrialState.FAIL
+        ),
     }
+
+
+def steps_line(summary: Mapping[str, Any]) -> str:
+    """The end of a pruning study: what pruning saved."""
+    trained, unpruned = summary["steps_trained"], summary["steps_without_pruning"]
+    share = f" ({trained / unpruned:.0%})" if unpruned else ""
+    return f"steps trained: {trained}{share} of the {unpruned} a study without pruning would have trained; {summary['n_pruned']} trials pruned"
+
+
+class TrialReport:
+    """Inside a study's job: its trial (the job's number) in the study's storage. `seen` is called by the loop after
+    each evaluation, reports the objective metric at the row's train/step, and says whether the pruner stops the
+    run; a resumed trial reports to the same trial (a step reported before is ignored by Optuna)."""
+
+    def __init__(self, metric: str, storage: str, study_name: str, number: int, pruner: str, pruner_args: Mapping[str, Any]):
+        self.metric, self.number = metric, number
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.study = optuna.load_study(study_name=study_name, storage=open_storage(storage), pruner=make_pruner(pruner, pruner_args))
+        trial_id = next(t._trial_id for t in self.study.get_trials(deepcopy=False) if t.number == number)
+        self.trial = optuna.trial.Trial(self.study, trial_id)
+        self.pruned: tuple[int, float] | None = None  # (steps done, value) where it was pruned
+
+    @classmethod
+    def from_environment(cls, metric: str, number: int | None, environ: Mapping[str, str] = os.environ) -> "TrialReport | None":
+        """The job's trial when its sweeper prunes (it sets STUDY_ENV), else None."""
+        if number is None or STUDY_ENV not in environ:
+            return None
+        told = json.loads(environ[STUDY_ENV])
+        return cls(metric, told["storage"], told["study_name"], number, told["pruner"], told.get("pruner_args", {}))
+
+    def seen(self, steps_done: int, row: Mapping[str, Any]) -> bool:
+        value = row.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return False
+        with warnings.catch_warnings():  # a resumed trial's step reported again: Optuna keeps the first
+            warnings.simplefilter("ignore", UserWarning)
+            self.trial.report(float(value), int(row["train/step"]))
+        if self.trial.should_prune():
+            self.pruned = (steps_done, float(value))
+            self.median = self.others_median(int(row["train/step"]))
+            return True
+        return False
+
+    def others_median(self, step: int) -> float | None:
+        values = [
+            t.intermediate_values[step]
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING))
+            if t.number != self.number and step in t.intermediate_values
+        ]
+        return statistics.median(values) if values else None
+
+    def stop_line(self, steps_done: int) -> str:
+        _, value = self.pruned
+        others = "" if self.median is None else f" (median of the other trials {self.median:.6g})"
+        return f"pruned at step {steps_done}: {self.metric} {value:.6g}{others}"

@@ -13,7 +13,7 @@ from tinker_exp.optim import Plan, flat_values
 from tinker_exp.train.checkpoints import Checkpointer
 from tinker_exp.train.evaluation import Evaluation
 from tinker_exp.train.objective import Watch
-from tinker_exp.train.protocols import Sink, Workers
+from tinker_exp.train.protocols import Sink, Watcher, Workers
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,14 @@ def train(
     start: dict[str, Any] | None = None,
     evaluation: Evaluation | None = None,
     watch: Watch | None = None,
+    trial: Watcher | None = None,
 ) -> dict[str, Any]:
     """Run Tinker steps from `start` (a checkpoint's loop state; None: step 0) to trainer.steps.
 
     After each step: evaluate when due (its values join the step's row), log it, stop if non-finite steps exceed the limit (before any save, so the last
     checkpoint is from before the failure), then save a checkpoint when one is due. `watch` sees each evaluation: when
-    it says stop (early stop), the run saves a checkpoint at that step and ends. Returns the last row.
+    it says stop (early stop), the run saves a checkpoint at that step and ends; `trial` (a study's trial) sees it
+    first, and ends the run the same way when its pruner says so. Returns the last row.
     """
     start = start or {}
     nonfinite_steps = start.get("nonfinite_steps", 0)
@@ -83,12 +85,15 @@ def train(
                 f"step {step}: loss={result.loss}, grad_norm={result.grad_norm}; {nonfinite_steps} non-finite "
                 f"step(s), trainer.max_nonfinite_steps={trainer.max_nonfinite_steps}"
             )
-        stop = evaluated and watch is not None and watch.seen(step + 1, row)
+        pruned = evaluated and trial is not None and trial.seen(step + 1, row)
+        stop = pruned or (evaluated and watch is not None and watch.seen(step + 1, row))
         if checkpointer is not None and (checkpointer.due(step + 1) or stop):
             state = {"nonfinite_steps": nonfinite_steps, **({"watch": watch.state(), "early_stopped": stop} if watch else {})}
+            if pruned:  # a resumed pruned run is complete, as an early-stopped one
+                state.update(early_stopped=True, pruned=True)
             saved = checkpointer.save(step + 1, state, row if evaluated else None)
             log.info(f"checkpoint: {saved}")
         if stop:
-            log.info(watch.stop_line(step + 1))
+            log.info((trial if pruned else watch).stop_line(step + 1))
             break
     return row

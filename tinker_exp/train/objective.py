@@ -80,10 +80,14 @@ def objective_value(rows: Sequence[dict[str, Any]], metric: str, mode: str) -> f
     return min(values) if mode == "min" else values[-1]
 
 
-def write_objective(run_dir: Path, metric: str, mode: str, value: float | None, best: dict[str, Any] | None = None) -> None:
+def write_objective(
+    run_dir: Path, metric: str, mode: str, value: float | None, best: dict[str, Any] | None = None,
+    steps: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
     """Written when a run completed: what it returned (a study continued after a kill reads it back). `best`:
-    the kept best checkpoint (checkpoint.keep_best), its step, value and path."""
-    doc = {"metric": metric, "mode": mode, "value": value, **({"best_checkpoint": best} if best else {})}
+    the kept best checkpoint (checkpoint.keep_best), its step, value and path. `steps`: steps trained and planned,
+    and pruned_at_step when its study's pruner stopped it."""
+    doc = {"metric": metric, "mode": mode, "value": value, **({"best_checkpoint": best} if best else {}), **(steps or {})}
     (run_dir / OBJECTIVE_FILE).write_text(json.dumps(doc) + "\n")
 
 
@@ -91,3 +95,8 @@ def read_objective(run_dir: Path) -> float | None:
     """The value a completed run returned; None when it did not complete (no file) or has no finite value."""
     value = (read_json(run_dir / OBJECTIVE_FILE) or {}).get("value")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+
+
+def read_run_end(run_dir: Path) -> dict[str, Any]:
+    """objective.json of a run that completed ({} otherwise): its steps trained and planned, pruned_at_step."""
+    return read_json(run_dir / OBJECTIVE_FILE) or {}
