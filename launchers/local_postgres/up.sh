@@ -13,7 +13,9 @@ say() { echo "[local_postgres] $*" >&2; }
 BIN=$(find /usr/lib/postgresql -maxdepth 2 -name bin -type d 2>/dev/null | sort -V | tail -1)
 if [[ -z $BIN ]]; then
     say "installing Debian's postgresql"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null
+    pg_install() { DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=120 install -y -qq postgresql >/dev/null; }
+    # Stale or empty package lists on a fresh machine: refresh them once and try again (as local_slurm does).
+    pg_install || { apt-get -o DPkg::Lock::Timeout=120 update -qq >/dev/null && pg_install; }
     BIN=$(find /usr/lib/postgresql -maxdepth 2 -name bin -type d | sort -V | tail -1)
 fi
 # PostgreSQL will not run as root: the cluster belongs to the postgres user then.
