@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -52,3 +53,12 @@ def postgres_url():
     if up.returncode != 0:
         pytest.fail(f"the local PostgreSQL server did not start (up.sh exit {up.returncode}):\n{up.stdout[-2000:]}{up.stderr[-2000:]}")
     return up.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    """Figures drawn to be read back as data (draw_report, draw_plan) are closed after each test that drew any."""
+    yield
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        pyplot.close("all")

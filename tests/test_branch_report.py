@@ -43,14 +43,6 @@ def make_run(run_dir: Path, schedule=WSD, steps=STEPS, trunk: Path | None = None
     return run_dir
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    yield
-    import matplotlib.pyplot as plt
-
-    plt.close("all")
-
-
 def legend(fig) -> list[str]:
     legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]
     assert len(legends) == 1

@@ -51,15 +51,6 @@ def make_run(run_dir: Path, overrides=(), losses=(5.0, 4.5, 4.2, 4.0), schedule=
     return run_dir
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    """draw_report leaves its figures open for reading back; closed after each test."""
-    yield
-    import matplotlib.pyplot as plt
-
-    plt.close("all")
-
-
 def texts(fig) -> list[str]:
     from matplotlib.text import Text
 
