@@ -93,3 +93,137 @@ def test_a_member_whose_start_values_fail_the_runs_checks_is_named_with_them_bef
     assert lines[0] == "tinker_exp: config error: 4 of 4 sweep points are wrong; no job was started:", err
     assert [line.split(" [")[0].strip() for line in lines[1:]] == [f"job {m}" for m in range(4)]
     assert all("weight_decay" in line for line in lines[1:]) and not (tmp_path / "sweep").exists()
+
+
+# --- the members' start values ----------------------------------------------------------------------------------
+
+
+def test_start_values_are_drawn_from_the_space_seeded():
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from hydra_plugins.tinker_exp_plugins.pbt_sweeper import start_values
+
+    space = {
+        "override.lr.value": FloatDistribution(1e-4, 3e-3, log=True),
+        "+override.weight_decay": FloatDistribution(0.0, 0.1),
+        "override.lr.warmup_steps": IntDistribution(0, 4, step=2),
+        "override.lr.schedule": CategoricalDistribution(["cosine", "linear"]),
+    }
+    drawn = start_values(space, 16, seed=3)
+    assert drawn == start_values(space, 16, seed=3) and drawn != start_values(space, 16, seed=4)
+    assert len({d["override.lr.value"] for d in drawn}) == 16  # each member its own
+    for values in drawn:
+        assert set(values) == set(space) and all(space[k]._contains(space[k].to_internal_repr(v)) for k, v in values.items())
+    assert {d["override.lr.warmup_steps"] for d in drawn} <= {0, 2, 4}
+    lrs = sorted(d["override.lr.value"] for d in drawn)  # log-uniform: as many below the geometric mean as above
+    assert sum(lr < (1e-4 * 3e-3) ** 0.5 for lr in lrs) in range(4, 13)
+
+
+# --- the end of a population, from member run dirs written as members write them ---------------------------------
+
+
+def write_member(run_dir, lrs, losses, boundaries=(), objective=None, eval_every=2):
+    """A member's run dir as a finished member leaves it: metrics.jsonl (requested/lr and weight_decay at every
+    step, val/loss every eval_every steps), population.jsonl (one row per boundary), objective.json."""
+    import json
+
+    from tinker_exp.train.objective import write_objective
+
+    run_dir.mkdir(parents=True)
+    rows = []
+    for step, (lr, loss) in enumerate(zip(lrs, losses)):
+        row = {"train/step": step, "train/loss": loss, "requested/lr": lr, "requested/weight_decay": 0.01}
+        if (step + 1) % eval_every == 0:
+            row["val/loss"] = loss + 0.5
+        rows.append(row)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "population.jsonl").write_text("".join(json.dumps(r) + "\n" for r in boundaries))
+    if objective is not None:
+        write_objective(run_dir, "val/loss", "last", objective)
+    return run_dir
+
+
+def boundary(step, score, values, previous, donor=None, sweep=None):
+    exploit = None if donor is None else {"member": donor, "step": step, "checkpoint": str(sweep / str(donor) / "checkpoints" / f"step_{step}")}
+    return {"step": step, "score": score, "rank": 0, "of": 3, "exploit": exploit, "values": values, "previous": previous}
+
+
+@pytest.fixture
+def population(tmp_path):
+    """Three members, a boundary at steps 2 and 4 of 6: member 2 exploits member 0 at step 2 (its lr perturbed to
+    1.2e-3), member 1 exploits member 0 at step 4 (to 8e-4); member 0 never exploits and ends best."""
+    from tinker_exp.sweep.pbt_report import read_member
+
+    sweep = tmp_path / "sweep"
+    key = "override.lr.value"
+    write_member(sweep / "0", [1e-3] * 6, [3.0, 2.8, 2.6, 2.4, 2.2, 2.0],
+                 [boundary(2, 3.3, {key: 1e-3}, {key: 1e-3}), boundary(4, 2.9, {key: 1e-3}, {key: 1e-3})], 2.5)
+    write_member(sweep / "1", [3e-4] * 4 + [8e-4] * 2, [3.0, 2.9, 2.85, 2.8, 2.3, 2.1],
+                 [boundary(2, 3.4, {key: 3e-4}, {key: 3e-4}), boundary(4, 3.3, {key: 8e-4}, {key: 3e-4}, donor=0, sweep=sweep)], 2.6)
+    write_member(sweep / "2", [5e-4] * 2 + [1.2e-3] * 4, [3.0, 2.95, 2.5, 2.35, 2.25, 2.15],
+                 [boundary(2, 3.45, {key: 1.2e-3}, {key: 5e-4}, donor=0, sweep=sweep), boundary(4, 2.85, {key: 1.2e-3}, {key: 1.2e-3})], 2.65)
+    starts = {0: 1e-3, 1: 3e-4, 2: 5e-4}
+    members = [read_member(m, {key: starts[m]}, sweep / str(m), objective, None)
+               for m, objective in ((0, 2.5), (1, 2.6), (2, 2.65))]  # fmt: skip
+    members.append(read_member(3, {key: 2e-3}, sweep / "3", None, "ended by the scheduler (CANCELLED)", "CANCELLED"))
+    return sweep, members
+
+
+def test_the_summary_lists_members_by_final_objective_with_their_exploits_and_donors(population):
+    from tinker_exp.sweep.pbt_report import results, table, write_summary
+
+    sweep, members = population
+    lines = table(members).splitlines()
+    assert [line.split()[0] for line in lines[2:]] == ["*0", "1", "2", "3"]
+    assert lines[0].split()[:4] == ["member", "objective", "exploits", "donors"]
+    cells = {line.split()[0].lstrip("*"): line.split() for line in lines[2:]}
+    assert cells["0"][1:4] == ["2.5000", "0", "-"] and cells["1"][1:4] == ["2.6000", "1", "0@4"]
+    assert cells["2"][1:4] == ["2.6500", "1", "0@2"] and cells["3"][1:4] == ["-", "0", "-"] and "CANCELLED" in cells["3"]
+    assert "override.lr.value=0.0008" in lines[3] and "override.lr.value=0.0003" in lines[3]  # final, start
+
+    summary = write_summary(sweep, members)
+    assert summary.read_text().startswith("```\n" + table(members) + "\n```\n")
+    assert "- member 3 (CANCELLED): ended by the scheduler (CANCELLED)" in summary.read_text()
+    rows = [__import__("json").loads(line) for line in (sweep / "summary.jsonl").read_text().splitlines()]
+    assert [(r["member"], r["n_exploits"], r["exploits"]) for r in rows] == [
+        (0, 0, []), (1, 1, [{"donor": 0, "step": 4}]), (2, 1, [{"donor": 0, "step": 2}]), (3, 0, [])]
+
+    saved = results(members, ["+override=lr_cosine", "trainer.steps=6", "override.lr.warmup_steps=1", "logger=none"], 4, 2)
+    assert (saved["best_member"], saved["best_objective"], saved["best_values"]) == (0, 2.5, {"override.lr.value": 1e-3})
+    assert saved["best_run_dir"] == str(sweep / "0") and saved["n_completed"] == 3
+    assert saved["replay_command"] == f"python -m tinker_exp --config-dir {sweep / '0'} +override=realized trainer.steps=6 logger=none"
+    assert saved["failed"] == [{"member": 3, "status": "CANCELLED", "error": "ended by the scheduler (CANCELLED)"}]
+    # a preset that selects its override in its defaults: the realized file replaces it (no +)
+    assert results(members, ["hparams_search=pbt_lr_cosine"], 4, 2, override_in_defaults=True)["replay_overrides"] == [
+        "override=realized", "hparams_search=pbt_lr_cosine"]
+
+
+def test_report_png_draws_each_members_objective_with_its_exploits_and_its_realized_values(population):
+    """Read back as data: each member's evaluations; an x where a member exploited and a dotted line from its
+    donor's score there to the member's next evaluation; the lr its lineage sent at every step, on a log axis
+    (member 2's first two steps are member 0's, not its own start value)."""
+    from tinker_exp.sweep.pbt_report import draw_report, write_report
+
+    sweep, members = population
+    fig = draw_report(members, {"override.lr.value": True}, "population test")
+    objective_ax, lr_ax = fig.axes[:2]
+    drawn: dict = {}  # gid -> its lines' points; a member's curve breaks at each of its exploits
+    for line in objective_ax.get_lines():
+        drawn.setdefault(line.get_gid(), []).append(line.get_xydata().tolist())
+    drawn = {gid: parts[0] if len(parts) == 1 else parts for gid, parts in drawn.items()}
+    assert drawn["member 0"] == [[2, 3.3], [4, 2.9], [6, 2.5]]
+    assert drawn["member 2"] == [[[2, 3.45]], [[4, 2.85], [6, 2.65]]]
+    assert drawn["member 1"] == [[[2, 3.4], [4, 3.3]], [[6, 2.6]]]
+    assert drawn["exploit 2<-0@2"] == [[2, 3.45]] and drawn["exploit 1<-0@4"] == [[4, 3.3]]
+    assert drawn["from donor 2<-0@2"] == [[2, 3.3], [4, 2.85]] and drawn["from donor 1<-0@4"] == [[4, 2.9], [6, 2.6]]
+    assert "member 3" not in drawn  # cancelled before its first evaluation
+    sent = {line.get_gid(): list(line.get_ydata())[:-1] for line in lr_ax.get_lines()}  # the last: to the step's end
+    assert sent["member 2"] == [1e-3, 1e-3] + [1.2e-3] * 4 and sent["member 1"] == [1e-3] * 4 + [8e-4] * 2
+    assert sent["member 0"] == [1e-3] * 6 and lr_ax.get_yscale() == "log" and lr_ax.get_ylabel() == "sent lr"
+    assert [l.get_gid() for l in objective_ax.get_lines() if str(l.get_gid()).startswith("boundary")] == ["boundary 2", "boundary 4"]
+    legend = [t.get_text() for t in objective_ax.get_legend().get_texts()]
+    assert legend[:3] == ["best: member 0 -> 2.5", "member 1 -> 2.6, 1 exploit", "member 2 -> 2.65, 1 exploit"]
+    assert legend[3] == "member 3 (CANCELLED)"
+    assert "best of 3 by val/loss: member 0, 2.5 (0 exploits; donors -)" in fig._suptitle.get_text()
+    path = write_report(members, {"override.lr.value": True}, sweep / "report.png", "population test")
+    assert path.read_bytes()[:4] == b"\x89PNG"
