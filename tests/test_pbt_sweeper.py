@@ -227,3 +227,44 @@ def test_report_png_draws_each_members_objective_with_its_exploits_and_its_reali
     assert "best of 3 by val/loss: member 0, 2.5 (0 exploits; donors -)" in fig._suptitle.get_text()
     path = write_report(members, {"override.lr.value": True}, sweep / "report.png", "population test")
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+# --- the preset --------------------------------------------------------------------------------------------------
+
+
+def test_the_preset_plans_each_member_and_its_replay_composes(tmp_path):
+    """hparams_search=pbt_lr_cosine as a dry run through the real sweeper: every member checked and planned with its
+    own start values from the preset's space; a member's realized schedule replays through the overrides the
+    summary prints (the preset selects lr_cosine in its defaults: realized.yaml takes its place)."""
+    from omegaconf import OmegaConf
+
+    from helpers import job_json, planned, run_cli
+    from tinker_exp.sweep.pbt_report import replay_overrides
+
+    sweep = tmp_path / "sweep"
+    result = run_cli("-m", "hparams_search=pbt_lr_cosine", "dry_run=true", f"hydra.sweep.dir={sweep}", "logger=none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "population of 4, a boundary every 5 steps of 20" in result.stdout
+    assert "override.lr.value: tag(log, interval(0.0001, 0.003)), +override.weight_decay: interval(0, 0.1)" in result.stdout
+    starts = []
+    for member in range(4):
+        values = dict(o.split("=", 1) for o in job_json(sweep / str(member))["overrides"] if "=" in o)
+        lr, wd = float(values["override.lr.value"]), float(values["+override.weight_decay"])
+        assert 1e-4 <= lr <= 3e-3 and 0 <= wd <= 0.1 and values["hparams_search"] == "pbt_lr_cosine"
+        assert max(planned(sweep / str(member), "lr")) == pytest.approx(lr)  # the cosine's peak
+        assert set(planned(sweep / str(member), "weight_decay")) == {wd}
+        starts.append(lr)
+    assert len(set(starts)) == 4
+    saved = OmegaConf.load(sweep / "multirun.yaml")
+    assert saved.hydra.sweeper.interval == 5 and saved.trainer.eval_every == 5
+
+    member = sweep / "0"  # a realized schedule as a member writes it (keyframes where a value changes)
+    (member / "override").mkdir()
+    (member / "override" / "realized.yaml").write_text(
+        "# @package override\nlr: {schedule: keyframes, points: {0: 0.001, 9: 0.001, 10: 0.0008, 19: 0.0008}}\nweight_decay: 0.05\n"
+    )
+    replay = replay_overrides(["hparams_search=pbt_lr_cosine", "logger=none"], override_in_defaults=True)
+    result = run_cli("--config-dir", str(member), *replay, "dry_run=true", f"hydra.run.dir={tmp_path / 'replay'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert planned(tmp_path / "replay", "lr") == [0.001] * 10 + [0.0008] * 10
+    assert set(planned(tmp_path / "replay", "weight_decay")) == {0.05}

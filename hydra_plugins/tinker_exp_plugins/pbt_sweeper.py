@@ -204,7 +204,7 @@ class PBTSweeper(Sweeper):
 
         log.info(
             f"population of {self.population}, a boundary every {self.interval} steps of {cfg.trainer.steps}; "
-            f"bottom {self.quantile:g} exploit the top; search space: " + ", ".join(f"{k}: {d}" for k, d in space.items())
+            f"the bottom {self.quantile:g} exploit the top; search space: " + ", ".join(f"{k}: {dimension(d)}" for k, d in space.items())
         )
         for member, values in enumerate(starts):
             log.info(f"member {member} starts with {trial_label(values)}")
@@ -223,6 +223,9 @@ class PBTSweeper(Sweeper):
         )
         with environment(POPULATION_ENV, told):  # every member's job gets it (local: its process; Slurm: sbatch's)
             returns = self._launch(points)
+        if cfg.dry_run:  # each member checked and planned with its start values (plan.json); nothing trained
+            log.info(f"dry run: {self.population} members planned in {sweep_dir}; nothing trained")
+            return {}
         return self._finish(sweep_dir, fixed, space, starts, points, returns)
 
     def _launch(self, points: Sequence[Sequence[str]]) -> Sequence[JobReturn]:
@@ -265,6 +268,17 @@ class PBTSweeper(Sweeper):
         )
         log.info(f"replay the best member from step 0: {results['replay_command']}")
         return results
+
+
+def dimension(d: Any) -> str:
+    """A search dimension as the grammar writes it: tag(log, interval(0.0001, 0.003)), choice(a, b), ..."""
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    if isinstance(d, CategoricalDistribution):
+        return f"choice({', '.join(map(str, d.choices))})"
+    step = f" step {d.step}" if isinstance(d, IntDistribution) and d.step != 1 else ""
+    text = f"{'int(' if isinstance(d, IntDistribution) else ''}interval({d.low:g}, {d.high:g}){')' if isinstance(d, IntDistribution) else ''}{step}"
+    return f"tag(log, {text})" if d.log else text
 
 
 @contextmanager
