@@ -95,6 +95,27 @@ def test_a_member_whose_start_values_fail_the_runs_checks_is_named_with_them_bef
     assert all("weight_decay" in line for line in lines[1:]) and not (tmp_path / "sweep").exists()
 
 
+
+def test_failed_members_are_named_and_a_population_none_of_which_completed_exits_1(tmp_path):
+    """Members whose jobs fail once started (a device this torch cannot drive: refused inside each job, before any
+    worker): each named with why and its run dir, the summary and population_results.yaml say so, exit 1."""
+    from omegaconf import OmegaConf
+
+    from helpers import read_jsonl, run_cli
+
+    sweep = tmp_path / "sweep"
+    result = run_cli(*BASE, f"hydra.sweep.dir={sweep}", *GOOD, "hydra.sweeper.population=2", "backend.device=cuda",
+                     "hydra.launcher.max_parallel=2", timeout=600)  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == f"tinker_exp: error: none of the 2 members completed; {sweep / 'population_results.yaml'}"
+    for member in (0, 1):
+        assert f"member {member} failed: config error: backend.device=cuda: " in out and f"run dir {sweep / str(member)}" in out
+    assert [(row["member"], row["status"]) for row in read_jsonl(sweep / "summary.jsonl")] == [(0, "FAILED"), (1, "FAILED")]
+    saved = OmegaConf.load(sweep / "population_results.yaml")
+    assert saved.best_member is None and saved.replay_command is None and [f.member for f in saved.failed] == [0, 1]
+    assert "Traceback" not in result.stderr
+
 # --- the members' start values ----------------------------------------------------------------------------------
 
 
