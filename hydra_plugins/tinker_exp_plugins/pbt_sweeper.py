@@ -29,6 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, check_points, job_error, job_run_dir
 from tinker_exp.errors import ConfigError, TinkerExpError
+from tinker_exp.sweep.pbt import POPULATION_ENV
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,40 @@ class PBTSweeper(Sweeper):
     def sweep(self, arguments: list[str]) -> Any:
         from optuna.distributions import distribution_to_json
 
-        from tinker_exp.sweep.study import as_override, search_space, trial_label
+        from tinker_exp.sweep.study import trial_label
+
+        fixed, space, starts, points, cfg = self._checked_members(arguments)  # raises before anything is written
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        log.info(
+            f"population of {self.population}, a boundary every {self.interval} steps of {cfg.trainer.steps}; "
+            f"the bottom {self.quantile:g} exploit the top; search space: " + ", ".join(f"{k}: {dimension(d)}" for k, d in space.items())
+        )
+        for member, values in enumerate(starts):
+            log.info(f"member {member} starts with {trial_label(values)}")
+        told = {
+            "board": str(sweep_dir / BOARD),
+            "population": self.population,
+            "interval": self.interval,
+            "quantile": float(self.quantile),
+            "perturb": [float(f) for f in self.perturb],
+            "resample_probability": float(self.resample_probability),
+            "seed": self.seed,
+            "space": {key.lstrip("+~"): distribution_to_json(d) for key, d in space.items()},
+            "force_exploit": self.force_exploit,
+        }
+        with environment(POPULATION_ENV, json.dumps(told)):  # each member's job gets it (local: its process; Slurm: sbatch's)
+            returns = self._launch(points)
+        if cfg.dry_run:  # each member checked and planned with its start values (plan.json); nothing trained
+            log.info(f"dry run: {self.population} members planned in {sweep_dir}; nothing trained")
+            return {}
+        return self._finish(sweep_dir, fixed, space, starts, points, returns)
+
+    def _checked_members(self, arguments: list[str]) -> tuple[list[str], dict[str, Any], list[dict[str, Any]], list[list[str]], Any]:
+        """(the fixed overrides, the space, each member's start values and overrides, member 0's typed config),
+        once every check passed: the space, every member's point (as any run's), the boundaries, force_exploit."""
+        from tinker_exp.sweep.study import as_override, search_space
 
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         fixed, space = search_space(parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + arguments))
@@ -188,45 +222,15 @@ class PBTSweeper(Sweeper):
         starts = start_values(space, self.population, self.seed)
         points = [[*fixed, *(as_override(key, value) for key, value in values.items())] for values in starts]
         job_points = self.launcher.job_points(points) if hasattr(self.launcher, "job_points") else points
-        configs = check_points(self.hydra_context, self.config, job_points, 0)  # every bad member named, nothing written
-        cfg = configs[0]
+        cfg = check_points(self.hydra_context, self.config, job_points, 0)[0]  # every bad member named
+        # What PBT needs of the config is the same for every member: none of it can be searched.
         for error in (
             boundary_error(cfg, self.interval),
             force_exploit_error(self.force_exploit, self.population, self.interval, cfg.trainer.steps),
         ):
             if error:
                 raise ConfigError(error)
-
-        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        from tinker_exp.sweep.pbt import POPULATION_ENV
-
-        log.info(
-            f"population of {self.population}, a boundary every {self.interval} steps of {cfg.trainer.steps}; "
-            f"the bottom {self.quantile:g} exploit the top; search space: " + ", ".join(f"{k}: {dimension(d)}" for k, d in space.items())
-        )
-        for member, values in enumerate(starts):
-            log.info(f"member {member} starts with {trial_label(values)}")
-        told = json.dumps(
-            {
-                "board": str(sweep_dir / BOARD),
-                "population": self.population,
-                "interval": self.interval,
-                "quantile": float(self.quantile),
-                "perturb": [float(f) for f in self.perturb],
-                "resample_probability": float(self.resample_probability),
-                "seed": self.seed,
-                "space": {key.lstrip("+~"): distribution_to_json(d) for key, d in space.items()},
-                "force_exploit": self.force_exploit,
-            }
-        )
-        with environment(POPULATION_ENV, told):  # every member's job gets it (local: its process; Slurm: sbatch's)
-            returns = self._launch(points)
-        if cfg.dry_run:  # each member checked and planned with its start values (plan.json); nothing trained
-            log.info(f"dry run: {self.population} members planned in {sweep_dir}; nothing trained")
-            return {}
-        return self._finish(sweep_dir, fixed, space, starts, points, returns)
+        return fixed, space, starts, points, cfg
 
     def _launch(self, points: Sequence[Sequence[str]]) -> Sequence[JobReturn]:
         """Every member at once, as one batch of jobs (local: max_parallel at a time; Slurm: one job array).
