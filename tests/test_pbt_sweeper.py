@@ -346,7 +346,7 @@ def check_population(sweep, out: str) -> dict:
     return saved
 
 
-def replay(command: str, run_dir, tmp_path) -> list[dict]:
+def replay(command: str, run_dir, ray_address: str) -> list[dict]:
     """A printed replay command run as an ordinary run (no population in its environment), from step 0."""
     import shlex
     import subprocess
@@ -356,7 +356,7 @@ def replay(command: str, run_dir, tmp_path) -> list[dict]:
     args = shlex.split(command)
     assert args[:3] == ["python", "-m", "tinker_exp"]
     result = subprocess.run([sys.executable, *args[1:], f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True,
-                            env=environment({POPULATION_ENV: None}), timeout=600)  # fmt: skip
+                            env=environment({POPULATION_ENV: None, "RAY_ADDRESS": ray_address}), timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "boundary" not in (run_dir / "tinker_exp.log").read_text()  # an ordinary run
     return read_jsonl(run_dir / "metrics.jsonl")
@@ -375,11 +375,11 @@ def test_a_population_on_the_local_launcher_exploits_and_its_best_replays_bitwis
     assert result.returncode == 0, out[-3000:]
     saved = check_population(sweep, out)
     best = sweep / str(saved["best_member"])
-    assert compared(replay(saved["replay_command"], tmp_path / "replay", tmp_path)) == compared(lineage_rows(best))
+    assert compared(replay(saved["replay_command"], tmp_path / "replay", ray_address)) == compared(lineage_rows(best))
     exploited = next(m for m in saved["members"] if m["exploits"])
     if exploited["member"] != saved["best_member"]:
         command = replay_command(exploited["run_dir"], saved["replay_overrides"])
-        assert compared(replay(command, tmp_path / "replay_exploited", tmp_path)) == compared(lineage_rows(exploited["run_dir"]))
+        assert compared(replay(command, tmp_path / "replay_exploited", ray_address)) == compared(lineage_rows(exploited["run_dir"]))
 
 
 def test_a_population_on_the_local_slurm_cluster(slurm_env, tmp_path):
