@@ -441,6 +441,14 @@ class Member:
         if population is None or number is None:
             return None
         from tinker_exp.optim.convert import plain
+        from tinker_exp.train.objective import has_validation
+
+        every, interval = cfg.trainer.eval_every, population.interval
+        if not has_validation(cfg) or (every and interval % every) or cfg.trainer.steps < 2 * interval:
+            raise ConfigError(
+                f"trainer.eval_every={every}, trainer.steps={cfg.trainer.steps}: a member's boundaries (every {interval} "
+                "steps, at least one before the last step) must be evaluation steps, with validation data"
+            )
 
         return cls(population, number, run_dir, plain(cfg.override) or {}, cfg.optimizer, cfg.trainer.steps, metric)
 
