@@ -508,7 +508,8 @@ class Member:
             return Turn(self.plan)
         from tinker_exp.train.sinks import keep_rows_before
 
-        keep_rows_before(self.run_dir / METRICS, step)  # rows of steps it trains again are not its lineage
+        if (self.run_dir / METRICS).exists():  # rows of steps it trains again are not its lineage
+            keep_rows_before(self.run_dir / METRICS, step)
         rows = [r for r in population_rows(self.run_dir) if r["step"] <= step]
         write_atomically(self.run_dir / POPULATION_FILE, "".join(json.dumps(r) + "\n" for r in rows))
         if rows:
