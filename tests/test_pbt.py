@@ -341,3 +341,13 @@ def test_without_the_environment_a_sweep_job_is_an_ordinary_run(tmp_path, monkey
     run(compose(*MEMBER), tmp_path, job=job_info(0, []), start_workers=fake_workers())
     assert not (tmp_path / POPULATION_FILE).exists() and not (tmp_path / "override").exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000008"]
+
+
+@pytest.mark.parametrize("change", ["trainer.eval_every=4", "trainer.steps=3", "data.val_fraction=null"])
+def test_a_member_whose_boundaries_are_not_evaluations_stops_before_any_worker(tmp_path, monkeypatch, change):
+    monkeypatch.setenv(POPULATION_ENV, json.dumps({"board": str(tmp_path), "population": 2, "interval": 2,
+                                                   "space": {"override.lr.value": distribution_to_json(LR)}}))  # fmt: skip
+    start = fake_workers()
+    with pytest.raises(ConfigError, match=r"a member's boundaries \(every 2 steps, at least one before the last step\) must be evaluation steps"):
+        run(compose(*MEMBER, "override.lr.value=1e-3", change), tmp_path / "run", job=job_info(0, []), start_workers=start)
+    assert start.started == []

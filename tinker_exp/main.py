@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import sys
 import warnings
@@ -173,8 +174,8 @@ def train_run(
 
     trainer, data = cfg.trainer, cfg.data
     member = Member.from_environment(cfg, run_dir, trial_number, objective_metric(cfg))  # None unless in a population
-    if member is not None:  # every boundary checkpoint stays: other members may load it until the population is done
-        cfg.checkpoint.keep_every = member.population.interval
+    if member is not None:  # every boundary checkpoint stays (other members may load it), and any the user keeps
+        cfg.checkpoint.keep_every = math.gcd(cfg.checkpoint.keep_every, member.population.interval)
         wandb_config.update({"population.member": trial_number, "population.board": str(member.population.board)})
     choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
     log.info(f"device: {choice.describe()}")
@@ -217,7 +218,7 @@ def train_run(
         # Beside the workers' start, and no step waits for it: W&B's rows wait until its run is there.
         sinks.sinks.insert(1, StartingSink(plot_and_wandb))
         workers.ready()
-        turn = member.resume(start.step, start.checkpoint and start.checkpoint.path) if member else None
+        turn = member.resume(start.step, start.checkpoint.path if start.kind == "resume" else None) if member else None
         loop_start = start.loop_state
         if turn is not None:  # a member's values and plan as it left them (and a donor's state it took there)
             plan = turn.plan

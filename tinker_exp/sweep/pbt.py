@@ -441,6 +441,14 @@ class Member:
         if population is None or number is None:
             return None
         from tinker_exp.optim.convert import plain
+        from tinker_exp.train.objective import has_validation
+
+        every, interval = cfg.trainer.eval_every, population.interval
+        if not has_validation(cfg) or (every and interval % every) or cfg.trainer.steps < 2 * interval:
+            raise ConfigError(
+                f"trainer.eval_every={every}, trainer.steps={cfg.trainer.steps}: a member's boundaries (every {interval} "
+                "steps, at least one before the last step) must be evaluation steps, with validation data"
+            )
 
         return cls(population, number, run_dir, plain(cfg.override) or {}, cfg.optimizer, cfg.trainer.steps, metric)
 
@@ -500,7 +508,8 @@ class Member:
             return Turn(self.plan)
         from tinker_exp.train.sinks import keep_rows_before
 
-        keep_rows_before(self.run_dir / METRICS, step)  # rows of steps it trains again are not its lineage
+        if (self.run_dir / METRICS).exists():  # rows of steps it trains again are not its lineage
+            keep_rows_before(self.run_dir / METRICS, step)
         rows = [r for r in population_rows(self.run_dir) if r["step"] <= step]
         write_atomically(self.run_dir / POPULATION_FILE, "".join(json.dumps(r) + "\n" for r in rows))
         if rows:
