@@ -4,6 +4,7 @@ command, report.png read back as data), and real populations on the local launch
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -177,7 +178,7 @@ def population(tmp_path):
 
     sweep = tmp_path / "sweep"
     key = "override.lr.value"
-    write_member(sweep / "0", [1e-3] * 6, [3.0, 2.8, 2.6, 2.4, 2.2, 2.0],
+    write_member(sweep / "0", [0.0] + [1e-3] * 5, [3.0, 2.8, 2.6, 2.4, 2.2, 2.0],
                  [boundary(2, 3.3, {key: 1e-3}, {key: 1e-3}), boundary(4, 2.9, {key: 1e-3}, {key: 1e-3})], 2.5)
     write_member(sweep / "1", [3e-4] * 4 + [8e-4] * 2, [3.0, 2.9, 2.85, 2.8, 2.3, 2.1],
                  [boundary(2, 3.4, {key: 3e-4}, {key: 3e-4}), boundary(4, 3.3, {key: 8e-4}, {key: 3e-4}, donor=0, sweep=sweep)], 2.6)
@@ -238,9 +239,11 @@ def test_report_png_draws_each_members_objective_with_its_exploits_and_its_reali
     assert drawn["exploit 2<-0@2"] == [[2, 3.45]] and drawn["exploit 1<-0@4"] == [[4, 3.3]]
     assert drawn["from donor 2<-0@2"] == [[2, 3.3], [4, 2.85]] and drawn["from donor 1<-0@4"] == [[4, 2.9], [6, 2.6]]
     assert "member 3" not in drawn  # cancelled before its first evaluation
-    sent = {line.get_gid(): list(line.get_ydata())[:-1] for line in lr_ax.get_lines()}  # the last: to the step's end
-    assert sent["member 2"] == [1e-3, 1e-3] + [1.2e-3] * 4 and sent["member 1"] == [1e-3] * 4 + [8e-4] * 2
-    assert sent["member 0"] == [1e-3] * 6 and lr_ax.get_yscale() == "log" and lr_ax.get_ylabel() == "sent lr"
+    sent = {line.get_gid(): list(line.get_ydata())[:-1] for line in lr_ax.get_lines() if line.get_gid().startswith("member")}
+    assert sorted(sent) == ["member 0", "member 1", "member 2"]  # each with its last value drawn to the step's end
+    assert all(math.isnan(values[0]) for values in sent.values())  # step 0's lr 0 (member 0's, in every lineage): not on a log axis
+    assert sent["member 2"][1:] == [1e-3] + [1.2e-3] * 4 and sent["member 1"][1:] == [1e-3] * 3 + [8e-4] * 2
+    assert sent["member 0"][1:] == [1e-3] * 5 and lr_ax.get_yscale() == "log" and lr_ax.get_ylabel() == "sent lr"
     assert [l.get_gid() for l in objective_ax.get_lines() if str(l.get_gid()).startswith("boundary")] == ["boundary 2", "boundary 4"]
     legend = [t.get_text() for t in objective_ax.get_legend().get_texts()]
     assert legend[:3] == ["best: member 0 -> 2.5", "member 1 -> 2.6, 1 exploit", "member 2 -> 2.65, 1 exploit"]

@@ -265,6 +265,8 @@ def draw_report(members: Sequence[Member], log_scale: Mapping[str, bool], title:
     for ax, key in zip(axes[1:, 0], keys):
         for m in sorted(members, key=lambda m: m.member):
             values = m.realized.get(key)
+            if values and key in log_names:  # a warmup's 0 has no place on a log axis: left out, not a drop to its edge
+                values = [v if v > 0 else math.nan for v in values]
             if values:  # the last step's value drawn to the end of that step
                 ax.plot(range(len(values) + 1), [*values, values[-1]], drawstyle="steps-post", color=color_of[m.member],
                         linewidth=BEST_LINE_WIDTH if m is best else LINE_WIDTH + 0.4, gid=f"member {m.member}")  # fmt: skip
@@ -277,6 +279,7 @@ def draw_report(members: Sequence[Member], log_scale: Mapping[str, bool], title:
         for step in boundaries:
             ax.axvline(step, color="0.75", linewidth=0.6, zorder=0, gid=f"boundary {step}")
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[-1, 0].set_xlim(left=0)  # from the first step, even when its value is left out (a warmup's 0, log axis)
     axes[-1, 0].set_xlabel("steps trained (a value drawn from the step it is sent at; grey: the boundaries)")
     lines = [title]
     if best is not None:
