@@ -67,6 +67,10 @@ BAD = [
     (["trainer.batch_size=4,8"], f"hydra.sweeper.params: trainer.batch_size: {FROZEN}: members share their batches"),
     (["data.split_seed=choice(0,1)"], f"hydra.sweeper.params: data.split_seed: {FROZEN}: every member reads the same data"),
     (["+override=lr_cosine,lr_wsd"], f"hydra.sweeper.params: +override: {FROZEN}: a preset is chosen once per run"),
+    (["override.weight_decay=interval(0.0,0.1)"], "hydra.sweeper.params: override.weight_decay=interval(0.0,0.1): the selected "
+     "override does not set weight_decay; type '+override.weight_decay=interval(0.0,0.1)' (the + adds a key the file does not set)"),
+    (["~+override=lr_cosine"], "hydra.sweeper.params: override.lr.value=tag(log,interval(1e-4,3e-3)): no override is selected; "
+     "select a preset first (+override=NAME)"),
     (["trainer.eval_every=2,4"], "hydra.sweeper.params: trainer.eval_every: not a value sent with every optimizer step; PBT searches override.* keys"),
 ]  # fmt: skip
 
@@ -74,7 +78,7 @@ BAD = [
 @pytest.mark.parametrize("args, line", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_a_bad_population_is_one_line_and_exit_2_before_any_member(monkeypatch, capsys, tmp_path, args, line):
     args = [*BASE, f"hydra.sweep.dir={tmp_path / 'sweep'}", *GOOD, *args]
-    if args[-1].startswith("~"):  # the space left out
+    if args[-1].startswith("~"):  # left out: the space, or the override
         args = [a for a in args if a != args[-1] and a != args[-1][1:]]
     if args[-1].startswith("+override="):  # the preset searched instead of given
         args = [a for a in args if a != "+override=lr_cosine"]

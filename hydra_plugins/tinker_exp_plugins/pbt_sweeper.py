@@ -69,6 +69,20 @@ def frozen_key_error(key: str) -> str | None:
     )
 
 
+def missing_key_error(config: DictConfig, key: str, written: str) -> str | None:
+    """Said once for the space, not per member with a sampled value: a key without + that the selected override
+    does not set (each member's compose would fail on it)."""
+    if key.startswith(("+", "~")) or OmegaConf.select(config, key, default=_MISSING) is not _MISSING:
+        return None
+    if OmegaConf.select(config, "override") is None:
+        return f"hydra.sweeper.params: {key}={written}: no override is selected; select a preset first (+override=NAME)"
+    return (f"hydra.sweeper.params: {key}={written}: the selected override does not set {key.removeprefix('override.')}; "
+            f"type '+{key}={written}' (the + adds a key the file does not set)")  # fmt: skip
+
+
+_MISSING = object()
+
+
 def settings_error(population: Any, interval: Any, quantile: Any, perturb: Any, resample_probability: Any, seed: Any) -> str | None:
     """The first of hydra.sweeper's PBT keys that is wrong, as one line; None when all are right."""
 
@@ -206,17 +220,19 @@ class PBTSweeper(Sweeper):
     def _checked_members(self, arguments: list[str]) -> tuple[list[str], dict[str, Any], list[dict[str, Any]], list[list[str]], Any]:
         """(the fixed overrides, the space, each member's start values and overrides, member 0's typed config),
         once every check passed: the space, every member's point (as any run's), the boundaries, force_exploit."""
-        from tinker_exp.sweep.study import as_override, search_space
+        from tinker_exp.sweep.study import as_override, expression, search_space
 
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        fixed, space = search_space(parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + arguments))
+        overrides = parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + arguments)
+        fixed, space = search_space(overrides)
         if not space:
             raise ConfigError(
                 "hydra.sweeper.params: no search space; give one in hydra.sweeper.params or on the command line, "
                 "e.g. 'override.lr.value=tag(log, interval(1e-4, 3e-3))'"
             )
-        for key in space:
-            error = frozen_key_error(key)
+        written = {o.get_key_element(): expression(o) for o in overrides if o.is_sweep_override()}
+        errors = [frozen_key_error(key) for key in space] + [missing_key_error(self.config, key, written[key]) for key in space]
+        for error in errors:  # a key that cannot be searched is said before a key that lacks its +
             if error:
                 raise ConfigError(error)
         starts = start_values(space, self.population, self.seed)
