@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import sys
 import warnings
@@ -168,9 +169,14 @@ def train_run(
     from tinker_exp.train.evaluation import Evaluation
     from tinker_exp.train.loop import train
     from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, StartingSink, WandbSink, wandb_environment
+    from tinker_exp.sweep.pbt import Member
     from tinker_exp.sweep.study import TrialReport
 
     trainer, data = cfg.trainer, cfg.data
+    member = Member.from_environment(cfg, run_dir, trial_number, objective_metric(cfg))  # None unless in a population
+    if member is not None:  # every boundary checkpoint stays (other members may load it), and any the user keeps
+        cfg.checkpoint.keep_every = math.gcd(cfg.checkpoint.keep_every, member.population.interval)
+        wandb_config.update({"population.member": trial_number, "population.board": str(member.population.board)})
     choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
     log.info(f"device: {choice.describe()}")
     if start.checkpoint is not None:
@@ -212,8 +218,14 @@ def train_run(
         # Beside the workers' start, and no step waits for it: W&B's rows wait until its run is there.
         sinks.sinks.insert(1, StartingSink(plot_and_wandb))
         workers.ready()
+        turn = member.resume(start.step, start.checkpoint.path if start.kind == "resume" else None) if member else None
+        loop_start = start.loop_state
+        if turn is not None:  # a member's values and plan as it left them (and a donor's state it took there)
+            plan = turn.plan
+            if turn.nonfinite_steps is not None:
+                loop_start["nonfinite_steps"] = turn.nonfinite_steps
         if start.checkpoint is not None:
-            restore(workers, start.checkpoint.path)
+            restore(workers, (turn and turn.checkpoint) or start.checkpoint.path)
         run_state = {"seed": trainer.seed, "device": choice.device}  # in every checkpoint's loop.json
         if start.lineage:
             run_state["branch"] = start.lineage  # a resumed branch still knows where it came from
@@ -221,7 +233,10 @@ def train_run(
         checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, run_state, metric)
         watch = Watch(metric, early.patience, early.min_delta, start.loop_state.get("watch")) if early.patience else None
         trial = TrialReport.from_environment(metric, trial_number)  # None unless a pruning study launched this job
-        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, start.loop_state, evaluation, watch, trial)
+        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, loop_start, evaluation, watch, trial, member)
+        if member is not None:
+            log.info(f"population: {len(member.exploits())} exploit(s); the realized schedule: {member.finish()}")
+            sinks.attach_table("population/exploits", ["step", "donor", "donor step", "values"], member.exploits())
         if cfg.lora.rank:
             adapter = run_dir / ADAPTER
             log.info(f"adapter: {adapter} ({workers.export_adapter(adapter):,} parameters, peft's format)")

@@ -10,10 +10,10 @@ from typing import Any, Callable, Sequence
 from tinker_exp.config import TrainerConfig
 from tinker_exp.errors import AppliedMismatchError, NonFiniteError
 from tinker_exp.optim import Plan, flat_values
-from tinker_exp.train.checkpoints import Checkpointer
+from tinker_exp.train.checkpoints import Checkpointer, restore
 from tinker_exp.train.evaluation import Evaluation
 from tinker_exp.train.objective import Watch
-from tinker_exp.train.protocols import Sink, Watcher, Workers
+from tinker_exp.train.protocols import Boundaries, Sink, Watcher, Workers
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +43,18 @@ def train(
     evaluation: Evaluation | None = None,
     watch: Watch | None = None,
     trial: Watcher | None = None,
+    member: Boundaries | None = None,
 ) -> dict[str, Any]:
     """Run Tinker steps from `start` (a checkpoint's loop state; None: step 0) to trainer.steps.
 
     After each step: evaluate when due (its values join the step's row), log it, stop if non-finite steps exceed the limit (before any save, so the last
     checkpoint is from before the failure), then save a checkpoint when one is due. `watch` sees each evaluation: when
     it says stop (early stop), the run saves a checkpoint at that step and ends; `trial` (a study's trial) sees it
-    first, and ends the run the same way when its pruner says so. Returns the last row.
+    first, and ends the run the same way when its pruner says so. `member` (a population's member): at each of its
+    boundaries a checkpoint is saved, then it decides; on an exploit the donor's checkpoint is loaded into these same
+    workers and the member's new plan applies from there. Returns the last row.
     """
+    assert member is None or checkpointer is not None, "a member's boundaries save checkpoints"
     start = start or {}
     nonfinite_steps = start.get("nonfinite_steps", 0)
     row: dict[str, Any] = {}
@@ -87,7 +91,8 @@ def train(
             )
         pruned = evaluated and trial is not None and trial.seen(step + 1, row)
         stop = pruned or (evaluated and watch is not None and watch.seen(step + 1, row))
-        if checkpointer is not None and (checkpointer.due(step + 1) or stop):
+        boundary = evaluated and member is not None and member.due(step + 1)
+        if checkpointer is not None and (checkpointer.due(step + 1) or stop or boundary):
             state = {"nonfinite_steps": nonfinite_steps, **({"watch": watch.state(), "early_stopped": stop} if watch else {})}
             if pruned:  # a resumed pruned run is complete, as an early-stopped one
                 state.update(early_stopped=True, pruned=True)
@@ -96,4 +101,10 @@ def train(
         if stop:
             log.info((trial if pruned else watch).stop_line(step + 1))
             break
+        if boundary:  # post, decide; an exploit swaps the workers' state and the plan, nothing else
+            turn = member.boundary(step + 1, row, saved)
+            if turn.checkpoint is not None:
+                restore(workers, turn.checkpoint)
+                nonfinite_steps = nonfinite_steps if turn.nonfinite_steps is None else turn.nonfinite_steps
+            plan = turn.plan
     return row

@@ -59,3 +59,14 @@ class Watcher(Protocol):
     def seen(self, steps_done: int, row: dict[str, Any]) -> bool: ...
 
     def stop_line(self, steps_done: int) -> str: ...
+
+
+class Boundaries(Protocol):
+    """A population's member: after the evaluation at each of its boundaries (and the checkpoint saved there) it
+    decides, and says which plan applies from there and whose checkpoint the workers load (tinker_exp.sweep.pbt)."""
+
+    def due(self, steps_done: int) -> bool: ...
+
+    def boundary(self, steps_done: int, row: dict[str, Any], checkpoint: Path) -> Any:
+        """A Turn: .plan, .checkpoint (None: keep the workers' state), .nonfinite_steps (None: keep the count)."""
+        ...

@@ -162,6 +162,12 @@ class WandbSink:
         if plot is not None:
             self._call(self.run.log, {"plan/plot": wandb.Image(str(plot))})
 
+    def attach_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """A table in the run summary (a population member's exploits)."""
+        import wandb
+
+        self._call(self.run.summary.update, {name: wandb.Table(columns=columns, data=rows)})
+
     def log(self, row: dict[str, Any]) -> None:
         history = {key: value for key, value in row.items() if key not in WANDB_DROPPED + WANDB_SUMMARY_ONLY}
         self._call(self.run.log, history)
@@ -270,6 +276,15 @@ class StartingSink:
         if self.sink is not None:
             self.sink.log(row)
 
+    def attach_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """Once the sink is there (at the run's end: it is, or closing would wait for it anyway)."""
+        try:
+            sink = self.started(None)
+        except Exception:  # the start failed: close() says so
+            return
+        if sink is not None:
+            sink.attach_table(name, columns, rows)
+
     def close(self, exit_code: int = 0) -> None:
         try:
             self.started(None if exit_code == 0 else 10.0)
@@ -291,6 +306,11 @@ class Sinks:
     def log(self, row: dict[str, Any]) -> None:
         for sink in self.sinks:
             sink.log(row)
+
+    def attach_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> None:
+        for sink in self.sinks:
+            if hasattr(sink, "attach_table"):
+                sink.attach_table(name, columns, rows)
 
     def close(self, exit_code: int = 0) -> None:
         for sink in self.sinks:

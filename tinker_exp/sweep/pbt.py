@@ -1,0 +1,536 @@
+"""Population-based training, the member's side: the board, the exploit decision, explore, the realized schedule and
+the lineage files. Pure Python (Optuna's distributions for the space); the loop calls `Member.boundary`.
+
+A member is an ordinary run whose job was told of its population (POPULATION_ENV, set by the pbt sweeper). Every
+`interval` steps, at an evaluation, it saves a checkpoint, posts its score to the board and decides against the
+members that have posted at that step (no barrier): one in the bottom quantile loads a top member's checkpoint into
+its own running workers (exploit) and continues with that member's values, perturbed or resampled (explore), as a
+new plan for the remaining steps. The plan is the only source of the values sent, so a loaded checkpoint never
+brings old values back.
+
+    <board>/<member>/<step>.json   a post: score, checkpoint, values (one file each, written atomically)
+    <run dir>/population.jsonl     one row per boundary: score, rank, whose checkpoint was taken, the values after
+    <run dir>/override/realized.yaml   the values sent at every step of the member's lineage, as an override file
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from tinker_exp.errors import ConfigError
+from tinker_exp.formats import read_json, read_jsonl
+
+POPULATION_ENV = "TINKER_EXP_POPULATION"
+"""What a member's job is told of its population, as JSON (set by the pbt sweeper; tests set it themselves):
+board, population, interval, quantile, perturb, resample_probability, seed, space {key: Optuna distribution JSON},
+force_exploit (test-only: {member, step, donor} or null)."""
+POPULATION_FILE = "population.jsonl"
+REALIZED = "realized"
+"""The realized schedule's override name: <run dir>/override/realized.yaml, selected with +override=realized."""
+METRICS = "metrics.jsonl"
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Population:
+    """The population a member belongs to, as POPULATION_ENV tells it."""
+
+    board: Path
+    """The folder of posts (<sweep dir>/population): one subfolder per member."""
+    population: int
+    """Members in all (P)."""
+    interval: int
+    """Steps between boundaries (K): a boundary after every K steps, before the last."""
+    quantile: float = 0.25
+    """The share of the ranked members that exploits (bottom) and is exploited (top)."""
+    perturb: tuple[float, ...] = (0.8, 1.2)
+    """Factors a value not resampled is multiplied by (one chosen at random)."""
+    resample_probability: float = 0.25
+    """Chance that a key is drawn afresh from the space instead of perturbed."""
+    seed: int = 0
+    """Seeds every choice (donor, explore), with the member and the step."""
+    space: Mapping[str, Any] = field(default_factory=dict)
+    """key (override.lr.value, ...) -> Optuna distribution."""
+    force_exploit: Mapping[str, int] | None = None
+    """Test-only: {member, step, donor}: that member exploits that donor at that step whatever the ranks."""
+
+    def __post_init__(self) -> None:
+        where = POPULATION_ENV
+        if self.population < 2:
+            raise ConfigError(f"{where}: population={self.population} must be >= 2")
+        if self.interval < 1:
+            raise ConfigError(f"{where}: interval={self.interval} must be >= 1")
+        if not 0 < self.quantile <= 0.5:
+            raise ConfigError(f"{where}: quantile={self.quantile} must be in (0, 0.5]")
+        if not self.perturb or any(not factor > 0 for factor in self.perturb):
+            raise ConfigError(f"{where}: perturb={list(self.perturb)} must be factors > 0")
+        if not 0 <= self.resample_probability <= 1:
+            raise ConfigError(f"{where}: resample_probability={self.resample_probability} must be in [0, 1]")
+        if not self.space:
+            raise ConfigError(f"{where}: space is empty: nothing to explore")
+
+    @classmethod
+    def from_json(cls, text: str) -> "Population":
+        from optuna.distributions import json_to_distribution
+
+        try:
+            told = json.loads(text)
+            space = {key: json_to_distribution(value) for key, value in told.get("space", {}).items()}
+            force = told.get("force_exploit")
+            return cls(
+                board=Path(told["board"]), population=int(told["population"]), interval=int(told["interval"]),
+                quantile=float(told.get("quantile", 0.25)), perturb=tuple(float(f) for f in told.get("perturb", (0.8, 1.2))),
+                resample_probability=float(told.get("resample_probability", 0.25)), seed=int(told.get("seed", 0)),
+                space=space, force_exploit=None if force is None else {k: int(force[k]) for k in ("member", "step", "donor")},
+            )  # fmt: skip
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{POPULATION_ENV}: not a population ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "Population | None":
+        return cls.from_json(environ[POPULATION_ENV]) if POPULATION_ENV in environ else None
+
+    def is_boundary(self, steps_done: int, total_steps: int) -> bool:
+        return steps_done % self.interval == 0 and 0 < steps_done < total_steps
+
+
+# --- the board -------------------------------------------------------------------------------------------
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """tmp + os.replace: a reader (on another node too) sees the whole file or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def post(board: Path, member: int, step: int, score: float, checkpoint: Path, values: Mapping[str, Any]) -> Path:
+    """The member's score at a boundary, with its checkpoint there and the values it trained the steps before with."""
+    path = board / str(member) / f"{step}.json"
+    doc = {"member": member, "step": step, "score": score, "checkpoint": str(Path(checkpoint).resolve()), "values": dict(values), "time": time.time()}
+    write_atomically(path, json.dumps(doc) + "\n")
+    return path
+
+
+def posts_at(board: Path, step: int) -> dict[int, dict[str, Any]]:
+    """Every member's post at `step` (members that have not reached it yet: absent)."""
+    posts = {}
+    for path in sorted(board.glob(f"*/{step}.json")) if board.is_dir() else ():
+        doc = read_json(path)
+        if isinstance(doc, dict):
+            posts[int(doc["member"])] = doc
+    return posts
+
+
+# --- the decision ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    rank: int
+    """1: the best of those that posted."""
+    of: int
+    """How many had posted at the step (this member included)."""
+    donor: dict[str, Any] | None = None
+    """The post whose checkpoint and values this member takes; None: it carries on."""
+
+
+def quantile_size(n: int, quantile: float) -> int:
+    """How many members exploit (and how many may be exploited) among n ranked ones: Ray Tune's rule."""
+    return 0 if n < 2 else min(max(1, math.ceil(n * quantile)), n // 2)
+
+
+def _sort_key(post: Mapping[str, Any]) -> tuple[float, int]:
+    score = post["score"]
+    return (score if isinstance(score, (int, float)) and math.isfinite(score) else math.inf, int(post["member"]))
+
+
+def rng_for(population: Population, member: int, step: int, what: str) -> random.Random:
+    """A generator seeded by (seed, member, step): a resumed member decides and explores as it would have."""
+    return random.Random(f"{population.seed}:{member}:{step}:{what}")
+
+
+def decide(population: Population, member: int, step: int, posts: Mapping[int, Mapping[str, Any]]) -> Decision:
+    """Rank the posts at `step` (lower score is better; non-finite ones last, ties by member number); a member in the
+    bottom q takes a donor chosen (seeded) from the top q. force_exploit overrides it for one (member, step)."""
+    ranked = sorted(posts.values(), key=_sort_key)
+    order = [int(p["member"]) for p in ranked]
+    if member not in order:
+        raise ValueError(f"member {member} has not posted at step {step}")
+    rank, n = order.index(member) + 1, len(order)
+    force = population.force_exploit
+    if force is not None and (force["member"], force["step"]) == (member, step):
+        if force["donor"] not in posts:
+            raise ConfigError(f"{POPULATION_ENV}: force_exploit: member {force['donor']} has not posted at step {step}")
+        return Decision(rank, n, dict(posts[force["donor"]]))
+    q = quantile_size(n, population.quantile)
+    if rank <= n - q:
+        return Decision(rank, n)
+    donor = rng_for(population, member, step, "donor").choice(order[:q])
+    return Decision(rank, n, dict(posts[donor]))
+
+
+# --- explore ---------------------------------------------------------------------------------------------
+
+
+def valid_range(key: str, override: Mapping[str, Any], total_steps: int) -> tuple[Any, int | None]:
+    """(the Range a value of `key` must lie in, the most steps it may count when it is a length in steps):
+    override.K is key K's range; override.K.P a parameter of K's schedule: the key's range for its value parameters,
+    the parameter's own for the others (a length within the schedule). None: no rule known here (the plan checks)."""
+    from tinker_exp.optim.convert import RANGES, Range
+    from tinker_exp.optim.schedules import PARAMS
+
+    parts = key.split(".")
+    if parts[0] != "override" or len(parts) < 2 or parts[1] not in RANGES:
+        return None, None
+    name, rest = parts[1], parts[2:]
+    node: Any = override.get(name)
+    if name == "betas" and rest and rest[0].isdigit():
+        node = node[int(rest[0])] if isinstance(node, (list, tuple)) and int(rest[0]) < len(node) else None
+        rest = rest[1:]
+    if not rest:
+        return RANGES[name], None
+    if len(rest) != 1 or not isinstance(node, Mapping) or node.get("schedule") not in PARAMS:
+        return None, None
+    param = PARAMS[node["schedule"]].get(rest[0])
+    if param is None:
+        return None, None
+    if param.peak or (param.kind == "number" and param.range == Range()):
+        return RANGES[name], None
+    return param.range, int(node.get("total_steps") or total_steps) if param.kind == "length" else None
+
+
+def _clip(value: float, low: float | None, high: float | None, low_open: bool = False, high_open: bool = False) -> float:
+    if low is not None and (value < low or (low_open and value <= low)):
+        value = math.nextafter(low, math.inf) if low_open else low
+    if high is not None and (value > high or (high_open and value >= high)):
+        value = math.nextafter(high, -math.inf) if high_open else high
+    return value
+
+
+def _on_grid(value: float, low: float, high: float, step: float | int | None) -> float:
+    return value if not step else low + round((value - low) / step) * step
+
+
+def explored(
+    values: Mapping[str, Any], population: Population, member: int, step: int, override: Mapping[str, Any], total_steps: int
+) -> dict[str, Any]:
+    """The donor's values explored: each key resampled from the space with resample_probability, else multiplied by a
+    factor from `perturb` (a categorical moves to a neighbouring choice); then clipped to the space's bounds (ints
+    rounded, onto the step grid) and to the key's valid range. Seeded by (seed, member, step)."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    rng = rng_for(population, member, step, "explore")
+    out = dict(values)
+    for key, dist in population.space.items():
+        resample = rng.random() < population.resample_probability
+        factor = rng.choice(population.perturb)
+        direction = rng.choice((-1, 1))
+        if isinstance(dist, CategoricalDistribution):
+            choices = list(dist.choices)
+            if resample or values.get(key) not in choices or len(choices) == 1:
+                out[key] = rng.choice(choices)
+            else:  # a neighbour; at either end the only one
+                here = choices.index(values[key])
+                out[key] = choices[here + direction if 0 <= here + direction < len(choices) else here - direction]
+            continue
+        low, high = dist.low, dist.high
+        if resample:
+            new = math.exp(rng.uniform(math.log(low), math.log(high))) if dist.log else rng.uniform(low, high)
+        else:
+            new = float(values[key]) * factor
+        new = _clip(_on_grid(new, low, high, dist.step), low, high)
+        rule, most = valid_range(key, override, total_steps)
+        if rule is not None:
+            new = _clip(new, rule.low, rule.high, rule.low_open, rule.high_open)
+        if isinstance(dist, IntDistribution):
+            new = int(round(new))
+            new = min(max(new, dist.low), dist.high)
+            if most is not None:
+                new = min(new, most)
+        elif isinstance(dist, FloatDistribution):
+            new = float(new)
+            if most is not None:  # a float length is a fraction of the schedule
+                new = min(max(new, 0.0), 1.0)
+        out[key] = new
+    return out
+
+
+# --- values in an override tree --------------------------------------------------------------------------
+
+
+def get_path(tree: Any, key: str) -> Any:
+    """The value at a dotted key (override.lr.value, override.betas.1) of a plain config tree; None if absent."""
+    node = tree
+    for part in key.split("."):
+        if isinstance(node, Mapping):
+            node = node.get(part)
+        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def with_values(override: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the override mapping (plain) with each `override.`-key of `values` set to its value."""
+    tree = {"override": copy.deepcopy(dict(override))}
+    for key, value in values.items():
+        *parents, last = key.split(".")
+        node: Any = tree
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return tree["override"]
+
+
+# --- the realized schedule -------------------------------------------------------------------------------
+
+
+def _column_override(column: Sequence[float]) -> Any:
+    """One value's every step as an override: a constant, or keyframes at each step where it changes and around it.
+
+    Exact: keyframes give y0 + (y1 - y0) * 0 / (x1 - x0) = y0 at a point's own step, and the points left out lie
+    between two equal values, where the same formula adds (y1 - y0) * t = 0."""
+    if all(value == column[0] for value in column):
+        return column[0]
+    last = len(column) - 1
+    points = {
+        step: value for step, value in enumerate(column)
+        if step in (0, last) or value != column[step - 1] or value != column[step + 1]
+    }  # fmt: skip
+    return {"schedule": "keyframes", "points": points}
+
+
+def realized_override(sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The override mapping whose plan sends exactly `sent` (one params dict per step, from step 0): each key a
+    constant or keyframes; betas as its two components."""
+    if not sent:
+        return {}
+    out: dict[str, Any] = {}
+    for key in sent[0]:
+        if key == "betas":
+            out[key] = [_column_override([step[key][i] for step in sent]) for i in range(2)]
+        else:
+            out[key] = _column_override([step[key] for step in sent])
+    return out
+
+
+def sent_values(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What was sent at each step (metrics rows' requested/*), as optimizer_step's params."""
+    from tinker_exp.optim.convert import nested_values
+
+    prefix = "requested/"
+    return [nested_values({key[len(prefix) :]: value for key, value in row.items() if key.startswith(prefix)}) for row in rows]
+
+
+def realized_yaml(override: Mapping[str, Any]) -> str:
+    """The override file's text (the floats as repr writes them: every digit)."""
+    from omegaconf import OmegaConf
+
+    body = OmegaConf.to_yaml(OmegaConf.create(dict(override))) if override else "{}\n"
+    return "# @package override\n# The values this member sent at every step of its lineage (tinker_exp.sweep.pbt).\n" + body
+
+
+def write_realized(run_dir: Path) -> Path:
+    """override/realized.yaml from the member's lineage rows, so far."""
+    path = run_dir / "override" / f"{REALIZED}.yaml"
+    write_atomically(path, realized_yaml(realized_override(sent_values(lineage_rows(run_dir)))))
+    return path
+
+
+# --- lineage ---------------------------------------------------------------------------------------------
+
+
+def population_rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / POPULATION_FILE
+    return read_jsonl(path) if path.exists() else []
+
+
+def run_dir_of(checkpoint: Path) -> Path:
+    """The run dir a checkpoint belongs to: the nearest folder above it holding metrics.jsonl."""
+    for parent in Path(checkpoint).parents:
+        if (parent / METRICS).exists():
+            return parent
+    raise FileNotFoundError(f"{checkpoint}: no run dir (with {METRICS}) above it")
+
+
+def lineage_rows(run_dir: Path, until: int | None = None) -> list[dict[str, Any]]:
+    """The metrics rows of the member's lineage for steps < `until` (None: all it has): its last donor's lineage
+    before that exploit's step (recursively), then its own rows. An exploit at step s changes the steps >= s only: the
+    checkpoint a member posted at s holds what it trained before it exploited there."""
+    run_dir = Path(run_dir)
+    rows = read_jsonl(run_dir / METRICS) if (run_dir / METRICS).exists() else []
+    end = until if until is not None else (max((row["train/step"] for row in rows), default=-1) + 1)
+    # Without `until`: an exploit at the last step trained counts (the member holds the donor's state now).
+    exploits = [
+        row for row in population_rows(run_dir)
+        if row.get("exploit") and (row["step"] < end or (until is None and row["step"] == end))
+    ]  # fmt: skip
+    begin, before = 0, []
+    if exploits:
+        exploit = exploits[-1]["exploit"]
+        begin = exploits[-1]["step"]
+        before = lineage_rows(run_dir_of(Path(exploit["checkpoint"])), begin)
+    return before + [row for row in rows if begin <= row["train/step"] < end]
+
+
+def realized_values(run_dir: Path) -> dict[str, list[float]]:
+    """Every value the member's lineage sent, by its flat name (lr, beta1, weight_decay, ...), one entry per step."""
+    prefix = "requested/"
+    columns: dict[str, list[float]] = {}
+    for row in lineage_rows(run_dir):
+        for key, value in row.items():
+            if key.startswith(prefix):
+                columns.setdefault(key[len(prefix) :], []).append(value)
+    return columns
+
+
+# --- the member inside its job ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What a boundary (or a resume) tells the loop: the plan from here on, and a donor's checkpoint to load into
+    the running workers (None: the workers go on as they are)."""
+
+    plan: Any
+    checkpoint: Path | None = None
+    nonfinite_steps: int | None = None
+    """The donor's count of non-finite steps (its loop.json): the lineage's, as a replay would count."""
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+class Member:
+    """One member of a population inside its job: the loop calls `due` after each evaluation and, at a boundary,
+    `boundary` (after the checkpoint there is saved); train_run calls `resume` before the first step and `finish`
+    after the last. Its values live here; each plan is built by the same converter and checks as any override."""
+
+    def __init__(self, population: Population, number: int, run_dir: Path, override: Mapping[str, Any],
+                 optimizer_cfg: Any, total_steps: int, metric: str):  # fmt: skip
+        self.population, self.number, self.run_dir = population, number, Path(run_dir)
+        self.override, self.optimizer_cfg, self.total_steps, self.metric = dict(override), optimizer_cfg, total_steps, metric
+        missing = [key for key in population.space if get_path({"override": self.override}, key) is None]
+        if missing:
+            raise ConfigError(f"{missing[0]}: a member's config must set every key of the space ({POPULATION_ENV})")
+        self.values = {key: get_path({"override": self.override}, key) for key in population.space}
+        self.plan = self.build(self.values)
+
+    @classmethod
+    def from_environment(cls, cfg: Any, run_dir: Path, number: int | None, metric: str,
+                         environ: Mapping[str, str] = os.environ) -> "Member | None":  # fmt: skip
+        """The member this job is (POPULATION_ENV set, a sweep job's number), else None: an ordinary run."""
+        population = Population.from_environment(environ)
+        if population is None or number is None:
+            return None
+        from tinker_exp.optim.convert import plain
+        from tinker_exp.train.objective import has_validation
+
+        every, interval = cfg.trainer.eval_every, population.interval
+        if not has_validation(cfg) or (every and interval % every) or cfg.trainer.steps < 2 * interval:
+            raise ConfigError(
+                f"trainer.eval_every={every}, trainer.steps={cfg.trainer.steps}: a member's boundaries (every {interval} "
+                "steps, at least one before the last step) must be evaluation steps, with validation data"
+            )
+
+        return cls(population, number, run_dir, plain(cfg.override) or {}, cfg.optimizer, cfg.trainer.steps, metric)
+
+    def build(self, values: Mapping[str, Any]) -> Any:
+        from tinker_exp.optim import build_plan
+
+        return build_plan(with_values(self.override, values), self.optimizer_cfg, self.total_steps)
+
+    def due(self, steps_done: int) -> bool:
+        return self.population.is_boundary(steps_done, self.total_steps)
+
+    def boundary(self, steps_done: int, row: Mapping[str, Any], checkpoint: Path) -> Turn:
+        """Post the score with the checkpoint saved at this step, decide, and on an exploit explore the donor's values
+        into a new plan; records the row of population.jsonl and override/realized.yaml. One log line."""
+        score = float(row[self.metric])
+        post(self.population.board, self.number, steps_done, score, checkpoint, self.values)
+        decision = decide(self.population, self.number, steps_done, posts_at(self.population.board, steps_done))
+        previous, exploit, turn = self.values, None, Turn(self.plan)
+        said = "carries on"
+        if decision.donor is not None:
+            donor = decision.donor
+            self.values, self.plan = self.valid(donor["values"], explored(donor["values"], self.population, self.number,
+                                                                           steps_done, self.override, self.total_steps))  # fmt: skip
+            exploit = {"member": int(donor["member"]), "step": int(donor["step"]), "checkpoint": donor["checkpoint"]}
+            loop_state = read_json(Path(donor["checkpoint"]) / "loop.json") or {}
+            turn = Turn(self.plan, Path(donor["checkpoint"]), loop_state.get("nonfinite_steps"))
+            changes = ", ".join(
+                f"{key.removeprefix('override.')} {_short(donor['values'][key])} -> {_short(self.values[key])}" for key in self.values
+            )
+            said = f"exploit member {exploit['member']} at step {exploit['step']}, {changes}"
+        record = {"step": steps_done, "score": score, "rank": decision.rank, "of": decision.of, "exploit": exploit,
+                  "values": self.values, "previous": previous}  # fmt: skip
+        rows = [r for r in population_rows(self.run_dir) if r["step"] < steps_done] + [record]
+        write_atomically(self.run_dir / POPULATION_FILE, "".join(json.dumps(r) + "\n" for r in rows))
+        write_realized(self.run_dir)
+        log.info(f"boundary at step {steps_done}: {self.metric} {score:.4g} (rank {decision.rank} of {decision.of}): {said}")
+        return turn
+
+    def valid(self, base: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+        """The explored values and their plan; where the plan's checks refuse them (e.g. warmup + decay past the end),
+        keys are given back the donor's values one at a time, in the space's order, until they pass."""
+        candidate = dict(new)
+        for key in (None, *self.population.space):
+            if key is not None:
+                candidate[key] = base[key]
+            try:
+                return dict(candidate), self.build(candidate)
+            except ConfigError as e:
+                log.info(f"explore: {e}; {key or 'the first key'} keeps the donor's value")
+        raise AssertionError("the donor's own values must give a valid plan")
+
+    def resume(self, step: int, own_checkpoint: Path | None) -> Turn:
+        """A member restarted at `step` (its newest checkpoint; 0: none): the values and plan population.jsonl says it
+        had, and the donor's checkpoint when it exploited at that very step (its own there is from before). A boundary
+        saved but never decided (killed in between) is decided now."""
+        if step == 0 or own_checkpoint is None:
+            return Turn(self.plan)
+        from tinker_exp.train.sinks import keep_rows_before
+
+        if (self.run_dir / METRICS).exists():  # rows of steps it trains again are not its lineage
+            keep_rows_before(self.run_dir / METRICS, step)
+        rows = [r for r in population_rows(self.run_dir) if r["step"] <= step]
+        write_atomically(self.run_dir / POPULATION_FILE, "".join(json.dumps(r) + "\n" for r in rows))
+        if rows:
+            self.values = dict(rows[-1]["values"])
+            self.plan = self.build(self.values)
+        if rows and rows[-1]["step"] == step:
+            exploit = rows[-1]["exploit"]
+            if exploit is None:
+                return Turn(self.plan)
+            loop_state = read_json(Path(exploit["checkpoint"]) / "loop.json") or {}
+            return Turn(self.plan, Path(exploit["checkpoint"]), loop_state.get("nonfinite_steps"))
+        if self.due(step):
+            last = [r for r in read_jsonl(self.run_dir / METRICS) if r["train/step"] == step - 1]
+            if last and self.metric in last[-1]:
+                return self.boundary(step, last[-1], own_checkpoint)
+        return Turn(self.plan)
+
+    def finish(self) -> Path:
+        return write_realized(self.run_dir)
+
+    def exploits(self) -> list[list[Any]]:
+        """[step, donor, donor step, values] of every exploit (W&B's population/exploits table)."""
+        return [[r["step"], r["exploit"]["member"], r["exploit"]["step"], json.dumps(r["values"])]
+                for r in population_rows(self.run_dir) if r.get("exploit")]  # fmt: skip
