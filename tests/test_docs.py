@@ -227,7 +227,7 @@ def transcripts(path: Path) -> list[tuple[str, list[str]]]:
 
 
 @pytest.mark.parametrize(
-    "page", [REPO / "README.md", *(REPO / "docs" / name for name in ("schedules.md", "optimizers.md", "branching.md"))], ids=lambda p: p.name
+    "page", [REPO / "README.md", *(REPO / "docs" / name for name in ("schedules.md", "optimizers.md", "branching.md", "population.md"))], ids=lambda p: p.name
 )
 def test_quoted_outputs_are_what_the_cli_prints(page: Path, tmp_path: Path):
     """Every `$ python -m tinker_exp ...` transcript on the page, run (as a dry run): each quoted line is in its
