@@ -25,7 +25,7 @@ new trial, opened as a job opens it (`TrialReport`: load the study, find the tri
 open once, and the median, p90 and worst of the calls, in ms.
 
     .venv/bin/python benchmarks/pruning.py [--seeds 0 1 2] [--trials 12] [--jobs 2] [--steps 12] [--eval-every 2]
-        [--prune-startup 2] [--prune-warmup 3] [--tpe-startup 4] [--set KEY=VALUE ...] [--keep DIR]
+        [--prune-startup 2] [--prune-warmup 1] [--tpe-startup 4] [--set KEY=VALUE ...] [--keep DIR]
     .venv/bin/python benchmarks/pruning.py --report-cost [--storage URL] [--calls 50] [--others 4]
 """
 
@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="trainer.steps of every trial")
     parser.add_argument("--eval-every", type=int, default=2, help="trainer.eval_every")
     parser.add_argument("--prune-startup", type=int, default=2, help="the median pruner's n_startup_trials")
-    parser.add_argument("--prune-warmup", type=int, default=3, help="the median pruner's n_warmup_steps (a train/step)")
+    parser.add_argument("--prune-warmup", type=int, default=1, help="the median pruner's n_warmup_steps (a train/step; 1: from the first evaluation on)")
     parser.add_argument("--tpe-startup", type=int, default=4, help="hydra.sweeper.n_startup_trials (TPE's random trials)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more overrides, every study")
     parser.add_argument("--keep", type=Path, help="put the sweep dirs here and keep them (default: a temp dir, removed)")
