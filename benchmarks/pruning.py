@@ -102,7 +102,7 @@ def studies(args: argparse.Namespace) -> None:
         root = args.keep.resolve() if args.keep else Path(tmp)
         example = study_command(args, args.seeds[0], "median", root / "SWEEP_DIR")
         print(f"each study: python -m tinker_exp {shell_words(example)}")
-        print("(pruner=none: the same without the pruner_args)")
+        print("(pruner=none: the same without the pruner_args; hydra.sweeper.seed: each seed in turn)")
         figures: dict[int, dict[str, dict]] = {}
         for index, seed in enumerate(args.seeds):
             figures[seed] = {}
@@ -121,7 +121,7 @@ def studies(args: argparse.Namespace) -> None:
             print(f"seed {seed} median / none: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios(figures[seed]).items()), flush=True)
 
     per_seed = [ratios(figures[seed]) for seed in args.seeds]
-    print(f"medians of the per-seed ratios (median / none) over {len(args.seeds)} seed(s):")
+    print(f"medians of the per-seed ratios (median / none) over {len(args.seeds)} seed(s) (best: val/loss, a ratio above 1 is worse):")
     for key in ("steps", "wall", "best"):
         values = [r[key] for r in per_seed if key in r]
         print(f"  {key}: {statistics.median(values):.3f}" if values else f"  {key}: no value")
@@ -164,7 +164,10 @@ def report_cost(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="report_cost_") as tmp:
         url = args.storage or JOURNAL + str(Path(tmp) / "optuna.journal")
         name = f"report-cost-{uuid.uuid4().hex[:8]}"  # a throwaway study, never one of a server's others
-        study = optuna.create_study(study_name=name, storage=open_storage(url), direction="minimize")
+        try:
+            study = optuna.create_study(study_name=name, storage=open_storage(url), direction="minimize")
+        except Exception as e:  # no server, a bad URL: one line, the password masked
+            sys.exit(f"--storage {masked(url)}: cannot open a study there: {masked(str(e).splitlines()[0] if str(e) else type(e).__name__)}")
         try:
             for other in range(args.others):  # what the median is taken over: completed trials' evaluations
                 trial = study.ask()
