@@ -10,13 +10,15 @@ default validation split, judged by the last val/loss, TPE random for its first 
 The median pruner: `n_startup_trials` (`--prune-startup`: completed trials before it judges) and `n_warmup_steps`
 (`--prune-warmup`: train/step of the first evaluation it judges; evaluations log at train/step eval_every-1,
 2*eval_every-1, ...). From each study's optimization_results.yaml: steps trained, steps without pruning, the best
-value; and the process's wall time. Printed: each seed's figures and ratios (median / none), the medians of the
-ratios, and whether the pruned studies' best values lie within the spread of the unpruned ones.
+value; the process's wall time; and the jobs' time (each trial's tinker_exp.log, first line to last, summed).
+Printed: each seed's figures and ratios (median / none), the medians of the ratios, and whether the pruned
+studies' best values lie within the spread of the unpruned ones.
 
 Wall times are measured with today's sweeper, which runs trials in batches of `--jobs` (a pruned trial's slot
 waits for the rest of its batch), and each job starts its own Ray and loads verl (seconds, beside a second or two
-of training on the tiny model): the wall-time ratio is far above the steps ratio. On a shared machine they are
-noisy too.
+of training on the tiny model): the wall-time ratio is far above the steps ratio. The jobs' time (each trial's
+own, summed) leaves the batches' waits out: what the trials cost whatever the sweeper does between them. On a
+shared machine both are noisy.
 
 Report cost (`--report-cost`): a study in a journal file (a temp dir) or at `--storage URL` (a throwaway study
 there, deleted after), with the median pruner and `--others` completed trials of `--calls` evaluations each; a
@@ -32,7 +34,10 @@ open once, and the median, p90 and worst of the calls, in ms.
 from __future__ import annotations
 
 import argparse
+import datetime
+import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -44,6 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SEARCH = ["override.lr.value=tag(log, interval(1e-4, 3e-3))", "override.lr.warmup_steps=int(interval(0, 5))"]
 PRUNERS = ("none", "median")
+LOG_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")  # tinker_exp.log's lines: [2026-12-01 11:57:30,460]
 
 
 def study_command(args: argparse.Namespace, seed: int, pruner: str, sweep_dir: Path) -> list[str]:
@@ -74,12 +80,25 @@ def run_study(command: list[str]) -> float:
     return wall
 
 
+def job_seconds(sweep_dir: Path) -> float:
+    """Summed over the trials: each job's time from its tinker_exp.log's first line to its last (what the jobs
+    held their slots for, without Python's start and the wait for the rest of a batch)."""
+    total = 0.0
+    for log in sweep_dir.glob("*/tinker_exp.log"):
+        stamps = [m.group(1) for m in map(LOG_STAMP.match, log.read_text(errors="replace").splitlines()) if m]
+        if stamps:
+            first, last = (datetime.datetime.strptime(s, "%Y-%m-%d %H:%M:%S,%f") for s in (stamps[0], stamps[-1]))
+            total += (last - first).total_seconds()
+    return total
+
+
 def study_figures(sweep_dir: Path, wall: float) -> dict:
     import yaml
 
     saved = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
     return {
         "wall": wall,
+        "jobs": job_seconds(sweep_dir),
         "steps": saved["steps_trained"],
         "unpruned": saved["steps_without_pruning"],
         "best": saved["best_value"],
@@ -116,13 +135,13 @@ def studies(args: argparse.Namespace) -> None:
                 pruned = f", pruned at steps {f['pruned_at']}" if f["n_pruned"] else ""
                 print(
                     f"seed {seed} {pruner:6}: {f['n_trials']} trials, {f['n_pruned']} pruned{pruned}, {f['n_failed']} failed; "
-                    f"steps {f['steps']} of {f['unpruned']}; best {best}; wall {f['wall']:.1f} s"
+                    f"steps {f['steps']} of {f['unpruned']}; best {best}; wall {f['wall']:.1f} s, jobs {f['jobs']:.1f} s"
                 )
             print(f"seed {seed} median / none: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios(figures[seed]).items()), flush=True)
 
     per_seed = [ratios(figures[seed]) for seed in args.seeds]
     print(f"medians of the per-seed ratios (median / none) over {len(args.seeds)} seed(s) (best: val/loss, a ratio above 1 is worse):")
-    for key in ("steps", "wall", "best"):
+    for key in ("steps", "wall", "jobs", "best"):
         values = [r[key] for r in per_seed if key in r]
         print(f"  {key}: {statistics.median(values):.3f}" if values else f"  {key}: no value")
     unpruned = [figures[s]["none"]["best"] for s in args.seeds if figures[s]["none"]["best"] is not None]
@@ -139,14 +158,15 @@ def studies(args: argparse.Namespace) -> None:
         )
     print(
         f"(wall times: today's sweeper runs trials in batches of {args.jobs}, a pruned trial's slot waiting for the rest of "
-        f"its batch, and every job starts its own Ray and verl; on a shared machine, noisy)"
+        f"its batch, and every job starts its own Ray and verl; on a shared machine, noisy; jobs: the trials' times summed, "
+        f"each from its log's first line to its last)"
     )
 
 
 def ratios(pair: dict[str, dict]) -> dict[str, float]:
-    """median / none of the steps trained, the wall time and the best value (when both studies have one)."""
+    """median / none of the steps trained, the wall time, the jobs' time and the best value (when both have one)."""
     none, median = pair["none"], pair["median"]
-    out = {"steps": median["steps"] / none["steps"], "wall": median["wall"] / none["wall"]}
+    out = {key: median[key] / none[key] if none[key] else math.nan for key in ("steps", "wall", "jobs")}
     if none["best"] is not None and median["best"] is not None:
         out["best"] = median["best"] / none["best"]
     return out

@@ -89,10 +89,10 @@ def test_the_pruning_benchmark_runs_both_studies_of_a_seed_and_prints_their_figu
     out = result.stdout
     for pruner in ("none", "median"):
         assert (tmp_path / f"seed0_{pruner}" / "optimization_results.yaml").exists()
-        assert re.search(rf"seed 0 {pruner} *: 2 trials, 0 pruned, 0 failed; steps 8 of 8; best [0-9.]+ \(trial \d\); wall [0-9.]+ s", out), out
+        assert re.search(rf"seed 0 {pruner} *: 2 trials, 0 pruned, 0 failed; steps 8 of 8; best [0-9.]+ \(trial \d\); wall [0-9.]+ s, jobs [0-9.]+ s", out), out
     assert "hydra.sweeper.pruner=median +hydra.sweeper.pruner_args.n_startup_trials=2" in out
-    assert re.search(r"seed 0 median / none: steps 1\.000, wall [0-9.]+, best [0-9.]+", out), out
-    assert re.search(r"medians of the per-seed ratios .*\n  steps: 1\.000\n  wall: [0-9.]+\n  best: [0-9.]+\n", out), out
+    assert re.search(r"seed 0 median / none: steps 1\.000, wall [0-9.]+, jobs [0-9.]+, best [0-9.]+", out), out
+    assert re.search(r"medians of the per-seed ratios .*\n  steps: 1\.000\n  wall: [0-9.]+\n  jobs: [0-9.]+\n  best: [0-9.]+\n", out), out
     assert "goal: at most 60 % of the steps: not met (100%)" in out and "batches of 2" in out
 
 
