@@ -1,10 +1,12 @@
-"""benchmarks/overhead.py runs, and its bare loop is verl's worker built as tinker_exp builds it (no figure is
-asserted: speed is for the benchmark to print, not for tests)."""
+"""benchmarks/overhead.py runs, and its bare loop is verl's worker built as tinker_exp builds it; benchmarks/pruning.py
+runs its studies and times reports to a journal and a PostgreSQL server (no figure of speed is asserted: speed is
+for the benchmark to print, not for tests)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 import subprocess
 import sys
 
@@ -89,3 +91,45 @@ def test_the_pbt_boundary_benchmark_runs_tiny(ray_address, tmp_path):
         assert line in result.stdout, result.stdout
     exploit = [json.loads(line) for line in (tmp_path / "exploit_0" / "0" / "population.jsonl").read_text().splitlines()]
     assert [(row["step"], row["rank"], row["of"], row["exploit"]["member"]) for row in exploit] == [(2, 2, 2, 1)]
+
+
+PRUNING = REPO / "benchmarks" / "pruning.py"
+
+
+def test_the_pruning_benchmark_runs_both_studies_of_a_seed_and_prints_their_figures(ray_address, tmp_path):
+    """Smallest settings: one seed, 2 trials of 4 steps (one batch, so nothing is pruned: the median pruner waits
+    for 2 completed trials). Each study ran as a real CLI sweep in its own dir, and the figures are printed."""
+    result = subprocess.run(
+        [sys.executable, str(PRUNING), "--seeds", "0", "--trials", "2", "--steps", "4", "--keep", str(tmp_path)],
+        cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    for pruner in ("none", "median"):
+        assert (tmp_path / f"seed0_{pruner}" / "optimization_results.yaml").exists()
+        assert re.search(rf"seed 0 {pruner} *: 2 trials, 0 pruned, 0 failed; steps 8 of 8; best [0-9.]+ \(trial \d\); wall [0-9.]+ s, jobs [0-9.]+ s", out), out
+    assert "hydra.sweeper.pruner=median +hydra.sweeper.pruner_args.n_startup_trials=2" in out
+    assert re.search(r"seed 0 median / none: steps 1\.000, wall [0-9.]+, jobs [0-9.]+, best [0-9.]+", out), out
+    assert re.search(r"medians of the per-seed ratios .*\n  steps: 1\.000\n  wall: [0-9.]+\n  jobs: [0-9.]+\n  best: [0-9.]+\n", out), out
+    assert "goal: at most 60 % of the steps: not met (100%)" in out and "batches of 2" in out
+
+
+@pytest.mark.parametrize("server", [False, True], ids=["journal", "postgres"])
+def test_the_report_cost_benchmark_times_trial_reports_and_leaves_no_study_behind(server, request):
+    import optuna
+
+    url = request.getfixturevalue("postgres_url") if server else None
+    storage = ["--storage", url] if server else []
+    result = subprocess.run(
+        [sys.executable, str(PRUNING), "--report-cost", "--calls", "3", *storage],
+        cwd=REPO, env=environment(None), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "4 other completed trials of 3 evaluations each" in out
+    assert re.search(r"open \(TrialReport[^)]*\), once per job: [0-9.]+ ms", out), out
+    assert re.search(r"3 calls: median [0-9.]+ ms, p90 [0-9.]+ ms, worst [0-9.]+ ms; 0 said prune", out), out
+    if server:
+        password = url.split(":")[2].split("@")[0]
+        assert password not in out and "***@127.0.0.1" in out
+        assert not [name for name in optuna.get_all_study_names(url) if name.startswith("report-cost-")]
