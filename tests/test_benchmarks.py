@@ -1,5 +1,6 @@
 """benchmarks/overhead.py runs, and its bare loop is verl's worker built as tinker_exp builds it; benchmarks/pruning.py
-runs its studies and times reports to a journal and a PostgreSQL server (no figure of speed is asserted: speed is
+runs its studies and times reports to a journal and a PostgreSQL server; benchmarks/pbt_boundary.py runs one boundary
+of each kind (no figure of speed is asserted: speed is
 for the benchmark to print, not for tests)."""
 
 from __future__ import annotations
