@@ -1,96 +1,107 @@
-"""A real population: 4 members on verl's workers (2 Ray CPU gloo workers each), launched by the ordinary grid
-sweeper with the population's environment set by the test, 3 boundaries each. An exploit loads another member's
-checkpoint into the running workers; a plain run of a member's override/realized.yaml from step 0 is its lineage,
-bitwise."""
+"""Real populations on verl's workers (2 Ray CPU gloo workers a member), through the PBT sweeper
+(`hydra/sweeper=pbt`): 4 members, boundaries at steps 2, 4 and 6 of 8, on the local launcher and on the local Slurm
+cluster. An exploit loads another member's checkpoint into the running workers; the printed replay command, and a
+plain run of any member's override/realized.yaml from step 0, give its lineage bitwise. One population on the local
+launcher serves every assertion about it (members run one at a time on 2 CPUs: it is the costly part)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
-from optuna.distributions import FloatDistribution, distribution_to_json
 
 from helpers import metrics_rows, read_jsonl, run_cli, wandb_records, wandb_run_file, wandb_run_record
 from tinker_exp.sweep.jobs import sweep_group
 from tinker_exp.sweep.pbt import POPULATION_ENV, POPULATION_FILE, lineage_rows, realized_values
+from tinker_exp.sweep.pbt_report import replay_command
 
-STEPS, K = 8, 2
-FIXED = ["+override=lr_cosine", "override.lr.warmup_steps=2", f"trainer.steps={STEPS}", f"trainer.eval_every={K}",
-         "checkpoint.every_steps=0", "data.val_fraction=0.04"]  # fmt: skip
-"""What every member shares (a tiny validation set: 4 evaluations a member)."""
-FORCED = {"member": 3, "step": 6, "donor": 2}
-"""The last member takes, at the last boundary, the checkpoint of one that has exploited before: a lineage of three
-run dirs (members launched one after another rank against those before them, so the first one is always the best
-so far and every natural exploit takes its checkpoint)."""
-KEYS = ("train/loss", "train/grad_norm", "applied/lr", "applied/beta1", "applied/beta2", "applied/weight_decay", "val/loss")
+K = 2
+POPULATION = [
+    "-m", "hydra/sweeper=pbt", "+override=lr_cosine", "override.lr.value=tag(log,interval(1e-4,3e-3))", "trainer.steps=8",
+    "trainer.eval_every=2", "trainer.batch_size=4", "hydra.sweeper.population=4", f"hydra.sweeper.interval={K}",
+]  # fmt: skip
+LOCAL_FORCED = {"member": 3, "step": 6, "donor": 2}
+"""Test-only, on the local launcher: the last member takes, at the last boundary, the checkpoint of member 2, which
+exploited member 1 at step 2 by itself (hydra.sweeper.seed=1 starts member 2 at the space's lowest lr, 1.0e-4):
+a lineage over three run dirs. Members launched one after another rank against those before them only."""
 
 
-def values(rows: list[dict]) -> list[list]:
-    return [[row["train/step"], *(row.get(key) for key in KEYS)] for row in rows]
+def force(forced: dict) -> str:
+    return "hydra.sweeper.force_exploit={" + ",".join(f"{k}:{v}" for k, v in forced.items()) + "}"
 
 
 @pytest.fixture(scope="module")
-def population(ray_address, tmp_path_factory) -> list[Path]:
+def local_population(ray_address, tmp_path_factory) -> tuple[Path, str]:
+    """The population on the local launcher, W&B offline: (its sweep dir, what the sweeper printed)."""
     sweep = tmp_path_factory.mktemp("pbt") / "sweep"
-    told = {"board": str(sweep / "population"), "population": 4, "interval": K, "quantile": 0.25, "perturb": [0.8, 1.2],
-            "resample_probability": 0.25, "seed": 0, "space": {"override.lr.value": distribution_to_json(FloatDistribution(1e-4, 3e-3, log=True))},
-            "force_exploit": FORCED}  # fmt: skip
-    result = run_cli(
-        "-m", "hydra/launcher=local", *FIXED, "override.lr.value=3e-3,1e-3,3e-4,1e-4", f"hydra.sweep.dir={sweep}",
-        env={"RAY_ADDRESS": ray_address, POPULATION_ENV: json.dumps(told)}, timeout=900,
+    result = run_cli_population(
+        *POPULATION, "logger=wandb", "hydra.sweeper.seed=1", force(LOCAL_FORCED), "hydra/launcher=local",
+        f"hydra.sweep.dir={sweep}", env={"RAY_ADDRESS": ray_address},
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    return sweep, out
+
+
+@pytest.fixture(scope="module")
+def members(local_population) -> list[Path]:
+    sweep, _ = local_population
     return [sweep / str(member) for member in range(4)]
 
 
-def test_every_member_decides_at_each_boundary_and_some_exploit(population):
-    rows = {member: read_jsonl(run_dir / POPULATION_FILE) for member, run_dir in enumerate(population)}
-    assert all([r["step"] for r in member_rows] == [2, 4, 6] for member_rows in rows.values())
+def test_the_local_population_ends_with_its_summary_results_and_replay_line(local_population):
+    check_population(*local_population, LOCAL_FORCED)
+
+
+def test_every_member_decides_at_each_boundary_and_some_exploit_by_themselves(members):
+    rows = {member: read_jsonl(run_dir / POPULATION_FILE) for member, run_dir in enumerate(members)}
     exploits = [(member, r) for member, member_rows in rows.items() for r in member_rows if r["exploit"]]
-    assert (3, 6, 2) in [(m, r["step"], r["exploit"]["member"]) for m, r in exploits]
+    forced = (LOCAL_FORCED["member"], LOCAL_FORCED["step"], LOCAL_FORCED["donor"])
+    assert forced in [(m, r["step"], r["exploit"]["member"]) for m, r in exploits]
     assert len(exploits) >= 2, "only the forced exploit: the ranking never chose one"
     for member, row in exploits:  # whose checkpoint it took: the donor's, saved at that step and kept
-        assert Path(row["exploit"]["checkpoint"]) == population[row["exploit"]["member"]] / "checkpoints" / f"step_{row['step']:08d}"
+        assert Path(row["exploit"]["checkpoint"]) == members[row["exploit"]["member"]] / "checkpoints" / f"step_{row['step']:08d}"
         assert (Path(row["exploit"]["checkpoint"]) / "MANIFEST.json").is_file()
     assert all(r["of"] == 1 for r in rows[0])  # the first member alone at each boundary: it carries on
-    board = population[0].parent / "population"
-    assert sorted(p.relative_to(board).as_posix() for p in board.rglob("*.json")) == [f"{m}/{s}.json" for m in range(4) for s in (2, 4, 6)]
 
 
-def test_an_exploit_continues_from_the_donors_state_in_the_same_job(population):
+def test_an_exploit_continues_from_the_donors_state_in_the_same_job(members):
     """The first step after an exploit starts from the donor's weights: its loss and grad norm are the donor's at
     that step (computed before any value of the new plan acts) wherever the donor carried on there."""
     checked = 0
-    for run_dir in population:
+    for run_dir in members:
         for row in read_jsonl(run_dir / POPULATION_FILE):
             exploit = row["exploit"]
-            donor = population[exploit["member"]] if exploit else None
+            donor = members[exploit["member"]] if exploit else None
             if donor is None or read_jsonl(donor / POPULATION_FILE)[row["step"] // K - 1]["exploit"]:
                 continue
             own, theirs = metrics_rows(run_dir)[row["step"]], metrics_rows(donor)[row["step"]]
             assert (own["train/loss"], own["train/grad_norm"]) == (theirs["train/loss"], theirs["train/grad_norm"])
             checked += 1
-        assert len(json.loads((run_dir / "job.json").read_text())["overrides"]) == len(FIXED) + 1  # one job per member
     assert checked >= 1
 
 
-def test_the_realized_schedule_replays_the_lineage_bitwise(population, ray_address, tmp_path):
-    member = population[FORCED["member"]]
-    donor_rows = read_jsonl(population[FORCED["donor"]] / POPULATION_FILE)
-    assert any(r["exploit"] and r["step"] < FORCED["step"] for r in donor_rows), "the donor's lineage is its own only"
-    result = run_cli("--config-dir", str(member), "+override=realized", *FIXED[2:], "logger=none", f"hydra.run.dir={tmp_path}",
-                     env={"RAY_ADDRESS": ray_address})  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_the_best_members_printed_replay_and_a_three_run_lineage_replay_bitwise(local_population, members, ray_address, tmp_path):
+    """The printed replay command of the best member, and the same command for the member whose lineage spans three
+    run dirs (forced), run as ordinary runs from step 0: bitwise their lineages' losses, grad norms, val losses and
+    requested and applied values at every step."""
+    from omegaconf import OmegaConf
+
+    sweep, _ = local_population
+    saved = OmegaConf.to_container(OmegaConf.load(sweep / "population_results.yaml"))
+    best = sweep / str(saved["best_member"])
+    assert compared(replay(saved["replay_command"], tmp_path / "best", ray_address)) == compared(lineage_rows(best))
+    member, donor = members[LOCAL_FORCED["member"]], members[LOCAL_FORCED["donor"]]
+    assert any(r["exploit"] and r["step"] < LOCAL_FORCED["step"] for r in read_jsonl(donor / POPULATION_FILE)), "a lineage of two"
     lineage = lineage_rows(member)
-    assert [row["train/step"] for row in lineage] == list(range(STEPS))
-    assert values(metrics_rows(tmp_path)) == values(lineage)
-    assert [row["requested/lr"] for row in metrics_rows(tmp_path)] == realized_values(member)["lr"]
+    assert compared(replay(replay_command(str(member), saved["replay_overrides"]), tmp_path / "forced", ray_address)) == compared(lineage)
     assert len(set(realized_values(member)["lr"][2:])) > 1
 
 
-def test_each_members_wandb_run_holds_its_place_and_its_exploits(population):
-    member = next(d for d in population if any(r["exploit"] for r in read_jsonl(d / POPULATION_FILE)))
+def test_each_members_wandb_run_holds_its_place_and_its_exploits(members):
+    member = members[LOCAL_FORCED["member"]]
     records = wandb_records(wandb_run_file(member))
     run = wandb_run_record(records)
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
@@ -100,8 +111,89 @@ def test_each_members_wandb_run_holds_its_place_and_its_exploits(population):
     table = summary["population/exploits"]
     assert table["_type"] == "table-file" and table["ncols"] == 4
     exploits = [r for r in read_jsonl(member / POPULATION_FILE) if r["exploit"]]
-    assert table["nrows"] == len(exploits)
+    assert table["nrows"] == len(exploits) >= 2
     (path,) = (member / "wandb").glob(f"offline-run-*/files/{table['path']}")
     data = json.loads(path.read_text())
     assert data["columns"] == ["step", "donor", "donor step", "values"]
     assert data["data"] == [[r["step"], r["exploit"]["member"], r["exploit"]["step"], json.dumps(r["values"])] for r in exploits]
+
+
+COMPARED = ("train/loss", "train/grad_norm", "val/loss", "requested/", "applied/")  # what a replay must give bitwise
+
+
+def compared(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k == "train/step" or k.startswith(COMPARED)} for row in rows]
+
+
+def check_population(sweep, out: str, forced: dict) -> dict:
+    """What every finished population of POPULATION holds: 4 completed members, 3 boundaries each posted on the
+    board, the forced exploit (`forced`: member, step, donor), the summary ranked by final objective with each member's
+    exploits as its population.jsonl says, population_results.yaml's best and the replay line printed."""
+    from omegaconf import OmegaConf
+
+    from tinker_exp.sweep.pbt import realized_override, sent_values
+
+    summary = read_jsonl(sweep / "summary.jsonl")
+    assert [row["status"] for row in summary] == ["COMPLETED"] * 4, summary
+    objectives = [row["objective"] for row in summary]
+    assert objectives == sorted(objectives) and sorted(row["member"] for row in summary) == [0, 1, 2, 3]
+    for row in summary:
+        run_dir = sweep / str(row["member"])
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        assert [r["train/step"] for r in rows] == list(range(8)) and rows[-1]["val/loss"] == row["objective"]
+        boundaries = read_jsonl(run_dir / "population.jsonl")
+        assert [b["step"] for b in boundaries] == [2, 4, 6]
+        assert row["exploits"] == [{"donor": b["exploit"]["member"], "step": b["step"]} for b in boundaries if b["exploit"]]
+        assert row["n_exploits"] == len(row["exploits"]) and row["final"] == boundaries[-1]["values"]
+        assert sorted(p.name for p in (sweep / "population" / str(row["member"])).iterdir()) == ["2.json", "4.json", "6.json"]
+        lineage = lineage_rows(run_dir)  # the realized schedule: what the lineage sent at every step, exactly
+        assert [r["train/step"] for r in lineage] == list(range(8))
+        realized = OmegaConf.to_container(OmegaConf.load(run_dir / "override" / "realized.yaml"))
+        assert realized == realized_override(sent_values(lineage))
+    forced_member = next(row for row in summary if row["member"] == forced["member"])
+    assert {"donor": forced["donor"], "step": forced["step"]} in forced_member["exploits"]
+    table = out[out.index("population summary"):]
+    printed = {line.split()[0].lstrip("*"): line.split() for line in table.splitlines()[3:] if line.split()[:1]}
+    assert all(printed[str(row["member"])][2] == str(row["n_exploits"]) for row in summary)  # the exploits column
+    saved = OmegaConf.to_container(OmegaConf.load(sweep / "population_results.yaml"))
+    assert saved["best_member"] == summary[0]["member"] and saved["best_objective"] == objectives[0]
+    assert saved["best_run_dir"] == str(sweep / str(summary[0]["member"])) and saved["n_completed"] == 4
+    assert f"replay the best member from step 0: {saved['replay_command']}" in out
+    return saved
+
+
+def replay(command: str, run_dir, ray_address: str) -> list[dict]:
+    """A printed replay command run as an ordinary run (no population in its environment), from step 0."""
+    import shlex
+    import subprocess
+
+    from helpers import REPO, environment
+
+    args = shlex.split(command)
+    assert args[:3] == ["python", "-m", "tinker_exp"]
+    result = subprocess.run([sys.executable, *args[1:], f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True,
+                            env=environment({POPULATION_ENV: None, "RAY_ADDRESS": ray_address}), timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "boundary" not in (run_dir / "tinker_exp.log").read_text()  # an ordinary run
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def test_a_population_on_the_local_slurm_cluster(slurm_env, tmp_path):
+    """The same population as one Slurm job array over both nodes: every member completes, the board is shared
+    through the sweep dir, member 3 exploits member 0 in flight, the summary and results agree."""
+    from helpers import job_json
+
+    sweep = tmp_path / "sweep"
+    # Test-only: the tiny model's scores may not put member 3 in the bottom at step 4. Its donor, member 0, has posted
+    # there before: the cluster's two 1-CPU nodes run members 0 and 1 first, then 2 and 3.
+    forced = {"member": 3, "step": 4, "donor": 0}
+    result = run_cli_population(*POPULATION, "logger=none", force(forced), "hydra/launcher=slurm_local", f"hydra.sweep.dir={sweep}", env=slurm_env)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    check_population(sweep, out, forced)
+    jobs = [job_json(sweep / str(m))["slurm"] for m in range(4)]
+    assert len({job["array_job_id"] for job in jobs}) == 1 and len({job["nodelist"] for job in jobs}) == 2
+
+
+def run_cli_population(*args: str, env: dict):
+    return run_cli(*args, env={**env, POPULATION_ENV: None}, timeout=900)
