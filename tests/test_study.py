@@ -161,6 +161,8 @@ def test_a_killed_pruning_study_records_a_trial_pruned_meanwhile_as_pruned(tmp_p
          "config error: hydra.sweeper.pruner=threshold: the pruner needs evaluations, and there is no validation data"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.storage=postgresql://bob:hunter2@127.0.0.1:1/studies"],
          "config error: hydra.sweeper.storage: postgresql://bob:***@127.0.0.1:1/studies: cannot open the study:"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.storage=db.lab/studies"],
+         "config error: hydra.sweeper.storage: db.lab/studies: cannot open the study: Could not parse SQLAlchemy URL"),
     ],
 )
 def test_a_bad_study_is_one_line_and_exit_2_before_any_trial(tmp_path, args, message):
