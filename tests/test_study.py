@@ -7,8 +7,10 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import optuna
 import psutil
@@ -283,14 +285,16 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
     known from its point): every trial above the threshold is pruned at its first evaluation (step 2 of 6), ends
     cleanly with a checkpoint there, and is PRUNED in the storage (the journal file, or a real PostgreSQL server
     the jobs report to) with the value it reported; the others run to the end. Storage, run dirs, summary and
-    optimization_results.yaml agree; the server's password is in nothing printed or written."""
-    upper = 2e-3
+    optimization_results.yaml agree; the server's password is in nothing printed or written. 2 trials at a time (a
+    worker each); on the journal, with longer unpruned trials, no idle slot: trial 2 starts as soon as trial 1 is
+    pruned, while trial 0 still trains (in batches it would wait for both)."""
+    upper, steps = 2e-3, 6 if server else 60
     url = request.getfixturevalue("postgres_url") if server else None
     name = f"pruning-{tmp_path.name}-{os.getpid()}" if server else "tinker_exp"  # one server, many studies
     storage = [f"hydra.sweeper.storage={url}", f"hydra.sweeper.study_name={name}"] if server else []
     result = run_cli(
-        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=6",
-        "trainer.eval_every=2", "trainer.batch_size=4", "logger=none", "trainer.objective=requested/lr",
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", f"trainer.steps={steps}",
+        "trainer.eval_every=2", "trainer.batch_size=4", "backend.num_workers=1", "logger=none", "trainer.objective=requested/lr",
         "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
         "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}", *storage,
         env={"RAY_ADDRESS": ray_address}, timeout=900,
@@ -318,19 +322,31 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
             assert trial.state == TrialState.PRUNED and [row["train/step"] for row in rows] == [0, 1]
             assert trial.value == rows[-1]["requested/lr"] and loop["pruned"] is True
             job_log = (run_dir / "tinker_exp.log").read_text()
-            assert f"pruned at step 2: requested/lr {trial.value:.6g} (median of the other trials " in job_log
+            assert f"pruned at step 2: requested/lr {trial.value:.6g}" in job_log
             assert f"trial {trial.number}: pruned at step 2: {trial.value:.6g}" in out
             assert read_json(run_dir / "objective.json")["pruned_at_step"] == 2
         else:
-            assert trial.state == TrialState.COMPLETE and len(rows) == 6 and "pruned" not in loop
+            assert trial.state == TrialState.COMPLETE and len(rows) == steps and "pruned" not in loop
     assert [(p.trial, p.step) for p in saved.pruned] == [(t.number, 2) for t in pruned]
     assert saved.n_pruned == len(pruned) and saved.best_value == min(t.value for t in trials if t not in pruned)
     assert saved.failed == [] and "cut off" not in (tmp_path / "summary.md").read_text()
     statuses = {row["num"]: row["status"] for row in read_jsonl(tmp_path / "summary.jsonl")}
     assert statuses == {t.number: "PRUNED" if t in pruned else "COMPLETED" for t in trials}
-    trained = 2 * len(pruned) + 6 * (len(trials) - len(pruned))
-    assert (saved.steps_trained, saved.steps_without_pruning) == (trained, 6 * len(trials))
-    assert f"steps trained: {trained} ({trained / 24:.0%}) of the 24 a study without pruning would have trained" in out
+    trained = 2 * len(pruned) + steps * (len(trials) - len(pruned))
+    assert (saved.steps_trained, saved.steps_without_pruning) == (trained, steps * len(trials))
+    assert f"steps trained: {trained} ({trained / (4 * steps):.0%}) of the {4 * steps} a study without pruning would have trained" in out
+    # Never more than n_jobs trials at once; each trial's job from its submission to its result (submitit's files).
+    job_ids = {row["num"]: row["job_id"] for row in read_jsonl(tmp_path / "summary.jsonl")}
+    job_files = {n: tmp_path / ".submitit" / job_id / job_id for n, job_id in job_ids.items()}
+    ran = {n: (Path(f"{f}_submitted.pkl").stat().st_mtime, Path(f"{f}_0_result.pkl").stat().st_mtime) for n, f in job_files.items()}
+    assert max(sum(start <= t < end for start, end in ran.values()) for t, _ in ran.values()) == 2, ran
+    if not server:  # the seeded points: trials 1 and 2 pruned, 0 and 3 not
+        assert [t in pruned for t in trials] == [False, True, True, False]
+        assert trials[1].datetime_complete < trials[2].datetime_start < trials[0].datetime_complete  # asked at once
+        assert ran[1][1] < ran[2][0] < ran[0][1], ran  # submitted after trial 1's job ended, before trial 0's did
+        # Trial 2 judged beside both earlier trials (trial 1 may have been pruned before trial 0 reported step 1).
+        median = statistics.median(t.intermediate_values[1] for t in trials[:2])
+        assert f"(median of the other trials {median:.6g})" in (tmp_path / "2" / "tinker_exp.log").read_text()
 
 
 def test_a_pruning_study_on_the_local_slurm_cluster_reports_from_both_nodes_to_one_journal(slurm_env, tmp_path):

@@ -42,7 +42,7 @@ from tinker_exp.sweep.jobs import (
     write_summary,
 )
 from tinker_exp.sweep.report import REPORT, display_name, write_report
-from tinker_exp.sweep.slurm import cancel_slurm_jobs, slurm_state, slurm_states, slurm_verdict
+from tinker_exp.sweep.slurm import ACTIVE_STATES, cancel_slurm_jobs, slurm_state, slurm_states, slurm_verdict
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,8 @@ def job_run_dir(hydra_context: Any, config: Any, overrides: Sequence[str], num: 
 POLL_S = 1.0
 """How often `wait_any` looks at its jobs: a job's end is seen within a second, at the cost of a process poll
 (local) or one squeue call for all of them (Slurm)."""
+RESULT_GRACE_S = 20.0
+"""A Slurm job that wrote its result and is still in the queue after this long is taken as ended all the same."""
 
 
 class SweepLauncher(BaseSubmititLauncher):
@@ -289,9 +291,11 @@ class SweepLauncher(BaseSubmititLauncher):
             time.sleep(poll_s)
 
     def _ended(self, handles: Sequence[StartedJob]) -> list[tuple[StartedJob, str | None]]:
-        """(handle, None: it wrote its result or was refused; else the state it ended in) for each ended one."""
-        waiting = [h for h in handles if h.job is not None and not h.job.paths.result_pickle.exists()]
-        states = slurm_states([h.job.job_id for h in waiting]) if self._EXECUTOR == "slurm" else {}
+        """(handle, None: it wrote its result or was refused; else the state it ended in) for each ended one. A
+        Slurm job that wrote its result counts once Slurm no longer runs it (COMPLETING too), so the next one is
+        submitted into a queue that holds no more jobs than the caller keeps running."""
+        slurm = [h for h in handles if h.job is not None and self._EXECUTOR == "slurm"]
+        states = slurm_states([h.job.job_id for h in slurm])
         ended: list[tuple[StartedJob, str | None]] = []
         for handle in handles:
             job = handle.job
@@ -300,10 +304,14 @@ class SweepLauncher(BaseSubmititLauncher):
             elif self._EXECUTOR == "local":  # a process: it wrote its result, or it died (killed, crashed)
                 if job.done():
                     ended.append((handle, None if job.paths.result_pickle.exists() else job.state.split()[0]))
-            elif handle not in waiting:
-                ended.append((handle, None))
+            elif job.paths.result_pickle.exists():
+                if handle.written_since is None:
+                    handle.written_since = time.monotonic()
+                # Bounded: a Slurm that does not answer cannot hold a job that has its result.
+                if states[job.job_id] not in ACTIVE_STATES or time.monotonic() - handle.written_since >= RESULT_GRACE_S:
+                    ended.append((handle, None))
             else:
-                verdict = handle.settling.verdict(states.get(job.job_id, "UNKNOWN"))
+                verdict = handle.settling.verdict(states[job.job_id])
                 if verdict is not None:
                     ended.append((handle, verdict))
         return ended

@@ -203,8 +203,11 @@ class OptunaSweeper(Sweeper):
                     asked = None
                 if not running:
                     return
-                for handle, ret, _ in self.jobs.wait_any(list(running)):
-                    self._tell(study, running.pop(handle), ret)
+                for handle, ret, outcome in self.jobs.wait_any(list(running)):
+                    trial = running.pop(handle)
+                    if outcome is not None and outcome.job_id:  # the summary's job id column
+                        trial.set_user_attr("job_id", outcome.job_id)
+                    self._tell(study, trial, ret)
         except BaseException:  # Ctrl-C, a compose error: the jobs cancelled, no trial left RUNNING
             self.jobs.cancel_running()
             for trial in [*running.values(), *([asked] if asked is not None else [])]:
@@ -254,7 +257,9 @@ class OptunaSweeper(Sweeper):
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
             run_dir = trial_run_dir(t) or sweep_dir / str(t.number)
             status = {TrialState.COMPLETE: "COMPLETED", TrialState.PRUNED: "PRUNED"}.get(t.state, "FAILED")
-            outcomes.append(read_outcome(t.number, [trial_label(t.params)], status, run_dir, trial_error(t), None, t.value))
+            outcomes.append(
+                read_outcome(t.number, [trial_label(t.params)], status, run_dir, trial_error(t), t.user_attrs.get("job_id"), t.value)
+            )
         summary = write_summary(sweep_dir, outcomes)
         # Each labelled by what differs; a pruned trial's curve ends where it stopped, and says so.
         runs = [(f"trial {o.num}" + (f" (pruned at {o.steps})" if o.status == "PRUNED" else ""), Path(o.run_dir)) for o in outcomes]

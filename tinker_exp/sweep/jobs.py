@@ -93,6 +93,7 @@ class StartedJob:
     job: Any = None
     refused: str | None = None
     settling: Settling = field(default_factory=Settling)  # Slurm: how long an ended-looking state has held
+    written_since: float | None = None  # Slurm: when its result was first seen (it may still be leaving the queue)
 
 
 def read_outcome(
