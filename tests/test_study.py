@@ -198,51 +198,69 @@ def test_failed_trials_are_recorded_and_the_study_goes_on_exit_1_when_none_compl
 
 STUDY = [
     "-m", "hydra/sweeper=optuna", "hydra/launcher=local", "+override=lr_cosine", "trainer.steps=3",
-    "trainer.batch_size=4", "logger=none", "checkpoint.every_steps=1",
+    "trainer.batch_size=4", "logger=none", "checkpoint.every_steps=1", "backend.num_workers=1",  # 2 trials at a time
     "override.lr.value=tag(log,interval(1e-4,3e-3))", "override.lr.warmup_steps=int(interval(0,2))",
     "hydra.sweeper.n_trials=6", "hydra.sweeper.n_jobs=2",
 ]  # fmt: skip
 
 
-def test_a_study_killed_mid_batch_continues_with_the_same_command(ray_address, tmp_path):
-    """SIGKILL of the submitting process while trials 2 and 3 run; trial 2's job finishes meanwhile, trial 3's
-    is killed too (a node lost). The same command continues: trial 2 recorded from its run dir, trial 3 failed,
+def started_and_told(log_text: str) -> tuple[dict[int, int], set[int]]:
+    """From a study's log: {trial: its job's pid} of every trial started, and the trials told (ended)."""
+    started = {int(n): int(pid) for n, pid in re.findall(r"#(\d+) : .* \(job (\d+)\)", log_text)}
+    return started, {int(n) for n in re.findall(r"(?:^|\] )trial (\d+)(?::| failed)", log_text, re.M)}
+
+
+def test_a_study_killed_while_trials_run_continues_with_the_same_command(ray_address, tmp_path):
+    """SIGKILL of the submitting process while two trials a < b (after the first two) run; a's job finishes
+    meanwhile, b's is killed too (a node lost). The same command continues: a recorded from its run dir, b failed,
     none run again, new trials in new run dirs (never resuming another trial's checkpoint), 5 of 6 completed."""
     sweep = tmp_path / "study"
     command = [sys.executable, "-m", "tinker_exp", *STUDY, f"hydra.sweep.dir={sweep}"]
     env = environment({"RAY_ADDRESS": ray_address})
     log = tmp_path / "first.log"
+
+    def two_later_trials_run() -> bool:
+        started, told = started_and_told(log.read_text())
+        running = sorted(set(started) - told)
+        return len(running) == 2 and running[0] >= 2 and all(
+            (sweep / str(n) / "job.json").exists() and read_objective(sweep / str(n)) is None for n in running
+        )
+
     with open(log, "w") as out:
         first = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            wait_until(lambda: "#3 :" in log.read_text() and "submitted" in log.read_text().split("#3 :")[1],
-                       600, "trials 2 and 3 launched", first)  # fmt: skip
-            wait_until(lambda: (sweep / "3" / "metrics.jsonl").exists(), 300, "trial 3 training", first)
+            while True:  # stopped (it asks and tells nothing more) while the condition holds, then killed
+                wait_until(two_later_trials_run, 600, "two trials after the first two running at once", first)
+                first.send_signal(signal.SIGSTOP)
+                if two_later_trials_run():
+                    break
+                first.send_signal(signal.SIGCONT)
+            started, told = started_and_told(log.read_text())
+            a, b = sorted(set(started) - told)
+            trial_b = psutil.Process(started[b])
+            for process in [trial_b, *trial_b.children(recursive=True)]:
+                process.kill()
         finally:
             first.send_signal(signal.SIGKILL)
             first.wait()
-    job_pids = [int(pid) for pid in re.findall(r"submitted (\d+), (\d+)", log.read_text())[-1]]
-    trial_3 = psutil.Process(job_pids[1])
-    for process in [trial_3, *trial_3.children(recursive=True)]:
-        process.kill()
-    psutil.wait_procs([psutil.Process(job_pids[0])] if psutil.pid_exists(job_pids[0]) else [], timeout=300)
-    assert read_objective(sweep / "2") is not None and read_objective(sweep / "3") is None
-    started = {n: job_json(sweep / str(n)) for n in range(4)}
+    psutil.wait_procs([psutil.Process(started[a])] if psutil.pid_exists(started[a]) else [], timeout=300)
+    assert read_objective(sweep / str(a)) is not None and read_objective(sweep / str(b)) is None
+    before = {n: job_json(sweep / str(n)) for n in started}
 
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = result.stdout + result.stderr  # Hydra logs to stdout
     assert result.returncode == 0, out[-3000:]
-    assert "trial 2: completed while the study was down" in out
-    assert "trial 3: cut off while the study was down: failed" in out
-    assert sorted(re.findall(r"#(\d+) :", out)) == ["4", "5"]  # nothing run twice
+    assert f"trial {a}: completed while the study was down" in out
+    assert f"trial {b}: cut off while the study was down: failed" in out
+    assert sorted(started_and_told(out)[0]) == list(range(b + 1, 6))  # nothing run twice
     trials = storage_trials(sweep)
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3 + [TrialState.FAIL] + [TrialState.COMPLETE] * 2
-    assert trials[2].value == read_objective(sweep / "2")
+    assert [t.state for t in trials] == [TrialState.FAIL if t.number == b else TrialState.COMPLETE for t in trials]
+    assert len(trials) == 6 and trials[a].value == read_objective(sweep / str(a))
     for trial in trials:
         run_dir = sweep / str(trial.number)
         assert trial.user_attrs["run_dir"] == str(run_dir)
-        if trial.number < 4:
-            assert job_json(run_dir) == started[trial.number]  # not started again
+        if trial.number in before:
+            assert job_json(run_dir) == before[trial.number]  # not started again
         if trial.state == TrialState.COMPLETE:  # its own run from step 0: no other trial's checkpoint
             rows = read_jsonl(run_dir / "metrics.jsonl")
             assert [row["train/step"] for row in rows] == [0, 1, 2] and rows[-1]["val/loss"] == trial.value
@@ -253,7 +271,7 @@ def test_a_study_killed_mid_batch_continues_with_the_same_command(ray_address, t
     assert saved.best_value == min(values) and saved.n_complete == 5 and saved.n_trials == 6
     best = min((t for t in trials if t.value is not None), key=lambda t: t.value)
     assert saved.best_trial == best.number and f"best trial {best.number}: {best.value:.6g}" in out
-    assert [f.trial for f in saved.failed] == [3] and "failed trial 3" in out
+    assert [f.trial for f in saved.failed] == [b] and f"failed trial {b}" in out
     assert [row["num"] for row in read_jsonl(sweep / "summary.jsonl")][0] == best.number
     assert math.isfinite(best.value) and (sweep / "report.png").read_bytes()[:4] == b"\x89PNG"
 
