@@ -10,6 +10,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -20,10 +21,11 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from helpers import REPO, environment, job_json, read_jsonl, run_cli, wait_until
+from helpers import REPO, environment, job_json, job_processes, read_jsonl, run_cli, squeue, wait_until
 from tinker_exp.errors import ConfigError
 from tinker_exp.sweep.study import CUT_OFF, masked, open_storage, recover, results, search_space, steps_line, study_in, sweep_storage
 from tinker_exp.formats import read_json
+from tinker_exp.sweep.slurm import slurm_states
 from tinker_exp.train.checkpoints import latest
 from tinker_exp.train.objective import read_objective, write_objective
 
@@ -277,7 +279,7 @@ def test_a_study_killed_while_trials_run_continues_with_the_same_command(ray_add
 
 
 def test_a_study_on_the_local_slurm_cluster(slurm_env, tmp_path):
-    """The hparams_search preset on the slurm_local launcher: 3 trials, each a Slurm job of an array."""
+    """The hparams_search preset on the slurm_local launcher: 3 trials at once, each its own Slurm job (no array)."""
     result = run_cli(
         "-m", "hparams_search=lr_cosine", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
         "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=3", "trainer.steps=3", "logger=none",
@@ -288,8 +290,12 @@ def test_a_study_on_the_local_slurm_cluster(slurm_env, tmp_path):
     trials = storage_trials(tmp_path)
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
     assert set(trials[0].params) == {"override.lr.value", "override.lr.warmup_steps", "override.lr.min_ratio"}
-    array_ids = {job_json(tmp_path / str(t.number))["slurm"]["array_job_id"] for t in trials}
-    assert len(array_ids) == 1  # one batch, one Slurm job array
+    jobs = {t.number: job_json(tmp_path / str(t.number))["slurm"] for t in trials}
+    assert all("array_job_id" not in job for job in jobs.values()) and len({job["job_id"] for job in jobs.values()}) == 3
+    assert {row["num"]: row["job_id"] for row in read_jsonl(tmp_path / "summary.jsonl")} == {n: job["job_id"] for n, job in jobs.items()}
+    ids = [job["job_id"] for job in jobs.values()]  # what the sweeper polled: one squeue (and sacct) for them all
+    assert slurm_states(ids, env=environment(slurm_env)) == dict.fromkeys(ids, "COMPLETED")
+    assert slurm_states(ids[:1], env=environment(slurm_env)) == {ids[0]: "COMPLETED"}  # one id gone: squeue fails
     for trial in trials:
         assert read_jsonl(tmp_path / str(trial.number) / "metrics.jsonl")[-1]["val/loss"] == trial.value
     saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
@@ -367,24 +373,74 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
         assert f"(median of the other trials {median:.6g})" in (tmp_path / "2" / "tinker_exp.log").read_text()
 
 
-def test_a_pruning_study_on_the_local_slurm_cluster_reports_from_both_nodes_to_one_journal(slurm_env, tmp_path):
-    """Slurm jobs (one array of 4, on both nodes) report their evaluations to the journal in the sweep dir; the
-    threshold pruner stops each trial above it at its first evaluation, as on the local launcher."""
-    upper = 2e-3
-    result = run_cli(
-        "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=6",
-        "trainer.eval_every=2", "trainer.batch_size=4", "logger=none", "trainer.objective=requested/lr",
-        "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=4",
-        "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}",
-        env=slurm_env, timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+def slurm_jobs_at_once(job_ids: list[str], slurm_env: dict) -> int:
+    """The most of these jobs Slurm's accounting had in the queue at one time (submitted, not ended; one-second times)."""
+    from datetime import datetime
+
+    sacct = subprocess.run(
+        ["sacct", "--jobs", ",".join(job_ids), "--allocations", "--noheader", "--parsable2", "--format", "JobID,Submit,End"],
+        env=environment(slurm_env), capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    spans = {}
+    for line in sacct.splitlines():  # a requeued job's last line is its newest start
+        job_id, submit, end = line.split("|")
+        spans[job_id] = (datetime.fromisoformat(submit), datetime.fromisoformat(end))
+    assert sorted(spans) == sorted(job_ids), sacct
+    return max(sum(start <= t < end for start, end in spans.values()) for t, _ in spans.values())
+
+
+def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_and_a_requeued_trial_reports_on(slurm_env, tmp_path):
+    """Slurm jobs on both nodes report their evaluations to the journal in the sweep dir; the threshold pruner stops
+    each trial above it at its first evaluation, as on the local launcher. n_jobs=2: one sbatch per trial (no
+    array), never more than 2 of the study's jobs in the queue. Trial 0 (not pruned) is requeued (a preemption) once
+    it has reported an evaluation and saved a checkpoint: it resumes from that checkpoint and reports its later
+    evaluations to the same trial; the study records it once."""
+    upper, steps = 2e-3, 24
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
+        f"trainer.steps={steps}", "trainer.eval_every=2", "checkpoint.every_steps=2", "trainer.batch_size=4", "logger=none",
+        "trainer.objective=requested/lr", "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))",
+        "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}",
+    ]  # fmt: skip
+    slurm, log, run_0 = environment(slurm_env), tmp_path / "study.log", tmp_path / "0"
+
+    def reported_and_saved() -> bool:  # trial 0: its first evaluation in the journal, a checkpoint after it
+        saved = (run_0 / "checkpoints" / "step_00000002" / "MANIFEST.json").exists()
+        return saved and bool(storage_trials(tmp_path)[0].intermediate_values)
+
+    with open(log, "w") as out:
+        driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_until(reported_and_saved, 600, "trial 0 did not report an evaluation", driver)
+            job_id = job_json(run_0)["slurm"]["job_id"]
+            subprocess.run(["scontrol", "requeue", job_id], env=slurm, check=True)
+            requeued_at = time.time()
+            # As in test_resume: released sooner than Slurm's hold, once its first start has left the node.
+            wait_until(lambda: f"{job_id} PENDING" in squeue(slurm_env).splitlines(), 240, "the job was not requeued")
+            wait_until(lambda: not job_processes([job_id]), 240, "the first start did not end")
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+5"], env=slurm, check=True)
+            driver.wait(timeout=900)
+        finally:
+            driver.kill()
+    output = log.read_text()
+    assert driver.returncode == 0, output[-3000:]
     trials = storage_trials(tmp_path)
-    nodes = {job_json(tmp_path / str(t.number))["slurm"]["nodelist"] for t in trials}
-    assert len(nodes) == 2, nodes  # jobs on both nodes wrote to the one journal
+    assert [t.number for t in trials] == [0, 1, 2, 3] and output.count("trial 0: ") == 1  # trial 0 told once
+    jobs = {t.number: job_json(tmp_path / str(t.number))["slurm"] for t in trials}
+    assert len({job["nodelist"] for job in jobs.values()}) == 2, jobs  # jobs on both nodes wrote to the one journal
+    assert all("array_job_id" not in job for job in jobs.values())  # each trial its own sbatch
+    assert slurm_jobs_at_once([job["job_id"] for job in jobs.values()], slurm_env) == 2  # n_jobs in the queue, never more
     for trial in trials:
         rows = read_jsonl(tmp_path / str(trial.number) / "metrics.jsonl")
         assert trial.intermediate_values == {row["train/step"]: row["requested/lr"] for row in rows if "val/loss" in row}
         must_prune = trial.params["override.lr"] > upper
         assert trial.state == (TrialState.PRUNED if must_prune else TrialState.COMPLETE)
-        assert len(rows) == (2 if must_prune else 6)
+        assert len(rows) == (2 if must_prune else steps)
+    # Trial 0: a second start that resumed from a checkpoint (rows before it kept, each step once) and reported the
+    # evaluations after it to the same trial.
+    rows = read_jsonl(run_0 / "metrics.jsonl")
+    assert jobs[0]["restart_count"] == "1" and [row["train/step"] for row in rows] == list(range(steps))
+    resumed_at = next(row["train/step"] for row in rows if row["time"] > requeued_at)
+    assert resumed_at >= 2 and resumed_at % 2 == 0  # a checkpoint's step (every 2), not step 0
+    assert max(trials[0].intermediate_values) == steps - 1 and trials[0].value == rows[-1]["requested/lr"]
+    assert len([line for line in (run_0 / "tinker_exp.log").read_text().splitlines() if "workers: " in line]) == 2
