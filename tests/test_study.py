@@ -278,6 +278,38 @@ def test_a_study_killed_while_trials_run_continues_with_the_same_command(ray_add
     assert math.isfinite(best.value) and (sweep / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_ctrl_c_in_a_study_cancels_its_running_trials_and_the_same_command_continues(ray_address, tmp_path):
+    """Ctrl-C while both trials of the first two train: both jobs cancelled at once, both trials failed (cut off),
+    no third started; the same command continues the study: nothing left to run, none run again."""
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}",
+        "trainer.steps=1000", "logger=none", "backend.num_workers=1", "optimizer.lr=tag(log,interval(1e-4,1e-3))",
+        "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2",
+    ]  # fmt: skip
+    env = environment({"RAY_ADDRESS": ray_address})
+    driver = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        wait_until(lambda: all((tmp_path / n / "metrics.jsonl").exists() for n in "01"), 600, "two trials training", driver)
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    started, told = started_and_told(output)
+    assert driver.returncode == 130 and sorted(started) == [0, 1] and not told, output[-3000:]
+    assert f"interrupted: cancelled {', '.join(str(started[n]) for n in sorted(started))}" in output
+    for pid in started.values():  # gone, or a zombie nobody reaps (on this machine PID 1 is no init system)
+        wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 120, f"job {pid} runs on")
+    assert [t.state for t in storage_trials(tmp_path)] == [TrialState.FAIL] * 2
+
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and "2 of 2 trials done" in out and not started_and_told(out)[0], out[-3000:]
+    assert [(f.trial, f.error) for f in OmegaConf.load(tmp_path / "optimization_results.yaml").failed] == [(0, CUT_OFF), (1, CUT_OFF)]
+
+
 def test_a_study_on_the_local_slurm_cluster(slurm_env, tmp_path):
     """The hparams_search preset on the slurm_local launcher: 3 trials at once, each its own Slurm job (no array)."""
     result = run_cli(
