@@ -281,6 +281,8 @@ class SweepLauncher(BaseSubmititLauncher):
         """Wait until at least one of `handles` has ended; every one that has, in order, with its JobReturn and its
         JobOutcome (as `launch` gives them). Looks every `poll_s`: local processes by their exit, Slurm jobs by their
         result file and one squeue call for all of them (a requeued job is waited for again, as in `wait_for`)."""
+        if not handles:
+            return []
         while True:
             ended = self._ended(handles)
             if ended:
