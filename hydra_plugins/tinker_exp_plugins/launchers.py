@@ -6,7 +6,8 @@ leaves failures to Hydra's sweeper, which names only the first. Ours: refuse a s
 anything is written or submitted (every bad point named), run at most `max_parallel` local points at once,
 wait for all jobs (a killed job is reported by Slurm's accounting, never waited on forever), write
 summary.md/summary.jsonl into the sweep dir, then raise one error naming every job that did not complete and
-its run dir. Ctrl-C cancels the jobs.
+its run dir. Ctrl-C cancels the jobs. A sweeper that keeps some jobs running instead of launching batches (a study)
+starts and waits for them one at a time: `SweepLauncher.start`, `wait_any`, `cancel_running`, `capacity`.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class SweepLauncher(BaseSubmititLauncher):
         super().__init__(**params)
         self.outcomes: dict[int, JobOutcome] = {}  # every job this launcher ran, by number: a sweep in batches
         # True: each launch is the whole sweep (the table, and an error at a failed job). A sweeper that launches
-        # in batches sets False and ends the sweep itself: `finish` (a grid), or its own table (a study).
+        # in batches sets False and ends the sweep itself with `finish` (a grid; a study uses the streaming calls).
         self.summarize = True
         # True: a bad point refuses the whole launch. False (a study): it fails its own trial, without a job.
         self.refuse_bad_points = True
