@@ -7,8 +7,11 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import optuna
 import psutil
@@ -18,10 +21,11 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from helpers import REPO, environment, job_json, read_jsonl, run_cli, wait_until
+from helpers import REPO, environment, job_json, job_processes, read_jsonl, run_cli, squeue, wait_until
 from tinker_exp.errors import ConfigError
 from tinker_exp.sweep.study import CUT_OFF, masked, open_storage, recover, results, search_space, steps_line, study_in, sweep_storage
 from tinker_exp.formats import read_json
+from tinker_exp.sweep.slurm import slurm_states
 from tinker_exp.train.checkpoints import latest
 from tinker_exp.train.objective import read_objective, write_objective
 
@@ -161,6 +165,8 @@ def test_a_killed_pruning_study_records_a_trial_pruned_meanwhile_as_pruned(tmp_p
          "config error: hydra.sweeper.pruner=threshold: the pruner needs evaluations, and there is no validation data"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.storage=postgresql://bob:hunter2@127.0.0.1:1/studies"],
          "config error: hydra.sweeper.storage: postgresql://bob:***@127.0.0.1:1/studies: cannot open the study:"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.storage=db.lab/studies"],
+         "config error: hydra.sweeper.storage: db.lab/studies: cannot open the study: Could not parse SQLAlchemy URL"),
     ],
 )
 def test_a_bad_study_is_one_line_and_exit_2_before_any_trial(tmp_path, args, message):
@@ -194,51 +200,69 @@ def test_failed_trials_are_recorded_and_the_study_goes_on_exit_1_when_none_compl
 
 STUDY = [
     "-m", "hydra/sweeper=optuna", "hydra/launcher=local", "+override=lr_cosine", "trainer.steps=3",
-    "trainer.batch_size=4", "logger=none", "checkpoint.every_steps=1",
+    "trainer.batch_size=4", "logger=none", "checkpoint.every_steps=1", "backend.num_workers=1",  # 2 trials at a time
     "override.lr.value=tag(log,interval(1e-4,3e-3))", "override.lr.warmup_steps=int(interval(0,2))",
     "hydra.sweeper.n_trials=6", "hydra.sweeper.n_jobs=2",
 ]  # fmt: skip
 
 
-def test_a_study_killed_mid_batch_continues_with_the_same_command(ray_address, tmp_path):
-    """SIGKILL of the submitting process while trials 2 and 3 run; trial 2's job finishes meanwhile, trial 3's
-    is killed too (a node lost). The same command continues: trial 2 recorded from its run dir, trial 3 failed,
+def started_and_told(log_text: str) -> tuple[dict[int, int], set[int]]:
+    """From a study's log: {trial: its job's pid} of every trial started, and the trials told (ended)."""
+    started = {int(n): int(pid) for n, pid in re.findall(r"#(\d+) : .* \(job (\d+)\)", log_text)}
+    return started, {int(n) for n in re.findall(r"(?:^|\] )trial (\d+)(?::| failed)", log_text, re.M)}
+
+
+def test_a_study_killed_while_trials_run_continues_with_the_same_command(ray_address, tmp_path):
+    """SIGKILL of the submitting process while two trials a < b (after the first two) run; a's job finishes
+    meanwhile, b's is killed too (a node lost). The same command continues: a recorded from its run dir, b failed,
     none run again, new trials in new run dirs (never resuming another trial's checkpoint), 5 of 6 completed."""
     sweep = tmp_path / "study"
     command = [sys.executable, "-m", "tinker_exp", *STUDY, f"hydra.sweep.dir={sweep}"]
     env = environment({"RAY_ADDRESS": ray_address})
     log = tmp_path / "first.log"
+
+    def two_later_trials_run() -> bool:
+        started, told = started_and_told(log.read_text())
+        running = sorted(set(started) - told)
+        return len(running) == 2 and running[0] >= 2 and all(
+            (sweep / str(n) / "job.json").exists() and read_objective(sweep / str(n)) is None for n in running
+        )
+
     with open(log, "w") as out:
         first = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            wait_until(lambda: "#3 :" in log.read_text() and "submitted" in log.read_text().split("#3 :")[1],
-                       600, "trials 2 and 3 launched", first)  # fmt: skip
-            wait_until(lambda: (sweep / "3" / "metrics.jsonl").exists(), 300, "trial 3 training", first)
+            while True:  # stopped (it asks and tells nothing more) while the condition holds, then killed
+                wait_until(two_later_trials_run, 600, "two trials after the first two running at once", first)
+                first.send_signal(signal.SIGSTOP)
+                if two_later_trials_run():
+                    break
+                first.send_signal(signal.SIGCONT)
+            started, told = started_and_told(log.read_text())
+            a, b = sorted(set(started) - told)
+            trial_b = psutil.Process(started[b])
+            for process in [trial_b, *trial_b.children(recursive=True)]:
+                process.kill()
         finally:
             first.send_signal(signal.SIGKILL)
             first.wait()
-    job_pids = [int(pid) for pid in re.findall(r"submitted (\d+), (\d+)", log.read_text())[-1]]
-    trial_3 = psutil.Process(job_pids[1])
-    for process in [trial_3, *trial_3.children(recursive=True)]:
-        process.kill()
-    psutil.wait_procs([psutil.Process(job_pids[0])] if psutil.pid_exists(job_pids[0]) else [], timeout=300)
-    assert read_objective(sweep / "2") is not None and read_objective(sweep / "3") is None
-    started = {n: job_json(sweep / str(n)) for n in range(4)}
+    psutil.wait_procs([psutil.Process(started[a])] if psutil.pid_exists(started[a]) else [], timeout=300)
+    assert read_objective(sweep / str(a)) is not None and read_objective(sweep / str(b)) is None
+    before = {n: job_json(sweep / str(n)) for n in started}
 
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = result.stdout + result.stderr  # Hydra logs to stdout
     assert result.returncode == 0, out[-3000:]
-    assert "trial 2: completed while the study was down" in out
-    assert "trial 3: cut off while the study was down: failed" in out
-    assert sorted(re.findall(r"#(\d+) :", out)) == ["4", "5"]  # nothing run twice
+    assert f"trial {a}: completed while the study was down" in out
+    assert f"trial {b}: cut off while the study was down: failed" in out
+    assert sorted(started_and_told(out)[0]) == list(range(b + 1, 6))  # nothing run twice
     trials = storage_trials(sweep)
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3 + [TrialState.FAIL] + [TrialState.COMPLETE] * 2
-    assert trials[2].value == read_objective(sweep / "2")
+    assert [t.state for t in trials] == [TrialState.FAIL if t.number == b else TrialState.COMPLETE for t in trials]
+    assert len(trials) == 6 and trials[a].value == read_objective(sweep / str(a))
     for trial in trials:
         run_dir = sweep / str(trial.number)
         assert trial.user_attrs["run_dir"] == str(run_dir)
-        if trial.number < 4:
-            assert job_json(run_dir) == started[trial.number]  # not started again
+        if trial.number in before:
+            assert job_json(run_dir) == before[trial.number]  # not started again
         if trial.state == TrialState.COMPLETE:  # its own run from step 0: no other trial's checkpoint
             rows = read_jsonl(run_dir / "metrics.jsonl")
             assert [row["train/step"] for row in rows] == [0, 1, 2] and rows[-1]["val/loss"] == trial.value
@@ -249,13 +273,45 @@ def test_a_study_killed_mid_batch_continues_with_the_same_command(ray_address, t
     assert saved.best_value == min(values) and saved.n_complete == 5 and saved.n_trials == 6
     best = min((t for t in trials if t.value is not None), key=lambda t: t.value)
     assert saved.best_trial == best.number and f"best trial {best.number}: {best.value:.6g}" in out
-    assert [f.trial for f in saved.failed] == [3] and "failed trial 3" in out
+    assert [f.trial for f in saved.failed] == [b] and f"failed trial {b}" in out
     assert [row["num"] for row in read_jsonl(sweep / "summary.jsonl")][0] == best.number
     assert math.isfinite(best.value) and (sweep / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_ctrl_c_in_a_study_cancels_its_running_trials_and_the_same_command_continues(ray_address, tmp_path):
+    """Ctrl-C while both trials of the first two train: both jobs cancelled at once, both trials failed (cut off),
+    no third started; the same command continues the study: nothing left to run, none run again."""
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}",
+        "trainer.steps=1000", "logger=none", "backend.num_workers=1", "optimizer.lr=tag(log,interval(1e-4,1e-3))",
+        "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2",
+    ]  # fmt: skip
+    env = environment({"RAY_ADDRESS": ray_address})
+    driver = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        wait_until(lambda: all((tmp_path / n / "metrics.jsonl").exists() for n in "01"), 600, "two trials training", driver)
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    started, told = started_and_told(output)
+    assert driver.returncode == 130 and sorted(started) == [0, 1] and not told, output[-3000:]
+    assert f"interrupted: cancelled {', '.join(str(started[n]) for n in sorted(started))}" in output
+    for pid in started.values():  # gone, or a zombie nobody reaps (on this machine PID 1 is no init system)
+        wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 120, f"job {pid} runs on")
+    assert [t.state for t in storage_trials(tmp_path)] == [TrialState.FAIL] * 2
+
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and "2 of 2 trials done" in out and not started_and_told(out)[0], out[-3000:]
+    assert [(f.trial, f.error) for f in OmegaConf.load(tmp_path / "optimization_results.yaml").failed] == [(0, CUT_OFF), (1, CUT_OFF)]
+
+
 def test_a_study_on_the_local_slurm_cluster(slurm_env, tmp_path):
-    """The hparams_search preset on the slurm_local launcher: 3 trials, each a Slurm job of an array."""
+    """The hparams_search preset on the slurm_local launcher: 3 trials at once, each its own Slurm job (no array)."""
     result = run_cli(
         "-m", "hparams_search=lr_cosine", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
         "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=3", "trainer.steps=3", "logger=none",
@@ -266,8 +322,12 @@ def test_a_study_on_the_local_slurm_cluster(slurm_env, tmp_path):
     trials = storage_trials(tmp_path)
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
     assert set(trials[0].params) == {"override.lr.value", "override.lr.warmup_steps", "override.lr.min_ratio"}
-    array_ids = {job_json(tmp_path / str(t.number))["slurm"]["array_job_id"] for t in trials}
-    assert len(array_ids) == 1  # one batch, one Slurm job array
+    jobs = {t.number: job_json(tmp_path / str(t.number))["slurm"] for t in trials}
+    assert all("array_job_id" not in job for job in jobs.values()) and len({job["job_id"] for job in jobs.values()}) == 3
+    assert {row["num"]: row["job_id"] for row in read_jsonl(tmp_path / "summary.jsonl")} == {n: job["job_id"] for n, job in jobs.items()}
+    ids = [job["job_id"] for job in jobs.values()]  # what the sweeper polled: one squeue (and sacct) for them all
+    assert slurm_states(ids, env=environment(slurm_env)) == dict.fromkeys(ids, "COMPLETED")
+    assert slurm_states(ids[:1], env=environment(slurm_env)) == {ids[0]: "COMPLETED"}  # one id gone: squeue fails
     for trial in trials:
         assert read_jsonl(tmp_path / str(trial.number) / "metrics.jsonl")[-1]["val/loss"] == trial.value
     saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
@@ -281,14 +341,16 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
     known from its point): every trial above the threshold is pruned at its first evaluation (step 2 of 6), ends
     cleanly with a checkpoint there, and is PRUNED in the storage (the journal file, or a real PostgreSQL server
     the jobs report to) with the value it reported; the others run to the end. Storage, run dirs, summary and
-    optimization_results.yaml agree; the server's password is in nothing printed or written."""
-    upper = 2e-3
+    optimization_results.yaml agree; the server's password is in nothing printed or written. 2 trials at a time (a
+    worker each); on the journal, with longer unpruned trials, no idle slot: trial 2 starts as soon as trial 1 is
+    pruned, while trial 0 still trains (in batches it would wait for both)."""
+    upper, steps = 2e-3, 6 if server else 60
     url = request.getfixturevalue("postgres_url") if server else None
     name = f"pruning-{tmp_path.name}-{os.getpid()}" if server else "tinker_exp"  # one server, many studies
     storage = [f"hydra.sweeper.storage={url}", f"hydra.sweeper.study_name={name}"] if server else []
     result = run_cli(
-        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=6",
-        "trainer.eval_every=2", "trainer.batch_size=4", "logger=none", "trainer.objective=requested/lr",
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", f"trainer.steps={steps}",
+        "trainer.eval_every=2", "trainer.batch_size=4", "backend.num_workers=1", "logger=none", "trainer.objective=requested/lr",
         "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
         "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}", *storage,
         env={"RAY_ADDRESS": ray_address}, timeout=900,
@@ -316,39 +378,101 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
             assert trial.state == TrialState.PRUNED and [row["train/step"] for row in rows] == [0, 1]
             assert trial.value == rows[-1]["requested/lr"] and loop["pruned"] is True
             job_log = (run_dir / "tinker_exp.log").read_text()
-            assert f"pruned at step 2: requested/lr {trial.value:.6g} (median of the other trials " in job_log
+            assert f"pruned at step 2: requested/lr {trial.value:.6g}" in job_log
             assert f"trial {trial.number}: pruned at step 2: {trial.value:.6g}" in out
             assert read_json(run_dir / "objective.json")["pruned_at_step"] == 2
         else:
-            assert trial.state == TrialState.COMPLETE and len(rows) == 6 and "pruned" not in loop
+            assert trial.state == TrialState.COMPLETE and len(rows) == steps and "pruned" not in loop
     assert [(p.trial, p.step) for p in saved.pruned] == [(t.number, 2) for t in pruned]
     assert saved.n_pruned == len(pruned) and saved.best_value == min(t.value for t in trials if t not in pruned)
     assert saved.failed == [] and "cut off" not in (tmp_path / "summary.md").read_text()
     statuses = {row["num"]: row["status"] for row in read_jsonl(tmp_path / "summary.jsonl")}
     assert statuses == {t.number: "PRUNED" if t in pruned else "COMPLETED" for t in trials}
-    trained = 2 * len(pruned) + 6 * (len(trials) - len(pruned))
-    assert (saved.steps_trained, saved.steps_without_pruning) == (trained, 6 * len(trials))
-    assert f"steps trained: {trained} ({trained / 24:.0%}) of the 24 a study without pruning would have trained" in out
+    trained = 2 * len(pruned) + steps * (len(trials) - len(pruned))
+    assert (saved.steps_trained, saved.steps_without_pruning) == (trained, steps * len(trials))
+    assert f"steps trained: {trained} ({trained / (4 * steps):.0%}) of the {4 * steps} a study without pruning would have trained" in out
+    # Never more than n_jobs trials at once; each trial's job from its submission to its result (submitit's files).
+    job_ids = {row["num"]: row["job_id"] for row in read_jsonl(tmp_path / "summary.jsonl")}
+    job_files = {n: tmp_path / ".submitit" / job_id / job_id for n, job_id in job_ids.items()}
+    ran = {n: (Path(f"{f}_submitted.pkl").stat().st_mtime, Path(f"{f}_0_result.pkl").stat().st_mtime) for n, f in job_files.items()}
+    assert max(sum(start <= t < end for start, end in ran.values()) for t, _ in ran.values()) == 2, ran
+    if not server:  # the seeded points: trials 1 and 2 pruned, 0 and 3 not
+        assert [t in pruned for t in trials] == [False, True, True, False]
+        assert trials[1].datetime_complete < trials[2].datetime_start < trials[0].datetime_complete  # asked at once
+        assert ran[1][1] < ran[2][0] < ran[0][1], ran  # submitted after trial 1's job ended, before trial 0's did
+        # Trial 2 judged beside both earlier trials (trial 1 may have been pruned before trial 0 reported step 1).
+        median = statistics.median(t.intermediate_values[1] for t in trials[:2])
+        assert f"(median of the other trials {median:.6g})" in (tmp_path / "2" / "tinker_exp.log").read_text()
 
 
-def test_a_pruning_study_on_the_local_slurm_cluster_reports_from_both_nodes_to_one_journal(slurm_env, tmp_path):
-    """Slurm jobs (one array of 4, on both nodes) report their evaluations to the journal in the sweep dir; the
-    threshold pruner stops each trial above it at its first evaluation, as on the local launcher."""
-    upper = 2e-3
-    result = run_cli(
-        "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=6",
-        "trainer.eval_every=2", "trainer.batch_size=4", "logger=none", "trainer.objective=requested/lr",
-        "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=4",
-        "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}",
-        env=slurm_env, timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+def slurm_jobs_at_once(job_ids: list[str], slurm_env: dict) -> int:
+    """The most of these jobs Slurm's accounting had in the queue at one time (submitted, not ended; one-second times)."""
+    from datetime import datetime
+
+    sacct = subprocess.run(
+        ["sacct", "--jobs", ",".join(job_ids), "--allocations", "--noheader", "--parsable2", "--format", "JobID,Submit,End"],
+        env=environment(slurm_env), capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    spans = {}
+    for line in sacct.splitlines():  # a requeued job's last line is its newest start
+        job_id, submit, end = line.split("|")
+        spans[job_id] = (datetime.fromisoformat(submit), datetime.fromisoformat(end))
+    assert sorted(spans) == sorted(job_ids), sacct
+    return max(sum(start <= t < end for start, end in spans.values()) for t, _ in spans.values())
+
+
+def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_and_a_requeued_trial_reports_on(slurm_env, tmp_path):
+    """Slurm jobs on both nodes report their evaluations to the journal in the sweep dir; the threshold pruner stops
+    each trial above it at its first evaluation, as on the local launcher. n_jobs=2: one sbatch per trial (no
+    array), never more than 2 of the study's jobs in the queue. Trial 0 (not pruned) is requeued (a preemption) once
+    it has reported an evaluation and saved a checkpoint: it resumes from that checkpoint and reports its later
+    evaluations to the same trial; the study records it once."""
+    upper, steps = 2e-3, 24
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
+        f"trainer.steps={steps}", "trainer.eval_every=2", "checkpoint.every_steps=2", "trainer.batch_size=4", "logger=none",
+        "trainer.objective=requested/lr", "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))",
+        "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}",
+    ]  # fmt: skip
+    slurm, log, run_0 = environment(slurm_env), tmp_path / "study.log", tmp_path / "0"
+
+    def reported_and_saved() -> bool:  # trial 0: its first evaluation in the journal, a checkpoint after it
+        saved = (run_0 / "checkpoints" / "step_00000002" / "MANIFEST.json").exists()
+        return saved and bool(storage_trials(tmp_path)[0].intermediate_values)
+
+    with open(log, "w") as out:
+        driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_until(reported_and_saved, 600, "trial 0 did not report an evaluation", driver)
+            job_id = job_json(run_0)["slurm"]["job_id"]
+            subprocess.run(["scontrol", "requeue", job_id], env=slurm, check=True)
+            requeued_at = time.time()
+            # As in test_resume: released sooner than Slurm's hold, once its first start has left the node.
+            wait_until(lambda: f"{job_id} PENDING" in squeue(slurm_env).splitlines(), 240, "the job was not requeued")
+            wait_until(lambda: not job_processes([job_id]), 240, "the first start did not end")
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+5"], env=slurm, check=True)
+            driver.wait(timeout=900)
+        finally:
+            driver.kill()
+    output = log.read_text()
+    assert driver.returncode == 0, output[-3000:]
     trials = storage_trials(tmp_path)
-    nodes = {job_json(tmp_path / str(t.number))["slurm"]["nodelist"] for t in trials}
-    assert len(nodes) == 2, nodes  # jobs on both nodes wrote to the one journal
+    assert [t.number for t in trials] == [0, 1, 2, 3] and output.count("trial 0: ") == 1  # trial 0 told once
+    jobs = {t.number: job_json(tmp_path / str(t.number))["slurm"] for t in trials}
+    assert len({job["nodelist"] for job in jobs.values()}) == 2, jobs  # jobs on both nodes wrote to the one journal
+    assert all("array_job_id" not in job for job in jobs.values())  # each trial its own sbatch
+    assert slurm_jobs_at_once([job["job_id"] for job in jobs.values()], slurm_env) == 2  # n_jobs in the queue, never more
     for trial in trials:
         rows = read_jsonl(tmp_path / str(trial.number) / "metrics.jsonl")
         assert trial.intermediate_values == {row["train/step"]: row["requested/lr"] for row in rows if "val/loss" in row}
         must_prune = trial.params["override.lr"] > upper
         assert trial.state == (TrialState.PRUNED if must_prune else TrialState.COMPLETE)
-        assert len(rows) == (2 if must_prune else 6)
+        assert len(rows) == (2 if must_prune else steps)
+    # Trial 0: a second start that resumed from a checkpoint (rows before it kept, each step once) and reported the
+    # evaluations after it to the same trial.
+    rows = read_jsonl(run_0 / "metrics.jsonl")
+    assert jobs[0]["restart_count"] == "1" and [row["train/step"] for row in rows] == list(range(steps))
+    resumed_at = next(row["train/step"] for row in rows if row["time"] > requeued_at)
+    assert resumed_at >= 2 and resumed_at % 2 == 0  # a checkpoint's step (every 2), not step 0
+    assert max(trials[0].intermediate_values) == steps - 1 and trials[0].value == rows[-1]["requested/lr"]
+    assert len([line for line in (run_0 / "tinker_exp.log").read_text().splitlines() if "workers: " in line]) == 2

@@ -6,7 +6,8 @@ leaves failures to Hydra's sweeper, which names only the first. Ours: refuse a s
 anything is written or submitted (every bad point named), run at most `max_parallel` local points at once,
 wait for all jobs (a killed job is reported by Slurm's accounting, never waited on forever), write
 summary.md/summary.jsonl into the sweep dir, then raise one error naming every job that did not complete and
-its run dir. Ctrl-C cancels the jobs.
+its run dir. Ctrl-C cancels the jobs. A sweeper that keeps some jobs running instead of launching batches (a study)
+starts and waits for them one at a time: `SweepLauncher.start`, `wait_any`, `cancel_running`, `capacity`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import ConfigError, TinkerExpError, one_line
 from tinker_exp.sweep.jobs import (
     JobOutcome,
+    StartedJob,
     bad_points_report,
     failure_report,
     points_at_once,
@@ -41,7 +43,7 @@ from tinker_exp.sweep.jobs import (
     write_summary,
 )
 from tinker_exp.sweep.report import REPORT, display_name, write_report
-from tinker_exp.sweep.slurm import cancel_slurm_jobs, slurm_state, slurm_verdict
+from tinker_exp.sweep.slurm import ACTIVE_STATES, cancel_slurm_jobs, slurm_state, slurm_states, slurm_verdict
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +106,19 @@ def job_run_dir(hydra_context: Any, config: Any, overrides: Sequence[str], num: 
     return Path(str(job_cfg.hydra.sweep.dir)) / str(job_cfg.hydra.sweep.subdir)
 
 
+POLL_S = 1.0
+"""How often `wait_any` looks at its jobs: a job's end is seen within a second, at the cost of a process poll
+(local) or one squeue call for all of them (Slurm)."""
+RESULT_GRACE_S = 20.0
+"""A Slurm job that wrote its result and is still in the queue after this long is taken as ended all the same."""
+
+
 class SweepLauncher(BaseSubmititLauncher):
+    """`launch` runs a batch of points and waits for all of them (a grid sweep). A sweeper that keeps a number of
+    jobs running instead (a study: the next trial starts as soon as one ends) uses the streaming calls: `start`
+    (one job, returns at once), `wait_any` (the jobs that have ended, with what each came to), `cancel_running`
+    (every started job not yet returned by `wait_any`), and `capacity` (how many may run at once here)."""
+
     def __init__(self, **params: Any) -> None:
         timeout_s, delay_s = params.get("timeout_min", 0) * 60, params.get("signal_delay_s")
         if delay_s is not None and delay_s >= timeout_s:
@@ -123,10 +137,13 @@ class SweepLauncher(BaseSubmititLauncher):
         super().__init__(**params)
         self.outcomes: dict[int, JobOutcome] = {}  # every job this launcher ran, by number: a sweep in batches
         # True: each launch is the whole sweep (the table, and an error at a failed job). A sweeper that launches
-        # in batches sets False and ends the sweep itself: `finish` (a grid), or its own table (a study).
+        # in batches sets False and ends the sweep itself with `finish` (a grid; a study uses the streaming calls).
         self.summarize = True
         # True: a bad point refuses the whole launch. False (a study): it fails its own trial, without a job.
         self.refuse_bad_points = True
+        self.running: list[StartedJob] = []  # started by `start`, not yet returned by `wait_any`
+        self.data_checked: set[str] = set()  # the data settings `start` found good (a data set is read once)
+        self.stream_executor: Any = None
 
     def _executor(self) -> Any:
         """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it)."""
@@ -212,7 +229,7 @@ class SweepLauncher(BaseSubmititLauncher):
             started = iter(jobs)
             for num, overrides in zip(nums, job_overrides):
                 job = None if num in refused else next(started)
-                ret, outcome = self._outcome(num, overrides, job, refused.get(num))
+                ret, outcome = self._outcome(num, overrides, job, refused.get(num), wait=True)
                 returns.append(ret)
                 outcomes.append(outcome)
         except KeyboardInterrupt:
@@ -226,9 +243,95 @@ class SweepLauncher(BaseSubmititLauncher):
             self._write_summary(sweep_dir)
         return returns
 
-    def _outcome(self, num: int, overrides: Sequence[str], job: Any, refused: str | None) -> tuple[JobReturn, JobOutcome]:
-        """What job `num` came to, once it ended (waited for here); `job` None: refused by the checks (a study's)."""
-        ended_by = None if job is None else wait_for(job)  # None: the job wrote its result
+    def capacity(self, config: DictConfig) -> int | None:
+        """How many jobs of points like `config` may run at once: the local launcher's `max_parallel` (else as many
+        as the CPUs hold); None on Slurm, where the scheduler decides."""
+        if self._EXECUTOR != "local":
+            return None
+        return points_at_once(os.cpu_count(), config.backend.num_workers, self.params.get("max_parallel"))
+
+    def start(self, overrides: Sequence[str], num: int) -> StartedJob:
+        """Check the point and start its job as job `num` (its run dir and number, as `launch` gives them): a local
+        process, or one Slurm job (one sbatch). Returns at once. A point the checks refuse raises BadPointsError,
+        or (refuse_bad_points False) comes back as an ended handle without a job."""
+        assert self.config is not None
+        overrides = self.job_points([overrides])[0]
+        if self.refuse_bad_points:
+            check_points(self.hydra_context, self.config, [overrides], num)
+            refused = None
+        else:
+            _, refused = point_error(self.hydra_context, self.config, overrides, self.data_checked)
+        handle = StartedJob(num, overrides, refused=refused)
+        if refused is None:
+            Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+            if self.stream_executor is None:
+                self.stream_executor = self._executor()
+            arg = (list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state())
+            # As in `_submit`: a Ctrl-C inside sbatch would leave a job we never learn the id of.
+            with sigint_deferred() as interrupted, ray_token(self.nodes() > 1):
+                handle.job = self.stream_executor.submit(self, *arg)
+            self.running.append(handle)
+            if interrupted():
+                self.cancel_running()
+                raise KeyboardInterrupt
+        started = f"not started: {refused}" if refused else f"job {handle.job.job_id}"
+        log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))} ({started})")
+        return handle
+
+    def wait_any(self, handles: Sequence[StartedJob], poll_s: float = POLL_S) -> list[tuple[StartedJob, JobReturn, JobOutcome]]:
+        """Wait until at least one of `handles` has ended; every one that has, in order, with its JobReturn and its
+        JobOutcome (as `launch` gives them). Looks every `poll_s`: local processes by their exit, Slurm jobs by their
+        result file and one squeue call for all of them (a requeued job is waited for again, as in `wait_for`)."""
+        if not handles:
+            return []
+        while True:
+            ended = self._ended(handles)
+            if ended:
+                returns = [(handle, *self._outcome(handle.num, handle.overrides, handle.job, handle.refused, by)) for handle, by in ended]
+                self.outcomes.update((outcome.num, outcome) for _, _, outcome in returns)
+                self.running = [h for h in self.running if all(h is not handle for handle, _ in ended)]
+                return returns
+            time.sleep(poll_s)
+
+    def _ended(self, handles: Sequence[StartedJob]) -> list[tuple[StartedJob, str | None]]:
+        """(handle, None: it wrote its result or was refused; else the state it ended in) for each ended one. A
+        Slurm job that wrote its result counts once Slurm no longer runs it (COMPLETING too), so the next one is
+        submitted into a queue that holds no more jobs than the caller keeps running."""
+        slurm = [h for h in handles if h.job is not None and self._EXECUTOR == "slurm"]
+        states = slurm_states([h.job.job_id for h in slurm])
+        ended: list[tuple[StartedJob, str | None]] = []
+        for handle in handles:
+            job = handle.job
+            if job is None:
+                ended.append((handle, None))
+            elif self._EXECUTOR == "local":  # a process: it wrote its result, or it died (killed, crashed)
+                if job.done():
+                    ended.append((handle, None if job.paths.result_pickle.exists() else job.state.split()[0]))
+            elif job.paths.result_pickle.exists():
+                if handle.written_since is None:
+                    handle.written_since = time.monotonic()
+                # Bounded: a Slurm that does not answer cannot hold a job that has its result.
+                if states[job.job_id] not in ACTIVE_STATES or time.monotonic() - handle.written_since >= RESULT_GRACE_S:
+                    ended.append((handle, None))
+            else:
+                verdict = handle.settling.verdict(states[job.job_id])
+                if verdict is not None:
+                    ended.append((handle, verdict))
+        return ended
+
+    def cancel_running(self) -> None:
+        """Cancel every job `start` started that `wait_any` has not returned (one scancel for all on Slurm)."""
+        jobs, self.running = [h.job for h in self.running], []
+        if jobs:
+            cancel(jobs)
+
+    def _outcome(
+        self, num: int, overrides: Sequence[str], job: Any, refused: str | None, ended_by: str | None = None, wait: bool = False
+    ) -> tuple[JobReturn, JobOutcome]:
+        """What job `num` came to; `ended_by`: the state the scheduler ended it in (None: it wrote its result);
+        `wait`: wait for it here first. `job` None: refused by the checks (a study's)."""
+        if wait and job is not None:
+            ended_by = wait_for(job)  # None: the job wrote its result
         if job is None:  # a study's trial whose point is bad: failed without a job
             status, error = "FAILED", refused
             ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=error)
@@ -372,6 +475,26 @@ def wait_for(job: Any) -> str | None:
         job.wait()
         return None if job.paths.result_pickle.exists() else job.state.split()[0]
     return slurm_verdict(job.paths.result_pickle.exists, lambda: slurm_state(job.job_id))
+
+
+class OneAtATime:
+    """Another launcher (Hydra's basic one: jobs in this process) behind `SweepLauncher`'s streaming calls: `start`
+    runs the job to its end, so one runs at a time."""
+
+    def __init__(self, launcher: Any) -> None:
+        self.launcher = launcher
+
+    def capacity(self, config: DictConfig) -> int:
+        return 1
+
+    def start(self, overrides: Sequence[str], num: int) -> tuple[int, JobReturn]:
+        return num, self.launcher.launch([list(overrides)], initial_job_idx=num)[0]
+
+    def wait_any(self, handles: Sequence[tuple[int, JobReturn]]) -> list[tuple[Any, JobReturn, None]]:
+        return [(handle, handle[1], None) for handle in handles]
+
+    def cancel_running(self) -> None:
+        """Nothing runs between the calls."""
 
 
 class SlurmSweepLauncher(SweepLauncher):

@@ -4,11 +4,13 @@ Why our own and not hydra-optuna-sweeper: its newest release (1.3.0) pins optuna
 with SQLAlchemy 2, and a study must persist in its sweep dir so that the same command continues it. This one is
 small: Hydra's override parser gives the search space (tinker_exp/sweep/study.py), Optuna >= 4 asks and tells.
 
-Each batch: ask `n_jobs` trials, launch them as one batch of jobs (job number = trial number, so each trial has its
-own run dir and never resumes another's checkpoint), tell each trial what its job returned, or FAIL when the job
-failed; the study goes on. With a pruner (hydra.sweeper.pruner), each job is told its study through STUDY_ENV and
-reports every evaluation to its trial; a job its pruner stopped ends cleanly and is told PRUNED. At the end: the best trial printed and written to optimization_results.yaml, the
-failed trials named, a summary and report over every trial; exit 0 when at least one trial completed.
+No idle slots: `n_jobs` trials run at all times (fewer where the local launcher runs fewer at once); as soon as
+one ends, the study is told (its value, PRUNED, or FAIL) and the next trial is asked and started, through the
+launcher's streaming calls (`SweepLauncher.start`/`wait_any`). Job number = trial number, so each trial has its
+own run dir and never resumes another's checkpoint. With a pruner (hydra.sweeper.pruner), each job is told its
+study through STUDY_ENV and reports every evaluation to its trial; a job its pruner stopped ends cleanly and is
+told PRUNED. At the end: the best trial printed and written to optimization_results.yaml, the failed trials named,
+a summary and report over every trial; exit 0 when at least one trial completed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
@@ -28,7 +30,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, job_error, job_run_dir
+from hydra_plugins.tinker_exp_plugins.launchers import OneAtATime, SweepLauncher, job_error, job_run_dir
 from tinker_exp.errors import ConfigError, TinkerExpError
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.jobs import JOB_FILE, read_outcome, summary_table, write_summary
@@ -84,10 +86,10 @@ class OptunaSweeper(Sweeper):
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config
         )
-        if hasattr(self.launcher, "summarize"):  # ours: the study prints one line per trial and one summary
-            self.launcher.summarize = False
+        if isinstance(self.launcher, SweepLauncher):  # ours: the study prints one line per trial and one summary
             # A sampled point that fails the checks fails its trial without a job; the study goes on.
             self.launcher.refuse_bad_points = False
+        self.jobs = self.launcher if isinstance(self.launcher, SweepLauncher) else OneAtATime(self.launcher)
 
     def sweep(self, arguments: list[str]) -> Any:
         import optuna
@@ -148,40 +150,10 @@ class OptunaSweeper(Sweeper):
                 log.info(line)
             log.info(f"continuing study {self.study_name!r} ({shown}): {len(finished(study))} of {self.n_trials} trials done")
         else:
-            log.info(f"study {self.study_name!r} ({shown}): {self.n_trials} trials, {self.n_jobs} at a time")
+            log.info(f"study {self.study_name!r} ({shown}): {self.n_trials} trials, {self._at_once()} at a time")
         log.info("search space: " + ", ".join(f"{k}: {d}" for k, d in space.items()))
 
-        while len(finished(study)) < self.n_trials:
-            trials = [study.ask(space) for _ in range(min(self.n_jobs, self.n_trials - len(finished(study))))]
-            numbers = [t.number for t in trials]
-            if numbers != list(range(numbers[0], numbers[0] + len(numbers))):  # another process asks too
-                raise ConfigError(f"hydra.sweeper.storage: trials {numbers} are not consecutive; is another study running on {shown}?")
-            batch = [trial_overrides(fixed, t.params) for t in trials]
-            for trial, overrides in zip(trials, batch):
-                trial.set_user_attr("overrides", overrides)
-                trial.set_user_attr("run_dir", str(job_run_dir(self.hydra_context, self.config, overrides, trial.number)))
-            try:
-                self.validate_batch_is_legal(batch)
-                returns = self._launch(batch, numbers[0])
-            except BaseException:  # a compose error, Ctrl-C (the launcher cancelled the jobs): not left RUNNING
-                for trial in trials:
-                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                raise
-            for trial, ret in zip(trials, returns):
-                value, error = trial_value(ret)
-                pruned_at = read_run_end(Path(trial.user_attrs["run_dir"])).get("pruned_at_step")
-                if error is None and pruned_at is not None:
-                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # its value: the last one it reported
-                    log.info(f"trial {trial.number}: pruned at step {pruned_at}: {value:.6g}; {trial.user_attrs['run_dir']}")
-                elif error is None:
-                    study.tell(trial, value)
-                    best = study.best_trial
-                    log.info(f"trial {trial.number}: {value:.6g} (best: trial {best.number}, {best.value:.6g}); {trial.user_attrs['run_dir']}")
-                else:
-                    trial.set_user_attr("error", error)
-                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                    log.warning(f"trial {trial.number} failed: {error}")
-
+        self._run_trials(study, space, fixed, shown)
         summary = results(study, shown)
         OmegaConf.save(OmegaConf.create(summary), sweep_dir / RESULTS_FILE)
         self._write_summary(study, sweep_dir)
@@ -198,12 +170,67 @@ class OptunaSweeper(Sweeper):
         )
         return summary
 
-    def _launch(self, batch: Sequence[Sequence[str]], first: int) -> Sequence[JobReturn]:
-        """The launcher's returns; our launchers raise at a failed job (right for a grid), a study goes on."""
+    def _at_once(self) -> int:
+        """Trials kept running: n_jobs, or fewer where the launcher runs fewer at once (local: max_parallel)."""
+        return min(self.n_jobs, self.jobs.capacity(self.config) or self.n_jobs)
+
+    def _run_trials(self, study: Any, space: dict[str, Any], fixed: list[str], shown: str) -> None:
+        """Keep `_at_once()` trials running until n_trials have finished: as soon as one ends (completes, fails or
+        is pruned) it is told and the next one asked and started, so no slot waits for a slower trial. Ctrl-C (or
+        any error): the running trials' jobs are cancelled and the trials failed, then it is raised."""
+        import optuna
+
+        from tinker_exp.sweep.study import finished, trial_overrides
+
+        at_once, next_number = self._at_once(), len(study.trials)
+        running: dict[Any, Any] = {}  # the launcher's handle -> its trial
+        asked = None  # a trial asked and not started yet
         try:
-            return self.launcher.launch(batch, initial_job_idx=first)
-        except SweepFailedError as e:
-            return e.returns
+            while True:
+                while len(running) < at_once and len(finished(study)) + len(running) < self.n_trials:
+                    asked = study.ask(space)
+                    if asked.number != next_number:  # trial numbers are job numbers: no other process may ask
+                        raise ConfigError(
+                            f"hydra.sweeper.storage: trial {asked.number} was asked after trial {next_number - 1}; "
+                            f"is another study running on {shown}?"
+                        )
+                    next_number += 1
+                    overrides = trial_overrides(fixed, asked.params)
+                    asked.set_user_attr("overrides", overrides)
+                    asked.set_user_attr("run_dir", str(job_run_dir(self.hydra_context, self.config, overrides, asked.number)))
+                    self.validate_batch_is_legal([overrides])
+                    running[self.jobs.start(overrides, asked.number)] = asked
+                    asked = None
+                if not running:
+                    return
+                for handle, ret, outcome in self.jobs.wait_any(list(running)):
+                    trial = running.pop(handle)
+                    if outcome is not None and outcome.job_id:  # the summary's job id column
+                        trial.set_user_attr("job_id", outcome.job_id)
+                    self._tell(study, trial, ret)
+        except BaseException:  # Ctrl-C, a compose error: the jobs cancelled, no trial left RUNNING
+            self.jobs.cancel_running()
+            for trial in [*running.values(), *([asked] if asked is not None else [])]:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise
+
+    def _tell(self, study: Any, trial: Any, ret: JobReturn) -> None:
+        """The study learns what the trial's job came to; one log line."""
+        import optuna
+
+        value, error = trial_value(ret)
+        pruned_at = read_run_end(Path(trial.user_attrs["run_dir"])).get("pruned_at_step")
+        if error is None and pruned_at is not None:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # its value: the last one it reported
+            log.info(f"trial {trial.number}: pruned at step {pruned_at}: {value:.6g}; {trial.user_attrs['run_dir']}")
+        elif error is None:
+            study.tell(trial, value)
+            best = study.best_trial
+            log.info(f"trial {trial.number}: {value:.6g} (best: trial {best.number}, {best.value:.6g}); {trial.user_attrs['run_dir']}")
+        else:
+            trial.set_user_attr("error", error)
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            log.warning(f"trial {trial.number} failed: {error}")
 
     def _stop_cut_off_jobs(self, study: Any) -> None:
         """Slurm jobs of trials a killed study left running, not completed, are cancelled: those trials are
@@ -230,7 +257,9 @@ class OptunaSweeper(Sweeper):
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
             run_dir = trial_run_dir(t) or sweep_dir / str(t.number)
             status = {TrialState.COMPLETE: "COMPLETED", TrialState.PRUNED: "PRUNED"}.get(t.state, "FAILED")
-            outcomes.append(read_outcome(t.number, [trial_label(t.params)], status, run_dir, trial_error(t), None, t.value))
+            outcomes.append(
+                read_outcome(t.number, [trial_label(t.params)], status, run_dir, trial_error(t), t.user_attrs.get("job_id"), t.value)
+            )
         summary = write_summary(sweep_dir, outcomes)
         # Each labelled by what differs; a pruned trial's curve ends where it stopped, and says so.
         runs = [(f"trial {o.num}" + (f" (pruned at {o.steps})" if o.status == "PRUNED" else ""), Path(o.run_dir)) for o in outcomes]

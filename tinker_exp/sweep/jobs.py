@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from tinker_exp.formats import read_jsonl, text_table
+from tinker_exp.sweep.slurm import Settling
 
 # What Slurm tells a job about itself (sbatch / srun set these in the job's environment).
 SLURM_VARIABLES = {
@@ -80,6 +81,19 @@ class JobOutcome:
     @property
     def ok(self) -> bool:
         return self.status == "COMPLETED"
+
+
+@dataclass(eq=False)  # a handle is itself: a dict key, found by identity
+class StartedJob:
+    """A job that a launcher's `start` (hydra_plugins/tinker_exp_plugins/launchers.py) started: its number, its overrides, and submitit's job; `job` None: the
+    point was refused by the checks (`refused` says why) and has ended already, without a job."""
+
+    num: int
+    overrides: list[str]
+    job: Any = None
+    refused: str | None = None
+    settling: Settling = field(default_factory=Settling)  # Slurm: how long an ended-looking state has held
+    written_since: float | None = None  # Slurm: when its result was first seen (it may still be leaving the queue)
 
 
 def read_outcome(

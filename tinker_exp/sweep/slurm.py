@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 # Slurm states of a job that may still write its result. A requeued job passes through REQUEUED,
 # PENDING and RUNNING again; PREEMPTED and FAILED can show for a moment on the way (hence the settling).
@@ -12,6 +12,26 @@ ACTIVE_STATES = {
     "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RUNNING", "COMPLETING",
     "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING", "STAGE_OUT", "UNKNOWN",
 }  # fmt: skip
+
+
+class Settling:
+    """When one job's ended-looking Slurm state can be believed: once it has held for `settle_s` (a requeued job
+    passes through PREEMPTED or FAILED on its way back to PENDING; submitit's own wait takes the first one)."""
+
+    def __init__(self, settle_s: float = 20.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settle_s, self.clock = settle_s, clock
+        self.ended_since: float | None = None
+
+    def verdict(self, state: str) -> str | None:
+        """Slurm's end state once it has held long enough, else None (still active, or not settled yet)."""
+        now = self.clock()
+        if state in ACTIVE_STATES:
+            self.ended_since = None
+        elif self.ended_since is None:
+            self.ended_since = now
+        elif now - self.ended_since >= self.settle_s:
+            return state
+        return None
 
 
 def slurm_verdict(
@@ -24,18 +44,13 @@ def slurm_verdict(
 ) -> str | None:
     """None once the result is written; else Slurm's end state, taken only once it has held for `settle_s`.
 
-    So a requeued job is waited for again rather than reported from a state it passed through on the way
-    (submitit's own wait takes the first final-looking state it sees).
+    So a requeued job is waited for again rather than reported from a state it passed through on the way.
     """
-    ended_since = None
+    settling = Settling(settle_s, clock)
     while not result_written():
-        now, current = clock(), state()
-        if current in ACTIVE_STATES:
-            ended_since = None
-        elif ended_since is None:
-            ended_since = now
-        elif now - ended_since >= settle_s:
-            return current
+        ended = settling.verdict(state())
+        if ended is not None:
+            return ended
         sleep(poll_s)
     return None
 
@@ -57,6 +72,32 @@ def slurm_state(job_id: str, timeout_s: float = SLURM_CALL_TIMEOUT_S, env: Mappi
     sacct = _run(["sacct", "--jobs", job_id, "--allocations", "--noheader", "--parsable2", "--format", "State"], timeout_s, env)
     lines = [line for line in sacct.stdout.splitlines() if line.strip()] if sacct is not None else []
     return lines[-1].split()[0] if sacct is not None and sacct.returncode == 0 and lines else "UNKNOWN"
+
+
+def slurm_states(job_ids: Sequence[str], timeout_s: float = SLURM_CALL_TIMEOUT_S, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Each job's state as `slurm_state` tells it, for many jobs with one squeue call (and one sacct call for the
+    jobs no longer queued): what a sweeper waiting for any of its jobs asks at every poll."""
+    if not job_ids:
+        return {}
+    states = {job_id: "UNKNOWN" for job_id in job_ids}
+    queued = _run(["squeue", "--noheader", "--jobs", ",".join(job_ids), "--format", "%i %T"], timeout_s, env)
+    if queued is None:
+        return states
+    # One id that left the queue makes squeue fail ("Invalid job id"); several: it lists those still there.
+    if queued.returncode == 0 or len(job_ids) == 1:
+        in_queue = dict(line.split()[:2] for line in queued.stdout.splitlines() if len(line.split()) >= 2)
+    else:
+        return states
+    states.update((job_id, state) for job_id, state in in_queue.items() if job_id in states)
+    gone = [job_id for job_id in job_ids if job_id not in in_queue]
+    if gone:
+        sacct = _run(["sacct", "--jobs", ",".join(gone), "--allocations", "--noheader", "--parsable2", "--format", "JobID,State"], timeout_s, env)
+        if sacct is not None and sacct.returncode == 0:
+            for line in sacct.stdout.splitlines():  # a job's last line is its newest start
+                job_id, _, state = line.partition("|")
+                if job_id in states and state.strip():
+                    states[job_id] = state.split()[0]
+    return states
 
 
 def _run(command: list[str], timeout_s: float, env: Mapping[str, str] | None) -> subprocess.CompletedProcess | None:

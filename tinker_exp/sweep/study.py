@@ -1,8 +1,8 @@
 """Optuna studies over tinker_exp runs: the search space from Hydra's override grammar, trials as sweep jobs.
 
 Pure Python (optuna, Hydra's parser; no torch, verl or ray). The Hydra sweeper plugin
-(hydra_plugins/tinker_exp_plugins/optuna_sweeper.py) asks for a batch of trials, launches them as one batch of
-jobs through any launcher, and tells the study what each job returned. The study lives in Optuna's journal file in
+(hydra_plugins/tinker_exp_plugins/optuna_sweeper.py) keeps n_jobs trials running as jobs of any launcher: as one
+ends, it tells the study what the job returned and asks and starts the next. The study lives in Optuna's journal file in
 the sweep dir (many jobs on a shared file system may write to it; an older study's optuna.db is still read), or at
 any Optuna storage URL, so the same command continues a killed study (`recover`). With a pruner, each job reports
 its evaluations to its trial (`TrialReport`) and stops when the pruner says so.
