@@ -14,11 +14,10 @@ value; the process's wall time; and the jobs' time (each trial's tinker_exp.log,
 Printed: each seed's figures and ratios (median / none), the medians of the ratios, and whether the pruned
 studies' best values lie within the spread of the unpruned ones.
 
-Wall times are measured with today's sweeper, which runs trials in batches of `--jobs` (a pruned trial's slot
-waits for the rest of its batch), and each job starts its own Ray and loads verl (seconds, beside a second or two
-of training on the tiny model): the wall-time ratio is far above the steps ratio. The jobs' time (each trial's
-own, summed) leaves the batches' waits out: what the trials cost whatever the sweeper does between them. On a
-shared machine both are noisy.
+The sweeper keeps `--jobs` trials running (a pruned trial's slot is refilled at once), but each job starts its
+own Ray and loads verl (seconds, beside a second or two of training on the tiny model): the wall-time ratio is
+far above the steps ratio. The jobs' time (each trial's own, summed) leaves out what the sweeper does between
+trials: what the trials cost. On a shared machine both are noisy.
 
 Report cost (`--report-cost`): a study in a journal file (a temp dir) or at `--storage URL` (a throwaway study
 there, deleted after), with the median pruner and `--others` completed trials of `--calls` evaluations each; a
@@ -82,7 +81,7 @@ def run_study(command: list[str]) -> float:
 
 def job_seconds(sweep_dir: Path) -> float:
     """Summed over the trials: each job's time from its tinker_exp.log's first line to its last (what the jobs
-    held their slots for, without Python's start and the wait for the rest of a batch)."""
+    held their slots for, without Python's start and the sweeper's work between trials)."""
     total = 0.0
     for log in sweep_dir.glob("*/tinker_exp.log"):
         stamps = [m.group(1) for m in map(LOG_STAMP.match, log.read_text(errors="replace").splitlines()) if m]
@@ -157,8 +156,8 @@ def studies(args: argparse.Namespace) -> None:
             f"{'met' if statistics.median(pruned) <= high else 'not met'}"
         )
     print(
-        f"(wall times: today's sweeper runs trials in batches of {args.jobs}, a pruned trial's slot waiting for the rest of "
-        f"its batch, and every job starts its own Ray and verl; on a shared machine, noisy; jobs: the trials' times summed, "
+        f"(wall times: the sweeper keeps {args.jobs} trials running, a pruned trial's slot refilled at once, and every "
+        f"job starts its own Ray and verl; on a shared machine, noisy; jobs: the trials' times summed, "
         f"each from its log's first line to its last)"
     )
 
