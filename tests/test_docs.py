@@ -176,7 +176,7 @@ def section(path: Path, heading: str) -> list[str]:
 
 
 def test_the_readme_single_runs_compose_and_plan(tmp_path: Path):
-    """Every single-run line of the README's eleven commands (not the sweeps, not the user's data file) composes
+    """Every single-run line of the README's thirteen commands (not the sweeps, not the user's data file) composes
     and plans as a dry run."""
     block = code_block(REPO / "README.md", "python -m tinker_exp +override=lr_cosine ")
     commands = [line.removeprefix("python -m tinker_exp") for line in block if line.startswith("python -m tinker_exp")]
