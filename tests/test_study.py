@@ -178,10 +178,10 @@ def test_a_bad_study_is_one_line_and_exit_2_before_any_trial(tmp_path, args, mes
 
 
 def test_failed_trials_are_recorded_and_the_study_goes_on_exit_1_when_none_completed(tmp_path):
-    """Every point is a config error (an odd batch does not split over 2 workers): each trial fails as its job,
-    the study runs all its batches anyway, names the failures and exits 1."""
+    """Every point is a config error (an odd batch does not split over 2 workers): each trial fails before any
+    job, the study asks every trial anyway, names the failures and exits 1."""
     result = run_cli(
-        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", "dry_run=true",
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}",
         "trainer.batch_size=choice(3,5,7)", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2",
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
@@ -190,10 +190,26 @@ def test_failed_trials_are_recorded_and_the_study_goes_on_exit_1_when_none_compl
     assert [t.state for t in trials] == [TrialState.FAIL] * 3
     assert all("config error: trainer.batch_size" in t.user_attrs["error"] for t in trials)
     for t in trials:  # named in the log, each with its overrides
-        assert f"failed trial {t.number} [dry_run=True trainer.batch_size={t.params['trainer.batch_size']}]" in result.stdout
+        assert f"failed trial {t.number} [trainer.batch_size={t.params['trainer.batch_size']}]" in result.stdout
     saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
     assert saved.best_trial is None and [f.trial for f in saved.failed] == [0, 1, 2]
     assert [row["status"] for row in read_jsonl(tmp_path / "summary.jsonl")] == ["FAILED"] * 3
+
+
+def test_a_dry_run_study_plans_its_trials_and_records_nothing(tmp_path):
+    """dry_run=true: each trial's job plans its point (plan.json, the sampled value in it), exit 0, and the sweep dir
+    holds no study (a later real study there starts from trial 0); a point that fails its checks is named, exit 1."""
+    args = ["-m", "hydra/sweeper=optuna", "hydra/launcher=local", "dry_run=true", "+override=lr_cosine",
+            "override.lr.value=tag(log,interval(1e-4,3e-3))", "hydra.sweeper.n_trials=2", "hydra.sweeper.pruner=median"]  # fmt: skip
+    result = run_cli(*args, f"hydra.sweep.dir={tmp_path / 'good'}")
+    assert result.returncode == 0, result.stderr
+    assert f"dry run: 2 trials planned in {tmp_path / 'good'}; nothing trained" in result.stdout
+    assert not list((tmp_path / "good").glob("optuna.*")) and not (tmp_path / "good" / "optimization_results.yaml").exists()
+    for trial in ("0", "1"):
+        assert (tmp_path / "good" / trial / "plan.json").is_file() and not (tmp_path / "good" / trial / "metrics.jsonl").exists()
+    result = run_cli(*args, "trainer.batch_size=choice(3,5)", f"hydra.sweep.dir={tmp_path / 'bad'}")
+    assert result.returncode == 1 and "dry run: 2 of 2 trials failed their checks; nothing trained" in result.stderr, result.stderr
+    assert "config error: trainer.batch_size" in result.stdout and "Traceback" not in result.stderr
 
 
 # --- real studies -------------------------------------------------------------------------------------

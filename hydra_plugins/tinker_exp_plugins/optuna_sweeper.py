@@ -62,6 +62,7 @@ class OptunaSweeper(Sweeper):
         self.n_trials, self.n_jobs, self.seed, self.direction = n_trials, n_jobs, seed, direction
         self.n_startup_trials, self.study_name, self.storage = n_startup_trials, study_name, storage
         self.params = dict(params or {})
+        self.dry_run = False  # set from the config when the sweep starts
         self.pruner = pruner
         self.pruner_args = OmegaConf.to_container(pruner_args) if isinstance(pruner_args, DictConfig) else dict(pruner_args or {})
 
@@ -120,21 +121,24 @@ class OptunaSweeper(Sweeper):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         # The storage URL's password is not written (the sweeper's node and Hydra's record of the command line).
         (sweep_dir / "multirun.yaml").write_text(masked(OmegaConf.to_yaml(self.config)))
+        self.dry_run = bool(self.config.get("dry_run"))
         storage = self.storage or sweep_storage(sweep_dir)
         shown = masked(storage)
-        if storage.startswith("sqlite:") and not self.storage:
+        if self.dry_run:  # each trial's point planned by its job; nothing trained, so nothing for a study to keep
+            storage, shown = None, "in memory: a dry run records no trial"
+        elif storage.startswith("sqlite:") and not self.storage:
             log.info(f"a study of an earlier version: its {shown} stays its storage (a new study gets a journal file)")
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own lines say what happens
         try:
             study = optuna.create_study(
-                study_name=self.study_name, storage=open_storage(storage), direction=self.direction, load_if_exists=True,
+                study_name=self.study_name, storage=storage and open_storage(storage), direction=self.direction, load_if_exists=True,
                 pruner=self.optuna_pruner,
             )  # fmt: skip
         except Exception as e:  # SQLAlchemy's errors (no server, a bad URL) carry the URL: said once, masked
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError(f"hydra.sweeper.storage: {shown}: cannot open the study: {masked(why)[:300]}") from None
-        if self.pruner != "none":  # each job reports to its trial (number = job number) through the same storage
+        if self.pruner != "none" and not self.dry_run:  # each job reports to its trial (number = job number) through the same storage
             os.environ[STUDY_ENV] = json.dumps(
                 {"storage": storage, "study_name": self.study_name, "pruner": self.pruner, "pruner_args": self.pruner_args}
             )
@@ -154,6 +158,8 @@ class OptunaSweeper(Sweeper):
         log.info("search space: " + ", ".join(f"{k}: {d}" for k, d in space.items()))
 
         self._run_trials(study, space, fixed, shown)
+        if self.dry_run:
+            return self._end_dry_run(study, sweep_dir)
         summary = results(study, shown)
         OmegaConf.save(OmegaConf.create(summary), sweep_dir / RESULTS_FILE)
         self._write_summary(study, sweep_dir)
@@ -169,6 +175,16 @@ class OptunaSweeper(Sweeper):
             f"({summary['n_complete']} of {summary['n_trials']} trials completed); {sweep_dir / RESULTS_FILE}"
         )
         return summary
+
+    def _end_dry_run(self, study: Any, sweep_dir: Path) -> dict[str, Any]:
+        """A dry run's end: each trial's job planned its point (plan.json in its run dir), or failed it, named."""
+        failed = [t for t in study.trials if "error" in t.user_attrs]
+        for t in failed:
+            log.warning(f"failed trial {t.number} [{' '.join(t.user_attrs['overrides'])}]: {t.user_attrs['error']}")
+        if failed:
+            raise StudyFailedError(f"dry run: {len(failed)} of {len(study.trials)} trials failed their checks; nothing trained")
+        log.info(f"dry run: {len(study.trials)} trials planned in {sweep_dir}; nothing trained")
+        return {}
 
     def _at_once(self) -> int:
         """Trials kept running: n_jobs, or fewer where the launcher runs fewer at once (local: max_parallel)."""
@@ -218,6 +234,10 @@ class OptunaSweeper(Sweeper):
         """The study learns what the trial's job came to; one log line."""
         import optuna
 
+        if self.dry_run and ret.status == JobStatus.COMPLETED:  # planned: no value, and the study is in memory
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            log.info(f"trial {trial.number}: planned; {trial.user_attrs['run_dir']}")
+            return
         value, error = trial_value(ret)
         pruned_at = read_run_end(Path(trial.user_attrs["run_dir"])).get("pruned_at_step")
         if error is None and pruned_at is not None:
