@@ -215,3 +215,17 @@ def optimizer_for(override_file: str) -> list[str]:
     (sgd_one_cycle) is composed with it (optimizer=sgd); the others with the default."""
     prefix = override_file.split("_")[0]
     return [f"optimizer={prefix}"] if (CONF_DIR / "optimizer" / f"{prefix}.yaml").exists() else []
+
+
+def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `python -m tinker_exp ARGS`, in this process (faster than a subprocess, and
+    what a user's shell sees: the entry point's exit status and its lines)."""
+    import pytest
+
+    from tinker_exp.main import main
+
+    monkeypatch.setattr(sys, "argv", ["tinker_exp", *args])
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    out = capsys.readouterr()
+    return stopped.value.code, out.out, out.err

@@ -11,7 +11,7 @@ from dataclasses import fields
 
 import pytest
 
-from helpers import CONF_DIR, run_cli
+from helpers import CONF_DIR, run_cli, run_main
 from tinker_exp.config import Config, LoraConfig, TrainerConfig
 from tinker_exp.main import main
 from tinker_exp.optim.convert import OVERRIDE_KEYS
@@ -20,15 +20,6 @@ from tinker_exp.optim.schedules import PARAMS
 
 def options(group: str) -> list[str]:
     return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
-
-
-def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of `python -m tinker_exp ARGS`, in this process."""
-    monkeypatch.setattr(sys, "argv", ["tinker_exp", *args])
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    out = capsys.readouterr()
-    return stopped.value.code, out.out, out.err
 
 
 def check_one_line(code: int, out: str, err: str, line: str) -> None:

@@ -6,25 +6,15 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import pytest
 
-from tinker_exp.main import main
+from helpers import run_main
 
 BASE = ["-m", "hydra/sweeper=pbt", "hydra/launcher=local", "+override=lr_cosine", "logger=none"]
 LR = "override.lr.value=tag(log,interval(1e-4,3e-3))"
 POPULATION_ENV = "TINKER_EXP_POPULATION"  # the contract with the member side (tinker_exp.sweep.pbt.POPULATION_ENV)
 GOOD = [LR, "trainer.steps=8", "trainer.eval_every=2", "hydra.sweeper.interval=2"]
-
-
-def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of `python -m tinker_exp ARGS`, in this process."""
-    monkeypatch.setattr(sys, "argv", ["tinker_exp", *args])
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    out = capsys.readouterr()
-    return stopped.value.code, out.out, out.err
 
 
 def without(args: list[str], key: str) -> list[str]:

@@ -13,6 +13,7 @@ starts and waits for them one at a time: `SweepLauncher.start`, `wait_any`, `can
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -425,6 +426,17 @@ def ray_token(needed: bool) -> Iterator[None]:
         yield
     finally:
         os.environ.pop("RAY_AUTH_TOKEN", None)
+
+
+def job_objective(ret: JobReturn) -> tuple[float | None, str | None]:
+    """(the objective the job returned, None) for a job that completed with a finite one, else (None, why not):
+    what a study tells its trial and a population ranks its member by."""
+    if ret.status != JobStatus.COMPLETED:
+        return None, job_error(ret)
+    value = ret.return_value
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return None, f"the run returned no finite objective ({value!r})"
+    return float(value), None
 
 
 def job_error(ret: JobReturn) -> str:

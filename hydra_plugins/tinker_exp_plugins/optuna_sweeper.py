@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import warnings
 from pathlib import Path
@@ -30,7 +29,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_plugins.tinker_exp_plugins.launchers import OneAtATime, SweepLauncher, job_error, job_run_dir
+from hydra_plugins.tinker_exp_plugins.launchers import OneAtATime, SweepLauncher, job_objective, job_run_dir
 from tinker_exp.errors import ConfigError, TinkerExpError
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.jobs import JOB_FILE, read_outcome, summary_table, write_summary
@@ -238,7 +237,7 @@ class OptunaSweeper(Sweeper):
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             log.info(f"trial {trial.number}: planned; {trial.user_attrs['run_dir']}")
             return
-        value, error = trial_value(ret)
+        value, error = job_objective(ret)
         pruned_at = read_run_end(Path(trial.user_attrs["run_dir"])).get("pruned_at_step")
         if error is None and pruned_at is not None:
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # its value: the last one it reported
@@ -287,12 +286,3 @@ class OptunaSweeper(Sweeper):
         slices = write_study_report(study, sweep_dir / STUDY_REPORT, f"study {display_name(sweep_dir)}")
         log.info(f"study summary ({', '.join(str(p) for p in (summary, report, slices) if p)}):\n{summary_table(outcomes)}")
 
-
-def trial_value(ret: JobReturn) -> tuple[float | None, str | None]:
-    """(the value to tell, None) for a job that completed with a finite objective, else (None, why it failed)."""
-    if ret.status != JobStatus.COMPLETED:
-        return None, job_error(ret)
-    value = ret.return_value
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        return None, f"the run returned no finite objective ({value!r})"
-    return float(value), None

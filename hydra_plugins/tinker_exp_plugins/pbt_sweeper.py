@@ -22,12 +22,12 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
-from hydra.core.utils import JobReturn, JobStatus
+from hydra.core.utils import JobReturn
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, check_points, job_error, job_run_dir
+from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, check_points, job_objective, job_run_dir
 from tinker_exp.errors import ConfigError, TinkerExpError
 from tinker_exp.sweep.pbt import POPULATION_ENV
 
@@ -266,7 +266,7 @@ class PBTSweeper(Sweeper):
         members = []
         for member, (overrides, ret) in enumerate(zip(points, returns)):
             run_dir = job_run_dir(self.hydra_context, self.config, overrides, member)
-            value, error = member_value(ret)
+            value, error = job_objective(ret)
             ended = outcomes[member].status if member in outcomes and outcomes[member].status != "COMPLETED" else None
             start = {key.lstrip("+~"): v for key, v in starts[member].items()}
             members.append(pbt_report.read_member(member, start, run_dir, value, error, ended))
@@ -314,12 +314,3 @@ def environment(name: str, value: str) -> Iterator[None]:
         else:
             os.environ[name] = before
 
-
-def member_value(ret: JobReturn) -> tuple[float | None, str | None]:
-    """(the member's final objective, None) for a job that completed with a finite one, else (None, why not)."""
-    if ret.status != JobStatus.COMPLETED:
-        return None, job_error(ret)
-    value = ret.return_value
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        return None, f"the run returned no finite objective ({value!r})"
-    return float(value), None
