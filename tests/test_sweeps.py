@@ -205,9 +205,9 @@ def test_local_sweep_in_batches_runs_max_parallel_points_at_a_time_and_counts_on
 
 def test_a_study_trial_whose_point_is_bad_fails_without_a_job_and_the_study_goes_on(tmp_path):
     """An odd batch does not split over 2 workers: each sampled point is refused by the checks, so its trial
-    fails at once (no job, no run dir), the study runs all its batches and exits 1 with one line."""
+    fails at once (no job, no run dir), the study asks every trial and exits 1 with one line."""
     result = run_cli(
-        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", "dry_run=true",
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}",
         "trainer.batch_size=choice(3,5)", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2",
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-3000:]
