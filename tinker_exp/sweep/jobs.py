@@ -167,11 +167,16 @@ def summary_table(outcomes: Sequence[JobOutcome]) -> str:
 def write_summary(sweep_dir: Path, outcomes: Sequence[JobOutcome]) -> Path:
     """summary.md (the table, then each failure's error) and summary.jsonl (a row per job)."""
     failures = [f"- job {o.num} ({o.status}): {o.error}" for o in outcomes if not o.ok and o.error]
-    text = "```\n" + summary_table(outcomes) + "\n```\n" + ("\n" + "\n".join(failures) + "\n" if failures else "")
+    return write_summary_files(sweep_dir, summary_table(outcomes), failures, [asdict(o) for o in ranked(outcomes)])
+
+
+def write_summary_files(sweep_dir: Path, table: str, failures: Sequence[str], rows: Sequence[dict[str, Any]]) -> Path:
+    """Any sweep's summary.md (its table, then a line per failure) and summary.jsonl (`rows`, in order)."""
+    text = "```\n" + table + "\n```\n" + ("\n" + "\n".join(failures) + "\n" if failures else "")
     (sweep_dir / SUMMARY_MD).write_text(text)
     with open(sweep_dir / SUMMARY_JSONL, "w", encoding="utf-8") as f:
-        for outcome in ranked(outcomes):
-            f.write(json.dumps(asdict(outcome)) + "\n")
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
     return sweep_dir / SUMMARY_MD
 
 

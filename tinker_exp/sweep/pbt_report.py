@@ -9,14 +9,13 @@ boundary: its score, rank, the exploit it made or null, the values it went on wi
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from tinker_exp.formats import read_json, read_jsonl, text_table
-from tinker_exp.sweep.jobs import SUMMARY_JSONL, SUMMARY_MD
+from tinker_exp.sweep.jobs import write_summary_files
 from tinker_exp.sweep.report import LINE_WIDTH, BEST_LINE_WIDTH, display_name  # noqa: F401 (display_name: the sweeper's)
 
 if TYPE_CHECKING:
@@ -127,13 +126,11 @@ def table(members: Sequence[Member]) -> str:
 def write_summary(sweep_dir: Path, members: Sequence[Member]) -> Path:
     """summary.md (the table, then each failure's error) and summary.jsonl (a row per member, ranked)."""
     failures = [f"- member {m.member} ({m.status}): {m.error}" for m in members if not m.ok and m.error]
-    text = "```\n" + table(members) + "\n```\n" + ("\n" + "\n".join(failures) + "\n" if failures else "")
-    (sweep_dir / SUMMARY_MD).write_text(text)
-    with open(sweep_dir / SUMMARY_JSONL, "w", encoding="utf-8") as f:
-        for m in ranked(members):
-            row = {k: v for k, v in asdict(m).items() if k not in ("realized", "boundaries")}
-            f.write(json.dumps({**row, "n_exploits": len(m.exploits)}) + "\n")
-    return sweep_dir / SUMMARY_MD
+    rows = [
+        {**{k: v for k, v in asdict(m).items() if k not in ("realized", "boundaries")}, "n_exploits": len(m.exploits)}
+        for m in ranked(members)
+    ]
+    return write_summary_files(sweep_dir, table(members), failures, rows)
 
 
 def replay_overrides(fixed: Sequence[str], override_in_defaults: bool) -> list[str]:
