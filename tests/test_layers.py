@@ -57,3 +57,92 @@ def test_only_the_runtime_imports_verl_ray_or_torch():
     }
     assert {path: found for path, found in leaks.items() if found} == {}
     assert imported_roots(runtime / "workers.py") >= {"ray", "verl", "torch"}  # the check looks where it should
+
+
+# Each module's layer; a module may import its own layer and those below it, never one above, and no set of
+# modules may import each other in a circle (lazy, function-level imports count: they run too).
+LAYERS = [
+    ("tinker_exp", "tinker_exp.errors", "tinker_exp.formats"),  # plain helpers every layer uses
+    ("tinker_exp.optim",),  # the per-step plan: schedules, converter, checks, preview (numpy)
+    ("tinker_exp.config",),  # schema, validation, compose errors, --help (shows the plan's keys and kinds)
+    ("tinker_exp.train",),  # the loop and its protocols, sinks, checkpoints, data, start point
+    ("tinker_exp.runtime", "tinker_exp.sweep"),  # verl/Ray wiring; sweeps' member and trial sides, reports
+    ("tinker_exp.main", "tinker_exp.__main__", "tinker_exp.multinode", "tinker_exp.report", "tinker_exp.assemble"),  # entry points
+    ("hydra_plugins",),  # Hydra's launchers and sweepers, around the entry point
+]
+
+
+def layer_of(module: str) -> int:
+    ranks = [(len(prefix), rank) for rank, prefixes in enumerate(LAYERS) for prefix in prefixes
+             if module == prefix or module.startswith(prefix + ".") and prefix != "tinker_exp"]  # fmt: skip
+    assert ranks, f"{module}: in no layer of LAYERS (add it where it belongs)"
+    return max(ranks)[1]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every module of tinker_exp/ and hydra_plugins/ -> the modules of ours it imports (anywhere in it)."""
+    paths = {name: REPO / (name.replace(".", "/") + ".py") for name in modules("tinker_exp") + modules("hydra_plugins.tinker_exp_plugins")}
+    paths = {name: path if path.exists() else path.with_suffix("") / "__init__.py" for name, path in paths.items()}
+
+    def ours(name: str) -> str | None:  # the module a dotted name lands in (a package's __init__ for a package)
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in paths.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {ours(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(ours(node.module))
+                found |= {ours(f"{node.module}.{alias.name}") for alias in node.names if f"{node.module}.{alias.name}" in paths}
+        graph[name] = found - {None, name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circles_and_no_upward_imports():
+    graph = import_graph()
+    assert len(graph) > 50 and graph["tinker_exp.main"] >= {"tinker_exp.train.loop", "tinker_exp.config"}  # it looks
+    assert circles(graph) == []
+    upward = sorted(f"{name} -> {other}" for name, found in graph.items() for other in found if layer_of(other) > layer_of(name))
+    assert upward == []
+
+
+def test_the_import_check_finds_a_circle_and_an_upward_import():
+    """The checks themselves, on a made-up graph: optim importing sweep is upward, and a 3-module circle is one."""
+    made_up = {"tinker_exp.optim.preview": {"tinker_exp.sweep.report"}, "tinker_exp.sweep.report": {"tinker_exp.train.loop"},
+               "tinker_exp.train.loop": {"tinker_exp.optim.preview"}}  # fmt: skip
+    assert circles(made_up) == [sorted(made_up)]
+    assert layer_of("tinker_exp.sweep.report") > layer_of("tinker_exp.optim.preview")
+    assert layer_of("tinker_exp.runtime.ray_cluster") < layer_of("tinker_exp.main")

@@ -1,4 +1,5 @@
-"""Plain-text formats shared by runs and sweeps: JSON files, JSONL rows and right-aligned tables. Pure Python."""
+"""Plain-text formats shared by runs and sweeps: JSON files, JSONL rows, right-aligned tables and run dirs' names.
+Pure Python."""
 
 from __future__ import annotations
 
@@ -11,6 +12,15 @@ from typing import Any
 def masked(text: str) -> str:
     """Text as printed and saved: the password of every URL in it (a study's database) replaced by ***."""
     return re.sub(r"(://[^:/@\s]*):[^/\s]*@", r"\1:***@", text)
+
+
+def display_name(path: Path) -> str:
+    """A run or sweep dir as a person names it: below outputs/ (runs/DATE/TIME, sweeps/DATE/TIME/3), else its name."""
+    parts = Path(path).resolve().parts
+    if "outputs" in parts[:-1]:
+        last = len(parts) - 1 - parts[::-1].index("outputs")
+        return "/".join(parts[last + 1 :])
+    return Path(path).name
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

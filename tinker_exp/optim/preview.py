@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tinker_exp.formats import text_table
+from tinker_exp.formats import display_name, text_table
 from tinker_exp.optim.convert import flat_values
 from tinker_exp.optim.plan import Plan, override_config, plan_for
 from tinker_exp.optim.schedules import Schedule
@@ -248,7 +248,6 @@ def draw_plan(plan: Plan, parts: list[Part]) -> Any:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    from tinker_exp.sweep.report import display_name  # how every picture names a run dir
 
     trunks = [(part, _trunk_plan(part.run_dir)) for part in parts[:-1]]
     first = parts[-1].first  # the branch's own part: from its branch step on (0: a run from step 0)

@@ -4,7 +4,7 @@ allocation of several nodes (:func:`run_on_allocation`), whose nodes the driver 
 Over an allocation, every task of the job (one per node) calls :func:`run_on_allocation`: task 0 starts the Ray head in its
 allocation and runs the tinker_exp driver, which joins it; each other task starts a Ray node that joins the
 head and blocks until the driver is done (the head gone), then exits. Used by `launchers/slurm_multinode.sbatch`
-(`srun python -m tinker_exp.runtime.ray_cluster OVERRIDES`) and by a multi-node sweep point (the submitit
+(`srun python -m tinker_exp.multinode OVERRIDES`, which hands it the driver) and by a multi-node sweep point (the submitit
 launchers run their job function once per task).
 
 Each Ray node takes the CPUs and GPUs Slurm gave its task (`--num-cpus`, `--num-gpus`), so Ray places as many
@@ -262,26 +262,3 @@ def ray_node(allocation: Allocation, rendezvous: Path) -> None:
         if missed < HEAD_GONE_CHECKS and answers(head):  # this node died under a running head: the task fails
             raise RuntimeError(f"the Ray node on {allocation.node} exited ({process.returncode}) while the head at {head} runs")
     print(f"tinker_exp multinode: node {allocation.node}: the Ray head is gone; this node stopped", flush=True)
-
-
-def main() -> None:
-    """`srun python -m tinker_exp.runtime.ray_cluster OVERRIDES` (launchers/slurm_multinode.sbatch): one task a
-    node; task 0 runs `python -m tinker_exp backend.nodes=<nodes> OVERRIDES` in the cluster."""
-    allocation = Allocation.from_env()
-    rendezvous = Path(os.environ.get(RENDEZVOUS_ENV) or Path.cwd() / "outputs" / ".ray")
-
-    def driver() -> int:
-        from tinker_exp.main import main as tinker_exp_main
-
-        sys.argv = ["tinker_exp", f"backend.nodes={allocation.nodes}", *sys.argv[1:]]
-        try:
-            tinker_exp_main()
-        except SystemExit as stop:
-            return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        return 0
-
-    sys.exit(run_on_allocation(driver, rendezvous) or 0)
-
-
-if __name__ == "__main__":
-    main()

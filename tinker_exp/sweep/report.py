@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from tinker_exp.formats import read_json, read_jsonl
+from tinker_exp.formats import display_name, read_json, read_jsonl
 
 if TYPE_CHECKING:  # imported when a report is drawn: Hydra imports this module with its plugins at every start
     from matplotlib.figure import Figure
@@ -32,15 +32,6 @@ STUDY_REPORT = "study.png"  # a study's objective against each searched paramete
 IDENTITY_KEYS = ("logger.run_name", "logger.group")
 LINE_WIDTH, BEST_LINE_WIDTH = 1.0, 2.8
 LEGEND_BESIDE = 60  # labels up to this many characters: the legend beside the plot, longer ones below it
-
-
-def display_name(path: Path) -> str:
-    """A run or sweep dir as a person names it: below outputs/ (runs/DATE/TIME, sweeps/DATE/TIME/3), else its name."""
-    parts = Path(path).resolve().parts
-    if "outputs" in parts[:-1]:
-        last = len(parts) - 1 - parts[::-1].index("outputs")
-        return "/".join(parts[last + 1 :])
-    return Path(path).name
 
 
 def title_name(run_dir: Path) -> str:
