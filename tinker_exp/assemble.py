@@ -2,8 +2,7 @@
 checkpointer, each built from the config (and the job's environment). `main.train_run` calls these in order, so
 neither it nor the loop names a judge, a sink or a batch source.
 
-Importing this module is cheap: torch, verl and ray (tinker_exp/runtime/) are imported inside the functions that
-start them.
+torch, verl and ray (tinker_exp/runtime/) are imported inside the functions that start them.
 """
 
 from __future__ import annotations
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from tinker_exp.config import Config
+from tinker_exp.sweep.pbt import Member
+from tinker_exp.sweep.study import TrialReport
 from tinker_exp.train.checkpoints import Checkpointer, check_checkpoint_device
 from tinker_exp.train.data import DataFileBatches, Row, eval_batches
 from tinker_exp.train.early_stop import EarlyStop
@@ -36,23 +37,20 @@ StartWorkers = Callable[[Config, "Plan", Path, Path], Workers]
 """(config, plan, model dir, run dir) -> the worker group, starting (its `ready()` waits for it)."""
 
 
-def judges(cfg: Config, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> list[Judge]:
-    """The judges of this run (train/judges.py), in the order the loop asks them: a study's pruner before early stop
-    (a pruned run's early stop counts no evaluation), a population's member last. A member's config error stops the
-    run here, before any worker. A new judge: its own module, and one line in this list."""
-    from tinker_exp.sweep.pbt import Member
-    from tinker_exp.sweep.study import TrialReport
+JUDGES: list[Callable[[Config, Path, "int | None", dict[str, Any]], "Judge | None"]] = [
+    TrialReport.for_run,  # a pruning study's trial: its prune is the stop that counts (early stop is not asked then)
+    EarlyStop.for_run,  # trainer.early_stop
+    Member.for_run,  # a population's member: decides after the checkpoint of each of its boundaries
+]
+"""Every kind of judge (train/judges.py), in the order the loop asks them. Each builds itself from (config, run dir,
+the sweep job's number, the W&B config), or is None when the run has none of it. A new judge: its own module, and
+one line here."""
 
-    metric, early = objective_metric(cfg), cfg.trainer.early_stop
-    member = Member.from_environment(cfg, run_dir, job_number, metric)  # None unless in a population
-    if member is not None:
-        member.configure_run(cfg, wandb_config)
-    found = [
-        TrialReport.from_environment(metric, job_number),  # None unless a pruning study launched this job
-        EarlyStop(metric, early.patience, early.min_delta) if early.patience else None,
-        member,
-    ]
-    return [judge for judge in found if judge is not None]
+
+def judges(cfg: Config, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> list[Judge]:
+    """This run's judges. A judge's bad config stops the run here, before any worker starts."""
+    built = (make(cfg, run_dir, job_number, wandb_config) for make in JUDGES)
+    return [judge for judge in built if judge is not None]
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from tinker_exp.errors import ConfigError
 from tinker_exp.formats import read_json, read_jsonl
 from tinker_exp.train.judges import Decision, Judge, continue_from
+from tinker_exp.train.objective import has_validation, objective_metric
 
 if TYPE_CHECKING:
     from tinker_exp.train.protocols import TableSink
@@ -439,7 +440,6 @@ class Member(Judge):
         if population is None or number is None:
             return None
         from tinker_exp.optim.convert import plain
-        from tinker_exp.train.objective import has_validation
 
         every, interval = cfg.trainer.eval_every, population.interval
         if not has_validation(cfg) or (every and interval % every) or cfg.trainer.steps < 2 * interval:
@@ -450,11 +450,15 @@ class Member(Judge):
 
         return cls(population, number, run_dir, plain(cfg.override) or {}, cfg.optimizer, cfg.trainer.steps, metric)
 
-    def configure_run(self, cfg: Any, wandb_config: dict[str, Any]) -> None:
-        """What being a member changes in its run: every boundary checkpoint stays (other members may load it), as
-        any the user keeps; W&B's config names the member and its board."""
-        cfg.checkpoint.keep_every = math.gcd(cfg.checkpoint.keep_every, self.population.interval)
-        wandb_config.update({"population.member": self.number, "population.board": str(self.population.board)})
+    @classmethod
+    def for_run(cls, cfg: Any, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> "Member | None":
+        """The member this job is, with what being one changes in its run: every boundary checkpoint stays (other
+        members may load it), as any the user keeps; W&B's config names the member and its board."""
+        member = cls.from_environment(cfg, run_dir, job_number, objective_metric(cfg))
+        if member is not None:
+            cfg.checkpoint.keep_every = math.gcd(cfg.checkpoint.keep_every, member.population.interval)
+            wandb_config.update({"population.member": member.number, "population.board": str(member.population.board)})
+        return member
 
     def build(self, values: Mapping[str, Any]) -> Any:
         from tinker_exp.optim import build_plan

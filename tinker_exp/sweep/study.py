@@ -27,7 +27,7 @@ from optuna.trial import FrozenTrial, TrialState
 from tinker_exp.errors import ConfigError
 from tinker_exp.formats import masked  # noqa: F401 (the sweeper's and the tests' name for it)
 from tinker_exp.train.judges import GO_ON, Decision, Judge, stop
-from tinker_exp.train.objective import read_objective, read_run_end
+from tinker_exp.train.objective import objective_metric, read_objective, read_run_end
 
 RESULTS_FILE = "optimization_results.yaml"
 JOURNAL_FILE = "optuna.journal"  # the default storage: Optuna's journal, safe for writers on several nodes
@@ -270,6 +270,10 @@ class TrialReport(Judge):
             return None
         told = json.loads(environ[STUDY_ENV])
         return cls(metric, told["storage"], told["study_name"], number, told["pruner"], told.get("pruner_args", {}))
+
+    @classmethod
+    def for_run(cls, cfg: Any, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> "TrialReport | None":
+        return cls.from_environment(objective_metric(cfg), job_number)
 
     def evaluated(self, steps_done: int, row: Mapping[str, Any]) -> Decision:
         if not self.seen(steps_done, row):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Mapping
 
 from tinker_exp.config import Config
 from tinker_exp.errors import ConfigError
 from tinker_exp.train.judges import GO_ON, Decision, Judge, stop
-from tinker_exp.train.objective import has_validation
+from tinker_exp.train.objective import has_validation, objective_metric
 from tinker_exp.train.start import StartPoint
 
 STATE = "watch"
@@ -34,6 +35,11 @@ class EarlyStop(Judge):
         self.best: float | None = None
         self.best_step: int | None = None
         self.stale = 0
+
+    @classmethod
+    def for_run(cls, cfg: Config, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> "EarlyStop | None":
+        early = cfg.trainer.early_stop
+        return cls(objective_metric(cfg), early.patience, early.min_delta) if early.patience else None
 
     def begin(self, start: StartPoint) -> Decision:
         state = start.loop_state.get(STATE) or {}

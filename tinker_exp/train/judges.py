@@ -14,8 +14,9 @@ order). The loop holds a list of judges and calls, for every judge, in the list'
     end(sink)                       after the last step, or a stop (log lines, W&B tables)
 
 Each answer is one Decision: go on, stop here, or load a checkpoint and continue with a plan. A judge subclasses
-`Judge` and overrides only the hooks it needs. The judges of a run are built in one place
-(tinker_exp/assemble.py: `judges`); adding one is its own module and one line there. Pure Python.
+`Judge`, overrides only the hooks it needs, and builds itself for a run with a classmethod
+`for_run(cfg, run_dir, job_number, wandb_config)` (None: not in this run). tinker_exp/assemble.py `JUDGES` lists
+them all: adding a judge is its own module and one line there. Pure Python.
 """
 
 from __future__ import annotations
