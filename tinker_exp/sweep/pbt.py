@@ -417,9 +417,9 @@ def _short(value: Any) -> str:
 
 class Member(Judge):
     """One member of a population inside its job, a judge of the loop: it wants a checkpoint at each boundary (an
-    evaluation step), then posts it and decides (`boundary`): carry on, or load a donor's checkpoint with a new plan.
-    Before the first step a restarted member takes back its values and plan (`resume`); after the last it writes its
-    realized schedule (`finish`). Its values live here; each plan is built by the same converter and checks as any
+    evaluation step), then posts it and decides (`saved`): carry on, or load a donor's checkpoint with a new plan.
+    Before the first step a restarted member takes back its values and plan (`begin`); after the last it writes its
+    realized schedule (`end`). Its values live here; each plan is built by the same converter and checks as any
     override."""
 
     def __init__(self, population: Population, number: int, run_dir: Path, override: Mapping[str, Any],
@@ -465,25 +465,13 @@ class Member(Judge):
 
         return build_plan(with_values(self.override, values), self.optimizer_cfg, self.total_steps)
 
-    def due(self, steps_done: int) -> bool:
+    def wants_checkpoint(self, steps_done: int) -> bool:
+        """At its boundaries."""
         return self.population.is_boundary(steps_done, self.total_steps)
 
-    def begin(self, start: StartPoint) -> Decision:
-        return self.resume(start.step, start.checkpoint.path if start.kind == "resume" and start.checkpoint else None)
-
-    def wants_checkpoint(self, steps_done: int) -> bool:
-        return self.due(steps_done)
-
     def saved(self, steps_done: int, row: Mapping[str, Any], checkpoint: Path) -> Decision:
-        return self.boundary(steps_done, row, checkpoint)
-
-    def end(self, sink: TableSink) -> None:
-        log.info(f"population: {len(self.exploits())} exploit(s); the realized schedule: {self.finish()}")
-        sink.attach_table("population/exploits", ["step", "donor", "donor step", "values"], self.exploits())
-
-    def boundary(self, steps_done: int, row: Mapping[str, Any], checkpoint: Path) -> Decision:
-        """Post the score with the checkpoint saved at this step, decide, and on an exploit explore the donor's values
-        into a new plan; records the row of population.jsonl and override/realized.yaml. One log line."""
+        """At a boundary: post the score with the checkpoint saved at this step, decide, and on an exploit explore the
+        donor's values into a new plan; records the row of population.jsonl and override/realized.yaml. One log line."""
         score = float(row[self.metric])
         post(self.population.board, self.number, steps_done, score, checkpoint, self.values)
         decision = decide(self.population, self.number, steps_done, posts_at(self.population.board, steps_done))
@@ -521,10 +509,11 @@ class Member(Judge):
                 log.info(f"explore: {e}; {key or 'the first key'} keeps the donor's value")
         raise AssertionError("the donor's own values must give a valid plan")
 
-    def resume(self, step: int, own_checkpoint: Path | None) -> Decision:
-        """A member restarted at `step` (its newest checkpoint; 0: none): the values and plan population.jsonl says it
-        had, and the donor's checkpoint when it exploited at that very step (its own there is from before). A boundary
-        saved but never decided (killed in between) is decided now."""
+    def begin(self, start: StartPoint) -> Decision:
+        """A member restarted at its newest checkpoint: the values and plan population.jsonl says it had there, and the
+        donor's checkpoint when it exploited at that very step (its own there is from before). A boundary saved but
+        never decided (killed in between) is decided now."""
+        step, own_checkpoint = start.step, start.checkpoint.path if start.kind == "resume" and start.checkpoint else None
         if step == 0 or own_checkpoint is None:
             return continue_from(self.plan)
         from tinker_exp.train.sinks import keep_rows_before
@@ -542,14 +531,16 @@ class Member(Judge):
                 return continue_from(self.plan)
             loop_state = read_json(Path(exploit["checkpoint"]) / "loop.json") or {}
             return continue_from(self.plan, Path(exploit["checkpoint"]), loop_state.get("nonfinite_steps"))
-        if self.due(step):
+        if self.wants_checkpoint(step):
             last = [r for r in read_jsonl(self.run_dir / METRICS) if r["train/step"] == step - 1]
             if last and self.metric in last[-1]:
-                return self.boundary(step, last[-1], own_checkpoint)
+                return self.saved(step, last[-1], own_checkpoint)
         return continue_from(self.plan)
 
-    def finish(self) -> Path:
-        return write_realized(self.run_dir)
+    def end(self, sink: TableSink) -> None:
+        """The realized schedule (override/realized.yaml) and W&B's table of exploits."""
+        log.info(f"population: {len(self.exploits())} exploit(s); the realized schedule: {write_realized(self.run_dir)}")
+        sink.attach_table("population/exploits", ["step", "donor", "donor step", "values"], self.exploits())
 
     def exploits(self) -> list[list[Any]]:
         """[step, donor, donor step, values] of every exploit (W&B's population/exploits table)."""
