@@ -155,7 +155,8 @@ def interleaved(overrides: list[str], spec: dict, tmp: Path) -> tuple[list[float
     from hydra import compose, initialize_config_dir
 
     from tinker_exp import config
-    from tinker_exp.main import run, verl_workers
+    from tinker_exp.assemble import verl_workers
+    from tinker_exp.main import run
 
     ray.init(address="local", num_cpus=2 * spec["num_workers"], runtime_env={"env_vars": spec["env"]},
              include_dashboard=False, configure_logging=False)  # fmt: skip

@@ -12,10 +12,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import tinker_exp.assemble  # noqa: E402
 import tinker_exp.main  # noqa: E402
 from fakes import fake_workers  # noqa: E402
 
 gate = (int(os.environ["FAKE_GATE_STEP"]), Path(os.environ["FAKE_GATE_FILE"])) if "FAKE_GATE_FILE" in os.environ else None
 drift_at = int(os.environ["FAKE_DRIFT_AT"]) if "FAKE_DRIFT_AT" in os.environ else None
-tinker_exp.main.verl_workers = fake_workers(gate=gate, drift_at=drift_at)
+tinker_exp.assemble.verl_workers = fake_workers(gate=gate, drift_at=drift_at)
 tinker_exp.main.main()

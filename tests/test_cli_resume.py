@@ -55,6 +55,45 @@ def test_resume_never_on_a_run_dir_with_checkpoints_exits_2_and_overwrites_nothi
     assert files(finished_run) == before
 
 
+def every_file(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def refusals(run_dir: Path, bad_rows: Path) -> dict[str, tuple[list[str], str]]:
+    """Commands refused before any worker starts, each with the start of its one line."""
+    same = ["trainer.steps=4", "checkpoint.every_steps=2", "logger=none"]  # finished_run's config
+    return {
+        "bad value": ([*same, "+override.lr=-1"], "config error: override.lr: must be >= 0, got -1"),
+        "another config": ([*same, "trainer.seed=3"], f"config error: {run_dir} holds a run of another config (trainer.seed: 0 -> 3)"),
+        "bad data path": ([*same, "data.path=/nonexistent.jsonl"], "config error: data.path: "),
+        "bad row": ([*same, f"data.path={bad_rows}"], f"config error: data.path: {bad_rows}:2: "),
+    }
+
+
+def test_a_refused_command_writes_nothing_into_a_finished_run_dir(finished_run, tmp_path):
+    """Not .hydra/, job.json or a log line either: every file's bytes and the list of files stay as they were."""
+    bad_rows = tmp_path / "bad.jsonl"
+    bad_rows.write_text('{"prompt": "a", "response": "b"}\n{"prompt": 1}\n')
+    for what, (args, line) in refusals(finished_run, bad_rows).items():
+        before = every_file(finished_run)
+        assert ".hydra/overrides.yaml" in before and "job.json" in before
+        result = run_cli(*args, f"hydra.run.dir={finished_run}")
+        assert result.returncode == 2, (what, result.stderr[-3000:])
+        (said,) = result.stderr.strip().splitlines()
+        assert said.startswith(f"tinker_exp: {line}"), (what, said)
+        assert every_file(finished_run) == before, what
+
+
+def test_a_refused_command_leaves_no_run_dir(tmp_path):
+    """resume=must in a fresh dir, a bad value, a bad data path: the run dir Hydra made for the command goes again."""
+    for what, args in {"resume=must": ["resume=must"], "bad value": ["+override.lr=-1"], "bad data path": ["data.path=/nonexistent.jsonl"]}.items():
+        run_dir = tmp_path / what.replace(" ", "_")
+        result = run_cli(*args, "logger=none", f"hydra.run.dir={run_dir}")
+        assert result.returncode == 2, (what, result.stderr[-3000:])
+        assert not run_dir.exists(), (what, sorted(p.name for p in run_dir.iterdir()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_resume_must_without_a_checkpoint_exits_2(tmp_path):
     result = run_cli("resume=must", "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2, result.stderr

@@ -16,9 +16,13 @@ import pytest
 
 from fakes import FakeWorkers, fake_workers
 from helpers import REPO, compose, environment, metrics_rows, planned, read_jsonl, wait_until, wandb_finished_records, wandb_history, wandb_train_rows
-from tinker_exp import config
+from tinker_exp import assemble, config
 from tinker_exp.errors import ConfigError, NonFiniteError
 from tinker_exp.main import run, validate
+from tinker_exp.train.data import DataFileBatches
+from tinker_exp.train.judges import GO_ON, Judge, stop
+from tinker_exp.train.objective import objective_metric
+from tinker_exp.train.protocols import Batch
 from tinker_exp.train.sinks import JsonlSink, Sinks, WandbSink, wandb_run_config
 
 OPTIMIZER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
@@ -137,6 +141,73 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_says_so(
     assert message.endswith("falling back to step_00000004")
     assert start.started[0].calls[0]["lr"] == planned(tmp_path, "lr")[4]  # resumed at step 4
     assert [row["train/step"] for row in metrics_rows(tmp_path)] == list(range(12))
+
+
+class ObjectiveReaches(Judge):
+    """A judge of the test's own: stops the run at the first evaluation whose objective is at or below `target`."""
+
+    def __init__(self, metric: str, target: float):
+        self.metric, self.target = metric, target
+
+    def evaluated(self, steps_done, row):
+        if row.get(self.metric, float("inf")) > self.target:
+            return GO_ON
+        return stop(f"{self.metric} reached {self.target} at step {steps_done}", early_stopped=True, target_reached=True)
+
+
+def test_a_judge_of_ones_own_stops_the_run_at_the_evaluation_that_reaches_its_target(tmp_path, monkeypatch, caplog):
+    """Registered with one line (assemble.JUDGES); the loop stops after the checkpoint at that step, whose loop state
+    records the judge's stop, and the same command again finds the run complete."""
+    common = ["trainer.steps=10", "trainer.eval_every=2", "checkpoint.every_steps=4", "checkpoint.keep_last=0", "logger=none"]
+    run(compose(*common), tmp_path / "whole", start_workers=fake_workers())
+    val = {row["train/step"] + 1: row["val/loss"] for row in metrics_rows(tmp_path / "whole") if "val/loss" in row}
+    assert list(val) == [2, 4, 6, 8, 10] and sorted(val.values(), reverse=True) == list(val.values())  # falling
+    target = (val[4] + val[6]) / 2  # first reached at step 6
+    monkeypatch.setattr(assemble, "JUDGES", [*assemble.JUDGES, lambda cfg, *_: ObjectiveReaches(objective_metric(cfg), target)])
+    caplog.set_level("INFO", logger="tinker_exp")
+    run_dir, start = tmp_path / "judged", fake_workers()
+    run(compose(*common), run_dir, start_workers=start)
+    assert [row["train/step"] for row in metrics_rows(run_dir)] == list(range(6))
+    assert start.started[0].saved == [4, 6]
+    state = json.loads((run_dir / "checkpoints" / "step_00000006" / "loop.json").read_text())
+    assert state == {"step": 6, "seed": 0, "device": "cpu", "nonfinite_steps": 0, "early_stopped": True, "target_reached": True}
+    assert f"val/loss reached {target} at step 6" in caplog.messages
+    again = fake_workers()
+    run(compose(*common), run_dir, start_workers=again)
+    assert again.started == [] and f"run complete: {run_dir} is done at step 6 (it stopped early;" in caplog.text
+
+
+class MeasuredBatches:
+    """The data file's batches as a source with a measured value and a state, as an RL sampler would have them."""
+
+    restored: list[dict] = []
+
+    def __init__(self, *args):
+        self.data, self.served = DataFileBatches(*args), 0
+
+    def batch(self, step):
+        self.served += 1
+        return Batch(self.data.batch(step).examples, {"batch/served": self.served})
+
+    def state(self):
+        return {"served": self.served}
+
+    def restore(self, state):
+        MeasuredBatches.restored.append(dict(state))
+        self.served = state.get("served", 0)
+
+
+def test_a_batch_sources_values_join_the_rows_and_its_state_is_in_every_checkpoint_and_handed_back_on_resume(tmp_path, monkeypatch):
+    monkeypatch.setattr(assemble, "DataFileBatches", MeasuredBatches)
+    monkeypatch.setattr(MeasuredBatches, "restored", [])
+    common = ["trainer.steps=10", "checkpoint.every_steps=4", "checkpoint.keep_last=0", "logger=none"]
+    with pytest.raises(RuntimeError, match="killed"):
+        run(compose(*common), tmp_path, start_workers=lambda cfg, plan, *_: CrashesAt(plan.optimizer_values))
+    run(compose(*common), tmp_path, start_workers=fake_workers())
+    assert MeasuredBatches.restored == [{}, {"served": 4}]
+    assert [row["batch/served"] for row in metrics_rows(tmp_path)] == list(range(1, 11))  # steps 4, 5 again: counted on
+    loop_state = lambda step: json.loads((tmp_path / "checkpoints" / f"step_{step:08d}" / "loop.json").read_text())  # noqa: E731
+    assert [loop_state(step)["batch_source"] for step in (4, 8, 10)] == [{"served": 4}, {"served": 8}, {"served": 10}]
 
 
 def test_resume_never_refuses_a_run_dir_with_checkpoints_and_overwrites_nothing(tmp_path):

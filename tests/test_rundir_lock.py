@@ -284,6 +284,7 @@ def test_a_requeued_slurm_job_takes_over_its_earlier_starts_fresh_lock(tmp_path)
 
 def test_the_lock_is_released_after_a_failed_run_and_after_sigterm(tmp_path):
     run_dir, gate = tmp_path / "run", tmp_path / "go"
+    run_dir.mkdir()  # there before the command (a dir made for a refused command is removed: test_cli_resume)
     failed = run_cli("resume=must", "dry_run=true", f"hydra.run.dir={run_dir}", env=NO_SLURM)
     assert failed.returncode == 2 and "resume=must, but there is no checkpoint" in failed.stderr, failed.stderr
     assert run_dir.exists() and not (run_dir / LOCK_FILE).exists()

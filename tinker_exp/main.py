@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
-import os
 import sys
+import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf, read_write
@@ -23,20 +22,19 @@ from tinker_exp.config.compose_errors import one_line_compose_errors
 from tinker_exp.errors import STOPS, Terminated, TinkerExpError, one_line
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
 from tinker_exp.formats import masked, read_jsonl
-from tinker_exp.train.checkpoints import check_checkpoint_device, resume_point
+from tinker_exp.train.checkpoints import resume_point
 from tinker_exp.train.data import Row, dataset_rows
-from tinker_exp.train.objective import Watch, check_early_stop, objective_metric, objective_value, write_objective
-from tinker_exp.train.protocols import Workers
+from tinker_exp.train.early_stop import check_early_stop
+from tinker_exp.train.objective import objective_metric, objective_value, write_objective
 from tinker_exp.train.rundir_lock import RunDirLock
 from tinker_exp.train.signals import as_stop, sigterm_raises
 from tinker_exp.train.start import SAVED_CONFIG, StartPoint, start_point
 
 if TYPE_CHECKING:  # the plan (numpy) is imported once a plan is built: --help, --cfg, compose errors stay at Hydra's cost
+    from tinker_exp.assemble import StartWorkers
     from tinker_exp.optim import Plan
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-WORKERS_LOG = "workers.log"
-"""In the run dir: everything the workers print (verl, torch, Ray), complete."""
 ADAPTER = "adapter"
 """In the run dir, with LoRA: the trained adapter in peft's format, written after the last step."""
 log = logging.getLogger(__name__)
@@ -83,50 +81,33 @@ def write_plan(plan: Plan, run_dir: Path, steps: list[int], lineage: dict[str, A
     return run_dir / PLAN_FILE
 
 
-StartWorkers = Callable[[Config, "Plan", Path, Path], Workers]
-"""(config, plan, model dir, run dir) -> the worker group, starting (its `ready()` waits for it)."""
-
-
-def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choice: Any = None) -> Workers:
-    """verl's Tinker workers on a Ray worker group; what they print goes to the run dir's workers.log.
-    `choice`: the resolved device (runtime.device.DeviceChoice; None: resolved here)."""
-    from tinker_exp.runtime.device import resolve
-    from tinker_exp.runtime.worker_output import WorkerOutput
-    from tinker_exp.runtime.workers import TinkerWorkers
-
-    return TinkerWorkers(
-        cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values,
-        choice or resolve(cfg.backend), WorkerOutput(run_dir / WORKERS_LOG, echo=cfg.verbose), cfg.lora,
-    )  # fmt: skip
-
-
 def run(
     dcfg: DictConfig,
     run_dir: Path,
     choices: dict[str, Any] | None = None,
     job: dict[str, Any] | None = None,
     start_workers: StartWorkers | None = None,
+    hydra_files: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Validate, then train; returns the last metrics row ({} for a dry run). `job`: who runs it (job.json).
+    """Validate, then train; returns the last metrics row ({} for a dry run). `job`: who runs it (job.json);
+    `hydra_files`: Hydra's record of the command (.hydra/). Nothing is written into the run dir before the config,
+    its data and its start point are accepted.
 
     `start_workers`: None for verl's workers on Ray (tests pass a fake for bookkeeping checks)."""
-    write_job_info(run_dir, job or job_info(None, []))
     cfg = config.load(dcfg)
     plan = validate(cfg)
     rows = checked_rows(cfg)
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     start = start_point(cfg, resolved, run_dir)  # resume or branch: checked against its config, before any worker
+    write_hydra_files(run_dir, hydra_files or {})  # accepted: from here on the run dir records this command
+    write_job_info(run_dir, {**(job or job_info(None, [])), **({"branch": start.lineage} if start.lineage else {})})
     if start.kind != "start":
         log.info(start.describe())
-    if start.lineage:
-        write_job_info(run_dir, {**(job or job_info(None, [])), "branch": start.lineage})
     if start.complete:
-        state = start.loop_state
-        why = "it was pruned" if state.get("pruned") else "it stopped early" if state.get("early_stopped") else f"trainer.steps={cfg.trainer.steps}"
-        log.info(f"run complete: {run_dir} is done at step {start.step} ({why}; {start.checkpoint.path}); nothing to train")
-        logged = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-        return logged[-1] if logged else {}
+        return completed_run(start, run_dir, cfg.trainer.steps)
     if not cfg.dry_run:
+        from tinker_exp.assemble import WORKERS_LOG
+
         log.info(f"worker output: {run_dir / WORKERS_LOG}" + ("" if cfg.verbose else " (verbose=true shows it here too)"))
     log.info(describe(plan, cfg.plan_steps))
     plan_file = write_plan(plan, run_dir, cfg.plan_steps, start.lineage)
@@ -145,6 +126,15 @@ def run(
     return train_run(cfg, plan, rows, start, run_dir, wandb_config, start_workers, (job or {}).get("num"))
 
 
+def completed_run(start: StartPoint, run_dir: Path, steps: int) -> dict[str, Any]:
+    """A rerun of a run that is done: says why and starts nothing; returns its last metrics row."""
+    state = start.loop_state
+    why = "it was pruned" if state.get("pruned") else "it stopped early" if state.get("early_stopped") else f"trainer.steps={steps}"
+    log.info(f"run complete: {run_dir} is done at step {start.step} ({why}; {start.checkpoint.path}); nothing to train")
+    logged = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    return logged[-1] if logged else {}
+
+
 def train_run(
     cfg: Config,
     plan: Plan,
@@ -153,90 +143,28 @@ def train_run(
     run_dir: Path,
     wandb_config: dict[str, Any],
     start_workers: StartWorkers | None,
-    trial_number: int | None = None,
+    job_number: int | None = None,
 ) -> dict[str, Any]:
-    """Sinks, workers, the loop; `trial_number`: a sweep job's number, its trial when its study prunes. the workers are freed and the sinks closed however the run ends.
+    """Judges, inputs, sinks, workers, the loop (tinker_exp/assemble.py builds each); the workers are freed and the
+    sinks closed however the run ends. `job_number`: a sweep job's (its trial, or its member).
 
-    Everything that can stop the run (device, checkpoint, model, LoRA targets, data) is checked before any
-    worker starts; the driver's remaining start-up (the plan's plot, W&B) then runs while the workers build
+    Everything that can stop the run (a member's config, device, checkpoint, model, LoRA targets, data) is checked
+    before any worker starts; the driver's remaining start-up (the plan's plot, W&B) then runs while the workers build
     their models."""
-    from tinker_exp.optim.preview import plan_table, plot_plan
-    from tinker_exp.runtime.device import resolve
-    from tinker_exp.runtime.inputs import load_examples, model_dir
+    from tinker_exp import assemble
     from tinker_exp.sweep.report import REPORT, title_name, write_report
-    from tinker_exp.train.checkpoints import Checkpointer, restore
-    from tinker_exp.train.data import batch_for_step, eval_batches
-    from tinker_exp.train.evaluation import Evaluation
     from tinker_exp.train.loop import train
-    from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, StartingSink, WandbSink, wandb_environment
-    from tinker_exp.sweep.pbt import Member
-    from tinker_exp.sweep.study import TrialReport
 
-    trainer, data = cfg.trainer, cfg.data
-    member = Member.from_environment(cfg, run_dir, trial_number, objective_metric(cfg))  # None unless in a population
-    if member is not None:  # every boundary checkpoint stays (other members may load it), and any the user keeps
-        cfg.checkpoint.keep_every = math.gcd(cfg.checkpoint.keep_every, member.population.interval)
-        wandb_config.update({"population.member": trial_number, "population.board": str(member.population.board)})
-    choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
-    log.info(f"device: {choice.describe()}")
-    if start.checkpoint is not None:
-        check_checkpoint_device(start.checkpoint, choice.device)
-    model_path = model_dir(cfg.model)  # on disk before any worker builds it
-    if cfg.lora.rank:
-        from tinker_exp.runtime import lora
-
-        log.info(f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}: {lora.check(cfg.lora, model_path)}")
-    train_set, val_set = load_examples(data, model_path, *rows)  # a data error stops the run here, before any worker
-    log.info(f"data: training {train_set.describe(data)}" + (f"; validation {val_set.describe(data)}" if rows[1] else ""))
-    examples, val_examples = train_set.examples, val_set.examples
-    evaluation = None
-    if val_examples:
-        evaluation = Evaluation(eval_batches(val_examples, trainer.batch_size), trainer.eval_every, trainer.steps)
-
-    def batch_for(step: int) -> list:
-        return batch_for_step(examples, step, trainer.batch_size, trainer.seed, data.shuffle)
-
-    if cfg.logger.name.value == "wandb":  # before the workers start: they inherit it (offline stays offline)
-        os.environ.update(wandb_environment(run_dir, cfg.logger.mode.value))
-    sinks = Sinks([JsonlSink(run_dir / "metrics.jsonl", start.step), ProgressBar(trainer.steps, start.step)])
+    judges = assemble.judges(cfg, run_dir, job_number, wandb_config)  # first: a member changes the config
+    given = assemble.inputs(cfg, rows, start)
+    sinks = assemble.sinks(cfg, run_dir, start.step)
     exit_code, workers = 1, None
     try:
-        if start_workers is None:
-            workers = verl_workers(cfg, plan, model_path, run_dir, choice)
-        else:
-            workers = start_workers(cfg, plan, model_path, run_dir)
-
-        def plot_and_wandb() -> WandbSink | None:  # neither can stop the run (W&B warns and is left out)
-            plot = plot_plan(plan, run_dir / "plan.png")
-            if cfg.logger.name.value != "wandb":
-                return None
-            wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=cfg.logger.run_name or run_dir.name)
-            if wandb_sink is not None:
-                wandb_sink.attach_plan(*plan_table(plan, cfg.plan_steps), plot)
-            return wandb_sink
-
-        # Beside the workers' start, and no step waits for it: W&B's rows wait until its run is there.
-        sinks.sinks.insert(1, StartingSink(plot_and_wandb))
+        workers = assemble.workers(cfg, plan, given, run_dir, start_workers)
+        assemble.start_wandb(sinks, cfg, plan, run_dir, wandb_config)  # beside the workers' start
         workers.ready()
-        turn = member.resume(start.step, start.checkpoint.path if start.kind == "resume" else None) if member else None
-        loop_start = start.loop_state
-        if turn is not None:  # a member's values and plan as it left them (and a donor's state it took there)
-            plan = turn.plan
-            if turn.nonfinite_steps is not None:
-                loop_start["nonfinite_steps"] = turn.nonfinite_steps
-        if start.checkpoint is not None:
-            restore(workers, (turn and turn.checkpoint) or start.checkpoint.path)
-        run_state = {"seed": trainer.seed, "device": choice.device}  # in every checkpoint's loop.json
-        if start.lineage:
-            run_state["branch"] = start.lineage  # a resumed branch still knows where it came from
-        metric, early = objective_metric(cfg), trainer.early_stop
-        checkpoint = Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, trainer.steps, workers, run_state, metric)
-        watch = Watch(metric, early.patience, early.min_delta, start.loop_state.get("watch")) if early.patience else None
-        trial = TrialReport.from_environment(metric, trial_number)  # None unless a pruning study launched this job
-        last = train(trainer, plan, workers, batch_for, sinks, checkpoint, loop_start, evaluation, watch, trial, member)
-        if member is not None:
-            log.info(f"population: {len(member.exploits())} exploit(s); the realized schedule: {member.finish()}")
-            sinks.attach_table("population/exploits", ["step", "donor", "donor step", "values"], member.exploits())
+        checkpointer = assemble.checkpointer(cfg, run_dir, workers, start, given.choice.device)
+        last = train(cfg.trainer, plan, workers, given.batches, sinks, checkpointer, start, given.evaluation, judges)
         if cfg.lora.rank:
             adapter = run_dir / ADAPTER
             log.info(f"adapter: {adapter} ({workers.export_adapter(adapter):,} parameters, peft's format)")
@@ -281,7 +209,7 @@ def objective(cfg: Config, run_dir: Path) -> float | None:
 
 HYDRA_FILES = ".hydra"
 """In the run dir: Hydra's record of the job (config.yaml, hydra.yaml, overrides.yaml). conf/config.yaml sets
-hydra.output_subdir to null, so Hydra does not write it before the run dir is locked; we write it right after."""
+hydra.output_subdir to null, so Hydra does not write it before the command is accepted; `run` writes it then."""
 
 
 def hydra_output_files(task_cfg: DictConfig, hydra_cfg: Any) -> dict[str, str]:
@@ -318,6 +246,17 @@ def where_a_rerun_starts(dcfg: DictConfig, run_dir: Path) -> str:
     return f"the same command continues from {point.path}"
 
 
+PROCESS_START = time.time()
+"""When this process imported the entry, before Hydra made any run dir for its command."""
+
+
+def made_for_this_command(run_dir: Path) -> bool:
+    """Whether Hydra made the (empty) run dir for this command: Hydra makes it before the task runs, and a refused
+    command must not leave it behind. Told by its change time, as Hydra does not say; on a shared file system whose
+    clock runs ahead, an empty dir made just before may count as made now (and an empty dir is all that goes)."""
+    return run_dir.is_dir() and not any(run_dir.iterdir()) and run_dir.stat().st_ctime >= PROCESS_START
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(dcfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
@@ -336,11 +275,11 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
         logging.getLogger().handlers += ours.handlers
         ours.handlers = []
     job = job_info(hydra_cfg.job.get("num") if in_sweep else None, task_overrides)
+    made_now = made_for_this_command(run_dir)
     try:
         # From the start: Slurm may stop a job while it is still starting up. The lock before anything is written.
         with sigterm_raises(), RunDirLock(run_dir):
-            write_hydra_files(run_dir, hydra_files)
-            run(dcfg, run_dir, dict(hydra_cfg.runtime.choices), job)
+            run(dcfg, run_dir, dict(hydra_cfg.runtime.choices), job, hydra_files=hydra_files)
             return objective(config.load(dcfg), run_dir)  # what any Hydra sweeper optimises (lower is better)
     except STOPS as e:
         print(f"tinker_exp: {one_line(e)}", file=sys.stderr)
@@ -351,6 +290,9 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
         if in_sweep:
             raise
         raise KeyboardInterrupt(where_a_rerun_starts(dcfg, run_dir)) from e
+    finally:
+        if made_now and run_dir.is_dir() and not any(run_dir.iterdir()):  # refused: the dir Hydra made for it goes
+            run_dir.rmdir()
 
 
 def one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:

@@ -1,5 +1,5 @@
 """Population-based training, the member's side: the board, the exploit decision, explore, the realized schedule and
-the lineage files. Pure Python (Optuna's distributions for the space); the loop calls `Member.boundary`.
+the lineage files. Pure Python (Optuna's distributions for the space); `Member` is a judge of the loop (train/judges.py).
 
 A member is an ordinary run whose job was told of its population (POPULATION_ENV, set by the pbt sweeper). Every
 `interval` steps, at an evaluation, it saves a checkpoint, posts its score to the board and decides against the
@@ -24,10 +24,16 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from tinker_exp.errors import ConfigError
 from tinker_exp.formats import read_json, read_jsonl
+from tinker_exp.train.judges import Decision, Judge, continue_from
+from tinker_exp.train.objective import has_validation, objective_metric
+
+if TYPE_CHECKING:
+    from tinker_exp.train.protocols import TableSink
+    from tinker_exp.train.start import StartPoint
 
 POPULATION_ENV = "TINKER_EXP_POPULATION"
 """What a member's job is told of its population, as JSON (set by the pbt sweeper; tests set it themselves):
@@ -137,7 +143,9 @@ def posts_at(board: Path, step: int) -> dict[int, dict[str, Any]]:
 
 
 @dataclass(frozen=True)
-class Decision:
+class BoundaryDecision:
+    """A member's decision at a boundary, from the posts there."""
+
     rank: int
     """1: the best of those that posted."""
     of: int
@@ -161,7 +169,7 @@ def rng_for(population: Population, member: int, step: int, what: str) -> random
     return random.Random(f"{population.seed}:{member}:{step}:{what}")
 
 
-def decide(population: Population, member: int, step: int, posts: Mapping[int, Mapping[str, Any]]) -> Decision:
+def decide(population: Population, member: int, step: int, posts: Mapping[int, Mapping[str, Any]]) -> BoundaryDecision:
     """Rank the posts at `step` (lower score is better; non-finite ones last, ties by member number); a member in the
     bottom q takes a donor chosen (seeded) from the top q. force_exploit overrides it for one (member, step)."""
     ranked = sorted(posts.values(), key=_sort_key)
@@ -173,12 +181,12 @@ def decide(population: Population, member: int, step: int, posts: Mapping[int, M
     if force is not None and (force["member"], force["step"]) == (member, step):
         if force["donor"] not in posts:
             raise ConfigError(f"{POPULATION_ENV}: force_exploit: member {force['donor']} has not posted at step {step}")
-        return Decision(rank, n, dict(posts[force["donor"]]))
+        return BoundaryDecision(rank, n, dict(posts[force["donor"]]))
     q = quantile_size(n, population.quantile)
     if rank <= n - q:
-        return Decision(rank, n)
+        return BoundaryDecision(rank, n)
     donor = rng_for(population, member, step, "donor").choice(order[:q])
-    return Decision(rank, n, dict(posts[donor]))
+    return BoundaryDecision(rank, n, dict(posts[donor]))
 
 
 # --- explore ---------------------------------------------------------------------------------------------
@@ -403,25 +411,16 @@ def realized_values(run_dir: Path) -> dict[str, list[float]]:
 # --- the member inside its job ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Turn:
-    """What a boundary (or a resume) tells the loop: the plan from here on, and a donor's checkpoint to load into
-    the running workers (None: the workers go on as they are)."""
-
-    plan: Any
-    checkpoint: Path | None = None
-    nonfinite_steps: int | None = None
-    """The donor's count of non-finite steps (its loop.json): the lineage's, as a replay would count."""
-
-
 def _short(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-class Member:
-    """One member of a population inside its job: the loop calls `due` after each evaluation and, at a boundary,
-    `boundary` (after the checkpoint there is saved); train_run calls `resume` before the first step and `finish`
-    after the last. Its values live here; each plan is built by the same converter and checks as any override."""
+class Member(Judge):
+    """One member of a population inside its job, a judge of the loop: it wants a checkpoint at each boundary (an
+    evaluation step), then posts it and decides (`saved`): carry on, or load a donor's checkpoint with a new plan.
+    Before the first step a restarted member takes back its values and plan (`begin`); after the last it writes its
+    realized schedule (`end`). Its values live here; each plan is built by the same converter and checks as any
+    override."""
 
     def __init__(self, population: Population, number: int, run_dir: Path, override: Mapping[str, Any],
                  optimizer_cfg: Any, total_steps: int, metric: str):  # fmt: skip
@@ -441,7 +440,6 @@ class Member:
         if population is None or number is None:
             return None
         from tinker_exp.optim.convert import plain
-        from tinker_exp.train.objective import has_validation
 
         every, interval = cfg.trainer.eval_every, population.interval
         if not has_validation(cfg) or (every and interval % every) or cfg.trainer.steps < 2 * interval:
@@ -452,21 +450,32 @@ class Member:
 
         return cls(population, number, run_dir, plain(cfg.override) or {}, cfg.optimizer, cfg.trainer.steps, metric)
 
+    @classmethod
+    def for_run(cls, cfg: Any, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> "Member | None":
+        """The member this job is, with what being one changes in its run: every boundary checkpoint stays (other
+        members may load it), as any the user keeps; W&B's config names the member and its board."""
+        member = cls.from_environment(cfg, run_dir, job_number, objective_metric(cfg))
+        if member is not None:
+            cfg.checkpoint.keep_every = math.gcd(cfg.checkpoint.keep_every, member.population.interval)
+            wandb_config.update({"population.member": member.number, "population.board": str(member.population.board)})
+        return member
+
     def build(self, values: Mapping[str, Any]) -> Any:
         from tinker_exp.optim import build_plan
 
         return build_plan(with_values(self.override, values), self.optimizer_cfg, self.total_steps)
 
-    def due(self, steps_done: int) -> bool:
+    def wants_checkpoint(self, steps_done: int) -> bool:
+        """At its boundaries."""
         return self.population.is_boundary(steps_done, self.total_steps)
 
-    def boundary(self, steps_done: int, row: Mapping[str, Any], checkpoint: Path) -> Turn:
-        """Post the score with the checkpoint saved at this step, decide, and on an exploit explore the donor's values
-        into a new plan; records the row of population.jsonl and override/realized.yaml. One log line."""
+    def saved(self, steps_done: int, row: Mapping[str, Any], checkpoint: Path) -> Decision:
+        """At a boundary: post the score with the checkpoint saved at this step, decide, and on an exploit explore the
+        donor's values into a new plan; records the row of population.jsonl and override/realized.yaml. One log line."""
         score = float(row[self.metric])
         post(self.population.board, self.number, steps_done, score, checkpoint, self.values)
         decision = decide(self.population, self.number, steps_done, posts_at(self.population.board, steps_done))
-        previous, exploit, turn = self.values, None, Turn(self.plan)
+        previous, exploit, turn = self.values, None, continue_from(self.plan)
         said = "carries on"
         if decision.donor is not None:
             donor = decision.donor
@@ -474,7 +483,7 @@ class Member:
                                                                            steps_done, self.override, self.total_steps))  # fmt: skip
             exploit = {"member": int(donor["member"]), "step": int(donor["step"]), "checkpoint": donor["checkpoint"]}
             loop_state = read_json(Path(donor["checkpoint"]) / "loop.json") or {}
-            turn = Turn(self.plan, Path(donor["checkpoint"]), loop_state.get("nonfinite_steps"))
+            turn = continue_from(self.plan, Path(donor["checkpoint"]), loop_state.get("nonfinite_steps"))
             changes = ", ".join(
                 f"{key.removeprefix('override.')} {_short(donor['values'][key])} -> {_short(self.values[key])}" for key in self.values
             )
@@ -500,12 +509,13 @@ class Member:
                 log.info(f"explore: {e}; {key or 'the first key'} keeps the donor's value")
         raise AssertionError("the donor's own values must give a valid plan")
 
-    def resume(self, step: int, own_checkpoint: Path | None) -> Turn:
-        """A member restarted at `step` (its newest checkpoint; 0: none): the values and plan population.jsonl says it
-        had, and the donor's checkpoint when it exploited at that very step (its own there is from before). A boundary
-        saved but never decided (killed in between) is decided now."""
+    def begin(self, start: StartPoint) -> Decision:
+        """A member restarted at its newest checkpoint: the values and plan population.jsonl says it had there, and the
+        donor's checkpoint when it exploited at that very step (its own there is from before). A boundary saved but
+        never decided (killed in between) is decided now."""
+        step, own_checkpoint = start.step, start.checkpoint.path if start.kind == "resume" and start.checkpoint else None
         if step == 0 or own_checkpoint is None:
-            return Turn(self.plan)
+            return continue_from(self.plan)
         from tinker_exp.train.sinks import keep_rows_before
 
         if (self.run_dir / METRICS).exists():  # rows of steps it trains again are not its lineage
@@ -518,17 +528,19 @@ class Member:
         if rows and rows[-1]["step"] == step:
             exploit = rows[-1]["exploit"]
             if exploit is None:
-                return Turn(self.plan)
+                return continue_from(self.plan)
             loop_state = read_json(Path(exploit["checkpoint"]) / "loop.json") or {}
-            return Turn(self.plan, Path(exploit["checkpoint"]), loop_state.get("nonfinite_steps"))
-        if self.due(step):
+            return continue_from(self.plan, Path(exploit["checkpoint"]), loop_state.get("nonfinite_steps"))
+        if self.wants_checkpoint(step):
             last = [r for r in read_jsonl(self.run_dir / METRICS) if r["train/step"] == step - 1]
             if last and self.metric in last[-1]:
-                return self.boundary(step, last[-1], own_checkpoint)
-        return Turn(self.plan)
+                return self.saved(step, last[-1], own_checkpoint)
+        return continue_from(self.plan)
 
-    def finish(self) -> Path:
-        return write_realized(self.run_dir)
+    def end(self, sink: TableSink) -> None:
+        """The realized schedule (override/realized.yaml) and W&B's table of exploits."""
+        log.info(f"population: {len(self.exploits())} exploit(s); the realized schedule: {write_realized(self.run_dir)}")
+        sink.attach_table("population/exploits", ["step", "donor", "donor step", "values"], self.exploits())
 
     def exploits(self) -> list[list[Any]]:
         """[step, donor, donor step, values] of every exploit (W&B's population/exploits table)."""

@@ -26,7 +26,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tinker_exp.errors import ConfigError
 from tinker_exp.formats import masked  # noqa: F401 (the sweeper's and the tests' name for it)
-from tinker_exp.train.objective import read_objective, read_run_end
+from tinker_exp.train.judges import GO_ON, Decision, Judge, stop
+from tinker_exp.train.objective import objective_metric, read_objective, read_run_end
 
 RESULTS_FILE = "optimization_results.yaml"
 JOURNAL_FILE = "optuna.journal"  # the default storage: Optuna's journal, safe for writers on several nodes
@@ -249,10 +250,10 @@ def steps_line(summary: Mapping[str, Any]) -> str:
     return f"steps trained: {trained}{share} of the {unpruned} a study without pruning would have trained; {summary['n_pruned']} trials pruned"
 
 
-class TrialReport:
-    """Inside a study's job: its trial (the job's number) in the study's storage. `seen` is called by the loop after
-    each evaluation, reports the objective metric at the row's train/step, and says whether the pruner stops the
-    run; a resumed trial reports to the same trial (a step reported before is ignored by Optuna)."""
+class TrialReport(Judge):
+    """Inside a study's job, the judge of its trial (the job's number) in the study's storage: after each evaluation it
+    reports the objective metric at the row's train/step and stops the run when the pruner says so (the checkpoint
+    there records `pruned`); a resumed trial reports to the same trial (a step reported before is ignored by Optuna)."""
 
     def __init__(self, metric: str, storage: str, study_name: str, number: int, pruner: str, pruner_args: Mapping[str, Any]):
         self.metric, self.number = metric, number
@@ -270,7 +271,18 @@ class TrialReport:
         told = json.loads(environ[STUDY_ENV])
         return cls(metric, told["storage"], told["study_name"], number, told["pruner"], told.get("pruner_args", {}))
 
+    @classmethod
+    def for_run(cls, cfg: Any, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> "TrialReport | None":
+        return cls.from_environment(objective_metric(cfg), job_number)
+
+    def evaluated(self, steps_done: int, row: Mapping[str, Any]) -> Decision:
+        if not self.seen(steps_done, row):
+            return GO_ON
+        # A resumed pruned run is complete, as an early-stopped one.
+        return stop(self.stop_line(steps_done), early_stopped=True, pruned=True)
+
     def seen(self, steps_done: int, row: Mapping[str, Any]) -> bool:
+        """Report the row's value; True when the pruner stops the trial here."""
         value = row.get(self.metric)
         if value is None or not math.isfinite(value):
             return False

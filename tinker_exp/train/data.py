@@ -12,11 +12,12 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from tinker_exp.config import DataConfig, data_path
 from tinker_exp.errors import ConfigError
 from tinker_exp.train.chat import chat_tokens, check_chat_tokenizer, special_ids
+from tinker_exp.train.protocols import Batch
 
 ROLES = ("system", "user", "assistant")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -250,3 +251,23 @@ def batch_for_step(examples: list[Example], step: int, batch_size: int, seed: in
     n = len(examples)
     positions = range(step * batch_size, (step + 1) * batch_size)
     return [examples[_epoch_order(n, seed, p // n, shuffle)[p % n]] for p in positions]
+
+
+@dataclass(frozen=True)
+class DataFileBatches:
+    """The data file as a batch source (train/protocols.py `BatchSource`): step s's batch is `batch_for_step`'s, a
+    function of (examples, batch size, seed, s), so it keeps no state."""
+
+    examples: list[Example]
+    batch_size: int
+    seed: int
+    shuffle: bool
+
+    def batch(self, step: int) -> Batch:
+        return Batch(batch_for_step(self.examples, step, self.batch_size, self.seed, self.shuffle))
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        pass

@@ -5,17 +5,20 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from tinker_exp.config import TrainerConfig
 from tinker_exp.errors import AppliedMismatchError, NonFiniteError
 from tinker_exp.optim import Plan, flat_values
 from tinker_exp.train.checkpoints import Checkpointer, restore
 from tinker_exp.train.evaluation import Evaluation
-from tinker_exp.train.objective import Watch
-from tinker_exp.train.protocols import Boundaries, Sink, Watcher, Workers
+from tinker_exp.train.judges import GO_ON, Decision, Judge, Judges
+from tinker_exp.train.protocols import BatchSource, TableSink, Workers
+from tinker_exp.train.start import StartPoint
 
 log = logging.getLogger(__name__)
+BATCH_SOURCE = "batch_source"
+"""The batch source's key in a checkpoint's loop.json (absent when its state is empty, as the data file's)."""
 
 
 def check_applied(step: int, requested: dict[str, Any], applied: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -36,39 +39,39 @@ def train(
     trainer: TrainerConfig,
     plan: Plan,
     workers: Workers,
-    batch_for: Callable[[int], Sequence[Any]],
-    sink: Sink,
+    batches: BatchSource,
+    sink: TableSink,
     checkpointer: Checkpointer | None = None,
-    start: dict[str, Any] | None = None,
+    start: StartPoint | None = None,
     evaluation: Evaluation | None = None,
-    watch: Watch | None = None,
-    trial: Watcher | None = None,
-    member: Boundaries | None = None,
+    judges: Sequence[Judge] = (),
 ) -> dict[str, Any]:
-    """Run Tinker steps from `start` (a checkpoint's loop state; None: step 0) to trainer.steps.
+    """Run Tinker steps from `start` (step 0, or a checkpoint: loaded here) to trainer.steps; returns the last row.
 
-    After each step: evaluate when due (its values join the step's row), log it, stop if non-finite steps exceed the limit (before any save, so the last
-    checkpoint is from before the failure), then save a checkpoint when one is due. `watch` sees each evaluation: when
-    it says stop (early stop), the run saves a checkpoint at that step and ends; `trial` (a study's trial) sees it
-    first, and ends the run the same way when its pruner says so. `member` (a population's member): at each of its
-    boundaries a checkpoint is saved, then it decides; on an exploit the donor's checkpoint is loaded into these same
-    workers and the member's new plan applies from there. Returns the last row.
+    After each step: evaluate when due (its values join the step's row), log it, stop if non-finite steps exceed the
+    limit (before any save, so the last checkpoint is from before the failure), ask the judges (train/judges.py) at an
+    evaluation, then save a checkpoint when one is due, a judge stops the run or wants one. A stop ends the run after
+    that checkpoint; a judge that wanted it then says how the run goes on (a plan, a checkpoint to load).
     """
-    assert member is None or checkpointer is not None, "a member's boundaries save checkpoints"
-    start = start or {}
-    nonfinite_steps = start.get("nonfinite_steps", 0)
+    start = start or StartPoint()
+    panel = Judges(judges)
+    opening = panel.begin(start)
+    if opening.checkpoint is None and start.checkpoint is not None:
+        restore(workers, start.checkpoint.path)
+    batches.restore(start.loop_state.get(BATCH_SOURCE, {}))
+    plan, nonfinite_steps = follow(opening, workers, plan, start.loop_state.get("nonfinite_steps", 0))
     row: dict[str, Any] = {}
-    for step in range(start.get("step", 0), trainer.steps):
-        batch = batch_for(step)
+    for step in range(start.step, trainer.steps):
+        batch = batches.batch(step)
         requested = plan[step]
 
         start_time = time.perf_counter()
-        result = workers.train_step(batch, requested)  # forward_backward -> optimizer_step
+        result = workers.train_step(batch.examples, requested)  # forward_backward -> optimizer_step
         step_time = time.perf_counter() - start_time
 
         applied = check_applied(step, requested, result.applied)
         nonfinite_steps += not (math.isfinite(result.loss) and math.isfinite(result.grad_norm))
-        tokens = sum(len(example.input_ids) for example in batch)
+        tokens = sum(len(example.input_ids) for example in batch.examples)
         row = {
             "train/step": step,
             "time": time.time(),
@@ -77,6 +80,7 @@ def train(
             "train/nonfinite_steps": nonfinite_steps,
             "perf/step_time_s": step_time,
             "perf/tokens_per_s": tokens / step_time,
+            **batch.measured,
             **flat_values("requested", requested),
             **flat_values("applied", applied),
         }
@@ -89,22 +93,28 @@ def train(
                 f"step {step}: loss={result.loss}, grad_norm={result.grad_norm}; {nonfinite_steps} non-finite "
                 f"step(s), trainer.max_nonfinite_steps={trainer.max_nonfinite_steps}"
             )
-        pruned = evaluated and trial is not None and trial.seen(step + 1, row)
-        stop = pruned or (evaluated and watch is not None and watch.seen(step + 1, row))
-        boundary = evaluated and member is not None and member.due(step + 1)
-        if checkpointer is not None and (checkpointer.due(step + 1) or stop or boundary):
-            state = {"nonfinite_steps": nonfinite_steps, **({"watch": watch.state(), "early_stopped": stop} if watch else {})}
-            if pruned:  # a resumed pruned run is complete, as an early-stopped one
-                state.update(early_stopped=True, pruned=True)
+        verdict = panel.evaluated(step + 1, row) if evaluated else GO_ON
+        wanting = panel.wanting_checkpoint(step + 1) if evaluated and not verdict.stops else []
+        assert checkpointer is not None or not wanting, "a judge's checkpoints need a checkpointer"
+        if checkpointer is not None and (checkpointer.due(step + 1) or verdict.stops or wanting):
+            source = batches.state()
+            state = {"nonfinite_steps": nonfinite_steps, **({BATCH_SOURCE: source} if source else {}),
+                     **panel.loop_state(), **verdict.stop_state}  # fmt: skip
             saved = checkpointer.save(step + 1, state, row if evaluated else None)
             log.info(f"checkpoint: {saved}")
-        if stop:
-            log.info((trial if pruned else watch).stop_line(step + 1))
+        if verdict.stops:
+            log.info(verdict.stop_line)
             break
-        if boundary:  # post, decide; an exploit swaps the workers' state and the plan, nothing else
-            turn = member.boundary(step + 1, row, saved)
-            if turn.checkpoint is not None:
-                restore(workers, turn.checkpoint)
-                nonfinite_steps = nonfinite_steps if turn.nonfinite_steps is None else turn.nonfinite_steps
-            plan = turn.plan
+        for judge in wanting:  # e.g. a member posts the checkpoint and may take another's, with a new plan
+            plan, nonfinite_steps = follow(judge.saved(step + 1, row, saved), workers, plan, nonfinite_steps)
+    panel.end(sink)
     return row
+
+
+def follow(decision: Decision, workers: Workers, plan: Plan, nonfinite_steps: int) -> tuple[Plan, int]:
+    """The plan and non-finite count after a judge's decision; its checkpoint, if any, loaded into the workers."""
+    if decision.checkpoint is not None:
+        restore(workers, decision.checkpoint)
+        if decision.nonfinite_steps is not None:
+            nonfinite_steps = decision.nonfinite_steps
+    return (plan if decision.plan is None else decision.plan), nonfinite_steps

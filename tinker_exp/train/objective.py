@@ -31,47 +31,6 @@ def objective_metric(cfg: Config) -> str:
     return metric
 
 
-def check_early_stop(cfg: Config) -> None:
-    """Early stop counts evaluations: it needs validation data."""
-    if cfg.trainer.early_stop.patience and not has_validation(cfg):
-        raise ConfigError(
-            f"trainer.early_stop.patience={cfg.trainer.early_stop.patience}: early stop counts evaluations, and there is "
-            "no validation data (data.val_path or data.val_fraction)"
-        )
-
-
-class Watch:
-    """The objective metric at each evaluation (lower is better): the best so far and its step, and whether
-    `patience` evaluations in a row brought no improvement of at least `min_delta`. The loop calls `seen` after
-    each evaluation; its `state` goes into every checkpoint, so a resumed run counts on."""
-
-    def __init__(self, metric: str, patience: int, min_delta: float, state: dict[str, Any] | None = None):
-        self.metric, self.patience, self.min_delta = metric, patience, min_delta
-        state = state or {}
-        self.best: float | None = state.get("best")
-        self.best_step: int | None = state.get("best_step")
-        self.stale: int = state.get("stale", 0)
-
-    def seen(self, steps_done: int, row: dict[str, Any]) -> bool:
-        """Record this evaluation's value; True when the run should stop here."""
-        value = row.get(self.metric)
-        if value is None or not math.isfinite(value):
-            return False
-        if self.best is None or value < self.best - self.min_delta:
-            self.stale = 0
-        else:
-            self.stale += 1
-        if self.best is None or value < self.best:
-            self.best, self.best_step = value, steps_done
-        return bool(self.patience) and self.stale >= self.patience
-
-    def state(self) -> dict[str, Any]:
-        return {"best": self.best, "best_step": self.best_step, "stale": self.stale}
-
-    def stop_line(self, steps_done: int) -> str:
-        return f"early stop at step {steps_done}: best {self.metric} {self.best:.6g} at step {self.best_step}"
-
-
 def objective_value(rows: Sequence[dict[str, Any]], metric: str, mode: str) -> float | None:
     """The metric's last (mode "last") or lowest ("min") value in the rows; None when no row has it."""
     values = [row[metric] for row in rows if metric in row]

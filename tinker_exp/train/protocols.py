@@ -1,4 +1,5 @@
-"""The seams of the training layer: what the loop needs from the workers and what it hands to sinks.
+"""The seams of the training layer: what the loop needs from the workers and its batch source, and what it hands to
+sinks (what acts at an evaluation: train/judges.py).
 
 The real ``Workers`` is ``tinker_exp.runtime.workers.TinkerWorkers`` (verl on Ray); tests stand in a fake to
 check the loop's bookkeeping without a Ray cluster.
@@ -6,9 +7,9 @@ check the loop's bookkeeping without a Ray cluster.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 
 @dataclass
@@ -53,20 +54,33 @@ class Sink(Protocol):
     def close(self, exit_code: int = 0) -> None: ...
 
 
-class Watcher(Protocol):
-    """Sees each evaluation's row and may stop the run there (a study's trial whose pruner says so)."""
+class TableSink(Sink, Protocol):
+    """A run's sinks together (train/sinks.py `Sinks`): the rows, and tables for the sinks that keep them (W&B)."""
 
-    def seen(self, steps_done: int, row: dict[str, Any]) -> bool: ...
-
-    def stop_line(self, steps_done: int) -> str: ...
+    def attach_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> None: ...
 
 
-class Boundaries(Protocol):
-    """A population's member: after the evaluation at each of its boundaries (and the checkpoint saved there) it
-    decides, and says which plan applies from there and whose checkpoint the workers load (tinker_exp.sweep.pbt)."""
+@dataclass(frozen=True)
+class Batch:
+    """What a batch source hands the loop for one step."""
 
-    def due(self, steps_done: int) -> bool: ...
+    examples: Sequence[Any]
+    measured: dict[str, Any] = field(default_factory=dict)
+    """Values the source measured making the batch (an RL sampler's rewards, its time): they join the step's row."""
 
-    def boundary(self, steps_done: int, row: dict[str, Any], checkpoint: Path) -> Any:
-        """A Turn: .plan, .checkpoint (None: keep the workers' state), .nonfinite_steps (None: keep the count)."""
+
+class BatchSource(Protocol):
+    """Where each step's batch comes from (the data file: train/data.py `DataFileBatches`; an RL sampler next).
+
+    Asked by step number, from the run's first step on (a resumed or branched run from its checkpoint's step): a source
+    whose batch is a function of the step needs no state."""
+
+    def batch(self, step: int) -> Batch: ...
+
+    def state(self) -> dict[str, Any]:
+        """What every checkpoint's loop.json records of the source (key `batch_source`, left out when empty)."""
+        ...
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Before the first step of a resumed or branched run: what `state` gave at its checkpoint ({} at step 0)."""
         ...

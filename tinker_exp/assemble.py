@@ -1,0 +1,139 @@
+"""What a run is put together from: its judges, inputs (device, model, data), batch source, sinks, workers and
+checkpointer, each built from the config (and the job's environment). `main.train_run` calls these in order, so
+neither it nor the loop names a judge, a sink or a batch source.
+
+torch, verl and ray (tinker_exp/runtime/) are imported inside the functions that start them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from tinker_exp.config import Config
+from tinker_exp.sweep.pbt import Member
+from tinker_exp.sweep.study import TrialReport
+from tinker_exp.train.checkpoints import Checkpointer, check_checkpoint_device
+from tinker_exp.train.data import DataFileBatches, Row, eval_batches
+from tinker_exp.train.early_stop import EarlyStop
+from tinker_exp.train.evaluation import Evaluation
+from tinker_exp.train.judges import Judge
+from tinker_exp.train.objective import objective_metric
+from tinker_exp.train.protocols import BatchSource, Workers
+from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, StartingSink, WandbSink, wandb_environment
+from tinker_exp.train.start import StartPoint
+
+if TYPE_CHECKING:
+    from tinker_exp.optim import Plan
+
+WORKERS_LOG = "workers.log"
+"""In the run dir: everything the workers print (verl, torch, Ray), complete."""
+log = logging.getLogger(__name__)
+
+StartWorkers = Callable[[Config, "Plan", Path, Path], Workers]
+"""(config, plan, model dir, run dir) -> the worker group, starting (its `ready()` waits for it)."""
+
+
+JUDGES: list[Callable[[Config, Path, "int | None", dict[str, Any]], "Judge | None"]] = [
+    TrialReport.for_run,  # a pruning study's trial: its prune is the stop that counts (early stop is not asked then)
+    EarlyStop.for_run,  # trainer.early_stop
+    Member.for_run,  # a population's member: decides after the checkpoint of each of its boundaries
+]
+"""Every kind of judge (train/judges.py), in the order the loop asks them. Each builds itself from (config, run dir,
+the sweep job's number, the W&B config), or is None when the run has none of it. A new judge: its own module, and
+one line here."""
+
+
+def judges(cfg: Config, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> list[Judge]:
+    """This run's judges. A judge's bad config stops the run here, before any worker starts."""
+    built = (make(cfg, run_dir, job_number, wandb_config) for make in JUDGES)
+    return [judge for judge in built if judge is not None]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the workers and the loop are given, each checked before any worker starts."""
+
+    choice: Any
+    """The resolved device (runtime.device.DeviceChoice)."""
+    model_path: Path
+    batches: BatchSource
+    evaluation: Evaluation | None
+
+
+def inputs(cfg: Config, rows: tuple[list[Row], list[Row]], start: StartPoint) -> Inputs:
+    """Device, the start checkpoint's device, model, LoRA targets and tokenized data: a problem stops the run here."""
+    from tinker_exp.runtime.device import resolve
+    from tinker_exp.runtime.inputs import load_examples, model_dir
+
+    trainer, data = cfg.trainer, cfg.data
+    choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
+    log.info(f"device: {choice.describe()}")
+    if start.checkpoint is not None:
+        check_checkpoint_device(start.checkpoint, choice.device)
+    model_path = model_dir(cfg.model)  # on disk before any worker builds it
+    if cfg.lora.rank:
+        from tinker_exp.runtime import lora
+
+        log.info(f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}: {lora.check(cfg.lora, model_path)}")
+    train_set, val_set = load_examples(data, model_path, *rows)
+    log.info(f"data: training {train_set.describe(data)}" + (f"; validation {val_set.describe(data)}" if rows[1] else ""))
+    evaluation = None
+    if val_set.examples:
+        evaluation = Evaluation(eval_batches(val_set.examples, trainer.batch_size), trainer.eval_every, trainer.steps)
+    batches = DataFileBatches(train_set.examples, trainer.batch_size, trainer.seed, data.shuffle)
+    return Inputs(choice, model_path, batches, evaluation)
+
+
+def sinks(cfg: Config, run_dir: Path, first_step: int) -> Sinks:
+    """metrics.jsonl and the progress bar; W&B joins them once the workers start (`start_wandb`)."""
+    if cfg.logger.name.value == "wandb":  # before the workers start: they inherit it (offline stays offline)
+        os.environ.update(wandb_environment(run_dir, cfg.logger.mode.value))
+    return Sinks([JsonlSink(run_dir / "metrics.jsonl", first_step), ProgressBar(cfg.trainer.steps, first_step)])
+
+
+def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choice: Any = None) -> Workers:
+    """verl's Tinker workers on a Ray worker group; what they print goes to the run dir's workers.log.
+    `choice`: the resolved device (runtime.device.DeviceChoice; None: resolved here)."""
+    from tinker_exp.runtime.device import resolve
+    from tinker_exp.runtime.worker_output import WorkerOutput
+    from tinker_exp.runtime.workers import TinkerWorkers
+
+    return TinkerWorkers(
+        cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values,
+        choice or resolve(cfg.backend), WorkerOutput(run_dir / WORKERS_LOG, echo=cfg.verbose), cfg.lora,
+    )  # fmt: skip
+
+
+def workers(cfg: Config, plan: Plan, given: Inputs, run_dir: Path, start_workers: StartWorkers | None) -> Workers:
+    """The worker group, starting: verl's (None) or what a test starts instead."""
+    if start_workers is None:
+        return verl_workers(cfg, plan, given.model_path, run_dir, given.choice)
+    return start_workers(cfg, plan, given.model_path, run_dir)
+
+
+def start_wandb(into: Sinks, cfg: Config, plan: Plan, run_dir: Path, wandb_config: dict[str, Any]) -> None:
+    """The plan's plot and W&B, started beside the workers' start: no step waits for them (W&B's rows wait until its
+    run is there), and neither can stop the run (W&B warns and is left out)."""
+    from tinker_exp.optim.preview import plan_table, plot_plan
+
+    def plot_and_wandb() -> WandbSink | None:
+        plot = plot_plan(plan, run_dir / "plan.png")
+        if cfg.logger.name.value != "wandb":
+            return None
+        wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=cfg.logger.run_name or run_dir.name)
+        if wandb_sink is not None:
+            wandb_sink.attach_plan(*plan_table(plan, cfg.plan_steps), plot)
+        return wandb_sink
+
+    into.sinks.insert(1, StartingSink(plot_and_wandb))
+
+
+def checkpointer(cfg: Config, run_dir: Path, running: Workers, start: StartPoint, device: str) -> Checkpointer:
+    run_state = {"seed": cfg.trainer.seed, "device": device}  # in every checkpoint's loop.json
+    if start.lineage:
+        run_state["branch"] = start.lineage  # a resumed branch still knows where it came from
+    return Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, cfg.trainer.steps, running, run_state, objective_metric(cfg))

@@ -1,0 +1,65 @@
+"""Early stop (trainer.early_stop): a judge that ends the run when the objective stops improving. Pure Python."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+from tinker_exp.config import Config
+from tinker_exp.errors import ConfigError
+from tinker_exp.train.judges import GO_ON, Decision, Judge, stop
+from tinker_exp.train.objective import has_validation, objective_metric
+from tinker_exp.train.start import StartPoint
+
+STATE = "watch"
+"""Its key in every checkpoint's loop.json (beside `early_stopped`, which a resume reads as "complete")."""
+
+
+def check_early_stop(cfg: Config) -> None:
+    """Early stop counts evaluations: it needs validation data."""
+    if cfg.trainer.early_stop.patience and not has_validation(cfg):
+        raise ConfigError(
+            f"trainer.early_stop.patience={cfg.trainer.early_stop.patience}: early stop counts evaluations, and there is "
+            "no validation data (data.val_path or data.val_fraction)"
+        )
+
+
+class EarlyStop(Judge):
+    """The objective metric at each evaluation (lower is better): the best so far and its step, and whether
+    `patience` evaluations in a row brought no improvement of at least `min_delta`. Its state goes into every
+    checkpoint, so a resumed run counts on."""
+
+    def __init__(self, metric: str, patience: int, min_delta: float):
+        self.metric, self.patience, self.min_delta = metric, patience, min_delta
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.stale = 0
+
+    @classmethod
+    def for_run(cls, cfg: Config, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> "EarlyStop | None":
+        early = cfg.trainer.early_stop
+        return cls(objective_metric(cfg), early.patience, early.min_delta) if early.patience else None
+
+    def begin(self, start: StartPoint) -> Decision:
+        state = start.loop_state.get(STATE) or {}
+        self.best, self.best_step, self.stale = state.get("best"), state.get("best_step"), state.get("stale", 0)
+        return GO_ON
+
+    def evaluated(self, steps_done: int, row: Mapping[str, Any]) -> Decision:
+        value = row.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return GO_ON
+        if self.best is None or value < self.best - self.min_delta:
+            self.stale = 0
+        else:
+            self.stale += 1
+        if self.best is None or value < self.best:
+            self.best, self.best_step = value, steps_done
+        if self.patience and self.stale >= self.patience:
+            line = f"early stop at step {steps_done}: best {self.metric} {self.best:.6g} at step {self.best_step}"
+            return stop(line, early_stopped=True)
+        return GO_ON
+
+    def loop_state(self) -> dict[str, Any]:
+        return {STATE: {"best": self.best, "best_step": self.best_step, "stale": self.stale}, "early_stopped": False}
