@@ -190,3 +190,10 @@ def test_a_searched_warmup_fraction_follows_trainer_steps():
     short = validate(typed(compose("hparams_search=lr_cosine", "override.lr.warmup_steps=0.25")))
     long = validate(typed(compose("hparams_search=lr_cosine", "override.lr.warmup_steps=0.25", "trainer.steps=4000")))
     assert short.schedules["lr"].params["warmup_steps"] == 5 and long.schedules["lr"].params["warmup_steps"] == 1000
+
+
+@pytest.mark.parametrize("given, max_norm", [("0", float("inf")), ("null", float("inf")), ("2.5", 2.5), ("1", 1.0)])
+def test_clip_grad_0_or_null_is_no_clipping(given, max_norm):
+    """As Tinker's grad_clip_norm=0 and HF's max_grad_norm=0: verl is given an infinite max_norm (a 0 would zero
+    every gradient); tests/test_optimizers_ray.py trains with it."""
+    assert typed(compose(f"optimizer.clip_grad={given}")).optimizer.max_grad_norm == max_norm
