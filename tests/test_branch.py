@@ -196,11 +196,23 @@ def test_early_stop_ends_the_run_with_a_checkpoint_at_that_step(tmp_path, caplog
         ("checkpoint.keep_every=-1", "checkpoint.keep_every=-1 must be >= 0"),
         ("trainer.early_stop.patience=-2", "trainer.early_stop.patience: must be >= 0, got -2"),
         ("trainer.early_stop.min_delta=-0.5", "trainer.early_stop.min_delta: must be >= 0, got -0.5"),
+        # an early stop that can never stop: accepted, it was a silent no-op
+        ("trainer.early_stop.patience=2 trainer.eval_every=0", "trainer.early_stop.patience=2: trainer.eval_every=0 "
+         "evaluates only after the last step; early stop could never stop the run (set trainer.eval_every=N, N < trainer.steps)"),
+        ("trainer.early_stop.patience=2", "trainer.early_stop.patience=2: trainer.eval_every=10 evaluates 1 time before "
+         "the last of trainer.steps=20; early stop needs 3 (a first, then 2 without improvement), so it could never "
+         "stop the run"),  # every 10 of 20 steps
     ],
 )
 def test_bad_kept_checkpoint_and_early_stop_values_are_one_line(tmp_path, arg, message):
-    result = run_cli(arg, "dry_run=true", f"hydra.run.dir={tmp_path}")
+    result = run_cli(*arg.split(), "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"tinker_exp: config error: {message}"]
+
+
+def test_early_stop_with_evaluations_before_the_last_step_is_accepted(tmp_path):
+    """The fix the line names: trainer.eval_every=5 of 20 steps evaluates 3 times before the last (5, 10, 15)."""
+    result = run_cli("trainer.early_stop.patience=2", "trainer.eval_every=5", "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0 and (tmp_path / "plan.json").is_file(), result.stderr
 
 
 def test_differing_names_each_key_and_skips_keys_the_schema_gained_since():
