@@ -4,6 +4,7 @@ In-process through tinker_exp.main.main() with sys.argv set, as `python -m tinke
 error starts nothing, so no run dir is written); the help's example commands run as a user types them.
 """
 
+import json
 import shlex
 import subprocess
 import sys
@@ -235,3 +236,22 @@ def test_our_warnings_reach_the_terminal_as_one_line(tmp_path):
         "tinker_exp: warning: override.lr: ignoring ['min_ratio', 'num_cycles'], not parameters of linear"
         " (left from an earlier override file?)"
     ], result.stderr
+
+
+def test_hparams_search_without_m_runs_the_study(tmp_path):
+    """`hparams_search=NAME` is a study with or without -m (the preset sets hydra.mode): its trial's dir and the
+    study's summary, not one ordinary run."""
+    result = run_cli("hparams_search=lr_cosine", "dry_run=true", "hydra.sweeper.n_trials=1", "hydra.sweeper.n_jobs=1",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", f"hydra.run.dir={tmp_path / 'run'}", timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "dry run: 1 trials planned" in result.stdout + result.stderr
+    assert (tmp_path / "sweep" / "0" / "plan.json").is_file() and not (tmp_path / "run").exists()
+
+
+def test_m_without_a_launcher_runs_on_the_local_launcher_with_its_summary(tmp_path):
+    """`-m` alone: the local launcher (hydra/launcher=basic is ours), so the sweep ends with its summary and
+    summary files, as with hydra/launcher=local; not Hydra's basic launcher (jobs in this process, no summary)."""
+    result = run_cli("-m", "optimizer.lr=1e-3,3e-4", "dry_run=true", f"hydra.sweep.dir={tmp_path}", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "sweep summary" in result.stdout + result.stderr
+    assert [json.loads(line)["status"] for line in (tmp_path / "summary.jsonl").read_text().splitlines()] == ["COMPLETED"] * 2

@@ -180,7 +180,8 @@ def test_every_search_preset_composes_and_dry_runs_at_both_ends_of_its_space(opt
         chosen = [f"{key}={values[end]}" for key, values in ends.items()]
         plan = validate(typed(compose(f"hparams_search={option}", *chosen)))
         assert plan.schedules, option
-    result = run_cli(f"hparams_search={option}", "dry_run=true", f"hydra.run.dir={tmp_path}")
+    # hydra.mode=RUN: one ordinary run of the preset's config (a preset is a sweep, with or without -m)
+    result = run_cli(f"hparams_search={option}", "hydra.mode=RUN", "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "plan.json").exists() and not (tmp_path / "metrics.jsonl").exists()
 
