@@ -476,3 +476,45 @@ def test_a_momentum_cycle_that_runs_the_wrong_way_is_warned_of():
     with pytest.warns(UserWarning, match=r"override.momentum.max_momentum: 0.0 is below base_momentum 0.85"):
         compile_schedule({"schedule": "one_cycle_momentum", "max_momentum": 0.0}, 10, "override.momentum")
     assert compile_schedule({"schedule": "one_cycle_momentum", "max_momentum": 0.95}, 10, "override.momentum").total_steps == 10
+
+
+@pytest.mark.parametrize(
+    "kind, params, start",
+    [
+        ("linear", {"start": 1e-3, "end": 1e-4}, 0.0),
+        ("cosine", {"value": 1e-3, "min_ratio": 0.1}, 0.0),
+        ("cosine_restarts", {"value": 1e-3}, 0.0),
+        ("wsd", {"value": 1e-3, "decay_steps": 5, "min_ratio": 0.1}, 1e-4),  # wsd warms up from its floor
+        ("polynomial", {"value": 1e-3, "end": 1e-4}, 0.0),
+    ],
+)
+def test_warmups_start_at_step_0_and_decays_reach_their_floor_one_past_the_last_step(kind, params, start):
+    """What --help and docs/schedules.md say of where phases start and end, held to the formulas: from `start` at
+    step 0, the peak at step warmup_steps; the end or floor at step total_steps, which a run never reaches."""
+    from tinker_exp.config.cli_help import WHEN
+
+    values = compile_schedule({"schedule": kind, "warmup_steps": 2, **params}, 20, "override.lr").values(np.arange(21))
+    assert values[0] == pytest.approx(start) and values[2] == pytest.approx(1e-3)
+    floor = {"cosine_restarts": 0.0, "cosine": 1e-4, "wsd": 1e-4}.get(kind, params.get("end"))
+    assert values[20] == pytest.approx(floor) and values[19] > floor * 1.01  # the last step run is short of it
+    assert "reaches its end or floor at step total_steps, one past the last step run" in WHEN
+    assert "one past the last step run" in (CONF_DIR.parent / "docs" / "schedules.md").read_text()
+
+
+def test_one_cycle_reaches_its_floor_at_the_last_step():
+    values = compile_schedule({"schedule": "one_cycle", "value": 1e-3}, 20, "override.lr").values(np.arange(20))
+    assert values[19] == pytest.approx(1e-3 / 25 / 1e4) and values[0] == pytest.approx(1e-3 / 25)
+
+
+def test_a_phase_a_short_run_rounds_away_warns_in_one_line(tmp_path):
+    """`+override=lr_wsd trainer.steps=4`: no warmup, and a 1-step decay that never lowers the lr: valid, said."""
+    result = run_cli("+override=lr_wsd", "trainer.steps=4", "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if "warning" in line] == [
+        "tinker_exp: warning: override.lr: in a 4-step schedule, warmup_steps=0.05 rounds to 0 steps (no warmup) and "
+        "decay_steps=0.2 to 1 step (a decay reaches its floor at step 4, one past the last step run: this one never "
+        "lowers the value)"
+    ]
+    assert planned(tmp_path, "lr") == pytest.approx([1e-3] * 4)  # what the warning says: the peak at every step
+    quiet = run_cli("+override=lr_wsd", "dry_run=true", f"hydra.run.dir={tmp_path / 'default'}")  # 20 steps: 1 and 4
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr, quiet.stderr

@@ -375,6 +375,26 @@ def _check_consistency(kind: str, params: dict[str, Any], total: int, where: str
             raise ConfigError(f"{where}.points: keyframe at step {steps[-1]} is past the end ({total} steps)")
 
 
+def _warn_vanished_phases(kind: str, params: dict[str, Any], fractions: Mapping[str, Any], total: int, where: str) -> None:
+    """Phases given as fractions that a short schedule rounds away (`+override=lr_wsd trainer.steps=4`: no warmup,
+    a 1-step decay) say so in one warning: the run is valid, and not what the preset describes. A decay reaches its
+    floor at step total_steps, one past the last step run, so a 1-step decay never lowers the value."""
+    notes = []
+    for name, given in fractions.items():
+        if name not in ("warmup_steps", "stable_steps", "decay_steps") or not given:
+            continue
+        steps, phase = params[name], name.removesuffix("_steps")
+        if steps == 0:
+            notes.append(f"{name}={given:g} rounds to 0 steps (no {phase})")
+        elif name == "decay_steps" and steps == 1 and kind == "wsd":
+            notes.append(
+                f"{name}={given:g} to 1 step (a decay reaches its floor at step {total}, one past the last step run: "
+                "this one never lowers the value)"
+            )
+    if notes:
+        warnings.warn(f"{where}: in a {total}-step schedule, {' and '.join(notes)}", stacklevel=3)
+
+
 @dataclass(frozen=True)
 class Schedule:
     kind: str
@@ -447,6 +467,7 @@ def compile_schedule(spec: Mapping[str, Any], run_steps: int, where: str, peak: 
     if missing:
         raise ConfigError(f"{where} ({kind}): missing parameter(s) {missing}")
     _check_consistency(kind, spec, total, where)
+    _warn_vanished_phases(kind, spec, fractions, total, where)
     defaults = _defaults(kind)
     params = {name: spec.get(name, defaults.get(name)) for name in declared if name in spec or name in defaults}
     boundaries = _boundaries(kind, spec, total)
