@@ -88,8 +88,9 @@ class ResumeMode(str, Enum):
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
-    """A local Hugging Face causal-LM dir (config, weights, tokenizer) or a hub id (org/name) from the local cache
-    (downloaded before any worker starts when the hub can be reached). None: the tiny model below, built offline."""
+    """A local Hugging Face causal-LM dir (config, weights, tokenizer) or a hub id (org/name, or a top-level name
+    such as gpt2) from the local cache (downloaded before any worker starts when the hub can be reached). None: the
+    tiny model below, built offline."""
     name: str = "tiny-llama"
     """Name of the built model (its cache folder's prefix)."""
     vocab_size: int = 384
