@@ -140,7 +140,14 @@ def new_key_message(cause: OmegaConfBaseException, key: str, typed: str) -> str:
         return schedule_parameter_message(str(parent["schedule"]), key, name, typed)
     if key.startswith(f"{OVERRIDE}."):
         return f"{key}: not in the selected override: type +{typed} to add it"
+    owner = key.rpartition(".")[0]
+    if owner.rpartition(".")[2] in OPEN_MAPPINGS:  # a pruner's arguments: each one new, as override keys
+        return f"{typed}: {owner} does not set {name}: type +{typed} (the + adds an argument the config does not set)"
     return no_such_key(key, name, [k for k in siblings if k != "hydra"])
+
+
+OPEN_MAPPINGS = ("pruner_args", "wrapped_args")
+"""Mappings (hydra.sweeper.pruner_args, ...) that start empty: every key in them is added with +."""
 
 
 def no_such_key(key: str, name: str, known: list[str]) -> str:
