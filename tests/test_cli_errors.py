@@ -109,9 +109,17 @@ SWEEP_WITHOUT_M = [
         "or compose them in one run: +override=[lr_cosine,lr_wsd]",
     ),
     (
-        ["optimizer.lr=1e-4,3e-4"],
-        "optimizer.lr=1e-4,3e-4: a comma list is a sweep: add -m (one run per value), "
-        "or give a list: optimizer.lr=[1e-4,3e-4] (a string: optimizer.lr='1e-4,3e-4')",
+        ["optimizer.lr=1e-4,3e-4"],  # a number: no list to suggest (one would fail)
+        "optimizer.lr=1e-4,3e-4: a comma list is a sweep: add -m (one run per value; optimizer.lr takes one value)",
+    ),
+    (
+        ["+override.lr=1e-4,3e-4"],
+        "+override.lr=1e-4,3e-4: a comma list is a sweep: add -m (one run per value; override.lr takes one value)",
+    ),
+    (
+        ["optimizer.betas=0.9,0.95"],  # a key that takes a list
+        "optimizer.betas=0.9,0.95: a comma list is a sweep: add -m (one run per value), "
+        "or give a list: optimizer.betas=[0.9,0.95] (a string: optimizer.betas='0.9,0.95')",
     ),
 ]
 
