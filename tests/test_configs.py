@@ -126,8 +126,8 @@ def test_cli_key_the_optimizer_lacks_lists_the_keys_it_accepts(tmp_path):
     result = run_cli("+override.momentum=0.9", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2
     assert (
-        "override.momentum: optimizer AdamW has no param-group key 'momentum'; "
-        "keys AdamW accepts: ['lr', 'betas', 'eps', 'weight_decay']"
+        "override.momentum: optimizer AdamW has no param-group key momentum; "
+        "keys AdamW accepts: lr, betas, eps, weight_decay"
     ) in result.stderr
     assert "Traceback" not in result.stderr
 
