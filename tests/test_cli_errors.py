@@ -241,9 +241,23 @@ def test_our_warnings_reach_the_terminal_as_one_line(tmp_path):
     assert result.returncode == 0, result.stderr
     said = [line for line in result.stderr.splitlines() if "ignoring" in line]
     assert said == [
-        "tinker_exp: warning: override.lr: ignoring ['min_ratio', 'num_cycles'], not parameters of linear"
+        "tinker_exp: warning: override.lr: ignoring min_ratio, num_cycles, not parameters of linear"
         " (left from an earlier override file?)"
     ], result.stderr
+
+
+REFUSED_AS_TYPED = [
+    (["+override.beta1=1.2"], "override.beta1: 1.2 is not in [0, 1)"),  # Tinker's spelling, not betas[0]
+    (["+override.learning_rate=-1e-3"], "override.learning_rate: must be >= 0, got -0.001"),
+    (["+override=lr_cosine", "override.lr.value=-1e-3"], "override.lr.value: must be >= 0, got -0.001"),  # not a step
+    (["+override=adamw_one_cycle", "override.beta1.max_momentum=1.5"], "override.beta1.max_momentum: 1.5 is not in [0, 1)"),
+    (["optimizer.clip_grad=-1"], "optimizer.clip_grad: must be >= 0, got -1.0"),
+]
+
+
+@pytest.mark.parametrize("args, line", REFUSED_AS_TYPED, ids=[" ".join(args) for args, _ in REFUSED_AS_TYPED])
+def test_a_refused_value_is_named_as_typed_in_one_line(monkeypatch, capsys, tmp_path, args, line):
+    check_one_line(*run_main(monkeypatch, capsys, *args, f"hydra.run.dir={tmp_path}", "dry_run=true"), line)
 
 
 def test_hparams_search_without_m_runs_the_study(tmp_path):
