@@ -84,8 +84,17 @@ def test_branch_step_defaults_to_the_trunks_newest_checkpoint_and_a_killed_branc
         (["branch.step=8"], "branch.step: 8 (the trunk's checkpoint) must be below trainer.steps=8: the branch would train nothing"),
         (["branch.step=4", "optimizer.eps=1e-6", "backend.num_workers=1"], "branch.from={trunk}: backend.num_workers: 2 -> 1; optimizer.eps: 1e-08 -> 1e-06 (the trunk's -> this run's); a branch must keep the trunk's model, LoRA, optimizer and workers for its checkpoint to load as saved"),
         (["branch.step=4", "lora=r8"], "branch.from={trunk}: lora.rank: 0 -> 8 (the trunk's -> this run's)"),
+        (["branch.step=4", "optimizer.lr=3e-4"], "branch.from={trunk}: optimizer.lr: 0.001 -> 0.0003 (the trunk's -> this "
+         "run's); a branch must keep the trunk's model, LoRA, optimizer and workers for its checkpoint to load as saved; "
+         "to change optimizer.lr from the branch step on, send it with every step instead: override.lr.value=..."),
+        (["branch.step=4", "optimizer.weight_decay=0.1"], "branch.from={trunk}: optimizer.weight_decay: 0.01 -> 0.1 (the "
+         "trunk's -> this run's); a branch must keep the trunk's model, LoRA, optimizer and workers for its checkpoint "
+         "to load as saved; to change optimizer.weight_decay from the branch step on, send it with every step instead: "
+         "+override.weight_decay=..."),
+        (["branch.step=4", "optimizer=sgd"], "branch.from={trunk}: optimizer.lr: 0.001 -> 0.05; optimizer.momentum: 0.0 -> "
+         "0.9; optimizer.name: AdamW -> SGD; optimizer.weight_decay: 0.01 -> 0.0 (the trunk's -> this run's)"),  # no repr
     ],
-    ids=["no-checkpoint-there", "step-past-the-end", "optimizer-and-workers", "lora"],
+    ids=["no-checkpoint-there", "step-past-the-end", "optimizer-and-workers", "lora", "lr", "weight-decay", "sgd"],
 )
 def test_a_branch_that_cannot_start_is_a_config_error_before_any_worker(trunk, tmp_path, extra, message):
     start = fake_workers()
@@ -128,7 +137,7 @@ def test_a_resume_with_another_plan_is_refused_naming_each_key(trunk, tmp_path):
         run(compose("+override=lr_wsd", *BASE, "trainer.seed=3"), run_dir, start_workers=start)
     message = str(caught.value)
     assert message.startswith(f"{run_dir} holds a run of another config (override.lr.")
-    assert "override.lr.schedule: 'cosine' -> 'wsd'" in message and "trainer.seed: 0 -> 3" in message
+    assert "override.lr.schedule: cosine -> wsd" in message and "trainer.seed: 0 -> 3" in message
     assert message.endswith(f"start a new run dir with branch.from={run_dir}")
     assert start.started == [] and files(run_dir) == before  # job.json aside: nothing written
     # what changes nothing trained may change
@@ -196,17 +205,29 @@ def test_early_stop_ends_the_run_with_a_checkpoint_at_that_step(tmp_path, caplog
         ("checkpoint.keep_every=-1", "checkpoint.keep_every=-1 must be >= 0"),
         ("trainer.early_stop.patience=-2", "trainer.early_stop.patience: must be >= 0, got -2"),
         ("trainer.early_stop.min_delta=-0.5", "trainer.early_stop.min_delta: must be >= 0, got -0.5"),
+        # an early stop that can never stop: accepted, it was a silent no-op
+        ("trainer.early_stop.patience=2 trainer.eval_every=0", "trainer.early_stop.patience=2: trainer.eval_every=0 "
+         "evaluates only after the last step; early stop could never stop the run (set trainer.eval_every=N, N < trainer.steps)"),
+        ("trainer.early_stop.patience=2", "trainer.early_stop.patience=2: trainer.eval_every=10 evaluates 1 time before "
+         "the last of trainer.steps=20; early stop needs 3 (a first, then 2 without improvement), so it could never "
+         "stop the run"),  # every 10 of 20 steps
     ],
 )
 def test_bad_kept_checkpoint_and_early_stop_values_are_one_line(tmp_path, arg, message):
-    result = run_cli(arg, "dry_run=true", f"hydra.run.dir={tmp_path}")
+    result = run_cli(*arg.split(), "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"tinker_exp: config error: {message}"]
+
+
+def test_early_stop_with_evaluations_before_the_last_step_is_accepted(tmp_path):
+    """The fix the line names: trainer.eval_every=5 of 20 steps evaluates 3 times before the last (5, 10, 15)."""
+    result = run_cli("trainer.early_stop.patience=2", "trainer.eval_every=5", "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0 and (tmp_path / "plan.json").is_file(), result.stderr
 
 
 def test_differing_names_each_key_and_skips_keys_the_schema_gained_since():
     saved = {"trainer": {"steps": 8, "seed": 0}, "override": None}
     now = {"trainer": {"steps": 8, "seed": 1, "early_stop": {"patience": 0}}, "override": {"lr": 1e-3}}
-    assert differing(saved, now, lambda key: True) == ["override.lr: None -> 0.001", "trainer.seed: 0 -> 1"]
+    assert differing(saved, now, lambda key: True) == ["override.lr: null -> 0.001", "trainer.seed: 0 -> 1"]
     assert differing(saved, now, lambda key: key.startswith("trainer.")) == ["trainer.seed: 0 -> 1"]
 
 

@@ -4,6 +4,7 @@ In-process through tinker_exp.main.main() with sys.argv set, as `python -m tinke
 error starts nothing, so no run dir is written); the help's example commands run as a user types them.
 """
 
+import json
 import shlex
 import subprocess
 import sys
@@ -108,9 +109,17 @@ SWEEP_WITHOUT_M = [
         "or compose them in one run: +override=[lr_cosine,lr_wsd]",
     ),
     (
-        ["optimizer.lr=1e-4,3e-4"],
-        "optimizer.lr=1e-4,3e-4: a comma list is a sweep: add -m (one run per value), "
-        "or give a list: optimizer.lr=[1e-4,3e-4] (a string: optimizer.lr='1e-4,3e-4')",
+        ["optimizer.lr=1e-4,3e-4"],  # a number: no list to suggest (one would fail)
+        "optimizer.lr=1e-4,3e-4: a comma list is a sweep: add -m (one run per value; optimizer.lr takes one value)",
+    ),
+    (
+        ["+override.lr=1e-4,3e-4"],
+        "+override.lr=1e-4,3e-4: a comma list is a sweep: add -m (one run per value; override.lr takes one value)",
+    ),
+    (
+        ["optimizer.betas=0.9,0.95"],  # a key that takes a list
+        "optimizer.betas=0.9,0.95: a comma list is a sweep: add -m (one run per value), "
+        "or give a list: optimizer.betas=[0.9,0.95] (a string: optimizer.betas='0.9,0.95')",
     ),
 ]
 
@@ -232,6 +241,39 @@ def test_our_warnings_reach_the_terminal_as_one_line(tmp_path):
     assert result.returncode == 0, result.stderr
     said = [line for line in result.stderr.splitlines() if "ignoring" in line]
     assert said == [
-        "tinker_exp: warning: override.lr: ignoring ['min_ratio', 'num_cycles'], not parameters of linear"
+        "tinker_exp: warning: override.lr: ignoring min_ratio, num_cycles, not parameters of linear"
         " (left from an earlier override file?)"
     ], result.stderr
+
+
+REFUSED_AS_TYPED = [
+    (["+override.beta1=1.2"], "override.beta1: 1.2 is not in [0, 1)"),  # Tinker's spelling, not betas[0]
+    (["+override.learning_rate=-1e-3"], "override.learning_rate: must be >= 0, got -0.001"),
+    (["+override=lr_cosine", "override.lr.value=-1e-3"], "override.lr.value: must be >= 0, got -0.001"),  # not a step
+    (["+override=adamw_one_cycle", "override.beta1.max_momentum=1.5"], "override.beta1.max_momentum: 1.5 is not in [0, 1)"),
+    (["optimizer.clip_grad=-1"], "optimizer.clip_grad: must be >= 0, got -1.0"),
+]
+
+
+@pytest.mark.parametrize("args, line", REFUSED_AS_TYPED, ids=[" ".join(args) for args, _ in REFUSED_AS_TYPED])
+def test_a_refused_value_is_named_as_typed_in_one_line(monkeypatch, capsys, tmp_path, args, line):
+    check_one_line(*run_main(monkeypatch, capsys, *args, f"hydra.run.dir={tmp_path}", "dry_run=true"), line)
+
+
+def test_hparams_search_without_m_runs_the_study(tmp_path):
+    """`hparams_search=NAME` is a study with or without -m (the preset sets hydra.mode): its trial's dir and the
+    study's summary, not one ordinary run."""
+    result = run_cli("hparams_search=lr_cosine", "dry_run=true", "hydra.sweeper.n_trials=1", "hydra.sweeper.n_jobs=1",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", f"hydra.run.dir={tmp_path / 'run'}", timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "dry run: 1 trials planned" in result.stdout + result.stderr
+    assert (tmp_path / "sweep" / "0" / "plan.json").is_file() and not (tmp_path / "run").exists()
+
+
+def test_m_without_a_launcher_runs_on_the_local_launcher_with_its_summary(tmp_path):
+    """`-m` alone: the local launcher (hydra/launcher=basic is ours), so the sweep ends with its summary and
+    summary files, as with hydra/launcher=local; not Hydra's basic launcher (jobs in this process, no summary)."""
+    result = run_cli("-m", "optimizer.lr=1e-3,3e-4", "dry_run=true", f"hydra.sweep.dir={tmp_path}", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "sweep summary" in result.stdout + result.stderr
+    assert [json.loads(line)["status"] for line in (tmp_path / "summary.jsonl").read_text().splitlines()] == ["COMPLETED"] * 2

@@ -338,3 +338,11 @@ def test_the_sweeps_pages_refused_points_are_what_the_cli_prints(tmp_path: Path)
         assert done.returncode == 2 and "Traceback" not in output, f"{command}\n{output}"
         assert all(line in output.splitlines() for line in lines), f"{command}\n{output}"
     assert not (tmp_path / "outputs").exists()
+
+
+def test_the_logging_page_names_the_file_a_study_keeps():
+    """A study keeps Optuna's journal (an earlier version's optuna.db is still read): what report.py looks for."""
+    from tinker_exp.sweep.study import JOURNAL_FILE, SQLITE_FILE
+
+    text = " ".join((REPO / "docs" / "logging.md").read_text().split())
+    assert f"A study (a sweep dir with `{JOURNAL_FILE}`, or an earlier version's `{SQLITE_FILE}`)" in text

@@ -269,7 +269,7 @@ def wandb_config_of(*overrides: str) -> dict:
 def test_the_wandb_config_is_flat_with_the_override_as_the_plan_uses_it():
     """One key per value (W&B's parallel coordinates and grouping): each override key's schedule and every
     parameter of it, defaults filled in, leftovers of an earlier composed file dropped; betas per component."""
-    with pytest.warns(UserWarning, match=r"override.lr: ignoring \['decay_shape', 'decay_steps'\]"):
+    with pytest.warns(UserWarning, match=r"override.lr: ignoring decay_shape, decay_steps,"):
         flat = wandb_config_of("+override=[lr_wsd,beta2_warmup,lr_cosine]", "override.lr.warmup_steps=5", "+override.weight_decay=0")
     assert all(not isinstance(value, (dict, list)) or value in ({}, []) for value in flat.values()), flat
     assert {key: value for key, value in flat.items() if key.startswith("override.")} == {

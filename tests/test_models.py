@@ -94,3 +94,20 @@ def test_a_second_architecture_from_the_hub_cache_trains_chat_data_with_lora(hub
     assert adapter["r"] == 8 and adapter["base_model_name_or_path"]
     assert "patch for Qwen2ForCausalLM" in (run_dir / "workers.log").read_text()  # verl built the model found in the cache
     assert job_json(run_dir)["overrides"][0] == f"model.path={REPO_ID}"
+
+
+def test_a_top_level_hub_id_is_a_hub_id_not_a_missing_dir(tmp_path):
+    """`model.path=gpt2` (no org/): what a hub id gets, looked up in the cache (offline here: nothing downloaded),
+    not "neither a model dir nor a hub id"; a dry run of an id not cached yet passes (a run fetches it)."""
+    from tinker_exp.config.validate import is_hub_id
+
+    assert all(is_hub_id(name) for name in ("gpt2", "distilgpt2", "Qwen/Qwen2.5-0.5B", "openai-community/gpt2"))
+    assert not any(is_hub_id(name) for name in ("/abs/gpt2", "./gpt2", "~/m", "a/b/c", "a..b", "-x", "org/"))
+    env = {"HF_HUB_CACHE": str(tmp_path / "empty"), "RAY_ADDRESS": None, "HF_HUB_OFFLINE": "1"}
+    offline = run_cli("model.path=gpt2", "dry_run=true", f"hydra.run.dir={tmp_path / 'dry'}", env=env)
+    assert offline.returncode == 2 and offline.stderr.strip().splitlines() == [
+        f"tinker_exp: config error: model.path: 'gpt2' is not in the local Hugging Face cache ({tmp_path / 'empty'}; "
+        "HF_HUB_CACHE or HF_HOME set it) and HF_HUB_OFFLINE is set"
+    ], offline.stderr
+    dry = run_cli("model.path=gpt2", "dry_run=true", f"hydra.run.dir={tmp_path / 'dry2'}", env={**env, "HF_HUB_OFFLINE": None})
+    assert dry.returncode == 0, dry.stderr  # not cached: a dry run does not download, and it is a hub id

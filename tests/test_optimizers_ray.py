@@ -164,3 +164,18 @@ def test_muon_on_two_workers_steps_as_on_one(muon, tmp_path: Path):
     assert len(gaps) == 6 and [a["applied/lr"] for a in one] == [b["applied/lr"] for b in two]
     assert all(loss < 1e-5 and norm < 1e-4 for loss, norm in gaps[:3]), gaps  # two Muon updates (step 0's lr is 0)
     assert all(loss < 1e-4 and norm < 1e-3 for loss, norm in gaps), gaps
+
+
+def test_clip_grad_0_is_no_clipping_and_the_model_trains(ray_address, tmp_path: Path):
+    """optimizer.clip_grad=0 (Tinker's grad_clip_norm=0, HF's max_grad_norm=0): no clipping. verl clips with the
+    max_norm it is given, and 0 would zero every gradient (Adam's update is then 0: the loss would not move); given
+    no clip (inf), the run is bitwise the one with a clip no gradient reaches, its loss falls and it reports the
+    grad norm."""
+    common = ["trainer.steps=3", "trainer.eval_every=0", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false"]
+    rows = {}
+    for clip in ("0", "1e9"):
+        run(compose(*common, f"optimizer.clip_grad={clip}"), tmp_path / clip)
+        rows[clip] = [(row["train/loss"], row["train/grad_norm"]) for row in read_jsonl(tmp_path / clip / "metrics.jsonl")]
+    assert rows["0"] == rows["1e9"] and len(rows["0"]) == 3
+    losses, norms = zip(*rows["0"])
+    assert losses[2] < losses[1] < losses[0] and all(0 < norm < float("inf") for norm in norms)

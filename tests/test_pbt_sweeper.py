@@ -211,7 +211,7 @@ def test_the_summary_lists_members_by_final_objective_with_their_exploits_and_do
     assert saved["failed"] == [{"member": 3, "status": "CANCELLED", "error": "ended by the scheduler (CANCELLED)"}]
     # a preset that selects its override in its defaults: the realized file replaces it (no +)
     assert results(members, ["hparams_search=pbt_lr_cosine"], 4, 2, override_in_defaults=True)["replay_overrides"] == [
-        "override=realized", "hparams_search=pbt_lr_cosine"]
+        "override=realized", "hparams_search=pbt_lr_cosine", "hydra.mode=RUN"]  # one run, not the preset's sweep
 
 
 def test_report_png_draws_each_members_objective_with_its_exploits_and_its_realized_values(population):

@@ -134,22 +134,28 @@ def test_every_step_of_a_multi_key_plan_is_converted():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ({"betas": [0.9, {"schedule": "linear", "start": 0.95, "end": 1.02}]},
-         "override.betas[1] at step 72 (linear): 1.0004 is not in [0, 1)"),
-        ({"lr": {"schedule": "linear", "start": 1e-3, "end": -1e-3}}, "override.lr at step 51 (linear): must be >= 0"),
-        ({"eps": {"schedule": "linear", "start": 1e-8, "end": -1e-8}}, "override.eps at step 50 (linear): must be > 0"),
+        # a value of the key given as a parameter is named as given; a computed one by its first bad step
+        ({"betas": [0.9, {"schedule": "linear", "start": 0.95, "end": 1.02}]}, "override.betas[1].end: 1.02 is not in [0, 1)"),
+        ({"lr": {"schedule": "linear", "start": 1e-3, "end": -1e-3}}, "override.lr.end: must be >= 0, got -0.001"),
+        ({"eps": {"schedule": "linear", "start": 1e-8, "end": -1e-8}}, "override.eps.end: must be > 0, got -1e-08"),
+        ({"lr": {"schedule": "cosine", "value": -1e-3, "warmup_steps": 5}}, "override.lr.value: must be >= 0, got -0.001"),
+        ({"lr": {"schedule": "keyframes", "points": {0: 1e-3, 50: -1e-4}}}, "override.lr.points[50]: must be >= 0, got -0.0001"),
+        ({"beta1": {"schedule": "linear", "start": 0.9, "end": 1.2}}, "override.beta1.end: 1.2 is not in [0, 1)"),
+        ({"learning_rate": {"schedule": "cosine", "value": -1.0}}, "override.learning_rate.value: must be >= 0, got -1.0"),
+        ({"betas": [0.9, {"schedule": "exponential", "value": 0.99, "gamma": 1.001}]},
+         "override.betas[1] at step 11 (exponential): 1.0009"),
         ({"eps": {"schedule": "exponential", "value": 1e-8, "gamma": 0.0}}, "override.eps.gamma: must be > 0, got 0.0"),
         ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": 150}}, "override.lr.warmup_steps: 150 is longer than the schedule (100 steps)"),
         ({"lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 10, "decay_steps": 95}}, "override.lr: warmup_steps + stable_steps + decay_steps = 105 runs past the end (100 steps)"),
         ({"lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 10, "decay_steps": 50, "stable_steps": 50}}, "= 110 runs past the end"),
-        ({"lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 1, "decay_steps": 5, "decay_shape": "sqrt"}}, "override.lr.decay_shape: 'sqrt' is not one of"),
+        ({"lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 1, "decay_steps": 5, "decay_shape": "sqrt"}}, "override.lr.decay_shape: sqrt is not a choice; did you mean 1-sqrt? (choices: linear, cosine, 1-sqrt)"),
         ({"lr": {"schedule": "keyframes", "points": {0: 1e-5, 80: 3e-4, 40: 3e-5}}}, "override.lr.points: keyframes out of order: steps [0, 80, 40]"),
         ({"lr": {"schedule": "keyframes", "points": {0: 1e-5, 400: 3e-4}}}, "override.lr.points: keyframe at step 400 is past the end (100 steps)"),
         ({"lr": {"schedule": "multistep", "value": 1e-3, "milestones": [50, 20]}}, "override.lr.milestones: must be strictly increasing"),
-        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup": 10}}, "override.lr (cosine): unknown parameter(s) ['warmup']; cosine takes ['min_ratio', 'num_cycles', 'value', 'warmup_steps']"),
-        ({"lr": {"schedule": "wsd", "value": 1e-3}}, "override.lr (wsd): missing parameter(s) ['decay_steps', 'warmup_steps']"),
-        ({"lr": {"schedule": "sawtooth", "value": 1e-3}}, "override.lr.schedule: 'sawtooth' is not one of"),
-        ({"lr": {"value": 1e-3}}, "override.lr.schedule: None is not one of"),
+        ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup": 10}}, "override.lr.warmup: cosine has no parameter warmup; did you mean warmup_steps? (cosine takes value, warmup_steps, min_ratio, num_cycles, total_steps)"),
+        ({"lr": {"schedule": "wsd", "value": 1e-3}}, "override.lr.decay_steps: wsd needs decay_steps and warmup_steps (no default)"),
+        ({"lr": {"schedule": "sawtooth", "value": 1e-3}}, "override.lr.schedule: sawtooth is not a schedule kind (kinds: constant, linear,"),
+        ({"lr": {"value": 1e-3}}, "override.lr.schedule: missing (a schedule mapping needs one)"),
         ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": 2.5}}, "override.lr.warmup_steps: 2.5 is not in [0, 1]: a float is a fraction of the schedule (100 steps), an integer a number of steps"),
         ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": 1.5}}, "override.lr.warmup_steps: 1.5 is not in [0, 1]: a float is a fraction"),
         ({"lr": {"schedule": "cosine", "value": 1e-3, "warmup_steps": -0.1}}, "override.lr.warmup_steps: -0.1 is not in [0, 1]"),
@@ -209,7 +215,7 @@ def test_composed_files_later_wins_and_cli_tweaks():
     assert plan.schedules["lr"].kind == "wsd"
     later = validate(OmegaConf.to_object(compose("+override=[lr_wsd,lr_cosine]")))
     assert later.schedules["lr"].kind == "cosine"
-    with pytest.warns(UserWarning, match=r"override.lr: ignoring \['end'\], not parameters of cosine") as said:
+    with pytest.warns(UserWarning, match=r"override.lr: ignoring end, not parameters of cosine") as said:
         validate(OmegaConf.to_object(compose("+override=[lr_linear,lr_cosine]")))  # lr_linear's `start: null` says nothing
     assert len(said) == 1
     tweaked = validate(OmegaConf.to_object(compose("+override=lr_cosine", "override.lr.warmup_steps=5", "override.lr.min_ratio=0.5")))
@@ -314,7 +320,7 @@ def test_dry_run_cli_prints_table_and_imports_nothing_heavy(tmp_path):
 def test_cli_bad_schedule_exits_before_workers(tmp_path):
     result = run_cli("+override=beta2_warmup", "override.betas.1.end=1.5", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "override.betas[1] at step 2 (linear): 1.005 is not in [0, 1)" in result.stderr
+    assert result.stderr.strip().splitlines() == ["tinker_exp: config error: override.betas[1].end: 1.5 is not in [0, 1)"]
 
 
 def test_real_run_follows_the_plan_on_lr_and_betas(ray_address, tmp_path):
@@ -408,7 +414,7 @@ def test_an_explicit_peak_wins_and_null_is_the_optimizers():
     plan = build_plan({"lr": {"schedule": "linear", "end": 1e-4}, "eps": {"schedule": "exponential", "value": None, "gamma": 0.5}},
                       OptimizerConfig(lr=2e-3, eps=1e-6), 10)  # fmt: skip
     assert plan[0]["lr"] == 2e-3 and plan[9]["lr"] == pytest.approx(2e-3 + (1e-4 - 2e-3) * 0.9) and plan[1]["eps"] == 5e-7
-    with pytest.raises(ConfigError, match=r"override.lr \(cosine\): missing parameter\(s\) \['value'\]"):
+    with pytest.raises(ConfigError, match=r"override.lr.value: cosine needs value \(no default\)"):
         compile_schedule({"schedule": "cosine"}, 10, "override.lr")  # no optimizer to follow: the peak is needed
 
 
@@ -476,3 +482,45 @@ def test_a_momentum_cycle_that_runs_the_wrong_way_is_warned_of():
     with pytest.warns(UserWarning, match=r"override.momentum.max_momentum: 0.0 is below base_momentum 0.85"):
         compile_schedule({"schedule": "one_cycle_momentum", "max_momentum": 0.0}, 10, "override.momentum")
     assert compile_schedule({"schedule": "one_cycle_momentum", "max_momentum": 0.95}, 10, "override.momentum").total_steps == 10
+
+
+@pytest.mark.parametrize(
+    "kind, params, start",
+    [
+        ("linear", {"start": 1e-3, "end": 1e-4}, 0.0),
+        ("cosine", {"value": 1e-3, "min_ratio": 0.1}, 0.0),
+        ("cosine_restarts", {"value": 1e-3}, 0.0),
+        ("wsd", {"value": 1e-3, "decay_steps": 5, "min_ratio": 0.1}, 1e-4),  # wsd warms up from its floor
+        ("polynomial", {"value": 1e-3, "end": 1e-4}, 0.0),
+    ],
+)
+def test_warmups_start_at_step_0_and_decays_reach_their_floor_one_past_the_last_step(kind, params, start):
+    """What --help and docs/schedules.md say of where phases start and end, held to the formulas: from `start` at
+    step 0, the peak at step warmup_steps; the end or floor at step total_steps, which a run never reaches."""
+    from tinker_exp.config.cli_help import WHEN
+
+    values = compile_schedule({"schedule": kind, "warmup_steps": 2, **params}, 20, "override.lr").values(np.arange(21))
+    assert values[0] == pytest.approx(start) and values[2] == pytest.approx(1e-3)
+    floor = {"cosine_restarts": 0.0, "cosine": 1e-4, "wsd": 1e-4}.get(kind, params.get("end"))
+    assert values[20] == pytest.approx(floor) and values[19] > floor * 1.01  # the last step run is short of it
+    assert "reaches its end or floor at step total_steps, one past the last step run" in WHEN
+    assert "one past the last step run" in (CONF_DIR.parent / "docs" / "schedules.md").read_text()
+
+
+def test_one_cycle_reaches_its_floor_at_the_last_step():
+    values = compile_schedule({"schedule": "one_cycle", "value": 1e-3}, 20, "override.lr").values(np.arange(20))
+    assert values[19] == pytest.approx(1e-3 / 25 / 1e4) and values[0] == pytest.approx(1e-3 / 25)
+
+
+def test_a_phase_a_short_run_rounds_away_warns_in_one_line(tmp_path):
+    """`+override=lr_wsd trainer.steps=4`: no warmup, and a 1-step decay that never lowers the lr: valid, said."""
+    result = run_cli("+override=lr_wsd", "trainer.steps=4", "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if "warning" in line] == [
+        "tinker_exp: warning: override.lr: in a 4-step schedule, warmup_steps=0.05 rounds to 0 steps (no warmup) and "
+        "decay_steps=0.2 to 1 step (a decay reaches its floor at step 4, one past the last step run: this one never "
+        "lowers the value)"
+    ]
+    assert planned(tmp_path, "lr") == pytest.approx([1e-3] * 4)  # what the warning says: the peak at every step
+    quiet = run_cli("+override=lr_wsd", "dry_run=true", f"hydra.run.dir={tmp_path / 'default'}")  # 20 steps: 1 and 4
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr, quiet.stderr

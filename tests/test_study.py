@@ -154,11 +154,23 @@ def test_a_killed_pruning_study_records_a_trial_pruned_meanwhile_as_pruned(tmp_p
         (["optimizer.lr=tag(log,interval(0,1))"], "config error: optimizer.lr: a log-scale interval must start above 0"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.n_trials=0"], "config error: hydra.sweeper.n_trials: 0 must be an int >= 1"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.n_jobs=0"], "config error: hydra.sweeper.n_jobs: 0 must be an int >= 1"),
-        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=early"], "config error: hydra.sweeper.pruner: 'early' is not a pruner; one of none, median,"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=early"],
+         "config error: hydra.sweeper.pruner: early is not a pruner (pruners: none, median,"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=medain"],  # "did you mean", as for presets
+         "config error: hydra.sweeper.pruner: medain is not a pruner; did you mean median? (pruners: none, median,"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=median", "+hydra.sweeper.pruner_args.n_warmup_steps=-1"],
-         "config error: hydra.sweeper.pruner_args: {'n_warmup_steps': -1} for pruner 'median': Number of warmup steps cannot be negative"),
+         "config error: hydra.sweeper.pruner_args (n_warmup_steps=-1) for pruner median: Number of warmup steps cannot be negative"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=median", "+hydra.sweeper.pruner_args.n_startup_trials=two"],
-         "config error: hydra.sweeper.pruner_args.n_startup_trials: 'two' must be a number"),
+         "config error: hydra.sweeper.pruner_args.n_startup_trials: two must be a number"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=threshold", "+hydra.sweeper.pruner_args.uper=1"],  # not __init__()'s words
+         "config error: hydra.sweeper.pruner_args.uper: pruner threshold has no argument uper; did you mean upper? "
+         "(threshold takes lower, upper, n_warmup_steps, interval_steps)"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=percentile"],
+         "config error: hydra.sweeper.pruner_args.percentile: pruner percentile needs it: type "
+         "+hydra.sweeper.pruner_args.percentile=VALUE (percentile takes percentile, n_startup_trials,"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=threshold", "hydra.sweeper.pruner_args.upper=1"],  # no +
+         "config error: hydra.sweeper.pruner_args.upper=1: hydra.sweeper.pruner_args does not set upper: type "
+         "+hydra.sweeper.pruner_args.upper=1 (the + adds an argument the config does not set)"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=median", "trainer.eval_every=0"],
          "config error: hydra.sweeper.pruner=median: trainer.eval_every=0 evaluates only after the last step"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=threshold", "+hydra.sweeper.pruner_args.upper=1", "data.val_fraction=null"],

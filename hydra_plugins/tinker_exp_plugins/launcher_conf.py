@@ -1,9 +1,10 @@
-"""Schemas stored in Hydra's ConfigStore: hydra/launcher=local (submitit's local keys, ours on top), and
-hydra/sweeper=basic, the sweeper `-m` uses unless told otherwise, as our GridSweeper.
+"""Schemas stored in Hydra's ConfigStore: hydra/launcher=local (submitit's local keys, ours on top), also as
+hydra/launcher=basic, the launcher `-m` uses unless told otherwise (Hydra's own runs the jobs in this process, with
+no summary and no report), and hydra/sweeper=basic, the sweeper `-m` uses unless told otherwise, as our GridSweeper.
 
-Why `basic` is replaced rather than a `grid` option added: a default picked in conf/config.yaml's defaults list
-would win over the `override /hydra/sweeper: optuna` of an hparams_search preset (Hydra applies the primary
-config's overrides last). Hydra scans its core plugins before hydra_plugins, so this entry is the one it keeps.
+Why `basic` is replaced rather than a `grid` (or `local`) default picked: a default picked in conf/config.yaml's
+defaults list would win over the `override /hydra/sweeper: optuna` (or a launcher) of an hparams_search preset
+(Hydra applies the primary config's overrides last). Hydra scans its core plugins before hydra_plugins, so this entry is the one it keeps.
 
 In a module of its own, without `from __future__ import annotations`: Hydra's plugin scan imports these modules
 outside sys.modules, where a dataclass cannot resolve string annotations.
@@ -20,12 +21,14 @@ from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf
 @dataclass
 class LocalLauncherConf(LocalQueueConf):
     _target_: str = "hydra_plugins.tinker_exp_plugins.launchers.LocalSweepLauncher"
+    gpus_per_node: Optional[int] = 0
     max_parallel: Optional[int] = None
     """Points run at once (the rest start as earlier ones end); null: as many as the CPUs hold at one CPU a worker
     (tinker_exp.sweep.jobs.points_at_once)."""
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="tinker_exp_local", node=LocalLauncherConf, provider="tinker_exp")
+ConfigStore.instance().store(group="hydra/launcher", name="basic", node=LocalLauncherConf, provider="tinker_exp")
 
 
 @dataclass

@@ -57,7 +57,18 @@ def overrides_section() -> str:
         f"  {', '.join(lengths)}: an integer is a number of steps, a float in [0, 1] a fraction of the schedule",
         LINE_WIDTH, subsequent_indent="    ",
     )  # fmt: skip
+    lines += textwrap.wrap(f"  When: {WHEN}", LINE_WIDTH, subsequent_indent="    ")
     return "\n".join(lines)
+
+
+WHEN = (
+    "step 0 is the first step run, total_steps - 1 the last. A warmup starts at step 0 from 0 (wsd's from "
+    "min_ratio * value, one_cycle's from value / div_factor) and reaches the peak at step warmup_steps. A decay "
+    "(linear, cosine, cosine_restarts, wsd, polynomial) reaches its end or floor at step total_steps, one past the "
+    "last step run: the last step sends a value one step short of it (one_cycle, as torch's OneCycleLR, reaches its "
+    "floor at the last step). A length that rounds to 0 steps, or a wsd decay of 1 step, says so in a warning."
+)
+"""When a schedule's phases start and end, in --help (docs/schedules.md says the same)."""
 
 
 def hydra_groups_section() -> str:

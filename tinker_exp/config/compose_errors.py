@@ -79,6 +79,8 @@ def grammar_message(error: BaseException, argv: list[str] | None = None) -> str 
         key, _, values = arg.partition("=")
         if key == f"+{OVERRIDE}":
             return f"{arg}: a comma list is a sweep: add -m (one run per preset), or compose them in one run: {key}=[{values}]"
+        if takes_list(key) is False:
+            return f"{arg}: a comma list is a sweep: add -m (one run per value; {key.lstrip('+~')} takes one value)"
         return f"{arg}: a comma list is a sweep: add -m (one run per value), or give a list: {key}=[{values}] (a string: {key}='{values}')"
     if (match := TWICE.match(text)) and match.group("group") == OVERRIDE:
         return twice_message(argv)
@@ -92,6 +94,37 @@ def grammar_message(error: BaseException, argv: list[str] | None = None) -> str 
     if (match := NEW_KEY.match(text)) and typed and isinstance(cause, OmegaConfBaseException):
         return new_key_message(cause, match.group("key"), typed)
     return None
+
+
+def takes_list(key: str) -> bool | None:
+    """Whether a config key (as typed, + and all) takes a list: True or False where the schema (or the override
+    grammar) says, None where it does not know (hydra.*, an untyped field, a key that is not there)."""
+    import dataclasses
+    import typing
+
+    from tinker_exp.config.schema import Config
+
+    parts = key.lstrip("+~").split(".")
+    if parts[0] == OVERRIDE:
+        from tinker_exp.optim.schedules import PARAMS
+
+        if len(parts) == 2:  # override.KEY: a value or a schedule; betas a pair
+            return parts[1] == "betas"
+        lengths = {name for params in PARAMS.values() for name, param in params.items() if param.kind == "lengths"}
+        return parts[-1] in lengths  # a schedule parameter: milestones takes a list
+    node: Any = Config
+    for part in parts:
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return None
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            return None
+        node = hints[part]
+    while typing.get_origin(node) is typing.Union:  # Optional[X]
+        node = next(arg for arg in typing.get_args(node) if arg is not type(None))
+    if node is Any or (isinstance(node, type) and dataclasses.is_dataclass(node)):
+        return None
+    return typing.get_origin(node) in (list, tuple)
 
 
 def twice_message(argv: list[str]) -> str:
@@ -140,7 +173,14 @@ def new_key_message(cause: OmegaConfBaseException, key: str, typed: str) -> str:
         return schedule_parameter_message(str(parent["schedule"]), key, name, typed)
     if key.startswith(f"{OVERRIDE}."):
         return f"{key}: not in the selected override: type +{typed} to add it"
+    owner = key.rpartition(".")[0]
+    if owner.rpartition(".")[2] in OPEN_MAPPINGS:  # a pruner's arguments: each one new, as override keys
+        return f"{typed}: {owner} does not set {name}: type +{typed} (the + adds an argument the config does not set)"
     return no_such_key(key, name, [k for k in siblings if k != "hydra"])
+
+
+OPEN_MAPPINGS = ("pruner_args", "wrapped_args")
+"""Mappings (hydra.sweeper.pruner_args, ...) that start empty: every key in them is added with +."""
 
 
 def no_such_key(key: str, name: str, known: list[str]) -> str:

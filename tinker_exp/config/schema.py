@@ -7,6 +7,7 @@ own ranges in ``__post_init__`` (run by ``OmegaConf.to_object``); checks across 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional, Tuple
@@ -87,8 +88,9 @@ class ResumeMode(str, Enum):
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
-    """A local Hugging Face causal-LM dir (config, weights, tokenizer) or a hub id (org/name) from the local cache
-    (downloaded before any worker starts when the hub can be reached). None: the tiny model below, built offline."""
+    """A local Hugging Face causal-LM dir (config, weights, tokenizer) or a hub id (org/name, or a top-level name
+    such as gpt2) from the local cache (downloaded before any worker starts when the hub can be reached). None: the
+    tiny model below, built offline."""
     name: str = "tiny-llama"
     """Name of the built model (its cache folder's prefix)."""
     vocab_size: int = 384
@@ -224,11 +226,19 @@ class OptimizerConfig:
     adjust_lr_fn: str = "match_rms_adamw"
     """Muon: how its update is scaled; match_rms_adamw (Moonlight) gives it AdamW's RMS, so one lr serves both
     parts; "original" is Keller Jordan's scaling (then lr means something else for the two parts)."""
-    clip_grad: float = 1.0
-    """Gradient-norm clip (fixed when verl builds the engine: it cannot be sent per step)."""
+    clip_grad: Optional[float] = 1.0
+    """Gradient-norm clip: the total grad norm is scaled down to at most this (fixed when verl builds the engine: it
+    cannot be sent per step). 0 or null: no clipping, as Tinker's grad_clip_norm=0 and HF's max_grad_norm=0."""
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The max_norm verl's engine clips with: clip_grad, or inf for no clipping (verl always clips, and a
+        max_norm of 0 would zero every gradient; inf scales them by 1 and still reports the norm)."""
+        return float(self.clip_grad) if self.clip_grad else math.inf
 
     def __post_init__(self) -> None:
-        _at_least(0, **{"optimizer.clip_grad": self.clip_grad})
+        if self.clip_grad is not None:
+            _at_least(0, **{"optimizer.clip_grad": self.clip_grad})
         _at_least(1, **{"optimizer.ns_steps": self.ns_steps})
         if self.name == OptimizerName.SGD and self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ConfigError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -29,14 +30,23 @@ WEIGHTS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "p
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
+HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
+"""A Hugging Face hub id: "name" (a top-level id such as gpt2) or "org/name" (huggingface_hub's repo id rule)."""
+
+
+def is_hub_id(path: str) -> bool:
+    return len(path) <= 96 and bool(HUB_ID.match(path)) and ".." not in path and not path.endswith((".", "-"))
+
+
 def resolve_model_path(path: str, download: bool, key: str = "model.path") -> Path | None:
-    """`model.path` as a local Hugging Face causal-LM dir: a dir as given, or a hub id ("org/name") from the
-    local Hugging Face cache, downloaded first when `download` (a run; a dry run never downloads: None when
-    the id is not cached yet). A dir that is not a causal LM with weights and a tokenizer is a ConfigError."""
+    """`model.path` as a local Hugging Face causal-LM dir: a dir as given, or a hub id ("org/name", or a top-level
+    "name" such as gpt2) from the local Hugging Face cache, downloaded first when `download` (a run; a dry run never
+    downloads: None when the id is not cached yet). A dir that is not a causal LM with weights and a tokenizer is a
+    ConfigError."""
     local = Path(path).expanduser()
-    if local.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+    if local.exists() or not is_hub_id(path):
         if not local.is_dir():
-            raise ConfigError(f"{key}: {path!r} is neither a model dir nor a Hugging Face hub id (org/name)")
+            raise ConfigError(f"{key}: {path!r} is neither a model dir nor a Hugging Face hub id (org/name or name)")
         return checked_model_dir(local, path, key)
     snapshot = hub_snapshot(path, download, key)
     return None if snapshot is None else checked_model_dir(snapshot, path, key)

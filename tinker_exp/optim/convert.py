@@ -41,9 +41,12 @@ def override_mapping(node: Any, where: str = "override") -> Mapping[str, Any]:
     for key, reason in NOT_SENDABLE.items():
         if key in node:
             raise ConfigError(f"{where}.{key}: {reason}")
-    unknown = [key for key in node if key not in GROUP_KEYS and key not in TINKER_SPELLINGS]
+    unknown = [str(key) for key in node if key not in GROUP_KEYS and key not in TINKER_SPELLINGS]
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys: {list(OVERRIDE_KEYS)}")
+        from tinker_exp.config.compose_errors import suggest
+
+        known = [*OVERRIDE_KEYS, *TINKER_SPELLINGS]
+        raise ConfigError(f"{where}.{unknown[0]}: not an override key" + suggest(unknown[0], known, "the keys:"))
     return node
 
 
@@ -162,8 +165,7 @@ def check_like_verl(params: Mapping[str, Any], group_types: Mapping[str, type], 
             continue
         if key not in group_types:
             raise ConfigError(
-                f"override.{key}: optimizer {optimizer} has no param-group key {key!r} "
-                f"(it has {sorted(group_types)})"
+                f"override.{key}: optimizer {optimizer} has no param-group key {key} (it has {', '.join(sorted(group_types))})"
             )
         if not isinstance(value, group_types[key]):
             raise ConfigError(

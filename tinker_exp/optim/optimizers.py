@@ -67,18 +67,18 @@ class OptimizerSpec:
         """Why `key` cannot be sent to this optimizer, in words; None when it can."""
         holding = [part for part in self.parts.values() if key in part.keys]
         if not holding:
-            return f"optimizer {self.name} has no param-group key {key!r}"
+            return f"optimizer {self.name} has no param-group key {key}"
         kinds = {part.keys[key] for part in holding}
         if not kinds <= set(SENDABLE_KINDS):
             kind = " and ".join(sorted(kinds))
-            return f"optimizer {self.name} holds {key!r} as a {kind}: only float keys can be sent per step"
+            return f"optimizer {self.name} holds {key} as a {kind}: only float keys can be sent per step"
         lacking = [name for name, part in self.parts.items() if key not in part.keys]
         if lacking:
-            return f"optimizer {self.name}: its sub-optimizer {', '.join(lacking)} has no param-group key {key!r}"
+            return f"optimizer {self.name}: its sub-optimizer {', '.join(lacking)} has no param-group key {key}"
         meanings = {part.meanings.get(key, "") for part in holding}
         if len(meanings) > 1:
             told = "; ".join(f"{name}: {part.meanings.get(key) or 'the usual one'}" for name, part in self.parts.items())
-            return f"optimizer {self.name}: {key!r} means different things in its sub-optimizers ({told}); one value cannot serve both"
+            return f"optimizer {self.name}: {key} means different things in its sub-optimizers ({told}); one value cannot serve both"
         return None
 
 
@@ -173,7 +173,7 @@ def spec_of(name: str) -> OptimizerSpec:
 
 
 def sendable_message(spec: OptimizerSpec) -> str:
-    return f"keys {spec.name} accepts: {list(spec.sendable)}"
+    return f"keys {spec.name} accepts: {', '.join(spec.sendable)}"
 
 
 VERL_ARGUMENTS = ("lr", "weight_decay", "betas")

@@ -120,14 +120,18 @@ def check_sendable(override: Mapping[str, Any], spec: OptimizerSpec) -> None:
             raise ConfigError(f"override.{key}: {reason}; {sendable_message(spec)}")
 
 
-def verl_names(override: Mapping[str, Any], values: Mapping[str, Any], spec: OptimizerSpec) -> dict[str, Any]:
+def verl_names(
+    override: Mapping[str, Any], values: Mapping[str, Any], spec: OptimizerSpec
+) -> tuple[dict[str, Any], dict[str, str]]:
     """Tinker's AdamParams spellings (learning_rate, beta1, beta2) as verl's lr and betas; a beta given alone keeps
-    the optimizer's own other beta. The same value in both spellings is an error."""
-    out = dict(override)
+    the optimizer's own other beta. The same value in both spellings is an error. Also returns each value's name
+    as the user spelled it (verl's label -> Tinker's: "betas[0]" -> "beta1"), for errors to name it as typed."""
+    out, spelled = dict(override), {}
     if out.get("learning_rate") is not None:
         if out.get("lr") is not None:
             raise ConfigError("override.learning_rate: lr is set too (one key in two spellings: Tinker's and verl's); keep one")
         out["lr"] = out.pop("learning_rate")
+        spelled["lr"] = "learning_rate"
     out.pop("learning_rate", None)
     beta1, beta2 = out.pop("beta1", None), out.pop("beta2", None)
     if beta1 is not None or beta2 is not None:
@@ -139,7 +143,8 @@ def verl_names(override: Mapping[str, Any], values: Mapping[str, Any], spec: Opt
                               f"{sendable_message(spec)}")
         own = values["betas"]
         out["betas"] = [own[0] if beta1 is None else beta1, own[1] if beta2 is None else beta2]
-    return out
+        spelled |= {f"betas[{i}]": f"beta{i + 1}" for i, beta in enumerate((beta1, beta2)) if beta is not None}
+    return out, spelled
 
 
 def _labels(key: str) -> tuple[str, ...]:
@@ -148,11 +153,13 @@ def _labels(key: str) -> tuple[str, ...]:
 
 
 def _sources(
-    override: Mapping[str, Any], run_steps: int, values: Mapping[str, Any]
-) -> dict[str, tuple[str, str, float | Schedule]]:
-    """flat name -> (override key, label, a converted and checked constant or a compiled schedule). A schedule's
-    peak defaults to the optimizer's value for its key (`values`: lr, or betas[i] for a betas component)."""
-    sources: dict[str, tuple[str, str, float | Schedule]] = {}
+    override: Mapping[str, Any], run_steps: int, values: Mapping[str, Any], spelled: Mapping[str, str]
+) -> dict[str, tuple[str, str, float | Schedule, str]]:
+    """flat name -> (override key, label, a converted and checked constant or a compiled schedule, its name in
+    errors: `spelled`'s, as the user typed it). A schedule's peak defaults to the optimizer's value for its key
+    (`values`: lr, or betas[i] for a betas component); its parameters that are values of the key are held to the
+    key's range."""
+    sources: dict[str, tuple[str, str, float | Schedule, str]] = {}
     for key, spec in override.items():
         if spec is None:
             continue
@@ -161,17 +168,17 @@ def _sources(
         items = betas_pair(spec, "override.betas") if key == "betas" else [spec]
         peaks = values[key] if key == "betas" else [values[key]]
         for name, label, item, peak in zip(FLAT_NAMES[key], _labels(key), items, peaks):
-            where = f"override.{label}"
+            where = f"override.{spelled.get(label, label)}"
             if isinstance(item, Mapping):
-                source: float | Schedule = compile_schedule(item, run_steps, where, peak)
+                source: float | Schedule = compile_schedule(item, run_steps, where, peak, RANGES[key])
             else:
                 source = number(item, where)
                 RANGES[key].check(source, item, where)
-            sources[name] = (key, label, source)
+            sources[name] = (key, label, source, where)
     return sources
 
 
-def _first_error(columns: dict[str, np.ndarray], sources: dict[str, tuple[str, str, Any]]) -> ConfigError | None:
+def _first_error(columns: dict[str, np.ndarray], sources: dict[str, tuple[str, str, Any, str]]) -> ConfigError | None:
     """The error at the earliest step where any schedule gives a value that is not finite or not in its key's
     range (ties: in the order of the keys), naming the key, the step and the schedule; None when there is none."""
     first: tuple[int, str] | None = None
@@ -186,9 +193,9 @@ def _first_error(columns: dict[str, np.ndarray], sources: dict[str, tuple[str, s
     if first is None:
         return None
     step, name = first
-    key, label, schedule = sources[name]
+    key, _, schedule, where = sources[name]
     value = float(columns[name][step])
-    where = f"override.{label} at step {step} ({schedule.kind})"
+    where = f"{where} at step {step} ({schedule.kind})"
     if not np.isfinite(value):
         return ConfigError(f"{where}: cannot be computed (it gives {value!r})")
     return RANGES[key].error(value, where)
@@ -205,13 +212,13 @@ def build_plan(override_node: Any, optimizer_cfg: Any, total_steps: int) -> Plan
 def plan_for(override: Mapping[str, Any], values: dict[str, Any], total_steps: int, optimizer: str) -> Plan:
     """The plan of an override mapping for an optimizer built from `values` (`optimizer` names it in errors)."""
     spec = spec_of(optimizer)
-    override = verl_names(override, values, spec)
+    override, spelled = verl_names(override, values, spec)
     check_sendable(override, spec)
-    sources = _sources(override, total_steps, values)
-    schedules = {label: s for _, label, s in sources.values() if isinstance(s, Schedule)}
+    sources = _sources(override, total_steps, values, spelled)
+    schedules = {label: s for _, label, s, _ in sources.values() if isinstance(s, Schedule)}
     steps = np.arange(total_steps, dtype=np.int64) if schedules else None
     columns: dict[str, Column] = {}
-    for name, (_, _, source) in sources.items():
+    for name, (_, _, source, _) in sources.items():
         if isinstance(source, Schedule):
             source = source.values(steps)
             source.flags.writeable = False  # what was checked is what is sent

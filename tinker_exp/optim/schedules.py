@@ -233,18 +233,27 @@ class Param:
     range: Range = Range()
     choices: tuple[str, ...] = ()
     peak: bool = False  # not given (or null): the optimizer's own value for the key (see the module's docstring)
+    of_key: bool = False  # a value the key itself takes (a peak, an end, keyframes' values): in the key's range
 
-    def convert(self, value: Any, where: str, total: int) -> Any:
-        """The converted value; a length (or each of lengths) resolved to steps of a `total`-step schedule."""
+    def convert(self, value: Any, where: str, total: int, key_range: Range | None = None) -> Any:
+        """The converted value; a length (or each of lengths) resolved to steps of a `total`-step schedule. A value
+        of the key is held to `key_range` (the override key's: a negative peak lr is named here, as given, not at
+        the first step it reaches)."""
         if self.kind == "number":
             converted = number(value, where)
+            if self.of_key and key_range is not None:
+                key_range.check(converted, value, where)
         elif self.kind == "int":
             converted = _integer(value, where)
         elif self.kind == "length":
             return _length(value, where, total, self.range.low)
         elif self.kind == "choice":
-            if value not in self.choices:
-                raise ConfigError(f"{where}: {value!r} is not one of {list(self.choices)}")
+            if value not in self.choices or isinstance(value, bool) != isinstance(self.choices[0], bool):
+                from tinker_exp.config.compose_errors import suggest
+
+                word = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731 (YAML's words)
+                known = [word(choice) for choice in self.choices]
+                raise ConfigError(f"{where}: {word(value)} is not a choice" + suggest(word(value), known, "choices:"))
             return value
         elif self.kind == "lengths":
             if isinstance(value, (str, Mapping)) or not isinstance(value, (list, tuple)):
@@ -254,7 +263,11 @@ class Param:
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{where}: expected a mapping {{step: value}}, got {value!r}")
             steps = [_integer(_int_key(key, where), f"{where}", low=0) for key in value]
-            return {step: number(item, f"{where}[{step}]") for step, item in zip(steps, value.values())}
+            points = {step: number(item, f"{where}[{step}]") for step, item in zip(steps, value.values())}
+            for (step, converted), item in zip(points.items(), value.values()):
+                if self.of_key and key_range is not None:
+                    key_range.check(converted, item, f"{where}[{step}]")
+            return points
         self.range.check(converted, value, where)
         return converted
 
@@ -302,8 +315,8 @@ def _int_key(key: Any, where: str) -> int:
     return key
 
 
-NUMBER = Param("number")  # the value itself: its range is the override key's, checked at every step
-PEAK = Param("number", peak=True)  # a value that defaults to the optimizer's
+NUMBER = Param("number", of_key=True)  # a value of the key itself: in its range (and every step's value is checked)
+PEAK = Param("number", peak=True, of_key=True)  # a value of the key that defaults to the optimizer's
 STEPS = Param("length", Range(low=0))
 RATIO = Param("number", Range(0.0, 1.0))
 POSITIVE = Param("number", Range(low=0.0, low_open=True))
@@ -325,7 +338,7 @@ PARAMS: dict[str, dict[str, Param]] = {
     "exponential": {"value": PEAK, "gamma": POSITIVE},
     "inverse_sqrt": {"value": PEAK, "warmup_steps": STEPS, "timescale": LENGTH},
     "polynomial": {"value": PEAK, "end": NUMBER, "warmup_steps": STEPS, "power": POSITIVE},
-    "keyframes": {"points": Param("points")},
+    "keyframes": {"points": Param("points", of_key=True)},
     "one_cycle": {
         "value": PEAK, "pct_start": Param("number", Range(0.0, 1.0, low_open=True, high_open=True)),
         "div_factor": POSITIVE, "final_div_factor": POSITIVE, "anneal": Param("choice", choices=("cosine", "linear")),
@@ -375,6 +388,26 @@ def _check_consistency(kind: str, params: dict[str, Any], total: int, where: str
             raise ConfigError(f"{where}.points: keyframe at step {steps[-1]} is past the end ({total} steps)")
 
 
+def _warn_vanished_phases(kind: str, params: dict[str, Any], fractions: Mapping[str, Any], total: int, where: str) -> None:
+    """Phases given as fractions that a short schedule rounds away (`+override=lr_wsd trainer.steps=4`: no warmup,
+    a 1-step decay) say so in one warning: the run is valid, and not what the preset describes. A decay reaches its
+    floor at step total_steps, one past the last step run, so a 1-step decay never lowers the value."""
+    notes = []
+    for name, given in fractions.items():
+        if name not in ("warmup_steps", "stable_steps", "decay_steps") or not given:
+            continue
+        steps, phase = params[name], name.removesuffix("_steps")
+        if steps == 0:
+            notes.append(f"{name}={given:g} rounds to 0 steps (no {phase})")
+        elif name == "decay_steps" and steps == 1 and kind == "wsd":
+            notes.append(
+                f"{name}={given:g} to 1 step (a decay reaches its floor at step {total}, one past the last step run: "
+                "this one never lowers the value)"
+            )
+    if notes:
+        warnings.warn(f"{where}: in a {total}-step schedule, {' and '.join(notes)}", stacklevel=3)
+
+
 @dataclass(frozen=True)
 class Schedule:
     kind: str
@@ -415,13 +448,19 @@ def _boundaries(kind: str, params: dict[str, Any], total: int) -> tuple[int, ...
     return tuple(sorted(step for step in steps if 0 < step < total))
 
 
-def compile_schedule(spec: Mapping[str, Any], run_steps: int, where: str, peak: float | None = None) -> Schedule:
-    """A schedule mapping from the config -> a step -> value function; parameters converted and checked up front,
-    lengths resolved to steps, and each ``PEAK`` parameter not given set to `peak` (the optimizer's value)."""
+def compile_schedule(
+    spec: Mapping[str, Any], run_steps: int, where: str, peak: float | None = None, key_range: Range | None = None
+) -> Schedule:
+    """A schedule mapping from the config -> a step -> value function; parameters converted and checked up front
+    (the values of the key in `key_range`, the key's), lengths resolved to steps, and each ``PEAK`` parameter not
+    given set to `peak` (the optimizer's value)."""
     spec = dict(spec)
     kind = spec.pop("schedule", None)
     if not isinstance(kind, str) or kind not in SCHEDULES:
-        raise ConfigError(f"{where}.schedule: {kind!r} is not one of {sorted(SCHEDULES)} (a schedule needs `schedule:`)")
+        from tinker_exp.config.compose_errors import suggest
+
+        given = "missing (a schedule mapping needs one)" if kind is None else f"{kind} is not a schedule kind"
+        raise ConfigError(f"{where}.schedule: {given}" + suggest(str(kind), SCHEDULES, "kinds:"))
     total = run_steps
     if spec.get("total_steps") is not None:
         total = TOTAL_STEPS.convert(spec["total_steps"], f"{where}.total_steps", run_steps)
@@ -433,20 +472,26 @@ def compile_schedule(spec: Mapping[str, Any], run_steps: int, where: str, peak: 
     if leftovers:
         said = [name for name in leftovers if spec[name] is not None]  # a null (a preset's "the optimizer's") says nothing
         if said:
-            warnings.warn(f"{where}: ignoring {said}, not parameters of {kind} (left from an earlier override file?)", stacklevel=2)
+            warnings.warn(
+                f"{where}: ignoring {', '.join(said)}, not parameters of {kind} (left from an earlier override file?)", stacklevel=2
+            )
         spec = {k: v for k, v in spec.items() if k not in leftovers}
     unknown = sorted(set(spec) - set(declared))
     if unknown:
-        raise ConfigError(f"{where} ({kind}): unknown parameter(s) {unknown}; {kind} takes {sorted(declared)}")
+        from tinker_exp.config.compose_errors import suggest
+
+        takes = [*declared, "total_steps"]
+        raise ConfigError(f"{where}.{unknown[0]}: {kind} has no parameter {unknown[0]}" + suggest(str(unknown[0]), takes, f"{kind} takes"))
     given = {name: value for name, value in spec.items() if value is not None}
-    spec = {name: declared[name].convert(value, f"{where}.{name}", total) for name, value in given.items()}
+    spec = {name: declared[name].convert(value, f"{where}.{name}", total, key_range) for name, value in given.items()}
     if peak is not None:
         spec |= {name: peak for name, param in declared.items() if param.peak and name not in spec}
     fractions = {name: value for name, value in given.items() if declared[name].fraction_given(value)}
     missing = sorted(name for name in _required(kind) if name not in spec)
     if missing:
-        raise ConfigError(f"{where} ({kind}): missing parameter(s) {missing}")
+        raise ConfigError(f"{where}.{missing[0]}: {kind} needs {' and '.join(missing)} (no default)")
     _check_consistency(kind, spec, total, where)
+    _warn_vanished_phases(kind, spec, fractions, total, where)
     defaults = _defaults(kind)
     params = {name: spec.get(name, defaults.get(name)) for name in declared if name in spec or name in defaults}
     boundaries = _boundaries(kind, spec, total)

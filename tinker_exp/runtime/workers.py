@@ -199,7 +199,7 @@ def worker_config(
         # strict check at the worker agrees with ours.
         optimizer_config=FSDPOptimizerConfig(
             **optimizer_fields,
-            clip_grad=float(optimizer.clip_grad),
+            clip_grad=optimizer.max_grad_norm,  # 0 or null (no clipping): inf
             lr_scheduler_type="constant",  # the client owns the schedule (optimizer_step never steps it)
             total_training_steps=int(trainer.steps),
         ),

@@ -136,11 +136,13 @@ def write_summary(sweep_dir: Path, members: Sequence[Member]) -> Path:
 def replay_overrides(fixed: Sequence[str], override_in_defaults: bool) -> list[str]:
     """The overrides that replay a member from its realized schedule: the sweep's fixed ones without any override
     selection or override key (realized.yaml holds every value sent), then the realized file itself: `+override=`
-    adds the group; a preset that selects an override in its defaults (hparams_search=...) is overridden without +."""
+    adds the group; a preset that selects an override in its defaults (hparams_search=...) is overridden without +,
+    and, since a preset is a sweep with or without -m (its hydra.mode), hydra.mode=RUN makes the replay one run."""
     kept = [o for o in fixed if not _is_override(o)]
     selected = any(o.split("=", 1)[0] == "+override" for o in fixed)
     realized = f"override={REALIZED}" if override_in_defaults and not selected else f"+override={REALIZED}"
-    return [realized, *kept]
+    preset = any(o.split("=", 1)[0].lstrip("+") == "hparams_search" for o in kept)
+    return [realized, *kept, *(["hydra.mode=RUN"] if preset else [])]
 
 
 def _is_override(override: str) -> bool:

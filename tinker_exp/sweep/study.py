@@ -75,28 +75,58 @@ PRUNERS = {
 }
 
 
-def make_pruner(name: str, args: Mapping[str, Any]) -> optuna.pruners.BasePruner:
+PRUNER_ARGS = "hydra.sweeper.pruner_args"
+
+
+def pruner_arguments(name: str) -> dict[str, bool]:
+    """The keyword arguments pruner `name` takes (its Optuna class's; `patient`'s wrapped pruner named, not built),
+    each with whether it is required."""
+    import inspect
+
+    taken = {p.name: p.default is p.empty for p in inspect.signature(getattr(optuna.pruners, PRUNERS[name])).parameters.values()}
+    if name == "patient":
+        del taken["wrapped_pruner"]
+        taken |= {"wrapped": False, "wrapped_args": False}
+    return taken
+
+
+def make_pruner(name: str, args: Mapping[str, Any], where: str = PRUNER_ARGS) -> optuna.pruners.BasePruner:
     """Optuna's pruner of that name, built from hydra.sweeper.pruner_args (its own keyword arguments; `patient`
-    also takes `wrapped`, a pruner name, and `wrapped_args`). Optuna's own checks give the message."""
+    also takes `wrapped`, a pruner name, and `wrapped_args`). An argument it does not take is named with those it
+    does; Optuna's own checks give the message for a value. `where`: the arguments' key, named in errors."""
+    from tinker_exp.config.compose_errors import suggest
+
     if name not in PRUNERS:
-        raise ConfigError(f"hydra.sweeper.pruner: {name!r} is not a pruner; one of {', '.join(PRUNERS)}")
+        key = "hydra.sweeper.pruner" if where == PRUNER_ARGS else f"{where.rpartition('.')[0]}.wrapped"
+        known = PRUNERS if where == PRUNER_ARGS else [p for p in PRUNERS if p not in ("none", "patient")]
+        raise ConfigError(f"{key}: {name} is not a pruner" + suggest(str(name), known, "pruners:"))
+    takes = pruner_arguments(name)
+    for key in args:
+        if key not in takes:
+            raise ConfigError(f"{where}.{key}: pruner {name} has no argument {key}" + suggest(str(key), takes, f"{name} takes"))
+    missing = [key for key, required in takes.items() if required and args.get(key) is None]
+    if missing:
+        raise ConfigError(
+            f"{where}.{missing[0]}: pruner {name} needs it: type +{where}.{missing[0]}=VALUE ({name} takes {', '.join(takes)})"
+        )
     kwargs = dict(args)
     if name == "patient":
         wrapped = kwargs.pop("wrapped", "median")
         if wrapped in ("none", "patient"):
-            raise ConfigError(f"hydra.sweeper.pruner_args.wrapped: {wrapped!r}: patient wraps another pruner")
-        kwargs["wrapped_pruner"] = make_pruner(wrapped, kwargs.pop("wrapped_args", {}) or {})
+            raise ConfigError(f"{where}.wrapped: {wrapped}: patient wraps another pruner (not none or patient)")
+        kwargs["wrapped_pruner"] = make_pruner(wrapped, kwargs.pop("wrapped_args", {}) or {}, f"{where}.wrapped_args")
     for key, value in kwargs.items():  # Optuna compares without checking types: "2" < 0 would be a TypeError
         if key == "wrapped_pruner" or value is None or (key in ("min_resource", "max_resource") and value == "auto"):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"hydra.sweeper.pruner_args.{key}: {value!r} must be a number")
+            raise ConfigError(f"{where}.{key}: {value} must be a number")
     try:
         with warnings.catch_warnings():  # PatientPruner is "experimental"
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             return getattr(optuna.pruners, PRUNERS[name])(**kwargs)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"hydra.sweeper.pruner_args: {dict(args)} for pruner {name!r}: {e}") from None
+        given = ", ".join(f"{key}={value}" for key, value in args.items()) or "none given"
+        raise ConfigError(f"{where} ({given}) for pruner {name}: {e}") from None
 
 
 def distribution(override: Override) -> BaseDistribution:

@@ -17,11 +17,28 @@ STATE = "watch"
 
 
 def check_early_stop(cfg: Config) -> None:
-    """Early stop counts evaluations: it needs validation data."""
-    if cfg.trainer.early_stop.patience and not has_validation(cfg):
+    """Early stop counts evaluations: it needs validation data, and evaluations before the last step (patience
+    of them after the first, without improvement, stop the run; the evaluation after the last step stops nothing)."""
+    trainer = cfg.trainer
+    patience = trainer.early_stop.patience
+    if not patience:
+        return
+    given = f"trainer.early_stop.patience={patience}"
+    if not has_validation(cfg):
         raise ConfigError(
-            f"trainer.early_stop.patience={cfg.trainer.early_stop.patience}: early stop counts evaluations, and there is "
-            "no validation data (data.val_path or data.val_fraction)"
+            f"{given}: early stop counts evaluations, and there is no validation data (data.val_path or data.val_fraction)"
+        )
+    if not trainer.eval_every:
+        raise ConfigError(
+            f"{given}: trainer.eval_every=0 evaluates only after the last step; early stop could never stop the run "
+            f"(set trainer.eval_every=N, N < trainer.steps)"
+        )
+    during = (trainer.steps - 1) // trainer.eval_every  # evaluations before the last step
+    if during < patience + 1:
+        raise ConfigError(
+            f"{given}: trainer.eval_every={trainer.eval_every} evaluates {during} time{'s' * (during != 1)} before the "
+            f"last of trainer.steps={trainer.steps}; early stop needs {patience + 1} (a first, then {patience} without "
+            "improvement), so it could never stop the run"
         )
 
 

@@ -101,7 +101,20 @@ def differing(saved: Mapping[str, Any], now: Mapping[str, Any], compared: Any) -
     old, new = flat(saved), flat(now)
     both = lambda key: (key in old and key in new) or key.split(".")[0] == "override"  # noqa: E731
     keys = sorted(key for key in old.keys() | new.keys() if both(key) and compared(key))
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in keys if old.get(key) != new.get(key)]
+    return [f"{key}: {_shown(old.get(key))} -> {_shown(new.get(key))}" for key in keys if old.get(key) != new.get(key)]
+
+
+def _shown(value: Any) -> str:
+    """A config value as a user types it (YAML's words): cosine, SGD (not an enum's repr), null, true, [0.9, 0.95]."""
+    from enum import Enum
+
+    if isinstance(value, Enum):
+        value = value.value
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(map(_shown, value))}]"
+    return str(value)
 
 
 def _matches(key: str, patterns: tuple[str, ...]) -> bool:
@@ -124,6 +137,27 @@ def start_point(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> Star
     if cfg.branch.source is not None:
         return branched(cfg, resolved, run_dir)
     return StartPoint()
+
+
+def _send_instead(changed: list[str], override: Any) -> str:
+    """For optimizer values an override can send (lr, betas, ...): how to change them in a branch, in the form the
+    branch's override takes (a key it schedules: the schedule's value; one it sets: itself; one it lacks: with +)."""
+    from tinker_exp.optim.convert import OVERRIDE_KEYS
+
+    keys = [key for key in dict.fromkeys(line.split(":")[0].split(".")[1] for line in changed if line.startswith("optimizer."))
+            if key in OVERRIDE_KEYS]  # fmt: skip
+    if not keys:
+        return ""
+    sent = override if isinstance(override, Mapping) else {}
+    forms = [
+        f"override.{key}.value=..." if isinstance(sent.get(key), Mapping) and "value" in sent[key]
+        else f"override.{key}=..." if sent.get(key) is not None else f"+override.{key}=..."
+        for key in keys
+    ]  # fmt: skip
+    return (
+        f"; to change {', '.join(f'optimizer.{key}' for key in keys)} from the branch step on, send it with every "
+        f"step instead: {' '.join(forms)}"
+    )
 
 
 def _check_device(cfg: Config, point: ResumePoint) -> None:
@@ -166,7 +200,7 @@ def branched(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> StartPo
     if changed:
         raise ConfigError(
             f"branch.from={cfg.branch.source}: {'; '.join(changed)} (the trunk's -> this run's); a branch must keep the "
-            "trunk's model, LoRA, optimizer and workers for its checkpoint to load as saved"
+            "trunk's model, LoRA, optimizer and workers for its checkpoint to load as saved" + _send_instead(changed, cfg.override)
         )
     _check_device(cfg, point)
     wandb_id = trunk / WANDB_RUN_ID
