@@ -38,6 +38,8 @@ def runs_of(paths: Sequence[Path]) -> list[tuple[str, Path]]:
     "trial 3"); several paths: each run named by the end of its path that tells it apart."""
     dirs: list[Path] = []
     for path in paths:
+        if not path.exists():
+            raise ConfigError(f"{path}: no such file or directory")
         if is_run_dir(path):
             dirs.append(path)
         elif jobs := jobs_of(path):

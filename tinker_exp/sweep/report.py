@@ -173,9 +173,11 @@ def label_runs(runs: Sequence[RunInfo]) -> None:
     def differing(keys: Sequence[str]) -> list[str]:
         return [key for key in keys if key not in IDENTITY_KEYS and len({_short(value(run, key)) for run in runs}) > 1]
 
-    def label_by(run: RunInfo, keys: Sequence[str]) -> str:  # a key the run has no value for is left out
-        parts = [f"{key}={_short(value(run, key))}" for key in keys if value(run, key) != "-"]
-        return " ".join(parts) or ("no " + ", ".join(keys) if keys else "")
+    def label_by(run: RunInfo, keys: Sequence[str]) -> str:
+        # A key the run has no value for, or left unset (null in its config: +override not given), is left out.
+        parts = [f"{key}={_short(value(run, key))}" for key in keys
+                 if value(run, key) != "-" and (key in run.overrides or value(run, key) != "None")]  # fmt: skip
+        return " ".join(parts) or ("defaults" if keys else "")
 
     def labels_by(keys: Sequence[str]) -> list[str]:
         return [label_by(run, keys) for run in runs]
@@ -235,6 +237,68 @@ def _plan_series(plan: Plan | None, key: str, part: Part | None = None) -> tuple
     if part is not None:
         steps = steps[(steps >= part.first) & (steps < (part.end if part.end is not None else len(plan)))]
     return steps, plan.column(key)[steps]
+
+
+def _varying_keys(runs: Sequence[RunInfo]) -> list[str]:
+    """The optimizer values worth a panel: those the runs' plans change over their steps, and those whose applied
+    value (metrics' applied/KEY, every float of the param group, sent or not) differs between steps or runs."""
+    keys = {
+        name
+        for run in runs
+        if run.plan is not None
+        for name, column in run.plan.columns.items()
+        if not isinstance(column, float) and column.min() != column.max()
+    }
+    applied: dict[str, set[float]] = {}
+    for run in runs:
+        logged = False
+        for row in run.rows:
+            for key, value in row.items():
+                if key.startswith("applied/") and _finite(value):
+                    applied.setdefault(key.removeprefix("applied/"), set()).add(float(value))
+                    logged = True
+        if not logged:  # a run of an earlier version: its optimizer's constants
+            for key, value in _constants(run).items():
+                applied.setdefault(key, set()).add(value)
+    return sorted(keys | {key for key, values in applied.items() if len(values) > 1})
+
+
+def _constants(run: RunInfo) -> dict[str, float]:
+    """The values its plan keeps constant: a constant column, else the optimizer's own (nothing sent for it)."""
+    if run.plan is None:
+        return {}
+    from tinker_exp.optim.convert import flat_values
+
+    values = {k: float(v) for k, v in flat_values("", run.plan.optimizer_values).items() if _finite(v)}
+    values.update({k: c for k, c in run.plan.columns.items() if isinstance(c, float)})
+    return {k: v for k, v in values.items() if k not in run.plan.columns or isinstance(run.plan.columns[k], float)}
+
+
+def _sent_series(run: RunInfo, rows: Sequence[dict[str, Any]], key: str, part: Part) -> tuple[Any, Any]:
+    """The value the optimizer applied at each step the run logged (metrics' applied/KEY): a run stopped early
+    (pruned, killed) ends where it stopped. Rows without it (a run of an earlier version): its plan's, over `part`
+    (a value the plan keeps constant, over the steps it logged)."""
+    steps, values = _series(list(rows), f"applied/{key}")
+    if steps:
+        return steps, values
+    constant = _constants(run).get(key)
+    if constant is not None:
+        logged = [_step(row) for row in rows]
+        return logged, [constant] * len(logged)
+    return _plan_series(run.plan, key, part)
+
+
+def _log_axis_over_a_decade(ax: Any) -> None:
+    """A log y axis when the positive values drawn span more than a decade (learning rates of a sweep); with a 0
+    among them (a warmup from 0), symlog: linear from 0 up to the least positive value, logarithmic above it."""
+    values = [float(v) for line in ax.get_lines() for v in line.get_ydata() if _finite(float(v))]
+    positive = [v for v in values if v > 0]
+    if not positive or min(values) < 0 or max(positive) / min(positive) <= 10:
+        return
+    if min(values) == 0:
+        ax.set_yscale("symlog", linthresh=min(positive), linscale=0.3)
+    else:
+        ax.set_yscale("log")
 
 
 @dataclass
@@ -304,15 +368,7 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     if not runs:
         return None
     best = best_run(runs)
-    varying = sorted(
-        {
-            name
-            for run in [*runs, *(trunk.run for trunk in trunks)]
-            if run.plan is not None
-            for name, column in run.plan.columns.items()
-            if not isinstance(column, float) and column.min() != column.max()
-        }
-    )
+    varying = _varying_keys([*runs, *(trunk.run for trunk in trunks)])
     branch_steps = sorted({part.first for run in runs for part in run.parts if part.first})  # also a gone trunk's
     plt = _pyplot()
     from matplotlib.lines import Line2D
@@ -338,7 +394,7 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
             loss_ax.plot(steps, values, color=TRUNK_COLOR, linewidth=TRUNK_WIDTH + 0.4, linestyle="--", marker="o",
                          markersize=2.5, zorder=1, gid=trunk.label)  # fmt: skip
         for ax, key in zip(axes[1:, 0], varying):
-            ax.plot(*_plan_series(trunk.run.plan, key, trunk.part), color=TRUNK_COLOR, linewidth=TRUNK_WIDTH, zorder=1,
+            ax.plot(*_sent_series(trunk.run, rows, key, trunk.part), color=TRUNK_COLOR, linewidth=TRUNK_WIDTH, zorder=1,
                     gid=trunk.label)  # fmt: skip
         handles.append(Line2D([], [], color=TRUNK_COLOR, linewidth=TRUNK_WIDTH + 0.6, label=trunk.label))
     for i, run in enumerate(runs):
@@ -351,8 +407,8 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
         if steps:
             loss_ax.plot(steps, values, color=color, linewidth=width + 0.6, linestyle="--", marker="o",
                          markersize=5 if is_best else 3, alpha=alpha, zorder=z, gid=run.label)  # fmt: skip
-        for ax, key in zip(axes[1:, 0], varying):  # a branch's plan from its branch step: the trunk's is grey
-            ax.plot(*_plan_series(run.plan, key, run.parts[-1]), color=color, linewidth=width + 0.2, alpha=alpha,
+        for ax, key in zip(axes[1:, 0], varying):  # a branch's from its branch step: the trunk's is grey
+            ax.plot(*_sent_series(run, run.rows, key, run.parts[-1]), color=color, linewidth=width + 0.2, alpha=alpha,
                     zorder=z, gid=run.label)  # fmt: skip
         label = run.label
         if run.objective is not None and len(runs) > 1:
@@ -371,6 +427,7 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     for ax, key in zip(axes[1:, 0], varying):
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
+        _log_axis_over_a_decade(ax)
     for ax in axes[:, 0]:
         for step in branch_steps:
             ax.axvline(step, gid=f"branch step {step}", zorder=0, **BRANCH_LINE)
