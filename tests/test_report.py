@@ -189,6 +189,7 @@ def test_runs_with_and_without_a_schedule_both_draw_their_applied_lr_on_a_log_ax
     drawn = {line.get_gid(): (list(line.get_xdata()), set(line.get_ydata())) for line in lr_ax.get_lines() if line.get_gid()}
     assert drawn == {"override=constant override.lr=1e-05": ([0, 1, 2, 3, 4, 5], {1e-5}), "defaults": ([0, 1, 2], {1e-3})}
     assert lr_ax.get_yscale() == "log" and legend(fig) == ["override=constant override.lr=1e-05", "defaults"]
+    assert fig.axes[-1].get_xlabel() == "train/step (0 = the first step)"
     # A warmup from 0 (not on a log axis): linear.
     cosine = make_run(tmp_path / "cosine", ["+override=lr_cosine"], losses=steps, applied=True)
     (lr_ax,) = [ax for ax in draw_report([read_run(cosine), read_run(plain)], "runs").axes if ax.get_ylabel() == "lr"]
@@ -261,6 +262,32 @@ def test_a_studys_picture_plots_the_objective_against_each_parameter_with_the_be
     assert fig._suptitle.get_text().endswith(f"best: trial {best.number}, {best.value:.4g}")
     study_trials = [t for t in study.trials if t.value is not None]
     assert math.isclose(best.value, min(t.value for t in study_trials))
+
+
+def test_a_studys_picture_marks_its_pruned_trials_and_labels_a_log_axis_at_a_few_round_values():
+    """Pruned trials drawn (x, at the last value each reported) where a learning rate too high stopped them, outside
+    the completed trials' range; the log axis labelled at round values only (no overlapping minor labels)."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import TrialState
+
+    space = {"override.lr": FloatDistribution(1e-5, 1e-1, log=True)}
+    study = optuna.create_study()
+    for number, lr in enumerate((1e-5, 1e-4, 3e-4, 1e-2, 5e-2)):
+        trial = optuna.trial.create_trial(params={"override.lr": lr}, distributions=space, value=5.0 + number,
+                                          state=TrialState.PRUNED if lr > 1e-3 else TrialState.COMPLETE,
+                                          intermediate_values={1: 5.0 + number})  # fmt: skip
+        study.add_trial(trial)
+    fig = draw_study(study, "study s")
+    (ax,) = [ax for ax in fig.axes if ax.get_xlabel() == "override.lr"]
+    (crosses,) = [c for c in ax.collections if c.get_gid() == "pruned"]
+    assert [tuple(p) for p in crosses.get_offsets()] == [(1e-2, 8.0), (5e-2, 9.0)]
+    low, high = ax.get_xlim()
+    assert ax.get_xscale() == "log" and low < 1e-5 and high > 5e-2  # the pruned are inside the panel
+    labels = [t.get_text() for t in ax.get_xticklabels() if low <= t.get_position()[0] <= high]
+    assert labels == ["1e-05", "1e-04", "1e-03", "1e-02"] and not [t for t in ax.get_xticklabels(minor=True) if t.get_text()]
+    assert "(3 completed, 2 pruned (x)); best: trial 0, 5" in fig._suptitle.get_text()
+    fig.canvas.draw()
 
 
 def test_the_command_draws_a_studys_trials_and_its_parameters(tmp_path, capsys):

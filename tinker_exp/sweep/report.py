@@ -195,6 +195,16 @@ def label_runs(runs: Sequence[RunInfo]) -> None:
         run.label = ": ".join(part for part in (run.name, label) if part)
 
 
+def by_branch_step(runs: Sequence[RunInfo]) -> list[list[RunInfo]]:
+    """Branches of more than one branch step (their budget), grouped by it, earliest first: each group's best is
+    its own (decays of one budget compared, not budgets). Any other runs: one group."""
+    keys = {(run.parts[-2].run_dir.resolve(), run.first) if len(run.parts) > 1 else None for run in runs}
+    if None in keys or len(keys) < 2:
+        return [list(runs)]
+    return [[run for run in runs if (run.parts[-2].run_dir.resolve(), run.first) == key]
+            for key in sorted(keys, key=lambda key: (str(key[0]), key[1]))]  # fmt: skip
+
+
 def best_run(runs: Sequence[RunInfo]) -> RunInfo | None:
     """The run with the lowest objective (what every sweeper minimises), when at least two runs have one and
     all of them judge by the same metric and mode (runs of sweeps with different objectives are not ranked)."""
@@ -367,7 +377,9 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     runs = [run for run in runs if run.rows]
     if not runs:
         return None
-    best = best_run(runs)
+    groups = by_branch_step(runs)
+    bests = [b for group in groups if (b := best_run(group)) is not None]
+    runs = [run for group in groups for run in group]  # a group's runs together in the legend
     varying = _varying_keys([*runs, *(trunk.run for trunk in trunks)])
     branch_steps = sorted({part.first for run in runs for part in run.parts if part.first})  # also a gone trunk's
     plt = _pyplot()
@@ -398,9 +410,9 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
                     gid=trunk.label)  # fmt: skip
         handles.append(Line2D([], [], color=TRUNK_COLOR, linewidth=TRUNK_WIDTH + 0.6, label=trunk.label))
     for i, run in enumerate(runs):
-        color, is_best = colors[i % len(colors)], run is best
+        color, is_best = colors[i % len(colors)], any(run is b for b in bests)
         width = BEST_LINE_WIDTH if is_best else LINE_WIDTH
-        alpha = 1.0 if is_best or best is None else 0.6
+        alpha = 1.0 if is_best or not bests else 0.6
         z = 3 if is_best else 2
         loss_ax.plot(*_series(run.rows, "train/loss"), color=color, linewidth=width, alpha=alpha, zorder=z, gid=run.label)
         steps, values = _series(run.rows, "val/loss")
@@ -414,7 +426,7 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
         if run.objective is not None and len(runs) > 1:
             label += f" -> {run.objective['value']:.4g}"
         if is_best:
-            label = f"best: {label}"
+            label = f"best: {label}" if len(groups) == 1 else f"best at step {run.first}: {label}"
         handles.append(Line2D([], [], color=color, linewidth=4 if is_best else 2, label=label))
     loss_ax.set_ylabel("loss")
     loss_ax.grid(alpha=0.3)
@@ -434,14 +446,16 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     from matplotlib.ticker import MaxNLocator
 
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 0.5 tick on a short run
-    axes[-1, 0].set_xlabel("optimizer step (0 = first)")
-    lines = _title_lines(title, runs, best, silent)
+    # Two step counts meet here: rows are at train/step (from 0); a branch step is steps done (its line: its first own step).
+    branch_words = "; dashed: branch step N, after N steps done, at the branch's first train/step" if branch_steps else ""
+    axes[-1, 0].set_xlabel(f"train/step (0 = the first step{branch_words})")
+    lines = _title_lines(title, runs, bests, len(groups) > 1, silent)
     fig.suptitle("\n".join(_wrap(line, 110 + int(12 * legend_width)) for line in lines), fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def _title_lines(title: str, runs: Sequence[RunInfo], best: RunInfo | None, silent: Sequence[RunInfo]) -> list[str]:
+def _title_lines(title: str, runs: Sequence[RunInfo], bests: Sequence[RunInfo], by_step: bool, silent: Sequence[RunInfo]) -> list[str]:
     """The title, where the branches drawn came from, then the best run and what judged it (several runs), or the
     schedules (one run), then the runs not drawn."""
     from tinker_exp.sweep.jobs import branches_line
@@ -450,7 +464,12 @@ def _title_lines(title: str, runs: Sequence[RunInfo], best: RunInfo | None, sile
     origin = branches_line([(display_name(run.parts[-2].run_dir), run.first) for run in runs if len(run.parts) > 1 and run.first])
     if origin:
         lines.append(origin)
-    if best is not None:
+    if by_step and bests:  # branches of several branch steps: each budget's best, not one over the budgets
+        metric, mode = bests[0].objective["metric"], bests[0].objective["mode"]
+        each = "; ".join(f"step {b.first}: {b.name or b.label}, {b.objective['value']:.4g}" for b in bests)
+        lines.append(f"best of each branch step by {metric} ({mode}): {each}")
+    elif bests:
+        best = bests[0]
         judged = sum(run.objective is not None for run in runs)
         metric, mode, value = best.objective["metric"], best.objective["mode"], best.objective["value"]
         lines.append(f"best of {judged} by {metric} ({mode}): {best.name or best.label}, {value:.4g}")
@@ -497,23 +516,72 @@ def draw_study(study: Any, title: str) -> Figure | None:
         axes = optuna.visualization.matplotlib.plot_slice(study)
     axes_list = list(getattr(axes, "flat", [axes]))
     best = study.best_trial
-    ringed = []
+    # Pruned trials marked, not dropped: each at the last value it reported (where its pruner stopped it).
+    pruned = [t for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)) if _finite(t.value)]
+    ringed, crossed = [], False
     for ax in axes_list:
         ax.set_title("")  # one parameter: Optuna's "Slice Plot" over our title
-        value = best.params.get(ax.get_xlabel())
+        name = ax.get_xlabel()
+        value = best.params.get(name)
         if _finite(value):  # a categorical axis places its values by Optuna's own mapping: not ringed
             ax.scatter([value], [best.value], s=160, facecolors="none", edgecolors="red", linewidths=2, zorder=5,
                        label=f"best: trial {best.number}")  # fmt: skip
             ringed.append(ax)
+        places = [(_place(ax, t.params[name]), t.value) for t in pruned if name in t.params]
+        places = [(x, y) for x, y in places if x is not None]
+        if places:
+            ax.scatter(*zip(*places), marker="x", s=45, color="0.35", linewidths=1.6, zorder=4, gid="pruned")
+            crossed = True
+            if _finite(value):  # Optuna fixed the limits to the completed trials': widened to hold the pruned too
+                _widen(ax, [x for x, _ in places])
+        if ax.get_xscale() == "log":
+            _readable_log_ticks(ax)
     ring = Line2D([], [], linestyle="none", marker="o", markersize=11, markerfacecolor="none", markeredgecolor="red",
                   markeredgewidth=2, label=f"best: trial {best.number}")  # fmt: skip
-    if ringed:  # our legend, not Optuna's own (an empty "Infeasible Trial")
-        ringed[0].legend(handles=[ring], loc="best", fontsize=8)
+    cross = Line2D([], [], linestyle="none", marker="x", markersize=7, color="0.35", markeredgewidth=1.6,
+                   label=f"pruned ({len(pruned)}): its last reported value")  # fmt: skip
+    shown = [ring] * bool(ringed) + [cross] * crossed
+    if shown:  # our legend, not Optuna's own (an empty "Infeasible Trial")
+        (ringed or axes_list)[0].legend(handles=shown, loc="best", fontsize=8)
     fig = axes_list[0].figure
     fig.set_size_inches(4.2 * len(axes_list) + 1.5, 4.5)  # Optuna's default crowds a log axis' tick labels
-    fig.suptitle(f"{title}\nobjective (lower is better) against each searched parameter; best: trial {best.number}, "
-                 f"{best.value:.4g}", fontsize=10)  # fmt: skip
+    counted = f"{len(complete)} completed" + (f", {len(pruned)} pruned (x)" if pruned else "")
+    fig.suptitle(f"{title}\nobjective (lower is better) against each searched parameter ({counted}); best: trial "
+                 f"{best.number}, {best.value:.4g}", fontsize=10)  # fmt: skip
     return fig
+
+
+def _widen(ax: Any, xs: Sequence[float]) -> None:
+    low, high = ax.get_xlim()
+    low, high = min(low, *xs), max(high, *xs)
+    if ax.get_xscale() == "log" and low > 0:
+        pad = (high / low) ** 0.05
+        ax.set_xlim(low / pad, high * pad)
+    else:
+        pad = 0.05 * (high - low)
+        ax.set_xlim(low - pad, high + pad)
+
+
+def _place(ax: Any, value: Any) -> float | None:
+    """Where a parameter's value sits on its axis: a number at itself, a choice at its tick (Optuna's labels)."""
+    if _finite(value):
+        return float(value)
+    for tick, text in zip(ax.get_xticks(), ax.get_xticklabels()):
+        if text.get_text() in (str(value), repr(value)):
+            return float(tick)
+    return None
+
+
+def _readable_log_ticks(ax: Any) -> None:
+    """A log axis labelled at a few round values (1e-04, 3e-04, ...), never at every minor tick (they overlap)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    low, high = ax.get_xlim()
+    decades = math.log10(high / low) if low > 0 and high > low else 0
+    subs = (1.0,) if decades > 3 else (1.0, 3.0) if decades > 1 else (1.0, 2.0, 5.0)
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.0e}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def write_study_report(study: Any, path: Path, title: str) -> Path | None:
