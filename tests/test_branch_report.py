@@ -157,7 +157,7 @@ def test_a_sweep_of_branches_shows_the_trunk_once_up_to_the_last_branch_step(tmp
 
 
 def test_branches_of_several_steps_are_compared_within_their_budget_in_the_summary_and_the_report(tmp_path):
-    """Decays at steps 4 and 8, two shapes each: a later branch step is a bigger budget and wins regardless, so each
+    """Decays at steps 4 and 8, two shapes each: a later branch step is a bigger budget and tends to win whatever its decay, so each
     branch step's best is its own (summary: grouped, a * in each group; report: each group's best drawn thick)."""
     trunk = make_run(tmp_path / "t")
     sweep = tmp_path / "sweep"

@@ -41,6 +41,17 @@ from tinker_exp.sweep.jobs import (
 # --- pure: names, groups, summaries ------------------------------------------------------------------
 
 
+def test_a_jobs_error_is_one_line_with_any_password_in_it_masked():
+    """What a failed job raised is printed and saved (summary.md, optimization_results.yaml): a study's storage URL
+    in it (a job that could not reach its study) keeps its password out."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from hydra_plugins.tinker_exp_plugins.launchers import job_error
+
+    ret = JobReturn(overrides=[], status=JobStatus.FAILED, _return_value=RuntimeError("no study at postgresql://bob:s3cr3t@db/s"))
+    assert job_error(ret) == "RuntimeError: no study at postgresql://bob:***@db/s"
+
+
 def test_sweep_group_is_the_sweep_dir_below_outputs_sweeps(tmp_path):
     assert sweep_group(str(tmp_path / "outputs/sweeps/2026-11-29/10-00-00"), cwd=tmp_path) == "2026-11-29/10-00-00"
     assert sweep_group("/elsewhere/lr_sweep", cwd=tmp_path) == "lr_sweep"

@@ -489,7 +489,9 @@ def job_error(ret: JobReturn) -> str:
     raised = ret._return_value
     if isinstance(raised, str):  # set by the launcher: the scheduler ended the job
         return raised
-    return one_line(as_config_error(raised) if isinstance(raised, COMPOSE_ERRORS) else raised)
+    # Printed and saved (summary.md, optimization_results.yaml): a study's storage URL in it (the job could not
+    # reach the study) keeps its password out.
+    return masked(one_line(as_config_error(raised) if isinstance(raised, COMPOSE_ERRORS) else raised))
 
 
 CONTROLLERS_LOG = "controllers.log"

@@ -291,11 +291,15 @@ def _sent_series(run: RunInfo, rows: Sequence[dict[str, Any]], key: str, part: P
     steps, values = _series(list(rows), f"applied/{key}")
     if steps:
         return steps, values
+    logged = [_step(row) for row in rows]
     constant = _constants(run).get(key)
     if constant is not None:
-        logged = [_step(row) for row in rows]
         return logged, [constant] * len(logged)
-    return _plan_series(run.plan, key, part)
+    steps, values = _plan_series(run.plan, key, part)
+    if logged and len(steps):  # the plan only as far as the run got
+        kept = steps <= max(logged)
+        return steps[kept], values[kept]
+    return steps, values
 
 
 def _log_axis_over_a_decade(ax: Any) -> None:
