@@ -435,6 +435,10 @@ def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
     finally:
         driver.kill()
     assert driver.returncode != 0 and f"interrupted: cancelled {', '.join(job_ids)}" in output, output[-3000:]
+    continued = "tinker_exp: interrupted (Ctrl-C); continue it with: python -m tinker_exp " + shlex.join(
+        [*(a for a in command[3:] if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={tmp_path}"]
+    )
+    assert "Traceback" not in output and output.strip().splitlines()[-1] == continued, output[-3000:]
     # Slurm's accounting records both as cancelled (not merely gone from the queue)
     states = lambda: [sacct_state(slurm_env, job_id) for job_id in job_ids]  # noqa: E731
     wait_until(lambda: states() == ["CANCELLED", "CANCELLED"], 120, f"not cancelled in sacct: {states()}", poll=1)

@@ -404,7 +404,7 @@ class SweepLauncher(BaseSubmititLauncher):
             jobs = executor.map_array(self, *zip(*args))
         if interrupted():
             cancel(jobs)
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(continue_line(str(self.config.hydra.sweep.dir)))
         log.info(f"submitted {', '.join(job.job_id for job in jobs)}; waiting for all of them")
         return jobs
 

@@ -1,5 +1,6 @@
-"""report.png: look rather than read. Every run's training and validation loss overlaid, and every key whose
-plan changes over the run, one panel each. One run, a sweep (the best job by its objective drawn thick and named
+"""report.png: look rather than read. Every run's training and validation loss overlaid, and every optimizer value
+that changes over a run or differs between runs, one panel each, drawn from what each run applied (applied/KEY)
+up to where it stopped (a log axis where the values span more than a decade). One run, a sweep (the best job by its objective drawn thick and named
 in the legend), a study (the same, and study.png: the objective against each searched parameter), or any runs
 together (`python -m tinker_exp.report`). Each run is labelled by what differs between the runs drawn.
 
