@@ -29,7 +29,14 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_plugins.tinker_exp_plugins.launchers import OneAtATime, SweepLauncher, continue_line, job_objective, job_run_dir, save_multirun
+from hydra_plugins.tinker_exp_plugins.launchers import (
+    OneAtATime,
+    SweepLauncher,
+    continue_line,
+    job_objective,
+    job_run_dir,
+    save_multirun,
+)
 from tinker_exp.errors import ConfigError, TinkerExpError
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.jobs import JOB_FILE, read_outcome, summary_table, write_summary
