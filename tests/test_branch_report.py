@@ -17,7 +17,9 @@ from tinker_exp.main import write_plan
 from tinker_exp.optim.plan import plan_for
 from tinker_exp.optim.preview import draw_plan, history, plot_plan, read_plan_file
 from tinker_exp.sweep.jobs import job_info, read_outcome, summary_table, write_job_info, write_summary
+from tinker_exp.formats import read_jsonl
 from tinker_exp.sweep.report import draw_report, read_run
+from tinker_exp.train.objective import write_objective
 
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 WSD = {"lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 1, "decay_steps": 3}}
@@ -147,11 +149,41 @@ def test_a_sweep_of_branches_shows_the_trunk_once_up_to_the_last_branch_step(tmp
     outcomes = [read_outcome(n, ["branch.step=" + str(at)], "COMPLETED", sweep / str(n), None) for n, at in enumerate((4, 8))]
     assert [(o.branch_from, o.branch_step, o.steps) for o in outcomes] == [(str(trunk), 4, 8), (str(trunk), 8, 4)]
     table = summary_table(outcomes)
-    assert table.splitlines()[0] == f"branches of {trunk} at steps 4, 8"
+    assert table.splitlines()[0] == f"branches of {trunk} at steps 4, 8; grouped by branch step (a budget), the best of each marked *"
     assert table.count("branches of") == 1
     assert f"branches of {trunk} at steps 4, 8" in write_summary(sweep, outcomes).read_text()
     plain = make_run(tmp_path / "plain")
     assert summary_table([read_outcome(0, [], "COMPLETED", plain, None)]).startswith("job ")  # no line above
+
+
+def test_branches_of_several_steps_are_compared_within_their_budget_in_the_summary_and_the_report(tmp_path):
+    """Decays at steps 4 and 8, two shapes each: a later branch step is a bigger budget and tends to win whatever its decay, so each
+    branch step's best is its own (summary: grouped, a * in each group; report: each group's best drawn thick)."""
+    trunk = make_run(tmp_path / "t")
+    sweep = tmp_path / "sweep"
+    objectives = {0: 5.2, 1: 5.1, 2: 4.6, 3: 4.7}  # job: (step 4, 1-sqrt), (4, linear), (8, 1-sqrt), (8, linear)
+    for num, (at, shape) in enumerate(((4, "1-sqrt"), (4, "linear"), (8, "1-sqrt"), (8, "linear"))):
+        make_run(sweep / str(num), COSINE, trunk=trunk, at=at, num=num,
+                 overrides=[f"branch.step={at}", f"override.lr.decay_shape={shape}"])  # fmt: skip
+        write_objective(sweep / str(num), "val/loss", "last", objectives[num], None)
+    outcomes = [read_outcome(n, read_run(sweep / str(n)).command_line, "COMPLETED", sweep / str(n), None, objective=objectives[n])
+                for n in range(4)]  # fmt: skip
+    table = summary_table(outcomes).splitlines()
+    assert table[0] == f"branches of {trunk} at steps 4, 8; grouped by branch step (a budget), the best of each marked *"
+    assert [line.split()[0] for line in table[3:]] == ["*1", "0", "*2", "3"]
+    written = [row["num"] for row in read_jsonl(Path(write_summary(sweep, outcomes)).with_suffix(".jsonl"))]
+    assert written == [1, 0, 2, 3]
+    fig = draw_report([read_run(sweep / str(n), f"job {n}") for n in range(4)], "sweep s")
+    assert fig._suptitle.get_text().splitlines()[2] == (
+        "best of each branch step by val/loss (last): step 4: job 1, 5.1; step 8: job 2, 4.6"
+    )
+    assert fig.axes[-1].get_xlabel() == (  # rows count from 0, branch steps count steps done: both said
+        "train/step (0 = the first step; dashed: branch step N, after N steps done, at the branch's first train/step)"
+    )
+    assert [label for label in legend(fig) if label.startswith("best")] == [
+        "best at step 4: job 1: branch.step=4 override.lr.decay_shape=linear -> 5.1",
+        "best at step 8: job 2: branch.step=8 override.lr.decay_shape=1-sqrt -> 4.6",
+    ]
 
 
 def test_the_report_command_draws_a_trunk_whole_and_its_branches_beside_it(tmp_path, capsys):

@@ -243,6 +243,7 @@ def test_report_png_draws_each_members_objective_with_its_exploits_and_its_reali
     assert legend[:3] == ["best: member 0 -> 2.5", "member 1 -> 2.6, 1 exploit", "member 2 -> 2.65, 1 exploit"]
     assert legend[3] == "member 3 (CANCELLED)"
     assert "best of 3 by val/loss: member 0, 2.5 (0 exploits; donors -)" in fig._suptitle.get_text()
+    assert fig.axes[-1].get_xlabel().startswith("steps done (= train/step + 1;")  # boundaries count steps done
     path = write_report(members, {"override.lr.value": True}, sweep / "report.png", "population test")
     assert path.read_bytes()[:4] == b"\x89PNG"
 

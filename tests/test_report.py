@@ -15,6 +15,7 @@ import pytest
 
 from helpers import REPO
 from tinker_exp import report as command
+from tinker_exp.optim.convert import flat_values
 from tinker_exp.optim.plan import plan_for
 from tinker_exp.optim.preview import write_plan_file
 from tinker_exp.sweep.jobs import job_info, write_job_info
@@ -36,13 +37,19 @@ WSD = {"lr": {"schedule": "wsd", "value": 1e-3, "warmup_steps": 1, "decay_steps"
 
 
 def make_run(run_dir: Path, overrides=(), losses=(5.0, 4.5, 4.2, 4.0), schedule=COSINE, objective=None,
-             num=None, config: str | None = None) -> Path:  # fmt: skip
-    """A run dir as a finished run leaves it: job.json, plan.json, metrics.jsonl (a val row every other step),
-    objective.json (a (metric, mode, value) triple) and config.yaml."""
+             num=None, config: str | None = None, applied: bool = False) -> Path:  # fmt: skip
+    """A run dir as a finished run leaves it: job.json, plan.json, metrics.jsonl (a val row every other step;
+    `applied`: with the applied/* values of its plan, as the loop logs them), objective.json (a (metric, mode,
+    value) triple) and config.yaml."""
     write_job_info(run_dir, job_info(num, list(overrides)))
     plan = plan_for(schedule or {}, dict(ADAMW), len(losses), "AdamW")
     write_plan_file(plan, run_dir / "plan.json")
-    rows = [{"train/step": step, "train/loss": loss, **({"val/loss": loss + 0.1} if step % 2 else {})}
+
+    def sent(step: int) -> dict:  # every float of the param group, sent or not
+        flat = {**flat_values("", ADAMW), **{k: c if isinstance(c, float) else c[step] for k, c in plan.columns.items()}}
+        return {f"applied/{k}": float(v) for k, v in flat.items()} if applied else {}
+
+    rows = [{"train/step": step, "train/loss": loss, **sent(step), **({"val/loss": loss + 0.1} if step % 2 else {})}
             for step, loss in enumerate(losses)]  # fmt: skip
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     if objective is not None:
@@ -164,7 +171,29 @@ def test_runs_are_labelled_by_what_differs_between_them(tmp_path):
     none = make_run(tmp_path / "none", [], schedule=None)
     (none / ".hydra").mkdir()
     (none / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      override: null\n      hydra/env: other\n")
-    assert labels(c, none) == ["override=lr_cosine", "no override"]
+    assert labels(c, none) == ["override=lr_cosine", "defaults"]
+    # A key left null in the config (a run without +override=... as a real run writes it): defaults, not override=None.
+    unset = make_run(tmp_path / "unset", [], schedule=None, config="override: null\ntrainer:\n  steps: 4\n")
+    assert labels(c, unset) == ["override=lr_cosine", "defaults"]
+
+
+def test_runs_with_and_without_a_schedule_both_draw_their_applied_lr_on_a_log_axis_when_it_spans_a_decade(tmp_path):
+    """A run without an override has an lr too (its optimizer's, constant): drawn beside a scheduled run's, from the
+    applied/lr the loop logged; a run stopped early ends where it stopped; lrs over more than a decade: a log axis."""
+    steps = (5.0, 4.5, 4.2, 4.0, 3.9, 3.8)
+    low = {"lr": {"schedule": "constant", "value": 1e-5}}
+    scheduled = make_run(tmp_path / "low", ["+override=constant", "override.lr=1e-5"], losses=steps, schedule=low, applied=True)
+    plain = make_run(tmp_path / "plain", [], losses=steps[:3], schedule=None, applied=True, config="override: null\n")
+    fig = draw_report([read_run(scheduled), read_run(plain)], "runs")
+    (lr_ax,) = [ax for ax in fig.axes if ax.get_ylabel() == "lr"]
+    drawn = {line.get_gid(): (list(line.get_xdata()), set(line.get_ydata())) for line in lr_ax.get_lines() if line.get_gid()}
+    assert drawn == {"override=constant override.lr=1e-05": ([0, 1, 2, 3, 4, 5], {1e-5}), "defaults": ([0, 1, 2], {1e-3})}
+    assert lr_ax.get_yscale() == "log" and legend(fig) == ["override=constant override.lr=1e-05", "defaults"]
+    assert fig.axes[-1].get_xlabel() == "train/step (0 = the first step)"
+    # A warmup from 0 (not on a log axis): linear.
+    cosine = make_run(tmp_path / "cosine", ["+override=lr_cosine"], losses=steps, applied=True)
+    (lr_ax,) = [ax for ax in draw_report([read_run(cosine), read_run(plain)], "runs").axes if ax.get_ylabel() == "lr"]
+    assert lr_ax.get_yscale() == "linear"
 
 
 def test_a_legend_of_long_labels_goes_below_the_plot_short_ones_beside_it(tmp_path):
@@ -235,6 +264,32 @@ def test_a_studys_picture_plots_the_objective_against_each_parameter_with_the_be
     assert math.isclose(best.value, min(t.value for t in study_trials))
 
 
+def test_a_studys_picture_marks_its_pruned_trials_and_labels_a_log_axis_at_a_few_round_values():
+    """Pruned trials drawn (x, at the last value each reported) where a learning rate too high stopped them, outside
+    the completed trials' range; the log axis labelled at round values only (no overlapping minor labels)."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import TrialState
+
+    space = {"override.lr": FloatDistribution(1e-5, 1e-1, log=True)}
+    study = optuna.create_study()
+    for number, lr in enumerate((1e-5, 1e-4, 3e-4, 1e-2, 5e-2)):
+        trial = optuna.trial.create_trial(params={"override.lr": lr}, distributions=space, value=5.0 + number,
+                                          state=TrialState.PRUNED if lr > 1e-3 else TrialState.COMPLETE,
+                                          intermediate_values={1: 5.0 + number})  # fmt: skip
+        study.add_trial(trial)
+    fig = draw_study(study, "study s")
+    (ax,) = [ax for ax in fig.axes if ax.get_xlabel() == "override.lr"]
+    (crosses,) = [c for c in ax.collections if c.get_gid() == "pruned"]
+    assert [tuple(p) for p in crosses.get_offsets()] == [(1e-2, 8.0), (5e-2, 9.0)]
+    low, high = ax.get_xlim()
+    assert ax.get_xscale() == "log" and low < 1e-5 and high > 5e-2  # the pruned are inside the panel
+    labels = [t.get_text() for t in ax.get_xticklabels() if low <= t.get_position()[0] <= high]
+    assert labels == ["1e-05", "1e-04", "1e-03", "1e-02"] and not [t for t in ax.get_xticklabels(minor=True) if t.get_text()]
+    assert "(3 completed, 2 pruned (x)); best: trial 0, 5" in fig._suptitle.get_text()
+    fig.canvas.draw()
+
+
 def test_the_command_draws_a_studys_trials_and_its_parameters(tmp_path, capsys):
     sweep, study = study_dir(tmp_path)
     assert command.main([str(sweep)]) == 0
@@ -278,7 +333,7 @@ def test_a_path_that_is_not_a_run_dir_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "empty").mkdir()
     make_run(tmp_path / "run")
     for args, message in (
-        ([str(tmp_path / "run"), str(tmp_path / "missing")], f"{tmp_path / 'missing'}: not a run dir (no job.json or metrics.jsonl) nor a sweep dir of run dirs"),
+        ([str(tmp_path / "run"), str(tmp_path / "missing")], f"{tmp_path / 'missing'}: no such file or directory"),
         ([str(tmp_path / "empty")], f"{tmp_path / 'empty'}: not a run dir (no job.json or metrics.jsonl) nor a sweep dir of run dirs"),
         ([str(tmp_path / "run"), "-o", str(tmp_path / "r.jpg")], f"-o {tmp_path / 'r.jpg'}: the report is a PNG; name it *.png"),
         ([str(tmp_path / "run"), "-o", str(tmp_path / "no" / "r.png")], f"-o {tmp_path / 'no' / 'r.png'}: no such directory {tmp_path / 'no'}"),

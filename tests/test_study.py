@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -118,6 +119,28 @@ def test_a_study_of_an_earlier_version_keeps_its_sqlite_file_a_new_one_gets_a_jo
     assert optuna.load_study(study_name="old", storage=open_storage(sweep_storage(tmp_path))).study_name == "old"
     assert masked("postgresql://bob:p@ss:w@db.lab:5432/studies") == "postgresql://bob:***@db.lab:5432/studies"
     assert masked("postgresql://bob@db.lab/studies") == "postgresql://bob@db.lab/studies"
+    # Credential-shaped text in a URL that does not parse (a typo), quoted in an error, or on its own: masked too.
+    assert masked("storage: postgresql//bob:s3cr3t@db.lab/studies") == "storage: postgresql//bob:***@db.lab/studies"
+    assert masked("'postgresql:/bob:s3/cr3t@db'") == "'postgresql:***@db'"  # more than the password: never part of it
+    assert masked("sqlite:///runs/a@b/optuna.db journal:///tmp/x@y") == "sqlite:///runs/a@b/optuna.db journal:///tmp/x@y"
+    assert masked("hydra.sweeper.storage=bob:s3cr3t@db.lab") == "hydra.sweeper.storage=bob:***@db.lab"
+    assert masked("redis://:s3cr3t@host/0") == "redis://:***@host/0"
+    assert masked("trial 3: 1.5 (best: trial 2, 1.2); journal:///tmp/s/optuna.journal") == "trial 3: 1.5 (best: trial 2, 1.2); journal:///tmp/s/optuna.journal"
+
+
+def test_a_storage_url_that_does_not_parse_is_one_line_and_its_password_is_in_nothing_printed_or_written(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli(
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={sweep}", "logger=none",
+        "hydra.sweeper.storage=postgresql//bob:s3cr3t@db.lab/studies", "optimizer.lr=tag(log,interval(1e-4,1e-3))",
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        "tinker_exp: config error: hydra.sweeper.storage: postgresql//bob:***@db.lab/studies: cannot open the study: "
+        "Could not parse SQLAlchemy URL from given URL string"
+    ]
+    written = [p.read_text(errors="replace") for p in sweep.rglob("*") if p.is_file()] if sweep.exists() else []
+    assert not any("s3cr3t" in text for text in written)
 
 
 def test_a_killed_pruning_study_records_a_trial_pruned_meanwhile_as_pruned(tmp_path):
@@ -328,6 +351,10 @@ def test_ctrl_c_in_a_study_cancels_its_running_trials_and_the_same_command_conti
     started, told = started_and_told(output)
     assert driver.returncode == 130 and sorted(started) == [0, 1] and not told, output[-3000:]
     assert f"interrupted: cancelled {', '.join(str(started[n]) for n in sorted(started))}" in output
+    assert "Traceback" not in output and output.strip().splitlines()[-1] == (  # the sweep dir given: kept as it was
+        "tinker_exp: interrupted (Ctrl-C); continue it with: python -m tinker_exp "
+        + shlex.join([*(a for a in command[3:] if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={tmp_path}"])
+    ), output[-3000:]
     for pid in started.values():  # gone, or a zombie nobody reaps (on this machine PID 1 is no init system)
         wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 120, f"job {pid} runs on")
     assert [t.state for t in storage_trials(tmp_path)] == [TrialState.FAIL] * 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,17 @@ from tinker_exp.sweep.jobs import (
 )
 
 # --- pure: names, groups, summaries ------------------------------------------------------------------
+
+
+def test_a_jobs_error_is_one_line_with_any_password_in_it_masked():
+    """What a failed job raised is printed and saved (summary.md, optimization_results.yaml): a study's storage URL
+    in it (a job that could not reach its study) keeps its password out."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from hydra_plugins.tinker_exp_plugins.launchers import job_error
+
+    ret = JobReturn(overrides=[], status=JobStatus.FAILED, _return_value=RuntimeError("no study at postgresql://bob:s3cr3t@db/s"))
+    assert job_error(ret) == "RuntimeError: no study at postgresql://bob:***@db/s"
 
 
 def test_sweep_group_is_the_sweep_dir_below_outputs_sweeps(tmp_path):
@@ -193,6 +205,11 @@ def test_local_sweep_in_batches_runs_max_parallel_points_at_a_time_and_counts_on
     assert "HYDRA_FULL_ERROR" not in result.stderr and "Traceback" not in result.stderr
     assert result.stdout.count("sweep summary") == 1 and result.stdout.count("final loss") == 1  # one table, at the end
     assert "3 local jobs, at most 1 at a time" in result.stdout
+    # Each job's start and end said as they happen (a grid is never silent until its last job starts): one at a time.
+    said = [line.split("[HYDRA] ")[1] for line in result.stdout.splitlines() if line.partition("[HYDRA] ")[2].startswith("job ")]
+    ends = [f"job {n} FAILED: config error: resume=must" for n in (0, 1)] + [f"job {n}: completed, 0 steps logged; run dir {tmp_path}/{n}" for n in (2, 3)]
+    assert len(said) == 8 and [s.split(" (process")[0] for s in said[::2]] == [f"job {n} started" for n in range(4)], said
+    assert all(line.startswith(end) for line, end in zip(said[1::2], ends)), said
     # One at a time: each job started (its job.json, written first) after the one before had written its result.
     spans = []
     for row in rows:
@@ -418,6 +435,10 @@ def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
     finally:
         driver.kill()
     assert driver.returncode != 0 and f"interrupted: cancelled {', '.join(job_ids)}" in output, output[-3000:]
+    continued = "tinker_exp: interrupted (Ctrl-C); continue it with: python -m tinker_exp " + shlex.join(
+        [*(a for a in command[3:] if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={tmp_path}"]
+    )
+    assert "Traceback" not in output and output.strip().splitlines()[-1] == continued, output[-3000:]
     # Slurm's accounting records both as cancelled (not merely gone from the queue)
     states = lambda: [sacct_state(slurm_env, job_id) for job_id in job_ids]  # noqa: E731
     wait_until(lambda: states() == ["CANCELLED", "CANCELLED"], 120, f"not cancelled in sacct: {states()}", poll=1)
@@ -447,6 +468,11 @@ def test_ctrl_c_in_a_local_sweep_stops_the_running_point_and_starts_no_other(ray
     (job_id,) = [p.name for p in (tmp_path / ".submitit").iterdir() if p.name.isdigit()]  # one job started
     assert driver.returncode == 130 and f"interrupted: cancelled {job_id}" in output, output[-3000:]
     assert "1 local jobs" not in output and "2 local jobs, at most 1 at a time" in output
+    # No traceback (submitit's job controller writes its own to .submitit/controllers.log), and one line that says
+    # how to continue: the same overrides in the same sweep dir.
+    assert "Traceback" not in output and "KeyboardInterrupt" in (tmp_path / ".submitit" / "controllers.log").read_text()
+    continued = "tinker_exp: interrupted (Ctrl-C); continue it with: python -m tinker_exp " + shlex.join([*(a for a in command[3:] if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={tmp_path}"])
+    assert output.strip().splitlines()[-1] == continued, output[-3000:]
     assert not (tmp_path / "1").exists()
 
     def ended() -> bool:  # gone, or a zombie nobody reaps (on this machine PID 1 is no init system)

@@ -9,9 +9,16 @@ from pathlib import Path
 from typing import Any
 
 
+# user:password@ wherever it stands, in a URL that parses or not (postgresql//bob:pw@host, a quoted repr): the user
+# part starts after a space, quote, '=', ':' or '/' (or at the start); the password (never "//...", a scheme's) runs
+# to the last '@' before a space or quote: one with '/' or '@' in it is masked whole (a host after it may be too).
+_CREDENTIALS = re.compile(r"""(?<![^\s:/@'"=])([^\s:/@'"=]*):(?!//)[^\s'"]*@""")
+
+
 def masked(text: str) -> str:
-    """Text as printed and saved: the password of every URL in it (a study's database) replaced by ***."""
-    return re.sub(r"(://[^:/@\s]*):[^/\s]*@", r"\1:***@", text)
+    """Text as printed and saved: the password of every credential-shaped `user:password@` in it (a study's database
+    URL, parseable or mistyped) replaced by ***."""
+    return _CREDENTIALS.sub(r"\1:***@", text)
 
 
 def display_name(path: Path) -> str:

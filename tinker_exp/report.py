@@ -4,8 +4,8 @@
 
 A sweep dir stands for its jobs (its numbered run dirs). OUT defaults to report.png in the one dir given, else
 in the current dir. A study's dir (optuna.journal, or an earlier optuna.db) given alone also gets study.png there (with -o: OUT's stem +
-"_study.png"): the objective against each searched parameter. Prints each file it wrote. A path that is neither
-a run dir nor a sweep dir: one line, exit 2. Pure Python (matplotlib; optuna for a study).
+"_study.png"): the objective against each searched parameter. Prints each file it wrote. A path that does not
+exist, or is neither a run dir nor a sweep dir: one line, exit 2. Pure Python (matplotlib; optuna for a study).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def runs_of(paths: Sequence[Path]) -> list[tuple[str, Path]]:
     "trial 3"); several paths: each run named by the end of its path that tells it apart."""
     dirs: list[Path] = []
     for path in paths:
+        if not path.exists():
+            raise ConfigError(f"{path}: no such file or directory")
         if is_run_dir(path):
             dirs.append(path)
         elif jobs := jobs_of(path):

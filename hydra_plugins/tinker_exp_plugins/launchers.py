@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shlex
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -33,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from tinker_exp import config as tinker_config
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import ConfigError, TinkerExpError, one_line
+from tinker_exp.formats import masked
 from tinker_exp.sweep.jobs import (
     JobOutcome,
     StartedJob,
@@ -97,6 +100,19 @@ def check_points(hydra_context: Any, config: DictConfig, points: Sequence[Sequen
     if bad:
         raise BadPointsError(bad_points_report(bad, len(points)))
     return [cfg for cfg, _ in checked]
+
+
+def continue_line(sweep_dir: Path | str) -> str:
+    """Ctrl-C's line in a sweep: the command that continues it, in the sweep dir it used (the default one is
+    timestamped, so the same command alone would start a new sweep); any password in it masked."""
+    kept = [a for a in sys.argv[1:] if a.lstrip("+").partition("=")[0] != "hydra.sweep.dir"]
+    return masked("continue it with: python -m tinker_exp " + shlex.join([*kept, f"hydra.sweep.dir={sweep_dir}"]))
+
+
+def save_multirun(config: DictConfig, sweep_dir: Path) -> None:
+    """Hydra's record of the sweep's command (multirun.yaml), as every sweeper of ours writes it: any credentials
+    in it (a study's database URL, parseable or mistyped) masked."""
+    (sweep_dir / "multirun.yaml").write_text(masked(OmegaConf.to_yaml(config)), encoding="utf-8")
 
 
 def job_run_dir(hydra_context: Any, config: Any, overrides: Sequence[str], num: int) -> Path:
@@ -219,23 +235,26 @@ class SweepLauncher(BaseSubmititLauncher):
         if self._EXECUTOR != "local":
             jobs = self._submit(executor, args)
         returns, outcomes = [], []
+        ended: dict[int, tuple[JobReturn, JobOutcome]] = {}
         try:
             if self._EXECUTOR == "local":
                 workers = max((cfg.backend.num_workers for cfg in configs if cfg is not None), default=1)
                 at_once = points_at_once(os.cpu_count(), workers, self.params.get("max_parallel"))
                 log.info(f"{len(args)} local jobs, at most {at_once} at a time (hydra.launcher.max_parallel)")
-                start_local(lambda arg: executor.submit(self, *arg), args, at_once, jobs)
-                if jobs:
-                    log.info(f"submitted {', '.join(job.job_id for job in jobs)}; waiting for all of them")
+                ended = self._run_local(executor, args, at_once, jobs)
             started = iter(jobs)
             for num, overrides in zip(nums, job_overrides):
-                job = None if num in refused else next(started)
-                ret, outcome = self._outcome(num, overrides, job, refused.get(num), wait=True)
+                if num in ended:  # a local job: waited for, and said, as it ended
+                    ret, outcome = ended[num]
+                else:
+                    job = None if num in refused else next(started)
+                    ret, outcome = self._outcome(num, overrides, job, refused.get(num), wait=True)
+                    log.info(ended_line(outcome))
                 returns.append(ret)
                 outcomes.append(outcome)
         except KeyboardInterrupt:
             cancel(jobs)  # first, before anything that could be slow on a loaded machine
-            raise
+            raise KeyboardInterrupt(continue_line(sweep_dir)) from None
 
         self.outcomes.update((o.num, o) for o in outcomes)
         if self.summarize:
@@ -243,6 +262,33 @@ class SweepLauncher(BaseSubmititLauncher):
         else:  # on disk after every batch; the terminal gets the table once, at the sweep's end
             self._write_summary(sweep_dir)
         return returns
+
+    def _run_local(self, executor: Any, args: Sequence[tuple], at_once: int, jobs: list[Any]) -> dict[int, tuple[JobReturn, JobOutcome]]:
+        """Run a local job for each of `args` (into `jobs`, in order), at most `at_once` at a time: the next starts as
+        soon as one ends. Each job's start and end said as they happen (a long sweep is never silent); every job's
+        (JobReturn, JobOutcome) by number."""
+        ended: dict[int, tuple[JobReturn, JobOutcome]] = {}
+        pending, running = list(args), {}
+        while pending or running:
+            while pending and len(running) < at_once:
+                arg = pending.pop(0)
+                with controller_stderr(self.controllers_log()):
+                    job = executor.submit(self, *arg)
+                jobs.append(job)
+                running[job] = arg
+                log.info(f"job {arg[2]} started (process {job.job_id}): {' '.join(filter_overrides(arg[0])) or '-'}")
+            done = [job for job in running if job.done()]
+            for job in done:
+                overrides, _, num = running.pop(job)[:3]
+                ended[num] = self._outcome(num, overrides, job, None, wait=True)
+                log.info(ended_line(ended[num][1]))
+            if not done:
+                time.sleep(0.2)  # submitit's own wait() polls its processes the same way
+        return ended
+
+    def controllers_log(self) -> Path | None:
+        """Local jobs: where submitit's job controllers write (None on Slurm, where sbatch starts the jobs)."""
+        return Path(str(self.config.hydra.sweep.dir)) / ".submitit" / CONTROLLERS_LOG if self._EXECUTOR == "local" else None
 
     def capacity(self, config: DictConfig) -> int | None:
         """How many jobs of points like `config` may run at once: the local launcher's `max_parallel` (else as many
@@ -269,7 +315,7 @@ class SweepLauncher(BaseSubmititLauncher):
                 self.stream_executor = self._executor()
             arg = (list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state())
             # As in `_submit`: a Ctrl-C inside sbatch would leave a job we never learn the id of.
-            with sigint_deferred() as interrupted, ray_token(self.nodes() > 1):
+            with sigint_deferred() as interrupted, ray_token(self.nodes() > 1), controller_stderr(self.controllers_log()):
                 handle.job = self.stream_executor.submit(self, *arg)
             self.running.append(handle)
             if interrupted():
@@ -358,7 +404,7 @@ class SweepLauncher(BaseSubmititLauncher):
             jobs = executor.map_array(self, *zip(*args))
         if interrupted():
             cancel(jobs)
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(continue_line(str(self.config.hydra.sweep.dir)))
         log.info(f"submitted {', '.join(job.job_id for job in jobs)}; waiting for all of them")
         return jobs
 
@@ -382,13 +428,12 @@ class SweepLauncher(BaseSubmititLauncher):
             raise SweepFailedError(failure_report(everything, summary), returns)
 
 
-def start_local(start: Callable[[tuple], Any], args: Sequence[tuple], at_once: int, jobs: list[Any]) -> None:
-    """Start a local job for each of `args` into `jobs`, in order, with at most `at_once` running: the next one
-    starts as an earlier one ends. Returns once the last has started (those still running are waited for after)."""
-    for arg in args:
-        while sum(not job.done() for job in jobs) >= at_once:
-            time.sleep(0.2)  # submitit's own wait() polls its processes the same way
-        jobs.append(start(arg))
+def ended_line(outcome: JobOutcome) -> str:
+    """A grid job's end, said when it ends (as a study says each trial's): what it came to, and its run dir."""
+    if outcome.ok:
+        value = "" if outcome.objective is None else f", objective {outcome.objective:.6g}"
+        return f"job {outcome.num}: completed, {outcome.steps} steps logged{value}; run dir {outcome.run_dir}"
+    return f"job {outcome.num} {outcome.status}: {outcome.error}; run dir {outcome.run_dir}"
 
 
 def slurm_ending_job() -> bool:
@@ -444,7 +489,33 @@ def job_error(ret: JobReturn) -> str:
     raised = ret._return_value
     if isinstance(raised, str):  # set by the launcher: the scheduler ended the job
         return raised
-    return one_line(as_config_error(raised) if isinstance(raised, COMPOSE_ERRORS) else raised)
+    # Printed and saved (summary.md, optimization_results.yaml): a study's storage URL in it (the job could not
+    # reach the study) keeps its password out.
+    return masked(one_line(as_config_error(raised) if isinstance(raised, COMPOSE_ERRORS) else raised))
+
+
+CONTROLLERS_LOG = "controllers.log"
+"""In a local sweep's .submitit folder: what submitit's job controllers wrote (a process between the sweep and each
+local job; a Ctrl-C or a cancel stops it with a KeyboardInterrupt traceback, which is not the terminal's business)."""
+
+
+@contextmanager
+def controller_stderr(path: Path | None) -> Iterator[None]:
+    """Within (`path` given): a process started gets `path` as its stderr, not the sweep's terminal. Each local job's
+    own output goes to its log in .submitit/<job id>/ anyway; this is the controller's."""
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "ab") as log_file:
+            os.dup2(log_file.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 @contextmanager
@@ -537,7 +608,7 @@ class GridSweeper(BasicSweeper):
         check_points(self.hydra_context, self.config, self.launcher.job_points(points) if self.ours else points, 0)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        save_multirun(self.config, sweep_dir)
         returns, first = [], 0
         while not self.is_done():
             batch = self.get_job_batch()

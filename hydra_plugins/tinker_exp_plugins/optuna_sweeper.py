@@ -29,7 +29,14 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_plugins.tinker_exp_plugins.launchers import OneAtATime, SweepLauncher, job_objective, job_run_dir
+from hydra_plugins.tinker_exp_plugins.launchers import (
+    OneAtATime,
+    SweepLauncher,
+    continue_line,
+    job_objective,
+    job_run_dir,
+    save_multirun,
+)
 from tinker_exp.errors import ConfigError, TinkerExpError
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.jobs import JOB_FILE, read_outcome, summary_table, write_summary
@@ -118,8 +125,7 @@ class OptunaSweeper(Sweeper):
             )
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        # The storage URL's password is not written (the sweeper's node and Hydra's record of the command line).
-        (sweep_dir / "multirun.yaml").write_text(masked(OmegaConf.to_yaml(self.config)))
+        save_multirun(self.config, sweep_dir)  # the storage URL's password not written
         self.dry_run = bool(self.config.get("dry_run"))
         storage = self.storage or sweep_storage(sweep_dir)
         shown = masked(storage)
@@ -223,10 +229,12 @@ class OptunaSweeper(Sweeper):
                     if outcome is not None and outcome.job_id:  # the summary's job id column
                         trial.set_user_attr("job_id", outcome.job_id)
                     self._tell(study, trial, ret)
-        except BaseException:  # Ctrl-C, a compose error: the jobs cancelled, no trial left RUNNING
+        except BaseException as e:  # Ctrl-C, a compose error: the jobs cancelled, no trial left RUNNING
             self.jobs.cancel_running()
             for trial in [*running.values(), *([asked] if asked is not None else [])]:
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            if isinstance(e, KeyboardInterrupt) and not str(e):  # the entry point prints the line that continues it
+                raise KeyboardInterrupt(continue_line(str(self.config.hydra.sweep.dir))) from None
             raise
 
     def _tell(self, study: Any, trial: Any, ret: JobReturn) -> None:
@@ -281,7 +289,7 @@ class OptunaSweeper(Sweeper):
             )
         summary = write_summary(sweep_dir, outcomes)
         # Each labelled by what differs; a pruned trial's curve ends where it stopped, and says so.
-        runs = [(f"trial {o.num}" + (f" (pruned at {o.steps})" if o.status == "PRUNED" else ""), Path(o.run_dir)) for o in outcomes]
+        runs = [(f"trial {o.num}" + (f" (pruned after {o.steps} steps)" if o.status == "PRUNED" else ""), Path(o.run_dir)) for o in outcomes]
         report = write_report(runs, sweep_dir / REPORT, f"study {display_name(sweep_dir)}")
         slices = write_study_report(study, sweep_dir / STUDY_REPORT, f"study {display_name(sweep_dir)}")
         log.info(f"study summary ({', '.join(str(p) for p in (summary, report, slices) if p)}):\n{summary_table(outcomes)}")

@@ -27,7 +27,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, check_points, job_objective, job_run_dir
+from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, check_points, job_objective, job_run_dir, save_multirun
 from tinker_exp.errors import ConfigError, TinkerExpError
 from tinker_exp.sweep.pbt import POPULATION_ENV
 
@@ -192,7 +192,7 @@ class PBTSweeper(Sweeper):
         fixed, space, starts, points, cfg = self._checked_members(arguments)  # raises before anything is written
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        save_multirun(self.config, sweep_dir)
         log.info(
             f"population of {self.population}, a boundary every {self.interval} steps of {cfg.trainer.steps}; "
             f"the bottom {self.quantile:g} exploit the top; search space: " + ", ".join(f"{k}: {dimension(d)}" for k, d in space.items())

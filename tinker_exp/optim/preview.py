@@ -283,7 +283,7 @@ def draw_plan(plan: Plan, parts: list[Part]) -> Any:
         axes[0, 0].legend(fontsize=7, loc="best")
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 2.5 tick on a short plan
     axes[-1, 0].xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{int(x):,}"))  # 1,000,000, not 1e6 offset
-    axes[-1, 0].set_xlabel("optimizer step (0 = first)")
+    axes[-1, 0].set_xlabel("train/step (0 = the first step)")
     fig.suptitle(title, fontsize=9, y=1 - 0.12 / height, va="top")
     return fig
 

@@ -141,15 +141,29 @@ def branches_line(branches: Sequence[tuple[str, int]]) -> str | None:
     return f"{'branch' if len(branches) == 1 else 'branches'} of " + "; of ".join(said)
 
 
+def budget_groups(outcomes: Sequence[JobOutcome]) -> list[list[JobOutcome]]:
+    """Branches of more than one branch step, grouped by it (their budget: the trunk's steps they start from),
+    earliest first, each group ranked: decays of one budget are compared with each other, not with another budget's.
+    Anything else: one group, ranked."""
+    steps = {(o.branch_from, o.branch_step) for o in outcomes if o.branch_from is not None}
+    if len(steps) < 2 or any(o.branch_from is None for o in outcomes):
+        return [ranked(outcomes)]
+    return [ranked([o for o in outcomes if (o.branch_from, o.branch_step) == key])
+            for key in sorted(steps, key=lambda key: (str(key[0]), key[1] or 0))]  # fmt: skip
+
+
 def summary_table(outcomes: Sequence[JobOutcome]) -> str:
     """Sorted by objective, the best job marked with `*`; a sweep of branches says once where they came from,
-    above the table (its steps column counts each branch's own steps)."""
+    above the table (its steps column counts each branch's own steps), and branches of several branch steps are
+    grouped by it, the best of each group marked."""
     header = ["job", "overrides", "status", "steps", "final loss", "objective", "job id", "run dir"]
-    ordered = ranked(outcomes)
-    best = next((o for o in ordered if o.ok and o.objective is not None), None)  # a pruned trial is never the best
+    groups = budget_groups(outcomes)
+    ordered = [o for group in groups for o in group]
+    # a pruned trial is never the best
+    bests = [b for group in groups if (b := next((o for o in group if o.ok and o.objective is not None), None))]
     rows = [
         [
-            f"*{o.num}" if o is best else str(o.num),
+            f"*{o.num}" if any(o is b for b in bests) else str(o.num),
             " ".join(o.overrides) or "-",
             o.status,
             str(o.steps),
@@ -161,13 +175,16 @@ def summary_table(outcomes: Sequence[JobOutcome]) -> str:
         for o in ordered
     ]
     origin = branches_line([(o.branch_from, int(o.branch_step or 0)) for o in outcomes if o.branch_from is not None])
+    if len(groups) > 1:
+        origin += "; grouped by branch step (a budget), the best of each marked *"
     return (f"{origin}\n" if origin else "") + text_table(header, rows)
 
 
 def write_summary(sweep_dir: Path, outcomes: Sequence[JobOutcome]) -> Path:
     """summary.md (the table, then each failure's error) and summary.jsonl (a row per job)."""
     failures = [f"- job {o.num} ({o.status}): {o.error}" for o in outcomes if not o.ok and o.error]
-    return write_summary_files(sweep_dir, summary_table(outcomes), failures, [asdict(o) for o in ranked(outcomes)])
+    rows = [asdict(o) for group in budget_groups(outcomes) for o in group]  # in the table's order
+    return write_summary_files(sweep_dir, summary_table(outcomes), failures, rows)
 
 
 def write_summary_files(sweep_dir: Path, table: str, failures: Sequence[str], rows: Sequence[dict[str, Any]]) -> Path:

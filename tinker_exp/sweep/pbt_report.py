@@ -279,7 +279,7 @@ def draw_report(members: Sequence[Member], log_scale: Mapping[str, bool], title:
             ax.axvline(step, color="0.75", linewidth=0.6, zorder=0, gid=f"boundary {step}")
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[-1, 0].set_xlim(left=0)  # from the first step, even when its value is left out (a warmup's 0, log axis)
-    axes[-1, 0].set_xlabel("steps trained (a value drawn from the step it is sent at; grey: the boundaries)")
+    axes[-1, 0].set_xlabel("steps done (= train/step + 1; a sent value spans its step, from its train/step to +1; grey: the boundaries)")
     lines = [title]
     if best is not None:
         lines.append(f"best of {sum(m.ok for m in members)} by {best.metric}: member {best.member}, {best.objective:.4g}"

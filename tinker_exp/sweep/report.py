@@ -1,5 +1,6 @@
-"""report.png: look rather than read. Every run's training and validation loss overlaid, and every key whose
-plan changes over the run, one panel each. One run, a sweep (the best job by its objective drawn thick and named
+"""report.png: look rather than read. Every run's training and validation loss overlaid, and every optimizer value
+that changes over a run or differs between runs, one panel each, drawn from what each run applied (applied/KEY)
+up to where it stopped (a log axis where the values span more than a decade). One run, a sweep (the best job by its objective drawn thick and named
 in the legend), a study (the same, and study.png: the objective against each searched parameter), or any runs
 together (`python -m tinker_exp.report`). Each run is labelled by what differs between the runs drawn.
 
@@ -164,9 +165,11 @@ def label_runs(runs: Sequence[RunInfo]) -> None:
     def differing(keys: Sequence[str]) -> list[str]:
         return [key for key in keys if key not in IDENTITY_KEYS and len({_short(value(run, key)) for run in runs}) > 1]
 
-    def label_by(run: RunInfo, keys: Sequence[str]) -> str:  # a key the run has no value for is left out
-        parts = [f"{key}={_short(value(run, key))}" for key in keys if value(run, key) != "-"]
-        return " ".join(parts) or ("no " + ", ".join(keys) if keys else "")
+    def label_by(run: RunInfo, keys: Sequence[str]) -> str:
+        # A key the run has no value for, or left unset (null in its config: +override not given), is left out.
+        parts = [f"{key}={_short(value(run, key))}" for key in keys
+                 if value(run, key) != "-" and (key in run.overrides or value(run, key) != "None")]  # fmt: skip
+        return " ".join(parts) or ("defaults" if keys else "")
 
     def labels_by(keys: Sequence[str]) -> list[str]:
         return [label_by(run, keys) for run in runs]
@@ -182,6 +185,16 @@ def label_runs(runs: Sequence[RunInfo]) -> None:
         labels = [f"{label} {display_name(run.dir)}".strip() for label, run in zip(labels, runs)]
     for run, label in zip(runs, labels):
         run.label = ": ".join(part for part in (run.name, label) if part)
+
+
+def by_branch_step(runs: Sequence[RunInfo]) -> list[list[RunInfo]]:
+    """Branches of more than one branch step (their budget), grouped by it, earliest first: each group's best is
+    its own (decays of one budget compared, not budgets). Any other runs: one group."""
+    keys = {(run.parts[-2].run_dir.resolve(), run.first) if len(run.parts) > 1 else None for run in runs}
+    if None in keys or len(keys) < 2:
+        return [list(runs)]
+    return [[run for run in runs if (run.parts[-2].run_dir.resolve(), run.first) == key]
+            for key in sorted(keys, key=lambda key: (str(key[0]), key[1]))]  # fmt: skip
 
 
 def best_run(runs: Sequence[RunInfo]) -> RunInfo | None:
@@ -226,6 +239,72 @@ def _plan_series(plan: Plan | None, key: str, part: Part | None = None) -> tuple
     if part is not None:
         steps = steps[(steps >= part.first) & (steps < (part.end if part.end is not None else len(plan)))]
     return steps, plan.column(key)[steps]
+
+
+def _varying_keys(runs: Sequence[RunInfo]) -> list[str]:
+    """The optimizer values worth a panel: those the runs' plans change over their steps, and those whose applied
+    value (metrics' applied/KEY, every float of the param group, sent or not) differs between steps or runs."""
+    keys = {
+        name
+        for run in runs
+        if run.plan is not None
+        for name, column in run.plan.columns.items()
+        if not isinstance(column, float) and column.min() != column.max()
+    }
+    applied: dict[str, set[float]] = {}
+    for run in runs:
+        logged = False
+        for row in run.rows:
+            for key, value in row.items():
+                if key.startswith("applied/") and _finite(value):
+                    applied.setdefault(key.removeprefix("applied/"), set()).add(float(value))
+                    logged = True
+        if not logged:  # a run of an earlier version: its optimizer's constants
+            for key, value in _constants(run).items():
+                applied.setdefault(key, set()).add(value)
+    return sorted(keys | {key for key, values in applied.items() if len(values) > 1})
+
+
+def _constants(run: RunInfo) -> dict[str, float]:
+    """The values its plan keeps constant: a constant column, else the optimizer's own (nothing sent for it)."""
+    if run.plan is None:
+        return {}
+    from tinker_exp.optim.convert import flat_values
+
+    values = {k: float(v) for k, v in flat_values("", run.plan.optimizer_values).items() if _finite(v)}
+    values.update({k: c for k, c in run.plan.columns.items() if isinstance(c, float)})
+    return {k: v for k, v in values.items() if k not in run.plan.columns or isinstance(run.plan.columns[k], float)}
+
+
+def _sent_series(run: RunInfo, rows: Sequence[dict[str, Any]], key: str, part: Part) -> tuple[Any, Any]:
+    """The value the optimizer applied at each step the run logged (metrics' applied/KEY): a run stopped early
+    (pruned, killed) ends where it stopped. Rows without it (a run of an earlier version): its plan's, over `part`
+    (a value the plan keeps constant, over the steps it logged)."""
+    steps, values = _series(list(rows), f"applied/{key}")
+    if steps:
+        return steps, values
+    logged = [_step(row) for row in rows]
+    constant = _constants(run).get(key)
+    if constant is not None:
+        return logged, [constant] * len(logged)
+    steps, values = _plan_series(run.plan, key, part)
+    if logged and len(steps):  # the plan only as far as the run got
+        kept = steps <= max(logged)
+        return steps[kept], values[kept]
+    return steps, values
+
+
+def _log_axis_over_a_decade(ax: Any) -> None:
+    """A log y axis when the positive values drawn span more than a decade (learning rates of a sweep); with a 0
+    among them (a warmup from 0), symlog: linear from 0 up to the least positive value, logarithmic above it."""
+    values = [float(v) for line in ax.get_lines() for v in line.get_ydata() if _finite(float(v))]
+    positive = [v for v in values if v > 0]
+    if not positive or min(values) < 0 or max(positive) / min(positive) <= 10:
+        return
+    if min(values) == 0:
+        ax.set_yscale("symlog", linthresh=min(positive), linscale=0.3)
+    else:
+        ax.set_yscale("log")
 
 
 @dataclass
@@ -294,16 +373,10 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     runs = [run for run in runs if run.rows]
     if not runs:
         return None
-    best = best_run(runs)
-    varying = sorted(
-        {
-            name
-            for run in [*runs, *(trunk.run for trunk in trunks)]
-            if run.plan is not None
-            for name, column in run.plan.columns.items()
-            if not isinstance(column, float) and column.min() != column.max()
-        }
-    )
+    groups = by_branch_step(runs)
+    bests = [b for group in groups if (b := best_run(group)) is not None]
+    runs = [run for group in groups for run in group]  # a group's runs together in the legend
+    varying = _varying_keys([*runs, *(trunk.run for trunk in trunks)])
     branch_steps = sorted({part.first for run in runs for part in run.parts if part.first})  # also a gone trunk's
     plt = _pyplot()
     from matplotlib.lines import Line2D
@@ -329,27 +402,27 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
             loss_ax.plot(steps, values, color=TRUNK_COLOR, linewidth=TRUNK_WIDTH + 0.4, linestyle="--", marker="o",
                          markersize=2.5, zorder=1, gid=trunk.label)  # fmt: skip
         for ax, key in zip(axes[1:, 0], varying):
-            ax.plot(*_plan_series(trunk.run.plan, key, trunk.part), color=TRUNK_COLOR, linewidth=TRUNK_WIDTH, zorder=1,
+            ax.plot(*_sent_series(trunk.run, rows, key, trunk.part), color=TRUNK_COLOR, linewidth=TRUNK_WIDTH, zorder=1,
                     gid=trunk.label)  # fmt: skip
         handles.append(Line2D([], [], color=TRUNK_COLOR, linewidth=TRUNK_WIDTH + 0.6, label=trunk.label))
     for i, run in enumerate(runs):
-        color, is_best = colors[i % len(colors)], run is best
+        color, is_best = colors[i % len(colors)], any(run is b for b in bests)
         width = BEST_LINE_WIDTH if is_best else LINE_WIDTH
-        alpha = 1.0 if is_best or best is None else 0.6
+        alpha = 1.0 if is_best or not bests else 0.6
         z = 3 if is_best else 2
         loss_ax.plot(*_series(run.rows, "train/loss"), color=color, linewidth=width, alpha=alpha, zorder=z, gid=run.label)
         steps, values = _series(run.rows, "val/loss")
         if steps:
             loss_ax.plot(steps, values, color=color, linewidth=width + 0.6, linestyle="--", marker="o",
                          markersize=5 if is_best else 3, alpha=alpha, zorder=z, gid=run.label)  # fmt: skip
-        for ax, key in zip(axes[1:, 0], varying):  # a branch's plan from its branch step: the trunk's is grey
-            ax.plot(*_plan_series(run.plan, key, run.parts[-1]), color=color, linewidth=width + 0.2, alpha=alpha,
+        for ax, key in zip(axes[1:, 0], varying):  # a branch's from its branch step: the trunk's is grey
+            ax.plot(*_sent_series(run, run.rows, key, run.parts[-1]), color=color, linewidth=width + 0.2, alpha=alpha,
                     zorder=z, gid=run.label)  # fmt: skip
         label = run.label
         if run.objective is not None and len(runs) > 1:
             label += f" -> {run.objective['value']:.4g}"
         if is_best:
-            label = f"best: {label}"
+            label = f"best: {label}" if len(groups) == 1 else f"best at step {run.first}: {label}"
         handles.append(Line2D([], [], color=color, linewidth=4 if is_best else 2, label=label))
     loss_ax.set_ylabel("loss")
     loss_ax.grid(alpha=0.3)
@@ -362,20 +435,23 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     for ax, key in zip(axes[1:, 0], varying):
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
+        _log_axis_over_a_decade(ax)
     for ax in axes[:, 0]:
         for step in branch_steps:
             ax.axvline(step, gid=f"branch step {step}", zorder=0, **BRANCH_LINE)
     from matplotlib.ticker import MaxNLocator
 
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 0.5 tick on a short run
-    axes[-1, 0].set_xlabel("optimizer step (0 = first)")
-    lines = _title_lines(title, runs, best, silent)
+    # Two step counts meet here: rows are at train/step (from 0); a branch step is steps done (its line: its first own step).
+    branch_words = "; dashed: branch step N, after N steps done, at the branch's first train/step" if branch_steps else ""
+    axes[-1, 0].set_xlabel(f"train/step (0 = the first step{branch_words})")
+    lines = _title_lines(title, runs, bests, len(groups) > 1, silent)
     fig.suptitle("\n".join(_wrap(line, 110 + int(12 * legend_width)) for line in lines), fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def _title_lines(title: str, runs: Sequence[RunInfo], best: RunInfo | None, silent: Sequence[RunInfo]) -> list[str]:
+def _title_lines(title: str, runs: Sequence[RunInfo], bests: Sequence[RunInfo], by_step: bool, silent: Sequence[RunInfo]) -> list[str]:
     """The title, where the branches drawn came from, then the best run and what judged it (several runs), or the
     schedules (one run), then the runs not drawn."""
     from tinker_exp.sweep.jobs import branches_line
@@ -384,7 +460,12 @@ def _title_lines(title: str, runs: Sequence[RunInfo], best: RunInfo | None, sile
     origin = branches_line([(display_name(run.parts[-2].run_dir), run.first) for run in runs if len(run.parts) > 1 and run.first])
     if origin:
         lines.append(origin)
-    if best is not None:
+    if by_step and bests:  # branches of several branch steps: each budget's best, not one over the budgets
+        metric, mode = bests[0].objective["metric"], bests[0].objective["mode"]
+        each = "; ".join(f"step {b.first}: {b.name or b.label}, {b.objective['value']:.4g}" for b in bests)
+        lines.append(f"best of each branch step by {metric} ({mode}): {each}")
+    elif bests:
+        best = bests[0]
         judged = sum(run.objective is not None for run in runs)
         metric, mode, value = best.objective["metric"], best.objective["mode"], best.objective["value"]
         lines.append(f"best of {judged} by {metric} ({mode}): {best.name or best.label}, {value:.4g}")
@@ -431,23 +512,72 @@ def draw_study(study: Any, title: str) -> Figure | None:
         axes = optuna.visualization.matplotlib.plot_slice(study)
     axes_list = list(getattr(axes, "flat", [axes]))
     best = study.best_trial
-    ringed = []
+    # Pruned trials marked, not dropped: each at the last value it reported (where its pruner stopped it).
+    pruned = [t for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)) if _finite(t.value)]
+    ringed, crossed = [], False
     for ax in axes_list:
         ax.set_title("")  # one parameter: Optuna's "Slice Plot" over our title
-        value = best.params.get(ax.get_xlabel())
+        name = ax.get_xlabel()
+        value = best.params.get(name)
         if _finite(value):  # a categorical axis places its values by Optuna's own mapping: not ringed
             ax.scatter([value], [best.value], s=160, facecolors="none", edgecolors="red", linewidths=2, zorder=5,
                        label=f"best: trial {best.number}")  # fmt: skip
             ringed.append(ax)
+        places = [(_place(ax, t.params[name]), t.value) for t in pruned if name in t.params]
+        places = [(x, y) for x, y in places if x is not None]
+        if places:
+            ax.scatter(*zip(*places), marker="x", s=45, color="0.35", linewidths=1.6, zorder=4, gid="pruned")
+            crossed = True
+            if _finite(value):  # Optuna fixed the limits to the completed trials': widened to hold the pruned too
+                _widen(ax, [x for x, _ in places])
+        if ax.get_xscale() == "log":
+            _readable_log_ticks(ax)
     ring = Line2D([], [], linestyle="none", marker="o", markersize=11, markerfacecolor="none", markeredgecolor="red",
                   markeredgewidth=2, label=f"best: trial {best.number}")  # fmt: skip
-    if ringed:  # our legend, not Optuna's own (an empty "Infeasible Trial")
-        ringed[0].legend(handles=[ring], loc="best", fontsize=8)
+    cross = Line2D([], [], linestyle="none", marker="x", markersize=7, color="0.35", markeredgewidth=1.6,
+                   label=f"pruned ({len(pruned)}): its last reported value")  # fmt: skip
+    shown = [ring] * bool(ringed) + [cross] * crossed
+    if shown:  # our legend, not Optuna's own (an empty "Infeasible Trial")
+        (ringed or axes_list)[0].legend(handles=shown, loc="best", fontsize=8)
     fig = axes_list[0].figure
     fig.set_size_inches(4.2 * len(axes_list) + 1.5, 4.5)  # Optuna's default crowds a log axis' tick labels
-    fig.suptitle(f"{title}\nobjective (lower is better) against each searched parameter; best: trial {best.number}, "
-                 f"{best.value:.4g}", fontsize=10)  # fmt: skip
+    counted = f"{len(complete)} completed" + (f", {len(pruned)} pruned (x)" if pruned else "")
+    fig.suptitle(f"{title}\nobjective (lower is better) against each searched parameter ({counted}); best: trial "
+                 f"{best.number}, {best.value:.4g}", fontsize=10)  # fmt: skip
     return fig
+
+
+def _widen(ax: Any, xs: Sequence[float]) -> None:
+    low, high = ax.get_xlim()
+    low, high = min(low, *xs), max(high, *xs)
+    if ax.get_xscale() == "log" and low > 0:
+        pad = (high / low) ** 0.05
+        ax.set_xlim(low / pad, high * pad)
+    else:
+        pad = 0.05 * (high - low)
+        ax.set_xlim(low - pad, high + pad)
+
+
+def _place(ax: Any, value: Any) -> float | None:
+    """Where a parameter's value sits on its axis: a number at itself, a choice at its tick (Optuna's labels)."""
+    if _finite(value):
+        return float(value)
+    for tick, text in zip(ax.get_xticks(), ax.get_xticklabels()):
+        if text.get_text() in (str(value), repr(value)):
+            return float(tick)
+    return None
+
+
+def _readable_log_ticks(ax: Any) -> None:
+    """A log axis labelled at a few round values (1e-04, 3e-04, ...), never at every minor tick (they overlap)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    low, high = ax.get_xlim()
+    decades = math.log10(high / low) if low > 0 and high > low else 0
+    subs = (1.0,) if decades > 3 else (1.0, 3.0) if decades > 1 else (1.0, 2.0, 5.0)
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.0e}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def write_study_report(study: Any, path: Path, title: str) -> Path | None:
