@@ -158,7 +158,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    warnings.formatwarning = lambda message, *_: f"{PROG}: warning: {message}\n"
+    shown = warnings.formatwarning
+    warnings.formatwarning = lambda message, *_: f"{PROG}: warning: {message}\n"  # one line, no source line
     try:
         args.func(args)
     except TinkerExpError as e:
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     except FileNotFoundError as e:  # a path given that is not there
         print(f"{PROG}: forecast error: {e.filename}: no such file or dir", file=sys.stderr)
         sys.exit(2)
+    finally:
+        warnings.formatwarning = shown
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, s
     return law
 
 
-def _common_settings(curves: list[Curve]) -> dict[str, str]:
+def _common_settings(curves: list[Curve]) -> dict[str, Any]:
     """The settings every fitted run with a config.yaml shares (a proposed run repeats the ones that matter)."""
     with_settings = [c.settings for c in curves if c.settings]
     if not with_settings:
@@ -167,10 +167,13 @@ def _common_settings(curves: list[Curve]) -> dict[str, str]:
 
 
 def errors_of(law: Law, curve: Curve) -> dict[str, Any]:
-    """Predicted against measured over a run's logged points (after update 0): mean and worst relative error,
-    and the final loss (mean of the last `final_window` points) with its error (predicted - actual)."""
+    """Predicted against measured over a run's logged points after its warmup (the laws describe the loss from the
+    peak on; at update 1 of a warmup from 0 they are infinite): mean and worst relative error, and the final loss
+    (mean of the last `final_window` points) with its error (predicted - actual)."""
     updates = updates_seen(law.metric, curve.steps)
-    at = updates >= 1
+    at = updates > warmup_end(curve.lr)
+    if not np.any(at):
+        raise ForecastError(f"{curve.path}: no {law.metric} logged after the warmup (step {warmup_end(curve.lr)})")
     predicted = law.curve(curve.lr, np.minimum(updates[at], len(curve.lr)))
     actual = curve.loss[at]
     relative = np.abs(predicted - actual) / actual

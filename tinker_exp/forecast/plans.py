@@ -112,30 +112,19 @@ PROPOSED_NAME = "proposed"
 REPEATED_SETTINGS = ("data.path", "data.val_path", "data.val_fraction", "trainer.batch_size", "trainer.eval_every")
 
 
-def write_proposed(spec: dict[str, Any], steps: int, settings: dict[str, str], header: list[str], out_dir: Path) -> Path:
+def write_proposed(spec: dict[str, Any], steps: int, settings: dict[str, Any], header: list[str], out_dir: Path) -> Path:
     """DIR/override/proposed.yaml: a global-package override file that runs as is with
     `--config-dir DIR +override=proposed`: the lr schedule, trainer.steps, and the fitted runs' data and batch
     settings that differ from a default run's."""
     import yaml
-
-    default = compose_config([])
     from omegaconf import OmegaConf
 
-    default_flat: dict[str, str] = {}
-
-    def flatten(node: Any, prefix: str) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                flatten(v, f"{prefix}.{k}" if prefix else str(k))
-        else:
-            default_flat[prefix] = str(node)
-
-    flatten(OmegaConf.to_container(OmegaConf.structured(default)), "")
+    default = OmegaConf.to_container(OmegaConf.structured(compose_config([])))
     doc: dict[str, Any] = {"override": {"lr": spec}, "trainer": {"steps": steps}}
     for key in REPEATED_SETTINGS:
-        if key in settings and settings[key] != default_flat.get(key):
-            group, name = key.split(".")
-            doc.setdefault(group, {})[name] = yaml.safe_load(settings[key])
+        group, name = key.split(".")
+        if key in settings and settings[key] != default.get(group, {}).get(name):
+            doc.setdefault(group, {})[name] = settings[key]
     path = out_dir / "override" / f"{PROPOSED_NAME}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     comments = "".join(f"# {line}\n" for line in header)

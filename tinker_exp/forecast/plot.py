@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from tinker_exp.forecast.fit import Law
+from tinker_exp.forecast.laws import warmup_end
 from tinker_exp.forecast.runs import Curve, updates_seen
 
 
@@ -23,7 +24,7 @@ def write_fit_png(law: Law, curves: list[Curve], path: Path, title: str) -> Path
         color = f"C{i % 10}"
         steps = np.arange(len(curve.lr))
         updates = np.clip(updates_seen(law.metric, steps), 1, len(curve.lr))
-        shown = updates_seen(law.metric, steps) >= 1
+        shown = updates_seen(law.metric, steps) > warmup_end(curve.lr)  # the law holds from the peak on
         error = errors.get(curve.name)
         label = curve.name + (f" (final {error['actual']:.3f}, fit {error['final_error']:+.3f})" if error else "")
         loss_ax.plot(curve.steps, curve.loss, ".", color=color, markersize=2.5, alpha=0.45)

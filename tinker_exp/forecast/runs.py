@@ -56,24 +56,25 @@ class Curve:
     steps: np.ndarray
     loss: np.ndarray
     sources: list[str]
-    settings: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def peak(self) -> float:
         return float(self.lr.max())
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, str]:
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted keys -> the value as written (lists whole): a proposed run repeats some."""
     if not isinstance(tree, dict):
-        return {prefix: str(tree)} if prefix else {}
-    flat: dict[str, str] = {}
+        return {prefix: tree} if prefix else {}
+    flat: dict[str, Any] = {}
     for key, value in tree.items():
         flat.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
     return flat
 
 
-def run_settings(run_dir: Path) -> dict[str, str]:
-    """config.yaml flattened ("trainer.batch_size" -> "8"); {} for a file or a dir without one."""
+def run_settings(run_dir: Path) -> dict[str, Any]:
+    """config.yaml flattened ("trainer.batch_size" -> 8); {} for a file or a dir without one."""
     path = run_dir / "config.yaml"
     if not path.is_file():
         return {}
@@ -155,7 +156,7 @@ def read_curve(path: Path, metric: str) -> Curve:
     )
 
 
-def shared_keys(settings: dict[str, str]) -> dict[str, str]:
+def shared_keys(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k.startswith(SHARED_PREFIXES) and k not in NOT_SHARED}
 
 
