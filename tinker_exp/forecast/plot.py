@@ -26,8 +26,9 @@ def write_fit_png(law: Law, curves: list[Curve], path: Path, title: str) -> Path
         updates = np.clip(updates_seen(law.metric, steps), 1, len(curve.lr))
         shown = updates_seen(law.metric, steps) > warmup_end(curve.lr)  # the law holds from the peak on
         error = errors.get(curve.name)
-        label = curve.name + (f" (final {error['actual']:.3f}, fit {error['final_error']:+.3f})" if error else "")
-        loss_ax.plot(curve.steps, curve.loss, ".", color=color, markersize=2.5, alpha=0.45)
+        final = f"mean of last {law.final_window}" if law.final_window > 1 else "final"
+        label = curve.name + (f" ({final} {error['actual']:.3f}, law's error {error['final_error']:+.3f})" if error else "")
+        loss_ax.plot(curve.steps, curve.loss, ".", color=color, markersize=3.5 if len(curve.steps) < 200 else 2.5, alpha=0.5)
         loss_ax.plot(steps[shown], law.curve(curve.lr, updates[shown]), "-", color=color, linewidth=1.4, label=label)
         lr_ax.plot(steps, curve.lr, color=color, linewidth=1.0)
     low = min(float(np.percentile(c.loss, 1)) for c in curves)
