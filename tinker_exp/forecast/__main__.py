@@ -13,7 +13,7 @@ from tinker_exp.formats import text_table
 from tinker_exp.forecast.fit import Law, errors_of, fit_law, read_law, write_law
 from tinker_exp.forecast.laws import LAWS
 from tinker_exp.forecast.plans import FAMILIES, Candidate, describe_spec, family_specs, plan_lr, spec_lr, write_proposed
-from tinker_exp.forecast.runs import METRIC_CHOICES, ForecastError, check_comparable, expand, read_curve
+from tinker_exp.forecast.runs import METRIC_CHOICES, ForecastError, check_comparable, expand, read_curve, shared_keys
 
 PROG = "python -m tinker_exp.forecast"
 
@@ -25,7 +25,7 @@ def read_curves(paths: list[str], metric: str) -> list:
 def cmd_fit(args: argparse.Namespace) -> None:
     curves = read_curves(args.runs, args.metric)
     check_comparable(curves)
-    law = fit_law(args.law, curves, args.metric, refits=args.refits)
+    law = fit_law(args.law, curves, args.metric, refits=args.refits, from_step=args.from_step)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_law(law, out / "law.json")
@@ -45,6 +45,10 @@ def cmd_check(args: argparse.Namespace) -> None:
     for curve in curves:
         if abs(curve.peak - law.lr_scale) > 1e-9 * law.lr_scale:
             warnings.warn(f"{curve.name}: peak lr {curve.peak:g}, the law was fitted at {law.lr_scale:g}: an extrapolation", stacklevel=1)
+        fitted = law.record.get("settings", {})
+        for key, value in shared_keys(curve.settings).items():
+            if key in fitted and fitted[key] != value:
+                warnings.warn(f"{curve.name}: {key} is {value}, the fitted runs' {fitted[key]}: another regime than the law's", stacklevel=1)
     results = []
     for curve in curves:
         found = errors_of(law, curve)
@@ -133,6 +137,7 @@ def parser() -> argparse.ArgumentParser:
     fit.add_argument("--law", choices=sorted(LAWS), default="mpl")
     fit.add_argument("--metric", choices=METRIC_CHOICES, default="train/loss")
     fit.add_argument("--out", default="forecast")
+    fit.add_argument("--from-step", type=int, default=0, help="fit no point before this step (default: after the warmup)")
     fit.add_argument("--refits", type=int, default=16, help="bootstrap refits for the intervals (default 16)")
     fit.set_defaults(func=cmd_fit)
     check = sub.add_parser("check", help="predicted against measured on runs not fitted: check.json")

@@ -43,6 +43,7 @@ class Law:
     lr_scale: float
     warmup_steps: int
     final_window: int
+    from_step: int = 0  # no point before it was fitted, and none is checked (the law does not claim it)
     record: dict[str, Any] = field(default_factory=dict)  # runs, residuals, settings: law.json's other keys
 
     @property
@@ -73,14 +74,15 @@ class Law:
         return max((abs(r["final_error"]) for r in self.record.get("fit", {}).get("runs", [])), default=0.0)
 
 
-def _fit_points(curves: list[Curve], metric: str) -> list[tuple[Curve, np.ndarray]]:
+def _fit_points(curves: list[Curve], metric: str, from_step: int = 0) -> list[tuple[Curve, np.ndarray]]:
     """Per curve, the indices of its points the fit uses: after the warmup (the law's sums start there; warmup
     losses dominate a short run's residuals), and each logged point once (a branch's trunk steps are the trunk's
-    points: fitted once when both are given)."""
+    points: fitted once when both are given). `from_step`: no point before it either (an early phase the law does
+    not describe: the tiny model's first fast drop)."""
     seen: set[tuple[str, int]] = set()
     chosen = []
     for curve in curves:
-        first = warmup_end(curve.lr)
+        first = max(warmup_end(curve.lr), from_step)
         updates = updates_seen(metric, curve.steps)
         keep = []
         for i, (step, source) in enumerate(zip(curve.steps.tolist(), curve.sources)):
@@ -99,15 +101,16 @@ def binned(updates: np.ndarray, loss: np.ndarray, most: int = MAX_FIT_POINTS) ->
             np.array([float(np.mean(loss[g])) for g in groups]))  # fmt: skip
 
 
-def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, seed: int = 0) -> Law:
+def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, seed: int = 0, from_step: int = 0) -> Law:
     """Fit `kind` to the curves; NotConverged when no start converges, ForecastError on too few points."""
     law_kind = LAWS[kind]
     lr_scale = max(c.peak for c in curves)
-    chosen = _fit_points(curves, metric)
+    chosen = _fit_points(curves, metric, from_step)
     for curve, keep in chosen:
-        own = int(np.sum(updates_seen(metric, curve.steps) > warmup_end(curve.lr)))
+        own = int(np.sum(updates_seen(metric, curve.steps) > max(warmup_end(curve.lr), from_step)))
         if own < MIN_POINTS:
-            raise ForecastError(f"{curve.path}: {own} {metric} points after the warmup; a fit needs at least {MIN_POINTS} a run")
+            after = f"step {from_step}" if from_step > warmup_end(curve.lr) else "the warmup"
+            raise ForecastError(f"{curve.path}: {own} {metric} points after {after}; a fit needs at least {MIN_POINTS} a run")
     total = sum(len(keep) for _, keep in chosen)
     if total < 2 * len(law_kind.params):
         raise ForecastError(f"{', '.join(c.name for c in curves)}: {total} {metric} points to fit; the {kind} law needs at least {2 * len(law_kind.params)}")
@@ -130,8 +133,10 @@ def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, s
     lower, upper = np.array(law_kind.lower), np.array(law_kind.upper)
     best, messages = None, []
     for start in law_kind.starts(np.exp(measured)):
-        result = least_squares(residuals, np.clip(start, lower, upper - 1e-9), bounds=(lower, upper), loss="huber",
-                               f_scale=HUBER_SCALE, max_nfev=1000, x_scale="jac")  # fmt: skip
+        # Plain least squares first: from a generic start every residual is far beyond the Huber scale, where the
+        # loss is flat in its curvature and the solver stops where it began; then the Huber fit from there.
+        plain = least_squares(residuals, np.clip(start, lower, upper - 1e-9), bounds=(lower, upper), max_nfev=1000, x_scale="jac")
+        result = least_squares(residuals, plain.x, bounds=(lower, upper), loss="huber", f_scale=HUBER_SCALE, max_nfev=1000, x_scale="jac")
         if result.status > 0 and np.all(np.isfinite(result.x)) and (best is None or result.cost < best.cost):
             best = result
         messages.append(result.message)
@@ -148,7 +153,7 @@ def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, s
         if result.status >= 0 and np.all(np.isfinite(result.x)):  # near the optimum already: a capped refit counts
             refitted.append(result.x)
     warmups = {warmup_end(c.lr) for c in curves}
-    law = Law(kind, best.x, refitted, metric, lr_scale, min(warmups), FINAL_WINDOW.get(metric, 1))
+    law = Law(kind, best.x, refitted, metric, lr_scale, min(warmups), FINAL_WINDOW.get(metric, 1), from_step)
     law.record = {
         "runs": [{"run": str(c.path), "name": c.name, "steps": len(c.lr), "points": len(c.steps), "fitted_points": len(k)} for c, k in chosen],
         "settings": _common_settings(curves),
@@ -171,9 +176,10 @@ def errors_of(law: Law, curve: Curve) -> dict[str, Any]:
     peak on; at update 1 of a warmup from 0 they are infinite): mean and worst relative error, and the final loss
     (mean of the last `final_window` points) with its error (predicted - actual)."""
     updates = updates_seen(law.metric, curve.steps)
-    at = updates > warmup_end(curve.lr)
+    first = max(warmup_end(curve.lr), law.from_step)
+    at = updates > first
     if not np.any(at):
-        raise ForecastError(f"{curve.path}: no {law.metric} logged after the warmup (step {warmup_end(curve.lr)})")
+        raise ForecastError(f"{curve.path}: no {law.metric} logged after step {first} (the warmup, or the law's from_step)")
     predicted = law.curve(curve.lr, np.minimum(updates[at], len(curve.lr)))
     actual = curve.loss[at]
     relative = np.abs(predicted - actual) / actual
@@ -201,6 +207,7 @@ def write_law(law: Law, path: Path) -> None:
         "lr_scale": law.lr_scale,
         "warmup_steps": law.warmup_steps,
         "final_window": law.final_window,
+        "from_step": law.from_step,
         "refits": [dict(zip(law.law.params, p.tolist())) for p in law.refits],
         **law.record,
     }
@@ -220,7 +227,7 @@ def read_law(path: Path) -> Law:
         params = np.array([float(doc["params"][n]) for n in names])
         refits = [np.array([float(r[n]) for n in names]) for r in doc.get("refits", [])]
         record = {k: doc[k] for k in ("runs", "settings", "fit") if k in doc}
-        law = Law(doc["law"], params, refits, doc["metric"], float(doc["lr_scale"]), int(doc["warmup_steps"]), int(doc["final_window"]), record)
+        law = Law(doc["law"], params, refits, doc["metric"], float(doc["lr_scale"]), int(doc["warmup_steps"]), int(doc["final_window"]), int(doc.get("from_step", 0)), record)
     except (KeyError, TypeError, ValueError) as e:
         raise ForecastError(f"{path}: key {e} missing or not a number") from None
     if not all(math.isfinite(v) for v in params):

@@ -31,6 +31,8 @@ def write_fit_png(law: Law, curves: list[Curve], path: Path, title: str) -> Path
         loss_ax.plot(curve.steps, curve.loss, ".", color=color, markersize=3.5 if len(curve.steps) < 200 else 2.5, alpha=0.5)
         loss_ax.plot(steps[shown], law.curve(curve.lr, updates[shown]), "-", color=color, linewidth=1.4, label=label)
         lr_ax.plot(steps, curve.lr, color=color, linewidth=1.0)
+    if law.from_step:
+        loss_ax.axvline(law.from_step, color="0.4", linestyle=":", linewidth=1.0, label=f"fitted from step {law.from_step}")
     low = min(float(np.percentile(c.loss, 1)) for c in curves)
     high = max(float(np.percentile(c.loss[c.steps > law.warmup_steps], 99)) if np.any(c.steps > law.warmup_steps) else float(c.loss.max()) for c in curves)
     loss_ax.set_ylim(low - 0.05 * (high - low), high + 0.1 * (high - low))  # the warmup's first losses off the top
