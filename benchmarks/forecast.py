@@ -91,6 +91,12 @@ def final_of(run_dir: Path, metric: str, window: int) -> float:
     return float(np.mean(values[-window:]))
 
 
+def read_law(path: Path):
+    from tinker_exp.forecast.fit import read_law as read
+
+    return read(path)
+
+
 def kendall_tau(a: list[float], b: list[float]) -> float:
     from scipy.stats import kendalltau
 
@@ -135,8 +141,15 @@ def main() -> None:
     }
     seeds = [runs["cosine"]] + [run(f"cosine_seed{s}", out, [*common, *quiet, "+override=lr_cosine", f"override.lr.warmup_steps={warm}",
                                                                f"trainer.steps={T}", f"trainer.seed={s}"], env) for s in (1, 2)]  # fmt: skip
+    table = measure(out, runs, seeds, T, warm, args.law, args.from_step, lambda law_dir: run("proposed", out, ["--config-dir", str(law_dir), "+override=proposed", *quiet], env))
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+
+
+def measure(out: Path, runs: dict[str, Path], seeds: list[Path], T: int, warm: int, law_name: str, from_step: int, run_proposed) -> str:
+    """Fits A and B per metric, their checks, Kendall's tau and the proposed schedule's regret: the table."""
     fits = {"A": ["constant", "wsd20"], "B": ["constant", "wsd20", "wsd40_linear"]}
-    lines = [f"# Forecast on the tiny model: T={T}, warmup {warm}, peak lr 1e-3, {args.law} law fitted from step {args.from_step}", ""]
+    lines = [f"# Forecast on the tiny model: T={T}, warmup {warm}, peak lr 1e-3, {law_name} law fitted from step {from_step}", ""]
     proposed, proposed_line = out, ""
     for metric, window in (("train/loss", 10), ("val/loss", 1)):
         spread = [final_of(d, metric, window) for d in seeds]
@@ -144,37 +157,33 @@ def main() -> None:
                   f"seed-to-seed spread of cosine (3 seeds): max - min {max(spread) - min(spread):.4f}, std {np.std(spread, ddof=1):.4f}", ""]  # fmt: skip
         for fit_name, fitted in fits.items():
             law_dir = out / f"fit_{fit_name}_{metric.split('/')[0]}"
-            forecast("fit", *(str(runs[n]) for n in fitted), "--law", args.law, "--metric", metric, "--out", str(law_dir), "--from-step", str(args.from_step))
+            forecast("fit", *(str(runs[n]) for n in fitted), "--law", law_name, "--metric", metric, "--out", str(law_dir), "--from-step", str(from_step))
             held = [n for n in runs if n not in fitted]
-            forecast("check", str(law_dir / "law.json"), *(str(runs[n]) for n in held) + [str(s) for s in seeds[1:]])
+            forecast("check", str(law_dir / "law.json"), *[str(runs[n]) for n in held], *[str(s) for s in seeds[1:]])
             checked = json.loads((law_dir / "check.json").read_text())["runs"]
             lines += [f"### fit {fit_name}: {' + '.join(fitted)}", "", "| held-out run | actual | predicted | final error | mean rel | worst rel |", "|---|---|---|---|---|---|"]
             lines += [f"| {r['run'].split('/')[-1]} | {r['actual']:.4f} | {r['predicted']:.4f} | {r['final_error']:+.4f} | {100 * r['mean_rel_error']:.2f} % | {100 * r['worst_rel_error']:.2f} % |" for r in checked]
             same_T = [n for n in runs if not n.startswith("wsd20_long")]
             law = json.loads((law_dir / "law.json").read_text())
-            from tinker_exp.forecast.fit import read_law
-
             fitted_law = read_law(law_dir / "law.json")
             predicted = [fitted_law.final(_lr(runs[n]))[0] for n in same_T]
             measured = [final_of(runs[n], metric, window) for n in same_T]
             lines += ["", f"Kendall's tau over {len(same_T)} T-step schedules ({', '.join(same_T)}): {kendall_tau(predicted, measured):+.2f}",
-                      f"fit's own final errors: " + ", ".join(f"{r['name']} {r['final_error']:+.4f}" for r in [dict(r, name=r['run']) for r in law['fit']['runs']])]  # fmt: skip
+                      "fit's own final errors: " + ", ".join(f"{r['run'].split('/')[-1]} {r['final_error']:+.4f}" for r in law["fit"]["runs"])]  # fmt: skip
             if fit_name == "A":  # one proposed run (CPU time), by fit A on train/loss: its val/loss is read too
                 if metric == "train/loss":
                     text = forecast("propose", str(law_dir / "law.json"), "--steps", str(T), "--family", "wsd")
                     proposed_line = next(line for line in text.splitlines() if line.startswith("proposed:"))
-                    proposed = run("proposed", out, ["--config-dir", str(law_dir), "+override=proposed", *quiet], env)
+                    proposed = run_proposed(law_dir)
                 else:
                     proposed_line = "the schedule proposed by fit A on train/loss"
                 got = final_of(proposed, metric, window)
                 best_name = min(same_T, key=lambda n: final_of(runs[n], metric, window))
-                best = min(final_of(runs[n], metric, window), got)
+                best = min(final_of(runs[best_name], metric, window), got)
                 lines += [f"{proposed_line}; measured {got:.4f}; best measured T-step schedule {best_name} "
                           f"{final_of(runs[best_name], metric, window):.4f}; regret {got - best:+.4f}"]  # fmt: skip
             lines.append("")
-    table = "\n".join(lines)
-    (out / "table.md").write_text(table + "\n")
-    print(table)
+    return "\n".join(lines)
 
 
 def _lr(run_dir: Path) -> np.ndarray:
