@@ -149,8 +149,8 @@ def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, s
         counts = np.bincount(rng.integers(0, len(measured), len(measured)), minlength=len(measured)).astype(float)
         start = np.clip(best.x * np.where(shape, np.exp(rng.uniform(-0.7, 0.7, len(best.x))), 1.0), lower, upper - 1e-9)
         result = least_squares(residuals, start, bounds=(lower, upper), loss="huber", f_scale=HUBER_SCALE,
-                               max_nfev=200, x_scale="jac", args=(np.sqrt(counts),))  # fmt: skip
-        if result.status >= 0 and np.all(np.isfinite(result.x)):  # near the optimum already: a capped refit counts
+                               max_nfev=400, x_scale="jac", args=(np.sqrt(counts),))  # fmt: skip
+        if result.status > 0 and np.all(np.isfinite(result.x)):  # a refit that did not converge says nothing
             refitted.append(result.x)
     warmups = {warmup_end(c.lr) for c in curves}
     law = Law(kind, best.x, refitted, metric, lr_scale, min(warmups), FINAL_WINDOW.get(metric, 1), from_step)
