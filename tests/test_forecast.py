@@ -53,16 +53,16 @@ def write_metrics(path: Path, lr: np.ndarray, loss_at: dict[int, float], metric:
 
 
 def generated_run(tmp_path: Path, name: str, kind: str, lr: np.ndarray, noise: float, seed: int) -> Path:
-    steps = np.arange(1, len(lr))
+    steps = np.arange(2, len(lr))  # update 1 of a warmup from lr 0 has an lr sum of 0: the law is infinite there
     loss = law_loss(kind, TRUE[kind], lr, steps) * np.exp(np.random.default_rng(seed).normal(0, noise, len(steps)))
     return write_metrics(tmp_path / f"{name}.jsonl", lr, dict(zip(steps.tolist(), loss.tolist())))
 
 
 @pytest.mark.parametrize("kind", ["mpl", "momentum"])
 def test_each_law_recovers_the_parameters_of_curves_it_generated(kind, tmp_path, capsys):
-    """A constant run, a WSD run and a cosine run of 240 steps, 0.3 % noise on every loss; held out: a longer WSD."""
-    runs = [generated_run(tmp_path, n, kind, lr, 0.003, i) for i, (n, lr) in enumerate({"constant": wsd(240, 0), "wsd": wsd(240, 48), "cosine": cosine(240)}.items())]
-    forecast_main(["fit", *map(str, runs), "--law", kind, "--out", str(tmp_path / "law"), "--refits", "2"])
+    """A constant run, a WSD run and a cosine run of 200 steps, 0.3 % noise on every loss; held out: a longer WSD."""
+    runs = [generated_run(tmp_path, n, kind, lr, 0.003, i) for i, (n, lr) in enumerate({"constant": wsd(200, 0), "wsd": wsd(200, 40), "cosine": cosine(200)}.items())]
+    forecast_main(["fit", *map(str, runs), "--law", kind, "--out", str(tmp_path / "law"), "--refits", "1"])
     doc = json.loads((tmp_path / "law" / "law.json").read_text())
     assert doc["format"] == FORMAT and doc["law"] == kind and doc["metric"] == "train/loss" and doc["lr_scale"] == PEAK
     fitted = np.array([doc["params"][n] for n in LAWS[kind].params])
@@ -70,9 +70,9 @@ def test_each_law_recovers_the_parameters_of_curves_it_generated(kind, tmp_path,
     # show: the paper and docs/forecast.md): they are checked through what they predict on a held-out schedule.
     identified = 3 if kind == "mpl" else 4
     assert np.allclose(fitted[:identified], TRUE[kind][:identified], rtol=0.05), fitted
-    held = wsd(360, 36)
+    held = wsd(300, 30)
     law = read_law(tmp_path / "law" / "law.json")
-    true_final = float(np.mean(law_loss(kind, TRUE[kind], held, np.arange(350, 360))))
+    true_final = float(np.mean(law_loss(kind, TRUE[kind], held, np.arange(290, 300))))
     point, low, high = law.final(held)
     assert abs(point - true_final) < 0.01 and low <= high
     assert (tmp_path / "law" / "fit.png").stat().st_size > 10_000
