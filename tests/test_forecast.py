@@ -218,3 +218,32 @@ def _spec_lr(spec: dict, steps: int) -> list[float]:
     from tinker_exp.forecast.plans import spec_lr
 
     return spec_lr(spec, steps).tolist()
+
+
+def test_a_sweep_dir_stands_for_its_jobs_and_a_branch_is_joined_with_its_trunk(tmp_path):
+    """A branch's run dir logs its own steps only: its curve is the trunk's steps before the branch step, then its
+    own; its trunk's points are the trunk's (fitted once when the trunk is given too)."""
+    from tinker_exp.forecast.fit import _fit_points
+    from tinker_exp.forecast.runs import expand, read_curve
+
+    trunk, sweep = tmp_path / "trunk", tmp_path / "sweep"
+    lr = wsd(60, 0)
+    trunk.mkdir()
+    write_metrics(trunk / "metrics.jsonl", lr, {s: 4.0 - s / 100 for s in range(60)})
+    (trunk / "plan.json").write_text("{}")
+    for job, at in (("0", 40), ("1", 50)):
+        branch = sweep / job
+        branch.mkdir(parents=True)
+        decayed = wsd(60, 60 - at)
+        rows = [{"train/step": s, "applied/lr": float(decayed[s]), "train/loss": 3.0} for s in range(at, 60)]
+        (branch / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (branch / "plan.json").write_text(json.dumps({"branch": {"from": str(trunk), "step": at}}))
+    runs = expand([trunk, sweep])
+    assert runs == [trunk, sweep / "0", sweep / "1"]
+    curves = [read_curve(r, "train/loss") for r in runs]
+    branch = curves[1]
+    assert branch.lr.tolist() == [*lr[:40].tolist(), *wsd(60, 20)[40:].tolist()]
+    assert branch.loss.tolist() == [4.0 - s / 100 for s in range(40)] + [3.0] * 20
+    assert set(branch.sources[:40]) == {str(trunk.resolve())} and set(branch.sources[40:]) == {str((sweep / "0").resolve())}
+    fitted = {c.name: len(keep) for c, keep in _fit_points(curves, "train/loss")}
+    assert fitted == {"trunk": 39, "0": 20, "1": 10}  # after the warmup (20 updates); the trunk's steps once
