@@ -193,9 +193,11 @@ def test_a_trunk_and_a_branch_from_the_real_cli_fit_propose_and_the_proposal_run
     wsd_args = ["+override=lr_wsd", "trainer.steps=14", "override.lr.warmup_steps=2"]
     made = run_cli(*wsd_args, "override.lr.decay_steps=0", "checkpoint.every_steps=8", *quiet, f"hydra.run.dir={trunk}", env=env)
     assert made.returncode == 0, made.stderr[-2000:]
+    phases = {"trunk": time.monotonic() - start}
     made = run_cli(*wsd_args, "override.lr.decay_steps=6", f"branch.from={trunk}", "branch.step=8", "checkpoint.every_steps=0", *quiet,
                    f"hydra.run.dir={branch}", env=env)  # fmt: skip
     assert made.returncode == 0, made.stderr[-2000:]
+    phases["branch"] = time.monotonic() - start
     fitted = cli("fit", str(trunk), str(branch), "--law", "momentum", "--refits", "4", "--out", str(tmp_path / "law"))
     assert fitted.returncode == 0, fitted.stderr
     doc = json.loads((tmp_path / "law" / "law.json").read_text())
@@ -204,6 +206,7 @@ def test_a_trunk_and_a_branch_from_the_real_cli_fit_propose_and_the_proposal_run
     proposed = cli("propose", str(tmp_path / "law" / "law.json"), "--steps", "10", "--out", str(tmp_path / "proposal"))
     assert proposed.returncode == 0, proposed.stderr
     assert "+override=proposed" in proposed.stdout
+    phases["fit, propose"] = time.monotonic() - start
     ran = run_cli("--config-dir", str(tmp_path / "proposal"), "+override=proposed", *quiet, "checkpoint.every_steps=0",
                   f"hydra.run.dir={tmp_path / 'proposed'}", env=env)  # fmt: skip
     assert ran.returncode == 0, ran.stderr[-2000:]
@@ -211,7 +214,8 @@ def test_a_trunk_and_a_branch_from_the_real_cli_fit_propose_and_the_proposal_run
     spec = json.loads((tmp_path / "proposal" / "propose.json").read_text())["proposed"]["spec"]
     assert [r["train/step"] for r in rows] == list(range(10))
     assert [r["applied/lr"] for r in rows] == pytest.approx(_spec_lr(spec, 10))  # the proposed schedule, as proposed
-    print(f"end to end: {time.monotonic() - start:.0f} s")
+    phases["proposed run"] = time.monotonic() - start
+    print("end to end, seconds from the start:", {k: round(v) for k, v in phases.items()})
 
 
 def _spec_lr(spec: dict, steps: int) -> list[float]:
