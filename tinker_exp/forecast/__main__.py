@@ -1,0 +1,181 @@
+"""python -m tinker_exp.forecast fit | check | rank | propose: see tinker_exp/forecast/__init__.py and docs/forecast.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from tinker_exp.errors import TinkerExpError, one_line
+from tinker_exp.formats import text_table
+from tinker_exp.forecast.fit import Law, errors_of, fit_law, read_law, write_law
+from tinker_exp.forecast.laws import LAWS
+from tinker_exp.forecast.plans import FAMILIES, Candidate, describe_spec, family_specs, plan_lr, spec_lr, write_proposed
+from tinker_exp.forecast.runs import METRIC_CHOICES, ForecastError, check_comparable, expand, read_curve, shared_keys
+
+PROG = "python -m tinker_exp.forecast"
+
+
+def read_curves(paths: list[str], metric: str) -> list:
+    return [read_curve(path, metric) for path in expand([Path(p) for p in paths])]
+
+
+def cmd_fit(args: argparse.Namespace) -> None:
+    curves = read_curves(args.runs, args.metric)
+    check_comparable(curves)
+    law = fit_law(args.law, curves, args.metric, refits=args.refits, from_step=args.from_step)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_law(law, out / "law.json")
+    from tinker_exp.forecast.plot import write_fit_png
+
+    write_fit_png(law, curves, out / "fit.png", f"{law.kind} law fitted on {len(curves)} runs ({law.metric}); {len(law.refits)} refits")
+    rows = [[r["run"], str(r["final_step"]), f"{r['actual']:.4f}", f"{r['predicted']:.4f}", f"{r['final_error']:+.4f}",
+             f"{100 * r['mean_rel_error']:.2f}%", f"{100 * r['worst_rel_error']:.2f}%"] for r in law.record["fit"]["runs"]]  # fmt: skip
+    print(text_table(["fitted run", "final step", "actual", "fit", "error", "mean rel", "worst rel"], rows))
+    print(", ".join(f"{n}={v:.4g}" for n, v in zip(law.law.params, law.params)))
+    print(f"wrote {out / 'law.json'} and {out / 'fit.png'}")
+
+
+def cmd_check(args: argparse.Namespace) -> None:
+    law = read_law(Path(args.law))
+    curves = read_curves(args.runs, law.metric)
+    for curve in curves:
+        if abs(curve.peak - law.lr_scale) > 1e-9 * law.lr_scale:
+            warnings.warn(f"{curve.name}: peak lr {curve.peak:g}, the law was fitted at {law.lr_scale:g}: an extrapolation", stacklevel=1)
+        fitted = law.record.get("settings", {})
+        for key, value in shared_keys(curve.settings).items():
+            if key in fitted and fitted[key] != value:
+                warnings.warn(f"{curve.name}: {key} is {value}, the fitted runs' {fitted[key]}: another regime than the law's", stacklevel=1)
+    results = []
+    for curve in curves:
+        found = errors_of(law, curve)
+        results.append({k: found[k] for k in ("run", "final_step", "actual", "predicted", "final_error", "mean_rel_error", "worst_rel_error")})
+    rows = [[r["run"], str(r["final_step"]), f"{r['actual']:.4f}", f"{r['predicted']:.4f}", f"{r['final_error']:+.4f}",
+             f"{100 * r['mean_rel_error']:.2f}%", f"{100 * r['worst_rel_error']:.2f}%"] for r in results]  # fmt: skip
+    print(text_table(["run", "final step", "actual", "predicted", "error", "mean rel", "worst rel"], rows))
+    out = Path(args.out) if args.out else Path(args.law).parent
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "check.json").write_text(json.dumps({"runs": results}, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {out / 'check.json'}")
+
+
+def ranked(law: Law, candidates: list[Candidate]) -> list[dict]:
+    """Candidates sorted by predicted final loss, each with its interval (refits' 5-95 %, widened by the fit's
+    own final-loss error on its runs) and the candidates it cannot be told from (intervals overlap)."""
+    rows = []
+    for c in candidates:
+        point, low, high = law.final(c.lr)
+        rows.append({"plan": c.name, "steps": len(c.lr), "predicted": point, "low": min(low, point) - law.misfit,
+                     "high": max(high, point) + law.misfit, "spec": c.spec})  # fmt: skip
+    rows.sort(key=lambda r: r["predicted"])
+    for i, row in enumerate(rows):
+        row["rank"] = i + 1
+    for row in rows:
+        row["not_separable_from"] = [o["rank"] for o in rows if o is not row and o["low"] <= row["high"] and row["low"] <= o["high"]]
+    return rows
+
+
+def _ties(ranks: list[int]) -> str:
+    if not ranks:
+        return "separable"
+    shown = ",".join(map(str, ranks[:5]))
+    return f"not separable from {shown}" + (f",... ({len(ranks)} in all)" if len(ranks) > 5 else "")
+
+
+def print_ranked(rows: list[dict], law: Law) -> None:
+    table = [[str(r["rank"]), r["plan"], str(r["steps"]), f"{r['predicted']:.4f}", f"[{r['low']:.4f}, {r['high']:.4f}]",
+              _ties(r["not_separable_from"])]
+             for r in rows]  # fmt: skip
+    print(text_table(["#", "plan", "steps", f"predicted {law.metric}", "interval", ""], table))
+    print(f"interval: 5-95 % of {len(law.refits)} refits, widened by {law.misfit:.4f} (the fit's largest final-loss error on its own runs)")
+
+
+def cmd_rank(args: argparse.Namespace) -> None:
+    law = read_law(Path(args.law))
+    candidates = [plan_lr(text, Path(args.config_dir) if args.config_dir else None) for text in args.plans]
+    for c in candidates:
+        if abs(c.lr.max() - law.lr_scale) > 1e-9 * law.lr_scale:
+            warnings.warn(f"plan {c.name!r}: peak lr {c.lr.max():g}, the law was fitted at {law.lr_scale:g}: an extrapolation", stacklevel=1)
+    rows = ranked(law, candidates)
+    print_ranked(rows, law)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "rank.json").write_text(json.dumps({"plans": rows}, indent=1) + "\n", encoding="utf-8")
+
+
+def cmd_propose(args: argparse.Namespace) -> None:
+    law = read_law(Path(args.law))
+    if args.steps < 2:
+        raise ForecastError(f"--steps: {args.steps}: a run of at least 2 steps")
+    specs = family_specs(args.family, args.steps, law.lr_scale, law.warmup_steps)
+    candidates = [Candidate(describe_spec(s), spec_lr(s, args.steps), s) for s in specs]
+    rows = ranked(law, candidates)
+    best = rows[0]
+    out = Path(args.out) if args.out else Path(args.law).parent
+    tied = [r for r in rows[1:] if r["rank"] in best["not_separable_from"]]
+    header = [
+        f"Proposed by {PROG} propose {args.law} --steps {args.steps} --family {args.family}",
+        f"predicted final {law.metric} {best['predicted']:.4f} in [{best['low']:.4f}, {best['high']:.4f}]"
+        f" ({law.kind} law; {len(tied)} of {len(rows) - 1} other candidates not separable from it)",
+        f"run: python -m tinker_exp --config-dir {out.resolve()} +override=proposed",
+    ]
+    path = write_proposed(best["spec"], args.steps, law.record.get("settings", {}), header, out)
+    print_ranked(rows[: args.top], law)
+    (out / "propose.json").write_text(json.dumps({"proposed": best, "candidates": rows}, indent=1) + "\n", encoding="utf-8")
+    print(f"proposed: {best['plan']}: predicted {best['predicted']:.4f} [{best['low']:.4f}, {best['high']:.4f}]")
+    print(f"wrote {path}; run it: python -m tinker_exp --config-dir {out.resolve()} +override=proposed")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Fit a loss-curve law to finished runs; check, rank and propose schedules.")
+    sub = p.add_subparsers(dest="command", required=True)
+    fit = sub.add_parser("fit", help="fit a law to runs (run dirs, sweep dirs, metrics.jsonl files): law.json, fit.png")
+    fit.add_argument("runs", nargs="+", metavar="RUN")
+    fit.add_argument("--law", choices=sorted(LAWS), default="mpl")
+    fit.add_argument("--metric", choices=METRIC_CHOICES, default="train/loss")
+    fit.add_argument("--out", default="forecast")
+    fit.add_argument("--from-step", type=int, default=0, help="fit no point before this step (default: after the warmup)")
+    fit.add_argument("--refits", type=int, default=16, help="bootstrap refits for the intervals (default 16)")
+    fit.set_defaults(func=cmd_fit)
+    check = sub.add_parser("check", help="predicted against measured on runs not fitted: check.json")
+    check.add_argument("law", metavar="LAW")
+    check.add_argument("runs", nargs="+", metavar="RUN")
+    check.add_argument("--out", help="dir of check.json (default: the law's)")
+    check.set_defaults(func=cmd_check)
+    rank = sub.add_parser("rank", help="predicted final loss of candidate plans, with intervals")
+    rank.add_argument("law", metavar="LAW")
+    rank.add_argument("plans", nargs="+", metavar="PLAN", help='a dry run\'s dir, or a run\'s overrides in one argument: "+override=lr_cosine trainer.steps=400"')
+    rank.add_argument("--config-dir", help="a config dir of your own, as python -m tinker_exp --config-dir")
+    rank.add_argument("--out", help="write rank.json here")
+    rank.set_defaults(func=cmd_rank)
+    propose = sub.add_parser("propose", help="the best schedule of a family: DIR/override/proposed.yaml")
+    propose.add_argument("law", metavar="LAW")
+    propose.add_argument("--steps", type=int, required=True)
+    propose.add_argument("--family", choices=FAMILIES, default="wsd")
+    propose.add_argument("--out", help="dir of override/proposed.yaml (default: the law's)")
+    propose.add_argument("--top", type=int, default=10, help="candidates printed (default 10)")
+    propose.set_defaults(func=cmd_propose)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    shown = warnings.formatwarning
+    warnings.formatwarning = lambda message, *_: f"{PROG}: warning: {message}\n"  # one line, no source line
+    try:
+        args.func(args)
+    except TinkerExpError as e:
+        print(f"{PROG}: {one_line(e)}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except FileNotFoundError as e:  # a path given that is not there
+        print(f"{PROG}: forecast error: {e.filename}: no such file or dir", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        warnings.formatwarning = shown
+
+
+if __name__ == "__main__":
+    main()
