@@ -6,7 +6,9 @@ mistake never shows a traceback. Pure Python.
 
 from __future__ import annotations
 
+import difflib
 import signal
+from typing import Iterable
 
 
 class TinkerExpError(Exception):
@@ -73,3 +75,10 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, STOPS):
         return f"{error.label}: {error}"
     return f"{type(error).__name__}: {error}"
+
+
+def suggest(name: str, known: Iterable[str], label: str) -> str:
+    """ "; did you mean X? (LABEL: a, b)" with the closest known name (difflib), or just " (LABEL: a, b)"."""
+    known = list(known)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.65)  # warmup -> warmup_steps; not nonexistent -> constant
+    return (f"; did you mean {close[0]}?" if close else "") + f" ({label} {', '.join(known)})"

@@ -11,7 +11,6 @@ which speak of defaults lists and structs. Pure Python.
 
 from __future__ import annotations
 
-import difflib
 import re
 import sys
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
-from tinker_exp.errors import ConfigError, TinkerExpError, one_line
+from tinker_exp.errors import ConfigError, TinkerExpError, one_line, suggest
 
 COMPOSE_ERRORS = (ConfigCompositionException, OverrideParseException, OmegaConfBaseException)
 
@@ -50,13 +49,6 @@ NEW_KEY = re.compile(r"Could not override '(?P<key>[^']+)'\.")
 ALREADY_SET = re.compile(r"Could not append to config\. An item is already at '(?P<key>[^']+)'")
 AMBIGUOUS = re.compile(r"Ambiguous value for argument '(?P<arg>[^']+)'")
 APPEND_AS = re.compile(r"To append to your (?:config|default list) use \+(?P<text>.+)$", re.MULTILINE)
-
-
-def suggest(name: str, known: Iterable[str], label: str) -> str:
-    """ "; did you mean X? (LABEL: a, b)" with the closest known name (difflib), or just " (LABEL: a, b)"."""
-    known = list(known)
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.65)  # warmup -> warmup_steps; not nonexistent -> constant
-    return (f"; did you mean {close[0]}?" if close else "") + f" ({label} {', '.join(known)})"
 
 
 def grammar_message(error: BaseException, argv: list[str] | None = None) -> str | None:

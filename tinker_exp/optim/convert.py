@@ -43,7 +43,7 @@ def override_mapping(node: Any, where: str = "override") -> Mapping[str, Any]:
             raise ConfigError(f"{where}.{key}: {reason}")
     unknown = [str(key) for key in node if key not in GROUP_KEYS and key not in TINKER_SPELLINGS]
     if unknown:
-        from tinker_exp.config.compose_errors import suggest
+        from tinker_exp.errors import suggest
 
         known = [*OVERRIDE_KEYS, *TINKER_SPELLINGS]
         raise ConfigError(f"{where}.{unknown[0]}: not an override key" + suggest(unknown[0], known, "the keys:"))

@@ -249,7 +249,7 @@ class Param:
             return _length(value, where, total, self.range.low)
         elif self.kind == "choice":
             if value not in self.choices or isinstance(value, bool) != isinstance(self.choices[0], bool):
-                from tinker_exp.config.compose_errors import suggest
+                from tinker_exp.errors import suggest
 
                 word = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731 (YAML's words)
                 known = [word(choice) for choice in self.choices]
@@ -457,7 +457,7 @@ def compile_schedule(
     spec = dict(spec)
     kind = spec.pop("schedule", None)
     if not isinstance(kind, str) or kind not in SCHEDULES:
-        from tinker_exp.config.compose_errors import suggest
+        from tinker_exp.errors import suggest
 
         given = "missing (a schedule mapping needs one)" if kind is None else f"{kind} is not a schedule kind"
         raise ConfigError(f"{where}.schedule: {given}" + suggest(str(kind), SCHEDULES, "kinds:"))
@@ -478,7 +478,7 @@ def compile_schedule(
         spec = {k: v for k, v in spec.items() if k not in leftovers}
     unknown = sorted(set(spec) - set(declared))
     if unknown:
-        from tinker_exp.config.compose_errors import suggest
+        from tinker_exp.errors import suggest
 
         takes = [*declared, "total_steps"]
         raise ConfigError(f"{where}.{unknown[0]}: {kind} has no parameter {unknown[0]}" + suggest(str(unknown[0]), takes, f"{kind} takes"))

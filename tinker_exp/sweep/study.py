@@ -94,7 +94,7 @@ def make_pruner(name: str, args: Mapping[str, Any], where: str = PRUNER_ARGS) ->
     """Optuna's pruner of that name, built from hydra.sweeper.pruner_args (its own keyword arguments; `patient`
     also takes `wrapped`, a pruner name, and `wrapped_args`). An argument it does not take is named with those it
     does; Optuna's own checks give the message for a value. `where`: the arguments' key, named in errors."""
-    from tinker_exp.config.compose_errors import suggest
+    from tinker_exp.errors import suggest
 
     if name not in PRUNERS:
         key = "hydra.sweeper.pruner" if where == PRUNER_ARGS else f"{where.rpartition('.')[0]}.wrapped"
