@@ -14,6 +14,25 @@ os.environ.pop("WANDB_API_KEY", None)
 os.environ.setdefault("TINKER_EXP_CACHE", str(REPO / ".cache"))
 
 
+REAL_FIXTURES = {"ray_address", "slurm_env", "postgres_url"}
+"""A test that uses one of these (directly or through another fixture) starts real work: verl's workers on Ray, jobs
+on the local Slurm cluster, a PostgreSQL server. It is marked `real`; `make test-fast` (pytest -m "not real") leaves
+it out. A test that starts real work otherwise (a CLI run with its own Ray, a server asked for through
+request.getfixturevalue) carries the marker itself: @pytest.mark.real, or marks=pytest.mark.real on its param."""
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "real: starts real work (verl's workers on Ray, the local Slurm cluster, PostgreSQL); `make test-fast` skips it"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real)
+
+
 @pytest.fixture(scope="session")
 def ray_address():
     """One Ray cluster for every test that trains: in-process runs join it, CLI runs get RAY_ADDRESS."""
@@ -62,3 +81,4 @@ def close_figures():
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
         pyplot.close("all")
+

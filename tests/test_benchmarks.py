@@ -115,7 +115,7 @@ def test_the_pruning_benchmark_runs_both_studies_of_a_seed_and_prints_their_figu
     assert "goal: at most 60 % of the steps: not met (100%)" in out and "keeps 2 trials running" in out
 
 
-@pytest.mark.parametrize("server", [False, True], ids=["journal", "postgres"])
+@pytest.mark.parametrize("server", [False, pytest.param(True, marks=pytest.mark.real)], ids=["journal", "postgres"])
 def test_the_report_cost_benchmark_times_trial_reports_and_leaves_no_study_behind(server, request):
     import optuna
 
