@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, SLURM_NODES
+from helpers import COSINE_TRUNK, REPO, SLURM_NODES
 
 # Nothing may leave this machine: offline W&B is set in the environment before wandb is imported, so
 # this process, its subprocesses and Ray workers all inherit it.
@@ -82,3 +82,15 @@ def close_figures():
     if pyplot is not None:
         pyplot.close("all")
 
+
+@pytest.fixture(scope="session")
+def cosine_trunk(ray_address, tmp_path_factory):
+    """One real CLI run through the shared Ray cluster (RAY_ADDRESS), read by several tests, never written to:
+    (its run dir, the finished process). It is test_branch_ray's trunk, test_resume's uninterrupted run and
+    checkpoints (copied before use), and test_train_e2e's CLI run with a quiet terminal."""
+    from helpers import run_cli
+
+    run_dir = tmp_path_factory.mktemp("cosine_trunk")
+    result = run_cli(*COSINE_TRUNK, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result

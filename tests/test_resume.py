@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    COSINE_TRUNK,
     REPO,
     compose,
     environment,
@@ -42,11 +43,10 @@ def launch(run_dir: Path, ray_address: str, *extra: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_address, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("uninterrupted")
-    result = run_cli(*COMMON, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return metrics_rows(run_dir)
+def uninterrupted(cosine_trunk):
+    """The suite's shared CLI run (conftest.py): COMMON, its checkpoints all kept (which changes no step)."""
+    assert COSINE_TRUNK == [*COMMON[2:], *COMMON[:2], "checkpoint.keep_last=0"]
+    return metrics_rows(cosine_trunk[0])
 
 
 def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uninterrupted, tmp_path):
@@ -81,16 +81,17 @@ def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uni
     assert second == list(range(resumed_from, STEPS))
 
 
-def test_a_checkpoint_that_does_not_load_is_a_clear_error(ray_address, tmp_path):
-    first = run_cli(*COMMON, "trainer.steps=6", "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
-    assert first.returncode == 0, first.stderr[-3000:]
-    (tmp_path / "checkpoints" / "step_00000006").rename(tmp_path / "elsewhere")  # as if killed at step 6
-    shard = tmp_path / "checkpoints" / "step_00000004" / "workers" / "model_world_size_2_rank_0.pt"
+def test_a_checkpoint_that_does_not_load_is_a_clear_error(ray_address, cosine_trunk, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(cosine_trunk[0], run_dir)  # a copy of the shared run (12 steps, checkpoints at 4, 8 and 12)
+    for step in (8, 12):  # as if killed after step 11 with step 4's checkpoint its newest
+        (run_dir / "checkpoints" / f"step_{step:08d}").rename(tmp_path / f"elsewhere_{step}")
+    shard = run_dir / "checkpoints" / "step_00000004" / "workers" / "model_world_size_2_rank_0.pt"
     shard.write_bytes(b"\x00" * shard.stat().st_size)  # same size: passes the manifest's size check
-    result = run_cli(*COMMON, "trainer.steps=6", "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
+    result = run_cli(*COMMON, "logger=none", f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address})
     assert result.returncode == 5
     assert f"tinker_exp: checkpoint error: {shard.parent.parent}: verl could not load it" in result.stderr
-    assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1, 2, 3, 4, 5]  # nothing logged is lost
+    assert [row["train/step"] for row in metrics_rows(run_dir)] == list(range(STEPS))  # nothing logged is lost
 
 
 def test_non_finite_steps_stop_the_run_keeping_the_last_good_checkpoint(ray_address, tmp_path):
