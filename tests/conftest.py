@@ -87,7 +87,8 @@ def close_figures():
 def cosine_trunk(ray_address, tmp_path_factory):
     """One real CLI run through the shared Ray cluster (RAY_ADDRESS), read by several tests, never written to:
     (its run dir, the finished process). It is test_branch_ray's trunk, test_resume's uninterrupted run and
-    checkpoints (copied before use), and test_train_e2e's CLI run with a quiet terminal."""
+    checkpoints (copied before use), test_train_e2e's CLI run with a quiet terminal, and the one-node run
+    test_sweeps' multinode recipe is compared with."""
     from helpers import run_cli
 
     run_dir = tmp_path_factory.mktemp("cosine_trunk")
