@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export WANDB_ERROR_REPORTING := false
 
-.PHONY: install run test bench clean
+.PHONY: install run test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -20,6 +20,10 @@ run: install
 
 test: install
 	$(PY) -m pytest
+
+# For iteration, not CI: only the tests that start no real work (no Ray workers, Slurm or PostgreSQL), in minutes.
+test-fast: install
+	$(PY) -m pytest -m "not real"
 
 bench: install
 	$(PY) benchmarks/overhead.py

@@ -1,7 +1,8 @@
 """What a population member's boundary costs, with and without an exploit, against one training step and a job start:
 runs through the real CLI, medians and ratios.
 
-A donor run once (`--steps` steps, a checkpoint every `--interval` steps, all kept); its checkpoints are posted to
+A donor run once (`--steps` steps, a checkpoint every `--interval` steps, all kept; or `--donor`: a run dir that
+holds checkpoints at those steps); its checkpoints are posted to
 a board as member 1's, with score 0 (better than any loss), at every boundary. Then per round, in an order that
 rotates, each its own `python -m tinker_exp` process with the same config:
 - plain: an ordinary run (no population), evaluating at the same steps;
@@ -14,6 +15,7 @@ run's same gap (logging, the next batch) is subtracted to give the boundary's co
 the first row, less that step's time, in the plain run. Printed: each run, the medians and the ratios.
 
     .venv/bin/python benchmarks/pbt_boundary.py [--rounds 3] [--steps 8] [--interval 2] [--set KEY=VALUE ...] [--keep DIR]
+        [--donor RUN_DIR]
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=2, help="steps between boundaries (and evaluations)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more overrides, every run")
     parser.add_argument("--keep", type=Path, help="put the run dirs here and keep them (default: a temp dir, removed)")
+    parser.add_argument("--donor", type=Path, help="a run dir whose checkpoints at the boundaries are the donor's (default: "
+                        "a run trained first with the same config); the tests pass a population member's")  # fmt: skip
     args = parser.parse_args()
     boundaries = list(range(args.interval, args.steps, args.interval))
     if not boundaries:
@@ -79,9 +83,12 @@ def main() -> None:
               f"trainer.eval_every={args.interval}", "checkpoint.every_steps=0", "logger=none", *args.set]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="pbt_boundary_") as tmp:
         root = args.keep.resolve() if args.keep else Path(tmp)
-        donor = root / "donor"
-        run_cli([*common, f"checkpoint.every_steps={args.interval}", "checkpoint.keep_last=0", f"hydra.run.dir={donor}"])
+        donor = args.donor.resolve() if args.donor else root / "donor"
+        if not args.donor:
+            run_cli([*common, f"checkpoint.every_steps={args.interval}", "checkpoint.keep_last=0", f"hydra.run.dir={donor}"])
         for s in boundaries:
+            if not (donor / "checkpoints" / f"step_{s:08d}" / "MANIFEST.json").is_file():
+                sys.exit(f"{donor}: no checkpoint at step {s}, a boundary")
             post(root / "donor_board", 1, s, 0.0, donor / "checkpoints" / f"step_{s:08d}", {"override.lr.value": 1e-3})
 
         def plain(r: int) -> tuple[list[float], float, float]:

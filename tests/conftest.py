@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, SLURM_NODES
+from helpers import COSINE_TRUNK, REPO, SLURM_NODES
 
 # Nothing may leave this machine: offline W&B is set in the environment before wandb is imported, so
 # this process, its subprocesses and Ray workers all inherit it.
@@ -12,6 +12,25 @@ os.environ["WANDB_ERROR_REPORTING"] = "false"
 os.environ.pop("WANDB_API_KEY", None)
 # The tiny model is built once and reused across test runs.
 os.environ.setdefault("TINKER_EXP_CACHE", str(REPO / ".cache"))
+
+
+REAL_FIXTURES = {"ray_address", "slurm_env", "postgres_url"}
+"""A test that uses one of these (directly or through another fixture) starts real work: verl's workers on Ray, jobs
+on the local Slurm cluster, a PostgreSQL server. It is marked `real`; `make test-fast` (pytest -m "not real") leaves
+it out. A test that starts real work otherwise (a CLI run with its own Ray, a server asked for through
+request.getfixturevalue) carries the marker itself: @pytest.mark.real, or marks=pytest.mark.real on its param."""
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "real: starts real work (verl's workers on Ray, the local Slurm cluster, PostgreSQL); `make test-fast` skips it"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real)
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +81,17 @@ def close_figures():
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
         pyplot.close("all")
+
+
+@pytest.fixture(scope="session")
+def cosine_trunk(ray_address, tmp_path_factory):
+    """One real CLI run through the shared Ray cluster (RAY_ADDRESS), read by several tests, never written to:
+    (its run dir, the finished process). It is test_branch_ray's trunk, test_resume's uninterrupted run and
+    checkpoints (copied before use), test_train_e2e's CLI run with a quiet terminal, and the one-node run
+    test_sweeps' multinode recipe is compared with."""
+    from helpers import run_cli
+
+    run_dir = tmp_path_factory.mktemp("cosine_trunk")
+    result = run_cli(*COSINE_TRUNK, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result

@@ -103,6 +103,12 @@ def job_processes(job_ids: Iterable[str]) -> list[str]:
     return found
 
 
+COSINE_TRUNK = [
+    "+override=lr_cosine", "override.lr.warmup_steps=2", "trainer.steps=12", "checkpoint.every_steps=4", "checkpoint.keep_last=0",
+]  # fmt: skip
+"""The command of the real CLI run several tests share (conftest.py's cosine_trunk; W&B offline): 12 steps of a cosine
+lr, a checkpoint every 4 steps, all kept."""
+
 SLURM_NODES = 2
 """Nodes of the local Slurm cluster the tests share (.ci/run starts it with the same count)."""
 

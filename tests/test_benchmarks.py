@@ -1,6 +1,6 @@
 """benchmarks/overhead.py runs, and its bare loop is verl's worker built as tinker_exp builds it; benchmarks/pruning.py
 runs its studies and times reports to a journal and a PostgreSQL server; benchmarks/pbt_boundary.py runs one boundary
-of each kind (no figure of speed is asserted: speed is
+of each kind (tests/test_pbt_ray.py, on a population member's checkpoints; no figure of speed is asserted: speed is
 for the benchmark to print, not for tests)."""
 
 from __future__ import annotations
@@ -76,24 +76,6 @@ def test_the_gpu_variant_runs_on_cpu_with_tiny_shapes(ray_address):
         assert line in out, out
 
 
-def test_the_pbt_boundary_benchmark_runs_tiny(ray_address, tmp_path):
-    """benchmarks/pbt_boundary.py with one round of 4 steps (one boundary): a plain run, a member that carries on and
-    one that exploits the donor's checkpoint (the script checks each member's decisions); no figure is asserted."""
-    import json
-
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "pbt_boundary.py"), "--rounds", "1", "--steps", "4", "--interval", "2",
-         "--keep", str(tmp_path)],
-        cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "round 0 (plain then carry on then exploit): between steps at the boundaries: plain " in result.stdout
-    for line in ("medians: one training step ", "a boundary that carries on: ", "a boundary that exploits: "):
-        assert line in result.stdout, result.stdout
-    exploit = [json.loads(line) for line in (tmp_path / "exploit_0" / "0" / "population.jsonl").read_text().splitlines()]
-    assert [(row["step"], row["rank"], row["of"], row["exploit"]["member"]) for row in exploit] == [(2, 2, 2, 1)]
-
-
 PRUNING = REPO / "benchmarks" / "pruning.py"
 
 
@@ -115,7 +97,7 @@ def test_the_pruning_benchmark_runs_both_studies_of_a_seed_and_prints_their_figu
     assert "goal: at most 60 % of the steps: not met (100%)" in out and "keeps 2 trials running" in out
 
 
-@pytest.mark.parametrize("server", [False, True], ids=["journal", "postgres"])
+@pytest.mark.parametrize("server", [False, pytest.param(True, marks=pytest.mark.real)], ids=["journal", "postgres"])
 def test_the_report_cost_benchmark_times_trial_reports_and_leaves_no_study_behind(server, request):
     import optuna
 

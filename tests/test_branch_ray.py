@@ -2,7 +2,7 @@
 
 One trunk per module, every branch from it: with the trunk's config a branch is the trunk from step N on, bitwise;
 with another plan it starts from the very same state (its first step is the trunk's, bitwise) and then applies its
-own plan. A LoRA trunk and branch too.
+own plan. The trunk is the suite's shared CLI run (conftest.py cosine_trunk); a LoRA branch is in test_lora.py.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import metrics_rows, planned, read_jsonl, run_cli, wandb_run_file, wandb_records, wandb_run_record
+from helpers import COSINE_TRUNK, metrics_rows, planned, read_jsonl, run_cli, wandb_run_file, wandb_records, wandb_run_record
 
 STEPS, AT = 12, 4
 BASE = [f"trainer.steps={STEPS}", "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
-TRUNK = ["+override=lr_cosine", "override.lr.warmup_steps=2", *BASE]
+TRUNK = COSINE_TRUNK  # "+override=lr_cosine", "override.lr.warmup_steps=2", *BASE
 KEYS = ("train/loss", "train/grad_norm", "applied/lr", "applied/beta1")
 
 
@@ -31,10 +31,10 @@ def cli(run_dir: Path, ray_address: str, *args: str):
 
 
 @pytest.fixture(scope="module")
-def trunk(ray_address, tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("trunk")
-    cli(run_dir, ray_address, *TRUNK)  # W&B offline: its run id is the branches' lineage
-    return run_dir
+def trunk(cosine_trunk) -> Path:
+    """The suite's shared CLI run (conftest.py), W&B offline: its run id is the branches' lineage."""
+    assert TRUNK[-3:] == BASE
+    return cosine_trunk[0]
 
 
 def test_a_branch_with_the_trunks_config_is_the_trunk_from_step_n_on_bitwise(trunk, ray_address, tmp_path):
@@ -69,18 +69,6 @@ def test_a_branch_with_another_plan_starts_from_the_trunks_state_then_applies_it
     config = {item.key: json.loads(item.value_json) for item in run_record.config.update}
     assert (config["branch.from"], config["branch.step"], config["branch.trunk_wandb_run_id"]) == (str(trunk), AT, trunk_id)
     assert run_record.run_id != trunk_id
-
-
-def test_a_lora_branch_starts_from_the_trunks_adapters(ray_address, tmp_path):
-    lora = ["lora=r8", "optimizer.lr=1e-2", "trainer.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=0", "logger=none"]
-    cli(tmp_path / "trunk", ray_address, *lora)
-    cli(tmp_path / "branch", ray_address, *lora, "+override.lr=3e-3", f"branch.from={tmp_path / 'trunk'}", "branch.step=2")
-    rows, trunk_rows = metrics_rows(tmp_path / "branch"), metrics_rows(tmp_path / "trunk")
-    assert [row["train/step"] for row in rows] == list(range(2, 6))
-    assert values(rows[:1]) != values(trunk_rows[2:3])  # the lr sent differs ...
-    assert (rows[0]["train/loss"], rows[0]["train/grad_norm"]) == (trunk_rows[2]["train/loss"], trunk_rows[2]["train/grad_norm"])
-    assert [row["applied/lr"] for row in rows] == [3e-3] * 4
-    assert rows[1]["train/loss"] != trunk_rows[3]["train/loss"]  # ... and acts from the branch's first update on
 
 
 def branch_sweep(trunk: Path, sweep_dir: Path, env: dict, *launcher: str) -> None:

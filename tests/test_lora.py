@@ -1,7 +1,8 @@
 """LoRA (lora=r8) on the real path: verl's TinkerTrainingWorker with peft adapters on 2 Ray CPU gloo workers.
 
 One probed run reads the live workers' weights after start-up and after training; its exported adapter is
-loaded with peft in this process; a copy of its run dir, its newest checkpoint removed, is resumed (probed too).
+loaded with peft in this process; a copy of its run dir, its newest checkpoint removed, is resumed (probed too);
+it is the trunk of a LoRA branch.
 """
 
 from __future__ import annotations
@@ -171,6 +172,20 @@ def test_a_resumed_lora_run_continues_bitwise(lora_run, tmp_path):
     assert again["end"] == seen["end"] and again["log_probs"] == seen["log_probs"]  # every weight, bitwise
     got, expected = (load_file(d / ADAPTER / "adapter_model.safetensors") for d in (resumed, run_dir))
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_lora_branch_starts_from_the_trunks_adapters(lora_run, tmp_path):
+    """A branch of the probed run at step 2 (its adapter-only checkpoint) with another lr and plan: its first step
+    is the trunk's, bitwise (the same adapters and state), and its own lr acts from its first update on."""
+    trunk = lora_run[0]
+    branch = [arg for arg in COMMON if not arg.startswith(("+override.lr=", "trainer.steps="))]
+    run(compose(*branch, "trainer.steps=6", "+override.lr=3e-3", f"branch.from={trunk}", "branch.step=2"), tmp_path)
+    rows, trunk_rows = read_jsonl(tmp_path / "metrics.jsonl"), read_jsonl(trunk / "metrics.jsonl")
+    assert [row["train/step"] for row in rows] == list(range(2, 6))
+    assert rows[0]["applied/lr"] != trunk_rows[2]["applied/lr"]  # the lr sent differs ...
+    assert (rows[0]["train/loss"], rows[0]["train/grad_norm"]) == (trunk_rows[2]["train/loss"], trunk_rows[2]["train/grad_norm"])
+    assert [row["applied/lr"] for row in rows] == [3e-3] * 4
+    assert rows[1]["train/loss"] != trunk_rows[3]["train/loss"]  # ... and acts from the branch's first update on
 
 
 def test_full_fine_tuning_is_the_default_and_lora_one_word_away():

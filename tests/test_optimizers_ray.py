@@ -7,6 +7,7 @@ workers are freed, every rank reports each sub-optimizer's param-group keys and 
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -91,7 +92,9 @@ def muon(ray_address, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adamw(ray_address, tmp_path_factory):
-    return whole_and_resumed(tmp_path_factory, "adamw", "+override=beta2_warmup", "logger=none")
+    return whole_and_resumed(
+        tmp_path_factory, "adamw", "+override=[lr_cosine,beta2_warmup]", "override.lr.warmup_steps=2", "logger=none"
+    )
 
 
 def assert_trains_and_applies(result: dict, scheduled: str, constants: dict[str, float], kept: dict[str, float]) -> None:
@@ -149,6 +152,17 @@ def test_muon_and_adamw_with_a_scheduled_lr(muon):
 def test_adamw_groups_match_the_table(adamw):
     assert_groups_match_the_table(adamw, "AdamW")
     assert_resumes_bitwise(adamw)
+
+
+def test_adamw_follows_the_plan_on_lr_and_betas(adamw):
+    """Two schedules composed (test_schedules.py plans them; here verl's workers apply them): every step's requested
+    and applied lr, beta1 and beta2 are the plan's."""
+    rows = adamw["rows"]
+    for key in ("lr", "beta1", "beta2"):
+        assert [row[f"requested/{key}"] for row in rows] == planned(adamw["dir"], key) == [row[f"applied/{key}"] for row in rows]
+    assert rows[0]["applied/lr"] == 0.0 and rows[2]["applied/lr"] == 1e-3
+    assert rows[0]["applied/beta2"] < rows[-1]["applied/beta2"] < 0.999
+    assert not math.isnan(rows[-1]["train/loss"])
 
 
 def test_muon_on_two_workers_steps_as_on_one(muon, tmp_path: Path):

@@ -2,7 +2,8 @@
 (`hydra/sweeper=pbt`): 4 members, boundaries at steps 2, 4 and 6 of 8, on the local launcher and on the local Slurm
 cluster. An exploit loads another member's checkpoint into the running workers; the printed replay command, and a
 plain run of any member's override/realized.yaml from step 0, give its lineage bitwise. One population on the local
-launcher serves every assertion about it (members run one at a time on 2 CPUs: it is the costly part)."""
+launcher serves every assertion about it (members run one at a time on 2 CPUs: it is the costly part), and its
+members' checkpoints are the donor's in the smoke test of benchmarks/pbt_boundary.py."""
 
 from __future__ import annotations
 
@@ -116,6 +117,31 @@ def test_each_members_wandb_run_holds_its_place_and_its_exploits(members):
     data = json.loads(path.read_text())
     assert data["columns"] == ["step", "donor", "donor step", "values"]
     assert data["data"] == [[r["step"], r["exploit"]["member"], r["exploit"]["step"], json.dumps(r["values"])] for r in exploits]
+
+
+def test_the_pbt_boundary_benchmark_runs_tiny_on_a_members_checkpoints(members, ray_address, tmp_path):
+    """benchmarks/pbt_boundary.py with one round of 4 steps (one boundary, at step 2), a member of the population its
+    donor (`--donor`: its checkpoint at step 2, instead of a run trained for it): a plain run, a member that carries on
+    and one that exploits the donor's checkpoint (the script checks each member's decisions); no figure is asserted."""
+    import subprocess
+
+    from helpers import REPO, environment
+
+    donor = next(m for m in members if (m / "checkpoints" / "step_00000002" / "MANIFEST.json").is_file())
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "pbt_boundary.py"), "--rounds", "1", "--steps", "4", "--interval", "2",
+         "--set", "trainer.batch_size=4", "--donor", str(donor), "--keep", str(tmp_path)],
+        cwd=REPO, env=environment({"RAY_ADDRESS": ray_address, POPULATION_ENV: None}), capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "round 0 (plain then carry on then exploit): between steps at the boundaries: plain " in result.stdout
+    for line in ("medians: one training step ", "a boundary that carries on: ", "a boundary that exploits: "):
+        assert line in result.stdout, result.stdout
+    assert not (tmp_path / "donor").exists()  # none trained
+    exploit = read_jsonl(tmp_path / "exploit_0" / "0" / "population.jsonl")
+    assert [(row["step"], row["rank"], row["of"], row["exploit"]["member"]) for row in exploit] == [(2, 2, 2, 1)]
+    assert exploit[0]["exploit"]["checkpoint"] == str(donor / "checkpoints" / "step_00000002")
 
 
 COMPARED = ("train/loss", "train/grad_norm", "val/loss", "requested/", "applied/")  # what a replay must give bitwise

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    COSINE_TRUNK,
     REPO,
     compose,
     environment,
@@ -28,6 +29,8 @@ from helpers import (
     wandb_history,
     wandb_records,
 )
+from tinker_exp.errors import CheckpointError, NonFiniteError
+from tinker_exp.main import run
 
 STEPS = 12
 # lr follows a cosine schedule, so a resumed run must continue the plan at the right step, not restart it.
@@ -42,11 +45,10 @@ def launch(run_dir: Path, ray_address: str, *extra: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_address, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("uninterrupted")
-    result = run_cli(*COMMON, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return metrics_rows(run_dir)
+def uninterrupted(cosine_trunk):
+    """The suite's shared CLI run (conftest.py): COMMON, its checkpoints all kept (which changes no step)."""
+    assert COSINE_TRUNK == [*COMMON[2:], *COMMON[:2], "checkpoint.keep_last=0"]
+    return metrics_rows(cosine_trunk[0])
 
 
 def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uninterrupted, tmp_path):
@@ -81,27 +83,29 @@ def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uni
     assert second == list(range(resumed_from, STEPS))
 
 
-def test_a_checkpoint_that_does_not_load_is_a_clear_error(ray_address, tmp_path):
-    first = run_cli(*COMMON, "trainer.steps=6", "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
-    assert first.returncode == 0, first.stderr[-3000:]
-    (tmp_path / "checkpoints" / "step_00000006").rename(tmp_path / "elsewhere")  # as if killed at step 6
-    shard = tmp_path / "checkpoints" / "step_00000004" / "workers" / "model_world_size_2_rank_0.pt"
+def test_a_checkpoint_that_does_not_load_is_a_clear_error(ray_address, cosine_trunk, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(cosine_trunk[0], run_dir)  # a copy of the shared run (12 steps, checkpoints at 4, 8 and 12)
+    for step in (8, 12):  # as if killed after step 11 with step 4's checkpoint its newest
+        (run_dir / "checkpoints" / f"step_{step:08d}").rename(tmp_path / f"elsewhere_{step}")
+    shard = run_dir / "checkpoints" / "step_00000004" / "workers" / "model_world_size_2_rank_0.pt"
     shard.write_bytes(b"\x00" * shard.stat().st_size)  # same size: passes the manifest's size check
-    result = run_cli(*COMMON, "trainer.steps=6", "logger=none", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
-    assert result.returncode == 5
-    assert f"tinker_exp: checkpoint error: {shard.parent.parent}: verl could not load it" in result.stderr
-    assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1, 2, 3, 4, 5]  # nothing logged is lost
+    # In this process (joining the shared Ray): the CLI prints `tinker_exp: <label>: <message>` and exits with the
+    # error's exit_code, as for every stop (tinker_exp.errors).
+    with pytest.raises(CheckpointError) as info:
+        run(compose(*COMMON, "logger=none"), run_dir)
+    assert (info.value.exit_code, info.value.label) == (5, "checkpoint error")
+    assert str(info.value).startswith(f"{shard.parent.parent}: verl could not load it"), str(info.value)
+    assert [row["train/step"] for row in metrics_rows(run_dir)] == list(range(STEPS))  # nothing logged is lost
 
 
 def test_non_finite_steps_stop_the_run_keeping_the_last_good_checkpoint(ray_address, tmp_path):
     # lr jumps to 1e30 for step 4: its update blows the weights up, so step 5's gradients are not finite.
-    result = run_cli(
-        "trainer.steps=10", "checkpoint.every_steps=2", "logger=none", f"hydra.run.dir={tmp_path}",
-        "+override.lr={schedule:keyframes,points:{0:0.001,3:0.001,4:1e30,9:1e30}}",
-        env={"RAY_ADDRESS": ray_address},
-    )  # fmt: skip
-    assert result.returncode == 4, result.stderr[-3000:]
-    assert re.search(r"tinker_exp: stopped on non-finite values: step 5: loss=\S+, grad_norm=nan; 1 non-finite", result.stderr)
+    with pytest.raises(NonFiniteError) as info:  # in this process, joining the shared Ray (the CLI: exit 4, one line)
+        run(compose("trainer.steps=10", "checkpoint.every_steps=2", "logger=none",
+                    "+override.lr={schedule:keyframes,points:{0:0.001,3:0.001,4:1e30,9:1e30}}"), tmp_path)  # fmt: skip
+    assert (info.value.exit_code, info.value.label) == (4, "stopped on non-finite values")
+    assert re.match(r"step 5: loss=\S+, grad_norm=nan; 1 non-finite", str(info.value)), str(info.value)
     rows = metrics_rows(tmp_path)
     assert [row["train/nonfinite_steps"] for row in rows] == [0, 0, 0, 0, 0, 1]
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -216,7 +220,6 @@ def test_every_step_starts_from_no_gradient_without_zero_grad_and_trains_bitwise
     optimizer_zero_grad trains bitwise as the loop with it. forward_backward hands back its metrics, no log-probs."""
     import pickle
 
-    from tinker_exp.main import run
 
     keys = ("train/step", "train/loss", "train/grad_norm", "applied/lr", "val/loss")
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO, environment
 
 PROBE = """
@@ -35,6 +37,7 @@ print("ok", len(ray_processes))
 """
 
 
+@pytest.mark.real  # its own Ray
 def test_rays_processes_outlive_slurms_time_limit_signal():
     result = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=300,
                             env=environment({"RAY_ADDRESS": None}))  # fmt: skip

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from helpers import REPO, environment, job_json, job_processes, read_jsonl, run_cli, squeue, wait_until
+from helpers import REPO, compose, environment, job_json, job_processes, read_jsonl, run_cli, squeue, wait_until
 from tinker_exp.errors import ConfigError
 from tinker_exp.sweep.study import CUT_OFF, masked, open_storage, recover, results, search_space, steps_line, study_in, sweep_storage
 from tinker_exp.formats import read_json
@@ -365,29 +365,12 @@ def test_ctrl_c_in_a_study_cancels_its_running_trials_and_the_same_command_conti
     assert [(f.trial, f.error) for f in OmegaConf.load(tmp_path / "optimization_results.yaml").failed] == [(0, CUT_OFF), (1, CUT_OFF)]
 
 
-def test_a_study_on_the_local_slurm_cluster(slurm_env, tmp_path):
-    """The hparams_search preset on the slurm_local launcher: 3 trials at once, each its own Slurm job (no array)."""
-    result = run_cli(
-        "-m", "hparams_search=lr_cosine", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
-        "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=3", "trainer.steps=3", "logger=none",
-        "override.lr.warmup_steps=int(interval(0,2))",  # the command line narrows the preset's range (3 steps)
-        env=slurm_env, timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    trials = storage_trials(tmp_path)
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
-    assert set(trials[0].params) == {"override.lr.value", "override.lr.warmup_steps", "override.lr.min_ratio"}
-    jobs = {t.number: job_json(tmp_path / str(t.number))["slurm"] for t in trials}
-    assert all("array_job_id" not in job for job in jobs.values()) and len({job["job_id"] for job in jobs.values()}) == 3
-    assert {row["num"]: row["job_id"] for row in read_jsonl(tmp_path / "summary.jsonl")} == {n: job["job_id"] for n, job in jobs.items()}
-    ids = [job["job_id"] for job in jobs.values()]  # what the sweeper polled: one squeue (and sacct) for them all
-    assert slurm_states(ids, env=environment(slurm_env)) == dict.fromkeys(ids, "COMPLETED")
-    assert slurm_states(ids[:1], env=environment(slurm_env)) == {ids[0]: "COMPLETED"}  # one id gone: squeue fails
-    for trial in trials:
-        assert read_jsonl(tmp_path / str(trial.number) / "metrics.jsonl")[-1]["val/loss"] == trial.value
-    saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
-    assert saved.best_value == min(t.value for t in trials) and saved.failed == []
-    assert os.path.samefile(saved.best_run_dir, tmp_path / str(saved.best_trial))
+def test_the_hparams_search_preset_on_the_slurm_launcher_searches_its_three_keys():
+    """`-m hparams_search=lr_cosine hydra/launcher=slurm_local`: the command line's launcher wins over the preset's,
+    and the sweeper searches the preset's keys (a real Slurm study: the pruning study below, one job per trial)."""
+    hydra = compose("hparams_search=lr_cosine", "hydra/launcher=slurm_local", with_hydra=True).hydra
+    assert hydra.launcher._target_.endswith("SlurmSweepLauncher") and hydra.sweeper._target_.endswith("OptunaSweeper")
+    assert set(hydra.sweeper.params) == {"override.lr.value", "override.lr.warmup_steps", "override.lr.min_ratio"}
 
 
 @pytest.mark.parametrize("server", [False, True], ids=["journal", "postgres"])
@@ -517,6 +500,12 @@ def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_an
     assert len({job["nodelist"] for job in jobs.values()}) == 2, jobs  # jobs on both nodes wrote to the one journal
     assert all("array_job_id" not in job for job in jobs.values())  # each trial its own sbatch
     assert slurm_jobs_at_once([job["job_id"] for job in jobs.values()], slurm_env) == 2  # n_jobs in the queue, never more
+    assert {row["num"]: row["job_id"] for row in read_jsonl(tmp_path / "summary.jsonl")} == {n: job["job_id"] for n, job in jobs.items()}
+    ids = [job["job_id"] for job in jobs.values()]  # what the sweeper polled: one squeue (and sacct) for them all
+    assert slurm_states(ids, env=slurm) == dict.fromkeys(ids, "COMPLETED")  # pruned trials' jobs end cleanly too
+    assert slurm_states(ids[:1], env=slurm) == {ids[0]: "COMPLETED"}  # one id gone: squeue fails
+    saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
+    assert saved.failed == [] and os.path.samefile(saved.best_run_dir, tmp_path / str(saved.best_trial))
     for trial in trials:
         rows = read_jsonl(tmp_path / str(trial.number) / "metrics.jsonl")
         assert trial.intermediate_values == {row["train/step"]: row["requested/lr"] for row in rows if "val/loss" in row}
