@@ -257,6 +257,17 @@ def made_for_this_command(run_dir: Path) -> bool:
     return run_dir.is_dir() and not any(run_dir.iterdir()) and run_dir.stat().st_ctime >= PROCESS_START
 
 
+def drop_log_files_in(run_dir: Path) -> None:
+    """Close and detach the log files Hydra set up in a run dir that goes (never opened: nothing was logged there
+    yet), so that a later record in this process does not fail on, or make again, a file in a removed dir."""
+    loggers = [logging.getLogger(), *(l for l in logging.Logger.manager.loggerDict.values() if isinstance(l, logging.Logger))]
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir.resolve():
+                logger.removeHandler(handler)
+                handler.close()
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(dcfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
@@ -292,6 +303,7 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
         raise KeyboardInterrupt(where_a_rerun_starts(dcfg, run_dir)) from e
     finally:
         if made_now and run_dir.is_dir() and not any(run_dir.iterdir()):  # refused: the dir Hydra made for it goes
+            drop_log_files_in(run_dir)
             run_dir.rmdir()
 
 
