@@ -295,6 +295,8 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
     except STOPS as e:
         print(f"tinker_exp: {one_line(e)}", file=sys.stderr)
         if in_sweep:
+            if made_now:  # the sweep was accepted: its fresh job dir keeps who ran the job (job.json), nothing else
+                write_job_info(run_dir, job)
             raise  # the sweep's launcher reports it with the job's overrides and run dir
         sys.exit(e.exit_code)
     except KeyboardInterrupt as e:
