@@ -23,7 +23,7 @@ test: install
 
 # For iteration, not CI: only the tests that start no real work (no Ray workers, Slurm or PostgreSQL), in minutes.
 test-fast: install
-	$(PY) -m pytest -m "not real"
+	$(PY) -m pytest -m "not real" -n 2  # no Ray, Slurm or database: safe to run two at a time
 
 bench: install
 	$(PY) benchmarks/overhead.py
