@@ -18,8 +18,10 @@ $(VENV)/.installed: pyproject.toml
 run: install
 	$(PY) -m tinker_exp $(ARGS)
 
+# Two pytest-xdist workers: most of the suite's time is waiting (Slurm, Ray start-up, subprocesses), which overlaps.
+# Each xdist_group runs whole on one worker (tests/conftest.py: all Slurm tests in one, else a file each), longest first.
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 # For iteration, not CI: only the tests that start no real work (no Ray workers, Slurm or PostgreSQL), in minutes.
 test-fast: install

@@ -27,10 +27,42 @@ def pytest_configure(config):
     )
 
 
+SLURM_GROUP = "slurm"
+"""`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`): each xdist_group runs whole on one of them.
+Every test that uses the local Slurm cluster is in this one group, so Slurm tests never overlap (they share 2 nodes,
+and some assert what the queue holds); every other test is in its file's group, so a module fixture is built once."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
+    groups = {}
     for item in items:
-        if REAL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        names = getattr(item, "fixturenames", ())
+        if REAL_FIXTURES.intersection(names):
             item.add_marker(pytest.mark.real)
+        groups[item] = SLURM_GROUP if "slurm_env" in names else item.path.name
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    # Longest first, so that the two workers end together (`--no-loadscope-reorder` keeps this order): the Slurm
+    # group, then the files that hold real work, then the rest. Stable: a file's tests stay together and in order.
+    real_groups = {groups[item] for item in items if item.get_closest_marker("real")}
+    items.sort(key=lambda item: (groups[item] != SLURM_GROUP, groups[item] not in real_groups))
+
+
+def once_across_workers(tmp_path_factory, name: str, make):
+    """`make()`'s result (JSON), made by whichever xdist worker asks first and read by the other: a session fixture
+    is per worker, and this one's real work is worth sharing. Without xdist: simply `make()`."""
+    import json
+
+    from filelock import FileLock
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make()
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, common to its workers
+    done = shared / f"{name}.json"
+    with FileLock(shared / f"{name}.lock"):
+        if not done.exists():
+            done.write_text(json.dumps(make()))
+        return json.loads(done.read_text())
 
 
 @pytest.fixture(scope="session")
@@ -63,15 +95,19 @@ def slurm_env():
 
 
 @pytest.fixture(scope="session")
-def postgres_url():
+def postgres_url(tmp_path_factory):
     """A real PostgreSQL server on this machine (launchers/local_postgres/up.sh: idempotent): its storage URL.
-    A server that does not come up fails these tests, as the Slurm cluster does."""
+    A server that does not come up fails these tests, as the Slurm cluster does. Started by one xdist worker only
+    (two up.sh at once would race to create the cluster)."""
     import subprocess
 
-    up = subprocess.run(["bash", str(REPO / "launchers" / "local_postgres" / "up.sh")], capture_output=True, text=True, timeout=600)
-    if up.returncode != 0:
-        pytest.fail(f"the local PostgreSQL server did not start (up.sh exit {up.returncode}):\n{up.stdout[-2000:]}{up.stderr[-2000:]}")
-    return up.stdout.strip().splitlines()[-1]
+    def start() -> str:
+        up = subprocess.run(["bash", str(REPO / "launchers" / "local_postgres" / "up.sh")], capture_output=True, text=True, timeout=600)
+        if up.returncode != 0:
+            pytest.fail(f"the local PostgreSQL server did not start (up.sh exit {up.returncode}):\n{up.stdout[-2000:]}{up.stderr[-2000:]}")
+        return up.stdout.strip().splitlines()[-1]
+
+    return once_across_workers(tmp_path_factory, "postgres_url", start)
 
 
 @pytest.fixture(autouse=True)
@@ -89,9 +125,17 @@ def cosine_trunk(ray_address, tmp_path_factory):
     (its run dir, the finished process). It is test_branch_ray's trunk, test_resume's uninterrupted run and
     checkpoints (copied before use), test_train_e2e's CLI run with a quiet terminal, and the one-node run
     test_sweeps' multinode recipe is compared with."""
+    import subprocess
+    from pathlib import Path
+
     from helpers import run_cli
 
-    run_dir = tmp_path_factory.mktemp("cosine_trunk")
-    result = run_cli(*COSINE_TRUNK, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address})
+    def train() -> dict:
+        run_dir = tmp_path_factory.mktemp("cosine_trunk")
+        result = run_cli(*COSINE_TRUNK, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address})
+        return {"run_dir": str(run_dir), "args": result.args, "returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
+
+    run = once_across_workers(tmp_path_factory, "cosine_trunk", train)  # one run for both xdist workers
+    result = subprocess.CompletedProcess(run["args"], run["returncode"], run["stdout"], run["stderr"])
     assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir, result
+    return Path(run["run_dir"]), result
