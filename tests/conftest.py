@@ -1,5 +1,6 @@
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,27 +26,69 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "real: starts real work (verl's workers on Ray, the local Slurm cluster, PostgreSQL); `make test-fast` skips it"
     )
+    if config.getoption("dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):  # the controller
+        import tempfile
+
+        groups_dir = tempfile.mkdtemp(prefix="tinker_exp-test-groups-")
+        os.environ[GROUPS_FILE_ENV] = str(Path(groups_dir) / "groups.json")  # inherited by the workers it starts
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and GROUPS_FILE_ENV in os.environ:
+        import shutil
+
+        shutil.rmtree(Path(os.environ.pop(GROUPS_FILE_ENV)).parent, ignore_errors=True)
 
 
 SLURM_GROUP = "slurm"
-"""`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`): each xdist_group runs whole on one of them.
-Every test that uses the local Slurm cluster is in this one group, so Slurm tests never overlap (they share 2 nodes,
-and some assert what the queue holds); every other test is in its file's group, so a module fixture is built once."""
+GROUPS_FILE_ENV = "TINKER_EXP_TEST_GROUPS"
+"""`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`), each group of tests whole on one of them:
+every test that uses the local Slurm cluster in one group, so Slurm tests never overlap (they share 2 nodes, and some
+assert what the queue holds); every other test in its file's group, so a module fixture is built once. xdist's own
+loadgroup (xdist_group marks) does not group under pytest 9.2 (nodeids are no longer xdist's to suffix): the workers
+write each test's group to this file (its path from the controller, in the environment) and `GroupScheduling`
+reads it."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    import json
+
     groups = {}
     for item in items:
         names = getattr(item, "fixturenames", ())
         if REAL_FIXTURES.intersection(names):
             item.add_marker(pytest.mark.real)
         groups[item] = SLURM_GROUP if "slurm_env" in names else item.path.name
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
     # Longest first, so that the two workers end together (`--no-loadscope-reorder` keeps this order): the Slurm
     # group, then the files that hold real work, then the rest. Stable: a file's tests stay together and in order.
     real_groups = {groups[item] for item in items if item.get_closest_marker("real")}
     items.sort(key=lambda item: (groups[item] != SLURM_GROUP, groups[item] not in real_groups))
+    if hasattr(config, "workerinput") and GROUPS_FILE_ENV in os.environ:  # both workers write the same: atomically
+        path = Path(os.environ[GROUPS_FILE_ENV])
+        written = path.with_name(f"{path.name}.{config.workerinput['workerid']}")
+        written.write_text(json.dumps({item.nodeid: groups[item] for item in items}))
+        written.replace(path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`: xdist's scope scheduling over the groups the workers wrote (GROUPS_FILE_ENV)."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    import json
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict | None = None
+
+        def _split_scope(self, nodeid: str) -> str:  # first called once every worker has collected
+            if self.groups is None:
+                self.groups = json.loads(Path(os.environ[GROUPS_FILE_ENV]).read_text())
+            return self.groups[nodeid]
+
+    return GroupScheduling(config, log)
 
 
 def once_across_workers(tmp_path_factory, name: str, make):
@@ -126,7 +169,6 @@ def cosine_trunk(ray_address, tmp_path_factory):
     checkpoints (copied before use), test_train_e2e's CLI run with a quiet terminal, and the one-node run
     test_sweeps' multinode recipe is compared with."""
     import subprocess
-    from pathlib import Path
 
     from helpers import run_cli
 
