@@ -234,6 +234,8 @@ def test_differing_names_each_key_and_skips_keys_the_schema_gained_since():
 def test_the_wsd_branch_preset_composes_each_branch_and_needs_a_trunk(trunk, tmp_path):
     cfg = config.load(compose("branch_sweep=wsd_decay", f"branch.from={trunk}", "branch.step=12"))
     assert cfg.trainer.steps == 18 and cfg.override["lr"]["schedule"] == "wsd" and cfg.branch.step == 12
+    # its launcher: local processes (a real sweep of its branches runs on Slurm: test_branch_ray.py)
+    assert compose("branch_sweep=wsd_decay", with_hydra=True).hydra.launcher._target_.endswith("LocalSweepLauncher")
     result = run_cli("branch_sweep=wsd_decay", "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [

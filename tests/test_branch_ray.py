@@ -98,9 +98,7 @@ def branch_sweep(trunk: Path, sweep_dir: Path, env: dict, *launcher: str) -> Non
     assert sorted(ats) == [4, 8]
 
 
-def test_a_sweep_of_decay_branches_from_one_trunk(trunk, ray_address, tmp_path):
-    branch_sweep(trunk, tmp_path, {"RAY_ADDRESS": ray_address})  # the preset's local launcher
-
-
 def test_a_sweep_of_decay_branches_on_the_local_slurm_cluster(trunk, slurm_env, tmp_path):
+    """The one real branch sweep (it was run on the preset's local launcher too: the same jobs, which the local
+    launcher's own sweep tests cover; the preset's launcher is a compose test in test_branch.py)."""
     branch_sweep(trunk, tmp_path, slurm_env, "hydra/launcher=slurm_local")
