@@ -21,7 +21,7 @@ from tinker_exp.train.data import DataFileBatches, Row, eval_batches
 from tinker_exp.train.early_stop import EarlyStop
 from tinker_exp.train.evaluation import Evaluation
 from tinker_exp.train.judges import Judge
-from tinker_exp.train.objective import objective_metric
+from tinker_exp.train.objective import objective_metric, objective_sign
 from tinker_exp.train.protocols import BatchSource, Workers
 from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, StartingSink, WandbSink, wandb_environment
 from tinker_exp.train.start import StartPoint
@@ -75,6 +75,8 @@ def inputs(cfg: Config, rows: tuple[list[Row], list[Row]], start: StartPoint) ->
     if start.checkpoint is not None:
         check_checkpoint_device(start.checkpoint, choice.device)
     model_path = model_dir(cfg.model)  # on disk before any worker builds it
+    if cfg.env is not None:
+        return rl_inputs(cfg, choice, model_path)
     if cfg.lora.rank:
         from tinker_exp.runtime import lora
 
@@ -86,6 +88,38 @@ def inputs(cfg: Config, rows: tuple[list[Row], list[Row]], start: StartPoint) ->
         evaluation = Evaluation(eval_batches(val_set.examples, trainer.batch_size), trainer.eval_every, trainer.steps)
     batches = DataFileBatches(train_set.examples, trainer.batch_size, trainer.seed, data.shuffle)
     return Inputs(choice, model_path, batches, evaluation)
+
+
+def rl_inputs(cfg: Config, choice: Any, model_path: Path) -> Inputs:
+    """An RL run's batch source and evaluation: the env's prompts (in the model's chat template), its reward, the
+    driver's sampler (its weights come from the workers once they run: `attach`)."""
+    from tinker_exp.rl.placeholder import grpo, load_reward, prompt_rows
+    from tinker_exp.runtime.sampler import HFSampler
+    from tinker_exp.train.rl import Prompt, RLBatches, RLEvaluation, Weights
+
+    env, trainer = cfg.env, cfg.trainer
+    sampler = HFSampler(model_path, trainer.seed)
+    weights = Weights(sampler)
+    reward = load_reward(env.reward)
+
+    def prompts(path: str, key: str) -> list[Prompt]:
+        return [Prompt(row, sampler.prompt_ids(row["prompt"])) for row in prompt_rows(path, key)]
+
+    batches = RLBatches(prompts(env.prompts, "env.prompts"), weights, reward, grpo, cfg.rl, env.max_new_tokens, trainer.seed)
+    evaluation = None
+    if env.eval_prompts is not None:
+        evaluation = RLEvaluation(prompts(env.eval_prompts, "env.eval_prompts"), weights, reward, cfg.rl,
+                                  env.max_new_tokens, trainer.eval_every, trainer.steps, trainer.seed + 1)  # fmt: skip
+    log.info(f"RL: env {env.name}, {len(batches.prompts)} prompts, {cfg.rl.prompts_per_step} x {cfg.rl.group_size} samples a step, loss {cfg.loss.name}")
+    return Inputs(choice, model_path, batches, evaluation)
+
+
+def attach(given: Inputs, running: Workers, into: Sinks) -> None:
+    """Once the workers run: an RL source samples from the weights they export; its evaluation's table goes to W&B."""
+    if hasattr(given.batches, "attach"):
+        given.batches.attach(running.export_weights)
+    if hasattr(given.evaluation, "sink"):
+        given.evaluation.sink = into
 
 
 def sinks(cfg: Config, run_dir: Path, first_step: int) -> Sinks:
@@ -102,10 +136,15 @@ def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choic
     from tinker_exp.runtime.worker_output import WorkerOutput
     from tinker_exp.runtime.workers import TinkerWorkers
 
-    return TinkerWorkers(
+    arguments = (
         cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values,
         choice or resolve(cfg.backend), WorkerOutput(run_dir / WORKERS_LOG, echo=cfg.verbose), cfg.lora,
     )  # fmt: skip
+    if cfg.env is not None:
+        from tinker_exp.runtime.rl_workers import RLWorkers, placeholder_loss_fn
+
+        return RLWorkers(*arguments, loss_fn=placeholder_loss_fn(cfg.loss, cfg.rl), rl=cfg.rl)
+    return TinkerWorkers(*arguments)
 
 
 def workers(cfg: Config, plan: Plan, given: Inputs, run_dir: Path, start_workers: StartWorkers | None) -> Workers:
@@ -136,4 +175,4 @@ def checkpointer(cfg: Config, run_dir: Path, running: Workers, start: StartPoint
     run_state = {"seed": cfg.trainer.seed, "device": device}  # in every checkpoint's loop.json
     if start.lineage:
         run_state["branch"] = start.lineage  # a resumed branch still knows where it came from
-    return Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, cfg.trainer.steps, running, run_state, objective_metric(cfg))
+    return Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, cfg.trainer.steps, running, run_state, objective_metric(cfg), objective_sign(cfg))

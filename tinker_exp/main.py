@@ -96,7 +96,7 @@ def run(
     `start_workers`: None for verl's workers on Ray (tests pass a fake for bookkeeping checks)."""
     cfg = config.load(dcfg)
     plan = validate(cfg)
-    rows = checked_rows(cfg)
+    rows = checked_rows(cfg) if cfg.env is None else ([], [])  # an env's prompts replace the data set
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     start = start_point(cfg, resolved, run_dir)  # resume or branch: checked against its config, before any worker
     write_hydra_files(run_dir, hydra_files or {})  # accepted: from here on the run dir records this command
@@ -163,6 +163,7 @@ def train_run(
         workers = assemble.workers(cfg, plan, given, run_dir, start_workers)
         assemble.start_wandb(sinks, cfg, plan, run_dir, wandb_config)  # beside the workers' start
         workers.ready()
+        assemble.attach(given, workers, sinks)
         checkpointer = assemble.checkpointer(cfg, run_dir, workers, start, given.choice.device)
         last = train(cfg.trainer, plan, workers, given.batches, sinks, checkpointer, start, given.evaluation, judges)
         if cfg.lora.rank:

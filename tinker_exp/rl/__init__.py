@@ -1,0 +1,1 @@
+"""RL environments: prompt rows, rewards, advantages. Pure Python (no torch)."""
