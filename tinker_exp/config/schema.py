@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional, Tuple
 
+from tinker_exp.config.rl import EnvConfig, LossConfig, RLConfig
 from tinker_exp.errors import ConfigError
 
 SCHEMA_NAME = "tinker_exp_schema"
@@ -407,6 +408,13 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """RL: prompts and a reward (env=NAME from conf/env/, or env.prompts + env.reward); none: supervised
+    fine-tuning on the data set."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """RL: group size, prompts per step, temperature, advantage, KL penalty (used only with an env)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The loss: cross_entropy (SFT) or an RL loss (loss=NAME from conf/loss/)."""
     resume: ResumeMode = ResumeMode.auto
     """Re-running in the same run dir continues from its newest checkpoint (auto), must (must) or must not (never)."""
     branch: Any = field(default_factory=lambda: {"from": None, "step": None})
