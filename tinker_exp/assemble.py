@@ -28,6 +28,7 @@ from tinker_exp.train.start import StartPoint
 
 if TYPE_CHECKING:
     from tinker_exp.optim import Plan
+    from tinker_exp.rl.env import Env
 
 WORKERS_LOG = "workers.log"
 """In the run dir: everything the workers print (verl, torch, Ray), complete."""
@@ -64,8 +65,9 @@ class Inputs:
     evaluation: Evaluation | None
 
 
-def inputs(cfg: Config, rows: tuple[list[Row], list[Row]], start: StartPoint) -> Inputs:
-    """Device, the start checkpoint's device, model, LoRA targets and tokenized data: a problem stops the run here."""
+def inputs(cfg: Config, rows: "tuple[list[Row], list[Row]] | Env", start: StartPoint) -> Inputs:
+    """Device, the start checkpoint's device, model, LoRA targets and tokenized data (an RL run: its env, `rows`):
+    a problem stops the run here."""
     from tinker_exp.runtime.device import resolve
     from tinker_exp.runtime.inputs import load_examples, model_dir
 
@@ -75,8 +77,8 @@ def inputs(cfg: Config, rows: tuple[list[Row], list[Row]], start: StartPoint) ->
     if start.checkpoint is not None:
         check_checkpoint_device(start.checkpoint, choice.device)
     model_path = model_dir(cfg.model)  # on disk before any worker builds it
-    if cfg.env is not None:
-        return rl_inputs(cfg, choice, model_path)
+    if cfg.env.active:
+        return rl_inputs(cfg, choice, model_path, rows)
     if cfg.lora.rank:
         from tinker_exp.runtime import lora
 
@@ -90,27 +92,29 @@ def inputs(cfg: Config, rows: tuple[list[Row], list[Row]], start: StartPoint) ->
     return Inputs(choice, model_path, batches, evaluation)
 
 
-def rl_inputs(cfg: Config, choice: Any, model_path: Path) -> Inputs:
+def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env) -> Inputs:
     """An RL run's batch source and evaluation: the env's prompts (in the model's chat template), its reward, the
     driver's sampler (its weights come from the workers once they run: `attach`)."""
-    from tinker_exp.rl.placeholder import grpo, load_reward, prompt_rows
+    from tinker_exp.rl.prompts import check_prompt_lengths
     from tinker_exp.runtime.sampler import HFSampler
     from tinker_exp.train.rl import Prompt, RLBatches, RLEvaluation, Weights
 
-    env, trainer = cfg.env, cfg.trainer
+    trainer = cfg.trainer
     sampler = HFSampler(model_path, trainer.seed)
     weights = Weights(sampler)
-    reward = load_reward(env.reward)
 
-    def prompts(path: str, key: str) -> list[Prompt]:
-        return [Prompt(row, sampler.prompt_ids(row["prompt"])) for row in prompt_rows(path, key)]
+    def prompts(rows: list) -> list[Prompt]:
+        ids = [sampler.prompt_ids(row.prompt) for row in rows]
+        check_prompt_lengths(rows, [len(i) for i in ids], cfg.env.max_new_tokens, sampler.positions)
+        return [Prompt(row, i) for row, i in zip(rows, ids)]
 
-    batches = RLBatches(prompts(env.prompts, "env.prompts"), weights, reward, grpo, cfg.rl, env.max_new_tokens, trainer.seed)
+    batches = RLBatches(prompts(env.train), weights, env.reward, cfg.rl, cfg.env.max_new_tokens, trainer.seed)
     evaluation = None
-    if env.eval_prompts is not None:
-        evaluation = RLEvaluation(prompts(env.eval_prompts, "env.eval_prompts"), weights, reward, cfg.rl,
-                                  env.max_new_tokens, trainer.eval_every, trainer.steps, trainer.seed + 1)  # fmt: skip
-    log.info(f"RL: env {env.name}, {len(batches.prompts)} prompts, {cfg.rl.prompts_per_step} x {cfg.rl.group_size} samples a step, loss {cfg.loss.name}")
+    if env.eval:
+        evaluation = RLEvaluation(prompts(env.eval), weights, env.reward, cfg.rl, cfg.env.max_new_tokens,
+                                  trainer.eval_every, trainer.steps, trainer.seed + 1)  # fmt: skip
+    rl = cfg.rl
+    log.info(f"RL: env {env.name}, {len(env.train)} prompts, {rl.prompts_per_step} x {rl.group_size} samples a step, loss {cfg.loss.name.value}")
     return Inputs(choice, model_path, batches, evaluation)
 
 
@@ -140,10 +144,11 @@ def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choic
         cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values,
         choice or resolve(cfg.backend), WorkerOutput(run_dir / WORKERS_LOG, echo=cfg.verbose), cfg.lora,
     )  # fmt: skip
-    if cfg.env is not None:
-        from tinker_exp.runtime.rl_workers import RLWorkers, placeholder_loss_fn
+    if cfg.env.active:
+        from tinker_exp.runtime.rl_losses import build_loss_fn
+        from tinker_exp.runtime.rl_workers import RLWorkers
 
-        return RLWorkers(*arguments, loss_fn=placeholder_loss_fn(cfg.loss, cfg.rl), rl=cfg.rl)
+        return RLWorkers(*arguments, loss_fn=build_loss_fn(cfg.loss.name.value, cfg.loss.params), rl=cfg.rl)
     return TinkerWorkers(*arguments)
 
 

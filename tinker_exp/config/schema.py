@@ -410,13 +410,13 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    env: Optional[EnvConfig] = None
-    """RL: the prompts and reward (env=digits, or your own); None: supervised fine-tuning on `data`. With an env
-    selected, its prompts replace the data set."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """RL: prompts and a reward (env=NAME from conf/env/, or env.prompts + env.reward); none: supervised
+    fine-tuning on the data set."""
     rl: RLConfig = field(default_factory=RLConfig)
-    """RL sampling and advantages (group size, prompts per step, temperature); read only with an env."""
+    """RL: group size, prompts per step, temperature, advantage, KL penalty (used only with an env)."""
     loss: LossConfig = field(default_factory=LossConfig)
-    """The loss forward_backward runs: cross_entropy (SFT) or an RL loss by Tinker's name."""
+    """The loss: cross_entropy (SFT) or an RL loss (loss=NAME from conf/loss/)."""
     resume: ResumeMode = ResumeMode.auto
     """Re-running in the same run dir continues from its newest checkpoint (auto), must (must) or must not (never)."""
     branch: Any = field(default_factory=lambda: {"from": None, "step": None})

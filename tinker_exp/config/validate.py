@@ -111,10 +111,15 @@ def check(cfg: Config) -> None:
     backend, batch = cfg.backend, cfg.trainer.batch_size
     workers = backend.num_workers * backend.nodes
     over = f"backend.num_workers={backend.num_workers}" + (f" x backend.nodes={backend.nodes}" if backend.nodes > 1 else "")
-    if cfg.env is None and (batch % workers or (batch // workers) % backend.micro_batch_size):
+    if not cfg.env.active and (batch % workers or (batch // workers) % backend.micro_batch_size):
         raise ConfigError(
             f"trainer.batch_size={batch} must split evenly over {over} "
             f"into micro batches of backend.micro_batch_size={backend.micro_batch_size}"
+        )
+    if cfg.env.active and cfg.lora.rank > 0:
+        raise ConfigError(
+            f"lora.rank={cfg.lora.rank}: RL with LoRA is not supported yet (the driver's sampler loads the full "
+            "weights the workers export, and with LoRA they export the adapters only): use lora=none with an env"
         )
     if cfg.optimizer.name.value == "Muon" and cfg.lora.rank > 0:
         raise ConfigError(

@@ -28,8 +28,13 @@ from tinker_exp.train.protocols import StepResult
 
 ROLE = "actor"
 """The worker's role: the actor alone (verl 0.9.1 cannot build its rollouts on CPU; the driver samples)."""
-LOSS_METRICS = {"actor/pg_loss": "train/pg_loss", "actor/pg_clipfrac": "train/clip_fraction", "actor/ppo_kl": "train/ppo_kl"}
-"""verl's loss metrics -> the row's names."""
+LOSS_METRICS = {
+    "actor/pg_loss": "train/pg_loss",
+    "actor/pg_clipfrac": "train/clip_fraction",  # ppo, cispo only
+    "actor/ppo_kl": "train/ppo_kl",
+    "actor/abs_log_ratio": "train/mismatch",  # mean |log p_trainer - log p_sampler| over the response tokens
+}
+"""The RL loss's metrics (runtime/rl_losses.py) -> the row's names."""
 
 
 def _rl_worker_class():
@@ -203,37 +208,10 @@ class RLWorkers(TinkerWorkers):
         )
 
 
+
 def loss_metrics(output: Any) -> dict[str, float]:
-    """The loss's own metrics (verl's Metric lists, one per micro batch and rank) as the row's floats."""
-    from verl.utils.metric.utils import Metric
+    """The loss's own metrics (runtime/rl_losses.py), reduced over micro batches and ranks, under the row's names."""
+    from tinker_exp.runtime.rl_losses import batch_metrics
 
-    metrics = output["metrics"] if isinstance(output, dict) else output.get_non_tensor("metrics")
-    row = {}
-    for key, value in metrics.items():
-        name = LOSS_METRICS.get(key, f"train/{key.split('/')[-1]}" if key.startswith(("actor/", "rl/")) else None)
-        if name is None:
-            continue
-        if isinstance(value, list) and value and isinstance(value[0], Metric):
-            row[name] = float(Metric.aggregate_dp(value))
-        elif isinstance(value, Metric):
-            row[name] = float(value.aggregate())
-        elif isinstance(value, list) and value:
-            row[name] = float(sum(value) / len(value))
-        elif isinstance(value, (int, float)):
-            row[name] = float(value)
-    return row
-
-
-def placeholder_loss_fn(loss: Any, rl: Any):
-    """PLACEHOLDER until rl-losses' build_loss_fn lands: verl's ppo_loss (vanilla PPO clip), token-mean."""
-    from functools import partial
-
-    from verl.workers.config import ActorConfig, PolicyLossConfig
-    from verl.workers.utils.losses import ppo_loss
-
-    actor = ActorConfig(
-        strategy="fsdp2", rollout_n=rl.group_size, ppo_mini_batch_size=rl.prompts_per_step * rl.group_size,
-        ppo_micro_batch_size_per_gpu=1, policy_loss=PolicyLossConfig(loss_mode="vanilla"), loss_agg_mode="token-mean",
-        clip_ratio_low=0.2, clip_ratio_high=0.2, entropy_coeff=0.0, use_kl_loss=False,
-    )  # fmt: skip
-    return partial(ppo_loss, config=actor)
+    metrics = batch_metrics(output["metrics"] if isinstance(output, dict) else output.get_non_tensor("metrics"))
+    return {name: metrics[key] for key, name in LOSS_METRICS.items() if key in metrics}

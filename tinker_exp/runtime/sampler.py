@@ -44,7 +44,8 @@ class HFSampler:
         self._rng = torch.Generator().manual_seed(seed).get_state()
         self.stop_ids = sorted({i for i in (self.tokenizer.eos_token_id, self._im_end()) if i is not None})
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
-        self.load_time_s = 0.0
+        self.positions = self.model.config.max_position_embeddings
+        """The longest sequence the model takes: prompt + max new tokens must fit."""
 
     def _im_end(self) -> int | None:
         token = self.tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -16,13 +16,13 @@ OBJECTIVE_FILE = "objective.json"  # written by a run that completed: what it re
 TRAIN_METRICS = ("train/loss", "train/grad_norm", "train/nonfinite_steps", "perf/step_time_s", "perf/tokens_per_s")
 VAL_METRICS = ("val/loss", "val/tokens", "perf/eval_time_s")
 RL_TRAIN_METRICS = ("train/reward", "train/reward_std", "train/degenerate_groups", "train/response_length",
-                    "train/pg_loss", "train/ppo_kl", "train/clip_fraction")  # fmt: skip
+                    "train/pg_loss", "train/ppo_kl", "train/mismatch", "train/clip_fraction")  # fmt: skip
 RL_EVAL_METRICS = ("eval/reward", "eval/reward_std", "perf/eval_time_s")
 
 
 def has_validation(cfg: Config) -> bool:
     """Whether the run evaluates: held-out rows (SFT) or held-out prompts (RL, env.eval_prompts)."""
-    if cfg.env is not None:
+    if cfg.env.active:
         return cfg.env.eval_prompts is not None
     return cfg.data.val_path is not None or cfg.data.val_fraction is not None
 
@@ -30,7 +30,7 @@ def has_validation(cfg: Config) -> bool:
 def objective_metric(cfg: Config) -> str:
     """trainer.objective, checked against what the run logs; by default val/loss (train/loss without validation),
     for RL eval/reward (train/reward without held-out prompts)."""
-    rl = cfg.env is not None
+    rl = cfg.env.active
     logged = TRAIN_METRICS + (RL_TRAIN_METRICS if rl else ()) + (((RL_EVAL_METRICS if rl else VAL_METRICS)) if has_validation(cfg) else ())
     metric = cfg.trainer.objective or (
         ("eval/reward" if has_validation(cfg) else "train/reward") if rl else ("val/loss" if has_validation(cfg) else "train/loss")

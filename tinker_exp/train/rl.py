@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from tinker_exp.rl.advantages import group_advantages
+from tinker_exp.rl.prompts import PromptRow
 from tinker_exp.train.protocols import Batch
 
 
@@ -63,16 +65,15 @@ class Sampler(Protocol):
         ...
 
 
-Reward = Callable[[Mapping[str, Any], str], float]
-"""(prompt row, response text) -> reward."""
-Advantages = Callable[[list[float], int], tuple[list[float], int]]
-"""(rewards in groups of group_size, group_size) -> (one advantage per reward, how many groups are degenerate)."""
+Reward = Callable[[PromptRow, str], float]
+"""(prompt row, response text) -> reward (tinker_exp.rl.rewards.Reward: a failure is a RewardError)."""
 
 
 @dataclass(frozen=True)
 class Prompt:
-    row: Mapping[str, Any]
+    row: PromptRow
     ids: list[int]
+    """The row's prompt as one user turn in the model's chat template."""
 
 
 class Weights:
@@ -99,26 +100,28 @@ class Weights:
 
 
 def sample_groups(
-    weights: Weights, prompts: Sequence[Prompt], reward: Reward, advantages: Advantages, rl: Any, max_new_tokens: int,
+    weights: Weights, prompts: Sequence[Prompt], reward: Reward, rl: Any, max_new_tokens: int,
 ) -> tuple[list[Rollout], list[Any], dict[str, Any]]:  # fmt: skip
-    """Each prompt sampled rl.group_size times, rewarded, advantaged; the rollouts, the samples and the measures."""
+    """Each prompt sampled rl.group_size times, rewarded, advantaged (rl.advantage within each group); the
+    rollouts, the (prompt, sample) pairs and what was measured."""
     start = time.perf_counter()
     samples, rewards = [], []
     for prompt in prompts:
         group = weights.sampler.sample(prompt.ids, rl.group_size, max_new_tokens, rl.temperature)
         samples += [(prompt, s) for s in group]
         rewards += [float(reward(prompt.row, s.text)) for s in group]
-    values, degenerate = advantages(rewards, rl.group_size)
+    advantages = group_advantages(rewards, rl.group_size, rl.advantage)
     rollouts = [
         Rollout(prompt.ids, list(s.response_ids), list(s.log_probs), advantage, r)
-        for (prompt, s), advantage, r in zip(samples, values, rewards)
+        for (prompt, s), advantage, r in zip(samples, advantages.advantages, rewards)
     ]
     mean = sum(rewards) / len(rewards)
     lengths = [len(r.response_ids) for r in rollouts]
     measured = {
         "reward": mean,
         "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
-        "degenerate_groups": degenerate,
+        "degenerate_groups": len(advantages.degenerate),
+        "all_degenerate": advantages.all_degenerate,
         "response_length": sum(lengths) / len(lengths),
         "sampling_s": time.perf_counter() - start,
     }
@@ -128,9 +131,8 @@ def sample_groups(
 class RLBatches:
     """The BatchSource of an RL run (train/protocols.py)."""
 
-    def __init__(self, prompts: Sequence[Prompt], weights: Weights, reward: Reward, advantages: Advantages, rl: Any,
-                 max_new_tokens: int, seed: int):  # fmt: skip
-        self.prompts, self.weights, self.reward, self.advantages = list(prompts), weights, reward, advantages
+    def __init__(self, prompts: Sequence[Prompt], weights: Weights, reward: Reward, rl: Any, max_new_tokens: int, seed: int):
+        self.prompts, self.weights, self.reward = list(prompts), weights, reward
         self.rl, self.max_new_tokens, self.seed = rl, max_new_tokens, seed
         self.cursor = 0
         """How many prompts the run has taken so far."""
@@ -149,12 +151,12 @@ class RLBatches:
         self.weights.refresh(step)
         prompts = [self._prompt(self.cursor + i) for i in range(self.rl.prompts_per_step)]
         self.cursor += len(prompts)
-        rollouts, _, measured = sample_groups(self.weights, prompts, self.reward, self.advantages, self.rl, self.max_new_tokens)
+        rollouts, _, measured = sample_groups(self.weights, prompts, self.reward, self.rl, self.max_new_tokens)
         row = {
             "train/reward": measured["reward"],
             "train/reward_std": measured["reward_std"],
             "train/degenerate_groups": measured["degenerate_groups"],
-            "train/zero_advantage_step": int(measured["degenerate_groups"] == len(prompts)),
+            "train/zero_advantage_step": int(measured["all_degenerate"]),
             "train/response_length": measured["response_length"],
             "perf/sampling_s": measured["sampling_s"],
             "perf/weight_export_s": self.weights.export_time_s,
@@ -195,12 +197,11 @@ class RLEvaluation:
         training_rng = sampler.rng_state()
         sampler.set_rng_state(sampler.state_for(self.seed))
         try:
-            zero = lambda rewards, group_size: ([0.0] * len(rewards), 0)  # noqa: E731  (no advantages needed)
-            _, samples, measured = sample_groups(self.weights, self.prompts, self.reward, zero, self.rl, self.max_new_tokens)
+            rollouts, samples, measured = sample_groups(self.weights, self.prompts, self.reward, self.rl, self.max_new_tokens)
         finally:
             sampler.set_rng_state(training_rng)
-        rewards = [float(self.reward(p.row, s.text)) for p, s in samples[: self.TABLE_ROWS]]
-        self.table += [[steps_done, str(p.row.get("prompt", p.row)), s.text, r] for (p, s), r in zip(samples, rewards)]
+        shown = zip(samples[: self.TABLE_ROWS], rollouts)
+        self.table += [[steps_done, prompt.row.prompt, sample.text, rollout.reward] for (prompt, sample), rollout in shown]
         if self.sink is not None:
             self.sink.attach_table("eval/samples", ["step", "prompt", "response", "reward"], self.table)
         return {"eval/reward": measured["reward"], "eval/reward_std": measured["reward_std"],
