@@ -12,6 +12,7 @@ tensors verl's `update_weights` would push into a rollout (`export_weights`).
 
 from __future__ import annotations
 
+import logging
 import time
 from importlib.resources import files
 from typing import Any, Sequence
@@ -25,6 +26,8 @@ from tinker_exp.runtime.workers import (
     worker_config,
 )
 from tinker_exp.train.protocols import StepResult
+
+log = logging.getLogger(__name__)
 
 ROLE = "actor"
 """The worker's role: the actor alone (verl 0.9.1 cannot build its rollouts on CPU; the driver samples)."""
@@ -76,6 +79,13 @@ def _rl_worker_class():
         def optimizer_step(self, optim_step_params=None) -> dict:
             metrics = TinkerActorRolloutRefWorker.optimizer_step(self, optim_step_params=optim_step_params)
             return {**metrics, "param_groups": param_group_values(self.actor.engine)}
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def installed(self) -> str:
+            """What this rank runs: its worker class, role and the loss forward_backward calls."""
+            fn = self.actor.loss_fn
+            name = getattr(fn, "keywords", {}).get("loss") or getattr(getattr(fn, "func", fn), "__name__", repr(fn))
+            return f"{TinkerActorRolloutRefWorker.__name__} (role {self.role}), loss {name}"
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def export_weights(self) -> dict[str, Any] | None:
@@ -144,6 +154,10 @@ class RLWorkers(TinkerWorkers):
             *self.group.execute_all_async("init_model"),
             *self.group.execute_all_async("set_loss_fn", self.loss_fn),  # after verl's own ppo_loss: ours wins
         ]
+
+    def ready(self) -> None:
+        super().ready()
+        log.info(f"workers: {self.group.installed()[0]}")
 
     def export_weights(self) -> dict[str, Any]:
         """The full model's tensors by name, gathered from every rank (rank 0's copy)."""
