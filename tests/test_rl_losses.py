@@ -171,6 +171,12 @@ def test_metrics_reduce_to_token_weighted_batch_figures(name):
     assert {"ppo": 3, "cispo": 6}.get(name, 0) == round(reduced.get(rl_losses.CLIP_FRACTION, 0.0) * N_TOKENS)
 
 
+def test_batch_metrics_reduces_the_engines_plain_numbers_to_their_mean():
+    # beside the loss's Metrics the engine reports plain numbers: one per rank, or per micro batch per rank
+    reduced = rl_losses.batch_metrics({"loss": 4.5, "per_rank": [[1.0, 2.0], [6.0]], "name": "x", "none": None})
+    assert reduced == {"loss": 4.5, "per_rank": 3.0}
+
+
 def test_loss_fn_survives_pickling():
     # Ray ships the loss to every worker: the partial of a module-level function pickles and computes the same.
     fn = rl_losses.build_loss_fn("ppo", PARAMS["ppo"])
@@ -185,10 +191,8 @@ def test_build_loss_fn_refuses_unknown_names_and_parameters():
         rl_losses.build_loss_fn("cross_entropy", {})
     with pytest.raises(ValueError, match=r"takes parameters \['clip_high_threshold', 'clip_low_threshold'\], got \['beta'\]"):
         rl_losses.build_loss_fn("ppo", {"beta": 0.1})
-    with pytest.raises(ValueError, match="clip_low_threshold <= clip_high_threshold"):
-        rl_losses.build_loss_fn("cispo", {"clip_low_threshold": 1.5, "clip_high_threshold": 1.2})
-    with pytest.raises(ValueError, match="beta must be >= 0"):
-        rl_losses.build_loss_fn("dro", {"beta": -0.1})
+    with pytest.raises(ValueError, match=r"takes parameters \['beta'\], got \[\]"):
+        rl_losses.build_loss_fn("dro", {})
 
 
 def test_loss_mask_must_be_the_response_mask():

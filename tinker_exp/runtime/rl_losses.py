@@ -114,27 +114,27 @@ def tinker_rl_loss(model_output, data, dp_group=None, *, loss: str, **params):
 def build_loss_fn(name: str, params: dict[str, Any]) -> Callable:
     """The loss function for ``set_loss_fn``: a picklable partial of ``tinker_rl_loss`` with this loss's parameters.
 
-    `params` holds exactly the loss's parameters (LOSS_PARAMS[name]); values are checked here only for what would
-    make the formula meaningless (the config checks the user's values first and names the key as typed).
+    `params` holds exactly the loss's parameters (LOSS_PARAMS[name]); their values are the config's to check (it
+    names the key as typed), so they are taken as they are.
     """
     if name not in LOSS_PARAMS:
         raise ValueError(f"unknown RL loss {name!r}: one of {', '.join(LOSS_PARAMS)}")
     expected, given = set(LOSS_PARAMS[name]), set(params)
     if expected != given:
         raise ValueError(f"loss {name!r} takes parameters {sorted(expected)}, got {sorted(given)}")
-    values = {key: float(value) for key, value in params.items()}
-    if "clip_low_threshold" in values and not 0.0 <= values["clip_low_threshold"] <= values["clip_high_threshold"]:
-        raise ValueError(f"loss {name!r}: need 0 <= clip_low_threshold <= clip_high_threshold, got {values}")
-    if "beta" in values and not values["beta"] >= 0.0:
-        raise ValueError(f"loss {name!r}: beta must be >= 0, got {values['beta']}")
-    return partial(tinker_rl_loss, loss=name, **values)
+    return partial(tinker_rl_loss, loss=name, **{key: float(value) for key, value in params.items()})
 
 
 def batch_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """The worker's ``forward_backward`` metrics reduced to floats as verl reduces them: a list of per-rank
     ``Metric``s through ``Metric.aggregate_dp`` (sum over micro batches, mean over ranks), a single ``Metric``
-    through ``aggregate``, a list of numbers to its mean; anything else (a number) as it is."""
+    through ``aggregate``, (nested) lists of numbers to their mean, a number as it is; anything else is left out."""
     from verl.utils.metric import Metric
+
+    def numbers(value) -> list[float]:  # a plain metric: a number, or lists of them (per micro batch, per rank)
+        if isinstance(value, list):
+            return [n for v in value for n in numbers(v)]
+        return [float(value)] if isinstance(value, (int, float)) else []
 
     out = {}
     for key, value in metrics.items():
@@ -142,8 +142,6 @@ def batch_metrics(metrics: dict[str, Any]) -> dict[str, float]:
             out[key] = float(Metric.aggregate_dp(value))
         elif isinstance(value, Metric):
             out[key] = float(value.aggregate())
-        elif isinstance(value, list) and value:
-            out[key] = float(sum(value) / len(value))
-        elif isinstance(value, (int, float)):
-            out[key] = float(value)
+        elif values := numbers(value):
+            out[key] = sum(values) / len(values)
     return out
