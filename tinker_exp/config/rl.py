@@ -106,7 +106,8 @@ class EnvConfig:
     """Held-out prompt rows (the same form) scored at each evaluation (eval/reward); null: no evaluation."""
     reward: Optional[str] = None
     """"package.module:function": called as function(row, response) -> a finite number, with the prompt row (a
-    dict) and the sampled response text; the module must be importable where the run starts."""
+    dict) and the sampled response's text (decoded without special tokens: no end-of-turn marker); the module must
+    be importable where the run starts."""
     max_new_tokens: int = 8
     """Most tokens sampled per response (a response also ends at the tokenizer's end-of-turn or eos token)."""
 

@@ -17,10 +17,12 @@ def digit_share(row: dict[str, Any], response: str) -> float:
 
     A toy task a randomly initialised model learns on CPU in about 40 steps. On the tiny model's tokenizer (byte-level
     BPE, 384 tokens) ten tokens are single digits and six are a space and a digit; a random policy's responses are
-    about 2% digits. Counted in characters rather than tokens (the reward sees text, not token ids): a space-digit
-    token earns half, a long word token costs as much as its length, so the signal is dense and graded, and an
-    all-digit response scores 1 whatever its length. The shortcut of ending early is no better than a digit, so the
-    policy learns digits (measured: docs/rl.md)."""
+    about 4% digits. Counted in characters, not tokens, because a reward sees text: a space-digit token earns half, a
+    long word token costs as much as its length, so the signal is graded; an all-digit response scores 1 whatever
+    its length. Measured with the spike's loop (GRPO, 4 prompts x 8 samples, 8 new tokens, lr_cosine): mean reward
+    of the first 5 steps 0.040, of the last 5 steps 0.999 at lr 1e-2 (full-length all-digit responses, not the
+    shortcut of stopping after one digit), but 0.038 -> 0.056 at the optimizer's default 1e-3, so conf/env/digits.yaml
+    sets lr 1e-2."""
     if not response:
         return 0.0
     return sum(char in DIGITS for char in response) / len(response)

@@ -23,8 +23,12 @@ SHOWN_CHARS = 40
 """How much of a response or an error message a one-line error shows."""
 
 
-def _short(text: str) -> str:
-    return repr(text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "...")
+def _shown(value: Any) -> str:
+    """repr(value), a long string cut to its first SHOWN_CHARS characters."""
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:
+        return repr(value[:SHOWN_CHARS] + "...")
+    shown = repr(value)
+    return shown if len(shown) <= SHOWN_CHARS else shown[:SHOWN_CHARS] + "..."
 
 
 def _first_line(error: BaseException) -> str:
@@ -45,15 +49,15 @@ class Reward:
         try:
             value = self.fn(row.record(), response)
         except Exception as e:  # the user's code: any failure is theirs to see in one line
-            raise RewardError(f"{at}: raised {_first_line(e)} on {row.where} (response {_short(response)})") from None
+            raise RewardError(f"{at}: raised {_first_line(e)} on {row.where} (response {_shown(response)})") from None
         if not isinstance(value, numbers.Real):
             raise RewardError(
-                f"{at}: returned {_short(repr(value))} ({type(value).__name__}), not a number, on {row.where} "
-                f"(response {_short(response)})"
+                f"{at}: returned {_shown(value)} ({type(value).__name__}), not a number, on {row.where} "
+                f"(response {_shown(response)})"
             )
         value = float(value)
         if not math.isfinite(value):
-            raise RewardError(f"{at}: returned {value}, not a finite number, on {row.where} (response {_short(response)})")
+            raise RewardError(f"{at}: returned {value}, not a finite number, on {row.where} (response {_shown(response)})")
         return value
 
 
