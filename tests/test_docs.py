@@ -193,7 +193,7 @@ def test_the_rl_docs_own_reward_is_accepted_as_written(tmp_path: Path):
     rl_doc = REPO / "docs" / "rl.md"
     (tmp_path / "rows.jsonl").write_text("\n".join(code_block(rl_doc, '"Name a prime number below 20."')) + "\n")
     (tmp_path / "my_rewards.py").write_text("\n".join(code_block(rl_doc, "def named_a_prime(")) + "\n")
-    command = code_block(rl_doc, "env.reward=my_rewards:named_a_prime")
+    command = code_block(rl_doc, "python -m tinker_exp env.prompts=rows.jsonl env.reward=my_rewards:named_a_prime")
     done = run_shell(command, tmp_path, extra=" dry_run=true")
     assert done.returncode == 0, done.stderr
     [run_dir] = run_dirs(tmp_path)

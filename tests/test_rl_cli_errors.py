@@ -4,6 +4,8 @@ would make is not tested here)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from helpers import run_main
@@ -41,9 +43,9 @@ REFUSED = [
     ([*RL, "env.reward=nosuch.mod:f"], "config error: env.reward: cannot import 'nosuch.mod' (ModuleNotFoundError: No module "
      "named 'nosuch'); the module must be importable where the run starts (a file in the current directory or an "
      "installed package)"),
-    ([*RL, "env.reward=my_rewards:boom"], f"reward error: env.reward=my_rewards:boom: raised ValueError: no on env.prompts: {{repo}}/{DIGITS} (response '')"),
-    ([*RL, "env.reward=my_rewards:text"], f"reward error: env.reward=my_rewards:text: returned \"'x'\" (str), not a number, on env.prompts: {{repo}}/{DIGITS} (response '')"),
-    ([*RL, "env.reward=my_rewards:nan"], f"reward error: env.reward=my_rewards:nan: returned nan, not a finite number, on env.prompts: {{repo}}/{DIGITS} (response '')"),
+    ([*RL, "env.reward=cli_error_rewards:boom"], f"reward error: env.reward=cli_error_rewards:boom: raised ValueError: no on env.prompts: {{repo}}/{DIGITS} (response '')"),
+    ([*RL, "env.reward=cli_error_rewards:text"], f"reward error: env.reward=cli_error_rewards:text: returned 'x' (str), not a number, on env.prompts: {{repo}}/{DIGITS} (response '')"),
+    ([*RL, "env.reward=cli_error_rewards:nan"], f"reward error: env.reward=cli_error_rewards:nan: returned nan, not a finite number, on env.prompts: {{repo}}/{DIGITS} (response '')"),
     ([*RL, "env.prompts=bad.jsonl"], "config error: env.prompts: bad.jsonl:2: 'prompt' must be a non-empty string, got no such "
      "field (fields: ['question'])"),
 ]  # fmt: skip
@@ -53,7 +55,8 @@ REFUSED = [
 def test_a_bad_rl_input_is_one_line_exit_2_and_writes_nothing(monkeypatch, capsys, tmp_path, args, line):
     from helpers import REPO
 
-    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    (tmp_path / "cli_error_rewards.py").write_text(REWARDS)
+    monkeypatch.delitem(sys.modules, "cli_error_rewards", raising=False)  # imported from this test's dir
     (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"question": "x"}\n')
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
