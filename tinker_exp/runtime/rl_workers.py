@@ -55,9 +55,12 @@ def _rl_worker_class():
             super().__init__(config=config, role=role)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def init_model(self):
+        def init_model_with_loss(self, loss_fn):
+            """verl's init_model (which installs its ppo_loss), then our loss, in one call: verl's worker is an async
+            Ray actor (its update_weights is a coroutine), which does not run two calls in the order they were sent."""
             torch.manual_seed(self.config.actor.fsdp_config.seed)  # as the SFT worker's reset: the same start
-            return TinkerActorRolloutRefWorker.init_model(self)
+            TinkerActorRolloutRefWorker.init_model(self)
+            self.actor.set_loss_fn(loss_fn=loss_fn)
 
         @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"), blocking=False)
         def forward_backward(self, data):
@@ -152,10 +155,7 @@ class RLWorkers(TinkerWorkers):
         return {"config": worker_config, "role": ROLE}
 
     def _build_model(self) -> list:
-        return [
-            *self.group.execute_all_async("init_model"),
-            *self.group.execute_all_async("set_loss_fn", self.loss_fn),  # after verl's own ppo_loss: ours wins
-        ]
+        return self.group.execute_all_async("init_model_with_loss", self.loss_fn)
 
     def ready(self) -> None:
         super().ready()
