@@ -176,7 +176,7 @@ def section(path: Path, heading: str) -> list[str]:
 
 
 def test_the_readme_single_runs_compose_and_plan(tmp_path: Path):
-    """Every single-run line of the README's thirteen commands (not the sweeps, not the user's data file) composes
+    """Every single-run line of the README's command list (not the sweeps, not the user's data file) composes
     and plans as a dry run."""
     block = code_block(REPO / "README.md", "python -m tinker_exp +override=lr_cosine ")
     commands = [line.removeprefix("python -m tinker_exp") for line in block if line.startswith("python -m tinker_exp")]
@@ -185,6 +185,22 @@ def test_the_readme_single_runs_compose_and_plan(tmp_path: Path):
     for line in runs:
         done = run_shell([line], tmp_path, extra=" dry_run=true")
         assert done.returncode == 0, f"{line}\n{done.stderr}"
+
+
+def test_the_rl_docs_own_reward_is_accepted_as_written(tmp_path: Path):
+    """docs/rl.md: its rows and reward module written as shown, then its command as a dry run from that directory
+    (the rows read, the reward imported and tried on each); the same reward returning a list is refused."""
+    rl_doc = REPO / "docs" / "rl.md"
+    (tmp_path / "rows.jsonl").write_text("\n".join(code_block(rl_doc, '"Name a prime number below 20."')) + "\n")
+    (tmp_path / "my_rewards.py").write_text("\n".join(code_block(rl_doc, "def named_a_prime(")) + "\n")
+    command = code_block(rl_doc, "python -m tinker_exp env.prompts=rows.jsonl env.reward=my_rewards:named_a_prime")
+    done = run_shell(command, tmp_path, extra=" dry_run=true")
+    assert done.returncode == 0, done.stderr
+    [run_dir] = run_dirs(tmp_path)
+    assert (run_dir / "plan.json").exists() and not (run_dir / "metrics.jsonl").exists()  # a dry run starts nothing
+    (tmp_path / "my_rewards.py").write_text("def named_a_prime(row, response):\n    return row['primes']\n")
+    refused = run_shell(command, tmp_path, extra=" dry_run=true")
+    assert refused.returncode == 2 and "(list), not a number, on env.prompts: rows.jsonl:1" in refused.stderr, refused.stderr
 
 
 def test_when_plus_is_needed_as_the_readme_says(tmp_path: Path):

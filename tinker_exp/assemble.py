@@ -21,13 +21,14 @@ from tinker_exp.train.data import DataFileBatches, Row, eval_batches
 from tinker_exp.train.early_stop import EarlyStop
 from tinker_exp.train.evaluation import Evaluation
 from tinker_exp.train.judges import Judge
-from tinker_exp.train.objective import objective_metric
+from tinker_exp.train.objective import objective_metric, objective_sign
 from tinker_exp.train.protocols import BatchSource, Workers
 from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, StartingSink, WandbSink, wandb_environment
 from tinker_exp.train.start import StartPoint
 
 if TYPE_CHECKING:
     from tinker_exp.optim import Plan
+    from tinker_exp.rl.env import Env
 
 WORKERS_LOG = "workers.log"
 """In the run dir: everything the workers print (verl, torch, Ray), complete."""
@@ -64,8 +65,9 @@ class Inputs:
     evaluation: Evaluation | None
 
 
-def inputs(cfg: Config, rows: tuple[list[Row], list[Row]], start: StartPoint) -> Inputs:
-    """Device, the start checkpoint's device, model, LoRA targets and tokenized data: a problem stops the run here."""
+def inputs(cfg: Config, rows: "tuple[list[Row], list[Row]] | Env", start: StartPoint) -> Inputs:
+    """Device, the start checkpoint's device, model, LoRA targets and tokenized data (an RL run: its env, `rows`):
+    a problem stops the run here."""
     from tinker_exp.runtime.device import resolve
     from tinker_exp.runtime.inputs import load_examples, model_dir
 
@@ -75,6 +77,8 @@ def inputs(cfg: Config, rows: tuple[list[Row], list[Row]], start: StartPoint) ->
     if start.checkpoint is not None:
         check_checkpoint_device(start.checkpoint, choice.device)
     model_path = model_dir(cfg.model)  # on disk before any worker builds it
+    if cfg.env.active:
+        return rl_inputs(cfg, choice, model_path, rows)
     if cfg.lora.rank:
         from tinker_exp.runtime import lora
 
@@ -86,6 +90,40 @@ def inputs(cfg: Config, rows: tuple[list[Row], list[Row]], start: StartPoint) ->
         evaluation = Evaluation(eval_batches(val_set.examples, trainer.batch_size), trainer.eval_every, trainer.steps)
     batches = DataFileBatches(train_set.examples, trainer.batch_size, trainer.seed, data.shuffle)
     return Inputs(choice, model_path, batches, evaluation)
+
+
+def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env) -> Inputs:
+    """An RL run's batch source and evaluation: the env's prompts (in the model's chat template), its reward, the
+    driver's sampler (its weights come from the workers once they run: `attach`)."""
+    from tinker_exp.rl.prompts import check_prompt_lengths
+    from tinker_exp.runtime.sampler import HFSampler
+    from tinker_exp.train.rl import Prompt, RLBatches, RLEvaluation, Weights
+
+    trainer = cfg.trainer
+    sampler = HFSampler(model_path, trainer.seed)
+    weights = Weights(sampler)
+
+    def prompts(rows: list) -> list[Prompt]:
+        ids = [sampler.prompt_ids(row.prompt) for row in rows]
+        check_prompt_lengths(rows, [len(i) for i in ids], cfg.env.max_new_tokens, sampler.positions)
+        return [Prompt(row, i) for row, i in zip(rows, ids)]
+
+    batches = RLBatches(prompts(env.train), weights, env.reward, cfg.rl, cfg.env.max_new_tokens, trainer.seed)
+    evaluation = None
+    if env.eval:
+        evaluation = RLEvaluation(prompts(env.eval), weights, env.reward, cfg.rl, cfg.env.max_new_tokens,
+                                  trainer.eval_every, trainer.steps, trainer.seed + 1)  # fmt: skip
+    rl = cfg.rl
+    log.info(f"RL: env {env.name}, {len(env.train)} prompts, {rl.prompts_per_step} x {rl.group_size} samples a step, loss {cfg.loss.name.value}")
+    return Inputs(choice, model_path, batches, evaluation)
+
+
+def attach(given: Inputs, running: Workers, into: Sinks) -> None:
+    """Once the workers run: an RL source samples from the weights they export; its evaluation's table goes to W&B."""
+    if hasattr(given.batches, "attach"):
+        given.batches.attach(running)
+    if hasattr(given.evaluation, "sink"):
+        given.evaluation.sink = into
 
 
 def sinks(cfg: Config, run_dir: Path, first_step: int) -> Sinks:
@@ -102,10 +140,16 @@ def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choic
     from tinker_exp.runtime.worker_output import WorkerOutput
     from tinker_exp.runtime.workers import TinkerWorkers
 
-    return TinkerWorkers(
+    arguments = (
         cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values,
         choice or resolve(cfg.backend), WorkerOutput(run_dir / WORKERS_LOG, echo=cfg.verbose), cfg.lora,
     )  # fmt: skip
+    if cfg.env.active:
+        from tinker_exp.runtime.rl_losses import build_loss_fn
+        from tinker_exp.runtime.rl_workers import RLWorkers
+
+        return RLWorkers(*arguments, loss_fn=build_loss_fn(cfg.loss.name.value, cfg.loss.params), rl=cfg.rl)
+    return TinkerWorkers(*arguments)
 
 
 def workers(cfg: Config, plan: Plan, given: Inputs, run_dir: Path, start_workers: StartWorkers | None) -> Workers:
@@ -136,4 +180,4 @@ def checkpointer(cfg: Config, run_dir: Path, running: Workers, start: StartPoint
     run_state = {"seed": cfg.trainer.seed, "device": device}  # in every checkpoint's loop.json
     if start.lineage:
         run_state["branch"] = start.lineage  # a resumed branch still knows where it came from
-    return Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, cfg.trainer.steps, running, run_state, objective_metric(cfg))
+    return Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, cfg.trainer.steps, running, run_state, objective_metric(cfg), objective_sign(cfg))

@@ -25,6 +25,14 @@ class ConfigError(TinkerExpError, ValueError):
     label = "config error"
 
 
+class RewardError(ConfigError):
+    """An env's reward function failed on a prompt row: it raised, or returned a non-number or a non-finite value.
+    The message names env.reward, the row and the response. Found before any worker starts (the reward is tried on
+    every prompt row) or during a run (the run stops; its last checkpoint stays as it was)."""
+
+    label = "reward error"
+
+
 class AppliedMismatchError(TinkerExpError, RuntimeError):
     """A param group on some rank does not hold what was sent: the run must not go on silently."""
 

@@ -32,6 +32,7 @@ from tinker_exp.train.start import SAVED_CONFIG, StartPoint, start_point
 
 if TYPE_CHECKING:  # the plan (numpy) is imported once a plan is built: --help, --cfg, compose errors stay at Hydra's cost
     from tinker_exp.assemble import StartWorkers
+    from tinker_exp.rl.env import Env
     from tinker_exp.optim import Plan
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -57,6 +58,14 @@ def checked_rows(cfg: Config) -> tuple[list[Row], list[Row]]:
     chat = next((row.where for rows_of_a_set in rows for row in rows_of_a_set if row.messages is not None), None)
     config.check_chat_template(cfg.model.path, chat)
     return rows
+
+
+def checked_env(cfg: Config) -> Env:
+    """An RL run's env: its prompt rows read and checked, its reward imported and tried on every row, before any
+    worker starts (a dry run finds a bad row or reward as the run would)."""
+    from tinker_exp.rl.env import load_env
+
+    return load_env(cfg.env)
 
 
 def describe(plan: Plan, steps: list[int]) -> str:
@@ -96,7 +105,7 @@ def run(
     `start_workers`: None for verl's workers on Ray (tests pass a fake for bookkeeping checks)."""
     cfg = config.load(dcfg)
     plan = validate(cfg)
-    rows = checked_rows(cfg)
+    rows = checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # an env's prompts replace the data set
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     start = start_point(cfg, resolved, run_dir)  # resume or branch: checked against its config, before any worker
     write_hydra_files(run_dir, hydra_files or {})  # accepted: from here on the run dir records this command
@@ -138,7 +147,7 @@ def completed_run(start: StartPoint, run_dir: Path, steps: int) -> dict[str, Any
 def train_run(
     cfg: Config,
     plan: Plan,
-    rows: tuple[list[Row], list[Row]],
+    rows: "tuple[list[Row], list[Row]] | Env",
     start: StartPoint,
     run_dir: Path,
     wandb_config: dict[str, Any],
@@ -163,6 +172,7 @@ def train_run(
         workers = assemble.workers(cfg, plan, given, run_dir, start_workers)
         assemble.start_wandb(sinks, cfg, plan, run_dir, wandb_config)  # beside the workers' start
         workers.ready()
+        assemble.attach(given, workers, sinks)
         checkpointer = assemble.checkpointer(cfg, run_dir, workers, start, given.choice.device)
         last = train(cfg.trainer, plan, workers, given.batches, sinks, checkpointer, start, given.evaluation, judges)
         if cfg.lora.rank:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional, Tuple
 
+from tinker_exp.config.rl import EnvConfig, LossConfig, RLConfig
 from tinker_exp.errors import ConfigError
 
 SCHEMA_NAME = "tinker_exp_schema"
@@ -64,6 +65,7 @@ class OptimizerName(str, Enum):
 class ObjectiveMode(str, Enum):
     last = "last"
     min = "min"
+    max = "max"  # higher is better (a reward): early stop and keep_best follow it
 
 
 class DataFormat(str, Enum):
@@ -327,7 +329,8 @@ class TrainerConfig:
     """The metric the run returns to Hydra's sweeper (lower is better). None: val/loss, or train/loss without
     validation data."""
     objective_mode: ObjectiveMode = ObjectiveMode.last
-    """last: the metric's last logged value; min: its lowest."""
+    """last: the metric's last logged value; min: its lowest; max: its highest (higher is better: early stop and
+    keep_best follow)."""
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     """End the run early when the objective metric stops improving at evaluations."""
 
@@ -407,6 +410,13 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """RL: prompts and a reward (env=NAME from conf/env/, or env.prompts + env.reward); none: supervised
+    fine-tuning on the data set."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """RL: group size, prompts per step, temperature, advantage, KL penalty (used only with an env)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The loss: cross_entropy (SFT) or an RL loss (loss=NAME from conf/loss/)."""
     resume: ResumeMode = ResumeMode.auto
     """Re-running in the same run dir continues from its newest checkpoint (auto), must (must) or must not (never)."""
     branch: Any = field(default_factory=lambda: {"from": None, "step": None})

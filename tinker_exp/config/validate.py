@@ -105,13 +105,23 @@ def check_chat_template(model_path: str | None, where: str | None) -> None:
 def check(cfg: Config) -> None:
     """What no single group can check alone: the batch splits over every worker into whole micro batches; the
     files named exist; the plan steps asked for are steps of the run."""
+    from tinker_exp.config.rl import check_rl
+
+    check_rl(cfg)  # an RL run's batch is its prompts x group size: checked there
     backend, batch = cfg.backend, cfg.trainer.batch_size
     workers = backend.num_workers * backend.nodes
     over = f"backend.num_workers={backend.num_workers}" + (f" x backend.nodes={backend.nodes}" if backend.nodes > 1 else "")
-    if batch % workers or (batch // workers) % backend.micro_batch_size:
+    if not cfg.env.active and (batch % workers or (batch // workers) % backend.micro_batch_size):
         raise ConfigError(
             f"trainer.batch_size={batch} must split evenly over {over} "
             f"into micro batches of backend.micro_batch_size={backend.micro_batch_size}"
+        )
+    if cfg.env.active and cfg.rl.kl_coef:
+        raise ConfigError(f"rl.kl_coef={cfg.rl.kl_coef}: a KL penalty to the initial model is not implemented yet: leave it 0")
+    if cfg.env.active and cfg.lora.rank > 0:
+        raise ConfigError(
+            f"lora.rank={cfg.lora.rank}: RL with LoRA is not supported yet (the driver's sampler loads the full "
+            "weights the workers export, and with LoRA they export the adapters only): use lora=none with an env"
         )
     if cfg.optimizer.name.value == "Muon" and cfg.lora.rank > 0:
         raise ConfigError(

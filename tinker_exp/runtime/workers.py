@@ -77,27 +77,57 @@ def check_platform(device: str) -> None:
         raise RuntimeError(f"verl resolved the platform {type(resolved).__name__} ({resolved.device_name}), not {device}")
 
 
-def _worker_class():
+def start_process_group() -> None:
+    """In a worker, before verl's: the platform asked for, and on CPU the gloo process group."""
     import torch
     import torch.distributed as dist
+    from verl.utils.device import get_device_name
+
+    check_platform(os.environ[DEVICE_ENV])  # the platform asked for, not one inherited from elsewhere
+    if get_device_name() == "cpu" and not dist.is_initialized():
+        # verl would ask for "cpu:gloo,cpu:gloo" (duplicate device type); it skips its own
+        # init when a process group exists.
+        dist.init_process_group(backend="gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        torch.set_num_threads(1)  # one core per worker; oversubscription makes gloo crawl
+
+
+def engine_device_info(engine: Any) -> dict[str, Any]:
+    """Where a rank runs: verl's platform, the torch device of its parameters, the visible GPUs."""
+    import ray
+    import torch
+    from verl.utils.device import get_device_name
+
+    parameter = next(engine.module.parameters())
+    info = {"platform": get_device_name(), "parameters": str(parameter.device)}
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.current_device()
+        info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    info["attention"] = getattr(getattr(engine.module, "config", None), "_attn_implementation", None)
+    # the Ray node (and, under Slurm, the node's name): each rank of a multi-node run on a node of its own
+    info["node"] = (ray.get_runtime_context().get_node_id(), os.environ.get("SLURMD_NODENAME") or platform_node())
+    return info
+
+
+def param_group_values(engine: Any) -> list[dict[str, Any]]:
+    """The override keys each of the engine's optimizer param groups holds (the read-back of optimizer_step)."""
+    from verl.workers.engine_workers_tinker import _iter_optimizer_param_groups
+
+    groups = _iter_optimizer_param_groups(engine.optimizer)
+    return [{key: group[key] for key in OVERRIDE_KEYS if key in group} for group in groups]
+
+
+def _worker_class():
+    import torch
     from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
     from verl.utils import tensordict_utils as tu
-    from verl.utils.device import get_device_name
-    from verl.workers.engine_workers_tinker import TinkerTrainingWorker, _iter_optimizer_param_groups
+    from verl.workers.engine_workers_tinker import TinkerTrainingWorker
 
     class TinkerExpWorker(TinkerTrainingWorker):
         """verl's worker, plus gloo start-up on CPU, a read-back of the param groups, no log-probs sent back and
         the LoRA export."""
 
         def __init__(self, config):
-            check_platform(os.environ[DEVICE_ENV])  # the platform asked for, not one inherited from elsewhere
-            if get_device_name() == "cpu" and not dist.is_initialized():
-                # verl would ask for "cpu:gloo,cpu:gloo" (duplicate device type); it skips its own
-                # init when a process group exists.
-                dist.init_process_group(
-                    backend="gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
-                )
-                torch.set_num_threads(1)  # one core per worker; oversubscription makes gloo crawl
+            start_process_group()
             super().__init__(config)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -118,22 +148,10 @@ def _worker_class():
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def device_info(self) -> dict[str, Any]:
-            """Where this rank runs: verl's platform, the torch device of its parameters, the visible GPUs."""
-            parameter = next(self.engine.module.parameters())
-            info = {"platform": get_device_name(), "parameters": str(parameter.device)}
-            if torch.cuda.is_available():
-                info["cuda_device"] = torch.cuda.current_device()
-                info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
-            info["attention"] = getattr(getattr(self.engine.module, "config", None), "_attn_implementation", None)
-            import ray
-
-            # the Ray node (and, under Slurm, the node's name): each rank of a multi-node run on a node of its own
-            info["node"] = (ray.get_runtime_context().get_node_id(), os.environ.get("SLURMD_NODENAME") or platform_node())
-            return info
+            return engine_device_info(self.engine)
 
         def _param_group_values(self) -> list[dict[str, Any]]:
-            groups = _iter_optimizer_param_groups(self.engine.optimizer)
-            return [{key: group[key] for key in OVERRIDE_KEYS if key in group} for group in groups]
+            return param_group_values(self.engine)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def param_group_values(self) -> list[dict[str, Any]]:
@@ -267,7 +285,6 @@ class TinkerWorkers:
 
     def _start(self, ray, backend: BackendConfig, worker_cls: type, worker_config: Any, env: dict[str, str]) -> None:
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-        from verl.workers.utils.losses import sft_loss
 
         on_gpu = self.device == "cuda"
         self.pool = pool = RayResourcePool(
@@ -275,14 +292,21 @@ class TinkerWorkers:
             use_gpu=on_gpu,
             max_colocate_count=1,  # the default (10) makes each bundle ask for 10 CPUs: it hangs
         )
-        init = RayClassWithInitArgs(
-            cls=ray.remote(worker_cls),
-            config=worker_config,
-        )
+        init = RayClassWithInitArgs(cls=ray.remote(worker_cls), **self._init_args(worker_config))
         # worker_env reaches the workers even when we join a cluster someone else started.
         self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=self.device, worker_env=env)
         # Each rank builds model, FSDP2 and optimizer; asked now, awaited in ready() (an actor runs its calls in order).
-        self.pending = [
+        self.pending = self._build_model()
+
+    def _init_args(self, worker_config: Any) -> dict[str, Any]:
+        """The keyword arguments each rank's worker is built with."""
+        return {"config": worker_config}
+
+    def _build_model(self) -> list:
+        """Ask every rank to build its model, optimizer and loss; returns the Ray refs ready() waits on."""
+        from verl.workers.utils.losses import sft_loss
+
+        return [
             *self.group.execute_all_async("reset"),
             *self.group.execute_all_async("set_loss_fn", partial(sft_loss, config=None)),
         ]

@@ -209,16 +209,16 @@ def resume_point(root: Path, mode: str) -> ResumePoint | None:
 class Checkpointer:
     """Saves through the workers into the checkpoint root when a save is due, atomically, then rotates.
 
-    `metric`: the objective metric; with checkpoint.keep_best a checkpoint saved at an evaluation step with its lowest
-    value so far is kept outside the rotation (BEST.json names it; a resumed run reads it back)."""
+    `metric`: the objective metric; with checkpoint.keep_best a checkpoint saved at an evaluation step with its best
+    value so far (lowest; highest with `sign` -1) is kept outside the rotation (BEST.json names it; a resumed run reads it back)."""
 
     def __init__(
         self, root: Path, cfg: CheckpointConfig, total_steps: int, workers: Workers, run_state: dict[str, Any],
-        metric: str | None = None,
+        metric: str | None = None, sign: int = 1,
     ):  # fmt: skip
         self.root, self.cfg, self.total_steps, self.workers = root, cfg, total_steps, workers
         self.run_state = run_state  # what every checkpoint of this run records (seed, device)
-        self.metric = metric
+        self.metric, self.sign = metric, sign  # sign -1: higher is better (objective_mode=max)
         self.best = best_checkpoint(root) if cfg.keep_best else None
 
     def due(self, steps_done: int) -> bool:
@@ -231,7 +231,7 @@ class Checkpointer:
         self.workers.save_checkpoint(tmp / WORKERS, steps_done)
         final = commit_save(tmp, steps_done, {**self.run_state, **loop_state}, hashes=self.cfg.sha256)
         value = (row or {}).get(self.metric) if self.cfg.keep_best and self.metric else None
-        if value is not None and (self.best is None or value < self.best["value"]):
+        if value is not None and (self.best is None or self.sign * value < self.sign * self.best["value"]):
             self.best = {"step": steps_done, "metric": self.metric, "value": value, "path": str(final)}
             (self.root / BEST).write_text(json.dumps(self.best) + "\n")
         rotate(self.root, self.cfg.keep_last, self.cfg.keep_every, (self.best["step"],) if self.best else ())

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from tinker_exp.config import Config
 from tinker_exp.errors import ConfigError
 from tinker_exp.train.judges import GO_ON, Decision, Judge, stop
-from tinker_exp.train.objective import has_validation, objective_metric
+from tinker_exp.train.objective import has_validation, objective_metric, objective_sign
 from tinker_exp.train.start import StartPoint
 
 STATE = "watch"
@@ -43,12 +43,13 @@ def check_early_stop(cfg: Config) -> None:
 
 
 class EarlyStop(Judge):
-    """The objective metric at each evaluation (lower is better): the best so far and its step, and whether
+    """The objective metric at each evaluation (lower is better; higher with objective_mode=max): the best so far and its step, and whether
     `patience` evaluations in a row brought no improvement of at least `min_delta`. Its state goes into every
     checkpoint, so a resumed run counts on."""
 
-    def __init__(self, metric: str, patience: int, min_delta: float):
+    def __init__(self, metric: str, patience: int, min_delta: float, sign: int = 1):
         self.metric, self.patience, self.min_delta = metric, patience, min_delta
+        self.sign = sign  # -1: higher is better (objective_mode=max)
         self.best: float | None = None
         self.best_step: int | None = None
         self.stale = 0
@@ -56,7 +57,7 @@ class EarlyStop(Judge):
     @classmethod
     def for_run(cls, cfg: Config, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> "EarlyStop | None":
         early = cfg.trainer.early_stop
-        return cls(objective_metric(cfg), early.patience, early.min_delta) if early.patience else None
+        return cls(objective_metric(cfg), early.patience, early.min_delta, objective_sign(cfg)) if early.patience else None
 
     def begin(self, start: StartPoint) -> Decision:
         state = start.loop_state.get(STATE) or {}
@@ -67,11 +68,11 @@ class EarlyStop(Judge):
         value = row.get(self.metric)
         if value is None or not math.isfinite(value):
             return GO_ON
-        if self.best is None or value < self.best - self.min_delta:
+        if self.best is None or self.sign * value < self.sign * self.best - self.min_delta:
             self.stale = 0
         else:
             self.stale += 1
-        if self.best is None or value < self.best:
+        if self.best is None or self.sign * value < self.sign * self.best:
             self.best, self.best_step = value, steps_done
         if self.patience and self.stale >= self.patience:
             line = f"early stop at step {steps_done}: best {self.metric} {self.best:.6g} at step {self.best_step}"

@@ -21,7 +21,7 @@ class Evaluation:
     def due(self, steps_done: int) -> bool:
         return bool(self.every and steps_done % self.every == 0) or steps_done == self.total_steps
 
-    def run(self, workers: Workers) -> dict[str, Any]:
+    def run(self, workers: Workers, steps_done: int | None = None) -> dict[str, Any]:
         """verl's loss of a batch is its token-weighted mean NLL (sft_loss divides by the batch's loss tokens), so
         weighting each batch by its loss tokens gives the mean over every validation token, not a mean of means."""
         start = time.perf_counter()

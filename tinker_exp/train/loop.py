@@ -81,12 +81,13 @@ def train(
             "perf/step_time_s": step_time,
             "perf/tokens_per_s": tokens / step_time,
             **batch.measured,
+            **result.metrics,
             **flat_values("requested", requested),
             **flat_values("applied", applied),
         }
         evaluated = evaluation is not None and evaluation.due(step + 1)
         if evaluated:
-            row.update(evaluation.run(workers))
+            row.update(evaluation.run(workers, step + 1))
         sink.log(row)
         if nonfinite_steps > trainer.max_nonfinite_steps:
             raise NonFiniteError(

@@ -15,28 +15,43 @@ OBJECTIVE_FILE = "objective.json"  # written by a run that completed: what it re
 
 TRAIN_METRICS = ("train/loss", "train/grad_norm", "train/nonfinite_steps", "perf/step_time_s", "perf/tokens_per_s")
 VAL_METRICS = ("val/loss", "val/tokens", "perf/eval_time_s")
+RL_TRAIN_METRICS = ("train/reward", "train/reward_std", "train/degenerate_groups", "train/response_length",
+                    "train/pg_loss", "train/ppo_kl", "train/mismatch", "train/clip_fraction")  # fmt: skip
+RL_EVAL_METRICS = ("eval/reward", "eval/reward_std", "perf/eval_time_s")
 
 
 def has_validation(cfg: Config) -> bool:
+    """Whether the run evaluates: held-out rows (SFT) or held-out prompts (RL, env.eval_prompts)."""
+    if cfg.env.active:
+        return cfg.env.eval_prompts is not None
     return cfg.data.val_path is not None or cfg.data.val_fraction is not None
 
 
 def objective_metric(cfg: Config) -> str:
-    """trainer.objective, checked against what the run logs; by default val/loss (train/loss without validation)."""
-    logged = TRAIN_METRICS + (VAL_METRICS if has_validation(cfg) else ())
-    metric = cfg.trainer.objective or ("val/loss" if has_validation(cfg) else "train/loss")
+    """trainer.objective, checked against what the run logs; by default val/loss (train/loss without validation),
+    for RL eval/reward (train/reward without held-out prompts)."""
+    rl = cfg.env.active
+    logged = TRAIN_METRICS + (RL_TRAIN_METRICS if rl else ()) + (((RL_EVAL_METRICS if rl else VAL_METRICS)) if has_validation(cfg) else ())
+    metric = cfg.trainer.objective or (
+        ("eval/reward" if has_validation(cfg) else "train/reward") if rl else ("val/loss" if has_validation(cfg) else "train/loss")
+    )
     if metric not in logged and not metric.startswith(("requested/", "applied/")):
         why = " (there is no validation data)" if metric in VAL_METRICS else ""
         raise ConfigError(f"trainer.objective: {metric!r} is never logged{why}; logged: {list(logged)}")
     return metric
 
 
+def objective_sign(cfg: Config) -> int:
+    """1 when lower is better (a loss), -1 with objective_mode=max (a reward): sign * value is minimised."""
+    return -1 if cfg.trainer.objective_mode.value == "max" else 1
+
+
 def objective_value(rows: Sequence[dict[str, Any]], metric: str, mode: str) -> float | None:
-    """The metric's last (mode "last") or lowest ("min") value in the rows; None when no row has it."""
+    """The metric's last (mode "last"), lowest ("min") or highest ("max") value in the rows; None when no row has it."""
     values = [row[metric] for row in rows if metric in row]
     if not values:
         return None
-    return min(values) if mode == "min" else values[-1]
+    return min(values) if mode == "min" else max(values) if mode == "max" else values[-1]
 
 
 def write_objective(

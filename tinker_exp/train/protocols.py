@@ -20,6 +20,8 @@ class StepResult:
     grad_norm: float
     applied: list[list[dict[str, Any]]]
     """The override keys every param group holds after the step: per rank, per param group."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """What else the step measured (an RL loss's own metrics, the calls' times): it joins the step's row."""
 
 
 class Workers(Protocol):

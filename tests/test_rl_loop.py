@@ -1,0 +1,189 @@
+"""The RL batch source's and the loop's bookkeeping, with a fake sampler and FakeWorkers (pure, no Ray): the prompt
+cursor and the sampler's random state in every checkpoint, the zero-advantage rule, one weight export per optimizer
+step, objective_mode=max for early stop and keep_best. The real run of each is tests/test_rl_ray.py."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from fakes import FakeWorkers
+from tinker_exp.config import CheckpointConfig, TrainerConfig
+from tinker_exp.config.rl import RLConfig
+from tinker_exp.optim import build_plan
+from tinker_exp.config import OptimizerConfig
+from tinker_exp.rl.prompts import PromptRow
+from tinker_exp.rl.rewards import Reward
+from tinker_exp.train.checkpoints import Checkpointer
+from tinker_exp.train.early_stop import EarlyStop
+from tinker_exp.train.judges import GO_ON
+from tinker_exp.train.loop import BATCH_SOURCE, train
+from tinker_exp.train.objective import objective_value
+from tinker_exp.train.rl import Prompt, RLBatches, RLEvaluation, Weights
+from tinker_exp.train.start import StartPoint
+
+ALPHABET = "ab12"
+
+
+@dataclass(frozen=True)
+class FakeSample:
+    response_ids: list[int]
+    log_probs: list[float]
+    text: str
+
+
+class FakeSampler:
+    """Responses drawn from its own random state (a string, as the HF sampler's); counts the weights it loads."""
+
+    def __init__(self, seed: int = 0):
+        self.state = self.state_for(seed)
+        self.loaded = 0
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def load(self, tensors) -> None:
+        self.loaded += 1
+
+    def sample(self, prompt_ids, n, max_new_tokens, temperature):
+        rng = random.Random(self.state)
+        out = []
+        for _ in range(n):
+            text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, max_new_tokens)))
+            out.append(FakeSample([ord(c) for c in text], [-1.0] * len(text), text))
+        self.state = str(rng.random())
+        return out
+
+    def rng_state(self) -> str:
+        return self.state
+
+    def set_rng_state(self, state: str) -> None:
+        self.state = state
+
+    def state_for(self, seed: int) -> str:
+        return f"seed {seed}"
+
+
+def digit_share(row, response):
+    return sum(c.isdigit() for c in response) / len(response) if response else 0.0
+
+
+def constant(row, response):
+    return 0.5
+
+
+def prompts(n: int = 5) -> list[Prompt]:
+    rows = [PromptRow(f"p.jsonl:{i}", f"q{i}", json.dumps({"prompt": f"q{i}"})) for i in range(n)]
+    return [Prompt(row, [i]) for i, row in enumerate(rows)]
+
+
+class Trainer:
+    """The workers as the sampler sees them: a weights version that each optimizer step (`step`) changes."""
+
+    def __init__(self):
+        self.weights_version = 0
+
+    def export_weights(self):
+        return {"version": self.weights_version}
+
+    def step(self):
+        self.weights_version += 1
+
+
+def source(reward=digit_share, seed: int = 0, rl: RLConfig | None = None) -> RLBatches:
+    batches = RLBatches(prompts(), Weights(FakeSampler(seed)), Reward("t:r", reward), rl or RLConfig(group_size=4, prompts_per_step=2),
+                        max_new_tokens=6, seed=seed)  # fmt: skip
+    batches.attach(Trainer())
+    return batches
+
+
+def rollouts(batch) -> list[tuple]:
+    return [(r.prompt_ids, r.response_ids, r.advantage, r.reward) for r in batch.examples]
+
+
+def test_a_restored_source_samples_what_the_uninterrupted_one_sampled():
+    """The prompt cursor and the sampler's random state are the source's state: a source restored from the state
+    at step 3 gives steps 3.. exactly (prompts, responses, advantages), across an epoch of the prompts."""
+    uninterrupted = source()
+    batches = [uninterrupted.batch(step) for step in range(3)]
+    state = json.loads(json.dumps(uninterrupted.state()))  # as loop.json holds it
+    later = [rollouts(uninterrupted.batch(step)) for step in range(3, 7)]
+    assert state["prompt_cursor"] == 6 and isinstance(state["sampler_rng"], str)
+
+    resumed = source()
+    resumed.restore(state)
+    assert [rollouts(resumed.batch(step)) for step in range(3, 7)] == later
+    fresh = source()
+    assert [rollouts(fresh.batch(step)) for step in range(3)] == [rollouts(b) for b in batches]  # seeded: repeatable
+    assert rollouts(source(seed=1).batch(0)) != rollouts(batches[0])
+
+
+def test_each_epoch_takes_every_prompt_once_in_a_shuffled_order():
+    batches = source(rl=RLConfig(group_size=2, prompts_per_step=5))
+    epochs = [[r.prompt_ids[0] for r in batches.batch(step).examples[::2]] for step in range(3)]
+    assert all(sorted(epoch) == list(range(5)) for epoch in epochs)
+    assert len({tuple(epoch) for epoch in epochs}) > 1
+
+
+def test_a_step_whose_groups_all_have_zero_advantage_still_runs_both_calls_with_the_plans_values(tmp_path):
+    """The documented rule (docs/rl.md): forward_backward on the batch (all advantages 0) and optimizer_step with
+    the plan's values of that step; the plan's index is the step's; the row says train/zero_advantage_step=1."""
+    from helpers import compose
+    from tinker_exp import config
+
+    cfg = config.load(compose("trainer.steps=4", "+override=lr_cosine", "override.lr.warmup_steps=1"))
+    plan = build_plan(cfg.override, cfg.optimizer, 4)
+    workers = FakeWorkers(plan.optimizer_values)
+    workers.ready()
+    rows = []
+
+    class Rows:
+        def log(self, row):
+            rows.append(row)
+
+        def attach_table(self, *args):
+            pass
+
+    batches = source(reward=constant)
+    train(TrainerConfig(steps=4, eval_every=0), plan, workers, batches, Rows())
+    assert workers.calls == [plan[step] for step in range(4)]
+    assert [row["train/zero_advantage_step"] for row in rows] == [1, 1, 1, 1]
+    assert [row["train/degenerate_groups"] for row in rows] == [2, 2, 2, 2]
+    assert all(row["applied/lr"] == row["requested/lr"] for row in rows)
+    assert {r.advantage for r in batches.batch(4).examples} == {0.0}
+
+
+def test_the_sampler_loads_the_weights_once_each_time_they_change_and_evaluation_leaves_the_training_rng_alone():
+    batches = source()
+    sampler, trainer = batches.weights.sampler, batches.weights.workers
+    evaluation = RLEvaluation(prompts(2), batches.weights, batches.reward, batches.rl, 6, every=2, total_steps=4, seed=9)
+    for step in range(2):
+        batches.batch(step)
+        trainer.step()
+    state = sampler.rng_state()
+    first = evaluation.run(None, 2)
+    assert sampler.loaded == 3 and sampler.rng_state() == state  # steps 0, 1, then the weights after step 2
+    batches.batch(2)  # the same weights as the evaluation after 2 steps: no second export
+    assert sampler.loaded == 3
+    trainer.step()  # e.g. a member loading another's checkpoint
+    batches.batch(3)
+    assert sampler.loaded == 4
+    assert evaluation.run(None, 2)["eval/reward"] == first["eval/reward"]  # every evaluation starts from its seed
+    assert [row[0] for row in evaluation.table] == [2] * 8  # (step, prompt, response, reward), 4 per evaluation
+
+
+def test_objective_mode_max_keeps_the_highest_and_early_stop_counts_rewards_that_do_not_rise(tmp_path):
+    assert objective_value([{"eval/reward": 0.2}, {"eval/reward": 0.9}, {"eval/reward": 0.5}], "eval/reward", "max") == 0.9
+    judge = EarlyStop("eval/reward", patience=2, min_delta=0.0, sign=-1)
+    judge.begin(StartPoint())
+    decisions = [judge.evaluated(step, {"eval/reward": value}) for step, value in [(1, 0.2), (2, 0.6), (3, 0.5), (4, 0.6)]]
+    assert decisions[:3] == [GO_ON] * 3 and decisions[3].stops and (judge.best, judge.best_step) == (0.6, 2)
+
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_steps=1, keep_last=1, keep_best=True), 3,
+                                FakeWorkers({"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.0}), {}, "eval/reward", -1)  # fmt: skip
+    for step, value in [(1, 0.3), (2, 0.8), (3, 0.4)]:
+        checkpointer.save(step, {}, {"eval/reward": value})
+    assert checkpointer.best["step"] == 2 and sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003"]

@@ -1,0 +1,103 @@
+"""RL for real: verl's TinkerActorRolloutRefWorker (role "actor") on 2 CPU gloo ranks through the shared Ray cluster,
+the driver sampling from the weights the workers export after every optimizer step.
+
+One CLI run (README's RL command: env=digits loss=importance_sampling +override=lr_cosine trainer.steps=40, with the
+objective eval/reward maximised and the best checkpoint kept, every checkpoint kept) is read by every test here; one
+more run resumes a copy of it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from helpers import metrics_rows, planned, read_jsonl, run_cli, wandb_train_rows
+
+RL_COMMAND = ["env=digits", "loss=importance_sampling", "+override=lr_cosine", "trainer.steps=40"]
+EXTRA = ["trainer.objective=eval/reward", "trainer.objective_mode=max", "checkpoint.keep_best=true", "checkpoint.keep_last=0"]
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def rl_run(ray_address, tmp_path_factory):
+    """(run dir, finished process) of the one real RL run."""
+    run_dir = tmp_path_factory.mktemp("rl_run")
+    result = run_cli(*RL_COMMAND, *EXTRA, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result
+
+
+def test_the_toy_task_learns_through_verls_actor_worker_with_every_override_applied(rl_run):
+    run_dir, _ = rl_run
+    rows = metrics_rows(run_dir)
+    assert [row["train/step"] for row in rows] == list(range(STEPS))
+    assert "workers: TinkerActorRolloutRefWorker (role actor), loss importance_sampling" in (run_dir / "tinker_exp.log").read_text()
+    rewards = [row["train/reward"] for row in rows]
+    assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 > 0.5, rewards
+    # the sampler's log-probs are the trainer's: fp32 on CPU, nothing between the logits and the sampled token
+    assert max(abs(row["train/mismatch"]) for row in rows) < 1e-5
+    assert [row["applied/lr"] for row in rows] == [row["requested/lr"] for row in rows] == planned(run_dir, "lr")
+
+
+def test_every_step_logs_reward_groups_lengths_loss_mismatch_grad_norm_and_the_time_split(rl_run):
+    run_dir, _ = rl_run
+    rows = metrics_rows(run_dir)
+    keys = {"train/reward", "train/reward_std", "train/degenerate_groups", "train/zero_advantage_step", "train/response_length",
+            "train/loss", "train/pg_loss", "train/ppo_kl", "train/mismatch", "train/grad_norm", "perf/sampling_s",
+            "perf/weight_export_s", "perf/sampler_load_s", "perf/forward_backward_s", "perf/optimizer_step_s"}  # fmt: skip
+    assert all(keys <= row.keys() for row in rows)
+    assert all(1 <= row["train/response_length"] <= 8 and 0 <= row["train/degenerate_groups"] <= 4 for row in rows)
+    # the engine's loss (float32) is the RL loss's token sum (its metric, float64)
+    assert all(row["train/loss"] == pytest.approx(row["train/pg_loss"], rel=1e-5, abs=1e-5) for row in rows)
+    wandb = wandb_train_rows(run_dir)
+    assert [row["train/reward"] for row in wandb] == [row["train/reward"] for row in rows]
+
+
+def test_a_step_with_zero_advantage_everywhere_runs_with_the_plans_values_and_a_zero_gradient(rl_run):
+    """The run ends on all-digit responses: every group's rewards equal. Such a step still runs forward_backward and
+    optimizer_step with the plan's values (docs/rl.md): its loss and gradient are exactly 0."""
+    rows = metrics_rows(rl_run[0])
+    zero = [row for row in rows if row["train/zero_advantage_step"]]
+    assert zero and all(row["train/degenerate_groups"] == 4 for row in zero)
+    assert all(row["train/grad_norm"] == 0.0 and row["train/loss"] == 0.0 for row in zero)
+    assert all(row["applied/lr"] == row["requested/lr"] for row in zero)
+    assert all(row["train/grad_norm"] > 0 for row in rows if not row["train/zero_advantage_step"] and row["train/degenerate_groups"] < 4)
+
+
+def test_held_out_prompts_give_eval_reward_and_the_best_checkpoint_is_the_highest(rl_run):
+    run_dir, _ = rl_run
+    rows = metrics_rows(run_dir)
+    evaluated = {row["train/step"] + 1: row["eval/reward"] for row in rows if "eval/reward" in row}
+    assert sorted(evaluated) == [10, 20, 30, 40]
+    assert evaluated[40] > evaluated[10] + 0.5
+    best_step = max(evaluated, key=evaluated.get)
+    objective = read_jsonl(run_dir / "objective.json")[0]
+    assert (objective["metric"], objective["mode"], objective["value"]) == ("eval/reward", "max", evaluated[best_step])
+    assert objective["best_checkpoint"]["step"] == best_step
+
+
+def test_a_run_killed_after_its_checkpoint_resumes_bitwise(rl_run, ray_address, tmp_path):
+    """What kill -9 after step 25 leaves (checkpoint 20 the newest, rows up to step 25), then the same command: the
+    steps after 20 sample the same prompts and responses (prompt cursor and sampler RNG from the checkpoint) and
+    train to the same rewards, losses and grad norms, bit for bit."""
+    run_dir, _ = rl_run
+    uninterrupted = metrics_rows(run_dir)
+    shutil.copytree(run_dir, tmp_path / "run")
+    resumed_dir = tmp_path / "run"
+    for step in (30, 40):
+        shutil.rmtree(resumed_dir / "checkpoints" / f"step_{step:08d}")
+    (resumed_dir / "objective.json").unlink()
+    lines = (resumed_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (resumed_dir / "metrics.jsonl").write_text("".join(lines[:26]))
+    state = json.loads((resumed_dir / "checkpoints" / "step_00000020" / "loop.json").read_text())["batch_source"]
+    assert state["prompt_cursor"] == 20 * 4 and state["sampler_rng"]
+
+    result = run_cli(*RL_COMMAND, *EXTRA, f"hydra.run.dir={resumed_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_rows(resumed_dir)
+    assert [row["train/step"] for row in rows] == list(range(STEPS))
+    same = ("train/reward", "train/reward_std", "train/loss", "train/grad_norm", "train/mismatch", "train/response_length")
+    assert [[row[key] for key in same] for row in rows] == [[row[key] for key in same] for row in uninterrupted]
+    assert [row.get("eval/reward") for row in rows] == [row.get("eval/reward") for row in uninterrupted]

@@ -1,0 +1,109 @@
+"""The driver's sampler: Hugging Face `generate` from the weights the workers export after every optimizer step.
+
+verl 0.9.1 cannot sample on CPU (its rollouts are vLLM / SGLang / TRT-LLM servers), so the driver holds a copy of
+the model, loads the exported tensors into it and samples with temperature, top_k=0, top_p=1 and no other logits
+processing: the sampled distribution is softmax(logits / temperature), and its per-token log-probs are what verl's
+forward computes for the same tokens (sent as old_log_probs; the difference is the logged mismatch).
+
+Its random state is torch's CPU generator of this process, set before and read after each call, so that a checkpoint
+can hold it (`rng_state` / `set_rng_state`) and a resumed run samples what the uninterrupted run sampled.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+DRIVER_THREADS = 1
+"""torch threads in the driver: on a 2-core machine shared with the workers, more made sampling 30x slower."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    response_ids: list[int]
+    """Up to and with the stop token (when one was sampled)."""
+    log_probs: list[float]
+    """Each response token's log-prob under the sampling distribution."""
+    text: str
+    """The response decoded, special tokens left out."""
+
+
+class HFSampler:
+    """A driver-side copy of the model that samples; `load` takes the workers' exported tensors."""
+
+    def __init__(self, model_path: Path, seed: int):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(DRIVER_THREADS)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+        self._rng = torch.Generator().manual_seed(seed).get_state()
+        self.stop_ids = sorted({i for i in (self.tokenizer.eos_token_id, self._im_end()) if i is not None})
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.positions = self.model.config.max_position_embeddings
+        """The longest sequence the model takes: prompt + max new tokens must fit."""
+
+    def _im_end(self) -> int | None:
+        token = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        return token if isinstance(token, int) and token != self.tokenizer.unk_token_id else None
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A user turn in the model's chat template, ready for the assistant's answer (plain text without one)."""
+        if self.tokenizer.chat_template:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.tokenizer(text)["input_ids"]
+
+    def load(self, tensors: dict[str, Any]) -> None:
+        """The workers' exported tensors into the driver's model (rotary buffers are not parameters: not sent)."""
+        start = time.perf_counter()
+        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+        if unexpected or any("rotary" not in name for name in missing):
+            raise RuntimeError(f"exported weights do not fit the sampler's model: missing {missing}, unexpected {unexpected}")
+        self.load_time_s = time.perf_counter() - start
+
+    def sample(self, prompt_ids: Sequence[int], n: int, max_new_tokens: int, temperature: float) -> list[Sample]:
+        """`n` responses to one prompt, from this sampler's random state (which it advances)."""
+        import torch
+        from transformers import GenerationConfig
+
+        ids = torch.tensor([list(prompt_ids)] * n)
+        config = GenerationConfig(
+            do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+            eos_token_id=self.stop_ids, pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self._rng)
+        try:
+            with torch.no_grad():
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            self._rng = torch.get_rng_state()
+        finally:
+            torch.set_rng_state(saved)
+        responses = out.sequences[:, ids.shape[1] :]
+        # the raw logits: the distribution sampled from is softmax(logits / temperature), nothing else applied
+        logits = torch.stack(out.logits, 1).float() / float(temperature)
+        log_probs = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        samples = []
+        for row, row_log_probs in zip(responses.tolist(), log_probs):
+            length = next((i + 1 for i, token in enumerate(row) if token in self.stop_ids), len(row))
+            text = self.tokenizer.decode(row[:length], skip_special_tokens=True)
+            samples.append(Sample(row[:length], row_log_probs[:length].tolist(), text))
+        return samples
+
+    def rng_state(self) -> str:
+        return base64.b64encode(self._rng.numpy().tobytes()).decode("ascii")
+
+    def state_for(self, seed: int) -> str:
+        import torch
+
+        return base64.b64encode(torch.Generator().manual_seed(seed).get_state().numpy().tobytes()).decode("ascii")
+
+    def set_rng_state(self, state: str) -> None:
+        import torch
+
+        self._rng = torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8).clone()
