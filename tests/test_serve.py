@@ -160,3 +160,18 @@ def test_bad_requests_are_one_line_http_errors_and_the_server_goes_on(server, tr
     assert (server["run_dir"] / "metrics.jsonl").read_text().startswith(rows_before)
     assert len(rows) == len(STEPS) + 1 and rows[-1]["train/loss"] == output.metrics["loss:sum"]
     assert server["process"].poll() is None
+
+
+def test_forward_backward_calls_accumulate_until_optim_step(trained):
+    """The batch as one call and as two halves: the same gradient (its norm, up to float rounding) at the next
+    optim_step; lr 0 keeps the weights as they are between the two."""
+    from tinker import types
+
+    client, data = trained["client"], trained["data"]
+    still = types.AdamParams(learning_rate=0.0, grad_clip_norm=0.0)
+    client.forward_backward(data, "cross_entropy").result()
+    whole = client.optim_step(still).result().metrics["grad_norm"]
+    halves = [client.forward_backward(part, "cross_entropy") for part in (data[:2], data[2:])]
+    [half.result() for half in halves]
+    parts = client.optim_step(still).result().metrics["grad_norm"]
+    assert whole > 0 and abs(parts - whole) <= 1e-5 * whole, (whole, parts)

@@ -66,6 +66,10 @@ def _serve_worker_class():
 class ServeWorkers(TinkerWorkers):
     """The served model's worker group: Tinker's cross_entropy, and forward_backward/optimizer_step as two calls."""
 
+    def __init__(self, backend: Any, *args: Any, **kwargs: Any):
+        self.pad_to = backend.num_workers * backend.nodes * backend.micro_batch_size  # verl: whole micro batches per rank
+        super().__init__(backend, *args, **kwargs)
+
     def worker_class(self) -> type:
         return _serve_worker_class()
 
@@ -74,10 +78,9 @@ class ServeWorkers(TinkerWorkers):
 
     def forward_backward(self, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
         """The batch's summed loss and each datum's target log-probs (len(model_input) of them). Padded with
-        zero-weight copies of the first datum to a multiple of the ranks (verl splits a batch evenly): a zero weight
-        adds exactly nothing to the gradient."""
-        ranks = self.group.world_size
-        padded = list(data) + [Datum(data[0].tokens, [0.0] * len(data[0].tokens))] * (-len(data) % ranks)
+        zero-weight copies of the first datum to whole micro batches on every rank (verl splits a batch evenly and
+        asserts whole micro batches): a zero weight adds exactly nothing to the gradient."""
+        padded = list(data) + [Datum(data[0].tokens, [0.0] * len(data[0].tokens))] * (-len(data) % self.pad_to)
         output = self.group.forward_backward(self._datum_batch(padded)).get()
         metrics = output.get_non_tensor("metrics") if not isinstance(output, dict) else output["metrics"]
         loss = metrics["loss"]

@@ -76,7 +76,8 @@ class Server:
                 future.error = str(e)
             except Exception as e:  # a worker's failure: the client is told, the server goes on
                 log.exception("serve: a request failed")
-                future.error = f"{type(e).__name__}: {e}".splitlines()[0]
+                lines = [line for line in f"{type(e).__name__}: {e}".splitlines() if line.strip()]
+                future.error = lines[-1]  # a worker's error: its last line is the exception itself
             future.done.set()
 
     def submit(self, work: Callable[[], Any], protobuf: bool = False) -> str:
