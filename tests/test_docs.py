@@ -176,7 +176,7 @@ def section(path: Path, heading: str) -> list[str]:
 
 
 def test_the_readme_single_runs_compose_and_plan(tmp_path: Path):
-    """Every single-run line of the README's thirteen commands (not the sweeps, not the user's data file) composes
+    """Every single-run line of the README's command list (not the sweeps, not the user's data file) composes
     and plans as a dry run."""
     block = code_block(REPO / "README.md", "python -m tinker_exp +override=lr_cosine ")
     commands = [line.removeprefix("python -m tinker_exp") for line in block if line.startswith("python -m tinker_exp")]
@@ -185,6 +185,19 @@ def test_the_readme_single_runs_compose_and_plan(tmp_path: Path):
     for line in runs:
         done = run_shell([line], tmp_path, extra=" dry_run=true")
         assert done.returncode == 0, f"{line}\n{done.stderr}"
+
+
+def test_the_rl_docs_own_env_is_accepted_as_written(tmp_path: Path):
+    """docs/rl.md: the reward module and the rows written as shown, then its dry run (the rows read, the reward
+    imported and tried on each) from that directory."""
+    (tmp_path / "my_reward.py").write_text("\n".join(code_block(REPO / "docs" / "rl.md", "def exact(row, response):")) + "\n")
+    done = run_shell(code_block(REPO / "docs" / "rl.md", "env.reward=my_reward:exact"), tmp_path)
+    assert done.returncode == 0, done.stderr
+    [run_dir] = run_dirs(tmp_path)
+    assert (run_dir / "plan.json").exists() and not (run_dir / "metrics.jsonl").exists()  # a dry run starts nothing
+    (tmp_path / "my_reward.py").write_text("def exact(row, response):\n    return row['answer']\n")  # a string
+    refused = run_shell(code_block(REPO / "docs" / "rl.md", "env.reward=my_reward:exact"), tmp_path)
+    assert refused.returncode == 2 and "env.reward=my_reward:exact: returned \"'4'\" (str), not a number" in refused.stderr
 
 
 def test_when_plus_is_needed_as_the_readme_says(tmp_path: Path):

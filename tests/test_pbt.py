@@ -87,7 +87,7 @@ def test_posts_are_whole_files_one_per_member_and_step(tmp_path):
     assert sorted(p.relative_to(board).as_posix() for p in board.rglob("*") if p.is_file()) == ["0/2.json", "3/2.json", "3/4.json"]
     at2 = posts_at(board, 2)
     assert sorted(at2) == [0, 3]
-    assert at2[3] | {"time": 0} == {"member": 3, "step": 2, "score": 4.1, "checkpoint": str(tmp_path / "ck3"),
+    assert at2[3] | {"time": 0} == {"member": 3, "step": 2, "score": 4.1, "sign": 1, "checkpoint": str(tmp_path / "ck3"),
                                     "values": {"override.lr.value": 2e-3}, "time": 0}  # fmt: skip
     assert posts_at(board, 6) == {} and posts_at(tmp_path / "none", 2) == {}
 
@@ -107,6 +107,14 @@ def test_the_bottom_quantile_exploits_a_top_member_and_the_rest_carry_on(tmp_pat
     assert {m: (d.rank, d.of) for m, d in ranks.items()} == {2: (1, 4), 0: (2, 4), 3: (3, 4), 1: (4, 4)}
     assert [m for m, d in ranks.items() if d.donor] == [1] and ranks[1].donor["member"] == 2
     assert decide(pop, 0, 2, posts({0: 9.0})).donor is None  # alone: nobody to rank against
+
+
+def test_with_objective_mode_max_the_highest_score_ranks_first_and_non_finite_ones_still_last(tmp_path):
+    pop = population(tmp_path)
+    rewards = {0: 0.4, 1: 0.5, 2: 0.3, 3: float("nan")}
+    maximised = {m: {**p, "sign": -1} for m, p in posts(rewards).items()}
+    assert [decide(pop, m, 2, maximised).rank for m in range(4)] == [2, 1, 3, 4]
+    assert decide(pop, 3, 2, maximised).donor["member"] == 1
 
 
 def test_non_finite_scores_rank_last_and_ties_go_by_member(tmp_path):

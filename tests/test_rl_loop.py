@@ -80,10 +80,23 @@ def prompts(n: int = 5) -> list[Prompt]:
     return [Prompt(row, [i]) for i, row in enumerate(rows)]
 
 
+class Trainer:
+    """The workers as the sampler sees them: a weights version that each optimizer step (`step`) changes."""
+
+    def __init__(self):
+        self.weights_version = 0
+
+    def export_weights(self):
+        return {"version": self.weights_version}
+
+    def step(self):
+        self.weights_version += 1
+
+
 def source(reward=digit_share, seed: int = 0, rl: RLConfig | None = None) -> RLBatches:
     batches = RLBatches(prompts(), Weights(FakeSampler(seed)), Reward("t:r", reward), rl or RLConfig(group_size=4, prompts_per_step=2),
                         max_new_tokens=6, seed=seed)  # fmt: skip
-    batches.attach(lambda: {"weights": 1})
+    batches.attach(Trainer())
     return batches
 
 
@@ -143,17 +156,21 @@ def test_a_step_whose_groups_all_have_zero_advantage_still_runs_both_calls_with_
     assert {r.advantage for r in batches.batch(4).examples} == {0.0}
 
 
-def test_the_sampler_loads_the_weights_once_per_optimizer_step_and_evaluation_leaves_the_training_rng_alone():
+def test_the_sampler_loads_the_weights_once_each_time_they_change_and_evaluation_leaves_the_training_rng_alone():
     batches = source()
-    sampler = batches.weights.sampler
+    sampler, trainer = batches.weights.sampler, batches.weights.workers
     evaluation = RLEvaluation(prompts(2), batches.weights, batches.reward, batches.rl, 6, every=2, total_steps=4, seed=9)
-    batches.batch(0)
-    batches.batch(1)
+    for step in range(2):
+        batches.batch(step)
+        trainer.step()
     state = sampler.rng_state()
     first = evaluation.run(None, 2)
     assert sampler.loaded == 3 and sampler.rng_state() == state  # steps 0, 1, then the weights after step 2
     batches.batch(2)  # the same weights as the evaluation after 2 steps: no second export
     assert sampler.loaded == 3
+    trainer.step()  # e.g. a member loading another's checkpoint
+    batches.batch(3)
+    assert sampler.loaded == 4
     assert evaluation.run(None, 2)["eval/reward"] == first["eval/reward"]  # every evaluation starts from its seed
     assert [row[0] for row in evaluation.table] == [2] * 8  # (step, prompt, response, reward), 4 per evaluation
 

@@ -8,6 +8,7 @@ more run resumes a copy of it.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -90,7 +91,7 @@ def test_a_run_killed_after_its_checkpoint_resumes_bitwise(rl_run, ray_address, 
     (resumed_dir / "objective.json").unlink()
     lines = (resumed_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
     (resumed_dir / "metrics.jsonl").write_text("".join(lines[:26]))
-    state = read_jsonl(resumed_dir / "checkpoints" / "step_00000020" / "loop.json")[0]["batch_source"]
+    state = json.loads((resumed_dir / "checkpoints" / "step_00000020" / "loop.json").read_text())["batch_source"]
     assert state["prompt_cursor"] == 20 * 4 and state["sampler_rng"]
 
     result = run_cli(*RL_COMMAND, *EXTRA, f"hydra.run.dir={resumed_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)

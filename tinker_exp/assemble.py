@@ -121,7 +121,7 @@ def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env) -> Inputs:
 def attach(given: Inputs, running: Workers, into: Sinks) -> None:
     """Once the workers run: an RL source samples from the weights they export; its evaluation's table goes to W&B."""
     if hasattr(given.batches, "attach"):
-        given.batches.attach(running.export_weights)
+        given.batches.attach(running)
     if hasattr(given.evaluation, "sink"):
         given.evaluation.sink = into
 

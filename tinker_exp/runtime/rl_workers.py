@@ -138,6 +138,8 @@ class RLWorkers(TinkerWorkers):
 
     def __init__(self, *args: Any, loss_fn: Any, rl: Any, **kwargs: Any):
         self.loss_fn, self.rl = loss_fn, rl
+        self.weights_version = 0
+        """Changes whenever the weights do (an optimizer step, a loaded checkpoint): the sampler reloads then."""
         super().__init__(*args, **kwargs)
 
     def worker_class(self) -> type:
@@ -160,6 +162,10 @@ class RLWorkers(TinkerWorkers):
         super().ready()
         log.info(f"workers: {self.group.installed()[0]}")
 
+    def load_checkpoint(self, folder) -> None:
+        super().load_checkpoint(folder)
+        self.weights_version += 1
+
     def export_weights(self) -> dict[str, Any]:
         """The full model's tensors by name, gathered from every rank (rank 0's copy)."""
         return self.group.export_weights()[0]
@@ -171,6 +177,7 @@ class RLWorkers(TinkerWorkers):
         output = self.group.forward_backward(self._batch(examples)).get()
         backward_done = time.perf_counter()
         per_rank = self.group.optimizer_step(optim_step_params=optim_step_params or None)
+        self.weights_version += 1
         grad_norm = next((float(r["grad_norm"]) for r in per_rank if "grad_norm" in r), float("nan"))
         metrics = {
             **loss_metrics(output),

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from tinker_exp.errors import ConfigError
 from tinker_exp.formats import read_json, read_jsonl
 from tinker_exp.train.judges import Decision, Judge, continue_from
-from tinker_exp.train.objective import has_validation, objective_metric
+from tinker_exp.train.objective import has_validation, objective_metric, objective_sign
 
 if TYPE_CHECKING:
     from tinker_exp.train.protocols import TableSink
@@ -121,10 +121,11 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def post(board: Path, member: int, step: int, score: float, checkpoint: Path, values: Mapping[str, Any]) -> Path:
-    """The member's score at a boundary, with its checkpoint there and the values it trained the steps before with."""
+def post(board: Path, member: int, step: int, score: float, checkpoint: Path, values: Mapping[str, Any], sign: int = 1) -> Path:
+    """The member's score at a boundary, with its checkpoint there and the values it trained the steps before with;
+    `sign` -1: a higher score is better (trainer.objective_mode=max)."""
     path = board / str(member) / f"{step}.json"
-    doc = {"member": member, "step": step, "score": score, "checkpoint": str(Path(checkpoint).resolve()), "values": dict(values), "time": time.time()}
+    doc = {"member": member, "step": step, "score": score, "sign": sign, "checkpoint": str(Path(checkpoint).resolve()), "values": dict(values), "time": time.time()}
     write_atomically(path, json.dumps(doc) + "\n")
     return path
 
@@ -161,7 +162,8 @@ def quantile_size(n: int, quantile: float) -> int:
 
 def _sort_key(post: Mapping[str, Any]) -> tuple[float, int]:
     score = post["score"]
-    return (score if isinstance(score, (int, float)) and math.isfinite(score) else math.inf, int(post["member"]))
+    finite = isinstance(score, (int, float)) and math.isfinite(score)
+    return (post.get("sign", 1) * score if finite else math.inf, int(post["member"]))
 
 
 def rng_for(population: Population, member: int, step: int, what: str) -> random.Random:
@@ -170,7 +172,7 @@ def rng_for(population: Population, member: int, step: int, what: str) -> random
 
 
 def decide(population: Population, member: int, step: int, posts: Mapping[int, Mapping[str, Any]]) -> BoundaryDecision:
-    """Rank the posts at `step` (lower score is better; non-finite ones last, ties by member number); a member in the
+    """Rank the posts at `step` (lower score is better, higher with objective_mode=max; non-finite ones last, ties by member number); a member in the
     bottom q takes a donor chosen (seeded) from the top q. force_exploit overrides it for one (member, step)."""
     ranked = sorted(posts.values(), key=_sort_key)
     order = [int(p["member"]) for p in ranked]
@@ -423,9 +425,10 @@ class Member(Judge):
     override."""
 
     def __init__(self, population: Population, number: int, run_dir: Path, override: Mapping[str, Any],
-                 optimizer_cfg: Any, total_steps: int, metric: str):  # fmt: skip
+                 optimizer_cfg: Any, total_steps: int, metric: str, sign: int = 1):  # fmt: skip
         self.population, self.number, self.run_dir = population, number, Path(run_dir)
         self.override, self.optimizer_cfg, self.total_steps, self.metric = dict(override), optimizer_cfg, total_steps, metric
+        self.sign = sign  # -1: a higher score is better (trainer.objective_mode=max)
         missing = [key for key in population.space if get_path({"override": self.override}, key) is None]
         if missing:
             raise ConfigError(f"{missing[0]}: a member's config must set every key of the space ({POPULATION_ENV})")
@@ -448,7 +451,7 @@ class Member(Judge):
                 "steps, at least one before the last step) must be evaluation steps, with validation data"
             )
 
-        return cls(population, number, run_dir, plain(cfg.override) or {}, cfg.optimizer, cfg.trainer.steps, metric)
+        return cls(population, number, run_dir, plain(cfg.override) or {}, cfg.optimizer, cfg.trainer.steps, metric, objective_sign(cfg))
 
     @classmethod
     def for_run(cls, cfg: Any, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> "Member | None":
@@ -473,7 +476,7 @@ class Member(Judge):
         """At a boundary: post the score with the checkpoint saved at this step, decide, and on an exploit explore the
         donor's values into a new plan; records the row of population.jsonl and override/realized.yaml. One log line."""
         score = float(row[self.metric])
-        post(self.population.board, self.number, steps_done, score, checkpoint, self.values)
+        post(self.population.board, self.number, steps_done, score, checkpoint, self.values, self.sign)
         decision = decide(self.population, self.number, steps_done, posts_at(self.population.board, steps_done))
         previous, exploit, turn = self.values, None, continue_from(self.plan)
         said = "carries on"

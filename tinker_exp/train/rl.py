@@ -76,27 +76,36 @@ class Prompt:
     """The row's prompt as one user turn in the model's chat template."""
 
 
+class Exporting(Protocol):
+    """The workers as the sampler sees them (runtime/rl_workers.py RLWorkers)."""
+
+    weights_version: int
+    """Changes whenever their weights do (an optimizer step, a loaded checkpoint)."""
+
+    def export_weights(self) -> Any: ...
+
+
 class Weights:
-    """The sampler's weights, refreshed from the workers once per optimizer step (evaluation and the next batch share
-    an export). `export`: the workers' export (None until they are attached)."""
+    """The sampler's weights, loaded from the workers' export whenever their weights changed (an evaluation and the
+    next step share one export; a checkpoint a member loads mid-run is exported before its next batch)."""
 
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
-        self.export: Callable[[], Any] | None = None
-        self.loaded_at: int | None = None
+        self.workers: Exporting | None = None
+        self.loaded_version: int | None = None
         self.export_time_s = self.load_time_s = 0.0
 
-    def refresh(self, steps_done: int) -> None:
-        if self.loaded_at == steps_done:
+    def refresh(self) -> None:
+        assert self.workers is not None, "attach the workers first"
+        if self.loaded_version == self.workers.weights_version:
             self.export_time_s = self.load_time_s = 0.0
             return
-        assert self.export is not None, "attach the workers first"
         start = time.perf_counter()
-        tensors = self.export()
+        tensors = self.workers.export_weights()
         exported = time.perf_counter()
         self.sampler.load(tensors)
         self.export_time_s, self.load_time_s = exported - start, time.perf_counter() - exported
-        self.loaded_at = steps_done
+        self.loaded_version = self.workers.weights_version
 
 
 def sample_groups(
@@ -137,9 +146,9 @@ class RLBatches:
         self.cursor = 0
         """How many prompts the run has taken so far."""
 
-    def attach(self, export: Callable[[], Any]) -> None:
-        """The workers' weight export (they start after this source is built)."""
-        self.weights.export = export
+    def attach(self, workers: Exporting) -> None:
+        """The workers whose weights it samples from (they start after this source is built)."""
+        self.weights.workers = workers
 
     def _prompt(self, index: int) -> Prompt:
         epoch, position = divmod(index, len(self.prompts))
@@ -148,7 +157,7 @@ class RLBatches:
         return self.prompts[order[position]]
 
     def batch(self, step: int) -> Batch:
-        self.weights.refresh(step)
+        self.weights.refresh()
         prompts = [self._prompt(self.cursor + i) for i in range(self.rl.prompts_per_step)]
         self.cursor += len(prompts)
         rollouts, _, measured = sample_groups(self.weights, prompts, self.reward, self.rl, self.max_new_tokens)
@@ -193,7 +202,7 @@ class RLEvaluation:
     def run(self, workers: Any, steps_done: int) -> dict[str, Any]:
         start = time.perf_counter()
         sampler = self.weights.sampler
-        self.weights.refresh(steps_done)
+        self.weights.refresh()
         training_rng = sampler.rng_state()
         sampler.set_rng_state(sampler.state_for(self.seed))
         try:
