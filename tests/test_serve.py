@@ -175,3 +175,21 @@ def test_forward_backward_calls_accumulate_until_optim_step(trained):
     [half.result() for half in halves]
     parts = client.optim_step(still).result().metrics["grad_norm"]
     assert whole > 0 and abs(parts - whole) <= 1e-5 * whole, (whole, parts)
+
+
+def test_forward_gives_forward_backwards_logprobs_and_no_gradient(trained):
+    """The SDK's forward (forward_only): the same log-probs and loss:sum as forward_backward on the same weights, and
+    no gradient: forward then forward_backward steps (at lr 0) with the grad norm of forward_backward alone."""
+    from tinker import types
+
+    client, data = trained["client"], trained["data"]
+    still = types.AdamParams(learning_rate=0.0, grad_clip_norm=0.0)
+    alone = client.forward_backward(data, "cross_entropy").result()
+    norm_alone = client.optim_step(still).result().metrics["grad_norm"]
+    forward = client.forward(data, "cross_entropy").result()
+    client.forward_backward(data, "cross_entropy").result()
+    norm_after_forward = client.optim_step(still).result().metrics["grad_norm"]
+    assert abs(norm_after_forward - norm_alone) <= 1e-5 * norm_alone, (norm_alone, norm_after_forward)
+    assert abs(forward.metrics["loss:sum"] - alone.metrics["loss:sum"]) <= 1e-5 * abs(alone.metrics["loss:sum"])
+    for got, want in zip(forward.loss_fn_outputs, alone.loss_fn_outputs):
+        assert abs(got["logprobs"].to_numpy() - want["logprobs"].to_numpy()).max() < 1e-5

@@ -77,17 +77,23 @@ class ServeWorkers(TinkerWorkers):
         return [*self.group.execute_all_async("reset"), *self.group.execute_all_async("set_loss_fn", cross_entropy_loss)]
 
     def forward_backward(self, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
-        """The batch's summed loss and each datum's target log-probs (len(model_input) of them). Padded with
-        zero-weight copies of the first datum to whole micro batches on every rank (verl splits a batch evenly and
-        asserts whole micro batches): a zero weight adds exactly nothing to the gradient."""
+        """The batch's summed loss and each datum's target log-probs (len(model_input) of them); the gradient
+        accumulates until optimizer_step."""
+        return self._pass("forward_backward", data)
+
+    def forward(self, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
+        """As forward_backward, without gradients: verl's infer_batch (eval mode, no_grad)."""
+        return self._pass("infer_batch", data)
+
+    def _pass(self, method: str, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
+        """Padded with zero-weight copies of the first datum to whole micro batches on every rank (verl splits a
+        batch evenly and asserts whole micro batches): a zero weight adds exactly nothing to the gradient."""
         padded = list(data) + [Datum(data[0].tokens, [0.0] * len(data[0].tokens))] * (-len(data) % self.pad_to)
-        output = self.group.forward_backward(self._datum_batch(padded)).get()
-        metrics = output.get_non_tensor("metrics") if not isinstance(output, dict) else output["metrics"]
-        loss = metrics["loss"]
+        output = getattr(self.group, method)(self._datum_batch(padded)).get()
+        loss = output.get_non_tensor("metrics")["loss"]
         loss = float(sum(loss) / len(loss)) if isinstance(loss, list) else float(loss)
         rows = output["log_probs"]
-        logprobs = [rows[i].tolist()[: len(datum.tokens) - 1] for i, datum in enumerate(data)]
-        return loss, logprobs
+        return loss, [rows[i].tolist()[: len(datum.tokens) - 1] for i, datum in enumerate(data)]
 
     def optimizer_step(self, params: dict[str, Any]) -> tuple[float, list[list[dict[str, Any]]]]:
         """verl's optimizer_step with `params` (grad_clip_norm included); the grad norm and every rank's groups."""

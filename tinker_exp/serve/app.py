@@ -124,10 +124,10 @@ class Server:
     def forward_backward(self, body: bytes) -> tuple[str, str]:
         request, data = forward_backward_request(body)
         model = self.served_model(request.model_id)
-        if request.forward_only:
-            raise BadRequest("forward_only: forward passes are not served yet")
 
         def run() -> bytes:
+            if request.forward_only:  # the SDK's forward(): no gradient, not part of the step's loss
+                return forward_backward_output(*model.workers.forward(data))
             loss, logprobs = model.workers.forward_backward(data)
             model.loss_since_step += loss
             return forward_backward_output(loss, logprobs)
