@@ -67,7 +67,8 @@ LAYERS = [
     ("tinker_exp.config",),  # schema, validation, compose errors, --help (shows the plan's keys and kinds)
     ("tinker_exp.train", "tinker_exp.rl"),  # the loop and its protocols, sinks, checkpoints, data, start point; RL envs
     ("tinker_exp.runtime", "tinker_exp.sweep", "tinker_exp.forecast"),  # verl/Ray wiring; sweeps' member and trial sides, reports
-    ("tinker_exp.main", "tinker_exp.__main__", "tinker_exp.multinode", "tinker_exp.report", "tinker_exp.assemble"),  # entry points
+    ("tinker_exp.main", "tinker_exp.__main__", "tinker_exp.multinode", "tinker_exp.report", "tinker_exp.assemble",
+     "tinker_exp.serve"),  # entry points (serve: the Tinker API server)
     ("hydra_plugins",),  # Hydra's launchers and sweepers, around the entry point
 ]
 

@@ -56,15 +56,15 @@ def test_the_table_holds_each_real_optimizers_groups(name):
 @pytest.mark.parametrize(
     "name, sendable",
     [
-        ("AdamW", ("lr", "betas", "eps", "weight_decay")),
-        ("Adam", ("lr", "betas", "eps", "weight_decay")),
-        ("SGD", ("lr", "weight_decay", "momentum", "dampening")),
-        ("RMSprop", ("lr", "eps", "weight_decay", "momentum", "alpha")),
-        ("Adagrad", ("lr", "eps", "weight_decay", "lr_decay", "initial_accumulator_value")),
-        ("NAdam", ("lr", "betas", "eps", "weight_decay", "momentum_decay")),
-        ("RAdam", ("lr", "betas", "eps", "weight_decay")),
-        ("Adamax", ("lr", "betas", "eps", "weight_decay")),
-        ("Muon", ("lr", "weight_decay")),
+        ("AdamW", ("lr", "betas", "eps", "weight_decay", "grad_clip_norm")),
+        ("Adam", ("lr", "betas", "eps", "weight_decay", "grad_clip_norm")),
+        ("SGD", ("lr", "weight_decay", "momentum", "dampening", "grad_clip_norm")),
+        ("RMSprop", ("lr", "eps", "weight_decay", "momentum", "alpha", "grad_clip_norm")),
+        ("Adagrad", ("lr", "eps", "weight_decay", "lr_decay", "initial_accumulator_value", "grad_clip_norm")),
+        ("NAdam", ("lr", "betas", "eps", "weight_decay", "momentum_decay", "grad_clip_norm")),
+        ("RAdam", ("lr", "betas", "eps", "weight_decay", "grad_clip_norm")),
+        ("Adamax", ("lr", "betas", "eps", "weight_decay", "grad_clip_norm")),
+        ("Muon", ("lr", "weight_decay", "grad_clip_norm")),
     ],
 )
 def test_each_optimizer_accepts_its_own_keys(name, sendable):
@@ -78,18 +78,19 @@ def test_each_optimizer_accepts_its_own_keys(name, sendable):
     [
         ("Muon", {"betas": [0.9, 0.95]},
          "override.betas: optimizer Muon: its sub-optimizer muon has no param-group key betas; "
-         "keys Muon accepts: lr, weight_decay"),
+         "keys Muon accepts: lr, weight_decay, grad_clip_norm"),
         ("Muon", {"eps": 1e-8},
          "override.eps: optimizer Muon: eps means different things in its sub-optimizers (muon: the Newton-Schulz "
-         "iteration's eps; adamw: the usual one); one value cannot serve both; keys Muon accepts: lr, weight_decay"),
+         "iteration's eps; adamw: the usual one); one value cannot serve both; keys Muon accepts: lr, weight_decay, grad_clip_norm"),
         ("Muon", {"momentum": 0.9}, "override.momentum: optimizer Muon: its sub-optimizer adamw has no param-group key momentum"),
         ("Muon", {"ns_steps": 3}, "override.ns_steps: optimizer Muon holds ns_steps as a int: only float keys can be sent per step"),
-        ("SGD", {"betas": [0.9, 0.95]}, "override.betas: optimizer SGD has no param-group key betas; keys SGD accepts: lr, weight_decay, momentum, dampening"),
+        ("SGD", {"betas": [0.9, 0.95]}, "override.betas: optimizer SGD has no param-group key betas; keys SGD accepts: lr, weight_decay, momentum, dampening, grad_clip_norm"),
         ("SGD", {"nesterov": True}, "override.nesterov: optimizer SGD holds nesterov as a bool: only float keys can be sent per step"),
         ("AdamW", {"amsgrad": True}, "override.amsgrad: optimizer AdamW holds amsgrad as a bool: only float keys"),
         ("AdamW", {"foreach": None, "momentum": 0.9}, "override.momentum: optimizer AdamW has no param-group key momentum"),
         ("AdamW", {"foreach": False}, "override.foreach: optimizer AdamW holds foreach as a None: only float keys"),
-        ("AdamW", {"grad_clip_norm": 1.0}, "override.grad_clip_norm: the gradient clip is fixed when verl builds its engine (optimizer.clip_grad)"),
+        ("AdamW", {"grad_clip_norm": -1.0}, "override.grad_clip_norm: must be >= 0, got -1.0"),
+        ("Muon", {"grad_clip_norm": {"schedule": "linear", "start": 1.0, "end": -1.0}}, "override.grad_clip_norm.end: must be >= 0, got -1.0"),
         ("RMSprop", {"momentum": 1.0}, "override.momentum: 1.0 is not in [0, 1)"),
         ("SGD", {"momentum": {"schedule": "linear", "start": 0.5, "end": 1.5}}, "override.momentum.end: 1.5 is not in [0, 1)"),
         ("SGD", {"beta1": 0.9}, "override.beta1 (betas[0]): optimizer SGD has no param-group key betas"),
@@ -125,7 +126,7 @@ def test_cli_refuses_betas_for_muon_in_one_line_before_any_worker(tmp_path):
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == ["tinker_exp: config error: override.betas: optimizer Muon: its sub-optimizer muon has no "
-                     "param-group key betas; keys Muon accepts: lr, weight_decay"]
+                     "param-group key betas; keys Muon accepts: lr, weight_decay, grad_clip_norm"]
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

@@ -183,13 +183,84 @@ def test_muon_on_two_workers_steps_as_on_one(muon, tmp_path: Path):
 def test_clip_grad_0_is_no_clipping_and_the_model_trains(ray_address, tmp_path: Path):
     """optimizer.clip_grad=0 (Tinker's grad_clip_norm=0, HF's max_grad_norm=0): no clipping. verl clips with the
     max_norm it is given, and 0 would zero every gradient (Adam's update is then 0: the loss would not move); given
-    no clip (inf), the run is bitwise the one with a clip no gradient reaches, its loss falls and it reports the
-    grad norm."""
+    no clip (inf), the run is bitwise the one built with a clip of 0.5 whose every step is sent grad_clip_norm=0
+    (the per-step clip replaces the built one exactly), its loss falls and it reports the grad norm."""
     common = ["trainer.steps=3", "trainer.eval_every=0", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false"]
+    runs = {"0": ["optimizer.clip_grad=0"], "sent 0": ["optimizer.clip_grad=0.5", "+override.grad_clip_norm=0"]}
     rows = {}
-    for clip in ("0", "1e9"):
-        run(compose(*common, f"optimizer.clip_grad={clip}"), tmp_path / clip)
-        rows[clip] = [(row["train/loss"], row["train/grad_norm"]) for row in read_jsonl(tmp_path / clip / "metrics.jsonl")]
-    assert rows["0"] == rows["1e9"] and len(rows["0"]) == 3
-    losses, norms = zip(*rows["0"])
+    for name, overrides in runs.items():
+        run(compose(*common, *overrides), tmp_path / name.replace(" ", "_"))
+        rows[name] = read_jsonl(tmp_path / name.replace(" ", "_") / "metrics.jsonl")
+    pairs = {name: [(row["train/loss"], row["train/grad_norm"]) for row in r] for name, r in rows.items()}
+    assert pairs["0"] == pairs["sent 0"] and len(pairs["0"]) == 3
+    losses, norms = zip(*pairs["0"])
     assert losses[2] < losses[1] < losses[0] and all(0 < norm < float("inf") for norm in norms)
+    assert all(row["requested/grad_clip_norm"] == row["applied/grad_clip_norm"] == 0.0 for row in rows["sent 0"])
+    assert not any("applied/grad_clip_norm" in row for row in rows["0"])  # nothing sent: no new keys
+
+
+def fed_norms_probed(seen: dict):
+    """start_workers for run(): verl's workers that record, on every rank, the norm of the gradients the optimizer
+    steps with (after the engine's clip), and report them before they are freed."""
+    from tinker_exp.runtime.workers import TinkerWorkers
+
+    class ProbedWorkers(TinkerWorkers):
+        def worker_class(self):
+            base = super().worker_class()
+            from verl.single_controller.base.decorator import Dispatch, register
+
+            class FedNorms(base):  # a local class: Ray ships it to the workers by value
+                @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+                def optimizer_step(self, optim_step_params=None) -> dict:
+                    import torch
+
+                    optimizer, fed = self.engine.optimizer, getattr(self, "fed", [])
+                    self.fed = fed
+
+                    def step(*args, **kwargs):
+                        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+                        squares = sum(float(g.full_tensor().double().pow(2).sum()) for g in grads)  # every rank calls it
+                        fed.append(squares ** 0.5)
+                        return type(optimizer).step(optimizer, *args, **kwargs)
+
+                    optimizer.step = step
+                    try:
+                        return base.optimizer_step(self, optim_step_params)
+                    finally:
+                        del optimizer.step
+
+                @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+                def fed_norms(self):
+                    return self.fed
+
+            return FedNorms
+
+        def shutdown(self, timeout_s: float = 10.0) -> None:
+            if self.group is not None and "fed" not in seen:
+                seen["fed"] = self.group.fed_norms()
+            super().shutdown(timeout_s)
+
+    def start(cfg, plan, model_path, run_dir):
+        return ProbedWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values, "cpu")
+
+    return start
+
+
+def test_grad_clip_norm_sent_per_step_is_the_clip_of_that_step(ray_address, tmp_path: Path):
+    """+override.grad_clip_norm as keyframes (0: no clip, then 0.01, then 1e9) on an engine built with clip 1e-3: each
+    step's requested == applied clip in metrics.jsonl, and on every rank the gradients the optimizer steps with have
+    the norm min(grad norm, clip) of that step (the grad norm itself where the clip is 0)."""
+    clips = [0.0, 0.01, 1e9]
+    seen: dict = {}
+    overrides = ["trainer.steps=3", "trainer.eval_every=0", "logger=none", "checkpoint.every_steps=0", "optimizer.clip_grad=1e-3",
+                 "checkpoint.at_end=false", "+override.grad_clip_norm={schedule: keyframes, points: {0: 0.0, 1: 0.01, 2: 1e9}}"]
+    run(compose(*overrides), tmp_path, start_workers=fed_norms_probed(seen))
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [row["requested/grad_clip_norm"] for row in rows] == clips == [row["applied/grad_clip_norm"] for row in rows]
+    norms = [row["train/grad_norm"] for row in rows]
+    assert min(norms) > 0.01  # the built clip would clip every step, and the middle step's clip clips
+    for fed in seen["fed"]:  # each rank
+        assert len(fed) == 3
+        for step, (got, norm, clip) in enumerate(zip(fed, norms, clips)):
+            want = norm if clip == 0 else min(norm, clip)
+            assert math.isclose(got, want, rel_tol=1e-5), (step, got, norm, clip)

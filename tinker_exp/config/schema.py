@@ -229,8 +229,9 @@ class OptimizerConfig:
     """Muon: how its update is scaled; match_rms_adamw (Moonlight) gives it AdamW's RMS, so one lr serves both
     parts; "original" is Keller Jordan's scaling (then lr means something else for the two parts)."""
     clip_grad: Optional[float] = 1.0
-    """Gradient-norm clip: the total grad norm is scaled down to at most this (fixed when verl builds the engine: it
-    cannot be sent per step). 0 or null: no clipping, as Tinker's grad_clip_norm=0 and HF's max_grad_norm=0."""
+    """Gradient-norm clip: the total grad norm is scaled down to at most this (the engine's, from its build on; an
+    override's grad_clip_norm replaces it step by step). 0 or null: no clipping, as Tinker's grad_clip_norm=0 and
+    HF's max_grad_norm=0."""
 
     @property
     def max_grad_norm(self) -> float:

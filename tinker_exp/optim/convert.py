@@ -19,7 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from tinker_exp.errors import ConfigError
 
-from tinker_exp.optim.optimizers import GROUP_KEYS, NOT_SENDABLE, TINKER_SPELLINGS, VOCABULARY
+from tinker_exp.optim.optimizers import GROUP_KEYS, TINKER_SPELLINGS, VOCABULARY, WORKER_KEYS
 
 OVERRIDE_KEYS = VOCABULARY
 """Every key an override may name (which of them an optimizer accepts: tinker_exp.optim.optimizers), in a stable
@@ -38,10 +38,7 @@ def override_mapping(node: Any, where: str = "override") -> Mapping[str, Any]:
         return {}
     if not isinstance(node, Mapping):
         raise ConfigError(f"{where}: expected a mapping of {list(OVERRIDE_KEYS)}, got {node!r}")
-    for key, reason in NOT_SENDABLE.items():
-        if key in node:
-            raise ConfigError(f"{where}.{key}: {reason}")
-    unknown = [str(key) for key in node if key not in GROUP_KEYS and key not in TINKER_SPELLINGS]
+    unknown = [str(key) for key in node if key not in GROUP_KEYS and key not in TINKER_SPELLINGS and key not in WORKER_KEYS]
     if unknown:
         from tinker_exp.errors import suggest
 
@@ -115,6 +112,7 @@ RANGES = {
     "lr_decay": Range(low=0.0),
     "initial_accumulator_value": Range(low=0.0),
     "momentum_decay": Range(low=0.0),
+    "grad_clip_norm": Range(low=0.0),  # 0: no clipping
 }
 """Where each optimizer value must lie (verl would take any float; AdamW misbehaves outside these)."""
 

@@ -59,12 +59,15 @@ class OptimizerSpec:
 
     @property
     def sendable(self) -> tuple[str, ...]:
-        """The keys an override may send: held by every sub-optimizer as a float (or pair), with one meaning."""
+        """The keys an override may send: held by every sub-optimizer as a float (or pair), with one meaning; and
+        the keys our worker applies itself (WORKER_KEYS)."""
         first = next(iter(self.parts.values()))
-        return tuple(key for key in VOCABULARY if key in first.keys and self.refusal(key) is None)
+        return tuple(key for key in VOCABULARY if (key in first.keys or key in WORKER_KEYS) and self.refusal(key) is None)
 
     def refusal(self, key: str) -> str | None:
         """Why `key` cannot be sent to this optimizer, in words; None when it can."""
+        if key in WORKER_KEYS:
+            return None
         holding = [part for part in self.parts.values() if key in part.keys]
         if not holding:
             return f"optimizer {self.name} has no param-group key {key}"
@@ -149,24 +152,21 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
 }
 """Every optimizer a run can choose, by optimizer.name."""
 
+WORKER_KEYS: tuple[str, ...] = ("grad_clip_norm",)
+"""Per-step values no param group holds: our worker applies them itself at that step, whatever the optimizer
+(grad_clip_norm: the max norm verl's engine clips with at that step; 0 means no clipping, as Tinker defines it)."""
+
 VOCABULARY: tuple[str, ...] = tuple(
     dict.fromkeys(key for spec in OPTIMIZERS.values() for part in spec.parts.values() for key, kind in part.keys.items()
                   if kind in SENDABLE_KINDS)
-)
-"""Every float key some optimizer holds, in a stable order (the order of plans, rows and tables)."""
+) + WORKER_KEYS
+"""Every float key some optimizer holds, then WORKER_KEYS, in a stable order (the order of plans, rows and tables)."""
 
 GROUP_KEYS: frozenset[str] = frozenset(key for spec in OPTIMIZERS.values() for part in spec.parts.values() for key in part.keys)
 """Every key some optimizer's groups hold (an override naming a non-float one is told why it cannot be sent)."""
 
 TINKER_SPELLINGS = {"learning_rate": "lr", "beta1": "betas[0]", "beta2": "betas[1]"}
 """Tinker's AdamParams names -> verl's keys (a beta is one component of betas)."""
-
-NOT_SENDABLE = {
-    "grad_clip_norm": "the gradient clip is fixed when verl builds its engine (optimizer.clip_grad) and cannot be "
-    "sent per step",
-}
-"""Keys users know from elsewhere that cannot be sent, with the reason."""
-
 
 def spec_of(name: str) -> OptimizerSpec:
     return OPTIMIZERS[name]

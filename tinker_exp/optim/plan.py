@@ -30,7 +30,7 @@ from tinker_exp.optim.convert import (
     number,
     override_mapping,
 )
-from tinker_exp.optim.optimizers import PAIR, OptimizerSpec, sendable_message, spec_of
+from tinker_exp.optim.optimizers import PAIR, WORKER_KEYS, OptimizerSpec, sendable_message, spec_of
 from tinker_exp.optim.schedules import Schedule, compile_schedule
 
 Column = float | np.ndarray
@@ -108,8 +108,10 @@ def _name(optimizer_cfg: Any) -> str:
 
 
 def group_types(spec: OptimizerSpec) -> dict[str, type]:
-    """The types every param group holds for each key an override may send (the table's kinds)."""
-    return {key: tuple if spec.parts[next(iter(spec.parts))].keys[key] == PAIR else float for key in spec.sendable}
+    """The types every param group holds for each key an override may send (the table's kinds; a worker key is a
+    float, as the worker reads it back)."""
+    first = spec.parts[next(iter(spec.parts))]
+    return {key: tuple if key not in WORKER_KEYS and first.keys[key] == PAIR else float for key in spec.sendable}
 
 
 def check_sendable(override: Mapping[str, Any], spec: OptimizerSpec) -> None:
@@ -206,15 +208,19 @@ def build_plan(override_node: Any, optimizer_cfg: Any, total_steps: int) -> Plan
 
     `total_steps` is trainer.steps (>= 1, checked by TrainerConfig)."""
     values = optimizer_values(optimizer_cfg)
-    return plan_for(override_mapping(override_node), values, total_steps, _name(optimizer_cfg))
+    clip = float(optimizer_cfg.clip_grad or 0.0)
+    return plan_for(override_mapping(override_node), values, total_steps, _name(optimizer_cfg), clip)
 
 
-def plan_for(override: Mapping[str, Any], values: dict[str, Any], total_steps: int, optimizer: str) -> Plan:
-    """The plan of an override mapping for an optimizer built from `values` (`optimizer` names it in errors)."""
+def plan_for(
+    override: Mapping[str, Any], values: dict[str, Any], total_steps: int, optimizer: str, clip_grad: float = 0.0
+) -> Plan:
+    """The plan of an override mapping for an optimizer built from `values` (`optimizer` names it in errors);
+    `clip_grad`: the engine's own clip (0: none), a grad_clip_norm schedule's peak unless it gives one."""
     spec = spec_of(optimizer)
     override, spelled = verl_names(override, values, spec)
     check_sendable(override, spec)
-    sources = _sources(override, total_steps, values, spelled)
+    sources = _sources(override, total_steps, {**values, "grad_clip_norm": clip_grad}, spelled)
     schedules = {label: s for _, label, s, _ in sources.values() if isinstance(s, Schedule)}
     steps = np.arange(total_steps, dtype=np.int64) if schedules else None
     columns: dict[str, Column] = {}

@@ -21,6 +21,7 @@ from tinker_exp.runtime.workers import (
     TinkerWorkers,
     _loss,
     engine_device_info,
+    optimizer_step_with_clip,
     param_group_values,
     start_process_group,
     worker_config,
@@ -80,8 +81,8 @@ def _rl_worker_class():
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def optimizer_step(self, optim_step_params=None) -> dict:
-            metrics = TinkerActorRolloutRefWorker.optimizer_step(self, optim_step_params=optim_step_params)
-            return {**metrics, "param_groups": param_group_values(self.actor.engine)}
+            step = lambda params: TinkerActorRolloutRefWorker.optimizer_step(self, optim_step_params=params)  # noqa: E731
+            return optimizer_step_with_clip(step, self.actor.engine, optim_step_params)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def installed(self) -> str:

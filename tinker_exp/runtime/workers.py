@@ -13,6 +13,7 @@ forward_backward starts from no grads, which tests/test_resume.py checks on the 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import threading
@@ -116,6 +117,31 @@ def param_group_values(engine: Any) -> list[dict[str, Any]]:
     return [{key: group[key] for key in OVERRIDE_KEYS if key in group} for group in groups]
 
 
+def optimizer_step_with_clip(step: Any, engine: Any, optim_step_params: dict[str, Any] | None) -> dict[str, Any]:
+    """verl's optimizer_step (`step`, called with the params) at this step's grad_clip_norm, then the param groups.
+
+    verl's engine clips with its config's clip_grad (fixed when built; a 0 there would zero every gradient): a
+    grad_clip_norm sent with the step replaces it for this step only (0, Tinker's "no clipping": inf), so the step is
+    the very one an engine built with that clip takes. The clip the engine held during the step joins every group's
+    read-back as grad_clip_norm (0.0 for none), for the loop's applied == requested check. Nothing sent: verl's call
+    as it is."""
+    params = dict(optim_step_params or {})
+    clip = params.pop("grad_clip_norm", None)
+    if clip is None:
+        metrics = step(optim_step_params)
+        return {**metrics, "param_groups": param_group_values(engine)}
+    config = engine.optimizer_config
+    built = config.clip_grad
+    config.clip_grad = clip if clip > 0 else math.inf
+    try:
+        metrics = step(params or None)
+        used = config.clip_grad
+    finally:
+        config.clip_grad = built
+    applied = float(used) if math.isfinite(used) else 0.0
+    return {**metrics, "param_groups": [{**group, "grad_clip_norm": applied} for group in param_group_values(engine)]}
+
+
 def _worker_class():
     import torch
     from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
@@ -159,9 +185,9 @@ def _worker_class():
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def optimizer_step(self, optim_step_params=None) -> dict:
-            # verl's step, then the values the groups hold: one round trip gives both.
-            metrics = TinkerTrainingWorker.optimizer_step(self, optim_step_params=optim_step_params)
-            return {**metrics, "param_groups": self._param_group_values()}
+            # verl's step at this step's clip, then the values the groups hold: one round trip gives both.
+            step = lambda params: TinkerTrainingWorker.optimizer_step(self, optim_step_params=params)  # noqa: E731
+            return optimizer_step_with_clip(step, self.engine, optim_step_params)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def export_adapter(self, folder: str) -> int | None:

@@ -1,0 +1,125 @@
+"""``python -m tinker_exp.serve [serve.host=H] [serve.port=P] [serve.run_dir=DIR] [OVERRIDES]``: the Tinker API on
+tinker_exp's workers (docs/serve.md).
+
+The run's config groups compose as for ``python -m tinker_exp`` (model, optimizer, backend, ...; the same overrides);
+``serve.*`` are the server's own. Everything is checked before any worker starts; a mistake is one line, exit 2.
+The served run dir holds metrics.jsonl (one row per optim_step: the loss, grad norm, requested and applied values)
+and workers.log, as a run's.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tinker_exp.errors import ConfigError, TinkerExpError, one_line
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    """The address the server listens on."""
+    port: int = 8000
+    """Its port (0: any free one; the line printed at start names it)."""
+    run_dir: str = ""
+    """Where metrics.jsonl and workers.log go; empty: outputs/serve/<date>/<time>."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"serve.port: {self.port!r} is not a port (0 .. 65535)")
+
+
+def serve_config(args: list[str]) -> tuple[ServeConfig, list[str]]:
+    """The serve.* arguments as a ServeConfig; the rest are the run's overrides."""
+    own, rest = {}, []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not key.startswith("serve."):
+            rest.append(arg)
+            continue
+        name = key.removeprefix("serve.")
+        if not sep or name not in ServeConfig.__dataclass_fields__:
+            raise ConfigError(f"{key}: not a serve key (serve.host, serve.port, serve.run_dir), as serve.KEY=VALUE")
+        if name == "port":
+            try:
+                value = int(value)
+            except ValueError:
+                raise ConfigError(f"serve.port: {value!r} is not a port (0 .. 65535)") from None
+        own[name] = value
+    return ServeConfig(**own), rest
+
+
+def main(args: list[str]) -> None:
+    import datetime
+    import socket
+
+    from hydra import compose, initialize_config_dir
+
+    from tinker_exp import config
+    from tinker_exp.main import CONF_DIR
+
+    serve, overrides = serve_config(args)
+    config.register()
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from tinker_exp.config.compose_errors import as_config_error
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        try:
+            composed = compose(config_name="config", overrides=overrides)
+        except (HydraException, OmegaConfBaseException) as e:  # the override grammar's mistakes, as a run's
+            raise as_config_error(e) from None
+    cfg = config.load(composed)
+    config.check(cfg)
+    if cfg.env.active:
+        raise ConfigError("env: the server takes its data from its client; serve without env=")
+    from tinker_exp.optim import build_plan
+    from tinker_exp.optim.plan import plan_for
+
+    plan = build_plan(None, cfg.optimizer, 1)  # the optimizer's own values, checked as a run checks them
+    run_dir = Path(serve.run_dir or f"outputs/serve/{datetime.datetime.now():%Y-%m-%d/%H-%M-%S-%f}")
+    listener = socket.create_server((serve.host, serve.port))  # a port in use: one line, before any worker
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    from tinker_exp.runtime.device import resolve
+    from tinker_exp.runtime.inputs import model_dir
+    from tinker_exp.runtime.worker_output import WorkerOutput
+    from tinker_exp.serve.app import Server, build_app
+    from tinker_exp.runtime.serve_workers import ServeWorkers
+    from tinker_exp.train.loop import check_applied
+    from tinker_exp.train.sinks import JsonlSink
+
+    choice = resolve(cfg.backend)
+    model_path = model_dir(cfg.model)
+    model_name = cfg.model.path or cfg.model.name
+
+    def build_workers(rank: int) -> ServeWorkers:
+        lora = replace(cfg.lora, rank=rank)
+        workers = ServeWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values, choice,
+                               WorkerOutput(run_dir / "workers.log"), lora)
+        workers.ready()
+        return workers
+
+    def optim_params(adam: dict) -> dict:
+        return plan_for(adam, plan.optimizer_values, 1, plan.optimizer, float(cfg.optimizer.clip_grad or 0.0))[0]
+
+    sink = JsonlSink(run_dir / "metrics.jsonl")
+    server = Server(model_name, build_workers, optim_params, sink.log, check_applied)
+    import uvicorn
+
+    host, port = listener.getsockname()[:2]
+    print(f"tinker_exp.serve: serving {model_name} on http://{host}:{port} (run dir {run_dir})", flush=True)
+    uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning")).run(sockets=[listener])
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except TinkerExpError as e:
+        print(f"tinker_exp: {one_line(e)}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except OSError as e:  # the address: in use, not ours
+        print(f"tinker_exp: serve: cannot listen: {e}", file=sys.stderr)
+        sys.exit(2)
