@@ -113,6 +113,28 @@ def test_a_runs_report_is_titled_by_its_name_and_its_legend_names_its_overrides(
     assert [ax.get_ylabel() for ax in draw_report([read_run(plain)], "run plain").axes] == ["loss"]
 
 
+def test_an_rl_runs_rewards_are_drawn_in_a_panel_below_its_loss_labelled_train_and_eval(tmp_path):
+    """Each run's train/reward (every step) and eval/reward (at its evaluations) read back from the reward panel,
+    under the run's label; the plan's panels follow it. An SFT run has none (above: its panels are the loss's)."""
+    rewards = {"a": [0.0, 0.25, 0.5, 1.0], "b": [0.1, 0.1, 0.2, 0.3]}
+    for name, reward in rewards.items():
+        run_dir = make_run(tmp_path / name, [f"trainer.seed={len(name) + ord(name)}"])
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        for row, r in zip(rows, reward):
+            row |= {"train/reward": r} | ({"eval/reward": r + 0.05} if row["train/step"] % 2 else {})
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    runs = [read_run(tmp_path / name) for name in rewards]
+    fig = draw_report(runs, "rl")
+    assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "reward", "lr"]
+    reward_ax = fig.axes[1]
+    assert [t.get_text() for t in reward_ax.get_legend().get_texts()] == ["train/reward", "eval/reward"]
+    for run, reward in zip(runs, rewards.values()):
+        train, evaluated = [line for line in reward_ax.get_lines() if line.get_gid() == run.label]
+        assert (list(train.get_xdata()), list(train.get_ydata())) == ([0, 1, 2, 3], reward)
+        assert evaluated.get_linestyle() == "--" and list(evaluated.get_xdata()) == [1, 3]
+        assert list(evaluated.get_ydata()) == [reward[1] + 0.05, reward[3] + 0.05]
+
+
 def test_a_sweeps_best_job_by_its_objective_is_drawn_thick_and_named(tmp_path):
     sweep = tmp_path / "outputs" / "sweeps" / "2026-12-01" / "08-38-51"
     last = ("val/loss", "last")

@@ -3,7 +3,7 @@ the driver sampling from the weights the workers export after every optimizer st
 
 One CLI run (README's RL command: env=digits loss=importance_sampling +override=lr_cosine trainer.steps=40, with the
 objective eval/reward maximised and the best checkpoint kept, every checkpoint kept) is read by every test here; one
-more run resumes a copy of it.
+more run resumes a copy of it, and one branches it at step 10.
 """
 
 from __future__ import annotations
@@ -101,3 +101,21 @@ def test_a_run_killed_after_its_checkpoint_resumes_bitwise(rl_run, ray_address, 
     same = ("train/reward", "train/reward_std", "train/loss", "train/grad_norm", "train/mismatch", "train/response_length")
     assert [[row[key] for key in same] for row in rows] == [[row[key] for key in same] for row in uninterrupted]
     assert [row.get("eval/reward") for row in rows] == [row.get("eval/reward") for row in uninterrupted]
+
+
+def test_a_branch_of_an_rl_run_starts_from_its_checkpoint_bitwise_then_applies_its_own_plan(rl_run, ray_address, tmp_path):
+    """branch.step=10 with a shorter cosine (12 steps, no evaluation): the branch's step 10 samples the trunk's
+    prompts and responses from the trunk's weights (sampler RNG and prompt cursor from the checkpoint), so its
+    reward, loss and grad norm are the trunk's bit for bit; from there its own plan's lr is applied and the runs part."""
+    trunk, _ = rl_run
+    at, steps = 10, 12
+    branch = [*RL_COMMAND[:-1], f"trainer.steps={steps}", "logger=none", "env.eval_prompts=null", f"branch.from={trunk}", f"branch.step={at}"]
+    result = run_cli(*branch, f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows, trunk_rows = metrics_rows(tmp_path), metrics_rows(trunk)
+    assert [row["train/step"] for row in rows] == list(range(at, steps))
+    same = ("train/reward", "train/reward_std", "train/loss", "train/grad_norm", "train/mismatch", "train/response_length")
+    assert [rows[0][key] for key in same] == [trunk_rows[at][key] for key in same]
+    assert [row["applied/lr"] for row in rows] == [row["requested/lr"] for row in rows] == planned(tmp_path, "lr")[at:]
+    assert planned(tmp_path, "lr")[at] != planned(trunk, "lr")[at]
+    assert rows[1]["train/loss"] != trunk_rows[at + 1]["train/loss"]

@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from helpers import REPO, compose, environment, job_json, job_processes, read_jsonl, run_cli, squeue, wait_until
 from tinker_exp.errors import ConfigError
-from tinker_exp.sweep.study import CUT_OFF, masked, open_storage, recover, results, search_space, steps_line, study_in, sweep_storage
+from tinker_exp.sweep.study import CUT_OFF, evaluations_error, masked, open_storage, recover, results, search_space, steps_line, study_direction, study_in, sweep_storage
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.slurm import slurm_states
 from tinker_exp.train.checkpoints import latest
@@ -81,6 +81,31 @@ def test_search_space_is_written_in_hydras_grammar():
 def test_a_bad_search_dimension_is_a_config_error(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         search_space(parse(override))
+
+
+@pytest.mark.parametrize(
+    "direction, mode, expected",
+    [(None, "max", "maximize"), (None, "min", "minimize"), (None, "last", "minimize"),
+     ("maximize", "last", "maximize"), ("minimize", "last", "minimize"), ("maximize", "max", "maximize")],
+)
+def test_the_study_direction_follows_the_objective_mode_unless_given(direction, mode, expected):
+    assert study_direction(direction, compose(f"trainer.objective_mode={mode}").trainer.objective_mode) == expected
+
+
+@pytest.mark.parametrize("direction, mode", [("minimize", "max"), ("maximize", "min")])
+def test_a_direction_contrary_to_the_objective_mode_is_a_config_error(direction, mode):
+    with pytest.raises(ConfigError, match=rf"^hydra.sweeper.direction={direction} contradicts trainer.objective_mode={mode} "):
+        study_direction(direction, mode)
+
+
+def test_a_pruner_judges_an_rl_run_on_its_held_out_prompts_and_needs_them():
+    rl = ("env=digits", "loss=importance_sampling", "data.val_fraction=null")
+    assert evaluations_error("median", compose(*rl)) is None  # no validation data: the env's eval prompts do
+    assert evaluations_error("median", compose(*rl, "env.eval_prompts=null")) == (
+        "hydra.sweeper.pruner=median: the pruner needs evaluations, and the env has no held-out prompts (env.eval_prompts)"
+    )
+    assert "trainer.eval_every=0" in evaluations_error("median", compose(*rl, "trainer.eval_every=0"))
+    assert "no validation data" in evaluations_error("median", compose("data.val_fraction=null"))  # SFT as before
 
 
 def test_a_killed_study_is_continued_from_its_storage_and_run_dirs(tmp_path):
@@ -198,6 +223,8 @@ def test_a_killed_pruning_study_records_a_trial_pruned_meanwhile_as_pruned(tmp_p
          "config error: hydra.sweeper.pruner=median: trainer.eval_every=0 evaluates only after the last step"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.pruner=threshold", "+hydra.sweeper.pruner_args.upper=1", "data.val_fraction=null"],
          "config error: hydra.sweeper.pruner=threshold: the pruner needs evaluations, and there is no validation data"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "trainer.objective_mode=max", "hydra.sweeper.direction=minimize"],
+         "config error: hydra.sweeper.direction=minimize contradicts trainer.objective_mode=max (higher is better)"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.storage=postgresql://bob:hunter2@127.0.0.1:1/studies"],
          "config error: hydra.sweeper.storage: postgresql://bob:***@127.0.0.1:1/studies: cannot open the study:"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.storage=db.lab/studies"],

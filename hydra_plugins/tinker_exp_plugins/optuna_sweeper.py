@@ -57,7 +57,7 @@ class OptunaSweeper(Sweeper):
         n_trials: int,
         n_jobs: int,
         seed: int,
-        direction: str = "minimize",
+        direction: str | None = None,
         n_startup_trials: int = 10,
         study_name: str = "tinker_exp",
         storage: str | None = None,
@@ -78,17 +78,12 @@ class OptunaSweeper(Sweeper):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"hydra.sweeper.{key}: {value!r} must be an int >= {least}")
-        if self.direction not in ("minimize", "maximize"):
-            raise ConfigError(f"hydra.sweeper.direction: {self.direction!r} must be minimize or maximize")
-        from tinker_exp.sweep.study import make_pruner
+        from tinker_exp.sweep.study import evaluations_error, make_pruner, study_direction
 
+        self.direction = study_direction(self.direction, config.trainer.objective_mode)
         self.optuna_pruner = make_pruner(self.pruner, self.pruner_args)
-        if self.pruner != "none":
-            trainer, data = config.trainer, config.data
-            if data.get("val_path") is None and data.get("val_fraction") is None:
-                raise ConfigError(f"hydra.sweeper.pruner={self.pruner}: the pruner needs evaluations, and there is no validation data (data.val_path or data.val_fraction)")
-            if not trainer.eval_every:
-                raise ConfigError(f"hydra.sweeper.pruner={self.pruner}: trainer.eval_every=0 evaluates only after the last step; the pruner has nothing to judge")
+        if self.pruner != "none" and (why := evaluations_error(self.pruner, config)):
+            raise ConfigError(why)
         self.hydra_context, self.config = hydra_context, config
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config

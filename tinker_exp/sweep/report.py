@@ -1,4 +1,5 @@
-"""report.png: look rather than read. Every run's training and validation loss overlaid, and every optimizer value
+"""report.png: look rather than read. Every run's training and validation loss overlaid (an RL run's train/reward
+and eval/reward in a panel below it), and every optimizer value
 that changes over a run or differs between runs, one panel each, drawn from what each run applied (applied/KEY)
 up to where it stopped (a log axis where the values span more than a decade). One run, a sweep (the best job by its objective drawn thick and named
 in the legend), a study (the same, and study.png: the objective against each searched parameter), or any runs
@@ -32,6 +33,7 @@ STUDY_REPORT = "study.png"  # a study's objective against each searched paramete
 # Per-run identity, not a setting: a sweep names each job's W&B run and group after its overrides and sweep dir.
 IDENTITY_KEYS = ("logger.run_name", "logger.group")
 LINE_WIDTH, BEST_LINE_WIDTH = 1.0, 2.8
+REWARD_KEYS = ("train/reward", "eval/reward")  # an RL run's: drawn in a reward panel below the loss
 LEGEND_BESIDE = 60  # labels up to this many characters: the legend beside the plot, longer ones below it
 
 
@@ -364,7 +366,8 @@ def _pyplot() -> Any:
 
 
 def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
-    """The figure (not saved): loss panel, then one panel per plan key that changes. Each run's loss lines
+    """The figure (not saved): loss panel, a reward panel when a run logged train/reward or eval/reward (RL), then
+    one panel per plan key that changes. Each run's loss lines
     carry its label as their gid, and the legend one entry per run, so what is drawn can be read back. None when
     no run logged a step."""
     trunks, runs = trunks_of(runs)
@@ -378,6 +381,7 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     runs = [run for group in groups for run in group]  # a group's runs together in the legend
     varying = _varying_keys([*runs, *(trunk.run for trunk in trunks)])
     branch_steps = sorted({part.first for run in runs for part in run.parts if part.first})  # also a gone trunk's
+    rewarded = any(key in row for run in [*runs, *(t.run for t in trunks)] for row in run.rows for key in REWARD_KEYS)
     plt = _pyplot()
     from matplotlib.lines import Line2D
 
@@ -388,8 +392,10 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     below = widest > LEGEND_BESIDE
     beside = len(runs) > 1 and not below  # one run with a short label: inside its loss panel
     legend_width = 0.075 * widest if beside else 0
-    fig, axes = plt.subplots(1 + len(varying), 1, figsize=(8 + legend_width, 3.4 + 1.8 * len(varying)), sharex=True,
-                             squeeze=False, gridspec_kw={"height_ratios": [2.2] + [1] * len(varying)})  # fmt: skip
+    fig, axes = plt.subplots(1 + rewarded + len(varying), 1, figsize=(8 + legend_width, 3.4 + 1.8 * (rewarded + len(varying))),
+                             sharex=True, squeeze=False, gridspec_kw={"height_ratios": [2.2] + [1] * (rewarded + len(varying))})  # fmt: skip
+    reward_ax = axes[1, 0] if rewarded else None
+    plan_axes = axes[1 + rewarded :, 0]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] if len(runs) <= 10 else plt.get_cmap("tab20").colors
     loss_ax = axes[0, 0]
     handles = [Line2D([], [], color="0.3", linewidth=1.0, label="train"),
@@ -401,7 +407,9 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
         if steps:
             loss_ax.plot(steps, values, color=TRUNK_COLOR, linewidth=TRUNK_WIDTH + 0.4, linestyle="--", marker="o",
                          markersize=2.5, zorder=1, gid=trunk.label)  # fmt: skip
-        for ax, key in zip(axes[1:, 0], varying):
+        if reward_ax is not None:
+            _draw_reward(reward_ax, rows, color=TRUNK_COLOR, linewidth=TRUNK_WIDTH, zorder=1, gid=trunk.label)
+        for ax, key in zip(plan_axes, varying):
             ax.plot(*_sent_series(trunk.run, rows, key, trunk.part), color=TRUNK_COLOR, linewidth=TRUNK_WIDTH, zorder=1,
                     gid=trunk.label)  # fmt: skip
         handles.append(Line2D([], [], color=TRUNK_COLOR, linewidth=TRUNK_WIDTH + 0.6, label=trunk.label))
@@ -415,7 +423,9 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
         if steps:
             loss_ax.plot(steps, values, color=color, linewidth=width + 0.6, linestyle="--", marker="o",
                          markersize=5 if is_best else 3, alpha=alpha, zorder=z, gid=run.label)  # fmt: skip
-        for ax, key in zip(axes[1:, 0], varying):  # a branch's from its branch step: the trunk's is grey
+        if reward_ax is not None:
+            _draw_reward(reward_ax, run.rows, color=color, linewidth=width, alpha=alpha, zorder=z, gid=run.label)
+        for ax, key in zip(plan_axes, varying):  # a branch's from its branch step: the trunk's is grey
             ax.plot(*_sent_series(run, run.rows, key, run.parts[-1]), color=color, linewidth=width + 0.2, alpha=alpha,
                     zorder=z, gid=run.label)  # fmt: skip
         label = run.label
@@ -432,7 +442,13 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
         fig.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(0.0, 0.0), frameon=False)
     else:
         loss_ax.legend(handles=handles, fontsize=8, loc="best")
-    for ax, key in zip(axes[1:, 0], varying):
+    if reward_ax is not None:
+        reward_ax.set_ylabel("reward")
+        reward_ax.grid(alpha=0.3)
+        reward_ax.legend(handles=[Line2D([], [], color="0.3", linewidth=1.0, label="train/reward"),
+                                  Line2D([], [], color="0.3", linewidth=1.6, linestyle="--", marker="o", markersize=3,
+                                         label="eval/reward")], fontsize=7, loc="best")  # fmt: skip
+    for ax, key in zip(plan_axes, varying):
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         _log_axis_over_a_decade(ax)
@@ -449,6 +465,14 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     fig.suptitle("\n".join(_wrap(line, 110 + int(12 * legend_width)) for line in lines), fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def _draw_reward(ax: Any, rows: list[dict[str, Any]], **style: Any) -> None:
+    """One run's train/reward (solid) and eval/reward (dashed, a dot per evaluation), as its losses are drawn."""
+    ax.plot(*_series(rows, "train/reward"), **style)
+    steps, values = _series(rows, "eval/reward")
+    if steps:
+        ax.plot(steps, values, **(style | {"linewidth": style["linewidth"] + 0.6}), linestyle="--", marker="o", markersize=3)
 
 
 def _title_lines(title: str, runs: Sequence[RunInfo], bests: Sequence[RunInfo], by_step: bool, silent: Sequence[RunInfo]) -> list[str]:

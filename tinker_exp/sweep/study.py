@@ -78,6 +78,38 @@ PRUNERS = {
 PRUNER_ARGS = "hydra.sweeper.pruner_args"
 
 
+def study_direction(direction: str | None, objective_mode: Any) -> str:
+    """The study's direction: hydra.sweeper.direction when given, else what trainer.objective_mode says (max:
+    maximize; min and last: minimize, the objective's default sense). Given and contrary to a min or max mode: an
+    error naming both keys."""
+    mode = str(getattr(objective_mode, "value", objective_mode))
+    implied = "maximize" if mode == "max" else "minimize"
+    if direction is None:
+        return implied
+    if direction not in ("minimize", "maximize"):
+        raise ConfigError(f"hydra.sweeper.direction: {direction!r} must be minimize or maximize")
+    if mode in ("min", "max") and direction != implied:
+        raise ConfigError(
+            f"hydra.sweeper.direction={direction} contradicts trainer.objective_mode={mode} (higher is "
+            f"{'better' if mode == 'max' else 'worse'}); drop hydra.sweeper.direction: it follows the mode"
+        )
+    return direction
+
+
+def evaluations_error(pruner: str, config: Any) -> str | None:
+    """Why a pruner would have nothing to judge in runs of `config` (the sweep's config: trainer, data, env), or
+    None. An RL run (an env with prompts) is evaluated on its held-out prompts, any other run on validation data."""
+    env = config.get("env") or {}
+    if env.get("prompts") is not None:
+        if env.get("eval_prompts") is None:
+            return f"hydra.sweeper.pruner={pruner}: the pruner needs evaluations, and the env has no held-out prompts (env.eval_prompts)"
+    elif config.data.get("val_path") is None and config.data.get("val_fraction") is None:
+        return f"hydra.sweeper.pruner={pruner}: the pruner needs evaluations, and there is no validation data (data.val_path or data.val_fraction)"
+    if not config.trainer.eval_every:
+        return f"hydra.sweeper.pruner={pruner}: trainer.eval_every=0 evaluates only after the last step; the pruner has nothing to judge"
+    return None
+
+
 def pruner_arguments(name: str) -> dict[str, bool]:
     """The keyword arguments pruner `name` takes (its Optuna class's; `patient`'s wrapped pruner named, not built),
     each with whether it is required."""
