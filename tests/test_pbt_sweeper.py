@@ -32,6 +32,8 @@ BAD = [
     (["trainer.eval_every=0"], "hydra.sweeper.interval=2: trainer.eval_every=0 evaluates only after the last step; each boundary must be an evaluation step"),
     (["hydra.sweeper.interval=6"], "hydra.sweeper.interval=6: trainer.steps=8 leaves no boundary to train on from (needs trainer.steps >= 2 * interval = 12)"),
     (["data.val_fraction=null"], "hydra.sweeper=pbt: members are scored at evaluations, and there is no validation data (data.val_path or data.val_fraction)"),
+    (["env=digits", "loss=importance_sampling", "env.eval_prompts=null"],
+     "hydra.sweeper=pbt: members are scored at evaluations, and the env has no held-out prompts (env.eval_prompts)"),
     (["hydra.sweeper.quantile=0"], "hydra.sweeper.quantile: 0 must be in (0, 0.5]"),
     (["hydra.sweeper.quantile=0.6"], "hydra.sweeper.quantile: 0.6 must be in (0, 0.5]"),
     (["hydra.sweeper.perturb=[0.8,0]"], "hydra.sweeper.perturb: 0 in [0.8, 0] must be a number > 0"),
@@ -287,3 +289,16 @@ def test_the_preset_plans_each_member_and_its_replay_composes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert planned(tmp_path / "replay", "lr") == [0.001] * 10 + [0.0008] * 10
     assert set(planned(tmp_path / "replay", "weight_decay")) == {0.05}
+
+
+def test_an_rl_population_is_scored_on_its_envs_held_out_prompts_without_validation_data():
+    from helpers import compose
+    from hydra_plugins.tinker_exp_plugins.pbt_sweeper import boundary_error
+
+    from tinker_exp import config
+
+    rl = ("env=digits", "loss=importance_sampling", "data.val_fraction=null", "trainer.steps=8", "trainer.eval_every=2")
+    assert boundary_error(config.load(compose(*rl)), 2) is None
+    assert boundary_error(config.load(compose(*rl, "env.eval_prompts=null")), 2) == (
+        "hydra.sweeper=pbt: members are scored at evaluations, and the env has no held-out prompts (env.eval_prompts)"
+    )

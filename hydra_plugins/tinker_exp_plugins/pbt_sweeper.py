@@ -114,10 +114,11 @@ def settings_error(population: Any, interval: Any, quantile: Any, perturb: Any, 
 def boundary_error(cfg: Any, interval: int) -> str | None:
     """Why the members' config cannot have a boundary every `interval` steps that is an evaluation step, or None.
     `cfg`: a member's typed config (what PBT needs of it is the same for every member: none of it is searched)."""
-    trainer, data = cfg.trainer, cfg.data
-    if data.val_path is None and data.val_fraction is None:
-        return ("hydra.sweeper=pbt: members are scored at evaluations, and there is no validation data "
-                "(data.val_path or data.val_fraction)")  # fmt: skip
+    from tinker_exp.train.evaluation import missing_evaluation_data
+
+    trainer = cfg.trainer
+    if why := missing_evaluation_data(cfg):
+        return f"hydra.sweeper=pbt: members are scored at evaluations, and {why}"
     if not trainer.eval_every:
         return (f"hydra.sweeper.interval={interval}: trainer.eval_every=0 evaluates only after the last step; each "
                 "boundary must be an evaluation step")  # fmt: skip

@@ -28,6 +28,7 @@ from tinker_exp.errors import ConfigError
 from tinker_exp.formats import masked  # noqa: F401 (the sweeper's and the tests' name for it)
 from tinker_exp.train.judges import GO_ON, Decision, Judge, stop
 from tinker_exp.train.objective import objective_metric, read_objective, read_run_end
+from tinker_exp.train.evaluation import missing_evaluation_data
 
 RESULTS_FILE = "optimization_results.yaml"
 JOURNAL_FILE = "optuna.journal"  # the default storage: Optuna's journal, safe for writers on several nodes
@@ -99,12 +100,8 @@ def study_direction(direction: str | None, objective_mode: Any) -> str:
 def evaluations_error(pruner: str, config: Any) -> str | None:
     """Why a pruner would have nothing to judge in runs of `config` (the sweep's config: trainer, data, env), or
     None. An RL run (an env with prompts) is evaluated on its held-out prompts, any other run on validation data."""
-    env = config.get("env") or {}
-    if env.get("prompts") is not None:
-        if env.get("eval_prompts") is None:
-            return f"hydra.sweeper.pruner={pruner}: the pruner needs evaluations, and the env has no held-out prompts (env.eval_prompts)"
-    elif config.data.get("val_path") is None and config.data.get("val_fraction") is None:
-        return f"hydra.sweeper.pruner={pruner}: the pruner needs evaluations, and there is no validation data (data.val_path or data.val_fraction)"
+    if why := missing_evaluation_data(config):
+        return f"hydra.sweeper.pruner={pruner}: the pruner needs evaluations, and {why}"
     if not config.trainer.eval_every:
         return f"hydra.sweeper.pruner={pruner}: trainer.eval_every=0 evaluates only after the last step; the pruner has nothing to judge"
     return None

@@ -10,6 +10,18 @@ from tinker_exp.train.data import Example
 from tinker_exp.train.protocols import Workers
 
 
+def missing_evaluation_data(config: Any) -> str | None:
+    """What a run of `config` (typed or a DictConfig: trainer, data, env) lacks to be evaluated, or None: an RL run
+    (an env with prompts) is evaluated on its held-out prompts, any other run on validation data. One rule for every
+    search method that judges runs at evaluations (a study's pruner, a population's boundaries)."""
+    env = getattr(config, "env", None)
+    if getattr(env, "prompts", None) is not None:
+        return None if env.eval_prompts is not None else "the env has no held-out prompts (env.eval_prompts)"
+    if config.data.val_path is None and config.data.val_fraction is None:
+        return "there is no validation data (data.val_path or data.val_fraction)"
+    return None
+
+
 @dataclass
 class Evaluation:
     batches: list[list[Example]]
