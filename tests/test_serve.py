@@ -88,8 +88,20 @@ def trained(server, tokenized):
     for params in STEPS:
         outputs.append(client.forward_backward(data, "cross_entropy").result())
         responses.append(client.optim_step(types.AdamParams(**params)).result())
-    return {"capabilities": capabilities, "client": client, "outputs": outputs, "responses": responses, "data": data,
-            "rows": read_jsonl(server["run_dir"] / "metrics.jsonl")}
+    yield {"capabilities": capabilities, "client": client, "outputs": outputs, "responses": responses, "data": data,
+           "rows": read_jsonl(server["run_dir"] / "metrics.jsonl"), "service": service}
+    service.close("success").result(timeout=60)  # as a user's loop ends: no heartbeat outlives the module
+
+
+def test_a_closed_session_is_finished_and_its_heartbeats_refused(server, trained):
+    """The route behind the SDK's ServiceClient.close(status) (the `trained` loop closes its own at teardown): the
+    session ends, its heartbeats get 410, a second finish is refused in one line."""
+    session_id = post(server, "create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"}).json()["session_id"]
+    assert post(server, "session_heartbeat", {"session_id": session_id}).status_code == 200
+    assert post(server, f"sessions/{session_id}/finish", {"reason": {"type": "success"}, "detail": None}).status_code == 200
+    assert post(server, "session_heartbeat", {"session_id": session_id}).status_code == 410
+    finished_again = post(server, f"sessions/{session_id}/finish", {"reason": {"type": "success"}, "detail": None})
+    assert finished_again.status_code == 404 and finished_again.json()["error"] == f"session_id: {session_id!r} is not a session of this server"
 
 
 def test_capabilities_and_model_info(trained):

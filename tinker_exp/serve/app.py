@@ -222,6 +222,14 @@ def build_app(server: Server):
             return refused(f"session_id: {body.get('session_id')!r} is not a session of this server", 410)
         return {"type": "session_heartbeat"}
 
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, request: Request):
+        """The SDK's `ServiceClient.close(status)`: the session ends; its heartbeats get 410 from now on."""
+        if session_id not in server.sessions:
+            return refused(f"session_id: {session_id!r} is not a session of this server", 404)
+        server.sessions.discard(session_id)
+        return None
+
     @app.post("/api/v1/telemetry")
     async def telemetry(request: Request):
         return {"status": "accepted"}
