@@ -359,3 +359,24 @@ def test_a_member_whose_boundaries_are_not_evaluations_stops_before_any_worker(t
     with pytest.raises(ConfigError, match=r"a member's boundaries \(every 2 steps, at least one before the last step\) must be evaluation steps"):
         run(compose(*MEMBER, "override.lr.value=1e-3", change), tmp_path / "run", job=job_info(0, []), start_workers=start)
     assert start.started == []
+
+
+def test_a_maximised_objective_ranks_the_highest_first_in_grid_and_population_summaries(tmp_path):
+    """objective_mode=max (an RL run's eval/reward): the summary's best is the highest, for a sweep's jobs and a
+    population's members alike (each run's objective.json says the mode)."""
+    from tinker_exp.sweep.jobs import ranked as ranked_jobs, read_outcome
+    from tinker_exp.sweep.pbt_report import ranked as ranked_members, read_member
+    from tinker_exp.train.objective import write_objective
+
+    def run(n: int, value: float, mode: str):
+        run_dir = tmp_path / mode / str(n)
+        run_dir.mkdir(parents=True)
+        write_objective(run_dir, "eval/reward", mode, value)
+        return run_dir
+
+    for mode, order in (("max", [1, 2, 0]), ("last", [0, 2, 1])):
+        dirs = [run(n, value, mode) for n, value in enumerate([0.43, 0.92, 0.59])]
+        jobs = [read_outcome(n, [], "COMPLETED", d, None, objective=v) for n, (d, v) in enumerate(zip(dirs, [0.43, 0.92, 0.59]))]
+        members = [read_member(n, {}, d, v, None) for n, (d, v) in enumerate(zip(dirs, [0.43, 0.92, 0.59]))]
+        assert [o.num for o in ranked_jobs(jobs)] == order
+        assert [m.member for m in ranked_members(members)] == order

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from tinker_exp.formats import read_jsonl, text_table
 from tinker_exp.sweep.slurm import Settling
+from tinker_exp.train.objective import higher_is_better, ranking_key
 
 # What Slurm tells a job about itself (sbatch / srun set these in the job's environment).
 SLURM_VARIABLES = {
@@ -75,6 +76,7 @@ class JobOutcome:
     steps: int = 0  # steps logged to metrics.jsonl
     final_loss: float | None = None
     objective: float | None = None  # what the job returned to the sweeper (trainer.objective)
+    higher_is_better: bool = False  # trainer.objective_mode=max: the highest objective is the best
     branch_from: str | None = None  # a branch's trunk run dir (job.json's lineage), its steps before branch_step
     branch_step: int | None = None
 
@@ -107,6 +109,7 @@ def read_outcome(
 ) -> JobOutcome:
     """What a job left in its run dir (whatever it got to before it ended), and the objective it returned."""
     outcome = JobOutcome(num, list(overrides), status, str(run_dir), error, job_id, objective=objective)
+    outcome.higher_is_better = higher_is_better(run_dir)
     job = run_dir / JOB_FILE
     try:
         lineage = json.loads(job.read_text()).get("branch") if job.is_file() else None
@@ -124,8 +127,9 @@ def read_outcome(
 
 
 def ranked(outcomes: Sequence[JobOutcome]) -> list[JobOutcome]:
-    """Best objective (lowest) first; jobs without one (failed, dry runs) after, in job order."""
-    return sorted(outcomes, key=lambda o: (o.objective is None, o.objective if o.objective is not None else 0, o.num))
+    """Best objective (lowest, or highest when maximised) first; jobs without one (failed, dry runs) after, in job
+    order."""
+    return sorted(outcomes, key=lambda o: (o.objective is None, ranking_key(o.objective, o.higher_is_better), o.num))
 
 
 def branches_line(branches: Sequence[tuple[str, int]]) -> str | None:

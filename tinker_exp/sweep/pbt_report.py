@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from tinker_exp.formats import read_json, read_jsonl, text_table
 from tinker_exp.sweep.jobs import write_summary_files
+from tinker_exp.train.objective import higher_is_better, ranking_key
 from tinker_exp.sweep.report import LINE_WIDTH, BEST_LINE_WIDTH, display_name  # noqa: F401 (display_name: the sweeper's)
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class Member:
     error: str | None = None
     objective: float | None = None  # its final objective (what its job returned); None unless completed
     metric: str = DEFAULT_METRIC  # trainer.objective, as its objective.json names it
+    higher_is_better: bool = False  # trainer.objective_mode=max, as its objective.json says
     steps: int = 0  # metrics rows its run dir holds (its own steps, before and after its exploits)
     exploits: list[dict[str, int]] = field(default_factory=list)  # [{"donor": d, "step": s}] in step order
     final: dict[str, Any] = field(default_factory=dict)  # the values of its last step trained
@@ -58,6 +60,7 @@ def read_member(member: int, start: Mapping[str, Any], run_dir: Path, objective:
     found = Member(member, dict(start), status, str(run_dir), error, objective if error is None else None)
     metric = (read_json(run_dir / "objective.json") or {}).get("metric")
     found.metric = metric if isinstance(metric, str) else DEFAULT_METRIC
+    found.higher_is_better = higher_is_better(run_dir)
     metrics = run_dir / "metrics.jsonl"
     found.steps = len(read_jsonl(metrics)) if metrics.exists() else 0
     rows = run_dir / POPULATION_ROWS
@@ -93,8 +96,8 @@ def sent_names(key: str) -> list[str]:
 
 
 def ranked(members: Sequence[Member]) -> list[Member]:
-    """Best final objective (lowest) first; members without one after, in member order."""
-    return sorted(members, key=lambda m: (not m.ok, m.objective if m.ok else 0.0, m.member))
+    """Best final objective (lowest, or highest when maximised) first; members without one after, in member order."""
+    return sorted(members, key=lambda m: (not m.ok, ranking_key(m.objective if m.ok else None, m.higher_is_better), m.member))
 
 
 def _short(value: Any) -> str:

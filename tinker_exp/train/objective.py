@@ -74,3 +74,15 @@ def read_objective(run_dir: Path) -> float | None:
 def read_run_end(run_dir: Path) -> dict[str, Any]:
     """objective.json of a run that completed ({} otherwise): its steps trained and planned, pruned_at_step."""
     return read_json(run_dir / OBJECTIVE_FILE) or {}
+
+
+def higher_is_better(run_dir: Path) -> bool:
+    """Whether the run's objective was maximised (objective.json's mode, trainer.objective_mode=max): a sweep's summary
+    ranks its runs by it."""
+    return read_run_end(run_dir).get("mode") == "max"
+
+
+def ranking_key(objective: float | None, higher: bool) -> float:
+    """Sort key of an objective, best first: lower, or higher when maximised; None (no objective) is the caller's to
+    put last."""
+    return 0.0 if objective is None else (-objective if higher else objective)
