@@ -366,6 +366,7 @@ def test_a_maximised_objective_ranks_the_highest_first_in_grid_and_population_su
     population's members alike (each run's objective.json says the mode)."""
     from tinker_exp.sweep.jobs import ranked as ranked_jobs, read_outcome
     from tinker_exp.sweep.pbt_report import ranked as ranked_members, read_member
+    from tinker_exp.sweep.report import best_run, read_run
     from tinker_exp.train.objective import write_objective
 
     def run(n: int, value: float, mode: str):
@@ -380,3 +381,4 @@ def test_a_maximised_objective_ranks_the_highest_first_in_grid_and_population_su
         members = [read_member(n, {}, d, v, None) for n, (d, v) in enumerate(zip(dirs, [0.43, 0.92, 0.59]))]
         assert [o.num for o in ranked_jobs(jobs)] == order
         assert [m.member for m in ranked_members(members)] == order
+        assert best_run([read_run(d) for d in dirs]).dir == dirs[order[0]]  # report.png's thick line and title

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tinker_exp.formats import display_name, read_json, read_jsonl
+from tinker_exp.train.objective import ranking_key
 
 if TYPE_CHECKING:  # imported when a report is drawn: Hydra imports this module with its plugins at every start
     from matplotlib.figure import Figure
@@ -205,7 +206,7 @@ def best_run(runs: Sequence[RunInfo]) -> RunInfo | None:
     judged = [run for run in runs if run.objective is not None]
     if len(judged) < 2 or len({(run.objective["metric"], run.objective["mode"]) for run in judged}) > 1:
         return None
-    return min(judged, key=lambda run: run.objective["value"])
+    return min(judged, key=lambda run: ranking_key(run.objective["value"], run.objective["mode"] == "max"))
 
 
 def _step(row: dict) -> Any:
