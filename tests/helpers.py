@@ -39,14 +39,61 @@ def environment(env: dict | None) -> dict:
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tinker_exp", *args],
-        cwd=REPO,
-        env=environment(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """`python -m tinker_exp ARGS` in the repo, its output captured: forked from this process's CLI zygote
+    (tests/cli_zygote.py: the same process, without Python's start-up and the CLI's first imports), or a fresh
+    process where `env` changes what those imports read."""
+    command, merged = [sys.executable, "-m", "tinker_exp", *args], environment(env)
+    base = environment(None)
+    if any(merged.get(key) != base.get(key) for key in {*merged, *base} if key.startswith(ZYGOTE_UNSAFE_ENV)):
+        return subprocess.run(command, cwd=REPO, env=merged, capture_output=True, text=True, timeout=timeout)
+    return _cli_zygote().run(command, list(args), merged, timeout)
+
+
+ZYGOTE_UNSAFE_ENV = ("HF_", "TRANSFORMERS", "PYTHON", "OMP_", "OPENBLAS", "MKL", "NUMPY", "TORCH", "HYDRA")
+"""Variables read while the zygote imports the CLI's modules: a call that changes one gets a fresh process."""
+
+
+class _CliZygote:
+    """One tests/cli_zygote.py per test process, started at its first call; calls go one at a time."""
+
+    def __init__(self):
+        import tempfile
+        import threading
+
+        self.process = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "cli_zygote.py")], cwd=REPO, env=environment(None),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self.lock, self.dir = threading.Lock(), Path(tempfile.mkdtemp(prefix="tinker_exp-cli-"))
+
+    def run(self, command: list[str], args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+        import select
+        import signal
+
+        with self.lock:
+            out, err = self.dir / "stdout", self.dir / "stderr"
+            out.write_text(""), err.write_text("")
+            request = {"args": args, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err)}
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            pid = json.loads(self.process.stdout.readline())["pid"]
+            ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+            if not ready:  # as subprocess.run: the process killed, TimeoutExpired with what it wrote
+                os.kill(pid, signal.SIGKILL)
+                self.process.stdout.readline()
+                raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
+            returncode = json.loads(self.process.stdout.readline())["rc"]
+            return subprocess.CompletedProcess(command, returncode, out.read_text(), err.read_text())
+
+
+_zygote: _CliZygote | None = None
+
+
+def _cli_zygote() -> _CliZygote:
+    global _zygote
+    if _zygote is None or _zygote.process.poll() is not None:
+        _zygote = _CliZygote()
+    return _zygote
 
 
 def read_jsonl(path: Path) -> list[dict]:
