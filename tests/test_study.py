@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from helpers import REPO, compose, environment, job_json, job_processes, read_jsonl, run_cli, squeue, wait_until
+from helpers import REPO, compose, environment, job_json, job_processes, read_job_log, read_jsonl, run_cli, squeue, wait_until
 from tinker_exp.errors import ConfigError
 from tinker_exp.sweep.study import CUT_OFF, evaluations_error, masked, open_storage, recover, results, search_space, steps_line, study_direction, study_in, sweep_storage
 from tinker_exp.formats import read_json
@@ -489,9 +489,10 @@ def slurm_jobs_at_once(job_ids: list[str], slurm_env: dict) -> int:
 def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_and_a_requeued_trial_reports_on(slurm_env, tmp_path):
     """Slurm jobs on both nodes report their evaluations to the journal in the sweep dir; the threshold pruner stops
     each trial above it at its first evaluation, as on the local launcher. n_jobs=2: one sbatch per trial (no
-    array), never more than 2 of the study's jobs in the queue. Trial 0 (not pruned) is requeued (a preemption) once
-    it has reported an evaluation and saved a checkpoint: it resumes from that checkpoint and reports its later
-    evaluations to the same trial; the study records it once."""
+    array), never more than 2 of the study's jobs in the queue. Trial 0 (not pruned) gets the time-limit signal
+    (USR2, what Slurm sends `signal_delay_s` before the limit) once it has reported an evaluation and saved a
+    checkpoint: submitit requeues the job, which resumes from that checkpoint and reports its later evaluations to
+    the same trial; the study records it once. (test_resume's requeue is the other kind: a preemption, on 2 nodes.)"""
     upper, steps = 2e-3, 24
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
@@ -510,7 +511,7 @@ def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_an
         try:
             wait_until(reported_and_saved, 600, "trial 0 did not report an evaluation", driver)
             job_id = job_json(run_0)["slurm"]["job_id"]
-            subprocess.run(["scontrol", "requeue", job_id], env=slurm, check=True)
+            subprocess.run(["scancel", "--signal=USR2", job_id], env=slurm, check=True)  # submitit requeues it
             requeued_at = time.time()
             # As in test_resume: released sooner than Slurm's hold, once its first start has left the node.
             wait_until(lambda: f"{job_id} PENDING" in squeue(slurm_env).splitlines(), 240, "the job was not requeued")
@@ -547,3 +548,7 @@ def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_an
     assert resumed_at >= 2 and resumed_at % 2 == 0  # a checkpoint's step (every 2), not step 0
     assert max(trials[0].intermediate_values) == steps - 1 and trials[0].value == rows[-1]["requested/lr"]
     assert len([line for line in (run_0 / "tinker_exp.log").read_text().splitlines() if "workers: " in line]) == 2
+    # submitit's USR2 handler ran and requeued the job; its own "Requeued job" line may never be written: Slurm's
+    # SIGTERM for that requeue can stop the process before submitit logs it. The first start ended by itself.
+    job_log = read_job_log(tmp_path, jobs[0]["job_id"])
+    assert "this job is preempted" in job_log and "Killed" not in job_log, job_log[-3000:]

@@ -240,44 +240,67 @@ def test_a_study_trial_whose_point_is_bad_fails_without_a_job_and_the_study_goes
 # --- real sweeps on the local Slurm cluster ----------------------------------------------------------
 
 
-def test_sweep_runs_each_point_as_a_slurm_job_spanning_two_nodes(slurm_env, tmp_path):
+def test_a_sweep_of_two_node_points_runs_each_as_a_slurm_job_and_a_cancelled_one_is_reported_and_stops_on_both_nodes(slurm_env, tmp_path):
     """hydra.launcher.nodes=2: each point one run over both nodes of its job (one after the other on this cluster),
-    one run dir and one W&B run a point, nothing left of either job on either node."""
+    one Slurm array, one W&B group. Point 0 completes: one run dir and one W&B run, nothing left of its job on either
+    node. Point 1 (1000 steps) is cancelled while it trains on both nodes: reported, never waited on, stopped on
+    SIGTERM by itself on both nodes; the sweep's summary, table and report.png hold both points."""
     sweep = tmp_path / "lr_sweep"
-    result = run_cli(
-        "-m", "hydra/launcher=slurm_local", "hydra.launcher.nodes=2", "backend.num_workers=1", f"hydra.sweep.dir={sweep}",
-        "trainer.steps=3", "optimizer.lr=1e-3,3e-4",
-        env=slurm_env, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranked = read_jsonl(sweep / "summary.jsonl")
-    assert [row["objective"] for row in ranked] == sorted(row["objective"] for row in ranked)  # best first
-    summary = sorted(ranked, key=lambda row: row["num"])
-    assert [(row["num"], row["status"], row["steps"]) for row in summary] == [(0, "COMPLETED", 3), (1, "COMPLETED", 3)]
-    groups, array_ids = set(), set()
-    for row, lr in zip(summary, ("0.001", "0.0003")):
-        run_dir = Path(row["run_dir"])
-        job = job_json(run_dir)
-        assert job["slurm"]["job_id"].isdigit() and job["slurm"]["partition"] == "debug" and job["slurm"]["num_nodes"] == "2"
-        assert_one_rank_per_node(run_dir)
-        assert_nothing_left(slurm_env, job["slurm"]["job_id"])
-        assert row["job_id"] == f"{job['slurm']['array_job_id']}_{job['slurm']['array_task_id']}"
-        array_ids.add(job["slurm"]["array_job_id"])
-        metrics = read_jsonl(run_dir / "metrics.jsonl")
-        assert [m["train/step"] for m in metrics] == [0, 1, 2]
-        assert row["final_loss"] == metrics[-1]["train/loss"]
-        assert row["objective"] == metrics[-1]["val/loss"]  # what the job returned to the sweeper
-        records = wandb_finished_records(run_dir)  # W&B's service may write the exit record a moment later
-        run = wandb_run_record(records)
-        groups.add(run.run_group)
-        assert run.display_name == f"backend.num_workers=1,trainer.steps=3,optimizer.lr={lr},backend.nodes=2"
-        exits = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
-        assert [e.exit_code for e in exits] == [0]
-    assert groups == {"lr_sweep"} and len(array_ids) == 1  # one Slurm array, one W&B group
-    assert len(list((sweep / "0").glob("wandb/offline-run-*"))) == 1  # one W&B run a point (task 0's)
-    assert "final loss" in (sweep / "summary.md").read_text()
-    assert (sweep / "report.png").read_bytes()[:4] == b"\x89PNG" and f"{sweep / 'report.png'}" in result.stderr + result.stdout
-    assert "final loss" in result.stdout  # the summary table is printed too
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", "hydra.launcher.nodes=2", "backend.num_workers=1",
+        f"hydra.sweep.dir={sweep}", "trainer.steps=3,1000", "optimizer.lr=1e-3",
+    ]  # fmt: skip
+    driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: len(metrics_rows(sweep / "1")) >= 2, 300, "point 1 never started training", driver)
+        wait_until(lambda: wandb_train_rows(sweep / "1"), 120, "W&B never wrote a step of point 1", driver)
+        job_id = job_json(sweep / "1")["slurm"]["job_id"]
+        running = job_processes([job_id])
+        assert {"n1", "n2"} <= {process.split()[1] for process in running}, running  # the run spans both nodes
+        subprocess.run(["scancel", job_id], env=environment(slurm_env), check=True)
+        stdout, stderr = driver.communicate(timeout=180)  # reported, never waited on forever
+    finally:
+        driver.kill()
+    assert driver.returncode == 1, stderr[-3000:]
+    assert "job 1 [backend.num_workers=1 trainer.steps=1000 optimizer.lr=0.001 backend.nodes=2] CANCELLED" in stderr, stderr
+    assert f"run dir {sweep}/1" in stderr
+    summary = sorted(read_jsonl(sweep / "summary.jsonl"), key=lambda row: row["num"])
+    assert [(row["num"], row["status"]) for row in summary] == [(0, "COMPLETED"), (1, "CANCELLED")]
+    assert "final loss" in (sweep / "summary.md").read_text() and "final loss" in stdout  # the table printed too
+    assert (sweep / "report.png").read_bytes()[:4] == b"\x89PNG" and f"{sweep / 'report.png'}" in stderr + stdout
+    jobs = [job_json(sweep / str(n))["slurm"] for n in (0, 1)]
+    assert len({job["array_job_id"] for job in jobs}) == 1  # one Slurm array
+    # point 0: completed over both nodes
+    row, run_dir, job = summary[0], sweep / "0", jobs[0]
+    assert row["steps"] == 3 and job["job_id"].isdigit() and job["partition"] == "debug" and job["num_nodes"] == "2"
+    assert_one_rank_per_node(run_dir)
+    assert_nothing_left(slurm_env, job["job_id"])
+    assert row["job_id"] == f"{job['array_job_id']}_{job['array_task_id']}"
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["train/step"] for m in metrics] == [0, 1, 2]
+    assert row["final_loss"] == metrics[-1]["train/loss"] and row["objective"] == metrics[-1]["val/loss"]  # what the job returned
+    records = wandb_finished_records(run_dir)  # W&B's service may write the exit record a moment later
+    run = wandb_run_record(records)
+    assert run.run_group == "lr_sweep" and run.display_name == "backend.num_workers=1,trainer.steps=3,optimizer.lr=0.001,backend.nodes=2"
+    assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [0]
+    assert len(list(run_dir.glob("wandb/offline-run-*"))) == 1  # one W&B run a point (task 0's)
+    # point 1: stopped on SIGTERM by itself, well before Slurm's SIGKILL, and wrote no result of its own.
+    task = f"{jobs[1]['array_job_id']}_{jobs[1]['array_task_id']}"  # submitit's id of an array task: its folder
+    job_log = read_job_log(sweep, task)
+    # It ended by itself, before Slurm's SIGKILL: through our SIGTERM handler (exit 143, its one line), or through
+    # Ray's core worker when the raylet died first (exit 1; Slurm signals every process of the job at once).
+    ours = "tinker_exp: stopped: terminated by SIGTERM" in job_log
+    rays = re.search(r"task 0: Exited with exit code 1$", job_log, re.M) is not None
+    assert (ours or rays) and "Killed" not in job_log, job_log[-3000:]
+    assert job_log and not list((sweep / ".submitit" / task).glob("*_result.pkl"))
+    steps = [m["train/step"] for m in metrics_rows(sweep / "1")]
+    assert steps == list(range(len(steps))) and len(steps) >= 2
+    # scancel signals every process of the job, W&B's service too (wandb/wandb#9963): the run cannot be
+    # finished, and steps it had not yet written are lost. What it wrote agrees with metrics.jsonl.
+    logged = wandb_train_rows(sweep / "1")
+    assert logged and [row["train/step"] for row in logged] == steps[: len(logged)]
+    # then Slurm reaps every process of the job (COMPLETING until then), on both nodes: Ray's too
+    assert_nothing_left(slurm_env, job_id, files=False)
 
 
 def test_slurm_sweep_with_bad_points_is_refused_before_any_job(slurm_env, tmp_path):
@@ -302,44 +325,6 @@ def test_sweep_with_a_point_failing_in_its_job_fails_that_job_and_completes_the_
     assert [(row["status"], row["steps"]) for row in summary] == [("COMPLETED", 2), ("FAILED", 0)]
     assert "tinker_exp: config error: resume=must" in read_job_log(tmp_path, summary[1]["job_id"])
     assert job_json(tmp_path / "1")["slurm"]["job_id"]  # it did run under Slurm
-
-
-def test_a_cancelled_two_node_job_is_reported_not_waited_on_and_stops_on_both_nodes(slurm_env, tmp_path):
-    command = [
-        sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
-        "hydra.launcher.nodes=2", "backend.num_workers=1", "trainer.steps=1000", "optimizer.lr=1e-3",
-    ]  # fmt: skip
-    driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(lambda: len(metrics_rows(tmp_path / "0")) >= 2, 180, "the job never started training", driver)
-        wait_until(lambda: wandb_train_rows(tmp_path / "0"), 120, "W&B never wrote a step", driver)
-        job_id = job_json(tmp_path / "0")["slurm"]["job_id"]
-        running = job_processes([job_id])
-        assert {"n1", "n2"} <= {process.split()[1] for process in running}, running  # the run spans both nodes
-        subprocess.run(["scancel", job_id], env=environment(slurm_env), check=True)
-        _, stderr = driver.communicate(timeout=180)  # reported, never waited on forever
-    finally:
-        driver.kill()
-    assert driver.returncode == 1
-    assert "job 0 [backend.num_workers=1 trainer.steps=1000 optimizer.lr=0.001 backend.nodes=2] CANCELLED" in stderr, stderr
-    assert f"run dir {tmp_path}/0" in stderr
-    assert read_jsonl(tmp_path / "summary.jsonl")[0]["status"] == "CANCELLED"
-    # The job stopped on SIGTERM by itself, well before Slurm's SIGKILL, and wrote no result of its own.
-    job_log = read_job_log(tmp_path, job_id)
-    # It ended by itself, before Slurm's SIGKILL: through our SIGTERM handler (exit 143, its one line), or through
-    # Ray's core worker when the raylet died first (exit 1; Slurm signals every process of the job at once).
-    ours = "tinker_exp: stopped: terminated by SIGTERM" in job_log
-    rays = re.search(r"task 0: Exited with exit code 1$", job_log, re.M) is not None
-    assert (ours or rays) and "Killed" not in job_log, job_log[-3000:]
-    assert not list((tmp_path / ".submitit").glob("*/*_0_result.pkl"))  # task 0: the run's
-    steps = [m["train/step"] for m in metrics_rows(tmp_path / "0")]
-    assert steps == list(range(len(steps))) and len(steps) >= 2
-    # scancel signals every process of the job, W&B's service too (wandb/wandb#9963): the run cannot be
-    # finished, and steps it had not yet written are lost. What it wrote agrees with metrics.jsonl.
-    logged = wandb_train_rows(tmp_path / "0")
-    assert logged and [row["train/step"] for row in logged] == steps[: len(logged)]
-    # then Slurm reaps every process of the job (COMPLETING until then), on both nodes: Ray's too
-    assert_nothing_left(slurm_env, job_id, files=False)
 
 
 def assert_nothing_left(slurm_env: dict, job_id: str, files: bool = True) -> None:
