@@ -205,15 +205,17 @@ def replay(command: str, run_dir, ray_address: str) -> list[dict]:
 
 
 def test_a_population_on_the_local_slurm_cluster(slurm_env, tmp_path):
-    """The same population as one Slurm job array over both nodes: every member completes, the board is shared
-    through the sweep dir, member 3 exploits member 0 in flight, the summary and results agree."""
+    """The same population as one Slurm job array over both nodes (a worker a member: each node has one CPU):
+    every member completes, the board is shared through the sweep dir, member 3 exploits member 0 in flight, the
+    summary and results agree."""
     from helpers import job_json
 
     sweep = tmp_path / "sweep"
     # Test-only: the tiny model's scores may not put member 3 in the bottom at step 4. Its donor, member 0, has posted
     # there before: the cluster's two 1-CPU nodes run members 0 and 1 first, then 2 and 3.
     forced = {"member": 3, "step": 4, "donor": 0}
-    result = run_cli_population(*POPULATION, "logger=none", force(forced), "hydra/launcher=slurm_local", f"hydra.sweep.dir={sweep}", env=slurm_env)
+    result = run_cli_population(*POPULATION, "logger=none", "backend.num_workers=1", force(forced), "hydra/launcher=slurm_local",
+                                f"hydra.sweep.dir={sweep}", env=slurm_env)  # fmt: skip
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     check_population(sweep, out, forced)
