@@ -285,7 +285,8 @@ def test_sampling_client_and_importance_sampling_raise_the_digits_reward(server,
     GROUP responses to each of DIGIT_PROMPTS prompts (the SDK's SamplingClient), rewards them (the env's
     digit_share), and trains with importance_sampling (target_tokens, logprobs, advantages, weights) and the lr the
     env uses. From the initial weights (load_state): the mean reward rises; the trainer's log-probs of the sampled
-    tokens are the sampler's (float rounding); a seeded sample is the same twice."""
+    tokens are the sampler's (float rounding); a seeded sample of the trained weights is the same from a named
+save and from an unnamed snapshot."""
     import warnings
 
     import numpy as np
@@ -331,9 +332,13 @@ def test_sampling_client_and_importance_sampling_raise_the_digits_reward(server,
     first, last = np.mean(means[:3]), np.mean(means[-3:])
     assert last > first + 0.1, means
     assert max(mismatch) < 1e-4, max(mismatch)
+    # the trained weights twice: saved by name, and as an unnamed snapshot (save_weights_and_get_sampling_client);
+    # a seeded request samples the same tokens and log-probs from both
+    named = service.create_sampling_client(model_path=client.save_weights_for_sampler("digits-final").result().path).result()
+    snapshot = client.save_weights_and_get_sampling_client().result()
     seeded = types.SamplingParams(max_tokens=8, temperature=1.0, seed=7)
-    twice = [sampler.sample(types.ModelInput.from_ints(prompts[0]), 2, seeded).result() for _ in range(2)]
-    assert [list(s.tokens) for s in twice[0].sequences] == [list(s.tokens) for s in twice[1].sequences]
+    a, b = (s.sample(types.ModelInput.from_ints(prompts[0]), 2, seeded).result().sequences for s in (named, snapshot))
+    assert [list(x.tokens) for x in a] == [list(x.tokens) for x in b] and all(same(x.logprobs, y.logprobs) for x, y in zip(a, b))
 
 
 def test_bad_checkpoint_and_sampling_requests_are_one_line_errors(server, trained):
@@ -373,6 +378,29 @@ def test_bad_checkpoint_and_sampling_requests_are_one_line_errors(server, traine
                                             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
                                             "sampling_params": params})
         assert response.status_code == 400 and response.json()["error"].startswith(message), response.text
+
+
+def test_a_retried_request_gets_the_same_future_and_runs_once(server, trained):
+    """The SDK retries a POST with its X-Idempotency-Key: the same key gets the same future, and the step runs once
+    (one row); another key is another step."""
+    import httpx
+
+    model_id = trained["client"].get_info().model_id
+    body = {"model_id": model_id, "seq_id": 500, "type": "optim_step",
+            "adam_params": {**STEPS[0], "learning_rate": 0.0}}
+    rows_before = len(read_jsonl(server["run_dir"] / "metrics.jsonl"))
+
+    def send(key: str) -> str:
+        response = httpx.post(f"{server['url']}/api/v1/optim_step", json=body, timeout=60,
+                              headers={"X-API-Key": API_KEY, "X-Idempotency-Key": key})
+        assert response.status_code == 200, response.text
+        return response.json()["request_id"]
+
+    first = send("retry-me")
+    assert send("retry-me") == first != send("another")
+    for request_id in (first, send("another")):
+        assert post(server, "retrieve_future", {"request_id": request_id}).status_code == 200
+    assert len(read_jsonl(server["run_dir"] / "metrics.jsonl")) == rows_before + 2
 
 
 def test_a_killed_server_restarted_continues_bitwise(server, trained):

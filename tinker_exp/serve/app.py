@@ -43,6 +43,8 @@ STATE, SAMPLER = "weights", "sampler_weights"
 optimizer state), tinker://<model_id>/sampler_weights/<name> (save_weights_for_sampler). On disk:
 <run dir>/checkpoints/<model_id>/<kind>/<name>/."""
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+UNCACHED = {"/api/v1/retrieve_future", "/api/v1/session_heartbeat", "/api/v1/telemetry"}
+"""Routes answered afresh on every call, whatever their idempotency key (a result that was pending may be ready)."""
 SNAPSHOTS_KEPT = 4
 """Unnamed sampler weights (save_weights_and_get_sampling_client) kept in memory; older ones are dropped."""
 
@@ -90,6 +92,8 @@ class Server:
         """sampling_session_id -> its base model, model_path (None: the base model's weights), and where its weights
         are: a sampler checkpoint's folder, or tensors in memory (an unnamed save)."""
         self.snapshots: list[str] = []
+        self.replies: dict[str, tuple] = {}
+        """X-Idempotency-Key -> the answer it got (body, status, headers, media type)."""
         self.sessions: set[str] = set()
         self.model: Model | None = None
         self.futures: dict[str, Future] = {}
@@ -401,6 +405,21 @@ def build_app(server: Server):
 
     def refused(message: str, status: int = 400) -> JSONResponse:
         return JSONResponse({"error": message, "detail": message}, status_code=status)
+
+    @app.middleware("http")
+    async def idempotent(request: Request, call_next):
+        """The SDK retries a POST with the same X-Idempotency-Key: one that was answered gets the same answer (the
+        same future), so a retried forward_backward is not queued twice."""
+        key = request.headers.get("x-idempotency-key")
+        if request.method != "POST" or not key or request.url.path in UNCACHED:
+            return await call_next(request)
+        if key in server.replies:
+            return Response(*server.replies[key])
+        response = await call_next(request)
+        body = b"".join([chunk async for chunk in response.body_iterator])
+        if response.status_code == 200:
+            server.replies[key] = (body, 200, None, response.media_type)
+        return Response(body, response.status_code, None, response.media_type)
 
     @app.middleware("http")
     async def api_key(request: Request, call_next):
