@@ -22,6 +22,10 @@ from helpers import REPO, environment, read_jsonl
 tinker = pytest.importorskip("tinker")  # the test extra: pip install -e .[test]
 
 API_KEY = "tml-serve-test"
+RANK = 0
+"""The client's LoRA rank: 0, full fine-tuning (ours; Tinker's ranks are >= 1): the digits env's reward rises in ten
+RL steps at its lr (1e-2) with every weight trained, not with rank-8 adapters on the tiny model's two layers
+(measured: flat over 16 steps at lr 1e-2 and 5e-2). The adapters' sampler path is tested in test_serve_sampler.py."""
 TEXTS = ["The cat sat on the mat.", "Add 2 and 3: 5.", "Spell dog: d-o-g.", "Red and blue make purple."]
 # One step's AdamParams each: every field changes, grad_clip_norm from none (0) to a clip that acts (0.05) and back.
 STEPS = [
@@ -38,20 +42,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(ray_address, tmp_path_factory):
+def start_server(ray_address: str, run_dir: Path, port: int) -> subprocess.Popen:
     """The server, started as a user starts it; its first line (printed once it listens) says where."""
-    run_dir = tmp_path_factory.mktemp("serve")
-    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "tinker_exp.serve", f"serve.port={port}", f"serve.run_dir={run_dir}", "logger=none"],
         cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     line = process.stdout.readline()  # blocks until it listens (or exits)
     assert "serving" in line, (line, process.poll(), process.stderr.read() if process.poll() is not None else "")
-    yield {"url": f"http://127.0.0.1:{port}", "run_dir": Path(run_dir), "process": process}
-    process.terminate()
-    process.wait(60)
+    return process
+
+
+@pytest.fixture(scope="module")
+def server(ray_address, tmp_path_factory):
+    """One server for the module (the last test kills it and starts another on the same run dir and port)."""
+    run_dir, port = Path(tmp_path_factory.mktemp("serve")), free_port()
+    served = {"url": f"http://127.0.0.1:{port}", "run_dir": run_dir, "port": port, "ray_address": ray_address,
+              "process": start_server(ray_address, run_dir, port)}
+    yield served
+    served["process"].terminate()
+    served["process"].wait(60)
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +92,17 @@ def trained(server, tokenized):
     os.environ.update(TINKER_BASE_URL=server["url"], TINKER_API_KEY=API_KEY, TINKER_TELEMETRY="0")
     service = tinker.ServiceClient()
     capabilities = tinker.RestClient().get_server_capabilities().result()
-    client = service.create_lora_training_client(base_model="tiny-llama", rank=8).result()
+    client = service.create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
+    initial = client.save_state("initial").result().path  # the weights and optimizer before any step
     data = [datum(tokens) for tokens in tokenized]
     outputs, responses = [], []
     for params in STEPS:
         outputs.append(client.forward_backward(data, "cross_entropy").result())
         responses.append(client.optim_step(types.AdamParams(**params)).result())
     yield {"capabilities": capabilities, "client": client, "outputs": outputs, "responses": responses, "data": data,
-           "rows": read_jsonl(server["run_dir"] / "metrics.jsonl"), "service": service}
-    service.close("success").result(timeout=60)  # as a user's loop ends: no heartbeat outlives the module
+           "rows": read_jsonl(server["run_dir"] / "metrics.jsonl"), "service": service, "initial": initial}
+    if not server.get("restarted"):  # (the restart test closes it before the kill)
+        service.close("success").result(timeout=60)  # as a user's loop ends: no heartbeat outlives the module
 
 
 def test_a_closed_session_is_finished_and_its_heartbeats_refused(server, trained):
@@ -107,7 +119,7 @@ def test_a_closed_session_is_finished_and_its_heartbeats_refused(server, trained
 def test_capabilities_and_model_info(trained):
     assert [m.model_name for m in trained["capabilities"].supported_models] == ["tiny-llama"]
     info = trained["client"].get_info()
-    assert info.is_lora and info.lora_rank == 8 and info.model_data.model_name == "tiny-llama"
+    assert not info.is_lora and info.lora_rank is None and info.model_data.model_name == "tiny-llama"
     assert info.model_id.endswith(":train:0")  # the SDK's own scheme: session_id:train:model_seq_id
 
 
@@ -205,3 +217,228 @@ def test_forward_gives_forward_backwards_logprobs_and_no_gradient(trained):
     assert abs(forward.metrics["loss:sum"] - alone.metrics["loss:sum"]) <= 1e-5 * abs(alone.metrics["loss:sum"])
     for got, want in zip(forward.loss_fn_outputs, alone.loss_fn_outputs):
         assert abs(got["logprobs"].to_numpy() - want["logprobs"].to_numpy()).max() < 1e-5
+
+
+def same(a, b) -> bool:
+    """Bitwise: every float equal (no tolerance)."""
+    import numpy as np
+
+    return np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def logprobs_of(output) -> list:
+    return [o["logprobs"].to_numpy() for o in output.loss_fn_outputs]
+
+
+def test_save_state_writes_a_checkpoint_under_the_sdks_path(server, trained):
+    """save_state's path is the SDK's scheme (tinker://<model_id>/weights/<name>); the run dir holds it complete."""
+    from tinker_exp.train.checkpoints import problem
+
+    model_id = trained["client"].get_info().model_id
+    assert trained["initial"] == f"tinker://{model_id}/weights/initial"
+    folder = server["run_dir"] / "checkpoints" / model_id / "weights" / "initial"
+    assert problem(folder) is None and json.loads((folder / "loop.json").read_text())["step"] == 0
+    again = post(server, "save_weights", {"model_id": model_id, "path": "initial", "seq_id": 99, "type": "save_weights"})
+    assert again.status_code == 400 and again.json()["error"] == (
+        f"path: 'initial': model {model_id} has a checkpoint of that name (overwrite=true replaces it)")
+
+
+def test_load_state_without_optimizer_replays_the_first_steps_bitwise(trained):
+    """load_state (weights only: a fresh optimizer) of the state saved before the first step, then the loop's first
+    two steps again: the same loss, log-probs and grad norms, bitwise, as the first time. The second step's
+    forward_backward sees the weights the first optim_step made: had Adam's moments of the later steps survived
+    the load, they would differ."""
+    import warnings
+
+    from tinker import types
+
+    client, data = trained["client"], trained["data"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the SDK deprecates it for create_training_client_from_state
+        client.load_state(trained["initial"]).result()
+    for i in range(2):
+        output = client.forward_backward(data, "cross_entropy").result()
+        response = client.optim_step(types.AdamParams(**STEPS[i])).result()
+        assert output.metrics["loss:sum"] == trained["outputs"][i].metrics["loss:sum"], i
+        assert all(same(a, b) for a, b in zip(logprobs_of(output), logprobs_of(trained["outputs"][i]))), i
+        assert response.metrics["grad_norm"] == trained["responses"][i].metrics["grad_norm"], i
+
+
+DIGIT_PROMPTS = 4
+RL_STEPS = 10
+RL_LR = 1e-2
+GROUP = 8
+
+
+def digits_datum(prompt: list[int], sequence, advantage: float):
+    """An RL datum as the cookbook builds one: the prompt's positions weigh 0 (log-prob and advantage 0)."""
+    from tinker import types
+
+    tokens, n = prompt + list(sequence.tokens), len(prompt) - 1
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+        "target_tokens": tokens[1:], "logprobs": [0.0] * n + list(sequence.logprobs),
+        "advantages": [0.0] * n + [advantage] * len(sequence.tokens), "weights": [0.0] * n + [1.0] * len(sequence.tokens)})
+
+
+def test_sampling_client_and_importance_sampling_raise_the_digits_reward(server, trained):
+    """An RL loop on the digits env through the SDK alone: each step saves the weights for the sampler, samples
+    GROUP responses to each of DIGIT_PROMPTS prompts (the SDK's SamplingClient), rewards them (the env's
+    digit_share), and trains with importance_sampling (target_tokens, logprobs, advantages, weights) and the lr the
+    env uses. From the initial weights (load_state): the mean reward rises; the trainer's log-probs of the sampled
+    tokens are the sampler's (float rounding); a seeded sample of the trained weights is the same from a named
+save and from an unnamed snapshot."""
+    import warnings
+
+    import numpy as np
+    from tinker import types
+
+    from transformers import AutoTokenizer
+
+    from tinker_exp.config.rl import EnvConfig
+    from tinker_exp.config.schema import ModelConfig
+    from tinker_exp.rl.envs import digit_share
+    from tinker_exp.rl.prompts import env_rows
+    from tinker_exp.runtime.inputs import model_dir
+    from tinker_exp.runtime.sampler import chat_prompt_ids  # as an RL run renders its prompts
+
+    client, service = trained["client"], trained["service"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        client.load_state(trained["initial"]).result()
+    rows = env_rows(EnvConfig(name="digits", prompts="builtin:digits_train.jsonl", reward="tinker_exp.rl.envs:digit_share"))[0]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir(ModelConfig()))
+    params = types.SamplingParams(max_tokens=8, temperature=1.0)
+    means, mismatch = [], []
+    for step in range(RL_STEPS):
+        path = client.save_weights_for_sampler(f"digits-{step}").result().path
+        assert path.endswith(f"/sampler_weights/digits-{step}")
+        sampler = service.create_sampling_client(model_path=path).result()
+        batch = [rows[(step * DIGIT_PROMPTS + i) % len(rows)] for i in range(DIGIT_PROMPTS)]
+        prompts = [chat_prompt_ids(tokenizer, row.prompt) for row in batch]
+        futures = [sampler.sample(types.ModelInput.from_ints(p), GROUP, params) for p in prompts]
+        data, rewards = [], []
+        for prompt, row, future in zip(prompts, batch, futures):
+            sequences = future.result().sequences
+            group = [digit_share(row.record(), tokenizer.decode(s.tokens, skip_special_tokens=True)) for s in sequences]
+            mean, std = float(np.mean(group)), float(np.std(group))
+            data += [digits_datum(prompt, s, (r - mean) / (std + 1e-6)) for s, r in zip(sequences, group)]
+            rewards += group
+        output = client.forward_backward(data, "importance_sampling").result()
+        for datum, trainer in zip(data, logprobs_of(output)):
+            n = int((np.asarray(datum.loss_fn_inputs["weights"].data) == 0).sum())
+            mismatch.append(float(np.abs(trainer[n:] - np.asarray(datum.loss_fn_inputs["logprobs"].data)[n:]).max()))
+        client.optim_step(types.AdamParams(learning_rate=RL_LR)).result()
+        means.append(float(np.mean(rewards)))
+    first, last = np.mean(means[:3]), np.mean(means[-3:])
+    assert last > first + 0.1, means
+    assert max(mismatch) < 1e-4, max(mismatch)
+    # the trained weights twice: saved by name, and as an unnamed snapshot (save_weights_and_get_sampling_client);
+    # a seeded request samples the same tokens and log-probs from both
+    named = service.create_sampling_client(model_path=client.save_weights_for_sampler("digits-final").result().path).result()
+    snapshot = client.save_weights_and_get_sampling_client().result()
+    seeded = types.SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+    a, b = (s.sample(types.ModelInput.from_ints(prompts[0]), 2, seeded).result().sequences for s in (named, snapshot))
+    assert [list(x.tokens) for x in a] == [list(x.tokens) for x in b] and all(same(x.logprobs, y.logprobs) for x, y in zip(a, b))
+
+
+def test_bad_checkpoint_and_sampling_requests_are_one_line_errors(server, trained):
+    """Each an HTTP 400 of one line naming the field; a second client (its own ServiceClient) is refused a model."""
+    model_id = trained["client"].get_info().model_id
+    second = tinker.ServiceClient()
+    try:
+        with pytest.raises(tinker.BadRequestError, match=f"create_model: this server already serves model {model_id}; "
+                           "one client at a time may hold a model"):
+            second.create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
+    finally:
+        second.close("success").result(timeout=60)
+    cases = [
+        ("load_weights", {"model_id": model_id, "seq_id": 90, "path": f"tinker://{model_id}/weights/nope", "optimizer": True},
+         f"path: 'tinker://{model_id}/weights/nope': no such checkpoint on this server"),
+        ("load_weights", {"model_id": model_id, "seq_id": 90, "path": "/tmp/elsewhere", "optimizer": False},
+         "path: '/tmp/elsewhere' is not a checkpoint path (tinker://<model_id>/weights/<name>)"),
+        ("load_weights", {"session_id": "s", "model_seq_id": 1, "path": trained["initial"], "optimizer": True},
+         f"load_weights: this server already serves model {model_id}; one client at a time may hold a model"),
+        ("save_weights", {"model_id": model_id, "path": "../up", "seq_id": 90}, "path: '../up' is not a checkpoint name"),
+        ("create_sampling_session", {"session_id": "s", "sampling_session_seq_id": 0, "model_path": trained["initial"]},
+         f"model_path: {trained['initial']!r} is not a checkpoint path (tinker://<model_id>/sampler_weights/<name>)"),
+        ("asample", {"sampling_session_id": "nope", "seq_id": 0, "num_samples": 1, "prompt": {"chunks": []},
+                     "sampling_params": {"max_tokens": 4}}, "sampling_session_id: 'nope' is not a sampling session of this server"),
+    ]
+    for route, body, message in cases:
+        response = post(server, route, body)
+        assert response.status_code == 400, (route, response.text)
+        error = response.json()["error"]
+        assert error.startswith(message) and "\n" not in error, (route, error)
+    session = post(server, "create_sampling_session", {"session_id": "s", "sampling_session_seq_id": 0, "base_model": "tiny-llama"})
+    sampling_session_id = session.json()["sampling_session_id"]
+    for params, message in [({"max_tokens": 0}, "sampling_params.max_tokens: 0 is not a count"),
+                            ({"max_tokens": 4, "temperature": 0.0}, "sampling_params.temperature: 0.0 is not served"),
+                            ({"max_tokens": 4, "top_p": 0.5}, "sampling_params.top_p: 0.5 is not served")]:
+        response = post(server, "asample", {"sampling_session_id": sampling_session_id, "seq_id": 0, "num_samples": 1,
+                                            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                                            "sampling_params": params})
+        assert response.status_code == 400 and response.json()["error"].startswith(message), response.text
+
+
+def test_a_retried_request_gets_the_same_future_and_runs_once(server, trained):
+    """The SDK retries a POST with its X-Idempotency-Key: the same key gets the same future, and the step runs once
+    (one row); another key is another step."""
+    import httpx
+
+    model_id = trained["client"].get_info().model_id
+    body = {"model_id": model_id, "seq_id": 500, "type": "optim_step",
+            "adam_params": {**STEPS[0], "learning_rate": 0.0}}
+    rows_before = len(read_jsonl(server["run_dir"] / "metrics.jsonl"))
+
+    def send(key: str) -> str:
+        response = httpx.post(f"{server['url']}/api/v1/optim_step", json=body, timeout=60,
+                              headers={"X-API-Key": API_KEY, "X-Idempotency-Key": key})
+        assert response.status_code == 200, response.text
+        return response.json()["request_id"]
+
+    first = send("retry-me")
+    assert send("retry-me") == first != send("another")
+    for request_id in (first, send("another")):
+        assert post(server, "retrieve_future", {"request_id": request_id}).status_code == 200
+    assert len(read_jsonl(server["run_dir"] / "metrics.jsonl")) == rows_before + 2
+
+
+def test_a_killed_server_restarted_continues_bitwise(server, trained):
+    """save_state, then the next step on the running server; the server is killed (SIGKILL) and started again on
+    the same run dir; a new client (a new ServiceClient: create_training_client_from_state_with_optimizer) takes the
+    saved state and the same step: loss, log-probs, grad norm and the log-probs after the step are bitwise the
+    uninterrupted server's, and metrics.jsonl holds that step's row once."""
+    import signal
+
+    from tinker import types
+
+    client, data = trained["client"], trained["data"]
+    saved = client.save_state("before-kill").result().path
+    step = json.loads((server["run_dir"] / "checkpoints" / client.get_info().model_id / "weights" / "before-kill" / "loop.json").read_text())["step"]
+
+    def next_step(training_client):  # grad_clip_norm 0.05 clips: the clip after a restart too
+        output = training_client.forward_backward(data, "cross_entropy").result()
+        response = training_client.optim_step(types.AdamParams(**STEPS[1])).result()
+        return output, response, training_client.forward(data, "cross_entropy").result()
+
+    uninterrupted = next_step(client)
+    trained["service"].close("success").result(timeout=60)
+    server["restarted"] = True
+    server["process"].send_signal(signal.SIGKILL)
+    server["process"].wait(60)
+    server["process"] = start_server(server["ray_address"], server["run_dir"], server["port"])
+    service = tinker.ServiceClient()
+    try:
+        resumed = service.create_training_client_from_state_with_optimizer(saved).result()
+        assert resumed.get_info().lora_rank is None  # the checkpoint's: full fine-tuning
+        restarted = next_step(resumed)
+    finally:
+        service.close("success").result(timeout=60)
+    (output, response, after), (want_output, want_response, want_after) = restarted, uninterrupted
+    assert output.metrics["loss:sum"] == want_output.metrics["loss:sum"]
+    assert all(same(a, b) for a, b in zip(logprobs_of(output), logprobs_of(want_output)))
+    assert response.metrics["grad_norm"] == want_response.metrics["grad_norm"]
+    assert all(same(a, b) for a, b in zip(logprobs_of(after), logprobs_of(want_after)))
+    rows = read_jsonl(server["run_dir"] / "metrics.jsonl")
+    assert [row["train/step"] for row in rows] == list(range(step + 1))
+    assert rows[-1]["train/grad_norm"] == want_response.metrics["grad_norm"] and rows[-1]["applied/grad_clip_norm"] == 0.05

@@ -95,3 +95,29 @@ def export_adapter(module, folder: str) -> int | None:
     module.save_pretrained(folder, state_dict=state)
     return sum(tensor.numel() for tensor in state.values())
 
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+
+
+def merge_adapter(base: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The model's tensors with the adapter in `folder` (peft's format, as export_adapter writes it) merged in float32:
+    W + (B @ A) * lora_alpha / r for each adapted layer; `base` is left as it is."""
+    import json
+
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    scale = config["lora_alpha"] / config["r"]
+    adapter = load_file(folder / ADAPTER_WEIGHTS)
+    merged = dict(base)
+    for key, a in adapter.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        stem = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        b = adapter[key.replace(".lora_A.", ".lora_B.")]
+        weight = base[f"{stem}.weight"]
+        merged[f"{stem}.weight"] = (weight.float() + (b.float() @ a.float()) * scale).to(weight.dtype)
+    return merged

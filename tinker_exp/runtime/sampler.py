@@ -31,6 +31,14 @@ class Sample:
     """The response decoded, special tokens left out."""
 
 
+def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """A user turn in the model's chat template, ready for the assistant's answer (plain text without one)."""
+    if tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer(text)["input_ids"]
+
+
 class HFSampler:
     """A driver-side copy of the model that samples; `load` takes the workers' exported tensors."""
 
@@ -52,11 +60,7 @@ class HFSampler:
         return token if isinstance(token, int) and token != self.tokenizer.unk_token_id else None
 
     def prompt_ids(self, text: str) -> list[int]:
-        """A user turn in the model's chat template, ready for the assistant's answer (plain text without one)."""
-        if self.tokenizer.chat_template:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return self.tokenizer(text)["input_ids"]
+        return chat_prompt_ids(self.tokenizer, text)
 
     def load(self, tensors: dict[str, Any]) -> None:
         """The workers' exported tensors into the driver's model (rotary buffers are not parameters: not sent)."""

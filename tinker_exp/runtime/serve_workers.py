@@ -1,4 +1,4 @@
-"""The served model's workers: verl's Tinker worker with Tinker's cross_entropy, per-datum log-probs sent back.
+"""The served model's workers: verl's Tinker worker with Tinker's losses, per-datum log-probs sent back.
 
 Tinker's cross_entropy is ``sum(-logprob(target_tokens[i]) * weights[i])`` over every datum, with no normalisation;
 verl's FSDP averages the gradients over the data-parallel ranks, so each micro batch returns its own sum times
@@ -8,11 +8,16 @@ chunks sent one after the other accumulate into the gradient of their union unti
 verl's model output is the log-prob of each next input token, so a datum is its ``model_input`` plus the last target
 token, and ``target_tokens`` must be ``model_input`` shifted by one (what the SDK's helpers build); anything else is
 refused (tinker_exp/serve/wire.py).
+
+The RL losses (importance_sampling, ppo, cispo, dro) are runtime/rl_losses.py's, installed when a call asks for
+another loss than the one installed: each datum is laid out as an RL rollout whose "prompt" is its first token and
+whose "response" is every target position, masked by `weights` (positions of weight 0 add nothing).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 from tinker_exp.runtime.workers import TinkerWorkers, _worker_class
@@ -28,6 +33,16 @@ class Datum:
 
     tokens: list[int]
     weights: list[float]
+    logprobs: list[float] | None = None
+    """The RL losses: the sampler's log-prob of tokens[j] at j (0 at j = 0)."""
+    advantages: list[float] | None = None
+    """The RL losses: the advantage of tokens[j] at j (0 at j = 0)."""
+
+    def padding(self) -> "Datum":
+        """A copy that adds nothing: every weight 0."""
+        zeros = [0.0] * len(self.tokens)
+        return Datum(self.tokens, zeros, zeros if self.logprobs is not None else None,
+                     zeros if self.advantages is not None else None)
 
 
 def cross_entropy_loss(model_output, data, dp_group=None):
@@ -41,8 +56,20 @@ def cross_entropy_loss(model_output, data, dp_group=None):
     return loss, {"serve/loss_sum": Metric(AggregationType.SUM, loss.detach())}
 
 
+CROSS_ENTROPY = "cross_entropy"
+
+
+def loss_function(name: str, params: dict[str, float]):
+    """verl's loss function for Tinker's loss `name` (cross_entropy, or an RL loss with its parameters)."""
+    if name == CROSS_ENTROPY:
+        return cross_entropy_loss
+    from tinker_exp.runtime.rl_losses import build_loss_fn
+
+    return build_loss_fn(name, params)
+
+
 def _serve_worker_class():
-    from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
+    from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine_workers_tinker import TinkerTrainingWorker
 
@@ -60,6 +87,27 @@ def _serve_worker_class():
             return tu.get_tensordict(tensor_dict={"log_probs": log_probs},
                                      non_tensor_dict={"metrics": output.get_non_tensor("metrics")})
 
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def load_state(self, local_path: str, optimizer: bool) -> None:
+            """verl's load of a checkpoint: with the optimizer's state (and the RNG's), or the weights alone with a
+            fresh optimizer (Tinker's load_state: Adam's moments and step count start again)."""
+            manager = self.engine.checkpoint_manager
+            contents = manager.checkpoint_load_contents
+            manager.checkpoint_load_contents = ["model", "optimizer", "extra"] if optimizer else ["model"]
+            try:
+                self.engine.load_checkpoint(local_path, del_local_after_load=False)
+            finally:
+                manager.checkpoint_load_contents = contents
+            if not optimizer:
+                self.engine.optimizer.state.clear()  # torch's optimizers build a parameter's state at its first step
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def export_weights(self):
+            """Full fine-tuning: the full tensors by name (every rank joins the all-gathers); rank 0's, None elsewhere."""
+            generator, _ = self.engine.get_per_tensor_param()
+            full = {name: tensor.detach().to("cpu").clone() for name, tensor in generator}
+            return full if self.rank == 0 else None
+
     return ServeWorker
 
 
@@ -74,22 +122,44 @@ class ServeWorkers(TinkerWorkers):
         return _serve_worker_class()
 
     def _build_model(self) -> list:
+        self.installed = (CROSS_ENTROPY, ())
         return [*self.group.execute_all_async("reset"), *self.group.execute_all_async("set_loss_fn", cross_entropy_loss)]
 
+    def use_loss(self, name: str, params: dict[str, float]) -> None:
+        """Install Tinker's loss `name` on every rank, unless it is the one installed."""
+        import ray
+
+        wanted = (name, tuple(sorted(params.items())))
+        if wanted != self.installed:
+            ray.get(self.group.execute_all_async("set_loss_fn", loss_function(name, params)))
+            self.installed = wanted
+
     def forward_backward(self, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
-        """The batch's summed loss and each datum's target log-probs (len(model_input) of them); the gradient
-        accumulates until optimizer_step."""
+        """The batch's summed loss (the installed loss) and each datum's target log-probs (len(model_input) of
+        them); the gradient accumulates until optimizer_step."""
         return self._pass("forward_backward", data)
 
     def forward(self, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
         """As forward_backward, without gradients: verl's infer_batch (eval mode, no_grad)."""
         return self._pass("infer_batch", data)
 
+    def save_state(self, folder: Path, step: int) -> None:
+        self.save_checkpoint(folder, step)
+
+    def load_state(self, folder: Path, optimizer: bool) -> None:
+        """A saved state into every rank: the weights, and the optimizer's state only when `optimizer`."""
+        self.group.load_state(local_path=str(folder), optimizer=optimizer)
+
+    def export_weights(self) -> dict[str, Any]:
+        """Full fine-tuning: the model's full tensors by name (rank 0's copy)."""
+        return self.group.export_weights()[0]
+
     def _pass(self, method: str, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
         """Padded with zero-weight copies of the first datum to whole micro batches on every rank (verl splits a
         batch evenly and asserts whole micro batches): a zero weight adds exactly nothing to the gradient."""
-        padded = list(data) + [Datum(data[0].tokens, [0.0] * len(data[0].tokens))] * (-len(data) % self.pad_to)
-        output = getattr(self.group, method)(self._datum_batch(padded)).get()
+        padded = list(data) + [data[0].padding()] * (-len(data) % self.pad_to)
+        batch = self._datum_batch(padded) if self.installed[0] == CROSS_ENTROPY else self._rl_batch(padded)
+        output = getattr(self.group, method)(batch).get()
         loss = output.get_non_tensor("metrics")["loss"]
         loss = float(sum(loss) / len(loss)) if isinstance(loss, list) else float(loss)
         rows = output["log_probs"]
@@ -117,4 +187,37 @@ class ServeWorkers(TinkerWorkers):
                 "weights": nested([d.weights for d in data], torch.float32),
             },
             non_tensor_dict={"temperature": 1.0, "global_token_num": [len(t) for t in tokens]},
+        )
+
+    def _rl_batch(self, data: Sequence[Datum]):
+        """The RL TensorDict runtime/rl_losses.py reads (as runtime/rl_workers.py builds it): each datum's first
+        token is its prompt, every later position its response, masked by its weights."""
+        import torch
+        from verl.utils import tensordict_utils as tu
+
+        def nested(rows):
+            return torch.nested.as_nested_tensor([torch.tensor(r, dtype=torch.long) for r in rows], layout=torch.jagged)
+
+        longest = max(len(d.tokens) for d in data) - 1
+        mask, old_log_probs, advantages = (torch.zeros(len(data), longest) for _ in range(3))
+        for i, datum in enumerate(data):
+            n = len(datum.tokens) - 1
+            mask[i, :n] = torch.tensor([float(w != 0) for w in datum.weights[1:]])
+            old_log_probs[i, :n] = torch.tensor(datum.logprobs[1:], dtype=torch.float32)
+            advantages[i, :n] = torch.tensor(datum.advantages[1:], dtype=torch.float32)
+        tokens = [d.tokens for d in data]
+        return tu.get_tensordict(
+            tensor_dict={
+                "input_ids": nested(tokens),
+                "position_ids": nested([list(range(len(t))) for t in tokens]),
+                "prompts": nested([t[:1] for t in tokens]),
+                "responses": nested([t[1:] for t in tokens]),
+                "attention_mask": torch.ones(len(tokens), longest + 1, dtype=torch.long),
+                "response_mask": mask,
+                "loss_mask": mask,
+                "old_log_probs": old_log_probs,
+                "advantages": advantages,
+            },
+            non_tensor_dict={"global_batch_size": len(data), "temperature": 1.0, "calculate_entropy": False,
+                             "max_response_len": longest, "global_token_num": [len(t) for t in tokens]},
         )

@@ -3,8 +3,8 @@ tinker_exp's workers (docs/serve.md).
 
 The run's config groups compose as for ``python -m tinker_exp`` (model, optimizer, backend, ...; the same overrides);
 ``serve.*`` are the server's own. Everything is checked before any worker starts; a mistake is one line, exit 2.
-The served run dir holds metrics.jsonl (one row per optim_step: the loss, grad norm, requested and applied values)
-and workers.log, as a run's.
+The served run dir holds metrics.jsonl (one row per optim_step: the loss, grad norm, requested and applied values),
+workers.log, as a run's, and checkpoints/ (save_state, save_weights_for_sampler).
 """
 
 from __future__ import annotations
@@ -105,8 +105,13 @@ def main(args: list[str]) -> None:
     def optim_params(adam: dict) -> dict:
         return plan_for(adam, plan.optimizer_values, 1, plan.optimizer, float(cfg.optimizer.clip_grad or 0.0))[0]
 
-    sink = JsonlSink(run_dir / "metrics.jsonl")
-    server = Server(model_name, build_workers, optim_params, sink.log, check_applied)
+    def make_sampler():
+        from tinker_exp.runtime.serve_sampler import ServedSampler
+
+        return ServedSampler(model_path, cfg.trainer.seed)
+
+    server = Server(model_name, build_workers, optim_params, lambda first_step: JsonlSink(run_dir / "metrics.jsonl", first_step),
+                    check_applied, run_dir / "checkpoints", make_sampler)
     import uvicorn
 
     host, port = listener.getsockname()[:2]

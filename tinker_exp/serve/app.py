@@ -1,4 +1,5 @@
-"""The HTTP app: the routes the tinker SDK 0.38 calls for training, on one served model (docs/serve.md).
+"""The HTTP app: the routes the tinker SDK 0.38 calls for training, checkpoints and sampling, on one served model
+(docs/serve.md).
 
 Every training call returns a future (``request_id``) at once; the work runs on one thread, in the order the calls
 arrive, and ``retrieve_future`` hands back its result: protobuf for forward_backward, JSON otherwise. A request that
@@ -7,16 +8,28 @@ second model) is refused before it is queued: HTTP 400 with one line naming the 
 """
 
 
+import json
 import logging
 import queue
+import re
+import shutil
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from tinker_exp.errors import ConfigError
-from tinker_exp.serve.wire import BadRequest, forward_backward_output, forward_backward_request
+from tinker_exp.serve.wire import (
+    BadRequest,
+    forward_backward_output,
+    forward_backward_request,
+    loss_params,
+    prompt_tokens,
+    sample_response,
+)
+from tinker_exp.train.checkpoints import LOOP_STATE, WORKERS, commit_save, problem
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +38,15 @@ ADAM_PARAMS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_c
 """Tinker's AdamParams fields: each goes through our converter (tinker_exp.optim), grad_clip_norm to our worker."""
 POLL_S = 30.0
 """How long retrieve_future waits for a result before answering try_again (the SDK polls with a 45 s timeout)."""
+STATE, SAMPLER = "weights", "sampler_weights"
+"""The SDK's checkpoint kinds, as its paths spell them: tinker://<model_id>/weights/<name> (save_state: weights and
+optimizer state), tinker://<model_id>/sampler_weights/<name> (save_weights_for_sampler). On disk:
+<run dir>/checkpoints/<model_id>/<kind>/<name>/."""
+CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+UNCACHED = {"/api/v1/retrieve_future", "/api/v1/session_heartbeat", "/api/v1/telemetry"}
+"""Routes answered afresh on every call, whatever their idempotency key (a result that was pending may be ready)."""
+SNAPSHOTS_KEPT = 4
+"""Unnamed sampler weights (save_weights_and_get_sampling_client) kept in memory; older ones are dropped."""
 
 
 @dataclass
@@ -53,13 +75,25 @@ class Server:
     """The state behind the routes: sessions, the one model, futures, and the thread that runs the work in order.
 
     `build_workers(lora_rank)` starts the worker group (ready on return); `optim_params(adam_params)` converts and
-    checks AdamParams as an override is (ConfigError naming the key); `log_row(row)` writes one step's row."""
+    checks AdamParams as an override is (ConfigError naming the key)."""
 
     def __init__(self, model_name: str, build_workers: Callable[[int], Any], optim_params: Callable[[dict], dict],
-                 log_row: Callable[[dict], None], check_applied: Callable[[int, dict, list], dict]):
+                 open_rows: Callable[[int], Any], check_applied: Callable[[int, dict, list], dict],
+                 checkpoints: Path, make_sampler: Callable[[], Any]):
+        """`open_rows(first_step)`: the metrics.jsonl sink (a JsonlSink: rows of first_step and later are replaced);
+        `checkpoints`: where checkpoints go; `make_sampler()`: the driver's sampler (runtime/serve_sampler.py)."""
         self.model_name = model_name
-        self.build_workers, self.optim_params, self.log_row, self.check_applied = (
-            build_workers, optim_params, log_row, check_applied)
+        self.build_workers, self.optim_params, self.open_rows, self.check_applied = (
+            build_workers, optim_params, open_rows, check_applied)
+        self.rows = open_rows(0)
+        self.checkpoints, self.make_sampler = checkpoints, make_sampler
+        self.sampler: Any = None
+        self.sampling_sessions: dict[str, dict[str, Any]] = {}
+        """sampling_session_id -> its base model, model_path (None: the base model's weights), and where its weights
+        are: a sampler checkpoint's folder, or tensors in memory (an unnamed save)."""
+        self.snapshots: list[str] = []
+        self.replies: dict[str, tuple] = {}
+        """X-Idempotency-Key -> the answer it got (body, status, headers, media type)."""
         self.sessions: set[str] = set()
         self.model: Model | None = None
         self.futures: dict[str, Future] = {}
@@ -104,28 +138,38 @@ class Server:
         for flag in ("train_mlp", "train_attn", "train_unembed"):
             if lora.get(flag, True) is not True:
                 raise BadRequest(f"lora_config.{flag}: {lora[flag]!r}: only true is served (adapters on every linear layer)")
-        with self.lock:
-            if self.model is not None:
-                raise BadRequest(f"create_model: this server already serves model {self.model.model_id}; one client "
-                                 "at a time may hold a model")
-            model_id = f"{body.get('session_id')}:train:{body.get('model_seq_id', 0)}"
-            self.model = model = Model(model_id, base_model, rank)
+        model = self._claim("create_model", body, base_model, rank)
 
         def build() -> dict:
-            try:
-                model.workers = self.build_workers(rank)
-            except BaseException:
-                self.model = None
-                raise
-            return {"model_id": model_id, "type": "create_model"}
+            self._build(model)
+            return {"model_id": model.model_id, "type": "create_model"}
 
         return self.submit(build)
 
+    def _claim(self, route: str, body: dict, base_model: str, rank: int) -> Model:
+        """The one model, for this client (the SDK's id: session_id:train:model_seq_id); a second is refused."""
+        with self.lock:
+            if self.model is not None:
+                raise BadRequest(f"{route}: this server already serves model {self.model.model_id}; one client "
+                                 "at a time may hold a model")
+            model_id = f"{body.get('session_id')}:train:{body.get('model_seq_id', 0)}"
+            self.model = Model(model_id, base_model, rank)
+            return self.model
+
+    def _build(self, model: Model) -> None:
+        try:
+            model.workers = self.build_workers(model.lora_rank)
+        except BaseException:
+            self.model = None
+            raise
+
     def forward_backward(self, body: bytes) -> tuple[str, str]:
         request, data = forward_backward_request(body)
+        params = loss_params(request)
         model = self.served_model(request.model_id)
 
         def run() -> bytes:
+            model.workers.use_loss(request.loss_fn, params)
             if request.forward_only:  # the SDK's forward(): no gradient, not part of the step's loss
                 return forward_backward_output(*model.workers.forward(data))
             loss, logprobs = model.workers.forward_backward(data)
@@ -152,13 +196,195 @@ class Server:
             first = self.check_applied(model.step, params, applied)
             from tinker_exp.optim import flat_values
 
-            self.log_row({"train/step": model.step, "time": time.time(), "train/loss": model.loss_since_step,
+            self.rows.log({"train/step": model.step, "time": time.time(), "train/loss": model.loss_since_step,
                           "train/grad_norm": grad_norm, **flat_values("requested", params), **flat_values("applied", first)})
             model.step += 1
             model.loss_since_step = 0.0
             return {"metrics": {"grad_norm": grad_norm}, "type": "optim_step"}
 
         return self.submit(run), model.model_id
+
+    def _folder(self, model_id: str, kind: str, name: str) -> Path:
+        return self.checkpoints / model_id / kind / name
+
+    @staticmethod
+    def _name(name: Any) -> str:
+        if not isinstance(name, str) or not CHECKPOINT_NAME.fullmatch(name):
+            raise BadRequest(f"path: {name!r} is not a checkpoint name (letters, digits, '_', '-', '.'; no '/')")
+        return name
+
+    def _checkpoint(self, path: Any, kind: str, field: str = "path") -> tuple[Path, dict]:
+        """A tinker:// path of this server's -> its folder and loop.json; anything else a one-line BadRequest."""
+        parts = path.removeprefix("tinker://").split("/") if isinstance(path, str) and path.startswith("tinker://") else []
+        if len(parts) != 3 or parts[1] != kind or not all(parts):
+            raise BadRequest(f"{field}: {path!r} is not a checkpoint path (tinker://<model_id>/{kind}/<name>)")
+        folder = self._folder(parts[0], kind, parts[2])
+        if not folder.is_dir():
+            raise BadRequest(f"{field}: {path!r}: no such checkpoint on this server")
+        why = problem(folder)
+        if why is not None:
+            raise BadRequest(f"{field}: {path!r}: {why}")
+        return folder, json.loads((folder / LOOP_STATE).read_text())
+
+    def _save(self, model: Model, folder: Path, write: Callable[[Path], None]) -> None:
+        """`write(tmp)` fills a fresh folder beside `folder`, renamed into place after its manifest
+        (train/checkpoints.py): a save that fails leaves no checkpoint of that name."""
+        tmp = folder.with_name(f".{folder.name}.partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        meta = {"model_id": model.model_id, "base_model": model.base_model, "lora_rank": model.lora_rank}
+        commit_save(tmp, model.step, meta, final=folder)
+
+    def save_state(self, body: dict) -> tuple[str, str]:
+        """save_state: the weights and the optimizer's state (every rank's verl checkpoint) at this step."""
+        model = self.served_model(body.get("model_id"))
+        name = self._name(body.get("path"))
+        folder = self._folder(model.model_id, STATE, name)
+        if folder.exists() and body.get("overwrite") is not True:
+            raise BadRequest(f"path: {name!r}: model {model.model_id} has a checkpoint of that name (overwrite=true "
+                             "replaces it)")
+
+        def run() -> dict:
+            self._save(model, folder, lambda tmp: model.workers.save_state(tmp / WORKERS, model.step))
+            return {"path": f"tinker://{model.model_id}/{STATE}/{name}", "type": "save_weights"}
+
+        return self.submit(run), model.model_id
+
+    def load_state(self, body: dict) -> tuple[str, str]:
+        """load_state (weights, a fresh optimizer) or load_state_with_optimizer (`optimizer`: true), onto the
+        client's model (model_id) or onto a new one (session_id, model_seq_id: create_training_client_from_state),
+        built with the checkpoint's LoRA rank."""
+        optimizer = body.get("optimizer")
+        if not isinstance(optimizer, bool):
+            raise BadRequest(f"optimizer: {optimizer!r} is not true or false")
+        path = body.get("path")
+        folder, meta = self._checkpoint(path, STATE)
+        if body.get("model_id") is not None:
+            model = self.served_model(body["model_id"])
+            if meta["lora_rank"] != model.lora_rank:
+                raise BadRequest(f"path: {path!r} holds a model of LoRA rank {meta['lora_rank']}; model "
+                                 f"{model.model_id} has rank {model.lora_rank}")
+        else:
+            base_model = body.get("base_model") or meta["base_model"]
+            if base_model != self.model_name:
+                raise BadRequest(f"base_model: {base_model!r} is not served (this server serves {self.model_name!r})")
+            model = self._claim("load_weights", body, base_model, meta["lora_rank"])
+
+        def run() -> dict:
+            if model.workers is None:
+                self._build(model)
+            model.workers.load_state(folder / WORKERS, optimizer)
+            model.step, model.loss_since_step = int(meta["step"]), 0.0
+            self.rows.close()
+            self.rows = self.open_rows(model.step)  # this step's row and later ones are logged again
+            return {"path": path, "model_id": model.model_id, "type": "load_weights"}
+
+        return self.submit(run), model.model_id
+
+    def _sampler(self):
+        if self.sampler is None:
+            self.sampler = self.make_sampler()
+        return self.sampler
+
+    def save_for_sampler(self, body: dict) -> tuple[str, str]:
+        """save_weights_for_sampler(name): the weights as a sampler checkpoint (tinker://.../sampler_weights/name);
+        without a name (save_weights_and_get_sampling_client): a sampling session on these weights, in memory."""
+        model = self.served_model(body.get("model_id"))
+        name = body.get("path")
+        if name is not None:
+            folder = self._folder(model.model_id, SAMPLER, self._name(name))
+
+            def save() -> dict:
+                self._save(model, folder, lambda tmp: self._sampler().write(model.workers, tmp, model.lora_rank))
+                return {"path": f"tinker://{model.model_id}/{SAMPLER}/{name}", "type": "save_weights_for_sampler"}
+
+            return self.submit(save), model.model_id
+        seq = body.get("sampling_session_seq_id")
+        session_id = f"{model.model_id}:sample:{seq}:{uuid.uuid4().hex[:8]}"
+
+        def snapshot() -> dict:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(dir=self.checkpoints.parent) as tmp:
+                self._sampler().write(model.workers, Path(tmp), model.lora_rank)
+                tensors = self._sampler().weights(Path(tmp))
+            self._open_sampling_session(session_id, model.base_model, None, tensors)
+            self.snapshots.append(session_id)
+            for dropped in self.snapshots[:-SNAPSHOTS_KEPT]:
+                self.sampling_sessions[dropped]["weights"] = None
+            del self.snapshots[:-SNAPSHOTS_KEPT]
+            return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
+
+        return self.submit(snapshot), model.model_id
+
+    def _open_sampling_session(self, session_id: str, base_model: str, model_path: str | None, weights: Any) -> None:
+        self.sampling_sessions[session_id] = {"base_model": base_model, "model_path": model_path, "weights": weights}
+
+    def create_sampling_session(self, body: dict) -> str:
+        """A sampling session on a sampler checkpoint (model_path) or on the base model."""
+        model_path, base_model = body.get("model_path"), body.get("base_model")
+        if model_path is not None:
+            folder, meta = self._checkpoint(model_path, SAMPLER, "model_path")
+            base_model, weights = meta["base_model"], folder
+        elif base_model != self.model_name:
+            raise BadRequest(f"base_model: {base_model!r} is not served (this server serves {self.model_name!r})")
+        else:
+            weights = "base"
+        session_id = f"{body.get('session_id')}:sample:{body.get('sampling_session_seq_id')}:{uuid.uuid4().hex[:8]}"
+        self._open_sampling_session(session_id, base_model, model_path, weights)
+        return session_id
+
+    def sampling_session(self, session_id: Any) -> dict:
+        session = self.sampling_sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None:
+            raise BadRequest(f"sampling_session_id: {session_id!r} is not a sampling session of this server")
+        return session
+
+    def sample(self, body: dict) -> tuple[str, list[str]]:
+        """asample: num_samples responses to the prompt from the session's weights; SamplingParams max_tokens,
+        temperature (> 0) and seed are served, top_k/top_p only as no limit, stop only as the model's stop tokens."""
+        session_id = body.get("sampling_session_id")
+        session = self.sampling_session(session_id)
+        if session["weights"] is None:
+            raise BadRequest(f"sampling_session_id: {session_id!r}: its weights were dropped (the server keeps the "
+                             f"last {SNAPSHOTS_KEPT} unnamed snapshots; save_weights_for_sampler(name) keeps them)")
+        prompt = prompt_tokens(body.get("prompt"))
+        n = body.get("num_samples", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise BadRequest(f"num_samples: {n!r} is not a count (an integer >= 1)")
+        params = body.get("sampling_params") or {}
+        max_tokens, temperature, seed = params.get("max_tokens"), params.get("temperature", 1.0), params.get("seed")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise BadRequest(f"sampling_params.max_tokens: {max_tokens!r} is not a count (an integer >= 1)")
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+            raise BadRequest(f"sampling_params.temperature: {temperature!r} is not served (a number > 0)")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise BadRequest(f"sampling_params.seed: {seed!r} is not an integer")
+        for key, unlimited in (("top_k", (-1, 0)), ("top_p", (1, 1.0)), ("stop", (None,))):
+            if params.get(key, unlimited[0]) not in unlimited:
+                raise BadRequest(f"sampling_params.{key}: {params[key]!r} is not served (only {unlimited[0]!r})")
+        for key in ("prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if body.get(key):
+                raise BadRequest(f"{key}: {body[key]!r} is not served")
+
+        def run() -> bytes:
+            sampler = self._sampler()
+            if len(prompt) + max_tokens > sampler.positions:
+                raise BadRequest(f"sampling_params.max_tokens: the prompt's {len(prompt)} tokens + {max_tokens} exceed "
+                                 f"the model's {sampler.positions} positions")
+            weights = session["weights"]
+            if weights == "base":
+                sampler.use("base", sampler.base)
+            elif isinstance(weights, Path):
+                sampler.use(weights, lambda: sampler.weights(weights))
+            else:
+                sampler.use(session_id, weights)
+            samples = sampler.sample(prompt, n, max_tokens, float(temperature), seed)
+            return sample_response(samples, sampler.stop_ids)
+
+        request_id = self.submit(run, protobuf=True)
+        return request_id, [f"{request_id}:{i}" for i in range(n)]
 
     def retrieve(self, request_id: Any) -> Future:
         future = self.futures.get(request_id) if isinstance(request_id, str) else None
@@ -179,6 +405,21 @@ def build_app(server: Server):
 
     def refused(message: str, status: int = 400) -> JSONResponse:
         return JSONResponse({"error": message, "detail": message}, status_code=status)
+
+    @app.middleware("http")
+    async def idempotent(request: Request, call_next):
+        """The SDK retries a POST with the same X-Idempotency-Key: one that was answered gets the same answer (the
+        same future), so a retried forward_backward is not queued twice."""
+        key = request.headers.get("x-idempotency-key")
+        if request.method != "POST" or not key or request.url.path in UNCACHED:
+            return await call_next(request)
+        if key in server.replies:
+            return Response(*server.replies[key])
+        response = await call_next(request)
+        body = b"".join([chunk async for chunk in response.body_iterator])
+        if response.status_code == 200:
+            server.replies[key] = (body, 200, None, response.media_type)
+        return Response(body, response.status_code, None, response.media_type)
 
     @app.middleware("http")
     async def api_key(request: Request, call_next):
@@ -241,7 +482,7 @@ def build_app(server: Server):
     @app.get("/api/v1/get_server_capabilities")
     @app.post("/api/v1/get_server_capabilities")
     async def capabilities():
-        return {"supported_models": [{"model_name": server.model_name, "trainable": True, "sampleable": False}]}
+        return {"supported_models": [{"model_name": server.model_name, "trainable": True, "sampleable": True}]}
 
     @app.post("/api/v1/create_model")
     async def create_model(request: Request):
@@ -263,6 +504,33 @@ def build_app(server: Server):
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
         return future(*server.optim_step(await json_body(request)))
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request):
+        return future(*server.save_state(await json_body(request)))
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request):
+        return future(*server.load_state(await json_body(request)))
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request):
+        return future(*server.save_for_sampler(await json_body(request)))
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request):
+        return {"sampling_session_id": server.create_sampling_session(await json_body(request)),
+                "type": "create_sampling_session"}
+
+    @app.get("/api/v1/samplers/{session_id}")
+    async def get_sampler(session_id: str):
+        session = server.sampling_session(session_id)
+        return {"sampler_id": session_id, "base_model": session["base_model"], "model_path": session["model_path"]}
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request):
+        request_id, sequence_ids = server.sample(await json_body(request))
+        return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):

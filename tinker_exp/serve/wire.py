@@ -7,10 +7,17 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from tinker_exp.runtime.serve_workers import LOSS_SUM, Datum
+from tinker_exp.runtime.serve_workers import CROSS_ENTROPY, LOSS_SUM, Datum
 
-SUPPORTED_LOSSES = ("cross_entropy",)
-"""The loss functions forward_backward takes today."""
+LOSS_INPUTS = {
+    CROSS_ENTROPY: ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
+}
+"""The loss functions forward_backward takes, each with the loss_fn_inputs it needs (Tinker's names). The RL losses
+take `weights` too, optionally: a position of weight 0 adds nothing (a prompt's positions); none sent: every one 1."""
 
 
 class BadRequest(ValueError):
@@ -45,8 +52,9 @@ def forward_backward_request(body: bytes) -> tuple[Any, list[Datum]]:
         request.ParseFromString(body)
     except Exception as e:  # protobuf's DecodeError
         raise BadRequest(f"forward_backward: the body is not a ForwardBackwardRequest protobuf ({e})") from None
-    if request.loss_fn not in SUPPORTED_LOSSES:
-        raise BadRequest(f"loss_fn: {request.loss_fn!r} is not served (served: {', '.join(SUPPORTED_LOSSES)})")
+    if request.loss_fn not in LOSS_INPUTS:
+        raise BadRequest(f"loss_fn: {request.loss_fn!r} is not served (served: {', '.join(LOSS_INPUTS)})")
+    needs = LOSS_INPUTS[request.loss_fn]
     if not request.data:
         raise BadRequest("data: no datum")
     data = []
@@ -57,21 +65,46 @@ def forward_backward_request(body: bytes) -> tuple[Any, list[Datum]]:
             if chunk.WhichOneof("chunk") != "encoded_text":
                 raise BadRequest(f"{where}.model_input.chunks[{j}]: only encoded text is served")
             tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
-        missing = [name for name in ("target_tokens", "weights") if name not in datum.loss_fn_inputs]
+        missing = [name for name in needs if name not in datum.loss_fn_inputs]
         if missing:
-            raise BadRequest(f"{where}.loss_fn_inputs: {missing[0]} is missing (cross_entropy takes target_tokens, weights)")
-        targets = _array(datum.loss_fn_inputs["target_tokens"], f"{where}.loss_fn_inputs.target_tokens").tolist()
-        weights = _array(datum.loss_fn_inputs["weights"], f"{where}.loss_fn_inputs.weights").astype(np.float32)
-        if not tokens or len(targets) != len(tokens) or len(weights) != len(tokens):
-            raise BadRequest(f"{where}: model_input has {len(tokens)} tokens, target_tokens {len(targets)}, weights "
-                             f"{len(weights)}: need the same length, at least 1")
+            raise BadRequest(f"{where}.loss_fn_inputs: {missing[0]} is missing ({request.loss_fn} takes {', '.join(needs)})")
+        inputs = {name: _array(datum.loss_fn_inputs[name], f"{where}.loss_fn_inputs.{name}")
+                  for name in (*needs, "weights") if name in datum.loss_fn_inputs}
+        inputs.setdefault("weights", np.ones(len(tokens), dtype=np.float32))
+        targets = inputs.pop("target_tokens").tolist()
+        lengths = ", ".join(f"{name} {len(values)}" for name, values in inputs.items())
+        if not tokens or len(targets) != len(tokens) or any(len(values) != len(tokens) for values in inputs.values()):
+            raise BadRequest(f"{where}: model_input has {len(tokens)} tokens, target_tokens {len(targets)}, {lengths}: "
+                             "need the same length, at least 1")
         if targets[:-1] != tokens[1:]:
             raise BadRequest(f"{where}.loss_fn_inputs.target_tokens: must be model_input shifted by one (each position "
                              "predicts the next input token)")
-        if not np.isfinite(weights).all():
-            raise BadRequest(f"{where}.loss_fn_inputs.weights: not finite")
-        data.append(Datum(tokens + [targets[-1]], [0.0, *weights.tolist()]))
+        for name, values in inputs.items():
+            if not np.isfinite(values).all():
+                raise BadRequest(f"{where}.loss_fn_inputs.{name}: not finite")
+        shifted = {name: [0.0, *values.astype(np.float32).tolist()] for name, values in inputs.items()}
+        data.append(Datum(tokens + [targets[-1]], shifted["weights"], shifted.get("logprobs"), shifted.get("advantages")))
     return request, data
+
+
+def loss_params(request: Any) -> dict[str, float]:
+    """The RL loss's parameters from loss_fn_config, checked and with Tinker's defaults filled in (as loss.* are);
+    cross_entropy takes none."""
+    from tinker_exp.config.rl import LossConfig, LossName
+    from tinker_exp.errors import ConfigError
+
+    given = dict(request.loss_fn_config)
+    if request.loss_fn == CROSS_ENTROPY:
+        if given:
+            raise BadRequest(f"loss_fn_config.{sorted(given)[0]}: cross_entropy takes no parameters")
+        return {}
+    known = {name for name in LossConfig.__dataclass_fields__ if name != "name"}
+    for key in sorted(set(given) - known):
+        raise BadRequest(f"loss_fn_config.{key}: not a parameter of {request.loss_fn}")
+    try:
+        return LossConfig(LossName(request.loss_fn), **given).params
+    except ConfigError as e:
+        raise BadRequest(str(e).replace("loss.", "loss_fn_config.")) from None
 
 
 def forward_backward_output(loss: float, logprobs: Sequence[Sequence[float]]) -> bytes:
@@ -90,3 +123,37 @@ def forward_backward_output(loss: float, logprobs: Sequence[Sequence[float]]) ->
     field.data = b"".join(a.tobytes() for a in arrays)
     field.offsets = np.cumsum([0, *(a.nbytes for a in arrays)], dtype=np.int64).tobytes()
     return output.SerializeToString()
+
+
+def sample_response(samples: Sequence[Any], stop_ids: Sequence[int]) -> bytes:
+    """The SampleResponse protobuf: each sequence's tokens (int32) and their log-probs (float32); stop_reason stop
+    when it ended with a stop token, else length."""
+    import numpy as np
+
+    pb = proto_module()
+    response = pb.SampleResponse()
+    for sample in samples:
+        sequence = response.sequences.add()
+        ids = list(sample.response_ids)
+        sequence.stop_reason = pb.STOP_REASON_STOP if ids and ids[-1] in stop_ids else pb.STOP_REASON_LENGTH
+        sequence.tokens = np.asarray(ids, dtype=np.int32).tobytes()
+        sequence.logprobs = np.asarray(sample.log_probs, dtype=np.float32).tobytes()
+    return response.SerializeToString()
+
+
+def prompt_tokens(prompt: Any, field: str = "prompt") -> list[int]:
+    """A ModelInput in JSON ({"chunks": [{"type": "encoded_text", "tokens": [...]}]}) -> its tokens."""
+    chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
+    if not isinstance(chunks, list) or not chunks:
+        raise BadRequest(f"{field}.chunks: missing or empty (a ModelInput of encoded text)")
+    tokens: list[int] = []
+    for j, chunk in enumerate(chunks):
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            raise BadRequest(f"{field}.chunks[{j}]: only encoded text is served")
+        ids = chunk.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise BadRequest(f"{field}.chunks[{j}].tokens: not a list of token ids")
+        tokens += ids
+    if not tokens:
+        raise BadRequest(f"{field}: no token")
+    return tokens

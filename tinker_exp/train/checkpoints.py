@@ -71,8 +71,9 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def commit_save(tmp: Path, step: int, loop_state: dict[str, Any], hashes: bool = False) -> Path:
-    """Write loop.json and the manifest (last), flush everything to disk, then rename into place."""
+def commit_save(tmp: Path, step: int, loop_state: dict[str, Any], hashes: bool = False, final: Path | None = None) -> Path:
+    """Write loop.json and the manifest (last), flush everything to disk, then rename into place (`final`: a folder
+    of another name than the step's, e.g. a served checkpoint's)."""
     (tmp / LOOP_STATE).write_text(json.dumps({"step": step, **loop_state}, indent=1) + "\n")
     manifest = {}
     for path in _files(tmp):
@@ -83,7 +84,7 @@ def commit_save(tmp: Path, step: int, loop_state: dict[str, Any], hashes: bool =
         manifest[str(path.relative_to(tmp))] = entry
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1) + "\n")
     _fsync(tmp / MANIFEST)
-    final = step_dir(tmp.parent, step)
+    final = final or step_dir(tmp.parent, step)
     if final.exists():  # the same step saved again (a resumed run that saves where it resumed)
         shutil.rmtree(final)
     os.rename(tmp, final)
