@@ -287,12 +287,11 @@ def test_a_sweep_of_two_node_points_runs_each_as_a_slurm_job_and_a_cancelled_one
     # point 1: stopped on SIGTERM by itself, well before Slurm's SIGKILL, and wrote no result of its own.
     task = f"{jobs[1]['array_job_id']}_{jobs[1]['array_task_id']}"  # submitit's id of an array task: its folder
     job_log = read_job_log(sweep, task)
-    # It ended by itself, before Slurm's SIGKILL: through our SIGTERM handler (exit 143, its one line), or through
-    # Ray's core worker when the raylet died first (exit 1; Slurm signals every process of the job at once).
-    ours = "tinker_exp: stopped: terminated by SIGTERM" in job_log
-    rays = re.search(r"task 0: Exited with exit code 1$", job_log, re.M) is not None
-    assert (ours or rays) and "Killed" not in job_log, job_log[-3000:]
-    assert job_log and not list((sweep / ".submitit" / task).glob("*_result.pkl"))
+    # It ended by itself, before Slurm's SIGKILL: through our SIGTERM handler (exit 143, its one line), through the
+    # launcher when the other node's workers died first (exit 143, no result: docs/multi-node.md), or through Ray's
+    # core worker when the raylet died first (exit 1; Slurm signals every process of the job at once).
+    assert re.search(r"task 0: Exited with exit code (143|1)$", job_log, re.M) and "Killed" not in job_log, job_log[-3000:]
+    assert not list((sweep / ".submitit" / task).glob("*_0_result.pkl"))  # task 0's: the run's
     steps = [m["train/step"] for m in metrics_rows(sweep / "1")]
     assert steps == list(range(len(steps))) and len(steps) >= 2
     # scancel signals every process of the job, W&B's service too (wandb/wandb#9963): the run cannot be
