@@ -312,6 +312,21 @@ def test_a_studys_picture_marks_its_pruned_trials_and_labels_a_log_axis_at_a_few
     fig.canvas.draw()
 
 
+def test_a_maximised_studys_picture_says_higher_is_better_and_rings_the_highest():
+    """A study on eval/reward (direction maximize, as trainer.objective_mode=max makes it): its title says so."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    space = {"override.lr": FloatDistribution(1e-4, 1e-1, log=True)}
+    study = optuna.create_study(direction="maximize")
+    for lr, reward in ((1e-4, 0.04), (3e-3, 0.71), (1e-2, 0.39)):
+        study.add_trial(optuna.trial.create_trial(params={"override.lr": lr}, distributions=space, value=reward))
+    fig = draw_study(study, "study s")
+    assert fig._suptitle.get_text().splitlines()[1] == (
+        "objective (higher is better) against each searched parameter (3 completed); best: trial 1, 0.71"
+    )
+
+
 def test_the_command_draws_a_studys_trials_and_its_parameters(tmp_path, capsys):
     sweep, study = study_dir(tmp_path)
     assert command.main([str(sweep)]) == 0

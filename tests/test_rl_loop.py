@@ -187,3 +187,53 @@ def test_objective_mode_max_keeps_the_highest_and_early_stop_counts_rewards_that
     for step, value in [(1, 0.3), (2, 0.8), (3, 0.4)]:
         checkpointer.save(step, {}, {"eval/reward": value})
     assert checkpointer.best["step"] == 2 and sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003"]
+
+
+def test_an_exploit_takes_the_donors_prompt_cursor_and_sampler_state_with_its_checkpoint(tmp_path):
+    """A judge's continue_from(plan, checkpoint) (a population member's exploit) loads the checkpoint into the
+    workers and the batch source: the member's steps after it sample what the donor's run sampled there (the
+    donor's sampler RNG and prompt cursor), not what its own state would have (docs/rl.md). The real population:
+    tests/test_rl_search.py."""
+    from tinker_exp.config import OptimizerConfig
+    from tinker_exp.train.judges import Judge, continue_from
+
+    plan = build_plan({}, OptimizerConfig(), 4)
+    trainer = TrainerConfig(steps=4, eval_every=2)
+
+    class Rows(list):
+        def log(self, row):
+            self.append(row)
+
+        def attach_table(self, *args):
+            pass
+
+    class Evaluation:
+        def due(self, steps_done):
+            return steps_done % 2 == 0
+
+        def run(self, workers, steps_done):
+            return {}
+
+    def member(name: str, sampler_state: str, judges=()) -> list[dict]:
+        workers, rows, batches = FakeWorkers(plan.optimizer_values), Rows(), source()
+        batches.weights.sampler.set_rng_state(sampler_state)  # members' samplers part as their policies do
+        workers.ready()
+        checkpointer = Checkpointer(tmp_path / name, CheckpointConfig(every_steps=2, keep_last=0), 4, workers, {}, None)
+        train(trainer, plan, workers, batches, rows, checkpointer, evaluation=Evaluation(), judges=judges)
+        return rows
+
+    class Exploit(Judge):
+        def wants_checkpoint(self, steps_done):
+            return steps_done == 2
+
+        def saved(self, steps_done, row, checkpoint):
+            return continue_from(plan, tmp_path / "donor" / "step_00000002")
+
+    donor = member("donor", "donor's")
+    own = member("own", "own")
+    exploiting = member("member", "own", [Exploit()])
+    sampled = ("train/reward", "train/reward_std", "train/response_length", "train/loss")
+    assert [[row[k] for k in sampled] for row in exploiting] == [[row[k] for k in sampled] for row in own[:2] + donor[2:]]
+    assert [row["train/reward"] for row in own[2:]] != [row["train/reward"] for row in donor[2:]]  # the rule shows
+    state = json.loads((tmp_path / "donor" / "step_00000002" / "loop.json").read_text())[BATCH_SOURCE]
+    assert state["prompt_cursor"] == 2 * 2

@@ -2,18 +2,22 @@
 the driver sampling from the weights the workers export after every optimizer step.
 
 One CLI run (README's RL command: env=digits loss=importance_sampling +override=lr_cosine trainer.steps=40, with the
-objective eval/reward maximised and the best checkpoint kept, every checkpoint kept) is read by every test here; one
-more run resumes a copy of it, and one branches it at step 10.
+objective eval/reward maximised and the best checkpoint kept, every checkpoint kept) is read by every test here; a
+copy of it at step 30 is resumed, killed with SIGKILL after its next checkpoint and resumed again; one run branches it
+at step 10.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 
-from helpers import metrics_rows, planned, read_jsonl, run_cli, wandb_train_rows
+from helpers import REPO, environment, metrics_rows, planned, read_jsonl, run_cli, wait_until, wandb_train_rows
 
 RL_COMMAND = ["env=digits", "loss=importance_sampling", "+override=lr_cosine", "trainer.steps=40"]
 EXTRA = ["trainer.objective=eval/reward", "trainer.objective_mode=max", "checkpoint.keep_best=true", "checkpoint.keep_last=0"]
@@ -78,24 +82,39 @@ def test_held_out_prompts_give_eval_reward_and_the_best_checkpoint_is_the_highes
     assert objective["best_checkpoint"]["step"] == best_step
 
 
-def test_a_run_killed_after_its_checkpoint_resumes_bitwise(rl_run, ray_address, tmp_path):
-    """What kill -9 after step 25 leaves (checkpoint 20 the newest, rows up to step 25), then the same command: the
-    steps after 20 sample the same prompts and responses (prompt cursor and sampler RNG from the checkpoint) and
-    train to the same rewards, losses and grad norms, bit for bit."""
+def test_a_run_killed_with_sigkill_after_its_checkpoint_resumes_bitwise(rl_run, ray_address, tmp_path):
+    """The shared run's dir as it stood at its checkpoint 30 (copied: the first 30 steps are not trained again), then
+    the same command with a checkpoint every 5 steps (checkpoint keys may change on a resume: they train nothing):
+    it resumes at 30, saves step 35 and is killed with SIGKILL right after; the same command again resumes from that
+    checkpoint. The steps after 35 sample the same prompts and responses (prompt cursor and sampler RNG from it) and
+    train to the uninterrupted run's rewards, losses, grad norms, mismatch and eval/reward, bit for bit."""
     run_dir, _ = rl_run
     uninterrupted = metrics_rows(run_dir)
-    shutil.copytree(run_dir, tmp_path / "run")
     resumed_dir = tmp_path / "run"
-    for step in (30, 40):
-        shutil.rmtree(resumed_dir / "checkpoints" / f"step_{step:08d}")
+    shutil.copytree(run_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "step_00000040")
     (resumed_dir / "objective.json").unlink()
     lines = (resumed_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (resumed_dir / "metrics.jsonl").write_text("".join(lines[:26]))
-    state = json.loads((resumed_dir / "checkpoints" / "step_00000020" / "loop.json").read_text())["batch_source"]
-    assert state["prompt_cursor"] == 20 * 4 and state["sampler_rng"]
+    (resumed_dir / "metrics.jsonl").write_text("".join(lines[:30]))
+    command = [*RL_COMMAND, *EXTRA, "checkpoint.every_steps=5", f"hydra.run.dir={resumed_dir}"]
 
-    result = run_cli(*RL_COMMAND, *EXTRA, f"hydra.run.dir={resumed_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)
+    driver = subprocess.Popen([sys.executable, "-m", "tinker_exp", *command], cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        saved = resumed_dir / "checkpoints" / "step_00000035" / "MANIFEST.json"
+        wait_until(saved.exists, 600, "the resumed run never saved step 35", driver, poll=0.05)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        driver.kill()
+    killed_at = len(metrics_rows(resumed_dir))
+    assert 35 <= killed_at < STEPS and not (resumed_dir / "checkpoints" / "step_00000040").exists()
+    state = json.loads((saved.parent / "loop.json").read_text())["batch_source"]
+    assert state["prompt_cursor"] == 35 * 4 and state["sampler_rng"]
+
+    result = run_cli(*command, env={"RAY_ADDRESS": ray_address}, timeout=600)  # the same command again
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "at step 35" in result.stdout, result.stdout[-3000:]
     rows = metrics_rows(resumed_dir)
     assert [row["train/step"] for row in rows] == list(range(STEPS))
     same = ("train/reward", "train/reward_std", "train/loss", "train/grad_norm", "train/mismatch", "train/response_length")

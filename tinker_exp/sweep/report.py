@@ -567,7 +567,8 @@ def draw_study(study: Any, title: str) -> Figure | None:
     fig = axes_list[0].figure
     fig.set_size_inches(4.2 * len(axes_list) + 1.5, 4.5)  # Optuna's default crowds a log axis' tick labels
     counted = f"{len(complete)} completed" + (f", {len(pruned)} pruned (x)" if pruned else "")
-    fig.suptitle(f"{title}\nobjective (lower is better) against each searched parameter ({counted}); best: trial "
+    better = "higher" if study.direction == optuna.study.StudyDirection.MAXIMIZE else "lower"  # eval/reward: higher
+    fig.suptitle(f"{title}\nobjective ({better} is better) against each searched parameter ({counted}); best: trial "
                  f"{best.number}, {best.value:.4g}", fontsize=10)  # fmt: skip
     return fig
 

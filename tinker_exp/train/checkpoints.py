@@ -145,11 +145,16 @@ def latest(root: Path) -> ResumePoint | None:
     for path in saved_steps(root):
         why = problem(path)
         if why is None:
-            return ResumePoint(path, json.loads((path / LOOP_STATE).read_text()), skipped)
+            return ResumePoint(path, saved_loop_state(path), skipped)
         skipped.append(why)
     if skipped:
         raise CheckpointError(f"no usable checkpoint in {root}: " + "; ".join(skipped))  # one line, every reason
     return None
+
+
+def saved_loop_state(checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's loop.json: the loop's state when it was saved."""
+    return json.loads((checkpoint / LOOP_STATE).read_text())
 
 
 def step_of(checkpoint: Path) -> int:

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from tinker_exp.config import TrainerConfig
 from tinker_exp.errors import AppliedMismatchError, NonFiniteError
 from tinker_exp.optim import Plan, flat_values
-from tinker_exp.train.checkpoints import Checkpointer, restore
+from tinker_exp.train.checkpoints import Checkpointer, restore, saved_loop_state
 from tinker_exp.train.evaluation import Evaluation
 from tinker_exp.train.judges import GO_ON, Decision, Judge, Judges
 from tinker_exp.train.protocols import BatchSource, TableSink, Workers
@@ -59,7 +59,7 @@ def train(
     if opening.checkpoint is None and start.checkpoint is not None:
         restore(workers, start.checkpoint.path)
     batches.restore(start.loop_state.get(BATCH_SOURCE, {}))
-    plan, nonfinite_steps = follow(opening, workers, plan, start.loop_state.get("nonfinite_steps", 0))
+    plan, nonfinite_steps = follow(opening, workers, batches, plan, start.loop_state.get("nonfinite_steps", 0))
     row: dict[str, Any] = {}
     for step in range(start.step, trainer.steps):
         batch = batches.batch(step)
@@ -107,15 +107,19 @@ def train(
             log.info(verdict.stop_line)
             break
         for judge in wanting:  # e.g. a member posts the checkpoint and may take another's, with a new plan
-            plan, nonfinite_steps = follow(judge.saved(step + 1, row, saved), workers, plan, nonfinite_steps)
+            plan, nonfinite_steps = follow(judge.saved(step + 1, row, saved), workers, batches, plan, nonfinite_steps)
     panel.end(sink)
     return row
 
 
-def follow(decision: Decision, workers: Workers, plan: Plan, nonfinite_steps: int) -> tuple[Plan, int]:
-    """The plan and non-finite count after a judge's decision; its checkpoint, if any, loaded into the workers."""
+def follow(decision: Decision, workers: Workers, batches: BatchSource, plan: Plan, nonfinite_steps: int) -> tuple[Plan, int]:
+    """The plan and non-finite count after a judge's decision; its checkpoint, if any, loaded into the workers and
+    the batch source. A checkpoint is a run's whole state: an exploit continues the donor's run (its weights,
+    optimizer and RNG, and its batch source's state: an RL run's prompt cursor and sampler RNG) with a new plan, so
+    a member's lineage is one run whose plan changed, and its realized schedule replays it from step 0."""
     if decision.checkpoint is not None:
         restore(workers, decision.checkpoint)
+        batches.restore(saved_loop_state(decision.checkpoint).get(BATCH_SOURCE, {}))
         if decision.nonfinite_steps is not None:
             nonfinite_steps = decision.nonfinite_steps
     return (plan if decision.plan is None else decision.plan), nonfinite_steps

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from tinker_exp.config import Config
 from tinker_exp.errors import ConfigError
-from tinker_exp.train.checkpoints import LOOP_STATE, ResumePoint, check_checkpoint_device, latest, problem, resume_point, saved_steps, step_dir
+from tinker_exp.train.checkpoints import ResumePoint, check_checkpoint_device, latest, problem, resume_point, saved_loop_state, saved_steps, step_dir
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +213,6 @@ def branched(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> StartPo
 
 def checkpoint_at(root: Path, step: int | None, source: str) -> ResumePoint:
     """The trunk's checkpoint at `step` (None: its newest usable one), complete and intact."""
-    import json
-
     if step is None:
         point = latest(root)  # CheckpointError (exit 5) when it has checkpoints and none is usable
         if point is None:
@@ -227,4 +225,4 @@ def checkpoint_at(root: Path, step: int | None, source: str) -> ResumePoint:
     why = problem(path)
     if why is not None:
         raise ConfigError(f"branch.step={step}: the trunk's checkpoint is not usable: {why}")
-    return ResumePoint(path, json.loads((path / LOOP_STATE).read_text()))
+    return ResumePoint(path, saved_loop_state(path))
