@@ -96,33 +96,6 @@ def test_an_exploiting_member_continues_the_donors_run_its_weights_and_its_promp
     assert (1, 4, 0) in checked
 
 
-def test_a_members_realized_schedule_replays_its_lineage_over_two_run_dirs_bitwise(rl_population, ray_address, tmp_path):
-    """Member 1's lineage: member 0's steps 0-3, then its own from the exploit at step 4. Its replay line (a plain run
-    from step 0 of override/realized.yaml) samples and trains the same steps bit for bit, evaluations included:
-    what taking the donor's prompt cursor and sampler state with its checkpoint buys (docs/rl.md)."""
-    import shlex
-    import subprocess
-    import sys
-
-    from omegaconf import OmegaConf
-
-    from helpers import REPO, environment
-    from tinker_exp.sweep.pbt import lineage_rows
-    from tinker_exp.sweep.pbt_report import replay_command
-
-    sweep, _ = rl_population
-    saved = OmegaConf.to_container(OmegaConf.load(sweep / "population_results.yaml"))
-    args = shlex.split(replay_command(str(sweep / "1"), saved["replay_overrides"]))
-    assert args[:3] == ["python", "-m", "tinker_exp"]
-    result = subprocess.run([sys.executable, *args[1:], f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
-                            env=environment({POPULATION_ENV: None, "RAY_ADDRESS": ray_address}), timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    compared = (*SAMPLED, "eval/reward", "requested/lr", "applied/lr")
-    lineage = lineage_rows(sweep / "1")
-    assert [row["train/step"] for row in lineage] == list(range(STEPS))
-    assert [[row.get(k) for k in compared] for row in metrics_rows(tmp_path)] == [[row.get(k) for k in compared] for row in lineage]
-
-
 # --- a pruned study ----------------------------------------------------------------------------------------------
 
 LOWER = 0.05
