@@ -6,7 +6,8 @@ config; one thread, nothing started), then reads requests, one JSON line each on
 child leaves the loop and becomes `python -m tinker_exp ARGS` in that cwd and environment, its stdin /dev/null and its
 stdout/stderr those files, and ends as that process would (atexit handlers, exit status, a traceback on an uncaught
 exception). Everything the CLI imports after tinker_exp.main (torch, verl, Ray, W&B) it imports itself, so what it
-prints and does is a fresh process's. helpers.run_cli falls back to a fresh process for an environment that changes
+prints and does is a fresh process's; the one import-time value of tinker_exp.main that is not a constant, the
+process's start (PROCESS_START), is set again in the child. helpers.run_cli falls back to a fresh process for an environment that changes
 what these imports read (helpers.ZYGOTE_UNSAFE_ENV).
 """
 
@@ -35,6 +36,14 @@ def serve() -> dict:
 
 if __name__ == "__main__":
     request = serve()
+    import time
+
+    import tinker_exp.main
+
+    # What a fresh process sets as it imports the entry (the only module-level state of tinker_exp.main's imports
+    # that is not a constant): its start, which tells the run dir Hydra made for a refused command from one that
+    # was there before it (made_for_this_command). This process starts now.
+    tinker_exp.main.PROCESS_START = time.time()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
