@@ -45,7 +45,7 @@ def free_port() -> int:
 def start_server(ray_address: str, run_dir: Path, port: int) -> subprocess.Popen:
     """The server, started as a user starts it; its first line (printed once it listens) says where."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "tinker_exp.serve", f"serve.port={port}", f"serve.run_dir={run_dir}", "logger=none"],
+        [sys.executable, "-m", "tinker_exp.serve", f"serve.port={port}", f"serve.run_dir={run_dir}", "logger=wandb"],  # offline
         cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     line = process.stdout.readline()  # blocks until it listens (or exits)
@@ -151,6 +151,24 @@ def post(server, route: str, body: bytes | dict, content_type: str = "applicatio
     data = json.dumps(body).encode() if isinstance(body, dict) else body
     return httpx.post(f"{server['url']}/api/v1/{route}", content=data, timeout=60,
                       headers={"X-API-Key": API_KEY, "Content-Type": content_type})
+
+
+def test_wandb_holds_each_steps_row_as_metrics_jsonl_does(server, trained):
+    """logger=wandb (offline here): the served run's W&B run has each optim_step's loss, grad norm, requested and
+    applied values (grad_clip_norm included) at its train/step, as metrics.jsonl; its config is a run's, plus serve.*."""
+    from helpers import wait_until, wandb_history, wandb_records
+
+    rows = trained["rows"]
+    keys = [key for key in rows[0] if key != "time"]
+    assert {"requested/grad_clip_norm", "applied/grad_clip_norm", "train/grad_norm"} <= set(keys)
+    first = lambda: sorted((server["run_dir"] / "wandb").glob("offline-run-*/run-*.wandb"))[:1]  # noqa: E731  the first server's
+    logged = lambda: [r for r in wandb_history(wandb_records(first()[0])) if "train/loss" in r] if first() else []  # noqa: E731
+    wait_until(lambda: len(logged()) >= len(rows), 120, "W&B never wrote the trained steps")
+    for written, row in zip(logged(), rows):
+        assert {key: written[key] for key in keys} == pytest.approx({key: row[key] for key in keys}, rel=1e-12)
+    run = next(r.run for r in wandb_records(first()[0]) if r.WhichOneof("record_type") == "run")
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["serve.port"] == server["port"] and config["model.name"] == "tiny-llama" and config["logger.name"] == "wandb"
 
 
 def test_bad_requests_are_one_line_http_errors_and_the_server_goes_on(server, trained, tokenized):

@@ -89,8 +89,9 @@ def main(args: list[str]) -> None:
     from tinker_exp.serve.app import Server, build_app
     from tinker_exp.runtime.serve_workers import ServeWorkers
     from tinker_exp.train.loop import check_applied
-    from tinker_exp.train.sinks import JsonlSink
+    from tinker_exp.train.sinks import JsonlSink, Sinks
 
+    wandb = served_wandb(cfg, composed, serve, run_dir)  # before the workers start: they inherit its environment
     choice = resolve(cfg.backend)
     model_path = model_dir(cfg.model)
     model_name = cfg.model.path or cfg.model.name
@@ -110,13 +111,47 @@ def main(args: list[str]) -> None:
 
         return ServedSampler(model_path, cfg.trainer.seed)
 
-    server = Server(model_name, build_workers, optim_params, lambda first_step: JsonlSink(run_dir / "metrics.jsonl", first_step),
-                    check_applied, run_dir / "checkpoints", make_sampler)
+    def open_rows(first_step: int) -> Sinks:  # metrics.jsonl reopened where a load_state rewinds it; W&B stays open
+        return Sinks([JsonlSink(run_dir / "metrics.jsonl", first_step), wandb and KeptOpen(wandb)])
+
+    server = Server(model_name, build_workers, optim_params, open_rows, check_applied, run_dir / "checkpoints", make_sampler)
     import uvicorn
 
     host, port = listener.getsockname()[:2]
     print(f"tinker_exp.serve: serving {model_name} on http://{host}:{port} (run dir {run_dir})", flush=True)
     uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning")).run(sockets=[listener])
+    if wandb is not None:  # the server stopped (Ctrl-C, SIGTERM): its W&B run ends
+        wandb.close()
+
+
+def served_wandb(cfg, composed, serve: ServeConfig, run_dir: Path):
+    """With logger=wandb, the served run's W&B run (started in the background, as a run's; None otherwise): each
+    optim_step's row, as in metrics.jsonl, under the config a run would have, plus `serve.*`."""
+    if cfg.logger.name.value != "wandb":
+        return None
+    import os
+    from dataclasses import asdict
+
+    from omegaconf import OmegaConf
+
+    from tinker_exp.train.sinks import StartingSink, WandbSink, flat_config, wandb_environment
+
+    os.environ.update(wandb_environment(run_dir, cfg.logger.mode.value))
+    config = flat_config({**OmegaConf.to_container(composed, resolve=True), "serve": asdict(serve)})
+    return StartingSink(lambda: WandbSink.start(cfg.logger, run_dir, config, name=cfg.logger.run_name or run_dir.name))
+
+
+class KeptOpen:
+    """A sink whose close leaves it open: the server's W&B run outlives a reopened metrics.jsonl."""
+
+    def __init__(self, sink):
+        self.sink = sink
+
+    def log(self, row: dict) -> None:
+        self.sink.log(row)
+
+    def close(self, exit_code: int = 0) -> None:
+        pass
 
 
 if __name__ == "__main__":
