@@ -56,6 +56,17 @@ def test_each_ray_node_takes_its_allocation_and_ports_of_its_own():
     assert len(set(chosen)) == len(chosen) and 52365 not in chosen and 10001 not in chosen  # not Ray's fixed defaults
 
 
+def test_free_ports_are_distinct_and_never_the_one_set_aside():
+    """Chosen together, each socket held until all are: never the same port twice (a head's node manager and object
+    manager once got the same one, and its `ray start` failed), nor the head's own port."""
+    from tinker_exp.runtime.ray_cluster import free_port, free_ports
+
+    head_port = free_port()
+    for _ in range(20):
+        ports = free_ports(7, besides=head_port)
+        assert len(set(ports)) == 7 and head_port not in ports
+
+
 def test_a_sweep_point_spans_the_jobs_nodes():
     assert spanning(["optimizer.lr=1e-3"], 2) == ["optimizer.lr=1e-3", "backend.nodes=2"]
     assert spanning(["backend.nodes=2", "trainer.steps=3"], 2) == ["trainer.steps=3", "backend.nodes=2"]

@@ -149,9 +149,22 @@ def node_ip() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, besides: int | None = None) -> list[int]:
+    """`count` distinct free ports, none of them `besides`: every socket is held until all are chosen, as a port
+    closed at once may be handed out again (a head's node manager and object manager once got the same one)."""
+    from contextlib import ExitStack
+
+    ports: list[int] = []
+    with ExitStack() as held:
+        while len(ports) < count:
+            s = held.enter_context(socket.socket())
+            s.bind(("", 0))
+            if s.getsockname()[1] != besides:
+                ports.append(s.getsockname()[1])
+    return ports
 
 
 def ray_start_command(allocation: Allocation, ip: str, head_port: int | None = None, head: str | None = None) -> list[str]:
@@ -159,12 +172,13 @@ def ray_start_command(allocation: Allocation, ip: str, head_port: int | None = N
     allocation, free ports for whatever Ray would otherwise put on a fixed port."""
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--log-color=false", f"--node-ip-address={ip}"]
     command += [f"--num-cpus={allocation.cpus}", f"--num-gpus={allocation.gpus}", f"--temp-dir={allocation.temp_dir()}"]
+    names = ["node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent"]
     if head is None:
-        command += ["--head", f"--port={head_port}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}"]
+        names.append("ray-client-server")
+        command += ["--head", f"--port={head_port}", "--include-dashboard=false"]
     else:
         command += [f"--address={head}"]
-    ports = ("node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent")
-    command += [f"--{name}-port={free_port()}" for name in ports]
+    command += [f"--{name}-port={port}" for name, port in zip(names, free_ports(len(names), besides=head_port))]
     return command + ["--min-worker-port=0", "--max-worker-port=0"]  # 0: each worker takes a free port
 
 
