@@ -52,8 +52,9 @@ def test_each_ray_node_takes_its_allocation_and_ports_of_its_own():
     assert "head" not in node and node["address"] == "10.0.0.1:6400" and node["node-ip-address"] == "10.0.0.2"
     ports = ["node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
              "metrics-export-port", "runtime-env-agent-port"]  # fmt: skip
-    chosen = [int(started[p]) for started in (head, node) for p in ports] + [int(head["ray-client-server-port"])]
-    assert len(set(chosen)) == len(chosen) and 52365 not in chosen and 10001 not in chosen  # not Ray's fixed defaults
+    for started, own in ((head, [*ports, "ray-client-server-port", "port"]), (node, ports)):  # a node's own: distinct
+        chosen = [int(started[p]) for p in own]  # (another node binds its own when it starts, on its own host or this)
+        assert len(set(chosen)) == len(chosen) and 52365 not in chosen and 10001 not in chosen  # not Ray's fixed defaults
 
 
 def test_free_ports_are_distinct_and_never_the_one_set_aside():
