@@ -1,14 +1,16 @@
 """`python -m tinker_exp` without paying Python's start-up and the CLI's own imports for every call (helpers.run_cli).
 
 Run as a script, it imports what `tinker_exp/__main__.py` imports first (tinker_exp.main: Hydra, OmegaConf, our
-config; one thread, nothing started), then reads requests, one JSON line each on stdin: {"args", "env", "cwd",
-"stdout", "stderr"}. For each it forks; the parent answers {"pid"} at once and {"rc"} when the child has ended; the
-child leaves the loop and becomes `python -m tinker_exp ARGS` in that cwd and environment, its stdin /dev/null and its
-stdout/stderr those files, and ends as that process would (atexit handlers, exit status, a traceback on an uncaught
-exception). Everything the CLI imports after tinker_exp.main (torch, verl, Ray, W&B) it imports itself, so what it
-prints and does is a fresh process's; the one import-time value of tinker_exp.main that is not a constant, the
-process's start (PROCESS_START), is set again in the child. helpers.run_cli falls back to a fresh process for an environment that changes
-what these imports read (helpers.ZYGOTE_UNSAFE_ENV).
+config; one thread, nothing started) and, with a CPU build of torch, what a CPU run imports once it starts its
+workers (preload: torch, verl, Ray, transformers, matplotlib, with the platform environment such a run sets
+first). Then it reads requests, one JSON line each on stdin: {"args", "env", "cwd", "stdout", "stderr"}. For each it
+forks; the parent answers {"pid"} at once and {"rc"} when the child has ended; the child leaves the loop and becomes
+`python -m tinker_exp ARGS` in that cwd and environment, its stdin /dev/null and its stdout/stderr those files, and
+ends as that process would (atexit handlers, exit status, a traceback on an uncaught exception). Imports print
+nothing and start no thread, and the state they leave that a run could see is put back as a fresh process has it:
+the environment (what the imports set, they set again in the child), the root logger, and the process's start
+(tinker_exp.main.PROCESS_START). helpers.run_cli falls back to a fresh process for an environment that changes what
+these imports read (helpers.ZYGOTE_UNSAFE_ENV).
 """
 
 from __future__ import annotations
@@ -18,16 +20,57 @@ import os
 import sys
 
 
-def serve() -> dict:
-    """The zygote's loop; returns (in a forked child only) the request that child is to run."""
+def preload() -> dict[str, str]:
+    """Import what a CPU training run imports after tinker_exp.main (torch, verl, Ray, transformers, matplotlib:
+    about 8 CPU-s per run otherwise) with the platform environment a CPU run sets before it imports verl
+    (workers.platform_env), so each child starts with them imported, as a run is once it reaches its workers. Not
+    W&B: a resumed run's W&B part, imported here, held no row (test_resume's SIGKILL test).
+    Returns the variables the imports themselves set (verl's and Ray's setdefaults, which a fresh process has from
+    its imports on); os.environ and the root logger are left as they were (verl's import-time basicConfig does
+    nothing in a run, whose logging Hydra has set up first). Not with a CUDA build of torch: the parent of every
+    run must not have touched CUDA, and a GPU machine's runs resolve another platform."""
+    import contextlib
+    import importlib.metadata
+    import logging
+
+    if "+cpu" not in importlib.metadata.version("torch"):
+        return {}
+    from tinker_exp.runtime.workers import platform_env
+
+    before, platform = dict(os.environ), platform_env("cpu")
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    os.environ.update(platform)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the answers' pipe
+        import matplotlib.pyplot  # noqa: F401
+        import transformers  # noqa: F401
+        import verl.single_controller.ray  # noqa: F401
+        import verl.workers.engine_workers_tinker  # noqa: F401
+
+        import tinker_exp.assemble  # noqa: F401
+        import tinker_exp.runtime.workers  # noqa: F401
+        import tinker_exp.sweep.report  # noqa: F401
+        import tinker_exp.train.loop  # noqa: F401
+    added = {key: value for key, value in os.environ.items() if key not in before and key not in platform}
+    os.environ.clear()
+    os.environ.update(before)
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    return added
+
+
+def serve() -> tuple[dict, dict[str, str]]:
+    """The zygote's loop; returns (in a forked child only) the request that child is to run, and what preload's
+    imports set in the environment."""
     import tinker_exp.main  # noqa: F401  what every CLI call imports first
 
+    imports_set = preload()
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
         pid = os.fork()
         if pid == 0:
-            return request
+            return request, imports_set
         print(json.dumps({"pid": pid}), flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
@@ -35,7 +78,7 @@ def serve() -> dict:
 
 
 if __name__ == "__main__":
-    request = serve()
+    request, imports_set = serve()
     import time
 
     import tinker_exp.main
@@ -47,6 +90,8 @@ if __name__ == "__main__":
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    for key, value in imports_set.items():  # as the imports would set them (setdefault)
+        os.environ.setdefault(key, value)
     for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY), (2, request["stderr"], os.O_WRONLY)):
         opened = os.open(path, mode)
         os.dup2(opened, fd)
@@ -54,7 +99,7 @@ if __name__ == "__main__":
     sys.stdin = open(0, closefd=False)
     sys.path[0] = request["cwd"]  # `python -m`: the working directory first, not this file's
     sys.argv = ["-m", *request["args"]]  # runpy puts the module's file in argv[0], as `python -m` does
-    del request, serve
+    del request, serve, imports_set
     import runpy
 
     runpy.run_module("tinker_exp", run_name="__main__", alter_sys=True)

@@ -44,13 +44,16 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
     process where `env` changes what those imports read."""
     command, merged = [sys.executable, "-m", "tinker_exp", *args], environment(env)
     base = environment(None)
-    if any(merged.get(key) != base.get(key) for key in {*merged, *base} if key.startswith(ZYGOTE_UNSAFE_ENV)):
+    changed = {key for key in {*merged, *base} if merged.get(key) != base.get(key)}
+    if any(key.startswith(ZYGOTE_UNSAFE_ENV) and key not in ZYGOTE_SAFE_ENV for key in changed):
         return subprocess.run(command, cwd=REPO, env=merged, capture_output=True, text=True, timeout=timeout)
     return _cli_zygote().run(command, list(args), merged, timeout)
 
 
-ZYGOTE_UNSAFE_ENV = ("HF_", "TRANSFORMERS", "PYTHON", "OMP_", "OPENBLAS", "MKL", "NUMPY", "TORCH", "HYDRA")
+ZYGOTE_UNSAFE_ENV = ("HF_", "TRANSFORMERS", "PYTHON", "OMP_", "OPENBLAS", "MKL", "NUMPY", "TORCH", "HYDRA", "VERL", "RAY_", "WANDB", "MPL")
 """Variables read while the zygote imports the CLI's modules: a call that changes one gets a fresh process."""
+ZYGOTE_SAFE_ENV = {"RAY_ADDRESS"}
+"""Of those, the ones read only later (ray.init), never at import."""
 
 
 class _CliZygote:

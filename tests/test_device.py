@@ -297,6 +297,6 @@ def test_workers_asking_for_more_gpus_than_ray_has_fail_before_any_placement_gro
 
     from tinker_exp.main import run
 
-    run(compose("trainer.steps=2", "logger=none", "checkpoint.at_end=false", "data.val_fraction=null"), tmp_path)
+    run(compose("trainer.steps=2", "logger=none", "checkpoint.at_end=false", "data.val_fraction=null", "backend.num_workers=1"), tmp_path)
     assert get_platform().device_name == "cpu"
     assert [row["train/step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]

@@ -188,7 +188,7 @@ def test_a_trunk_and_a_branch_from_the_real_cli_fit_propose_and_the_proposal_run
     """The cheapest fitting set, tiny: a constant trunk (WSD without decay) and a decay branch off its step 8."""
     start = time.monotonic()
     env = {"RAY_ADDRESS": ray_address}
-    quiet = ["logger=none", "trainer.eval_every=0", "data.val_fraction=null"]
+    quiet = ["logger=none", "trainer.eval_every=0", "data.val_fraction=null", "backend.num_workers=1"]
     trunk, branch = tmp_path / "trunk", tmp_path / "branch"
     wsd_args = ["+override=lr_wsd", "trainer.steps=14", "override.lr.warmup_steps=2"]
     made = run_cli(*wsd_args, "override.lr.decay_steps=0", "checkpoint.every_steps=8", *quiet, f"hydra.run.dir={trunk}", env=env)

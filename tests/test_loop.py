@@ -258,6 +258,32 @@ def test_a_wandb_sink_that_breaks_warns_once_and_the_other_sinks_go_on(tmp_path)
     assert [row["train/step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(5))
 
 
+def test_a_sigterm_while_a_row_is_written_stops_after_every_sink_has_it(tmp_path):
+    """The stop (Terminated, from sigterm_raises) waits for the row: it is in metrics.jsonl and W&B, or in neither."""
+    import os
+    import signal
+
+    from tinker_exp.errors import Terminated
+    from tinker_exp.train.signals import sigterm_raises
+
+    class SignalledWhileLogging:  # the first sink: SIGTERM arrives as it writes step 1
+        def __init__(self):
+            self.rows = []
+
+        def log(self, row):
+            self.rows.append(row)
+            if row["train/step"] == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    first, jsonl = SignalledWhileLogging(), JsonlSink(tmp_path / "metrics.jsonl")
+    sinks = Sinks([first, jsonl])
+    with sigterm_raises(), pytest.raises(Terminated):
+        for step in range(3):
+            sinks.log({"train/step": step})
+    jsonl.close(143)
+    assert [row["train/step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1] == [r["train/step"] for r in first.rows]
+
+
 def wandb_config_of(*overrides: str) -> dict:
     from omegaconf import OmegaConf
 

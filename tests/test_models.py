@@ -81,7 +81,7 @@ def test_a_second_architecture_from_the_hub_cache_trains_chat_data_with_lora(hub
     with LoRA: model, data and lora compose; it trains, every step applied == requested, the adapter exported."""
     run_dir = tmp_path / "run"
     result = run_cli(
-        f"model.path={REPO_ID}", "data=tiny_chat", "lora=r8", "trainer.steps=3", "logger=none", "+override.lr=1e-2",
+        f"model.path={REPO_ID}", "data=tiny_chat", "lora=r8", "trainer.steps=3", "logger=none", "+override.lr=1e-2", "backend.num_workers=1",
         f"hydra.run.dir={run_dir}",
         env={"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ray_address}, timeout=600,
     )  # fmt: skip

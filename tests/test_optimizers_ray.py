@@ -1,4 +1,5 @@
-"""Real runs of the optimizer families: verl's workers (FSDP2) on 2 Ray CPU gloo workers, sharing one Ray cluster.
+"""Real runs of the optimizer families: verl's workers (FSDP2) on Ray CPU gloo workers (2 for AdamW and Muon, whose
+resumes restore sharded optimizer state; 1 for SGD and RMSprop), sharing one Ray cluster.
 
 Each optimizer trains 6 steps with a scheduled value (applied == requested in every group of every sub-optimizer, at
 every step: the loop checks it and stops otherwise), then resumes from its step-3 checkpoint bitwise. Before the
@@ -73,7 +74,7 @@ def whole_and_resumed(tmp_path_factory, name: str, *overrides: str) -> dict:
 def sgd(ray_address, tmp_path_factory):
     return whole_and_resumed(
         tmp_path_factory, "sgd", "optimizer=sgd", "+override.momentum={schedule: linear, start: 0.5, end: 0.9}",
-        "+override.lr=0.05", "logger=wandb",
+        "+override.lr=0.05", "logger=wandb", "backend.num_workers=1",  # one rank: adamw and muon resume sharded
     )
 
 
@@ -81,7 +82,7 @@ def sgd(ray_address, tmp_path_factory):
 def rmsprop(ray_address, tmp_path_factory):
     return whole_and_resumed(
         tmp_path_factory, "rmsprop", "optimizer=rmsprop", "+override.alpha={schedule: linear, start: 0.9, end: 0.99}",
-        "+override.momentum=0.5", "+override.eps=1e-6", "logger=none",
+        "+override.momentum=0.5", "+override.eps=1e-6", "logger=none", "backend.num_workers=1",
     )
 
 
@@ -185,7 +186,8 @@ def test_clip_grad_0_is_no_clipping_and_the_model_trains(ray_address, tmp_path: 
     max_norm it is given, and 0 would zero every gradient (Adam's update is then 0: the loss would not move); given
     no clip (inf), the run is bitwise the one built with a clip of 0.5 whose every step is sent grad_clip_norm=0
     (the per-step clip replaces the built one exactly), its loss falls and it reports the grad norm."""
-    common = ["trainer.steps=3", "trainer.eval_every=0", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false"]
+    common = ["trainer.steps=3", "trainer.eval_every=0", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false",
+              "backend.num_workers=1"]  # the per-step clip over ranks: the test below
     runs = {"0": ["optimizer.clip_grad=0"], "sent 0": ["optimizer.clip_grad=0.5", "+override.grad_clip_norm=0"]}
     rows = {}
     for name, overrides in runs.items():

@@ -191,14 +191,10 @@ def check_population(sweep, out: str, forced: dict) -> dict:
 def replay(command: str, run_dir, ray_address: str) -> list[dict]:
     """A printed replay command run as an ordinary run (no population in its environment), from step 0."""
     import shlex
-    import subprocess
-
-    from helpers import REPO, environment
 
     args = shlex.split(command)
     assert args[:3] == ["python", "-m", "tinker_exp"]
-    result = subprocess.run([sys.executable, *args[1:], f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True,
-                            env=environment({POPULATION_ENV: None, "RAY_ADDRESS": ray_address}), timeout=600)  # fmt: skip
+    result = run_cli(*args[3:], f"hydra.run.dir={run_dir}", env={POPULATION_ENV: None, "RAY_ADDRESS": ray_address}, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "boundary" not in (run_dir / "tinker_exp.log").read_text()  # an ordinary run
     return read_jsonl(run_dir / "metrics.jsonl")

@@ -19,6 +19,7 @@ POPULATION = [
     "-m", "hydra/sweeper=pbt", "hydra/launcher=local", *RL, "+override=lr_cosine",
     "override.lr.value=tag(log,interval(1e-3,3e-2))", f"trainer.steps={STEPS}", f"trainer.eval_every={K}",
     f"hydra.sweeper.population={MEMBERS}", f"hydra.sweeper.interval={K}",
+    "backend.num_workers=1", "hydra.launcher.max_parallel=1",  # a worker each, still one member after another
     # Test-only: one exploit whatever the scores (members run one after another, so member 1 ranks against member 0;
     # member 0, alone at each boundary, always carries on, so its step 4 is its own).
     "hydra.sweeper.force_exploit={member:1,step:4,donor:0}",

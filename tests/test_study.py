@@ -407,22 +407,24 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
     cleanly with a checkpoint there, and is PRUNED in the storage (the journal file, or a real PostgreSQL server
     the jobs report to) with the value it reported; the others run to the end. Storage, run dirs, summary and
     optimization_results.yaml agree; the server's password is in nothing printed or written. 2 trials at a time (a
-    worker each); on the journal, with longer unpruned trials, no idle slot: trial 2 starts as soon as trial 1 is
+    worker each): 4 on the journal, 2 on the server (what it adds is the storage); on the journal, with longer unpruned trials, no idle slot: trial 2 starts as soon as trial 1 is
     pruned, while trial 0 still trains (in batches it would wait for both)."""
     upper, steps = 2e-3, 6 if server else 60
+    n_trials = 2 if server else 4  # on the server, the seeded sampler's first two: one to prune, one to complete
     url = request.getfixturevalue("postgres_url") if server else None
     name = f"pruning-{tmp_path.name}-{os.getpid()}" if server else "tinker_exp"  # one server, many studies
     storage = [f"hydra.sweeper.storage={url}", f"hydra.sweeper.study_name={name}"] if server else []
     result = run_cli(
         "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", f"trainer.steps={steps}",
         "trainer.eval_every=2", "trainer.batch_size=4", "backend.num_workers=1", "logger=none", "trainer.objective=requested/lr",
-        "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
+        "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))", f"hydra.sweeper.n_trials={n_trials}", "hydra.sweeper.n_jobs=2",
         "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}", *storage,
         env={"RAY_ADDRESS": ray_address}, timeout=900,
     )  # fmt: skip
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     trials = optuna.load_study(study_name=name, storage=url).trials if server else storage_trials(tmp_path)
+    assert len(trials) == n_trials
     if server:
         password = url.split(":")[2].split("@")[0]
         written = [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".md", ".log")]
@@ -455,7 +457,7 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
     assert statuses == {t.number: "PRUNED" if t in pruned else "COMPLETED" for t in trials}
     trained = 2 * len(pruned) + steps * (len(trials) - len(pruned))
     assert (saved.steps_trained, saved.steps_without_pruning) == (trained, steps * len(trials))
-    assert f"steps trained: {trained} ({trained / (4 * steps):.0%}) of the {4 * steps} a study without pruning would have trained" in out
+    assert f"steps trained: {trained} ({trained / (len(trials) * steps):.0%}) of the {len(trials) * steps} a study without pruning would have trained" in out
     # Never more than n_jobs trials at once; each trial's job from its submission to its result (submitit's files).
     job_ids = {row["num"]: row["job_id"] for row in read_jsonl(tmp_path / "summary.jsonl")}
     job_files = {n: tmp_path / ".submitit" / job_id / job_id for n, job_id in job_ids.items()}

@@ -167,7 +167,7 @@ def test_sigterm_stops_the_run_cleanly(ray_address, tmp_path):
     import sys
 
     driver = subprocess.Popen(
-        [sys.executable, "-m", "tinker_exp", "trainer.steps=1000", f"hydra.run.dir={tmp_path}"],
+        [sys.executable, "-m", "tinker_exp", "trainer.steps=1000", "backend.num_workers=1", f"hydra.run.dir={tmp_path}"],
         cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -227,7 +227,7 @@ def three_step_losses(ray_address, tmp_path_factory):
 
     def losses(*overrides: str) -> list[float]:
         run_dir = tmp_path_factory.mktemp("update")
-        run(compose(*overrides, "trainer.steps=3", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false"), run_dir)
+        run(compose(*overrides, "trainer.steps=3", "backend.num_workers=1", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false"), run_dir)
         rows = read_jsonl(run_dir / "metrics.jsonl")
         assert len(rows) == 3
         return [row["train/loss"] for row in rows]
@@ -246,7 +246,7 @@ def test_betas_eps_and_weight_decay_overrides_change_the_update(three_step_losse
 
 def test_evaluation_between_steps_leaves_training_bitwise_unchanged(ray_address, tmp_path):
     """verl's infer_batch (eval mode, no_grad) after every step vs only after the last: the same training."""
-    common = ["+override=lr_cosine", "trainer.steps=4", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false"]
+    common = ["+override=lr_cosine", "trainer.steps=4", "backend.num_workers=1", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false"]
     run(compose(*common, "trainer.eval_every=1"), tmp_path / "every")
     run(compose(*common, "trainer.eval_every=0"), tmp_path / "last")
     every, last = read_jsonl(tmp_path / "every" / "metrics.jsonl"), read_jsonl(tmp_path / "last" / "metrics.jsonl")
@@ -260,7 +260,7 @@ def test_evaluation_between_steps_leaves_training_bitwise_unchanged(ray_address,
 def test_the_validation_loss_is_token_weighted_over_the_whole_set(ray_address, tmp_path):
     """With lr 0 the weights never move: batches of 8 or of 4 must give the same loss over the same validation
     tokens (a mean of per-batch means would not: the batches hold different numbers of tokens)."""
-    common = ["+override.lr=0", "trainer.steps=1", "logger=none", "checkpoint.at_end=false"]
+    common = ["+override.lr=0", "trainer.steps=1", "backend.num_workers=1", "logger=none", "checkpoint.at_end=false"]
     run(compose(*common, "trainer.batch_size=8"), tmp_path / "eight")
     run(compose(*common, "trainer.batch_size=4"), tmp_path / "four")
     eight, four = read_jsonl(tmp_path / "eight" / "metrics.jsonl")[-1], read_jsonl(tmp_path / "four" / "metrics.jsonl")[-1]

@@ -36,6 +36,25 @@ def sigterm_raises() -> Iterator[None]:
 
 
 @contextmanager
+def sigterm_deferred() -> Iterator[None]:
+    """Within: a SIGTERM waits until the block is done, then acts as it would have, so what the block writes is
+    written whole (a row reaches every sink or none: the last row of a stopped run is in metrics.jsonl and W&B)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[Any] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: arrived.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if arrived and callable(previous):
+            previous(signal.SIGTERM, arrived[0])
+        elif arrived and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGTERM)
+
+
+@contextmanager
 def sigterm_handler_kept() -> Iterator[None]:
     """Within: whatever a library installs for SIGTERM (ray.init installs a sys.exit) is put back afterwards."""
     if threading.current_thread() is not threading.main_thread():

@@ -17,6 +17,7 @@ from tinker_exp.config import LoggerConfig
 from tinker_exp.errors import one_line
 from tinker_exp.formats import read_jsonl
 from tinker_exp.optim.plan import Plan, override_config
+from tinker_exp.train.signals import sigterm_deferred
 
 log = logging.getLogger(__name__)
 
@@ -304,8 +305,9 @@ class Sinks:
         self.sinks = [s for s in sinks if s is not None]
 
     def log(self, row: dict[str, Any]) -> None:
-        for sink in self.sinks:
-            sink.log(row)
+        with sigterm_deferred():  # a SIGTERM between two sinks would leave the row in one of them only
+            for sink in self.sinks:
+                sink.log(row)
 
     def attach_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> None:
         for sink in self.sinks:
