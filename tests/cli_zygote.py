@@ -6,7 +6,8 @@ workers (preload: torch, verl, Ray, transformers, matplotlib, with the platform 
 first). Then it reads requests, one JSON line each on stdin: {"args", "env", "cwd", "stdout", "stderr"}. For each it
 forks; the parent answers {"pid"} at once and {"rc"} when the child has ended; the child leaves the loop and becomes
 `python -m tinker_exp ARGS` in that cwd and environment, its stdin /dev/null and its stdout/stderr those files, and
-ends as that process would (atexit handlers, exit status, a traceback on an uncaught exception). Imports print
+ends as that process would (threads joined, atexit handlers, exit status, a traceback on an uncaught exception),
+less the teardown of its modules (`end`). Imports print
 nothing and start no thread, and the state they leave that a run could see is put back as a fresh process has it:
 the environment (what the imports set, they set again in the child), the root logger, and the process's start
 (tinker_exp.main.PROCESS_START). helpers.run_cli falls back to a fresh process for an environment that changes what
@@ -65,6 +66,9 @@ def serve() -> tuple[dict, dict[str, str]]:
     import tinker_exp.main  # noqa: F401  what every CLI call imports first
 
     imports_set = preload()
+    import gc
+
+    gc.freeze()  # the children's collections leave the imported objects alone: no copy of the pages they are on
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
@@ -75,6 +79,37 @@ def serve() -> tuple[dict, dict[str, str]]:
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
     sys.exit(0)
+
+
+def exit_status(stop: SystemExit) -> int:
+    """The status Python exits with for an uncaught SystemExit (printing a message given instead of a number)."""
+    if stop.code is None:
+        return 0
+    if isinstance(stop.code, int):
+        return stop.code & 0xFF
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
+def end(status: int | None) -> None:
+    """What Python does at exit, but the teardown of every module (about 0.5 s in a process that imported torch and
+    verl, for nothing the run could see): join the threads that are not daemons, run the atexit handlers, flush
+    stdout and stderr, exit with `status` (None: killed by SIGINT, as an uncaught KeyboardInterrupt ends Python)."""
+    import atexit
+    import signal
+    import threading
+
+    threading._shutdown()  # what Py_FinalizeEx calls first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if status is None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(status)
 
 
 if __name__ == "__main__":
@@ -102,4 +137,13 @@ if __name__ == "__main__":
     del request, serve, imports_set
     import runpy
 
-    runpy.run_module("tinker_exp", run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module("tinker_exp", run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        end(exit_status(stop))
+    except KeyboardInterrupt:
+        end(None)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        end(1)
+    end(0)
