@@ -49,7 +49,6 @@ def preload() -> dict[str, str]:
         import verl.workers.engine_workers_tinker  # noqa: F401
 
         import tinker_exp.assemble  # noqa: F401
-        import tinker_exp.runtime.workers  # noqa: F401
         import tinker_exp.sweep.report  # noqa: F401
         import tinker_exp.train.loop  # noqa: F401
     added = {key: value for key, value in os.environ.items() if key not in before and key not in platform}
