@@ -1,4 +1,5 @@
-"""Real resumes: 2 Ray CPU workers, the driver killed with SIGKILL mid-run, corrupt checkpoints, NaN policy."""
+"""Real resumes on Ray CPU workers (2, where a run is compared with the shared 2-rank trunk; else 1), the driver killed
+with SIGKILL mid-run, corrupt checkpoints, NaN policy."""
 
 from __future__ import annotations
 

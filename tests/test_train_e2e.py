@@ -1,4 +1,5 @@
-"""Real runs: verl TinkerTrainingWorkers (FSDP2) on 2 Ray CPU gloo workers, sharing one Ray cluster."""
+"""Real runs: verl TinkerTrainingWorkers (FSDP2) on Ray CPU gloo workers, sharing one Ray cluster: 2 where a test
+holds every rank (the constant run, a drifting rank 1), 1 where it claims nothing of ranks."""
 
 import json
 import os
