@@ -33,10 +33,35 @@ def pytest_configure(config):
         os.environ[GROUPS_FILE_ENV] = str(Path(groups_dir) / "groups.json")  # inherited by the workers it starts
 
 
-def pytest_unconfigure(config):
-    if not hasattr(config, "workerinput") and GROUPS_FILE_ENV in os.environ:
-        import shutil
+def pytest_collection_finish(session):
+    """Ray's workers fork from a server that has imported torch and transformers (tests/ray_zygote.py), where this
+    process will start real work on a CPU build of torch: every driver started from here on inherits the job config
+    that tells Ray so."""
+    import importlib.metadata
+    import tempfile
 
+    import ray_zygote
+
+    if "+cpu" not in importlib.metadata.version("torch") or not any(item.get_closest_marker("real") for item in session.items):
+        return
+    socket_path = str(Path(tempfile.mkdtemp(prefix="tinker_exp-ray-zygote-")) / "socket")
+    session.config._ray_zygote = ray_zygote.start(socket_path, dict(os.environ))
+    os.environ[ray_zygote.ENV] = ray_zygote.job_config_env(socket_path)
+
+
+def pytest_unconfigure(config):
+    import shutil
+    import subprocess
+
+    zygote = getattr(config, "_ray_zygote", None)
+    if zygote is not None:  # it ends when its stdin closes; its workers end with their raylets
+        zygote.stdin.close()
+        try:
+            zygote.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            zygote.kill()
+        shutil.rmtree(Path(zygote.args[-1]).parent, ignore_errors=True)
+    if not hasattr(config, "workerinput") and GROUPS_FILE_ENV in os.environ:
         shutil.rmtree(Path(os.environ.pop(GROUPS_FILE_ENV)).parent, ignore_errors=True)
 
 
