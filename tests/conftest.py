@@ -34,27 +34,27 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    """Ray's workers fork from a server that has imported torch and transformers (tests/ray_zygote.py), where this
-    process will start real work on a CPU build of torch: every driver started from here on inherits the job config
-    that tells Ray so."""
+    """Where this process will start real work on a CPU build of torch, Ray's workers and the local sweep jobs fork
+    from servers that have imported what they import (tests/zygotes.py): every process started from here on inherits
+    the environment that sends them there."""
     import importlib.metadata
     import tempfile
 
-    import ray_zygote
+    import zygotes
 
     if "+cpu" not in importlib.metadata.version("torch") or not any(item.get_closest_marker("real") for item in session.items):
         return
-    socket_path = str(Path(tempfile.mkdtemp(prefix="tinker_exp-ray-zygote-")) / "socket")
-    session.config._ray_zygote = ray_zygote.start(socket_path, dict(os.environ))
-    os.environ[ray_zygote.ENV] = ray_zygote.job_config_env(socket_path)
+    folder = Path(tempfile.mkdtemp(prefix="tinker_exp-zygotes-"))
+    sockets = {kind: str(folder / kind) for kind in zygotes.KINDS}
+    session.config._zygotes = [zygotes.start(kind, path, dict(os.environ)) for kind, path in sockets.items()]
+    os.environ.update(zygotes.session_env(sockets))
 
 
 def pytest_unconfigure(config):
     import shutil
     import subprocess
 
-    zygote = getattr(config, "_ray_zygote", None)
-    if zygote is not None:  # it ends when its stdin closes; its workers end with their raylets
+    for zygote in getattr(config, "_zygotes", []):  # each ends when its stdin closes (what it started goes on)
         zygote.stdin.close()
         try:
             zygote.wait(timeout=30)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from helpers import REPO, environment
+from zygotes import JOB_CONFIG_ENV  # not the session's fork server: Ray's own workers, children of its raylet
 
 PROBE = """
 import os, signal, time, psutil, ray
@@ -40,5 +41,5 @@ print("ok", len(ray_processes))
 @pytest.mark.real  # its own Ray
 def test_rays_processes_outlive_slurms_time_limit_signal():
     result = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env=environment({"RAY_ADDRESS": None}))  # fmt: skip
+                            env=environment({"RAY_ADDRESS": None, JOB_CONFIG_ENV: None}))  # fmt: skip
     assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-3000:]

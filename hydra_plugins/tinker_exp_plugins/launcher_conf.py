@@ -25,6 +25,9 @@ class LocalLauncherConf(LocalQueueConf):
     max_parallel: Optional[int] = None
     """Points run at once (the rest start as earlier ones end); null: as many as the CPUs hold at one CPU a worker
     (tinker_exp.sweep.jobs.points_at_once)."""
+    python: Optional[str] = "${oc.env:TINKER_EXP_JOB_PYTHON,null}"
+    """The command that starts each job's Python (submitit's `python`, e.g. a wrapper that enters a container);
+    null: this interpreter. Its default comes from TINKER_EXP_JOB_PYTHON when that is set."""
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="tinker_exp_local", node=LocalLauncherConf, provider="tinker_exp")

@@ -166,7 +166,7 @@ class SweepLauncher(BaseSubmititLauncher):
         """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it)."""
         import submitit
 
-        init_keys, ours = {"max_num_timeout"}, {"max_parallel"}
+        init_keys, ours = {"max_num_timeout", "python"}, {"max_parallel"}
         init = {f"{self._EXECUTOR}_{k}": v for k, v in self.params.items() if k in init_keys}
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=self.params["submitit_folder"], **init)
         common = set(OmegaConf.structured(BaseQueueConf).keys())
