@@ -34,20 +34,25 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    """Where this process will start real work on a CPU build of torch, Ray's workers and the local sweep jobs fork
-    from servers that have imported what they import (tests/zygotes.py): every process started from here on inherits
-    the environment that sends them there."""
+    """Where this process will start real work on a CPU build of torch, Ray's workers fork from a server that has
+    imported what they import (tests/zygotes.py): every process started from here on inherits the environment that
+    sends them there. The local sweep jobs' server starts with the session's Ray cluster (ray_address)."""
     import importlib.metadata
+
+    if "+cpu" in importlib.metadata.version("torch") and any(item.get_closest_marker("real") for item in session.items):
+        start_zygote(session.config, "ray_worker")
+
+
+def start_zygote(config, kind: str) -> None:
+    """A fork server of tests/zygotes.py, with this process's environment as it is now; what this process starts
+    from here on goes to it."""
     import tempfile
 
     import zygotes
 
-    if "+cpu" not in importlib.metadata.version("torch") or not any(item.get_closest_marker("real") for item in session.items):
-        return
-    folder = Path(tempfile.mkdtemp(prefix="tinker_exp-zygotes-"))
-    sockets = {kind: str(folder / kind) for kind in zygotes.KINDS}
-    session.config._zygotes = [zygotes.start(kind, path, dict(os.environ)) for kind, path in sockets.items()]
-    os.environ.update(zygotes.session_env(sockets))
+    path = str(Path(tempfile.mkdtemp(prefix="tinker_exp-zygote-")) / kind)
+    config._zygotes = [*getattr(config, "_zygotes", []), zygotes.start(kind, path, dict(os.environ))]
+    os.environ.update(zygotes.session_env({kind: path}))
 
 
 def pytest_unconfigure(config):
@@ -134,11 +139,15 @@ def once_across_workers(tmp_path_factory, name: str, make):
 
 
 @pytest.fixture(scope="session")
-def ray_address():
-    """One Ray cluster for every test that trains: in-process runs join it, CLI runs get RAY_ADDRESS."""
+def ray_address(pytestconfig):
+    """One Ray cluster for every test that trains: in-process runs join it, CLI runs get RAY_ADDRESS. Once it is up
+    (ray.init sets variables the jobs inherit: RAY_AUTH_MODE, ...), the local sweep jobs fork from a server that has
+    imported what their drivers import (tests/zygotes.py), where Ray's workers do."""
     import ray
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
+    if getattr(pytestconfig, "_zygotes", None):
+        start_zygote(pytestconfig, "job")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
