@@ -61,6 +61,14 @@ def tiny_model_path():
     return model_dir(typed().model)
 
 
+def test_a_model_config_made_in_python_builds_its_tiny_model_in_the_cache_hydra_would_use(tiny_model_path, tmp_path, monkeypatch):
+    from tinker_exp.config import ModelConfig
+
+    monkeypatch.chdir(tmp_path)  # an unresolved default was once a folder named "${oc.env:..." here
+    assert model_dir(ModelConfig()) == tiny_model_path  # TINKER_EXP_CACHE (conftest), as the composed config's
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.fixture()
 def tiny_tokenizer(tiny_model_path):
     return AutoTokenizer.from_pretrained(tiny_model_path)  # fresh: a test may change its template

@@ -98,9 +98,17 @@ def _build(model_cfg: dict[str, Any], out: Path) -> None:
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(out)
 
 
+def cache_dir(value: str) -> Path:
+    """model.cache_dir as a folder: resolved as Hydra would (the default of a ModelConfig made in Python is still
+    the interpolation of TINKER_EXP_CACHE, which was once created literally in the working directory)."""
+    from omegaconf import OmegaConf
+
+    return Path(os.path.expanduser(OmegaConf.create({"cache_dir": value}).cache_dir))
+
+
 def ensure_tiny_model(model_cfg: dict[str, Any]) -> Path:
     """Return the cached model dir, building it first if needed (atomic: concurrent jobs are safe)."""
-    cache = Path(os.path.expanduser(model_cfg["cache_dir"])) / "models"
+    cache = cache_dir(model_cfg["cache_dir"]) / "models"
     target = cache / f"{model_cfg['name']}-{_cache_key(model_cfg)}"
     if (target / "config.json").exists():
         return target
