@@ -166,12 +166,16 @@ def differs(kind: str, env: dict[str, str], imports_set: dict[str, str]) -> list
     if kind == "job":
         from helpers import ZYGOTE_SAFE_ENV, ZYGOTE_UNSAFE_ENV
 
-        unsafe, safe = ZYGOTE_UNSAFE_ENV, {*ZYGOTE_SAFE_ENV, JOB_CONFIG_ENV}
+        from tinker_exp.runtime.workers import platform_env
+
+        unsafe = tuple(prefix for prefix in ZYGOTE_UNSAFE_ENV if prefix != "WANDB")  # W&B is not imported here
+        safe = {*ZYGOTE_SAFE_ENV, JOB_CONFIG_ENV}
+        seen = {**platform_env("cpu"), **imports_set}  # the imports ran with the first and set the second
     else:
-        unsafe, safe = RAY_WORKER_UNSAFE_ENV, {"PYTHONBREAKPOINT"}  # Ray sets it for some workers; read at breakpoint()
-    keys = {key for key in (*env, *os.environ, *imports_set) if key.startswith(unsafe) and key not in safe}
-    # A variable the imports set (setdefault) is theirs unless `env` has another value for them to read.
-    return sorted(key for key in keys if env.get(key, imports_set.get(key)) != imports_set.get(key, os.environ.get(key)))
+        unsafe, safe, seen = RAY_WORKER_UNSAFE_ENV, {"PYTHONBREAKPOINT"}, imports_set  # Ray sets it; read at breakpoint()
+    keys = {key for key in (*env, *os.environ, *seen) if key.startswith(unsafe) and key not in safe}
+    # A variable the imports set or were given is theirs unless `env` has another value for them to read.
+    return sorted(key for key in keys if env.get(key, seen.get(key)) != seen.get(key, os.environ.get(key)))
 
 
 def become(kind: str, request: dict, imports_set: dict[str, str]) -> None:
