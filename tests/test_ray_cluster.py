@@ -97,3 +97,31 @@ def test_ranks_of_a_multi_node_run_each_on_its_own_node():
     with pytest.raises(RuntimeError, match=r"^backend.nodes=2, but the 2 ranks run on 1 Ray node\(s\)$"):
         check_placement("cpu", [cpu_rank("n1", "a" * 56)] * 2, nodes=2)
     assert check_placement("cpu", [cpu_rank("vm", "a" * 56)] * 2) == "2 rank(s) on cpu; attention sdpa"  # one node
+
+
+def test_a_node_whose_ray_start_exits_under_a_running_head_joins_again(tmp_path, monkeypatch, capsys):
+    """`ray start` gives its raylet a fixed 30 s to register (a loaded machine misses it: the 2-node preemption test
+    once did): the node starts again while the head answers, and the task fails only after NODE_STARTS starts."""
+    import sys
+    import time
+
+    from tinker_exp.runtime import ray_cluster
+
+    allocation = Allocation.from_env({**TASK_1, "SLURM_JOB_ID": f"t{time.monotonic_ns()}"})
+    allocation.head_file(tmp_path).write_text('{"address": "127.0.0.1:1", "node": "n1"}')
+    exits, runs = [sys.executable, "-c", "raise SystemExit(1)"], [sys.executable, "-c", "import time; time.sleep(60)"]
+    commands = [exits, runs]
+    monkeypatch.setattr(ray_cluster, "ray_start_command", lambda *a, **k: commands.pop(0))
+    monkeypatch.setattr(ray_cluster.time, "sleep", lambda s: None)
+    monkeypatch.setattr(ray_cluster, "answers", lambda address: bool(commands))  # gone once the second start runs
+    ray_cluster.ray_node(allocation, tmp_path)
+    out = capsys.readouterr().out
+    assert out.count("joins the Ray head at 127.0.0.1:1") == 2 and commands == []
+    assert "the Ray node on n2 exited (1) while the head at 127.0.0.1:1 runs; it joins again (2 of 3)" in out
+    assert out.rstrip().endswith("the Ray head is gone; this node stopped")
+
+    monkeypatch.setattr(ray_cluster, "ray_start_command", lambda *a, **k: exits)
+    monkeypatch.setattr(ray_cluster, "answers", lambda address: True)
+    with pytest.raises(RuntimeError, match=r"the Ray node on n2 exited \(1\) while the head at 127.0.0.1:1 runs"):
+        ray_cluster.ray_node(allocation, tmp_path)
+    assert capsys.readouterr().out.count("joins the Ray head") == ray_cluster.NODE_STARTS

@@ -40,6 +40,8 @@ HEAD_WAIT_S = 300.0
 """How long a node waits for the head's address (the head's task may start later than its own)."""
 HEAD_GONE_CHECKS = 3
 """A node stops once the head has not answered this many checks in a row, a second apart."""
+NODE_STARTS = 3
+"""How often a node starts `ray start` while the head runs (a start that exits is retried)."""
 RENDEZVOUS_ENV = "TINKER_EXP_RAY_RENDEZVOUS"
 """The folder, seen by every task, where the head's address is left (the recipe's default: outputs/.ray)."""
 
@@ -259,7 +261,9 @@ def ray_head(allocation: Allocation, rendezvous: Path) -> Iterator[str]:
 
 
 def ray_node(allocation: Allocation, rendezvous: Path) -> None:
-    """Another task: a Ray node that joins the head and runs until the head stops answering."""
+    """Another task: a Ray node that joins the head and runs until the head stops answering. A node that exits while
+    the head answers joins again, up to NODE_STARTS starts: `ray start` gives its raylet a fixed 30 s to register
+    with the head, which a loaded machine misses (the driver is still waiting for the node then)."""
     head_file = allocation.head_file(rendezvous)
     deadline = time.monotonic() + HEAD_WAIT_S
     while not head_file.exists():
@@ -267,12 +271,17 @@ def ray_node(allocation: Allocation, rendezvous: Path) -> None:
             raise RuntimeError(f"no Ray head address in {head_file} within {HEAD_WAIT_S:.0f} s (task 0 did not start it)")
         time.sleep(0.5)
     head = json.loads(head_file.read_text())["address"]
-    print(f"tinker_exp multinode: node {allocation.node} joins the Ray head at {head}", flush=True)
-    with ray_process(ray_start_command(allocation, node_ip(), head=head), allocation) as process:
-        missed = 0
-        while process.poll() is None and missed < HEAD_GONE_CHECKS:
-            time.sleep(1.0)
-            missed = 0 if answers(head) else missed + 1
-        if missed < HEAD_GONE_CHECKS and answers(head):  # this node died under a running head: the task fails
-            raise RuntimeError(f"the Ray node on {allocation.node} exited ({process.returncode}) while the head at {head} runs")
-    print(f"tinker_exp multinode: node {allocation.node}: the Ray head is gone; this node stopped", flush=True)
+    for start in range(1, NODE_STARTS + 1):
+        print(f"tinker_exp multinode: node {allocation.node} joins the Ray head at {head}", flush=True)
+        with ray_process(ray_start_command(allocation, node_ip(), head=head), allocation) as process:
+            missed = 0
+            while process.poll() is None and missed < HEAD_GONE_CHECKS:
+                time.sleep(1.0)
+                missed = 0 if answers(head) else missed + 1
+        if missed >= HEAD_GONE_CHECKS or not answers(head):
+            print(f"tinker_exp multinode: node {allocation.node}: the Ray head is gone; this node stopped", flush=True)
+            return
+        message = f"the Ray node on {allocation.node} exited ({process.returncode}) while the head at {head} runs"
+        if start == NODE_STARTS:  # this node keeps dying under a running head: the task fails
+            raise RuntimeError(message)
+        print(f"tinker_exp multinode: {message}; it joins again ({start + 1} of {NODE_STARTS})", flush=True)
