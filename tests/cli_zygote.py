@@ -111,6 +111,21 @@ def end(status: int | None) -> None:
     os._exit(status)
 
 
+def run_to_end(main) -> None:
+    """`main()` as a process's __main__, then the end Python gives it (`end`): its exit status, a KeyboardInterrupt's
+    SIGINT, or the traceback and status 1."""
+    try:
+        main()
+    except SystemExit as stop:
+        end(exit_status(stop))
+    except KeyboardInterrupt:
+        end(None)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        end(1)
+    end(0)
+
+
 if __name__ == "__main__":
     request, imports_set = serve()
     import time
@@ -136,13 +151,4 @@ if __name__ == "__main__":
     del request, serve, imports_set
     import runpy
 
-    try:
-        runpy.run_module("tinker_exp", run_name="__main__", alter_sys=True)
-    except SystemExit as stop:
-        end(exit_status(stop))
-    except KeyboardInterrupt:
-        end(None)
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        end(1)
-    end(0)
+    run_to_end(lambda: runpy.run_module("tinker_exp", run_name="__main__", alter_sys=True))

@@ -209,11 +209,11 @@ def become(kind: str, request: dict, imports_set: dict[str, str]) -> None:
         import torch
 
         torch.set_num_threads(int(threads))
-    from cli_zygote import end, exit_status  # this file's folder is sys.path[0] until below
+    from cli_zygote import run_to_end  # this file's folder is sys.path[0] until main() runs
 
-    import runpy
+    def main() -> None:
+        import runpy
 
-    try:
         if kind == "job":
             import time
 
@@ -229,14 +229,8 @@ def become(kind: str, request: dict, imports_set: dict[str, str]) -> None:
             sys.argv = [script, *rest]
             sys.path[0] = os.path.dirname(script)
             runpy.run_path(script, run_name="__main__")
-    except SystemExit as stop:
-        end(exit_status(stop))
-    except KeyboardInterrupt:
-        end(None)
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        end(1)
-    end(0)
+
+    run_to_end(main)
 
 
 def _stream(fd: int, unbuffered: bool):
