@@ -188,6 +188,15 @@ def test_max_parallel_is_checked_before_anything_runs(tmp_path):
     assert not (tmp_path / "s" / ".submitit").exists()
 
 
+def test_a_job_python_that_is_no_command_is_refused_before_anything_runs(tmp_path):
+    result = run_cli("-m", "hydra/launcher=local", "hydra.launcher.python=no-such-python", "dry_run=true", f"hydra.sweep.dir={tmp_path / 's'}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "tinker_exp: config error: hydra.launcher.python=no-such-python: not a command found on PATH (null: this interpreter)"
+    )
+    assert not (tmp_path / "s").exists()
+
+
 def test_local_sweep_in_batches_runs_max_parallel_points_at_a_time_and_counts_once(tmp_path):
     """4 points in batches of 3 (hydra.sweeper.max_batch_size), one at a time (hydra.launcher.max_parallel=1);
     resume=must fails in its job (its run dir holds no checkpoint: found only there), in the first batch.

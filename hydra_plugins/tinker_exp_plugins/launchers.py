@@ -151,6 +151,14 @@ class SweepLauncher(BaseSubmititLauncher):
         max_parallel = params.get("max_parallel")
         if max_parallel is not None and (not isinstance(max_parallel, int) or isinstance(max_parallel, bool) or max_parallel < 1):
             raise ConfigError(f"hydra.launcher.max_parallel={max_parallel}: must be an int >= 1, or null (as many as the CPUs hold)")
+        python = params.get("python")
+        if python is not None:
+            import shlex
+            import shutil
+
+            words = shlex.split(python) if isinstance(python, str) else []
+            if not words or shutil.which(words[0]) is None:
+                raise ConfigError(f"hydra.launcher.python={python}: not a command found on PATH (null: this interpreter)")
         super().__init__(**params)
         self.outcomes: dict[int, JobOutcome] = {}  # every job this launcher ran, by number: a sweep in batches
         # True: each launch is the whole sweep (the table, and an error at a failed job). A sweeper that launches
