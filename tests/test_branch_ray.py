@@ -71,11 +71,11 @@ def test_a_branch_with_another_plan_starts_from_the_trunks_state_then_applies_it
     assert run_record.run_id != trunk_id
 
 
-def branch_sweep(trunk: Path, sweep_dir: Path, env: dict, *launcher: str) -> None:
+def branch_sweep(trunk: Path, sweep_dir: Path, env: dict) -> None:
     """The shipped preset, narrowed to 2 branches: decays of 4 steps at steps 4 and 8 of the trunk; checks every
     branch and the summary."""
     result = run_cli(
-        "-m", "branch_sweep=wsd_decay", *launcher, f"branch.from={trunk}", "branch.step=4,8", "override.lr.decay_steps=4",
+        "-m", "branch_sweep=wsd_decay", f"branch.from={trunk}", "branch.step=4,8", "override.lr.decay_steps=4",
         "override.lr.decay_shape=1-sqrt", "checkpoint.every_steps=4", "logger=none", f"hydra.sweep.dir={sweep_dir}",
         env=env, timeout=900,
     )  # fmt: skip
@@ -98,7 +98,8 @@ def branch_sweep(trunk: Path, sweep_dir: Path, env: dict, *launcher: str) -> Non
     assert sorted(ats) == [4, 8]
 
 
-def test_a_sweep_of_decay_branches_on_the_local_slurm_cluster(trunk, slurm_env, tmp_path):
-    """The one real branch sweep (it was run on the preset's local launcher too: the same jobs, which the local
-    launcher's own sweep tests cover; the preset's launcher is a compose test in test_branch.py)."""
-    branch_sweep(trunk, tmp_path, slurm_env, "hydra/launcher=slurm_local")
+def test_a_sweep_of_decay_branches_on_the_presets_local_launcher(trunk, ray_address, tmp_path):
+    """The one real branch sweep, on the preset's own launcher (local; that it is the preset's is a compose test in
+    test_branch.py). It ran on the local Slurm cluster too: the same jobs, whose Slurm side (a job per point, its own
+    Ray in its allocation) the Slurm sweep, study, population and preemption tests hold."""
+    branch_sweep(trunk, tmp_path, {"RAY_ADDRESS": ray_address})

@@ -14,9 +14,11 @@ That command is this file as a client of the server of its kind (:func:`client`)
 environment, working directory and stdin/stdout/stderr (SCM_RIGHTS); the server forks; the child becomes the
 process asked for, with those, in a session of its own; the client stays the process its parent started: it passes
 signals on to the child and exits as the child did. Ray knows a worker by the pid it registers with (the child's).
-Whatever the imports read from the environment is checked: a request whose environment differs there, or one
-from inside a Slurm job (Slurm tracks and ends a job's processes, and tests look for them by their environment),
-or one that finds no server, becomes a fresh Python process instead.
+Whatever the imports read from the environment is checked: a request whose environment differs there, a job's
+driver inside a Slurm job (the Ray daemons it starts must be in the job's process tree, where Slurm finds and ends
+them), or one that finds no server, becomes a fresh Python process instead. A Ray worker inside a Slurm job forks:
+the server kills a child whose client is gone, so Slurm's end of the job (its SIGKILL of the client) ends it too,
+and the tests find it by its environment as they find the job's other processes.
 
 Ray's workers are forked from a server that has not imported Ray (nor verl, which imports it): `import ray` reads
 Ray's C++ settings from the environment once per process (the worker's job id, its raylet's pid, the auth mode),
@@ -35,10 +37,16 @@ import struct
 import sys
 
 KINDS = ("ray_worker", "job")
+"""A server's socket is named after its kind."""
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The checkout, whose tinker_exp the servers import (the editable install's)."""
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 """Ray merges this job config's runtime_env into every ray.init's (Ray Jobs sets it for its drivers)."""
 JOB_PYTHON_ENV = "TINKER_EXP_JOB_PYTHON"
 """The local launcher's default `python`: the command that starts each sweep job's Python."""
+LOG_ENV = "TINKER_EXP_ZYGOTE_LOG"
+"""Where the servers log each child (`KIND PID forked|fresh KEYS`), for whoever measures the suite; by default
+beside the socket, removed with it."""
 FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
 """What a client passes on to its child: a stop, and submitit's time-limit signal."""
 
@@ -78,8 +86,8 @@ def client(socket_path: str, args: list[str]) -> None:
     def fresh() -> None:
         os.execv(sys.executable, [sys.executable, *args])
 
-    if "SLURM_JOB_ID" in os.environ:  # Slurm tracks the job's processes: this one stays in the job
-        fresh()
+    if "SLURM_JOB_ID" in os.environ and os.path.basename(socket_path) == "job":
+        fresh()  # a job's driver starts the Ray daemons, which Slurm must find in the job's tree and end
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(socket_path)
@@ -137,7 +145,7 @@ def preload(kind: str) -> dict[str, str]:
     import importlib
 
     if kind == "job":
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # hydra_plugins
+        sys.path.insert(0, REPO)  # hydra_plugins
         import cli_zygote
 
         import tinker_exp.main  # noqa: F401
@@ -174,8 +182,15 @@ def differs(kind: str, env: dict[str, str], imports_set: dict[str, str]) -> list
     else:
         unsafe, safe, seen = RAY_WORKER_UNSAFE_ENV, {"PYTHONBREAKPOINT"}, imports_set  # Ray sets it; read at breakpoint()
     keys = {key for key in (*env, *os.environ, *seen) if key.startswith(unsafe) and key not in safe}
+    if set(python_path(env)) <= {REPO} and not os.environ.get("PYTHONPATH"):  # the checkout: put on sys.path
+        keys.discard("PYTHONPATH")  # (the benchmarks set it; what the imports found there is what they found)
     # A variable the imports set or were given is theirs unless `env` has another value for them to read.
     return sorted(key for key in keys if env.get(key, seen.get(key)) != seen.get(key, os.environ.get(key)))
+
+
+def python_path(env: dict[str, str]) -> list[str]:
+    """PYTHONPATH's folders, as Python puts them on sys.path."""
+    return [os.path.abspath(entry) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
 
 
 def become(kind: str, request: dict, imports_set: dict[str, str]) -> None:
@@ -223,11 +238,13 @@ def become(kind: str, request: dict, imports_set: dict[str, str]) -> None:
             module, *rest = args[2:]
             sys.argv = ["-m", *rest]
             sys.path[0] = request["cwd"]  # `python -m`: the working directory first
+            sys.path[1:1] = python_path(request["env"])
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
             script, *rest = args
             sys.argv = [script, *rest]
             sys.path[0] = os.path.dirname(script)
+            sys.path[1:1] = python_path(request["env"])
             runpy.run_path(script, run_name="__main__")
 
     run_to_end(main)
@@ -288,7 +305,7 @@ def serve(kind: str, socket_path: str) -> tuple[dict, dict[str, str]]:
             elif key.data == "accept":
                 conn, _ = listener.accept()
                 try:
-                    request = {**receive(conn), "log": socket_path + ".log"}
+                    request = {**receive(conn), "log": os.environ.get(LOG_ENV) or socket_path + ".log"}
                 except (OSError, ValueError, struct.error):  # a client gone before it asked: nothing to start
                     conn.close()
                     continue
