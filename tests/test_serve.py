@@ -486,7 +486,7 @@ def test_sampling_params_stop_top_k_top_p_and_prompt_logprobs_through_the_sdk(tr
     from tinker import types
 
     client = trained["client"]
-    sampler = client.save_weights_and_get_sampling_client()
+    sampler = client.save_weights_and_get_sampling_client().result()
     tokens = trained["data"][0].model_input.to_ints()
     prompt = types.ModelInput.from_ints(tokens)
     greedy = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=6, top_k=1, stop=[]), include_prompt_logprobs=True).result()
