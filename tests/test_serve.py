@@ -42,10 +42,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+CHUNK_DATUMS = 40
+"""The server's serve.max_chunk_datums (the SDK's chunk length): the RL loop's batches (DIGIT_PROMPTS x GROUP = 32)
+fit one chunk, the chunk test's batch takes three."""
+
+
 def start_server(ray_address: str, run_dir: Path, port: int) -> subprocess.Popen:
     """The server, started as a user starts it; its first line (printed once it listens) says where."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "tinker_exp.serve", f"serve.port={port}", f"serve.run_dir={run_dir}", "logger=wandb"],  # offline
+        [sys.executable, "-m", "tinker_exp.serve", f"serve.port={port}", f"serve.run_dir={run_dir}", "logger=wandb",  # offline
+         f"serve.max_chunk_datums={CHUNK_DATUMS}"],
         cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     line = process.stdout.readline()  # blocks until it listens (or exits)
@@ -153,6 +159,40 @@ def post(server, route: str, body: bytes | dict, content_type: str = "applicatio
                       headers={"X-API-Key": API_KEY, "Content-Type": content_type})
 
 
+def reserved_seq_ids(client, n: int) -> list[int]:
+    """`n` seq_ids of the SDK client's own sequence for raw posts: reserved, and their turns passed, as the client
+    does for its own requests (training_client.py `_reserve_request_ids`, `_take_turn`): its later calls follow them.
+    Call with none of its requests pending."""
+    ids = client._reserve_request_ids(n)
+
+    async def pass_turns():
+        for request_id in ids:
+            async with client._take_turn(request_id):
+                pass
+
+    client.holder.run_coroutine_threadsafe(pass_turns()).result()
+    return [request_id + 1 for request_id in ids]  # the SDK's seq_id: its request id + 1
+
+
+def forward_backward_body(client, data: list, seq_id: int) -> bytes:
+    """A forward_backward request of the client's model as the SDK's own converter writes it (cross_entropy)."""
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    request = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+                                           model_id=client.get_info().model_id, seq_id=seq_id)
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def retrieved(server, request_id: str):
+    """A future's result as the SDK fetches it (retrieve_future until it is no longer try_again)."""
+    while True:
+        response = post(server, "retrieve_future", {"request_id": request_id})
+        assert response.status_code == 200, response.text
+        if "json" not in response.headers["content-type"] or response.json().get("type") != "try_again":
+            return response
+
+
 def test_wandb_holds_each_steps_row_as_metrics_jsonl_does(server, trained):
     """logger=wandb (offline here): the served run's W&B run has each optim_step's loss, grad norm, requested and
     applied values (grad_clip_norm included) at its train/step, as metrics.jsonl; its config is a run's, plus serve.*."""
@@ -219,6 +259,85 @@ def test_forward_backward_calls_accumulate_until_optim_step(trained):
     assert whole > 0 and abs(parts - whole) <= 1e-5 * whole, (whole, parts)
 
 
+def test_a_batch_of_several_chunks_equals_the_same_batch_sent_as_one_request(server, trained, tokenized):
+    """A batch of more datums than one chunk (serve.max_chunk_datums, the SDK's fwdbwd_max_chunk_len): the SDK
+    splits it into three and sends them at once, the first last (parallel_fwdbwd_chunks); the server runs them in
+    their seq_id order. The same data as one request (a raw post built by the SDK's own converter, in the client's
+    sequence): the same loss:sum, each datum's log-probs in order (1e-5) and the same grad norm at an lr-0 step
+    (relative 1e-5: the sums add up in another order)."""
+    from tinker import types
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    client = trained["client"]
+    still = types.AdamParams(learning_rate=0.0, grad_clip_norm=0.0)
+    pieces = [(tokens, i % (len(tokens) - 5), 2 + i % 4) for i, tokens in enumerate(tokenized * 23)][:2 * CHUNK_DATUMS + 10]
+    data = [datum(tokens[start:start + n]) for tokens, start, n in pieces]  # tiny datums: a cheap pass
+    assert client.holder._client_config.fwdbwd_max_chunk_len == CHUNK_DATUMS
+    assert [len(chunk.data) for chunk in client._chunked_requests_generator(data)] == [CHUNK_DATUMS, CHUNK_DATUMS, 10]
+    (seq_id,) = reserved_seq_ids(client, 1)
+    sent = post(server, "forward_backward", forward_backward_body(client, data, seq_id), "application/x-protobuf")
+    assert sent.status_code == 200, sent.text
+    whole = deserialize_forward_backward_output(retrieved(server, sent.json()["request_id"]).content)
+    whole_norm = client.optim_step(still).result().metrics["grad_norm"]
+    chunked = client.forward_backward(data, "cross_entropy").result()
+    chunked_norm = client.optim_step(still).result().metrics["grad_norm"]
+    assert abs(chunked.metrics["loss:sum"] - whole.metrics["loss:sum"]) <= 1e-5 * abs(whole.metrics["loss:sum"])
+    assert len(logprobs_of(chunked)) == len(data) == len(logprobs_of(whole))
+    for got, want in zip(logprobs_of(chunked), logprobs_of(whole)):
+        assert got.shape == want.shape and abs(got - want).max() < 1e-5
+    assert whole_norm > 0 and abs(chunked_norm - whole_norm) <= 1e-5 * whole_norm, (whole_norm, chunked_norm)
+
+
+RL_LOSS_CONFIGS = {  # each loss with parameters off Tinker's defaults, so that they are seen to arrive
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    "cispo": {"clip_low_threshold": 0.5, "clip_high_threshold": 1.05},
+    "dro": {"beta": 0.3},
+}
+
+
+def test_each_rl_loss_through_the_sdk_is_the_rl_losses_formula_on_its_logprobs(trained):
+    """Every RL loss through the SDK's forward, with Tinker's inputs (target_tokens, logprobs, advantages, weights)
+    and its loss_fn_config: loss:sum is runtime/rl_losses.py's token terms, summed over the positions of weight 1,
+    computed here on the log-probs the server returned (1e-5 of the terms' magnitude); those log-probs are
+    cross_entropy's on the same weights (1e-5). The sampler's log-probs are the trainer's shifted by up to 0.4, so
+    that ratios fall outside the clip ranges. An unknown loss_fn_config key is a one-line 400."""
+    import numpy as np
+    import torch
+    from tinker import types
+
+    from tinker_exp.runtime.rl_losses import TOKEN_TERMS
+
+    client, plain = trained["client"], trained["data"]
+    trainer = logprobs_of(client.forward(plain, "cross_entropy").result())
+    rng = np.random.default_rng(0)
+    data, inputs = [], []
+    for d, logprobs, advantage in zip(plain, trainer, (1.0, -0.5, 0.8, -1.2)):
+        n = len(logprobs)
+        weights = np.array([0.0, 0.0] + [1.0] * (n - 2), dtype=np.float32)  # the first two: the "prompt"
+        sampler = ((logprobs + rng.uniform(-0.4, 0.4, n)) * weights).astype(np.float32)
+        advantages = (np.full(n, advantage) * weights).astype(np.float32)
+        data.append(types.Datum(model_input=d.model_input, loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": sampler.tolist(),
+            "advantages": advantages.tolist(), "weights": weights.tolist()}))
+        inputs.append((sampler, advantages, weights))
+    losses = {}
+    for name, config in RL_LOSS_CONFIGS.items():
+        output = client.forward(data, name, config).result()
+        want, magnitude = 0.0, 0.0
+        for got, want_logprobs, (sampler, advantages, weights) in zip(logprobs_of(output), trainer, inputs):
+            assert abs(got - want_logprobs).max() < 1e-5, name
+            terms, _ = TOKEN_TERMS[name](*(torch.from_numpy(np.asarray(a, dtype=np.float32)) for a in (got, sampler, advantages)), **config)
+            terms = terms * torch.from_numpy(weights)
+            want, magnitude = want + float(terms.sum()), magnitude + float(terms.abs().sum())
+        losses[name] = output.metrics["loss:sum"]
+        assert abs(losses[name] - want) <= 1e-5 * magnitude, (name, losses[name], want)
+    assert len(set(losses.values())) == len(losses), losses  # each its own loss, its parameters taken
+    with pytest.raises(tinker.BadRequestError) as refused:
+        client.forward(data, "ppo", {"clip_ratio": 0.2}).result()
+    assert refused.value.body["error"] == "loss_fn_config.clip_ratio: not a parameter of ppo"
+
+
 def test_forward_gives_forward_backwards_logprobs_and_no_gradient(trained):
     """The SDK's forward (forward_only): the same log-probs and loss:sum as forward_backward on the same weights, and
     no gradient: forward then forward_backward steps (at lr 0) with the grad norm of forward_backward alone."""
@@ -256,7 +375,7 @@ def test_save_state_writes_a_checkpoint_under_the_sdks_path(server, trained):
     assert trained["initial"] == f"tinker://{model_id}/weights/initial"
     folder = server["run_dir"] / "checkpoints" / model_id / "weights" / "initial"
     assert problem(folder) is None and json.loads((folder / "loop.json").read_text())["step"] == 0
-    again = post(server, "save_weights", {"model_id": model_id, "path": "initial", "seq_id": 99, "type": "save_weights"})
+    again = post(server, "save_weights", {"model_id": model_id, "path": "initial", "type": "save_weights"})
     assert again.status_code == 400 and again.json()["error"] == (
         f"path: 'initial': model {model_id} has a checkpoint of that name (overwrite=true replaces it)")
 
@@ -359,6 +478,29 @@ save and from an unnamed snapshot."""
     assert [list(x.tokens) for x in a] == [list(x.tokens) for x in b] and all(same(x.logprobs, y.logprobs) for x, y in zip(a, b))
 
 
+def test_sampling_params_stop_top_k_top_p_and_prompt_logprobs_through_the_sdk(trained):
+    """The SDK's SamplingParams and include_prompt_logprobs on the trained weights: top_k 1 draws the most likely
+    token (two samples alike, each log-prob 0); a tiny top_p does too, and stop (a token id) ends it at that token's
+    first place (stop_reason stop); the prompt's log-probs are the trainer's for the same tokens (1e-4, as the RL
+    loop's mismatch), the first None."""
+    from tinker import types
+
+    client = trained["client"]
+    sampler = client.save_weights_and_get_sampling_client().result()
+    tokens = trained["data"][0].model_input.to_ints()
+    prompt = types.ModelInput.from_ints(tokens)
+    greedy = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=6, top_k=1, stop=[]), include_prompt_logprobs=True).result()
+    first, second = (list(s.tokens) for s in greedy.sequences)
+    assert first == second and len(first) == 6 and all(s.stop_reason == "length" for s in greedy.sequences)
+    assert all(lp == 0.0 for s in greedy.sequences for lp in s.logprobs)
+    trainer = logprobs_of(client.forward([datum(tokens)], "cross_entropy").result())[0]
+    assert greedy.prompt_logprobs[0] is None and len(greedy.prompt_logprobs) == len(tokens)
+    assert max(abs(a - b) for a, b in zip(greedy.prompt_logprobs[1:], trainer)) < 1e-4
+    stop = first[2]
+    stopped = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, top_p=1e-6, stop=[stop])).result().sequences[0]
+    assert list(stopped.tokens) == first[: first.index(stop) + 1] and stopped.stop_reason == "stop"
+
+
 def test_bad_checkpoint_and_sampling_requests_are_one_line_errors(server, trained):
     """Each an HTTP 400 of one line naming the field; a second client (its own ServiceClient) is refused a model."""
     model_id = trained["client"].get_info().model_id
@@ -370,13 +512,13 @@ def test_bad_checkpoint_and_sampling_requests_are_one_line_errors(server, traine
     finally:
         second.close("success").result(timeout=60)
     cases = [
-        ("load_weights", {"model_id": model_id, "seq_id": 90, "path": f"tinker://{model_id}/weights/nope", "optimizer": True},
+        ("load_weights", {"model_id": model_id, "path": f"tinker://{model_id}/weights/nope", "optimizer": True},
          f"path: 'tinker://{model_id}/weights/nope': no such checkpoint on this server"),
-        ("load_weights", {"model_id": model_id, "seq_id": 90, "path": "/tmp/elsewhere", "optimizer": False},
+        ("load_weights", {"model_id": model_id, "path": "/tmp/elsewhere", "optimizer": False},
          "path: '/tmp/elsewhere' is not a checkpoint path (tinker://<model_id>/weights/<name>)"),
         ("load_weights", {"session_id": "s", "model_seq_id": 1, "path": trained["initial"], "optimizer": True},
          f"load_weights: this server already serves model {model_id}; one client at a time may hold a model"),
-        ("save_weights", {"model_id": model_id, "path": "../up", "seq_id": 90}, "path: '../up' is not a checkpoint name"),
+        ("save_weights", {"model_id": model_id, "path": "../up"}, "path: '../up' is not a checkpoint name"),
         ("create_sampling_session", {"session_id": "s", "sampling_session_seq_id": 0, "model_path": trained["initial"]},
          f"model_path: {trained['initial']!r} is not a checkpoint path (tinker://<model_id>/sampler_weights/<name>)"),
         ("asample", {"sampling_session_id": "nope", "seq_id": 0, "num_samples": 1, "prompt": {"chunks": []},
@@ -391,7 +533,8 @@ def test_bad_checkpoint_and_sampling_requests_are_one_line_errors(server, traine
     sampling_session_id = session.json()["sampling_session_id"]
     for params, message in [({"max_tokens": 0}, "sampling_params.max_tokens: 0 is not a count"),
                             ({"max_tokens": 4, "temperature": 0.0}, "sampling_params.temperature: 0.0 is not served"),
-                            ({"max_tokens": 4, "top_p": 0.5}, "sampling_params.top_p: 0.5 is not served")]:
+                            ({"max_tokens": 4, "top_p": 1.5}, "sampling_params.top_p: 1.5 is not in (0, 1]"),
+                            ({"max_tokens": 4, "stop": [2, "a"]}, "sampling_params.stop: [2, 'a'] is not stop strings or stop token ids")]:
         response = post(server, "asample", {"sampling_session_id": sampling_session_id, "seq_id": 0, "num_samples": 1,
                                             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
                                             "sampling_params": params})
@@ -404,28 +547,54 @@ def test_a_retried_request_gets_the_same_future_and_runs_once(server, trained):
     import httpx
 
     model_id = trained["client"].get_info().model_id
-    body = {"model_id": model_id, "seq_id": 500, "type": "optim_step",
-            "adam_params": {**STEPS[0], "learning_rate": 0.0}}
     rows_before = len(read_jsonl(server["run_dir"] / "metrics.jsonl"))
 
-    def send(key: str) -> str:
+    def send(key: str, seq_id: int) -> str:
+        body = {"model_id": model_id, "seq_id": seq_id, "type": "optim_step", "adam_params": {**STEPS[0], "learning_rate": 0.0}}
         response = httpx.post(f"{server['url']}/api/v1/optim_step", json=body, timeout=60,
                               headers={"X-API-Key": API_KEY, "X-Idempotency-Key": key})
         assert response.status_code == 200, response.text
         return response.json()["request_id"]
 
-    first = send("retry-me")
-    assert send("retry-me") == first != send("another")
-    for request_id in (first, send("another")):
-        assert post(server, "retrieve_future", {"request_id": request_id}).status_code == 200
+    retried, another = reserved_seq_ids(trained["client"], 2)
+    first = send("retry-me", retried)
+    assert send("retry-me", retried) == first
+    second = send("another", another)
+    assert second != first
+    for request_id in (first, second):
+        retrieved(server, request_id)
     assert len(read_jsonl(server["run_dir"] / "metrics.jsonl")) == rows_before + 2
 
 
+def test_a_models_requests_run_in_seq_id_order_when_they_arrive_out_of_order(server, trained):
+    """Raw posts in the SDK client's sequence: an optim_step (lr 0) sent before the forward_backward whose seq_id
+    precedes it waits for it: its row's loss is that forward_backward's loss:sum and its grad norm that batch's (had
+    it run first, both would be 0: the last step zeroed the gradients). A seq_id sent again is a one-line 400."""
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    client, data = trained["client"], trained["data"]
+    model_id = client.get_info().model_id
+    seq_fb, seq_step = reserved_seq_ids(client, 2)
+    step = post(server, "optim_step", {"model_id": model_id, "seq_id": seq_step, "type": "optim_step",
+                                       "adam_params": {**STEPS[0], "learning_rate": 0.0}})
+    body = forward_backward_body(client, data, seq_fb)
+    fb = post(server, "forward_backward", body, "application/x-protobuf")
+    assert step.status_code == 200 == fb.status_code, (step.text, fb.text)
+    loss = deserialize_forward_backward_output(retrieved(server, fb.json()["request_id"]).content).metrics["loss:sum"]
+    grad_norm = retrieved(server, step.json()["request_id"]).json()["metrics"]["grad_norm"]
+    row = read_jsonl(server["run_dir"] / "metrics.jsonl")[-1]
+    assert row["train/loss"] == loss > 0 and row["train/grad_norm"] == grad_norm > 0
+    again = post(server, "forward_backward", body, "application/x-protobuf")
+    assert again.status_code == 400 and again.json()["error"] == (
+        f"seq_id: {seq_fb} of model {model_id} was sent before (its turn is past; the next is {seq_step + 1})")
+
+
 def test_a_killed_server_restarted_continues_bitwise(server, trained):
-    """save_state, then the next step on the running server; the server is killed (SIGKILL) and started again on
-    the same run dir; a new client (a new ServiceClient: create_training_client_from_state_with_optimizer) takes the
-    saved state and the same step: loss, log-probs, grad norm and the log-probs after the step are bitwise the
-    uninterrupted server's, and metrics.jsonl holds that step's row once."""
+    """save_state, then the next step on the running server. The client's session ends (ServiceClient.close): its
+    model is released, and another client (its own ServiceClient: create_training_client_from_state_with_optimizer)
+    takes the saved state on the same server and the same step. Then the server is killed (SIGKILL) and started
+    again on the same run dir, and a third client does the same. Both times loss, log-probs, grad norm and the
+    log-probs after the step are bitwise the uninterrupted server's, and metrics.jsonl holds that step's row once."""
     import signal
 
     from tinker import types
@@ -439,24 +608,28 @@ def test_a_killed_server_restarted_continues_bitwise(server, trained):
         response = training_client.optim_step(types.AdamParams(**STEPS[1])).result()
         return output, response, training_client.forward(data, "cross_entropy").result()
 
+    def from_saved_state():  # a new client (its own session) continues from the saved state
+        service = tinker.ServiceClient()
+        try:
+            resumed = service.create_training_client_from_state_with_optimizer(saved).result()
+            assert resumed.get_info().lora_rank is None  # the checkpoint's: full fine-tuning
+            return next_step(resumed)
+        finally:
+            service.close("success").result(timeout=60)
+
     uninterrupted = next_step(client)
     trained["service"].close("success").result(timeout=60)
     server["restarted"] = True
+    released = from_saved_state()
     server["process"].send_signal(signal.SIGKILL)
     server["process"].wait(60)
     server["process"] = start_server(server["ray_address"], server["run_dir"], server["port"])
-    service = tinker.ServiceClient()
-    try:
-        resumed = service.create_training_client_from_state_with_optimizer(saved).result()
-        assert resumed.get_info().lora_rank is None  # the checkpoint's: full fine-tuning
-        restarted = next_step(resumed)
-    finally:
-        service.close("success").result(timeout=60)
-    (output, response, after), (want_output, want_response, want_after) = restarted, uninterrupted
-    assert output.metrics["loss:sum"] == want_output.metrics["loss:sum"]
-    assert all(same(a, b) for a, b in zip(logprobs_of(output), logprobs_of(want_output)))
-    assert response.metrics["grad_norm"] == want_response.metrics["grad_norm"]
-    assert all(same(a, b) for a, b in zip(logprobs_of(after), logprobs_of(want_after)))
+    restarted = from_saved_state()
+    for (output, response, after), (want_output, want_response, want_after) in ((released, uninterrupted), (restarted, uninterrupted)):
+        assert output.metrics["loss:sum"] == want_output.metrics["loss:sum"]
+        assert all(same(a, b) for a, b in zip(logprobs_of(output), logprobs_of(want_output)))
+        assert response.metrics["grad_norm"] == want_response.metrics["grad_norm"]
+        assert all(same(a, b) for a, b in zip(logprobs_of(after), logprobs_of(want_after)))
     rows = read_jsonl(server["run_dir"] / "metrics.jsonl")
     assert [row["train/step"] for row in rows] == list(range(step + 1))
     assert rows[-1]["train/grad_norm"] == want_response.metrics["grad_norm"] and rows[-1]["applied/grad_clip_norm"] == 0.05

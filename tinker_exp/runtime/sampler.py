@@ -3,7 +3,9 @@
 verl 0.9.1 cannot sample on CPU (its rollouts are vLLM / SGLang / TRT-LLM servers), so the driver holds a copy of
 the model, loads the exported tensors into it and samples with temperature, top_k=0, top_p=1 and no other logits
 processing: the sampled distribution is softmax(logits / temperature), and its per-token log-probs are what verl's
-forward computes for the same tokens (sent as old_log_probs; the difference is the logged mismatch).
+forward computes for the same tokens (sent as old_log_probs; the difference is the logged mismatch). The served
+sampler (runtime/serve_sampler.py) may also limit top_k / top_p and name its own stops; each token's log-prob is
+then under the distribution it was drawn from (the kept tokens, renormalised).
 
 Its random state is torch's CPU generator of this process, set before and read after each call, so that a checkpoint
 can hold it (`rng_state` / `set_rng_state`) and a resumed run samples what the uninterrupted run sampled.
@@ -29,6 +31,8 @@ class Sample:
     """Each response token's log-prob under the sampling distribution."""
     text: str
     """The response decoded, special tokens left out."""
+    stopped: bool = False
+    """Whether it ended at a stop (a stop token or string) rather than at the most tokens asked for."""
 
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
@@ -70,34 +74,55 @@ class HFSampler:
             raise RuntimeError(f"exported weights do not fit the sampler's model: missing {missing}, unexpected {unexpected}")
         self.load_time_s = time.perf_counter() - start
 
-    def sample(self, prompt_ids: Sequence[int], n: int, max_new_tokens: int, temperature: float) -> list[Sample]:
-        """`n` responses to one prompt, from this sampler's random state (which it advances)."""
+    def sample(self, prompt_ids: Sequence[int], n: int, max_new_tokens: int, temperature: float, *,
+               stop: Sequence[int] | Sequence[str] | None = None, top_k: int = 0, top_p: float = 1.0) -> list[Sample]:
+        """`n` responses to one prompt, from this sampler's random state (which it advances). `stop`: None, the
+        model's stop tokens; else exactly these token ids, or these strings (a response ends with the token that
+        completes one); [] none. `top_k` (0: no limit) and `top_p` (1: no limit) narrow each draw."""
         import torch
         from transformers import GenerationConfig
 
+        strings = [s for s in stop or () if isinstance(s, str)]
+        stop_ids = list(self.stop_ids if stop is None else [s for s in stop if not isinstance(s, str)])
         ids = torch.tensor([list(prompt_ids)] * n)
         config = GenerationConfig(
-            do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-            eos_token_id=self.stop_ids, pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True,
+            do_sample=True, temperature=float(temperature), top_k=top_k, top_p=float(top_p), max_new_tokens=max_new_tokens,
+            eos_token_id=stop_ids, pad_token_id=self.pad_id, stop_strings=strings or None, output_scores=True,
+            return_dict_in_generate=True,
         )  # fmt: skip
         saved = torch.get_rng_state()
         torch.set_rng_state(self._rng)
         try:
             with torch.no_grad():
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                          tokenizer=self.tokenizer if strings else None)
             self._rng = torch.get_rng_state()
         finally:
             torch.set_rng_state(saved)
         responses = out.sequences[:, ids.shape[1] :]
-        # the raw logits: the distribution sampled from is softmax(logits / temperature), nothing else applied
-        logits = torch.stack(out.logits, 1).float() / float(temperature)
-        log_probs = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        # the scores each token was drawn from: logits / temperature, the tokens top_k / top_p drop at -inf
+        log_probs = torch.log_softmax(torch.stack(out.scores, 1).float(), -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
         samples = []
         for row, row_log_probs in zip(responses.tolist(), log_probs):
-            length = next((i + 1 for i, token in enumerate(row) if token in self.stop_ids), len(row))
+            stop_at = next((i + 1 for i, token in enumerate(row) if token in stop_ids), None)
+            if strings:  # the first token whose text completes a stop string (before any stop token)
+                stop_at = next((i + 1 for i in range(stop_at or len(row))
+                                if any(s in self.tokenizer.decode(row[: i + 1]) for s in strings)), stop_at)
+            length = stop_at or len(row)
             text = self.tokenizer.decode(row[:length], skip_special_tokens=True)
-            samples.append(Sample(row[:length], row_log_probs[:length].tolist(), text))
+            samples.append(Sample(row[:length], row_log_probs[:length].tolist(), text, stop_at is not None))
         return samples
+
+    def prompt_log_probs(self, prompt_ids: Sequence[int]) -> list[float]:
+        """Each prompt token's log-prob under the model given the tokens before it (softmax of the logits, no
+        temperature); NaN for the first, which has none before it. One forward pass."""
+        import torch
+
+        ids = torch.tensor([list(prompt_ids)])
+        with torch.no_grad():
+            logits = self.model(ids, attention_mask=torch.ones_like(ids)).logits.float()
+        scored = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+        return [float("nan"), *scored.tolist()]
 
     def rng_state(self) -> str:
         return base64.b64encode(self._rng.numpy().tobytes()).decode("ascii")

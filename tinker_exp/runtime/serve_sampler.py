@@ -28,10 +28,6 @@ class ServedSampler:
         """The key of the weights in the sampler's model now."""
 
     @property
-    def stop_ids(self) -> list[int]:
-        return self.sampler.stop_ids
-
-    @property
     def positions(self) -> int:
         return self.sampler.positions
 
@@ -61,14 +57,19 @@ class ServedSampler:
             self.sampler.load(tensors() if callable(tensors) else tensors)
             self.loaded = key
 
-    def sample(self, prompt: Sequence[int], n: int, max_tokens: int, temperature: float, seed: int | None) -> list:
+    def sample(self, prompt: Sequence[int], n: int, max_tokens: int, temperature: float, seed: int | None,
+               **limits: Any) -> list:
         """`n` responses (runtime/sampler.py Sample); with `seed`, from that seed's random state, the sampler's own
-        state left as it was; without, from the sampler's state, which it advances."""
+        state left as it was; without, from the sampler's state, which it advances. `limits`: HFSampler.sample's
+        stop, top_k, top_p."""
         if seed is None:
-            return self.sampler.sample(prompt, n, max_tokens, temperature)
+            return self.sampler.sample(prompt, n, max_tokens, temperature, **limits)
         running = self.sampler.rng_state()
         self.sampler.set_rng_state(self.sampler.state_for(seed))
         try:
-            return self.sampler.sample(prompt, n, max_tokens, temperature)
+            return self.sampler.sample(prompt, n, max_tokens, temperature, **limits)
         finally:
             self.sampler.set_rng_state(running)
+
+    def prompt_log_probs(self, prompt: Sequence[int]) -> list[float]:
+        return self.sampler.prompt_log_probs(prompt)

@@ -24,10 +24,15 @@ class ServeConfig:
     """Its port (0: any free one; the line printed at start names it)."""
     run_dir: str = ""
     """Where metrics.jsonl and workers.log go; empty: outputs/serve/<date>/<time>."""
+    max_chunk_datums: int = 1024
+    """The most datums the SDK sends in one forward_backward request (its `fwdbwd_max_chunk_len`; 1024 is its own
+    default): a larger batch comes in chunks, each one pass of the workers, so this bounds a pass's memory."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port: {self.port!r} is not a port (0 .. 65535)")
+        if not isinstance(self.max_chunk_datums, int) or self.max_chunk_datums < 1:
+            raise ConfigError(f"serve.max_chunk_datums: {self.max_chunk_datums!r} is not a count (an integer >= 1)")
 
 
 def serve_config(args: list[str]) -> tuple[ServeConfig, list[str]]:
@@ -39,13 +44,14 @@ def serve_config(args: list[str]) -> tuple[ServeConfig, list[str]]:
             rest.append(arg)
             continue
         name = key.removeprefix("serve.")
+        keys = ", ".join(f"serve.{name}" for name in ServeConfig.__dataclass_fields__)
         if not sep or name not in ServeConfig.__dataclass_fields__:
-            raise ConfigError(f"{key}: not a serve key (serve.host, serve.port, serve.run_dir), as serve.KEY=VALUE")
-        if name == "port":
+            raise ConfigError(f"{key}: not a serve key ({keys}), as serve.KEY=VALUE")
+        if ServeConfig.__dataclass_fields__[name].type == "int":
             try:
                 value = int(value)
             except ValueError:
-                raise ConfigError(f"serve.port: {value!r} is not a port (0 .. 65535)") from None
+                pass  # ServeConfig names the key and the value as typed
         own[name] = value
     return ServeConfig(**own), rest
 
@@ -114,7 +120,8 @@ def main(args: list[str]) -> None:
     def open_rows(first_step: int) -> Sinks:  # metrics.jsonl reopened where a load_state rewinds it; W&B stays open
         return Sinks([JsonlSink(run_dir / "metrics.jsonl", first_step), wandb and KeptOpen(wandb)])
 
-    server = Server(model_name, build_workers, optim_params, open_rows, check_applied, run_dir / "checkpoints", make_sampler)
+    server = Server(model_name, build_workers, optim_params, open_rows, check_applied, run_dir / "checkpoints", make_sampler,
+                    serve.max_chunk_datums)
     import uvicorn
 
     host, port = listener.getsockname()[:2]

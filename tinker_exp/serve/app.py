@@ -1,10 +1,12 @@
 """The HTTP app: the routes the tinker SDK 0.38 calls for training, checkpoints and sampling, on one served model
 (docs/serve.md).
 
-Every training call returns a future (``request_id``) at once; the work runs on one thread, in the order the calls
-arrive, and ``retrieve_future`` hands back its result: protobuf for forward_backward, JSON otherwise. A request that
-is wrong (malformed protobuf or JSON, an unknown loss, AdamParams out of range, a model id that is not served, a
-second model) is refused before it is queued: HTTP 400 with one line naming the field, the workers untouched.
+Every training call returns a future (``request_id``) at once; the work runs on one thread, a model's calls in their
+``seq_id`` order (one that arrives early waits for its predecessors), and ``retrieve_future`` hands back its result:
+protobuf for forward_backward, JSON otherwise. A request that is wrong (malformed protobuf or JSON, an unknown loss,
+AdamParams out of range, a model id that is not served, a second model) is refused before it is queued: HTTP 400
+with one line naming the field, the workers untouched. The model is its client's session's: when the session ends
+(``ServiceClient.close``, or no heartbeat for SESSION_TIMEOUT_S) its workers are freed for the next client.
 """
 
 
@@ -23,11 +25,13 @@ from typing import Any, Callable
 from tinker_exp.errors import ConfigError
 from tinker_exp.serve.wire import (
     BadRequest,
+    forward_backward_data,
     forward_backward_output,
     forward_backward_request,
     loss_params,
     prompt_tokens,
     sample_response,
+    sampling_limits,
 )
 from tinker_exp.train.checkpoints import LOOP_STATE, WORKERS, commit_save, problem
 
@@ -47,6 +51,10 @@ UNCACHED = {"/api/v1/retrieve_future", "/api/v1/session_heartbeat", "/api/v1/tel
 """Routes answered afresh on every call, whatever their idempotency key (a result that was pending may be ready)."""
 SNAPSHOTS_KEPT = 4
 """Unnamed sampler weights (save_weights_and_get_sampling_client) kept in memory; older ones are dropped."""
+SEQ_GAP_TIMEOUT_S = 120.0
+"""How long a model's request that arrived early waits for a missing predecessor (its seq_id) before it fails."""
+SESSION_TIMEOUT_S = 120.0
+"""A session without a heartbeat for this long has ended (the SDK beats every 10 s and warns its user after 120 s)."""
 
 
 @dataclass
@@ -66,9 +74,15 @@ class Model:
     model_id: str
     base_model: str
     lora_rank: int
+    session_id: str
+    """The session of the client that holds it: the model lasts as long as the session."""
     workers: Any = None
     step: int = 0
     loss_since_step: float = 0.0
+    next_seq: int = 1
+    """The seq_id whose turn it is (the SDK numbers a training client's requests from 1)."""
+    waiting: dict[int, tuple[Future, Callable[[], Any]] | None] = field(default_factory=dict)
+    """seq_id -> a request that came before its turn (None: one that was refused, whose turn just passes)."""
 
 
 class Server:
@@ -79,14 +93,20 @@ class Server:
 
     def __init__(self, model_name: str, build_workers: Callable[[int], Any], optim_params: Callable[[dict], dict],
                  open_rows: Callable[[int], Any], check_applied: Callable[[int, dict, list], dict],
-                 checkpoints: Path, make_sampler: Callable[[], Any]):
+                 checkpoints: Path, make_sampler: Callable[[], Any], max_chunk_datums: int = 1024,
+                 seq_gap_timeout_s: float = SEQ_GAP_TIMEOUT_S, session_timeout_s: float = SESSION_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic):
         """`open_rows(first_step)`: the metrics.jsonl sink (a JsonlSink: rows of first_step and later are replaced);
-        `checkpoints`: where checkpoints go; `make_sampler()`: the driver's sampler (runtime/serve_sampler.py)."""
+        `checkpoints`: where checkpoints go; `make_sampler()`: the driver's sampler (runtime/serve_sampler.py);
+        `max_chunk_datums`: the most datums the SDK is asked to send in one forward_backward (serve.max_chunk_datums);
+        `clock`: the time sessions' heartbeats are kept in."""
         self.model_name = model_name
         self.build_workers, self.optim_params, self.open_rows, self.check_applied = (
             build_workers, optim_params, open_rows, check_applied)
         self.rows = open_rows(0)
         self.checkpoints, self.make_sampler = checkpoints, make_sampler
+        self.max_chunk_datums = max_chunk_datums
+        self.seq_gap_timeout_s, self.session_timeout_s, self.clock = seq_gap_timeout_s, session_timeout_s, clock
         self.sampler: Any = None
         self.sampling_sessions: dict[str, dict[str, Any]] = {}
         """sampling_session_id -> its base model, model_path (None: the base model's weights), and where its weights
@@ -94,11 +114,12 @@ class Server:
         self.snapshots: list[str] = []
         self.replies: dict[str, tuple] = {}
         """X-Idempotency-Key -> the answer it got (body, status, headers, media type)."""
-        self.sessions: set[str] = set()
+        self.sessions: dict[str, float] = {}
+        """session_id -> the time of its last heartbeat (or its start)."""
         self.model: Model | None = None
         self.futures: dict[str, Future] = {}
         self.jobs: queue.Queue = queue.Queue()
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         threading.Thread(target=self._run_jobs, name="serve-jobs", daemon=True).start()
 
     def _run_jobs(self) -> None:
@@ -114,18 +135,117 @@ class Server:
                 future.error = lines[-1]  # a worker's error: its last line is the exception itself
             future.done.set()
 
-    def submit(self, work: Callable[[], Any], protobuf: bool = False) -> str:
+    def _future(self, protobuf: bool) -> tuple[str, Future]:
         request_id = str(uuid.uuid4())
-        future = Future(protobuf=protobuf)
-        self.futures[request_id] = future
+        future = self.futures[request_id] = Future(protobuf=protobuf)
+        return request_id, future
+
+    def submit(self, work: Callable[[], Any], protobuf: bool = False) -> str:
+        """Queue `work` now (a request outside any model's sequence)."""
+        request_id, future = self._future(protobuf)
         self.jobs.put((future, work))
         return request_id
+
+    def in_turn(self, model: Model, seq_id: Any, check: Callable[[], Callable[[], Any]], protobuf: bool = False) -> str:
+        """A model's request: `check()` refuses it (BadRequest) or gives its work, which is queued in the model's
+        seq_id order: one that comes early waits for its predecessors (SEQ_GAP_TIMEOUT_S at most). Without a seq_id
+        (not the SDK), the work is queued at once. A refused request's turn passes: its successors need not wait."""
+        if seq_id is None:
+            return self.submit(check(), protobuf)
+        if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
+            raise BadRequest(f"seq_id: {seq_id!r} is not a sequence number (an integer >= 1)")
+        with self.lock:
+            if seq_id < model.next_seq or model.waiting.get(seq_id) is not None:
+                raise BadRequest(f"seq_id: {seq_id} of model {model.model_id} was sent before (its turn is "
+                                 f"{'past' if seq_id < model.next_seq else 'taken'}; the next is {model.next_seq})")
+            try:
+                work = check()
+            except BadRequest:
+                self._take_turn(model, seq_id, None)
+                raise
+            request_id, future = self._future(protobuf)
+            self._take_turn(model, seq_id, (future, work))
+        return request_id
+
+    def _take_turn(self, model: Model, seq_id: int, request: tuple[Future, Callable[[], Any]] | None) -> None:
+        """Place a request at its seq_id, then queue every request whose turn has come."""
+        model.waiting[seq_id] = request
+        while model.next_seq in model.waiting:
+            due = model.waiting.pop(model.next_seq)
+            model.next_seq += 1
+            if due is not None:
+                self.jobs.put(due)
+        if model.waiting.get(seq_id) is not None:
+            timer = threading.Timer(self.seq_gap_timeout_s, self._gap_timed_out, (model, seq_id))
+            timer.daemon = True
+            timer.start()
+
+    def _gap_timed_out(self, model: Model, seq_id: int) -> None:
+        """A request waited SEQ_GAP_TIMEOUT_S for a predecessor that never came: every waiting request of the model
+        fails (none may run out of order), and the sequence goes on after the last of them."""
+        with self.lock:
+            if model.waiting.get(seq_id) is None:
+                return
+            missing, last = model.next_seq, max(s for s, r in model.waiting.items() if r is not None)
+            for waiting in sorted(s for s in model.waiting if s <= last):
+                request = model.waiting.pop(waiting)
+                if request is not None:
+                    request[0].error = (f"seq_id: {waiting} of model {model.model_id} waited "
+                                        f"{self.seq_gap_timeout_s:g} s for seq_id {missing}, which never came")
+                    request[0].done.set()
+            model.next_seq = last + 1
 
     def served_model(self, model_id: Any) -> Model:
         if self.model is None or model_id != self.model.model_id:
             raise BadRequest(f"model_id: {model_id!r} is not served here"
                              + (f" (the served model is {self.model.model_id})" if self.model else " (no model yet)"))
         return self.model
+
+    def start_session(self) -> str:
+        session_id = str(uuid.uuid4())
+        self.sessions[session_id] = self.clock()
+        return session_id
+
+    def live_session(self, session_id: Any) -> bool:
+        """Whether the session goes on (a heartbeat within SESSION_TIMEOUT_S); one that stopped beating ends now."""
+        with self.lock:
+            if session_id not in self.sessions:
+                return False
+            if self.clock() - self.sessions[session_id] > self.session_timeout_s:
+                self.end_session(session_id)
+                return False
+            return True
+
+    def heartbeat(self, session_id: Any) -> bool:
+        """A session's heartbeat: False when the session has ended (the SDK stops beating on the 410 it gets)."""
+        with self.lock:
+            if not self.live_session(session_id):
+                return False
+            self.sessions[session_id] = self.clock()
+            return True
+
+    def end_session(self, session_id: str) -> None:
+        """The session ends (finished by its client, or its heartbeats stopped): its model, if it holds it, is
+        released: its waiting requests fail, its workers are freed once its queued work is done."""
+        with self.lock:
+            self.sessions.pop(session_id, None)
+            model = self.model
+            if model is None or model.session_id != session_id:
+                return
+            self.model = None
+            for request in model.waiting.values():
+                if request is not None:
+                    request[0].error = f"model_id: {model.model_id} was released (its session {session_id} ended)"
+                    request[0].done.set()
+            model.waiting.clear()
+
+        def free() -> dict:
+            if model.workers is not None:
+                model.workers.shutdown()
+                model.workers = None
+            return {}
+
+        self.submit(free)
 
     def create_model(self, body: dict) -> str:
         base_model = body.get("base_model")
@@ -147,62 +267,77 @@ class Server:
         return self.submit(build)
 
     def _claim(self, route: str, body: dict, base_model: str, rank: int) -> Model:
-        """The one model, for this client (the SDK's id: session_id:train:model_seq_id); a second is refused."""
+        """The one model, for this client's session (the SDK's id: session_id:train:model_seq_id); while another
+        live session holds it, refused."""
+        session_id = body.get("session_id")
         with self.lock:
-            if self.model is not None:
+            # a holder whose heartbeats stopped ends here (live_session), and its model with it
+            if self.model is not None and self.live_session(self.model.session_id):
                 raise BadRequest(f"{route}: this server already serves model {self.model.model_id}; one client "
                                  "at a time may hold a model")
-            model_id = f"{body.get('session_id')}:train:{body.get('model_seq_id', 0)}"
-            self.model = Model(model_id, base_model, rank)
+            if not self.live_session(session_id):
+                raise BadRequest(f"session_id: {session_id!r} is not a session of this server (create_session first)")
+            self.model = Model(f"{session_id}:train:{body.get('model_seq_id', 0)}", base_model, rank, session_id)
             return self.model
 
     def _build(self, model: Model) -> None:
         try:
             model.workers = self.build_workers(model.lora_rank)
         except BaseException:
-            self.model = None
+            with self.lock:
+                if self.model is model:
+                    self.model = None
             raise
 
     def forward_backward(self, body: bytes) -> tuple[str, str]:
-        request, data = forward_backward_request(body)
-        params = loss_params(request)
+        request = forward_backward_request(body)
         model = self.served_model(request.model_id)
 
-        def run() -> bytes:
-            model.workers.use_loss(request.loss_fn, params)
-            if request.forward_only:  # the SDK's forward(): no gradient, not part of the step's loss
-                return forward_backward_output(*model.workers.forward(data))
-            loss, logprobs = model.workers.forward_backward(data)
-            model.loss_since_step += loss
-            return forward_backward_output(loss, logprobs)
+        def check() -> Callable[[], bytes]:
+            data, params = forward_backward_data(request), loss_params(request)
 
-        return self.submit(run, protobuf=True), model.model_id
+            def run() -> bytes:
+                model.workers.use_loss(request.loss_fn, params)
+                if request.forward_only:  # the SDK's forward(): no gradient, not part of the step's loss
+                    return forward_backward_output(*model.workers.forward(data))
+                loss, logprobs = model.workers.forward_backward(data)
+                model.loss_since_step += loss
+                return forward_backward_output(loss, logprobs)
+
+            return run
+
+        # seq_id 0: none (the proto's default; the SDK numbers from 1)
+        return self.in_turn(model, request.seq_id or None, check, protobuf=True), model.model_id
 
     def optim_step(self, body: dict) -> tuple[str, str]:
         model = self.served_model(body.get("model_id"))
-        adam = body.get("adam_params")
-        if not isinstance(adam, dict):
-            raise BadRequest("adam_params: missing (only Adam's parameters are served)")
-        unknown = sorted(set(adam) - set(ADAM_PARAMS))
-        if unknown:
-            raise BadRequest(f"adam_params.{unknown[0]}: not an AdamParams field ({', '.join(ADAM_PARAMS)})")
-        try:
-            params = self.optim_params({key: adam[key] for key in ADAM_PARAMS if adam.get(key) is not None})
-        except ConfigError as e:
-            raise BadRequest(str(e).replace("override.", "adam_params.", 1)) from None
 
-        def run() -> dict:
-            grad_norm, applied = model.workers.optimizer_step(params)
-            first = self.check_applied(model.step, params, applied)
-            from tinker_exp.optim import flat_values
+        def check() -> Callable[[], dict]:
+            adam = body.get("adam_params")
+            if not isinstance(adam, dict):
+                raise BadRequest("adam_params: missing (only Adam's parameters are served)")
+            unknown = sorted(set(adam) - set(ADAM_PARAMS))
+            if unknown:
+                raise BadRequest(f"adam_params.{unknown[0]}: not an AdamParams field ({', '.join(ADAM_PARAMS)})")
+            try:
+                params = self.optim_params({key: adam[key] for key in ADAM_PARAMS if adam.get(key) is not None})
+            except ConfigError as e:
+                raise BadRequest(str(e).replace("override.", "adam_params.", 1)) from None
 
-            self.rows.log({"train/step": model.step, "time": time.time(), "train/loss": model.loss_since_step,
-                          "train/grad_norm": grad_norm, **flat_values("requested", params), **flat_values("applied", first)})
-            model.step += 1
-            model.loss_since_step = 0.0
-            return {"metrics": {"grad_norm": grad_norm}, "type": "optim_step"}
+            def run() -> dict:
+                grad_norm, applied = model.workers.optimizer_step(params)
+                first = self.check_applied(model.step, params, applied)
+                from tinker_exp.optim import flat_values
 
-        return self.submit(run), model.model_id
+                self.rows.log({"train/step": model.step, "time": time.time(), "train/loss": model.loss_since_step,
+                              "train/grad_norm": grad_norm, **flat_values("requested", params), **flat_values("applied", first)})
+                model.step += 1
+                model.loss_since_step = 0.0
+                return {"metrics": {"grad_norm": grad_norm}, "type": "optim_step"}
+
+            return run
+
+        return self.in_turn(model, body.get("seq_id"), check), model.model_id
 
     def _folder(self, model_id: str, kind: str, name: str) -> Path:
         return self.checkpoints / model_id / kind / name
@@ -239,48 +374,58 @@ class Server:
     def save_state(self, body: dict) -> tuple[str, str]:
         """save_state: the weights and the optimizer's state (every rank's verl checkpoint) at this step."""
         model = self.served_model(body.get("model_id"))
-        name = self._name(body.get("path"))
-        folder = self._folder(model.model_id, STATE, name)
-        if folder.exists() and body.get("overwrite") is not True:
-            raise BadRequest(f"path: {name!r}: model {model.model_id} has a checkpoint of that name (overwrite=true "
-                             "replaces it)")
 
-        def run() -> dict:
-            self._save(model, folder, lambda tmp: model.workers.save_state(tmp / WORKERS, model.step))
-            return {"path": f"tinker://{model.model_id}/{STATE}/{name}", "type": "save_weights"}
+        def check() -> Callable[[], dict]:
+            name = self._name(body.get("path"))
+            folder = self._folder(model.model_id, STATE, name)
+            if folder.exists() and body.get("overwrite") is not True:
+                raise BadRequest(f"path: {name!r}: model {model.model_id} has a checkpoint of that name "
+                                 "(overwrite=true replaces it)")
 
-        return self.submit(run), model.model_id
+            def run() -> dict:
+                self._save(model, folder, lambda tmp: model.workers.save_state(tmp / WORKERS, model.step))
+                return {"path": f"tinker://{model.model_id}/{STATE}/{name}", "type": "save_weights"}
+
+            return run
+
+        return self.in_turn(model, body.get("seq_id"), check), model.model_id
 
     def load_state(self, body: dict) -> tuple[str, str]:
         """load_state (weights, a fresh optimizer) or load_state_with_optimizer (`optimizer`: true), onto the
         client's model (model_id) or onto a new one (session_id, model_seq_id: create_training_client_from_state),
         built with the checkpoint's LoRA rank."""
-        optimizer = body.get("optimizer")
-        if not isinstance(optimizer, bool):
-            raise BadRequest(f"optimizer: {optimizer!r} is not true or false")
-        path = body.get("path")
-        folder, meta = self._checkpoint(path, STATE)
-        if body.get("model_id") is not None:
-            model = self.served_model(body["model_id"])
-            if meta["lora_rank"] != model.lora_rank:
+        optimizer, path = body.get("optimizer"), body.get("path")
+
+        def checked(model: Model | None) -> tuple[Path, dict]:
+            if not isinstance(optimizer, bool):
+                raise BadRequest(f"optimizer: {optimizer!r} is not true or false")
+            folder, meta = self._checkpoint(path, STATE)
+            if model is not None and meta["lora_rank"] != model.lora_rank:
                 raise BadRequest(f"path: {path!r} holds a model of LoRA rank {meta['lora_rank']}; model "
                                  f"{model.model_id} has rank {model.lora_rank}")
-        else:
-            base_model = body.get("base_model") or meta["base_model"]
-            if base_model != self.model_name:
-                raise BadRequest(f"base_model: {base_model!r} is not served (this server serves {self.model_name!r})")
-            model = self._claim("load_weights", body, base_model, meta["lora_rank"])
+            return folder, meta
 
-        def run() -> dict:
-            if model.workers is None:
-                self._build(model)
-            model.workers.load_state(folder / WORKERS, optimizer)
-            model.step, model.loss_since_step = int(meta["step"]), 0.0
-            self.rows.close()
-            self.rows = self.open_rows(model.step)  # this step's row and later ones are logged again
-            return {"path": path, "model_id": model.model_id, "type": "load_weights"}
+        def load(model: Model, folder: Path, meta: dict) -> Callable[[], dict]:
+            def run() -> dict:
+                if model.workers is None:
+                    self._build(model)
+                model.workers.load_state(folder / WORKERS, optimizer)
+                model.step, model.loss_since_step = int(meta["step"]), 0.0
+                self.rows.close()
+                self.rows = self.open_rows(model.step)  # this step's row and later ones are logged again
+                return {"path": path, "model_id": model.model_id, "type": "load_weights"}
 
-        return self.submit(run), model.model_id
+            return run
+
+        if body.get("model_id") is not None:  # the client's own model (TrainingClient.load_state): in its turn
+            model = self.served_model(body["model_id"])
+            return self.in_turn(model, body.get("seq_id"), lambda: load(model, *checked(model))), model.model_id
+        folder, meta = checked(None)  # a new model (ServiceClient.create_training_client_from_state)
+        base_model = body.get("base_model") or meta["base_model"]
+        if base_model != self.model_name:
+            raise BadRequest(f"base_model: {base_model!r} is not served (this server serves {self.model_name!r})")
+        model = self._claim("load_weights", body, base_model, meta["lora_rank"])
+        return self.submit(load(model, folder, meta)), model.model_id
 
     def _sampler(self):
         if self.sampler is None:
@@ -291,6 +436,9 @@ class Server:
         """save_weights_for_sampler(name): the weights as a sampler checkpoint (tinker://.../sampler_weights/name);
         without a name (save_weights_and_get_sampling_client): a sampling session on these weights, in memory."""
         model = self.served_model(body.get("model_id"))
+        return self.in_turn(model, body.get("seq_id"), lambda: self._sampler_save(model, body)), model.model_id
+
+    def _sampler_save(self, model: Model, body: dict) -> Callable[[], dict]:
         name = body.get("path")
         if name is not None:
             folder = self._folder(model.model_id, SAMPLER, self._name(name))
@@ -299,7 +447,7 @@ class Server:
                 self._save(model, folder, lambda tmp: self._sampler().write(model.workers, tmp, model.lora_rank))
                 return {"path": f"tinker://{model.model_id}/{SAMPLER}/{name}", "type": "save_weights_for_sampler"}
 
-            return self.submit(save), model.model_id
+            return save
         seq = body.get("sampling_session_seq_id")
         session_id = f"{model.model_id}:sample:{seq}:{uuid.uuid4().hex[:8]}"
 
@@ -316,7 +464,7 @@ class Server:
             del self.snapshots[:-SNAPSHOTS_KEPT]
             return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
 
-        return self.submit(snapshot), model.model_id
+        return snapshot
 
     def _open_sampling_session(self, session_id: str, base_model: str, model_path: str | None, weights: Any) -> None:
         self.sampling_sessions[session_id] = {"base_model": base_model, "model_path": model_path, "weights": weights}
@@ -343,7 +491,7 @@ class Server:
 
     def sample(self, body: dict) -> tuple[str, list[str]]:
         """asample: num_samples responses to the prompt from the session's weights; SamplingParams max_tokens,
-        temperature (> 0) and seed are served, top_k/top_p only as no limit, stop only as the model's stop tokens."""
+        temperature (> 0), seed, stop (strings or token ids), top_k and top_p, and the prompt's log-probs."""
         session_id = body.get("sampling_session_id")
         session = self.sampling_session(session_id)
         if session["weights"] is None:
@@ -361,10 +509,12 @@ class Server:
             raise BadRequest(f"sampling_params.temperature: {temperature!r} is not served (a number > 0)")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise BadRequest(f"sampling_params.seed: {seed!r} is not an integer")
-        for key, unlimited in (("top_k", (-1, 0)), ("top_p", (1, 1.0)), ("stop", (None,))):
-            if params.get(key, unlimited[0]) not in unlimited:
-                raise BadRequest(f"sampling_params.{key}: {params[key]!r} is not served (only {unlimited[0]!r})")
-        for key in ("prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        limits = sampling_limits(params)
+        with_prompt = body.get("prompt_logprobs") or False
+        if not isinstance(with_prompt, bool):
+            raise BadRequest(f"prompt_logprobs: {with_prompt!r} is not true or false")
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k", "target_prompt_logprobs",
+                    "prompt_logprobs_last_n"):
             if body.get(key):
                 raise BadRequest(f"{key}: {body[key]!r} is not served")
 
@@ -380,8 +530,8 @@ class Server:
                 sampler.use(weights, lambda: sampler.weights(weights))
             else:
                 sampler.use(session_id, weights)
-            samples = sampler.sample(prompt, n, max_tokens, float(temperature), seed)
-            return sample_response(samples, sampler.stop_ids)
+            samples = sampler.sample(prompt, n, max_tokens, float(temperature), seed, **limits)
+            return sample_response(samples, sampler.prompt_log_probs(prompt) if with_prompt else None)
 
         request_id = self.submit(run, protobuf=True)
         return request_id, [f"{request_id}:{i}" for i in range(n)]
@@ -417,8 +567,8 @@ def build_app(server: Server):
             return Response(*server.replies[key])
         response = await call_next(request)
         body = b"".join([chunk async for chunk in response.body_iterator])
-        if response.status_code == 200:
-            server.replies[key] = (body, 200, None, response.media_type)
+        if response.status_code in (200, 400):  # a refused request is refused again, in the same words
+            server.replies[key] = (body, response.status_code, None, response.media_type)
         return Response(body, response.status_code, None, response.media_type)
 
     @app.middleware("http")
@@ -446,29 +596,29 @@ def build_app(server: Server):
 
     @app.post("/api/v1/client/config")
     async def client_config(request: Request):
+        # parallel chunks: they arrive at once, the first last, and run in their seq_id order
         return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
-                "parallel_fwdbwd_chunks": False}
+                "parallel_fwdbwd_chunks": True, "fwdbwd_max_chunk_len": server.max_chunk_datums}
 
     @app.post("/api/v1/create_session")
     async def create_session(request: Request):
         await json_body(request)
-        session_id = str(uuid.uuid4())
-        server.sessions.add(session_id)
-        return {"session_id": session_id, "type": "create_session"}
+        return {"session_id": server.start_session(), "type": "create_session"}
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
         body = await json_body(request)
-        if body.get("session_id") not in server.sessions:
+        if not server.heartbeat(body.get("session_id")):
             return refused(f"session_id: {body.get('session_id')!r} is not a session of this server", 410)
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request):
-        """The SDK's `ServiceClient.close(status)`: the session ends; its heartbeats get 410 from now on."""
-        if session_id not in server.sessions:
+        """The SDK's `ServiceClient.close(status)`: the session ends (its heartbeats get 410 from now on) and the
+        model it holds is released."""
+        if not server.live_session(session_id):
             return refused(f"session_id: {session_id!r} is not a session of this server", 404)
-        server.sessions.discard(session_id)
+        server.end_session(session_id)
         return None
 
     @app.post("/api/v1/telemetry")

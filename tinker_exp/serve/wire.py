@@ -42,16 +42,21 @@ def _array(tensor: Any, field: str):
     return np.frombuffer(tensor.dense, dtype=dtypes[tensor.dtype])
 
 
-def forward_backward_request(body: bytes) -> tuple[Any, list[Datum]]:
-    """A ForwardBackwardRequest's bytes -> (the message, its data as the workers take them)."""
-    import numpy as np
-
+def forward_backward_request(body: bytes) -> Any:
+    """A ForwardBackwardRequest's bytes -> the message (its model_id and seq_id say where it belongs)."""
     pb = proto_module()
     request = pb.ForwardBackwardRequest()
     try:
         request.ParseFromString(body)
     except Exception as e:  # protobuf's DecodeError
         raise BadRequest(f"forward_backward: the body is not a ForwardBackwardRequest protobuf ({e})") from None
+    return request
+
+
+def forward_backward_data(request: Any) -> list[Datum]:
+    """A ForwardBackwardRequest's data as the workers take them, every input checked."""
+    import numpy as np
+
     if request.loss_fn not in LOSS_INPUTS:
         raise BadRequest(f"loss_fn: {request.loss_fn!r} is not served (served: {', '.join(LOSS_INPUTS)})")
     needs = LOSS_INPUTS[request.loss_fn]
@@ -84,7 +89,7 @@ def forward_backward_request(body: bytes) -> tuple[Any, list[Datum]]:
                 raise BadRequest(f"{where}.loss_fn_inputs.{name}: not finite")
         shifted = {name: [0.0, *values.astype(np.float32).tolist()] for name, values in inputs.items()}
         data.append(Datum(tokens + [targets[-1]], shifted["weights"], shifted.get("logprobs"), shifted.get("advantages")))
-    return request, data
+    return data
 
 
 def loss_params(request: Any) -> dict[str, float]:
@@ -93,7 +98,9 @@ def loss_params(request: Any) -> dict[str, float]:
     from tinker_exp.config.rl import LossConfig, LossName
     from tinker_exp.errors import ConfigError
 
-    given = dict(request.loss_fn_config)
+    # the SDK writes every value to loss_fn_config_v2 (numbers to the legacy map too); v2 wins, as Tinker reads it
+    given = ({key: getattr(value, value.WhichOneof("value") or "number") for key, value in request.loss_fn_config_v2.items()}
+             or dict(request.loss_fn_config))
     if request.loss_fn == CROSS_ENTROPY:
         if given:
             raise BadRequest(f"loss_fn_config.{sorted(given)[0]}: cross_entropy takes no parameters")
@@ -101,6 +108,9 @@ def loss_params(request: Any) -> dict[str, float]:
     known = {name for name in LossConfig.__dataclass_fields__ if name != "name"}
     for key in sorted(set(given) - known):
         raise BadRequest(f"loss_fn_config.{key}: not a parameter of {request.loss_fn}")
+    for key, value in sorted(given.items()):
+        if not isinstance(value, float):
+            raise BadRequest(f"loss_fn_config.{key}: {value!r} is not a number")
     try:
         return LossConfig(LossName(request.loss_fn), **given).params
     except ConfigError as e:
@@ -125,20 +135,36 @@ def forward_backward_output(loss: float, logprobs: Sequence[Sequence[float]]) ->
     return output.SerializeToString()
 
 
-def sample_response(samples: Sequence[Any], stop_ids: Sequence[int]) -> bytes:
-    """The SampleResponse protobuf: each sequence's tokens (int32) and their log-probs (float32); stop_reason stop
-    when it ended with a stop token, else length."""
+def sample_response(samples: Sequence[Any], prompt_logprobs: Sequence[float] | None = None) -> bytes:
+    """The SampleResponse protobuf: each sequence's tokens (int32), their log-probs (float32) and stop_reason (stop
+    when it ended at a stop, else length); the prompt's log-probs (float32, NaN first) when asked for."""
     import numpy as np
 
     pb = proto_module()
     response = pb.SampleResponse()
     for sample in samples:
         sequence = response.sequences.add()
-        ids = list(sample.response_ids)
-        sequence.stop_reason = pb.STOP_REASON_STOP if ids and ids[-1] in stop_ids else pb.STOP_REASON_LENGTH
-        sequence.tokens = np.asarray(ids, dtype=np.int32).tobytes()
+        sequence.stop_reason = pb.STOP_REASON_STOP if sample.stopped else pb.STOP_REASON_LENGTH
+        sequence.tokens = np.asarray(list(sample.response_ids), dtype=np.int32).tobytes()
         sequence.logprobs = np.asarray(sample.log_probs, dtype=np.float32).tobytes()
+    if prompt_logprobs is not None:
+        response.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
     return response.SerializeToString()
+
+
+def sampling_limits(params: dict) -> dict[str, Any]:
+    """SamplingParams' stop, top_k and top_p as HFSampler.sample takes them (runtime/sampler.py), each checked."""
+    top_k, top_p, stop = params.get("top_k", -1), params.get("top_p", 1.0), params.get("stop")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < -1:
+        raise BadRequest(f"sampling_params.top_k: {top_k!r} is not a limit (an integer >= 1, or -1: none)")
+    if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
+        raise BadRequest(f"sampling_params.top_p: {top_p!r} is not in (0, 1]")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and not (isinstance(stop, list) and (
+            all(isinstance(s, str) and s for s in stop)
+            or all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in stop))):
+        raise BadRequest(f"sampling_params.stop: {stop!r} is not stop strings or stop token ids")
+    return {"stop": stop, "top_k": max(top_k, 0), "top_p": float(top_p)}
 
 
 def prompt_tokens(prompt: Any, field: str = "prompt") -> list[int]:

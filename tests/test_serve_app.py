@@ -1,0 +1,147 @@
+"""The server's bookkeeping without workers (tinker_exp/serve/app.py): a model's requests run in their seq_id order,
+whatever order they arrive in; a session that ends, by its client or by silence, releases its model. Fakes stand in
+for the workers here only; tests/test_serve.py drives the real server with the SDK."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tinker_exp.serve.app import BadRequest, Server
+
+
+class FakeWorkers:
+    def __init__(self, rank: int):
+        self.rank, self.stopped = rank, threading.Event()
+
+    def shutdown(self) -> None:
+        self.stopped.set()
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def server(tmp_path, **kwargs) -> Server:
+    built: list[FakeWorkers] = []
+
+    def build(rank: int) -> FakeWorkers:
+        built.append(FakeWorkers(rank))
+        return built[-1]
+
+    made = Server("tiny-llama", build, dict, lambda first_step: None, lambda *a: {}, tmp_path, lambda: None, **kwargs)
+    made.built = built
+    return made
+
+
+def claimed(made: Server, session_id: str | None = None):
+    """A model for a fresh session (as create_model claims it), built."""
+    session_id = session_id or made.start_session()
+    request_id = made.create_model({"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-llama"})
+    assert made.retrieve(request_id).error is None
+    return made.model
+
+
+def result(made: Server, request_id: str):
+    future = made.retrieve(request_id)
+    assert future.done.is_set(), request_id
+    return future.error or future.result
+
+
+def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(tmp_path):
+    made = server(tmp_path)
+    model = claimed(made)
+    ran: list[int] = []
+
+    def request(seq_id: int) -> str:
+        return made.in_turn(model, seq_id, lambda: lambda: ran.append(seq_id) or seq_id)
+
+    late = [request(seq_id) for seq_id in (3, 4, 2)]  # the SDK's parallel chunks: the first one last
+    assert ran == [] and not made.futures[late[0]].done.is_set()
+    first = request(1)
+    assert [result(made, r) for r in (first, late[2], late[0], late[1])] == [1, 2, 3, 4] and ran == [1, 2, 3, 4]
+    for seq_id, turn in ((3, "past"), (0, None)):
+        with pytest.raises(BadRequest) as refused:
+            request(seq_id)
+        assert "\n" not in str(refused.value)
+        assert str(refused.value) == (f"seq_id: {seq_id} of model {model.model_id} was sent before (its turn is past; the next is 5)"
+                                      if turn else "seq_id: 0 is not a sequence number (an integer >= 1)")
+    waiting = request(6)
+    with pytest.raises(BadRequest, match=f"^seq_id: 6 of model {model.model_id} was sent before \\(its turn is taken; the next is 5\\)$"):
+        request(6)
+
+    def refuse():
+        raise BadRequest("loss_fn: 'nope' is not served")
+
+    with pytest.raises(BadRequest, match="^loss_fn: 'nope' is not served$"):  # refused in its turn: the turn passes
+        made.in_turn(model, 5, refuse)
+    assert result(made, waiting) == 6 and ran[-1] == 6 and model.next_seq == 7
+
+
+def test_a_request_whose_predecessor_never_comes_fails_in_one_line_and_the_sequence_goes_on(tmp_path):
+    made = server(tmp_path, seq_gap_timeout_s=0.2)
+    model = claimed(made)
+    ran: list[int] = []
+    waiting = [made.in_turn(model, seq_id, lambda s=seq_id: lambda: ran.append(s)) for seq_id in (3, 2)]
+    for request_id, seq_id in zip(waiting, (3, 2)):
+        future = made.futures[request_id]
+        assert future.done.wait(30)
+        assert future.error == f"seq_id: {seq_id} of model {model.model_id} waited 0.2 s for seq_id 1, which never came"
+    assert ran == [] and model.next_seq == 4
+    assert made.retrieve(made.in_turn(model, 4, lambda: lambda: ran.append(4))).done.is_set() and ran == [4]
+
+
+def test_a_finished_session_releases_its_model_for_the_next_client(tmp_path):
+    made = server(tmp_path)
+    first = claimed(made)
+    second_session = made.start_session()
+    with pytest.raises(BadRequest, match=f"^create_model: this server already serves model {first.model_id}; one client"):
+        claimed(made, second_session)
+    held = made.in_turn(first, 2, lambda: lambda: "never")  # waits for seq_id 1
+    workers = first.workers
+    made.end_session(first.session_id)
+    assert made.futures[held].error == f"model_id: {first.model_id} was released (its session {first.session_id} ended)"
+    second = claimed(made, second_session)
+    assert workers.stopped.is_set() and not second.workers.stopped.is_set() and second.model_id.startswith(second_session)
+    assert not made.heartbeat(first.session_id)  # the SDK stops its heartbeats on the 410 this gives
+    with pytest.raises(BadRequest, match="^model_id: .* is not served here"):
+        made.served_model(first.model_id)
+
+
+def test_a_session_whose_heartbeats_stopped_releases_its_model(tmp_path):
+    clock = Clock()
+    made = server(tmp_path, session_timeout_s=120.0, clock=clock)
+    first = claimed(made)
+    other = made.start_session()
+    clock.now = 100.0
+    assert made.heartbeat(first.session_id)  # beating: it keeps its model
+    clock.now = 200.0
+    with pytest.raises(BadRequest, match="already serves model"):
+        claimed(made, other)
+    clock.now = 320.5  # 120.5 s since its last heartbeat; the other session started at 0 and beat never: it ended too
+    with pytest.raises(BadRequest, match=f"^session_id: '{other}' is not a session of this server"):
+        claimed(made, other)
+    second = claimed(made)
+    assert made.model is second and made.built[0].stopped.is_set()
+    assert not made.heartbeat(first.session_id)
+
+
+@pytest.mark.parametrize("value", ["0", "many"])
+def test_a_chunk_length_that_is_not_a_count_is_one_line_before_anything_starts(tmp_path, value):
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "tinker_exp.serve", f"serve.max_chunk_datums={value}", f"serve.run_dir={run_dir}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    shown = int(value) if value.isdigit() else value
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        f"tinker_exp: config error: serve.max_chunk_datums: {shown!r} is not a count (an integer >= 1)"], done.stderr
+    assert not run_dir.exists() and not done.stdout
