@@ -38,16 +38,16 @@ def environment(env: dict | None) -> dict:
     return {key: value for key, value in merged.items() if value is not None}
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m tinker_exp ARGS` in the repo, its output captured: forked from this process's CLI zygote
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python -m tinker_exp ARGS` in `cwd` (the repo), its output captured: forked from this process's CLI zygote
     (tests/cli_zygote.py: the same process, without Python's start-up and the CLI's first imports), or a fresh
     process where `env` changes what those imports read."""
     command, merged = [sys.executable, "-m", "tinker_exp", *args], environment(env)
     base = environment(None)
     changed = {key for key in {*merged, *base} if merged.get(key) != base.get(key)}
     if any(key.startswith(ZYGOTE_UNSAFE_ENV) and key not in ZYGOTE_SAFE_ENV for key in changed):
-        return subprocess.run(command, cwd=REPO, env=merged, capture_output=True, text=True, timeout=timeout)
-    return _cli_zygote().run(command, list(args), merged, timeout)
+        return subprocess.run(command, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout)
+    return _cli_zygote().run(command, list(args), merged, timeout, cwd)
 
 
 ZYGOTE_UNSAFE_ENV = ("HF_", "TRANSFORMERS", "PYTHON", "OMP_", "OPENBLAS", "MKL", "NUMPY", "TORCH", "HYDRA", "VERL", "RAY_", "WANDB", "MPL")
@@ -69,14 +69,14 @@ class _CliZygote:
         )  # fmt: skip
         self.lock, self.dir = threading.Lock(), Path(tempfile.mkdtemp(prefix="tinker_exp-cli-"))
 
-    def run(self, command: list[str], args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, command: list[str], args: list[str], env: dict, timeout: float, cwd: Path) -> subprocess.CompletedProcess:
         import select
         import signal
 
         with self.lock:
             out, err = self.dir / "stdout", self.dir / "stderr"
             out.write_text(""), err.write_text("")
-            request = {"args": args, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err)}
+            request = {"args": args, "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
             pid = json.loads(self.process.stdout.readline())["pid"]

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, environment
+from helpers import REPO, environment, run_cli
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(```|~~~)")
@@ -104,18 +105,26 @@ def code_block(path: Path, containing: str) -> list[str]:
 
 def run_shell(lines: list[str], home: Path, extra: str = "") -> subprocess.CompletedProcess:
     """Run documented shell lines as a user would, in a fresh HOME (also the working dir, so outputs/ lands
-    there): `python` is this interpreter, `tinker_exp` this checkout."""
-    env = environment(
-        {
-            "HOME": str(home),
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-            "PYTHONPATH": str(REPO),
-            "WANDB_MODE": "offline",
-        }
-    )
+    there): `python` is this interpreter, `tinker_exp` this checkout (its editable install). Lines that are all
+    `python -m tinker_exp ARGS` with nothing for the shell to do but split words run one after another through
+    helpers.run_cli (the CLI zygote: the same process as a fresh `python`, without its start-up), as `set -e`
+    would: up to the first that fails, their output joined; anything else runs in bash."""
+    env = {"HOME": str(home), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "WANDB_MODE": "offline"}
     commands = [re.sub(r"\s+#\s.*$", "", line) + extra if line.startswith("python ") else line for line in lines]
+    words = [shlex.split(command) for command in commands if not SHELL_WORK.search(command)]
+    if len(words) == len(commands) and all(w[:3] == ["python", "-m", "tinker_exp"] for w in words):
+        done = []
+        for w in words:
+            done.append(run_cli(*w[3:], env=env, cwd=home))
+            if done[-1].returncode:
+                break
+        return subprocess.CompletedProcess(commands, done[-1].returncode, "".join(d.stdout for d in done), "".join(d.stderr for d in done))
     script = "set -euo pipefail\n" + "\n".join(commands)
-    return subprocess.run(["bash", "-c", script], cwd=home, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(["bash", "-c", script], cwd=home, env=environment(env), capture_output=True, text=True, timeout=300)
+
+
+SHELL_WORK = re.compile(r"[$~`|&;<>(){}*?!\\]")
+"""What in a line the shell would expand, redirect or run on its own (split words and quotes are all run_cli's)."""
 
 
 def run_dirs(home: Path) -> list[Path]:
