@@ -4,6 +4,9 @@ tests/test_sweeps.py (the recipe, a sweep of 2-node points, a cancelled one) and
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from helpers import run_cli
@@ -16,6 +19,7 @@ TASK_1 = {
     "SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2", "SLURM_PROCID": "1", "SLURM_JOB_NUM_NODES": "2",
     "SLURMD_NODENAME": "n2", "SLURM_CPUS_ON_NODE": "16", "SLURM_GPUS_ON_NODE": "8",
 }  # fmt: skip
+TASK_0 = {**TASK_1, "SLURM_PROCID": "0", "SLURMD_NODENAME": "n1"}
 
 
 def test_a_task_reads_its_place_in_the_allocation():
@@ -125,3 +129,39 @@ def test_a_node_whose_ray_start_exits_under_a_running_head_joins_again(tmp_path,
     with pytest.raises(RuntimeError, match=r"the Ray node on n2 exited \(1\) while the head at 127.0.0.1:1 runs"):
         ray_cluster.ray_node(allocation, tmp_path)
     assert capsys.readouterr().out.count("joins the Ray head") == ray_cluster.NODE_STARTS
+
+
+def test_a_head_whose_ray_start_exits_before_it_started_starts_again(tmp_path, monkeypatch, capsys):
+    """Task 0's `ray start --head` once timed out registering its raylet (ci14, a loaded machine) and exited after
+    its GCS had answered, leaving the driver on a dead head: the head counts as up only once `ray start` says so
+    (ray_cluster.STARTED) and its port answers; one that exits before starts again on a new port, and after
+    NODE_STARTS starts the task fails. Its address is shared only once it has started."""
+    import sys
+    import time
+
+    from tinker_exp.runtime import ray_cluster
+
+    allocation = Allocation.from_env({**TASK_0, "SLURM_JOB_ID": f"t{time.monotonic_ns()}"})
+    exits = [sys.executable, "-c", "print('registering'); raise SystemExit(1)"]
+
+    def serves(port: int) -> list[str]:  # a head that starts: it prints STARTED and answers on its port
+        code = (f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); "
+                f"print({ray_cluster.STARTED!r}, flush=True); time.sleep(60)")
+        return [sys.executable, "-c", code]
+
+    commands = [exits, "serves"]
+    monkeypatch.setattr(ray_cluster, "node_ip", lambda: "127.0.0.1")
+    monkeypatch.setattr(ray_cluster, "ray_start_command", lambda a, ip, head_port: (lambda c: serves(head_port) if c == "serves" else c)(commands.pop(0)))
+    with ray_cluster.ray_head(allocation, tmp_path) as address:
+        assert json.loads(allocation.head_file(tmp_path).read_text())["address"] == address == os.environ["RAY_ADDRESS"]
+    out = capsys.readouterr().out
+    assert commands == [] and out.count("Ray head 127.0.0.1:") == 2 and "registering" in out
+    assert "the Ray head on n1 exited (1) before it started; it starts again (2 of 3)" in out
+    assert not allocation.head_file(tmp_path).exists()
+
+    monkeypatch.setattr(ray_cluster, "ray_start_command", lambda *a, **k: exits)
+    with pytest.raises(RuntimeError, match=r"^the Ray head on n1 exited \(1\) before it started$"):
+        with ray_cluster.ray_head(allocation, tmp_path):
+            pass
+    assert capsys.readouterr().out.count("Ray head 127.0.0.1:") == ray_cluster.NODE_STARTS
+    assert not allocation.head_file(tmp_path).exists()

@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ HEAD_WAIT_S = 300.0
 HEAD_GONE_CHECKS = 3
 """A node stops once the head has not answered this many checks in a row, a second apart."""
 NODE_STARTS = 3
-"""How often a node starts `ray start` while the head runs (a start that exits is retried)."""
+"""How often a node starts `ray start` (the head: before it has started; another node: while the head runs); a
+start that exits is retried."""
 RENDEZVOUS_ENV = "TINKER_EXP_RAY_RENDEZVOUS"
 """The folder, seen by every task, where the head's address is left (the recipe's default: outputs/.ray)."""
 
@@ -193,13 +195,29 @@ def answers(address: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+STARTED = "Ray runtime started."
+"""What `ray start` prints once its node is up (after its raylet registered with the GCS)."""
+
+
 @contextmanager
-def ray_process(command: list[str], allocation: Allocation) -> Iterator[subprocess.Popen]:
-    """`ray start --block` in a process group of its own, stopped with everything it started on the way out."""
+def ray_process(command: list[str], allocation: Allocation) -> Iterator[tuple[subprocess.Popen, threading.Event]]:
+    """`ray start --block` in a process group of its own, stopped with everything it started on the way out; its
+    output goes on to this task's, and the event is set once it has printed STARTED."""
     with ignored_by_children():  # submitit's time-limit USR2 reaches every process of the job
-        process = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, errors="replace")  # fmt: skip
+    started = threading.Event()
+
+    def relay() -> None:
+        for line in process.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if STARTED in line:
+                started.set()
+
+    threading.Thread(target=relay, name="ray-start-output", daemon=True).start()
     try:
-        yield process
+        yield process, started
     finally:
         stop_group(process)
         shutil.rmtree(allocation.temp_dir(), ignore_errors=True)
@@ -231,33 +249,49 @@ def group_alive(pgid: int) -> bool:
 
 @contextmanager
 def ray_head(allocation: Allocation, rendezvous: Path) -> Iterator[str]:
-    """Task 0: the Ray head, its address left for the other tasks and set as RAY_ADDRESS while inside."""
-    ip, port = node_ip(), free_port()
-    address = f"{ip}:{port}"
-    print(f"tinker_exp multinode: job {allocation.job_id}, {allocation.nodes} node(s), Ray head {address} on {allocation.node}", flush=True)
-    head_file = allocation.head_file(rendezvous)
-    with ray_process(ray_start_command(allocation, ip, head_port=port), allocation) as process:
-        deadline = time.monotonic() + HEAD_WAIT_S
-        while not answers(address):
+    """Task 0: the Ray head, its address left for the other tasks and set as RAY_ADDRESS while inside. A head whose
+    `ray start` exits before it has started (its raylet has a fixed 30 s to register with its GCS, which a loaded
+    machine misses) starts again on a new port, up to NODE_STARTS starts: nothing has used it yet."""
+    ip = node_ip()
+    for start in range(1, NODE_STARTS + 1):
+        port = free_port()
+        address = f"{ip}:{port}"
+        print(f"tinker_exp multinode: job {allocation.job_id}, {allocation.nodes} node(s), Ray head {address} on {allocation.node}", flush=True)
+        with ray_process(ray_start_command(allocation, ip, head_port=port), allocation) as (process, started):
+            deadline = time.monotonic() + HEAD_WAIT_S
+            while not (started.is_set() and answers(address)) and process.poll() is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the Ray head at {address} did not start within {HEAD_WAIT_S:.0f} s")
+                time.sleep(0.5) if started.is_set() else started.wait(0.5)  # (started: the GCS may lag its port)
             if process.poll() is not None:
-                raise RuntimeError(f"the Ray head on {allocation.node} exited ({process.returncode}) before answering")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the Ray head at {address} did not answer within {HEAD_WAIT_S:.0f} s")
-            time.sleep(0.5)
-        rendezvous.mkdir(parents=True, exist_ok=True)
-        tmp = head_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"address": address, "node": allocation.node}))
-        tmp.replace(head_file)  # whole or absent for the readers
-        previous = os.environ.get("RAY_ADDRESS")
-        os.environ["RAY_ADDRESS"] = address
-        try:
-            yield address
-        finally:
-            head_file.unlink(missing_ok=True)
-            if previous is None:
-                os.environ.pop("RAY_ADDRESS", None)
-            else:
-                os.environ["RAY_ADDRESS"] = previous
+                message = f"the Ray head on {allocation.node} exited ({process.returncode}) before it started"
+                if start == NODE_STARTS:
+                    raise RuntimeError(message)
+                print(f"tinker_exp multinode: {message}; it starts again ({start + 1} of {NODE_STARTS})", flush=True)
+                continue
+            with head_address_shared(address, allocation, rendezvous):
+                yield address
+            return
+
+
+@contextmanager
+def head_address_shared(address: str, allocation: Allocation, rendezvous: Path) -> Iterator[None]:
+    """The head's address in the rendezvous file for the other tasks, and in RAY_ADDRESS for this one."""
+    head_file = allocation.head_file(rendezvous)
+    rendezvous.mkdir(parents=True, exist_ok=True)
+    tmp = head_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"address": address, "node": allocation.node}))
+    tmp.replace(head_file)  # whole or absent for the readers
+    previous = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = address
+    try:
+        yield
+    finally:
+        head_file.unlink(missing_ok=True)
+        if previous is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = previous
 
 
 def ray_node(allocation: Allocation, rendezvous: Path) -> None:
@@ -273,7 +307,7 @@ def ray_node(allocation: Allocation, rendezvous: Path) -> None:
     head = json.loads(head_file.read_text())["address"]
     for start in range(1, NODE_STARTS + 1):
         print(f"tinker_exp multinode: node {allocation.node} joins the Ray head at {head}", flush=True)
-        with ray_process(ray_start_command(allocation, node_ip(), head=head), allocation) as process:
+        with ray_process(ray_start_command(allocation, node_ip(), head=head), allocation) as (process, _):
             missed = 0
             while process.poll() is None and missed < HEAD_GONE_CHECKS:
                 time.sleep(1.0)
