@@ -127,13 +127,15 @@ def server_steps(tokens: list[list[int]], steps: int) -> list[float]:
         port = s.getsockname()[1]
     env = {**os.environ, "TINKER_BASE_URL": f"http://127.0.0.1:{port}", "TINKER_API_KEY": "tml-bench", "TINKER_TELEMETRY": "0"}
     env.pop("RAY_ADDRESS", None)
-    with tempfile.TemporaryDirectory() as run_dir:
+    with tempfile.TemporaryDirectory() as run_dir, open(Path(run_dir) / "server.stderr", "w+") as stderr:
+        # The server's workers log to its stderr: kept in a file so that the figures stand alone, shown if it fails.
         process = subprocess.Popen([sys.executable, "-m", "tinker_exp.serve", f"serve.port={port}",
-                                    f"serve.run_dir={run_dir}", "logger=none"], cwd=REPO, env=env,
-                                   stdout=subprocess.PIPE, text=True)
+                                    f"serve.run_dir={run_dir}/run", "logger=none"], cwd=REPO, env=env,
+                                   stdout=subprocess.PIPE, stderr=stderr, text=True)
         try:
             if "serving" not in process.stdout.readline():
-                raise SystemExit("the server did not start")
+                stderr.seek(0)
+                raise SystemExit(f"the server did not start:\n{stderr.read()[-4000:]}")
             os.environ.update({k: env[k] for k in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_TELEMETRY")})
             client = tinker.ServiceClient().create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
             data = [datum(t) for t in tokens]
