@@ -14,11 +14,13 @@ That command is this file as a client of the server of its kind (:func:`client`)
 environment, working directory and stdin/stdout/stderr (SCM_RIGHTS); the server forks; the child becomes the
 process asked for, with those, in a session of its own; the client stays the process its parent started: it passes
 signals on to the child and exits as the child did. Ray knows a worker by the pid it registers with (the child's).
-Whatever the imports read from the environment is checked: a request whose environment differs there, or one
-from inside a Slurm job (Slurm signals, tracks and ends a job's processes, and tests look for them by their
-environment), or one that finds no server, becomes a fresh Python process instead. (Ray's workers inside a Slurm
-job forked once: a cancelled 2-node job's driver then did not stop before Slurm's SIGKILL in one run of the suite
-out of two, where it always had with fresh workers.)
+Whatever the imports read from the environment is checked: a request whose environment differs there, a job's
+driver inside a Slurm job (the Ray daemons it starts must be in the job's process tree, where Slurm finds and ends
+them), or one that finds no server, becomes a fresh Python process instead. A Ray worker inside a Slurm job forks:
+the server kills a child whose client is gone, so Slurm's end of the job (its SIGKILL of the client) ends it too,
+and the tests find it by its environment as they find the job's other processes. (Once turned off, when a
+cancelled 2-node job's driver outlived Slurm's grace; it did so as often without it: the cause was an install
+without bytecode, reverted.)
 
 Ray's workers are forked from a server that has not imported Ray (nor verl, which imports it): `import ray` reads
 Ray's C++ settings from the environment once per process (the worker's job id, its raylet's pid, the auth mode),
@@ -85,8 +87,8 @@ def client(socket_path: str, args: list[str]) -> None:
     def fresh() -> None:
         os.execv(sys.executable, [sys.executable, *args])
 
-    if "SLURM_JOB_ID" in os.environ:  # Slurm tracks the job's processes: this one stays in the job
-        fresh()
+    if "SLURM_JOB_ID" in os.environ and os.path.basename(socket_path) == "job":
+        fresh()  # a job's driver starts the Ray daemons, which Slurm must find in the job's tree and end
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(socket_path)
