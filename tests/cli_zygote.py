@@ -3,7 +3,8 @@
 Run as a script, it imports what `tinker_exp/__main__.py` imports first (tinker_exp.main: Hydra, OmegaConf, our
 config; one thread, nothing started) and, with a CPU build of torch, what a CPU run imports once it starts its
 workers (preload: torch, verl, Ray, transformers, matplotlib, with the platform environment such a run sets
-first). Then it reads requests, one JSON line each on stdin: {"args", "env", "cwd", "stdout", "stderr"}. For each it
+first). Then it reads requests, one JSON line each on stdin: {"script", "args", "env", "cwd", "stdout", "stderr"}
+(script: a file to run as `python SCRIPT ARGS`, as tests/fake_cli.py; null: `python -m tinker_exp ARGS`). For each it
 forks; the parent answers {"pid"} at once and {"rc"} when the child has ended; the child leaves the loop and becomes
 `python -m tinker_exp ARGS` in that cwd and environment, its stdin /dev/null and its stdout/stderr those files, and
 ends as that process would (threads joined, atexit handlers, exit status, a traceback on an uncaught exception),
@@ -146,9 +147,17 @@ if __name__ == "__main__":
         os.dup2(opened, fd)
         os.close(opened)
     sys.stdin = open(0, closefd=False)
-    sys.path[0] = request["cwd"]  # `python -m`: the working directory first, not this file's
-    sys.argv = ["-m", *request["args"]]  # runpy puts the module's file in argv[0], as `python -m` does
+    script = request.get("script")
+    if script:  # `python SCRIPT ARGS`: the script's folder first
+        sys.path[0] = os.path.dirname(script)
+        sys.argv = [script, *request["args"]]
+    else:
+        sys.path[0] = request["cwd"]  # `python -m`: the working directory first, not this file's
+        sys.argv = ["-m", *request["args"]]  # runpy puts the module's file in argv[0], as `python -m` does
     del request, serve, imports_set
     import runpy
 
-    run_to_end(lambda: runpy.run_module("tinker_exp", run_name="__main__", alter_sys=True))
+    if script:
+        run_to_end(lambda: runpy.run_path(script, run_name="__main__"))
+    else:
+        run_to_end(lambda: runpy.run_module("tinker_exp", run_name="__main__", alter_sys=True))

@@ -42,12 +42,26 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
     """`python -m tinker_exp ARGS` in `cwd` (the repo), its output captured: forked from this process's CLI zygote
     (tests/cli_zygote.py: the same process, without Python's start-up and the CLI's first imports), or a fresh
     process where `env` changes what those imports read."""
-    command, merged = [sys.executable, "-m", "tinker_exp", *args], environment(env)
-    base = environment(None)
+    return _run_forked([sys.executable, "-m", "tinker_exp", *args], None, list(args), env, timeout, cwd)
+
+
+FAKE_CLI = REPO / "tests" / "fake_cli.py"
+
+
+def run_fake_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python tests/fake_cli.py ARGS` (the real CLI with FakeWorkers) as run_cli runs the CLI: forked from the CLI
+    zygote, which has imported what it imports. A test that needs the process itself (its pid, its children, a
+    signal) starts `[sys.executable, FAKE_CLI, ...]` with subprocess.Popen instead."""
+    return _run_forked([sys.executable, str(FAKE_CLI), *args], str(FAKE_CLI), list(args), env, timeout, REPO)
+
+
+def _run_forked(command: list[str], script: str | None, args: list[str], env: dict | None, timeout: float,
+                cwd: Path) -> subprocess.CompletedProcess:  # fmt: skip
+    merged, base = environment(env), environment(None)
     changed = {key for key in {*merged, *base} if merged.get(key) != base.get(key)}
     if any(key.startswith(ZYGOTE_UNSAFE_ENV) and key not in ZYGOTE_SAFE_ENV for key in changed):
         return subprocess.run(command, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout)
-    return _cli_zygote().run(command, list(args), merged, timeout, cwd)
+    return _cli_zygote().run(command, script, args, merged, timeout, cwd)
 
 
 ZYGOTE_UNSAFE_ENV = ("HF_", "TRANSFORMERS", "PYTHON", "OMP_", "OPENBLAS", "MKL", "NUMPY", "TORCH", "HYDRA", "VERL", "RAY_", "WANDB", "MPL")
@@ -69,14 +83,15 @@ class _CliZygote:
         )  # fmt: skip
         self.lock, self.dir = threading.Lock(), Path(tempfile.mkdtemp(prefix="tinker_exp-cli-"))
 
-    def run(self, command: list[str], args: list[str], env: dict, timeout: float, cwd: Path) -> subprocess.CompletedProcess:
+    def run(self, command: list[str], script: str | None, args: list[str], env: dict, timeout: float,
+            cwd: Path) -> subprocess.CompletedProcess:  # fmt: skip
         import select
         import signal
 
         with self.lock:
             out, err = self.dir / "stdout", self.dir / "stderr"
             out.write_text(""), err.write_text("")
-            request = {"args": args, "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+            request = {"script": script, "args": args, "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
             pid = json.loads(self.process.stdout.readline())["pid"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, environment, metrics_rows, run_cli, wait_until
+from helpers import REPO, environment, metrics_rows, run_cli, run_fake_cli, wait_until
 
 
 def fake_cli_command(run_dir: Path, steps: int) -> list[str]:
@@ -25,7 +25,7 @@ def fake_cli_command(run_dir: Path, steps: int) -> list[str]:
 
 
 def fake_cli(run_dir: Path, steps: int) -> subprocess.CompletedProcess:
-    return subprocess.run(fake_cli_command(run_dir, steps), cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=300)
+    return run_fake_cli(*fake_cli_command(run_dir, steps)[2:])
 
 
 @pytest.fixture(scope="module")

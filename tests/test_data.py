@@ -21,7 +21,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from fakes import fake_workers
-from helpers import REPO, compose, environment, read_jsonl, run_cli
+from helpers import REPO, compose, read_jsonl, run_cli, run_fake_cli
 from tinker_exp import config
 from tinker_exp.config import DataConfig, data_path
 from tinker_exp.config.schema import DataFormat, Truncation
@@ -387,11 +387,7 @@ def test_a_run_on_the_chat_set_prints_its_cut_and_trains(tmp_path):
     """The real CLI with FakeWorkers (tests/fake_cli.py): the chat examples (assistant turns masked) reach the
     workers, and the start reports the cut on the terminal. The chat set on verl's workers: test_models.py's real run
     (a Qwen2 from the hub cache, LoRA), whose loss falls."""
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "fake_cli.py"), "data=tiny_chat", "trainer.steps=4", "logger=none",
-         f"hydra.run.dir={tmp_path}"],
-        cwd=REPO, env=environment({}), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_fake_cli("data=tiny_chat", "trainer.steps=4", "logger=none", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data: training 145 rows: 1 cut to 128 tokens (right), 0 dropped; validation 15 rows: 0 cut" in result.stdout
     rows = read_jsonl(tmp_path / "metrics.jsonl")

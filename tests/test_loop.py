@@ -15,7 +15,7 @@ import warnings
 import pytest
 
 from fakes import FakeWorkers, fake_workers
-from helpers import REPO, compose, environment, metrics_rows, planned, read_jsonl, wait_until, wandb_finished_records, wandb_history, wandb_train_rows
+from helpers import REPO, compose, environment, metrics_rows, planned, read_jsonl, run_fake_cli, wait_until, wandb_finished_records, wandb_history, wandb_train_rows
 from tinker_exp import assemble, config
 from tinker_exp.errors import ConfigError, NonFiniteError
 from tinker_exp.main import run, validate
@@ -65,11 +65,8 @@ def test_a_schedule_sends_each_steps_value_of_the_plan(tmp_path):
 
 
 def test_an_applied_value_that_differs_stops_the_cli_with_exit_3_naming_rank_and_group(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "fake_cli.py"), "+override.lr=5e-4", "trainer.steps=6", "logger=none",
-         f"hydra.run.dir={tmp_path}"],
-        cwd=REPO, env=environment({"FAKE_DRIFT_AT": "2"}), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_fake_cli("+override.lr=5e-4", "trainer.steps=6", "logger=none", f"hydra.run.dir={tmp_path}",
+                          env={"FAKE_DRIFT_AT": "2"})  # fmt: skip
     assert result.returncode == 3, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == (
         "tinker_exp: optimizer override not applied: step 2: rank 1 param group 0 holds lr=0.0007, but 0.0005 was requested"

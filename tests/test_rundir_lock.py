@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, environment, metrics_rows, run_cli, wait_until
+from helpers import REPO, environment, metrics_rows, run_cli, run_fake_cli, wait_until
 from tinker_exp.train import rundir_lock
 from tinker_exp.train.rundir_lock import LOCK_FILE, STALE_AFTER_S, Holder, RunDirLock, RunDirInUse, process_started, takeover_reason
 
@@ -184,11 +184,8 @@ def wait_at_gate(run_dir: Path, process: subprocess.Popen, gate_step: int = 2) -
 
 
 def fake_cli(run_dir: Path, steps: int, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "tests" / "fake_cli.py"), f"trainer.steps={steps}", "checkpoint.every_steps=2",
-         "logger=none", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, env=environment({**NO_SLURM, **(env or {})}), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    return run_fake_cli(f"trainer.steps={steps}", "checkpoint.every_steps=2", "logger=none", f"hydra.run.dir={run_dir}",
+                        env={**NO_SLURM, **(env or {})})  # fmt: skip
 
 
 IN_USE = (r"tinker_exp: run dir in use: {dir} is held by host {host}, pid {pid}, since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC: "
