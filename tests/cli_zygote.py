@@ -52,6 +52,9 @@ def preload() -> dict[str, str]:
         import tinker_exp.assemble  # noqa: F401
         import tinker_exp.sweep.report  # noqa: F401
         import tinker_exp.train.loop  # noqa: F401
+        from tinker_exp import config
+
+        config.register()  # what main() does first (again in each child, where the schema is there already)
     added = {key: value for key, value in os.environ.items() if key not in before and key not in platform}
     os.environ.clear()
     os.environ.update(before)

@@ -277,3 +277,18 @@ def test_m_without_a_launcher_runs_on_the_local_launcher_with_its_summary(tmp_pa
     assert result.returncode == 0, result.stderr
     assert "sweep summary" in result.stdout + result.stderr
     assert [json.loads(line)["status"] for line in (tmp_path / "summary.jsonl").read_text().splitlines()] == ["COMPLETED"] * 2
+
+
+@pytest.mark.parametrize("argv, shown", [(["--help"], True), (["-h", "trainer.steps=3"], True), (["--hel"], True),
+                                         (["trainer.steps=3"], False), (["--hydra-help"], False), (["--cfg", "nope"], False)])  # fmt: skip
+def test_the_help_sections_are_built_only_when_the_help_is_printed(argv, shown):
+    """Hydra resolves the help template at every compose: a command that prints no help gets empty sections (they
+    scan Hydra's search path), one that does gets them, as Hydra's own parser reads --help (abbreviated too)."""
+    from tinker_exp.config import cli_help
+
+    try:
+        cli_help.show_if_asked(argv)
+        assert cli_help.SHOWN is shown
+        assert (cli_help.help_section("overrides") != "") is shown
+    finally:
+        cli_help.SHOWN = False

@@ -332,6 +332,7 @@ _python_format_warning = warnings.formatwarning
 
 def main() -> None:
     config.register()
+    config.cli_help.show_if_asked(sys.argv[1:])
     warnings.formatwarning = one_line_warning
     try:
         with one_line_compose_errors():  # Hydra's compose errors: one line and exit 2, like every config error

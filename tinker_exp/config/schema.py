@@ -451,5 +451,7 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    store = ConfigStore.instance()
+    if f"{SCHEMA_NAME}.yaml" not in store.repo:  # once a process: building it from the dataclasses takes 0.1 s
+        store.store(name=SCHEMA_NAME, node=Config)
     OmegaConf.register_new_resolver("add", _add, replace=True)
