@@ -85,8 +85,8 @@ SECTIONS: dict[str, Callable[[], str]] = {"overrides": overrides_section, "hydra
 
 SHOWN = False
 """Whether this process prints the help (`show_if_asked`): only then are the sections built. Hydra resolves the
-template at every compose, twice a command, and the launcher and sweeper options scan its search path: about
-0.15 s a command for text nobody reads."""
+template at every compose, twice a command, and the launcher and sweeper options scan its search path: CPU spent
+on text nobody reads (with the schema stored once, 0.08 s of a forked dry run's 0.64)."""
 
 
 def help_section(name: str) -> str:
