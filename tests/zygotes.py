@@ -39,6 +39,7 @@ import struct
 import sys
 
 KINDS = ("ray_worker", "job")
+"""A server's socket is named after its kind (the client tells a job's server by it)."""
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 """The checkout, whose tinker_exp the servers import (the editable install's)."""
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
