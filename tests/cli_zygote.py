@@ -3,9 +3,10 @@
 Run as a script, it imports what `tinker_exp/__main__.py` imports first (tinker_exp.main: Hydra, OmegaConf, our
 config; one thread, nothing started) and, with a CPU build of torch, what a CPU run imports once it starts its
 workers (preload: torch, verl, Ray, transformers, matplotlib, with the platform environment such a run sets
-first). Then it reads requests, one JSON line each on stdin: {"script", "args", "env", "cwd", "stdout", "stderr"}
-(script: a file to run as `python SCRIPT ARGS`, as tests/fake_cli.py; null: `python -m tinker_exp ARGS`). For each it
-forks; the parent answers {"pid"} at once and {"rc"} when the child has ended; the child leaves the loop and becomes
+first). Then it reads requests, one JSON line each on stdin: {"id", "script", "args", "env", "cwd", "stdout", "stderr",
+"default_sigint"} (script: a file to run as `python SCRIPT ARGS`, as tests/fake_cli.py; null: `python -m tinker_exp
+ARGS`). For each it forks; the parent answers {"id", "pid"} at once and {"id", "rc"} when the child has ended; the
+child leaves the loop and becomes
 `python -m tinker_exp ARGS` in that cwd and environment, its stdin /dev/null and its stdout/stderr those files, and
 ends as that process would (threads joined, atexit handlers, exit status, a traceback on an uncaught exception),
 less the teardown of its modules (`end`). Imports print
@@ -65,23 +66,57 @@ def preload() -> dict[str, str]:
 
 def serve() -> tuple[dict, dict[str, str]]:
     """The zygote's loop; returns (in a forked child only) the request that child is to run, and what preload's
-    imports set in the environment."""
+    imports set in the environment. Children run side by side (a run holding a run dir while another asks for it):
+    each is answered {"id", "pid"} once forked and {"id", "rc"} once it has ended, as they come."""
     import tinker_exp.main  # noqa: F401  what every CLI call imports first
 
     imports_set = preload()
     import gc
+    import selectors
+    import signal
 
     gc.freeze()  # the children's collections leave the imported objects alone: no copy of the pages they are on
-    for line in sys.stdin:
-        request = json.loads(line)
-        sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
-        pid = os.fork()
-        if pid == 0:
-            return request, imports_set
-        print(json.dumps({"pid": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
-    sys.exit(0)
+    wake_r, wake_w = os.pipe()  # SIGCHLD wakes the loop (the handler does nothing; the wakeup fd is written)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    selector = selectors.DefaultSelector()
+    selector.register(0, selectors.EVENT_READ, "request")
+    selector.register(wake_r, selectors.EVENT_READ, "child")
+    children: dict[int, str] = {}  # pid -> the request's id
+    pending = b""
+
+    def answer(**fields) -> None:
+        print(json.dumps(fields), flush=True)
+
+    while True:
+        for key, _ in selector.select():
+            if key.data == "child":
+                os.read(wake_r, 4096)
+                while children:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                    if pid == 0:
+                        break
+                    answer(id=children.pop(pid), rc=os.waitstatus_to_exitcode(status))
+                continue
+            chunk = os.read(0, 1 << 16)
+            if not chunk:  # the test process is gone: what runs goes on (its test's `finally` ends it)
+                sys.exit(0)
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    selector.close()
+                    for fd in (wake_r, wake_w):
+                        os.close(fd)
+                    return request, imports_set
+                children[pid] = request["id"]
+                answer(id=request["id"], pid=pid)
 
 
 def exit_status(stop: SystemExit) -> int:
@@ -150,6 +185,10 @@ if __name__ == "__main__":
         os.dup2(opened, fd)
         os.close(opened)
     sys.stdin = open(0, closefd=False)
+    if request.get("default_sigint"):  # as a fresh Python whose SIGINT was left at its default (not ignored)
+        import signal
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     script = request.get("script")
     if script:  # `python SCRIPT ARGS`: the script's folder first
         sys.path[0] = os.path.dirname(script)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -50,18 +51,46 @@ FAKE_CLI = REPO / "tests" / "fake_cli.py"
 
 def run_fake_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python tests/fake_cli.py ARGS` (the real CLI with FakeWorkers) as run_cli runs the CLI: forked from the CLI
-    zygote, which has imported what it imports. A test that needs the process itself (its pid, its children, a
-    signal) starts `[sys.executable, FAKE_CLI, ...]` with subprocess.Popen instead."""
+    zygote, which has imported what it imports."""
     return _run_forked([sys.executable, str(FAKE_CLI), *args], str(FAKE_CLI), list(args), env, timeout, REPO)
+
+
+def start_fake_cli(*args: str, env: dict | None = None, default_sigint: bool = False) -> ForkedProcess | subprocess.Popen:
+    """`python tests/fake_cli.py ARGS` started and left running (a run holding a run dir, one to signal): forked from
+    the CLI zygote as run_fake_cli, its own process (its pid is the run's: the lock's holder, W&B's service's
+    parent), driven as a subprocess.Popen with stdout and stderr piped. default_sigint: SIGINT raises
+    KeyboardInterrupt in it, as in a fresh Python whose SIGINT is not ignored (a suite run under `&` ignores it)."""
+    command = [sys.executable, str(FAKE_CLI), *args]
+    merged = environment(env)
+    if _unsafe_for_the_zygote(merged):
+        preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if default_sigint else None
+        return subprocess.Popen(command, cwd=REPO, env=merged, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=preexec)  # fmt: skip
+    return _cli_zygote().start(command, str(FAKE_CLI), list(args), merged, REPO, default_sigint)
+
+
+def _unsafe_for_the_zygote(env: dict) -> bool:
+    base = environment(None)
+    changed = {key for key in {*env, *base} if env.get(key) != base.get(key)}
+    return any(key.startswith(ZYGOTE_UNSAFE_ENV) and key not in ZYGOTE_SAFE_ENV for key in changed)
 
 
 def _run_forked(command: list[str], script: str | None, args: list[str], env: dict | None, timeout: float,
                 cwd: Path) -> subprocess.CompletedProcess:  # fmt: skip
-    merged, base = environment(env), environment(None)
-    changed = {key for key in {*merged, *base} if merged.get(key) != base.get(key)}
-    if any(key.startswith(ZYGOTE_UNSAFE_ENV) and key not in ZYGOTE_SAFE_ENV for key in changed):
+    merged = environment(env)
+    if _unsafe_for_the_zygote(merged):
         return subprocess.run(command, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout)
-    return _cli_zygote().run(command, script, args, merged, timeout, cwd)
+    process = _cli_zygote().start(command, script, args, merged, cwd)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as expired:  # as subprocess.run: the process killed, with what it wrote
+        process.kill()
+        process.wait()
+        expired.output, expired.stderr = process.read_output()
+        raise
+    finally:
+        process.remove_output()
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 ZYGOTE_UNSAFE_ENV = ("HF_", "TRANSFORMERS", "PYTHON", "OMP_", "OPENBLAS", "MKL", "NUMPY", "TORCH", "HYDRA", "VERL", "RAY_", "WANDB", "MPL")
@@ -70,10 +99,68 @@ ZYGOTE_SAFE_ENV = {"RAY_ADDRESS"}
 """Of those, the ones read only later (ray.init), never at import."""
 
 
+class ForkedProcess:
+    """A child of the CLI zygote, driven as a subprocess.Popen (pid, poll, wait, communicate, signals); its stdout and
+    stderr are files, read once it has ended. The zygote, not this process, waits for it: its exit status comes
+    back as the zygote's answer."""
+
+    def __init__(self, args: list[str], pid: int, ended, folder: Path):
+        self.args, self.pid, self.returncode = args, pid, None
+        self._ended, self._folder = ended, folder  # a queue the zygote's answer {"rc"} arrives on
+
+    def poll(self) -> int | None:
+        import queue
+
+        if self.returncode is None:
+            try:
+                self._take(self._ended.get_nowait())
+            except queue.Empty:
+                pass
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import queue
+
+        if self.returncode is None:
+            try:
+                self._take(self._ended.get(timeout=timeout))
+            except queue.Empty:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+        return self.returncode
+
+    def _take(self, rc: int | None) -> None:
+        if rc is None:
+            raise RuntimeError(f"the CLI zygote ended while {self.args} ran")
+        self.returncode = rc
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self.read_output()
+
+    def read_output(self) -> tuple[str, str]:
+        return (self._folder / "stdout").read_text(), (self._folder / "stderr").read_text()
+
+    def remove_output(self) -> None:
+        import shutil
+
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:  # not once it has ended: its pid may be another process's by then
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 class _CliZygote:
-    """One tests/cli_zygote.py per test process, started at its first call; calls go one at a time."""
+    """One tests/cli_zygote.py per test process, started at its first call; its children run side by side."""
 
     def __init__(self):
+        import itertools
         import tempfile
         import threading
 
@@ -81,27 +168,38 @@ class _CliZygote:
             [sys.executable, str(REPO / "tests" / "cli_zygote.py")], cwd=REPO, env=environment(None),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
-        self.lock, self.dir = threading.Lock(), Path(tempfile.mkdtemp(prefix="tinker_exp-cli-"))
+        self.dir = Path(tempfile.mkdtemp(prefix="tinker_exp-cli-"))
+        self.lock, self.ids, self.answers = threading.Lock(), itertools.count(), {}
+        threading.Thread(target=self._read_answers, daemon=True).start()
 
-    def run(self, command: list[str], script: str | None, args: list[str], env: dict, timeout: float,
-            cwd: Path) -> subprocess.CompletedProcess:  # fmt: skip
-        import select
-        import signal
+    def _read_answers(self) -> None:
+        """Each answer to the queue of its request: the pid, then the exit status; None to all once the zygote ends."""
+        for line in self.process.stdout:
+            answer = json.loads(line)
+            with self.lock:
+                self.answers[answer["id"]].put(answer.get("pid", answer.get("rc")))
+        with self.lock:
+            for answers in self.answers.values():
+                answers.put(None)
+
+    def start(self, command: list[str], script: str | None, args: list[str], env: dict, cwd: Path,
+              default_sigint: bool = False) -> ForkedProcess:  # fmt: skip
+        import queue
 
         with self.lock:
-            out, err = self.dir / "stdout", self.dir / "stderr"
-            out.write_text(""), err.write_text("")
-            request = {"script": script, "args": args, "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+            request_id = str(next(self.ids))
+            folder = self.dir / request_id
+            folder.mkdir()
+            (folder / "stdout").write_text(""), (folder / "stderr").write_text("")
+            answers = self.answers[request_id] = queue.Queue()
+            request = {"id": request_id, "script": script, "args": args, "env": env, "cwd": str(cwd),
+                       "stdout": str(folder / "stdout"), "stderr": str(folder / "stderr"), "default_sigint": default_sigint}  # fmt: skip
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
-            pid = json.loads(self.process.stdout.readline())["pid"]
-            ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-            if not ready:  # as subprocess.run: the process killed, TimeoutExpired with what it wrote
-                os.kill(pid, signal.SIGKILL)
-                self.process.stdout.readline()
-                raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
-            returncode = json.loads(self.process.stdout.readline())["rc"]
-            return subprocess.CompletedProcess(command, returncode, out.read_text(), err.read_text())
+        pid = answers.get()
+        if pid is None:
+            raise RuntimeError(f"the CLI zygote ended before it started {command}")
+        return ForkedProcess(command, pid, answers, folder)
 
 
 _zygote: _CliZygote | None = None

@@ -15,17 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, environment, metrics_rows, run_cli, run_fake_cli, wait_until
+from helpers import REPO, environment, metrics_rows, run_cli, run_fake_cli, start_fake_cli, wait_until
 
 
-def fake_cli_command(run_dir: Path, steps: int) -> list[str]:
-    """The real CLI with FakeWorkers: `steps` steps into `run_dir`, a checkpoint every 2."""
-    return [sys.executable, str(REPO / "tests" / "fake_cli.py"), f"trainer.steps={steps}", "checkpoint.every_steps=2",
-            "logger=none", f"hydra.run.dir={run_dir}"]  # fmt: skip
+def fake_cli_args(run_dir: Path, steps: int) -> list[str]:
+    """The real CLI with FakeWorkers (tests/fake_cli.py): `steps` steps into `run_dir`, a checkpoint every 2."""
+    return [f"trainer.steps={steps}", "checkpoint.every_steps=2", "logger=none", f"hydra.run.dir={run_dir}"]
 
 
 def fake_cli(run_dir: Path, steps: int) -> subprocess.CompletedProcess:
-    return run_fake_cli(*fake_cli_command(run_dir, steps)[2:])
+    return run_fake_cli(*fake_cli_args(run_dir, steps))
 
 
 @pytest.fixture(scope="module")
@@ -189,11 +188,8 @@ def test_a_resumed_runs_progress_bar_starts_at_its_first_step_and_ends_at_the_la
 def test_ctrl_c_says_where_the_same_command_continues(tmp_path, gate_step, continues):
     """SIGINT as a terminal's Ctrl-C delivers it, while the run waits before `gate_step` (its gate never opens)."""
     run_dir = tmp_path / "run"
-    driver = subprocess.Popen(
-        fake_cli_command(run_dir, 6), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=environment({"FAKE_GATE_STEP": str(gate_step), "FAKE_GATE_FILE": str(tmp_path / "never")}),
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a suite run under `&` ignores SIGINT
-    )  # fmt: skip
+    driver = start_fake_cli(*fake_cli_args(run_dir, 6), env={"FAKE_GATE_STEP": str(gate_step), "FAKE_GATE_FILE": str(tmp_path / "never")},
+                            default_sigint=True)  # as a terminal's process (a suite run under `&` ignores SIGINT)  # fmt: skip
     try:
         log = run_dir / "tinker_exp.log"
         ready = lambda: len(metrics_rows(run_dir)) >= gate_step and (gate_step < 2 or "checkpoint: " in log.read_text())  # noqa: E731

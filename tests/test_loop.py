@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import warnings
 
 import pytest
 
 from fakes import FakeWorkers, fake_workers
-from helpers import REPO, compose, environment, metrics_rows, planned, read_jsonl, run_fake_cli, wait_until, wandb_finished_records, wandb_history
+from helpers import compose, metrics_rows, planned, read_jsonl, run_fake_cli, start_fake_cli, wait_until, wandb_finished_records, wandb_history
 from tinker_exp import assemble, config
 from tinker_exp.errors import ConfigError, NonFiniteError
 from tinker_exp.main import run, validate
@@ -344,10 +342,8 @@ def test_wandb_service_killed_mid_run_one_warning_and_every_step_logged(tmp_path
     import psutil
 
     steps, gate = 6, tmp_path / "go"
-    driver = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "fake_cli.py"), f"trainer.steps={steps}", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=REPO, env=environment({"FAKE_GATE_STEP": "2", "FAKE_GATE_FILE": str(gate)}), stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    driver = start_fake_cli(f"trainer.steps={steps}", f"hydra.run.dir={tmp_path / 'run'}",
+                            env={"FAKE_GATE_STEP": "2", "FAKE_GATE_FILE": str(gate)})  # its own process, W&B's service under it  # fmt: skip
     try:
         wait_until(lambda: len(metrics_rows(tmp_path / "run")) >= 2, 180, "training never started", driver)
         # W&B starts beside the steps: once its run is there (its line in the run's log) it is handed the rows that

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, environment, metrics_rows, run_cli, run_fake_cli, wait_until
+from helpers import environment, metrics_rows, run_cli, run_fake_cli, start_fake_cli, wait_until
 from tinker_exp.train import rundir_lock
 from tinker_exp.train.rundir_lock import LOCK_FILE, STALE_AFTER_S, Holder, RunDirLock, RunDirInUse, process_started, takeover_reason
 
@@ -165,14 +164,12 @@ def snapshot(run_dir: Path) -> dict[str, tuple]:
     }  # fmt: skip
 
 
-def gated_run(run_dir: Path, gate: Path, steps: int = 4, gate_step: int = 2, env: dict | None = None) -> subprocess.Popen:
-    """The real CLI with FakeWorkers, held before step `gate_step` until `gate` exists; a checkpoint every 2."""
-    return subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "fake_cli.py"), f"trainer.steps={steps}", "checkpoint.every_steps=2",
-         "logger=none", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, env=environment({**NO_SLURM, "FAKE_GATE_STEP": str(gate_step), "FAKE_GATE_FILE": str(gate), **(env or {})}),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a suite run under `&` ignores SIGINT
+def gated_run(run_dir: Path, gate: Path, steps: int = 4, gate_step: int = 2, env: dict | None = None):
+    """The real CLI with FakeWorkers, held before step `gate_step` until `gate` exists; a checkpoint every 2. Its own
+    process (forked from the CLI zygote), driven as a Popen."""
+    return start_fake_cli(
+        f"trainer.steps={steps}", "checkpoint.every_steps=2", "logger=none", f"hydra.run.dir={run_dir}",
+        env={**NO_SLURM, "FAKE_GATE_STEP": str(gate_step), "FAKE_GATE_FILE": str(gate), **(env or {})}, default_sigint=True,
     )  # fmt: skip
 
 
@@ -224,7 +221,7 @@ def test_a_sigkilled_holders_lock_is_taken_over_by_the_next_run(tmp_path):
     try:
         wait_at_gate(run_dir, first)
         first.kill()
-        os.waitid(os.P_PID, first.pid, os.WEXITED | os.WNOWAIT)  # dead; left a zombie until waited for below
+        first.wait(timeout=60)
         assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == first.pid
         rerun = fake_cli(run_dir, 4)
     finally:
