@@ -64,17 +64,36 @@ def preload() -> dict[str, str]:
     return added
 
 
-def serve() -> tuple[dict, dict[str, str]]:
-    """The zygote's loop; returns (in a forked child only) the request that child is to run, and what preload's
-    imports set in the environment. Children run side by side (a run holding a run dir while another asks for it):
-    each is answered {"id", "pid"} once forked and {"id", "rc"} once it has ended, as they come."""
+JOBS_SOCKET_ENV = "TINKER_EXP_CLI_ZYGOTE_JOBS"
+"""Where this zygote also serves tests/zygotes.py's clients of the "job" kind (helpers sends the local sweep jobs of
+the runs it forks there): a sweep's jobs fork from here too, unless the session has a job server of its own."""
+
+
+def serve() -> tuple[str, dict, dict[str, str]]:
+    """The zygote's loop; returns (in a forked child only) what it is to become ("cli": a request of the test
+    process; "job": a local sweep job's, tests/zygotes.py's protocol), that request, and what preload's imports set
+    in the environment. Children run side by side (a run holding a run dir while another asks for it, a sweep's
+    jobs): the test process's are answered {"id", "pid"} once forked and {"id", "rc"} once ended, as they come."""
     import tinker_exp.main  # noqa: F401  what every CLI call imports first
 
     imports_set = preload()
+    import contextlib
     import gc
     import selectors
     import signal
+    import socket
+    import struct
 
+    import zygotes
+
+    jobs_socket = os.environ.get(JOBS_SOCKET_ENV)
+    if jobs_socket:  # what a job's driver imports besides a CLI run's (as zygotes.preload("job"))
+        sys.path.insert(0, zygotes.REPO)
+        with contextlib.redirect_stdout(sys.stderr):
+            import submitit.core._submit  # noqa: F401
+
+            import hydra_plugins.tinker_exp_plugins.launchers  # noqa: F401
+        del sys.path[0]
     gc.freeze()  # the children's collections leave the imported objects alone: no copy of the pages they are on
     wake_r, wake_w = os.pipe()  # SIGCHLD wakes the loop (the handler does nothing; the wakeup fd is written)
     os.set_blocking(wake_w, False)
@@ -83,11 +102,30 @@ def serve() -> tuple[dict, dict[str, str]]:
     selector = selectors.DefaultSelector()
     selector.register(0, selectors.EVENT_READ, "request")
     selector.register(wake_r, selectors.EVENT_READ, "child")
-    children: dict[int, str] = {}  # pid -> the request's id
+    if jobs_socket:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(jobs_socket)
+        listener.listen(64)
+        selector.register(listener, selectors.EVENT_READ, "job")
+    children: dict[int, str | socket.socket] = {}  # pid -> the test process's request id, or the job client's socket
     pending = b""
 
     def answer(**fields) -> None:
         print(json.dumps(fields), flush=True)
+
+    def fork() -> int:
+        sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for key in list(selector.get_map().values()):
+                if isinstance(key.fileobj, socket.socket):
+                    key.fileobj.close()
+            selector.close()
+            for fd in (wake_r, wake_w):
+                os.close(fd)
+        return pid
 
     while True:
         for key, _ in selector.select():
@@ -97,26 +135,52 @@ def serve() -> tuple[dict, dict[str, str]]:
                     pid, status = os.waitpid(-1, os.WNOHANG)
                     if pid == 0:
                         break
-                    answer(id=children.pop(pid), rc=os.waitstatus_to_exitcode(status))
-                continue
-            chunk = os.read(0, 1 << 16)
-            if not chunk:  # the test process is gone: what runs goes on (its test's `finally` ends it)
-                sys.exit(0)
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
-                sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
-                pid = os.fork()
+                    asker, rc = children.pop(pid), os.waitstatus_to_exitcode(status)
+                    if isinstance(asker, str):
+                        answer(id=asker, rc=rc)
+                        continue
+                    with contextlib.suppress(OSError):
+                        asker.sendall(json.dumps({"rc": rc}).encode() + b"\n")
+                    with contextlib.suppress(KeyError):  # not if its client closed it first
+                        selector.unregister(asker)
+                    asker.close()
+            elif key.data == "job":
+                conn, _ = listener.accept()
+                try:
+                    request = {**zygotes.receive(conn), "log": os.environ.get(zygotes.LOG_ENV) or jobs_socket + ".log"}
+                except (OSError, ValueError, struct.error):  # a client gone before it asked: nothing to start
+                    conn.close()
+                    continue
+                pid = fork()
                 if pid == 0:
-                    signal.set_wakeup_fd(-1)
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    selector.close()
-                    for fd in (wake_r, wake_w):
-                        os.close(fd)
-                    return request, imports_set
-                children[pid] = request["id"]
-                answer(id=request["id"], pid=pid)
+                    conn.close()
+                    return "job", request, imports_set
+                for fd in request["fds"]:
+                    os.close(fd)
+                with contextlib.suppress(OSError):  # its client gone: the read below finds it closed
+                    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                children[pid] = conn
+                selector.register(conn, selectors.EVENT_READ, pid)
+            elif key.data == "request":
+                chunk = os.read(0, 1 << 16)
+                if not chunk:  # the test process is gone: what runs goes on (its test's `finally` ends it)
+                    sys.exit(0)
+                pending += chunk
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    request = json.loads(line)
+                    pid = fork()
+                    if pid == 0:
+                        return "cli", request, imports_set
+                    children[pid] = request["id"]
+                    answer(id=request["id"], pid=pid)
+            else:  # a job's client closed its end (killed): its child goes too, as with tests/zygotes.py's server
+                with contextlib.suppress(OSError):
+                    if key.fileobj.recv(1):
+                        continue
+                selector.unregister(key.fileobj)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(key.data, signal.SIGKILL)
 
 
 def exit_status(stop: SystemExit) -> int:
@@ -166,7 +230,11 @@ def run_to_end(main) -> None:
 
 
 if __name__ == "__main__":
-    request, imports_set = serve()
+    kind, request, imports_set = serve()
+    if kind == "job":
+        import zygotes
+
+        zygotes.become("job", request, imports_set)  # ends the process
     import time
 
     import tinker_exp.main

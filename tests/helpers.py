@@ -18,7 +18,23 @@ CONF_DIR = REPO / "conf"
 
 
 def compose(*overrides: str, with_hydra: bool = False):
-    """Compose the real configs exactly as `python -m tinker_exp OVERRIDES` would (with the `hydra` node)."""
+    """Compose the real configs exactly as `python -m tinker_exp OVERRIDES` would (with the `hydra` node). Each
+    test gets a config of its own: a copy of the one composed first in this process for the same overrides (76 of
+    test-fast's 291 compositions repeat one; conf/ does not change during a session, and a config's interpolations
+    are resolved when read, not here). Not with the `hydra` node, which holds the process's working directory."""
+    import copy
+
+    if with_hydra:
+        return _compose(overrides, True)
+    if overrides not in _composed:
+        _composed[overrides] = _compose(overrides, False)
+    return copy.deepcopy(_composed[overrides])
+
+
+_composed: dict[tuple[str, ...], object] = {}
+
+
+def _compose(overrides: tuple[str, ...], with_hydra: bool):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -164,11 +180,16 @@ class _CliZygote:
         import tempfile
         import threading
 
+        from cli_zygote import JOBS_SOCKET_ENV
+        from zygotes import client_command
+
+        self.dir = Path(tempfile.mkdtemp(prefix="tinker_exp-cli-"))
+        jobs = str(self.dir / "job")  # the name tells tests/zygotes.py's client a job's server (fresh inside Slurm)
+        self.job_python = client_command(jobs)
         self.process = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "cli_zygote.py")], cwd=REPO, env=environment(None),
+            [sys.executable, str(REPO / "tests" / "cli_zygote.py")], cwd=REPO, env={**environment(None), JOBS_SOCKET_ENV: jobs},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
-        self.dir = Path(tempfile.mkdtemp(prefix="tinker_exp-cli-"))
         self.lock, self.ids, self.answers = threading.Lock(), itertools.count(), {}
         threading.Thread(target=self._read_answers, daemon=True).start()
 
@@ -186,6 +207,9 @@ class _CliZygote:
               default_sigint: bool = False) -> ForkedProcess:  # fmt: skip
         import queue
 
+        from zygotes import JOB_PYTHON_ENV
+
+        env = {JOB_PYTHON_ENV: self.job_python, **env}  # its local sweep jobs fork from here (unless the session's server takes them)
         with self.lock:
             request_id = str(next(self.ids))
             folder = self.dir / request_id
