@@ -68,7 +68,12 @@ FAKE_CLI = REPO / "tests" / "fake_cli.py"
 def run_fake_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python tests/fake_cli.py ARGS` (the real CLI with FakeWorkers) as run_cli runs the CLI: forked from the CLI
     zygote, which has imported what it imports."""
-    return _run_forked([sys.executable, str(FAKE_CLI), *args], str(FAKE_CLI), list(args), env, timeout, REPO)
+    return run_script(FAKE_CLI, *args, env=env, timeout=timeout)
+
+
+def run_script(script: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in the repo, its output captured, forked from the CLI zygote as run_cli is."""
+    return _run_forked([sys.executable, str(script), *args], str(script), list(args), env, timeout, REPO)
 
 
 def start_fake_cli(*args: str, env: dict | None = None, default_sigint: bool = False) -> ForkedProcess | subprocess.Popen:

@@ -8,13 +8,11 @@ cuda, an nvidia-smi on PATH, verl's platform switched in one process, and Ray's 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 
-from helpers import REPO, compose, read_jsonl, run_cli
+from helpers import compose, read_jsonl, run_cli, run_script
 from tinker_exp import config
 from tinker_exp.errors import ConfigError
 from tinker_exp.runtime.device import (
@@ -255,9 +253,10 @@ def test_a_rank_off_its_device_stops_the_run_naming_it(device, rank1, message):
 
 
 # --- verl's platform in one process, Ray's GPU count --------------------------------------------------------------
-def test_verl_platform_follows_each_run_in_one_process():
+def test_verl_platform_follows_each_run_in_one_process(tmp_path):
     """A CPU run leaves VERL_PLATFORM=cpu and verl's cached platform behind; a cuda run after it must get GPU
-    bundles, and a CPU run after that CPU ones again (in a fresh interpreter: verl's cache is per process)."""
+    bundles, and a CPU run after that CPU ones again (in a process of its own, forked from the CLI zygote: verl's
+    cache is per process, and there it is a CPU run's, as a run's is once it has started its workers)."""
     code = """
 import os
 from tinker_exp.runtime.workers import use_platform, platform_env
@@ -270,7 +269,8 @@ print(os.environ["VERL_PLATFORM"], get_platform().device_name, get_resource_name
 use_platform("cpu")
 print(os.environ["VERL_PLATFORM"], get_platform().device_name, get_resource_name())
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    (tmp_path / "platforms.py").write_text(code)
+    out = run_script(tmp_path / "platforms.py")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["cpu cpu CPU", "nvidia cuda GPU nvidia", "cpu cpu CPU"]
 
