@@ -3,10 +3,10 @@
 Run as a script, it imports what `tinker_exp/__main__.py` imports first (tinker_exp.main: Hydra, OmegaConf, our
 config; one thread, nothing started) and, with a CPU build of torch, what a CPU run imports once it starts its
 workers (preload: torch, verl, Ray, transformers, matplotlib, with the platform environment such a run sets
-first). Then it reads requests, one JSON line each on stdin: {"id", "script", "args", "env", "cwd", "stdout", "stderr",
-"default_sigint"} (script: a file to run as `python SCRIPT ARGS`, as tests/fake_cli.py; null: `python -m tinker_exp
-ARGS`). For each it forks; the parent answers {"id", "pid"} at once and {"id", "rc"} when the child has ended; the
-child leaves the loop and becomes
+first). Then it takes requests on a unix socket (`serve`; one JSON line a connection): {"script", "args", "env",
+"cwd", "stdout", "stderr", "default_sigint"} (script: a file to run as `python SCRIPT ARGS`, as tests/fake_cli.py;
+null: `python -m tinker_exp ARGS`). For each it forks; the parent answers {"pid"} at once and {"rc"} when the child
+has ended; the child leaves the loop and becomes
 `python -m tinker_exp ARGS` in that cwd and environment, its stdin /dev/null and its stdout/stderr those files, and
 ends as that process would (threads joined, atexit handlers, exit status, a traceback on an uncaught exception),
 less the teardown of its modules (`end`). Imports print
@@ -65,11 +65,6 @@ def preload() -> dict[str, str]:
     return added
 
 
-JOBS_SOCKET_ENV = "TINKER_EXP_CLI_ZYGOTE_JOBS"
-"""Where this zygote also serves tests/zygotes.py's clients of the "job" kind (helpers sends the local sweep jobs of
-the runs it forks there): a sweep's jobs fork from here too, unless the session has a job server of its own."""
-
-
 def warm_up() -> None:
     """What every dry run does first, done once here so that each child starts warm, writing nothing: compose the
     config (Hydra's API; its global state is cleared after), type it, build its plan, draw plan.png into memory.
@@ -97,14 +92,17 @@ def warm_up() -> None:
         plt.close(figure)
 
 
-def serve() -> tuple[str, dict, dict[str, str]]:
-    """The zygote's loop; returns (in a forked child only) what it is to become ("cli": a request of the test
-    process; "job": a local sweep job's, tests/zygotes.py's protocol), that request, and what preload's imports set
-    in the environment. Children run side by side (a run holding a run dir while another asks for it, a sweep's
-    jobs): the test process's are answered {"id", "pid"} once forked and {"id", "rc"} once ended, as they come."""
-    import tinker_exp.main  # noqa: F401  what every CLI call imports first
+SOCKETS_ENV = "TINKER_EXP_CLI_ZYGOTE"
+"""The folder of the zygote's two sockets: `cli` (a test process's requests, one a connection) and `job` (local sweep
+jobs, tests/zygotes.py's client: their drivers fork from here too, unless the session has a job server of its own)."""
 
-    imports_set = preload()
+
+def serve() -> tuple[str, dict, dict[str, str]]:
+    """The zygote's loop, until its stdin closes; returns (in a forked child only) what it is to become ("cli": a
+    test process's request; "job": a local sweep job's), that request, and what preload's imports set in the
+    environment. Children run side by side (both xdist workers' runs, a run holding a run dir while another asks
+    for it, a sweep's jobs). Each is answered on its connection {"pid"} once forked and {"rc"} once ended; a
+    connection closed before that (its test process killed) kills its child."""
     import contextlib
     import gc
     import selectors
@@ -112,35 +110,35 @@ def serve() -> tuple[str, dict, dict[str, str]]:
     import socket
     import struct
 
+    folder = os.environ[SOCKETS_ENV]
+    listeners = {}
+    for kind in ("cli", "job"):  # at once: who comes while the imports run waits in the backlog
+        listeners[kind] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listeners[kind].bind(os.path.join(folder, kind))
+        listeners[kind].listen(64)
+    import tinker_exp.main  # noqa: F401  what every CLI call imports first
+
+    imports_set = preload()
     import zygotes
 
-    jobs_socket = os.environ.get(JOBS_SOCKET_ENV)
-    if jobs_socket:  # what a job's driver imports besides a CLI run's (as zygotes.preload("job"))
-        sys.path.insert(0, zygotes.REPO)
-        with contextlib.redirect_stdout(sys.stderr):
-            import submitit.core._submit  # noqa: F401
+    sys.path.insert(0, zygotes.REPO)  # what a job's driver imports besides a CLI run's (as zygotes.preload("job"))
+    with contextlib.redirect_stdout(sys.stderr):
+        import submitit.core._submit  # noqa: F401
 
-            import hydra_plugins.tinker_exp_plugins.launchers  # noqa: F401
-        del sys.path[0]
-    warm_up()
+        import hydra_plugins.tinker_exp_plugins.launchers  # noqa: F401
+    del sys.path[0]
+    warm_up()  # after those imports (the other way round, a job's result did not pickle: cloudpickle looked a class up in every module)
     gc.freeze()  # the children's collections leave the imported objects alone: no copy of the pages they are on
     wake_r, wake_w = os.pipe()  # SIGCHLD wakes the loop (the handler does nothing; the wakeup fd is written)
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     selector = selectors.DefaultSelector()
-    selector.register(0, selectors.EVENT_READ, "request")
+    selector.register(0, selectors.EVENT_READ, "stdin")
     selector.register(wake_r, selectors.EVENT_READ, "child")
-    if jobs_socket:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(jobs_socket)
-        listener.listen(64)
-        selector.register(listener, selectors.EVENT_READ, "job")
-    children: dict[int, str | socket.socket] = {}  # pid -> the test process's request id, or the job client's socket
-    pending = b""
-
-    def answer(**fields) -> None:
-        print(json.dumps(fields), flush=True)
+    for kind, listener in listeners.items():
+        selector.register(listener, selectors.EVENT_READ, kind)
+    children: dict[int, socket.socket] = {}  # pid -> its client's connection
 
     def fork() -> int:
         sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
@@ -158,58 +156,59 @@ def serve() -> tuple[str, dict, dict[str, str]]:
 
     while True:
         for key, _ in selector.select():
-            if key.data == "child":
+            if key.data == "stdin":
+                if not os.read(0, 4096):  # the test session is gone: what runs goes on (its test ends it)
+                    sys.exit(0)
+            elif key.data == "child":
                 os.read(wake_r, 4096)
                 while children:
                     pid, status = os.waitpid(-1, os.WNOHANG)
                     if pid == 0:
                         break
-                    asker, rc = children.pop(pid), os.waitstatus_to_exitcode(status)
-                    if isinstance(asker, str):
-                        answer(id=asker, rc=rc)
-                        continue
+                    conn = children.pop(pid)
                     with contextlib.suppress(OSError):
-                        asker.sendall(json.dumps({"rc": rc}).encode() + b"\n")
+                        conn.sendall(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
                     with contextlib.suppress(KeyError):  # not if its client closed it first
-                        selector.unregister(asker)
-                    asker.close()
-            elif key.data == "job":
-                conn, _ = listener.accept()
+                        selector.unregister(conn)
+                    conn.close()
+            elif key.data in listeners:
+                conn, _ = listeners[key.data].accept()
                 try:
-                    request = {**zygotes.receive(conn), "log": os.environ.get(zygotes.LOG_ENV) or jobs_socket + ".log"}
+                    if key.data == "job":
+                        log = os.environ.get(zygotes.LOG_ENV) or os.path.join(folder, "job.log")
+                        request = {**zygotes.receive(conn), "log": log}
+                    else:
+                        request = json.loads(_read_line(conn))
                 except (OSError, ValueError, struct.error):  # a client gone before it asked: nothing to start
                     conn.close()
                     continue
                 pid = fork()
                 if pid == 0:
                     conn.close()
-                    return "job", request, imports_set
-                for fd in request["fds"]:
+                    return key.data, request, imports_set
+                for fd in request.get("fds", ()):
                     os.close(fd)
                 with contextlib.suppress(OSError):  # its client gone: the read below finds it closed
                     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
                 children[pid] = conn
                 selector.register(conn, selectors.EVENT_READ, pid)
-            elif key.data == "request":
-                chunk = os.read(0, 1 << 16)
-                if not chunk:  # the test process is gone: what runs goes on (its test's `finally` ends it)
-                    sys.exit(0)
-                pending += chunk
-                while b"\n" in pending:
-                    line, pending = pending.split(b"\n", 1)
-                    request = json.loads(line)
-                    pid = fork()
-                    if pid == 0:
-                        return "cli", request, imports_set
-                    children[pid] = request["id"]
-                    answer(id=request["id"], pid=pid)
-            else:  # a job's client closed its end (killed): its child goes too, as with tests/zygotes.py's server
+            else:  # a client closed its end (killed): its child goes too
                 with contextlib.suppress(OSError):
                     if key.fileobj.recv(1):
                         continue
                 selector.unregister(key.fileobj)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(key.data, signal.SIGKILL)
+
+
+def _read_line(conn) -> bytes:
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            raise ValueError("request cut short")
+        line += chunk
+    return line
 
 
 def exit_status(stop: SystemExit) -> int:

@@ -31,6 +31,11 @@ def pytest_configure(config):
 
         groups_dir = tempfile.mkdtemp(prefix="tinker_exp-test-groups-")
         os.environ[GROUPS_FILE_ENV] = str(Path(groups_dir) / "groups.json")  # inherited by the workers it starts
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):  # the xdist controller
+        from helpers import ZYGOTE_FOLDER_ENV, CliZygote
+
+        config._cli_zygote = CliZygote.start()  # one for both workers: its imports (~9 CPU-s) once
+        os.environ[ZYGOTE_FOLDER_ENV] = str(config._cli_zygote.folder)
 
 
 def pytest_collection_finish(session):
@@ -66,6 +71,11 @@ def pytest_unconfigure(config):
         except subprocess.TimeoutExpired:
             zygote.kill()
         shutil.rmtree(Path(zygote.args[-1]).parent, ignore_errors=True)
+    if hasattr(config, "_cli_zygote"):
+        from helpers import ZYGOTE_FOLDER_ENV
+
+        config._cli_zygote.stop()
+        os.environ.pop(ZYGOTE_FOLDER_ENV, None)
     if not hasattr(config, "workerinput") and GROUPS_FILE_ENV in os.environ:
         shutil.rmtree(Path(os.environ.pop(GROUPS_FILE_ENV)).parent, ignore_errors=True)
 

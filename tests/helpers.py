@@ -87,7 +87,7 @@ def start_fake_cli(*args: str, env: dict | None = None, default_sigint: bool = F
         preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if default_sigint else None
         return subprocess.Popen(command, cwd=REPO, env=merged, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=preexec)  # fmt: skip
-    return _cli_zygote().start(command, str(FAKE_CLI), list(args), merged, REPO, default_sigint)
+    return _cli_zygote().run_in_child(command, str(FAKE_CLI), list(args), merged, REPO, default_sigint)
 
 
 def _unsafe_for_the_zygote(env: dict) -> bool:
@@ -101,7 +101,7 @@ def _run_forked(command: list[str], script: str | None, args: list[str], env: di
     merged = environment(env)
     if _unsafe_for_the_zygote(merged):
         return subprocess.run(command, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout)
-    process = _cli_zygote().start(command, script, args, merged, cwd)
+    process = _cli_zygote().run_in_child(command, script, args, merged, cwd)
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired as expired:  # as subprocess.run: the process killed, with what it wrote
@@ -123,36 +123,45 @@ ZYGOTE_SAFE_ENV = {"RAY_ADDRESS"}
 class ForkedProcess:
     """A child of the CLI zygote, driven as a subprocess.Popen (pid, poll, wait, communicate, signals); its stdout and
     stderr are files, read once it has ended. The zygote, not this process, waits for it: its exit status comes
-    back as the zygote's answer."""
+    back on this process's connection to the zygote (which kills the child if the connection closes first)."""
 
-    def __init__(self, args: list[str], pid: int, ended, folder: Path):
-        self.args, self.pid, self.returncode = args, pid, None
-        self._ended, self._folder = ended, folder  # a queue the zygote's answer {"rc"} arrives on
+    def __init__(self, args: list[str], connection, folder: Path):
+        self.args, self.returncode, self._folder = args, None, folder
+        self._connection, self._received = connection, b""
+        pid = self._answer(None)
+        if pid is None:
+            raise subprocess.SubprocessError(f"the CLI zygote did not start {args}")
+        self.pid = pid
+
+    def _answer(self, timeout: float | None) -> int | None:
+        """The zygote's next answer (a pid, then the exit status); None if none came within `timeout`."""
+        import select
+
+        while b"\n" not in self._received:
+            if not select.select([self._connection], [], [], timeout)[0]:
+                return None
+            chunk = self._connection.recv(1 << 16)
+            if not chunk:
+                raise RuntimeError(f"the CLI zygote ended while {self.args} ran")
+            self._received += chunk
+        line, self._received = self._received.split(b"\n", 1)
+        answer = json.loads(line)
+        return answer.get("pid", answer.get("rc"))
 
     def poll(self) -> int | None:
-        import queue
+        return self.wait(0) if self.returncode is None and self._ended(0) else self.returncode
 
+    def _ended(self, timeout: float | None) -> bool:
         if self.returncode is None:
-            try:
-                self._take(self._ended.get_nowait())
-            except queue.Empty:
-                pass
-        return self.returncode
+            self.returncode = self._answer(timeout)
+            if self.returncode is not None:
+                self._connection.close()
+        return self.returncode is not None
 
     def wait(self, timeout: float | None = None) -> int:
-        import queue
-
-        if self.returncode is None:
-            try:
-                self._take(self._ended.get(timeout=timeout))
-            except queue.Empty:
-                raise subprocess.TimeoutExpired(self.args, timeout) from None
+        if not self._ended(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
-
-    def _take(self, rc: int | None) -> None:
-        if rc is None:
-            raise RuntimeError(f"the CLI zygote ended while {self.args} ran")
-        self.returncode = rc
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.wait(timeout)
@@ -177,67 +186,82 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-class _CliZygote:
-    """One tests/cli_zygote.py per test process, started at its first call; its children run side by side."""
+class CliZygote:
+    """A tests/cli_zygote.py: its folder of sockets (`cli` for runs, `job` for local sweep jobs) and, when this
+    process started it, its process. Under xdist the controller starts one for both workers (conftest); a process
+    without one starts its own at its first call."""
 
-    def __init__(self):
+    def __init__(self, folder: Path, process: subprocess.Popen | None = None):
         import itertools
-        import tempfile
-        import threading
 
-        from cli_zygote import JOBS_SOCKET_ENV
         from zygotes import client_command
 
-        self.dir = Path(tempfile.mkdtemp(prefix="tinker_exp-cli-"))
-        jobs = str(self.dir / "job")  # the name tells tests/zygotes.py's client a job's server (fresh inside Slurm)
-        self.job_python = client_command(jobs)
-        self.process = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "cli_zygote.py")], cwd=REPO, env={**environment(None), JOBS_SOCKET_ENV: jobs},
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        self.lock, self.ids, self.answers = threading.Lock(), itertools.count(), {}
-        threading.Thread(target=self._read_answers, daemon=True).start()
+        self.folder, self.process, self.ids = folder, process, itertools.count()
+        self.job_python = client_command(str(folder / "job"))  # the name tells zygotes.py's client a job's server
 
-    def _read_answers(self) -> None:
-        """Each answer to the queue of its request: the pid, then the exit status; None to all once the zygote ends."""
-        for line in self.process.stdout:
-            answer = json.loads(line)
-            with self.lock:
-                self.answers[answer["id"]].put(answer.get("pid", answer.get("rc")))
-        with self.lock:
-            for answers in self.answers.values():
-                answers.put(None)
+    @classmethod
+    def start(cls) -> CliZygote:
+        """A zygote of this process's environment, in a folder of its own; ends when this process does (its stdin)."""
+        import tempfile
 
-    def start(self, command: list[str], script: str | None, args: list[str], env: dict, cwd: Path,
-              default_sigint: bool = False) -> ForkedProcess:  # fmt: skip
-        import queue
+        from cli_zygote import SOCKETS_ENV
+
+        folder = Path(tempfile.mkdtemp(prefix="tinker_exp-cli-"))
+        process = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py")], cwd=REPO,
+                                   env={**environment(None), SOCKETS_ENV: str(folder)}, stdin=subprocess.PIPE)  # fmt: skip
+        return cls(folder, process)
+
+    def stop(self) -> None:
+        import shutil
+
+        if self.process is not None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def run_in_child(self, command: list[str], script: str | None, args: list[str], env: dict, cwd: Path,
+                     default_sigint: bool = False) -> ForkedProcess:  # fmt: skip
+        import socket
+        import tempfile
 
         from zygotes import JOB_PYTHON_ENV
 
-        env = {JOB_PYTHON_ENV: self.job_python, **env}  # its local sweep jobs fork from here (unless the session's server takes them)
-        with self.lock:
-            request_id = str(next(self.ids))
-            folder = self.dir / request_id
-            folder.mkdir()
-            (folder / "stdout").write_text(""), (folder / "stderr").write_text("")
-            answers = self.answers[request_id] = queue.Queue()
-            request = {"id": request_id, "script": script, "args": args, "env": env, "cwd": str(cwd),
-                       "stdout": str(folder / "stdout"), "stderr": str(folder / "stderr"), "default_sigint": default_sigint}  # fmt: skip
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
-        pid = answers.get()
-        if pid is None:
-            raise RuntimeError(f"the CLI zygote ended before it started {command}")
-        return ForkedProcess(command, pid, answers, folder)
+        env = {JOB_PYTHON_ENV: self.job_python, **env}  # its local sweep jobs fork here too (unless the session's server takes them)
+        folder = Path(tempfile.mkdtemp(prefix=f"run{next(self.ids)}-", dir=self.folder))
+        (folder / "stdout").write_text(""), (folder / "stderr").write_text("")
+        request = {"script": script, "args": args, "env": env, "cwd": str(cwd), "stdout": str(folder / "stdout"),
+                   "stderr": str(folder / "stderr"), "default_sigint": default_sigint}  # fmt: skip
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        deadline = time.monotonic() + 120
+        while True:  # its sockets are there a moment after it starts
+            try:
+                connection.connect(str(self.folder / "cli"))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline or (self.process is not None and self.process.poll() is not None):
+                    raise
+                time.sleep(0.05)
+        connection.sendall(json.dumps(request).encode() + b"\n")
+        return ForkedProcess(command, connection, folder)
 
 
-_zygote: _CliZygote | None = None
+ZYGOTE_FOLDER_ENV = "TINKER_EXP_CLI_ZYGOTE"
+"""Set by conftest in the xdist workers' environment: the controller's zygote (cli_zygote.SOCKETS_ENV's folder)."""
+_zygote: CliZygote | None = None
 
 
-def _cli_zygote() -> _CliZygote:
+def _cli_zygote() -> CliZygote:
     global _zygote
-    if _zygote is None or _zygote.process.poll() is not None:
-        _zygote = _CliZygote()
+    if _zygote is None and os.environ.get(ZYGOTE_FOLDER_ENV):
+        _zygote = CliZygote(Path(os.environ[ZYGOTE_FOLDER_ENV]))
+    if _zygote is None or (_zygote.process is not None and _zygote.process.poll() is not None):
+        import atexit
+
+        _zygote = CliZygote.start()
+        atexit.register(_zygote.stop)
     return _zygote
 
 
