@@ -178,9 +178,15 @@ def test_help_with_a_mistake_is_the_same_one_line(monkeypatch, capsys):
 
 
 def help_text(monkeypatch, capsys, flag: str = "--help") -> str:
-    code, out, err = run_main(monkeypatch, capsys, flag)
-    assert code == 0 and not err, err
-    return out
+    """What `python -m tinker_exp FLAG` prints (run once a process; the tests below read the same text)."""
+    if flag not in _HELP:
+        code, out, err = run_main(monkeypatch, capsys, flag)
+        assert code == 0 and not err, err
+        _HELP[flag] = out
+    return _HELP[flag]
+
+
+_HELP: dict[str, str] = {}
 
 
 def test_help_lists_every_group_option_in_conf(monkeypatch, capsys):
