@@ -103,12 +103,10 @@ def serve() -> tuple[str, dict, dict[str, str]]:
     environment. Children run side by side (both xdist workers' runs, a run holding a run dir while another asks
     for it, a sweep's jobs). Each is answered on its connection {"pid"} once forked and {"rc"} once ended; a
     connection closed before that (its test process killed) kills its child."""
-    import contextlib
     import gc
-    import selectors
-    import signal
     import socket
-    import struct
+
+    import zygotes
 
     folder = os.environ[SOCKETS_ENV]
     listeners = {}
@@ -116,89 +114,13 @@ def serve() -> tuple[str, dict, dict[str, str]]:
         listeners[kind] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listeners[kind].bind(os.path.join(folder, kind))
         listeners[kind].listen(64)
-    import tinker_exp.main  # noqa: F401  what every CLI call imports first
-
-    imports_set = preload()
-    import zygotes
-
-    sys.path.insert(0, zygotes.REPO)  # what a job's driver imports besides a CLI run's (as zygotes.preload("job"))
-    with contextlib.redirect_stdout(sys.stderr):
-        import submitit.core._submit  # noqa: F401
-
-        import hydra_plugins.tinker_exp_plugins.launchers  # noqa: F401
-    del sys.path[0]
+    imports_set = zygotes.preload("job")  # a CLI run's imports (`preload`), and what a job's driver adds to them
     warm_up()  # after those imports (the other way round, a job's result did not pickle: cloudpickle looked a class up in every module)
     gc.freeze()  # the children's collections leave the imported objects alone: no copy of the pages they are on
-    wake_r, wake_w = os.pipe()  # SIGCHLD wakes the loop (the handler does nothing; the wakeup fd is written)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    selector = selectors.DefaultSelector()
-    selector.register(0, selectors.EVENT_READ, "stdin")
-    selector.register(wake_r, selectors.EVENT_READ, "child")
-    for kind, listener in listeners.items():
-        selector.register(listener, selectors.EVENT_READ, kind)
-    children: dict[int, socket.socket] = {}  # pid -> its client's connection
-
-    def fork() -> int:
-        sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
-        pid = os.fork()
-        if pid == 0:
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            for key in list(selector.get_map().values()):
-                if isinstance(key.fileobj, socket.socket):
-                    key.fileobj.close()
-            selector.close()
-            for fd in (wake_r, wake_w):
-                os.close(fd)
-        return pid
-
-    while True:
-        for key, _ in selector.select():
-            if key.data == "stdin":
-                if not os.read(0, 4096):  # the test session is gone: what runs goes on (its test ends it)
-                    sys.exit(0)
-            elif key.data == "child":
-                os.read(wake_r, 4096)
-                while children:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                    if pid == 0:
-                        break
-                    conn = children.pop(pid)
-                    with contextlib.suppress(OSError):
-                        conn.sendall(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-                    with contextlib.suppress(KeyError):  # not if its client closed it first
-                        selector.unregister(conn)
-                    conn.close()
-            elif key.data in listeners:
-                conn, _ = listeners[key.data].accept()
-                try:
-                    if key.data == "job":
-                        log = os.environ.get(zygotes.LOG_ENV) or os.path.join(folder, "job.log")
-                        request = {**zygotes.receive(conn), "log": log}
-                    else:
-                        request = json.loads(_read_line(conn))
-                except (OSError, ValueError, struct.error):  # a client gone before it asked: nothing to start
-                    conn.close()
-                    continue
-                pid = fork()
-                if pid == 0:
-                    conn.close()
-                    return key.data, request, imports_set
-                for fd in request.get("fds", ()):
-                    os.close(fd)
-                with contextlib.suppress(OSError):  # its client gone: the read below finds it closed
-                    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-                children[pid] = conn
-                selector.register(conn, selectors.EVENT_READ, pid)
-            else:  # a client closed its end (killed): its child goes too
-                with contextlib.suppress(OSError):
-                    if key.fileobj.recv(1):
-                        continue
-                selector.unregister(key.fileobj)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(key.data, signal.SIGKILL)
+    log = os.environ.get(zygotes.LOG_ENV) or os.path.join(folder, "job.log")
+    readers = {"cli": lambda conn: json.loads(_read_line(conn)), "job": lambda conn: {**zygotes.receive(conn), "log": log}}
+    kind, request = zygotes.fork_loop(listeners, readers)
+    return kind, request, imports_set
 
 
 def _read_line(conn) -> bytes:

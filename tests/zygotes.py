@@ -267,64 +267,74 @@ def _stream(fd: int, unbuffered: bool):
 def serve(kind: str, socket_path: str) -> tuple[dict, dict[str, str]]:
     """Accept requests until stdin closes (the test process is gone); returns, in a forked child only, the request
     it is to run and what the imports set."""
-    import contextlib
     import gc
-    import selectors
-    import signal
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(64)  # clients that come during preload wait in the backlog
     imports_set = preload(kind)
     gc.freeze()  # the children's collections leave the imported objects alone: no copy of the pages they are on
-    wake_r, wake_w = os.pipe()
+    log = os.environ.get(LOG_ENV) or socket_path + ".log"
+    _, request = fork_loop({kind: listener}, {kind: lambda conn: {**receive(conn), "log": log}})
+    return request, imports_set
+
+
+def fork_loop(listeners: dict[str, socket.socket], read_request: dict) -> tuple[str, dict]:
+    """Fork a child for each request on `listeners` (kind -> a listening socket) until stdin closes; returns, in a
+    forked child only, the kind and the request it is to run. `read_request[kind](conn)` reads one from a client's
+    connection (OSError, ValueError or struct.error: the client went before it asked); the descriptors it received
+    ("fds") are the child's. Each client is answered on its connection {"pid"} once forked and {"rc"} once its child
+    has ended; a connection closed first (its client killed) kills the child. Children run side by side."""
+    import contextlib
+    import selectors
+    import signal
+
+    wake_r, wake_w = os.pipe()  # SIGCHLD wakes the loop (the handler does nothing; the wakeup fd is written)
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ, "accept")
-    selector.register(wake_r, selectors.EVENT_READ, "child")
     selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
-    children: dict[int, socket.socket] = {}
+    selector.register(wake_r, selectors.EVENT_READ, "child")
+    for kind, listener in listeners.items():
+        selector.register(listener, selectors.EVENT_READ, kind)
+    children: dict[int, socket.socket] = {}  # pid -> its client's connection
     while True:
         for key, _ in selector.select():
             if key.data == "stdin":
                 if not os.read(sys.stdin.fileno(), 4096):
-                    os._exit(0)
+                    os._exit(0)  # what runs goes on (its test ends it)
             elif key.data == "child":
                 os.read(wake_r, 4096)
                 while children:
                     pid, status = os.waitpid(-1, os.WNOHANG)
                     if pid == 0:
                         break
-                    conn = children.pop(pid, None)
-                    if conn is not None:
-                        with contextlib.suppress(OSError):
-                            conn.sendall(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-                        with contextlib.suppress(KeyError):  # not if its client closed it first
-                            selector.unregister(conn)
-                        conn.close()
-            elif key.data == "accept":
-                conn, _ = listener.accept()
+                    conn = children.pop(pid)
+                    with contextlib.suppress(OSError):
+                        conn.sendall(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                    with contextlib.suppress(KeyError):  # not if its client closed it first
+                        selector.unregister(conn)
+                    conn.close()
+            elif key.data in listeners:
+                conn, _ = listeners[key.data].accept()
                 try:
-                    request = {**receive(conn), "log": os.environ.get(LOG_ENV) or socket_path + ".log"}
+                    request = read_request[key.data](conn)
                 except (OSError, ValueError, struct.error):  # a client gone before it asked: nothing to start
                     conn.close()
                     continue
-                sys.stdout.flush(), sys.stderr.flush()
+                sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
                 pid = os.fork()
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    for other in [conn, *listeners.values(), *children.values()]:
+                        other.close()
+                    selector.close()
                     for fd in (wake_r, wake_w):
                         os.close(fd)
-                    selector.close()
-                    listener.close()
-                    conn.close()
-                    for other in children.values():
-                        other.close()
-                    return request, imports_set
-                for fd in request["fds"]:
+                    return key.data, request
+                for fd in request.get("fds", ()):
                     os.close(fd)
                 with contextlib.suppress(OSError):  # its client gone: the read below finds it closed
                     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
