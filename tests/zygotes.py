@@ -26,6 +26,9 @@ Ray's workers are forked from a server that has not imported Ray (nor verl, whic
 Ray's C++ settings from the environment once per process (the worker's job id, its raylet's pid, the auth mode),
 and a forked child would keep the server's. A job's driver reads none of those (its job comes from the cluster).
 
+The CLI zygote (tests/cli_zygote.py) serves this protocol's job clients too, with the same loop (`fork_loop`): a
+session without a job server of its own (no Ray: `make test-fast`) forks its sweeps' jobs there.
+
 Only with a CPU build of torch (a GPU machine's processes must not inherit a parent that imported CUDA's torch).
 Production never sees this file.
 """
