@@ -115,12 +115,31 @@ def serve() -> tuple[str, dict, dict[str, str]]:
         listeners[kind].bind(os.path.join(folder, kind))
         listeners[kind].listen(64)
     imports_set = zygotes.preload("job")  # a CLI run's imports (`preload`), and what a job's driver adds to them
+    write_seen(folder, imports_set)
     warm_up()  # after those imports (the other way round, a job's result did not pickle: cloudpickle looked a class up in every module)
     gc.freeze()  # the children's collections leave the imported objects alone: no copy of the pages they are on
     log = os.environ.get(zygotes.LOG_ENV) or os.path.join(folder, "job.log")
     readers = {"cli": lambda conn: json.loads(_read_line(conn)), "job": lambda conn: {**zygotes.receive(conn), "log": log}}
     kind, request = zygotes.fork_loop(listeners, readers)
     return kind, request, imports_set
+
+
+SEEN_FILE = "seen.json"
+"""In the zygote's folder, once its imports ran: {"seen": the environment they saw, "added": what the zygote put
+there for them (the CPU platform's variables) or they set themselves}. A run whose environment differs there gets a
+fresh process (helpers)."""
+
+
+def write_seen(folder: str, imports_set: dict[str, str]) -> None:
+    import importlib.metadata
+
+    from tinker_exp.runtime.workers import platform_env
+
+    added = {**(platform_env("cpu") if "+cpu" in importlib.metadata.version("torch") else {}), **imports_set}
+    path = os.path.join(folder, SEEN_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"seen": {**os.environ, **added}, "added": added}, f)
+    os.replace(path + ".tmp", path)  # whole or not at all: a test process waits for it
 
 
 def _read_line(conn) -> bytes:

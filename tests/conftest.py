@@ -31,10 +31,14 @@ def pytest_configure(config):
 
         groups_dir = tempfile.mkdtemp(prefix="tinker_exp-test-groups-")
         os.environ[GROUPS_FILE_ENV] = str(Path(groups_dir) / "groups.json")  # inherited by the workers it starts
-    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):  # the xdist controller
+    fast = config.getoption("markexpr", "") == "not real"  # `make test-fast`: no ray.init in the workers
+    if fast and config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):  # the xdist controller
         from helpers import ZYGOTE_FOLDER_ENV, CliZygote
 
-        config._cli_zygote = CliZygote.start()  # one for both workers: its imports (~9 CPU-s) once
+        # One for both workers: its imports (~9 CPU-s) once. Not with real tests: the environment a worker's ray.init
+        # sets (Ray's auth, read once a process at `import ray`) must be there when its zygote starts, or the runs
+        # that join its cluster go fresh.
+        config._cli_zygote = CliZygote.start()
         os.environ[ZYGOTE_FOLDER_ENV] = str(config._cli_zygote.folder)
 
 

@@ -91,8 +91,10 @@ def start_fake_cli(*args: str, env: dict | None = None, default_sigint: bool = F
 
 
 def _unsafe_for_the_zygote(env: dict) -> bool:
-    base = environment(None)
-    changed = {key for key in {*env, *base} if env.get(key) != base.get(key)}
+    """Whether `env` changes a variable the zygote's imports read from what they saw (Ray's, say, which ray.init in
+    this process sets after a zygote started). A variable the zygote added for them, `env` may leave out."""
+    seen, added = _cli_zygote().seen()
+    changed = {key for key in {*env, *seen} if env.get(key, added.get(key)) != seen.get(key)}
     return any(key.startswith(ZYGOTE_UNSAFE_ENV) and key not in ZYGOTE_SAFE_ENV for key in changed)
 
 
@@ -196,7 +198,7 @@ class CliZygote:
 
         from zygotes import client_command
 
-        self.folder, self.process, self.ids = folder, process, itertools.count()
+        self.folder, self.process, self.ids, self._seen = folder, process, itertools.count(), None
         self.job_python = client_command(str(folder / "job"))  # the name tells zygotes.py's client a job's server
 
     @classmethod
@@ -210,6 +212,21 @@ class CliZygote:
         process = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py")], cwd=REPO,
                                    env={**environment(None), SOCKETS_ENV: str(folder)}, stdin=subprocess.PIPE)  # fmt: skip
         return cls(folder, process)
+
+    def seen(self) -> tuple[dict, dict]:
+        """(the environment its imports saw, what it added to it for them): cli_zygote.SEEN_FILE, once written."""
+        from cli_zygote import SEEN_FILE
+
+        deadline = time.monotonic() + 300
+        while self._seen is None:
+            path = self.folder / SEEN_FILE
+            if path.exists():
+                self._seen = json.loads(path.read_text())
+            elif time.monotonic() > deadline or (self.process is not None and self.process.poll() is not None):
+                raise RuntimeError(f"the CLI zygote in {self.folder} never wrote {SEEN_FILE}")
+            else:
+                time.sleep(0.05)
+        return self._seen["seen"], self._seen["added"]
 
     def stop(self) -> None:
         import shutil
