@@ -151,7 +151,8 @@ class ForkedProcess:
         return answer.get("pid", answer.get("rc"))
 
     def poll(self) -> int | None:
-        return self.wait(0) if self.returncode is None and self._ended(0) else self.returncode
+        self._ended(0)
+        return self.returncode
 
     def _ended(self, timeout: float | None) -> bool:
         if self.returncode is None:
