@@ -55,8 +55,11 @@ def uninterrupted(cosine_trunk):
 def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uninterrupted, tmp_path):
     driver = launch(tmp_path, ray_address)
     try:
-        # a checkpoint at 4 steps, and steps 4 and 5 logged after it
-        wait_until(lambda: len(metrics_rows(tmp_path)) >= 6, 240, "the run never got to step 6", driver, poll=0.1)
+        # a checkpoint at 4 steps, and steps 4 and 5 logged after it; and W&B's first part there (W&B starts beside
+        # the workers and no step waits for it: on a loaded machine it can come after step 5)
+        first_part = lambda: any((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # noqa: E731
+        wait_until(lambda: len(metrics_rows(tmp_path)) >= 6 and first_part(), 240,
+                   "the run never got to step 6 with its W&B run started", driver, poll=0.1)  # fmt: skip
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
     finally:
