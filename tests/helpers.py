@@ -116,8 +116,9 @@ def _run_forked(command: list[str], script: str | None, args: list[str], env: di
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
-ZYGOTE_UNSAFE_ENV = ("HF_", "TRANSFORMERS", "PYTHON", "OMP_", "OPENBLAS", "MKL", "NUMPY", "TORCH", "HYDRA", "VERL", "RAY_", "WANDB", "MPL")
-"""Variables read while the zygote imports the CLI's modules: a call that changes one gets a fresh process."""
+ZYGOTE_UNSAFE_ENV = ("HF_", "TRANSFORMERS", "PYTHON", "OMP_", "OPENBLAS", "MKL", "NUMPY", "TORCH", "HYDRA", "VERL", "RAY_", "MPL")
+"""Variables read while the zygote imports the CLI's modules: a call that changes one gets a fresh process. Not W&B's:
+the zygote does not import wandb (cli_zygote.preload), a run reads them when it starts W&B."""
 ZYGOTE_SAFE_ENV = {"RAY_ADDRESS"}
 """Of those, the ones read only later (ray.init), never at import."""
 

@@ -181,8 +181,7 @@ def differs(kind: str, env: dict[str, str], imports_set: dict[str, str]) -> list
 
         from tinker_exp.runtime.workers import platform_env
 
-        unsafe = tuple(prefix for prefix in ZYGOTE_UNSAFE_ENV if prefix != "WANDB")  # W&B is not imported here
-        safe = {*ZYGOTE_SAFE_ENV, JOB_CONFIG_ENV}
+        unsafe, safe = ZYGOTE_UNSAFE_ENV, {*ZYGOTE_SAFE_ENV, JOB_CONFIG_ENV}
         seen = {**platform_env("cpu"), **imports_set}  # the imports ran with the first and set the second
     else:
         unsafe, safe, seen = RAY_WORKER_UNSAFE_ENV, {"PYTHONBREAKPOINT"}, imports_set  # Ray sets it; read at breakpoint()
