@@ -4,10 +4,10 @@ Run as a script, it imports what `tinker_exp/__main__.py` imports first (tinker_
 config; one thread, nothing started) and, with a CPU build of torch, what a CPU run imports once it starts its
 workers (preload: torch, verl, Ray, transformers, matplotlib, with the platform environment such a run sets
 first). Then it takes requests on a unix socket (`serve`; one JSON line a connection): {"script", "args", "env",
-"cwd", "stdout", "stderr", "default_sigint"} (script: a file to run as `python SCRIPT ARGS`, as tests/fake_cli.py;
-null: `python -m tinker_exp ARGS`). For each it forks; the parent answers {"pid"} at once and {"rc"} when the child
-has ended; the child leaves the loop and becomes
-`python -m tinker_exp ARGS` in that cwd and environment, its stdin /dev/null and its stdout/stderr those files, and
+"cwd", "stdout", "stderr", "default_sigint", "module"} (script: a file to run as `python SCRIPT ARGS`, as
+tests/fake_cli.py; null: `python -m MODULE ARGS`, tinker_exp or another of ours). For each it forks; the parent
+answers {"pid"} at once and {"rc"} when the child has ended; the child leaves the loop and becomes that command in
+that cwd and environment, its stdin /dev/null and its stdout/stderr those files, and
 ends as that process would (threads joined, atexit handlers, exit status, a traceback on an uncaught exception),
 less the teardown of its modules (`end`). Imports print
 nothing and start no thread, and the state they leave that a run could see is put back as a fresh process has it:
@@ -233,10 +233,11 @@ if __name__ == "__main__":
     else:
         sys.path[0] = request["cwd"]  # `python -m`: the working directory first, not this file's
         sys.argv = ["-m", *request["args"]]  # runpy puts the module's file in argv[0], as `python -m` does
+    module = request["module"]
     del request, serve, imports_set
     import runpy
 
     if script:
         run_to_end(lambda: runpy.run_path(script, run_name="__main__"))
     else:
-        run_to_end(lambda: runpy.run_module("tinker_exp", run_name="__main__", alter_sys=True))
+        run_to_end(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))

@@ -59,7 +59,12 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
     """`python -m tinker_exp ARGS` in `cwd` (the repo), its output captured: forked from this process's CLI zygote
     (tests/cli_zygote.py: the same process, without Python's start-up and the CLI's first imports), or a fresh
     process where `env` changes what those imports read."""
-    return _run_forked([sys.executable, "-m", "tinker_exp", *args], None, list(args), env, timeout, cwd)
+    return run_module("tinker_exp", *args, env=env, timeout=timeout, cwd=cwd)
+
+
+def run_module(module: str, *args: str, env: dict | None = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` (tinker_exp.report, tinker_exp.forecast, ...) as run_cli runs the CLI."""
+    return _run_forked([sys.executable, "-m", module, *args], None, list(args), env, timeout, cwd, module)
 
 
 FAKE_CLI = REPO / "tests" / "fake_cli.py"
@@ -99,11 +104,11 @@ def _unsafe_for_the_zygote(env: dict) -> bool:
 
 
 def _run_forked(command: list[str], script: str | None, args: list[str], env: dict | None, timeout: float,
-                cwd: Path) -> subprocess.CompletedProcess:  # fmt: skip
+                cwd: Path, module: str = "tinker_exp") -> subprocess.CompletedProcess:  # fmt: skip
     merged = environment(env)
     if _unsafe_for_the_zygote(merged):
         return subprocess.run(command, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout)
-    process = _cli_zygote().run_in_child(command, script, args, merged, cwd)
+    process = _cli_zygote().run_in_child(command, script, args, merged, cwd, module=module)
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired as expired:  # as subprocess.run: the process killed, with what it wrote
@@ -242,7 +247,7 @@ class CliZygote:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def run_in_child(self, command: list[str], script: str | None, args: list[str], env: dict, cwd: Path,
-                     default_sigint: bool = False) -> ForkedProcess:  # fmt: skip
+                     default_sigint: bool = False, module: str = "tinker_exp") -> ForkedProcess:  # fmt: skip
         import socket
         import tempfile
 
@@ -251,7 +256,7 @@ class CliZygote:
         env = {JOB_PYTHON_ENV: self.job_python, **env}  # its local sweep jobs fork here too (unless the session's server takes them)
         folder = Path(tempfile.mkdtemp(prefix=f"run{next(self.ids)}-", dir=self.folder))
         (folder / "stdout").write_text(""), (folder / "stderr").write_text("")
-        request = {"script": script, "args": args, "env": env, "cwd": str(cwd), "stdout": str(folder / "stdout"),
+        request = {"script": script, "module": module, "args": args, "env": env, "cwd": str(cwd), "stdout": str(folder / "stdout"),
                    "stderr": str(folder / "stderr"), "default_sigint": default_sigint}  # fmt: skip
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         deadline = time.monotonic() + 120

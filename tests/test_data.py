@@ -12,8 +12,6 @@ import json
 import logging
 import re
 import shutil
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,7 +19,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from fakes import fake_workers
-from helpers import REPO, compose, read_jsonl, run_cli, run_fake_cli
+from helpers import REPO, compose, read_jsonl, run_cli, run_fake_cli, run_script
 from tinker_exp import config
 from tinker_exp.config import DataConfig, data_path
 from tinker_exp.config.schema import DataFormat, Truncation
@@ -337,7 +335,7 @@ def test_prompt_response_rows_are_tokenized_as_before(tiny_tokenizer):
 
 
 def test_the_shipped_chat_set_is_what_its_script_writes():
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_chat.py"), "--check"], capture_output=True, text=True)
+    result = run_script(REPO / "scripts" / "make_tiny_chat.py", "--check")
     assert result.returncode == 0, result.stderr
     conversations = shipped_conversations()
     assert 100 <= len(conversations) <= 200

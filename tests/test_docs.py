@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, environment, run_cli
+from helpers import REPO, environment, run_module
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(```|~~~)")
@@ -106,16 +106,16 @@ def code_block(path: Path, containing: str) -> list[str]:
 def run_shell(lines: list[str], home: Path, extra: str = "") -> subprocess.CompletedProcess:
     """Run documented shell lines as a user would, in a fresh HOME (also the working dir, so outputs/ lands
     there): `python` is this interpreter, `tinker_exp` this checkout (its editable install). Lines that are all
-    `python -m tinker_exp ARGS` with nothing for the shell to do but split words run one after another through
-    helpers.run_cli (the CLI zygote: the same process as a fresh `python`, without its start-up), as `set -e`
-    would: up to the first that fails, their output joined; anything else runs in bash."""
+    `python -m MODULE ARGS` with nothing for the shell to do but split words and expand $HOME run one after another
+    through helpers.run_module (the CLI zygote: the same process as a fresh `python`, without its start-up), as
+    `set -e` would: up to the first that fails, their output joined; anything else runs in bash."""
     env = {"HOME": str(home), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "WANDB_MODE": "offline"}
     commands = [re.sub(r"\s+#\s.*$", "", line) + extra if line.startswith("python ") else line for line in lines]
-    words = [shlex.split(command) for command in commands if not SHELL_WORK.search(command)]
-    if len(words) == len(commands) and all(w[:3] == ["python", "-m", "tinker_exp"] for w in words):
+    words = [python_words(command, home) for command in commands]
+    if all(words):
         done = []
         for w in words:
-            done.append(run_cli(*w[3:], env=env, cwd=home))
+            done.append(run_module(w[2], *w[3:], env=env, cwd=home))
             if done[-1].returncode:
                 break
         return subprocess.CompletedProcess(commands, done[-1].returncode, "".join(d.stdout for d in done), "".join(d.stderr for d in done))
@@ -123,8 +123,18 @@ def run_shell(lines: list[str], home: Path, extra: str = "") -> subprocess.Compl
     return subprocess.run(["bash", "-c", script], cwd=home, env=environment(env), capture_output=True, text=True, timeout=300)
 
 
+def python_words(command: str, home: Path) -> list[str] | None:
+    """The words bash would run for `python -m MODULE ARGS` (its $HOME, ${HOME} and leading ~/ expanded, not in
+    single quotes), or None where the shell has more to do or the command is another."""
+    expanded = re.sub(r"'[^']*'|\$HOME\b|\$\{HOME\}|(?<!\S)~(?=/)", lambda m: m[0] if m[0][0] == "'" else str(home), command)
+    if SHELL_WORK.search(re.sub(r"'[^']*'", "", expanded)):
+        return None
+    words = shlex.split(expanded)
+    return words if words[:2] == ["python", "-m"] and len(words) > 2 else None
+
+
 SHELL_WORK = re.compile(r"[$~`|&;<>(){}*?!\\]")
-"""What in a line the shell would expand, redirect or run on its own (split words and quotes are all run_cli's)."""
+"""What in a line the shell would expand, redirect or run on its own (split words and quotes are all run_module's)."""
 
 
 def run_dirs(home: Path) -> list[Path]:

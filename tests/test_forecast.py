@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import REPO, metrics_rows, run_cli
+from helpers import metrics_rows, run_cli, run_module
 
 from tinker_exp.forecast.__main__ import main as forecast_main
 from tinker_exp.forecast.fit import FORMAT, read_law
@@ -142,7 +141,7 @@ def test_rank_sorts_composed_plans_with_intervals_and_marks_the_inseparable(fixe
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tinker_exp.forecast", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    return run_module("tinker_exp.forecast", *args, timeout=120)
 
 
 def one_line_error(result: subprocess.CompletedProcess, code: int = 2) -> str:

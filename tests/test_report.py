@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
-import pytest
-
-from helpers import REPO
+from helpers import run_module
 from tinker_exp import report as command
 from tinker_exp.optim.convert import flat_values
 from tinker_exp.optim.plan import plan_for
@@ -375,7 +371,7 @@ def test_a_path_that_is_not_a_run_dir_is_one_line_and_exit_2(tmp_path):
         ([str(tmp_path / "run"), "-o", str(tmp_path / "r.jpg")], f"-o {tmp_path / 'r.jpg'}: the report is a PNG; name it *.png"),
         ([str(tmp_path / "run"), "-o", str(tmp_path / "no" / "r.png")], f"-o {tmp_path / 'no' / 'r.png'}: no such directory {tmp_path / 'no'}"),
     ):
-        result = subprocess.run([sys.executable, "-m", "tinker_exp.report", *args], capture_output=True, text=True, cwd=REPO)
+        result = run_module("tinker_exp.report", *args)
         assert (result.returncode, result.stdout, result.stderr) == (2, "", f"tinker_exp.report: {message}\n")
 
 

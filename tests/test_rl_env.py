@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, compose
+from helpers import REPO, compose, run_script
 from omegaconf import OmegaConf
 from tinker_exp.config.rl import Advantage, EnvConfig
 from tinker_exp.errors import ConfigError, RewardError, one_line
@@ -52,9 +52,7 @@ def test_the_shipped_envs_load_and_their_eval_prompts_are_held_out(env):
 
 
 def test_the_shipped_prompt_files_are_what_the_script_writes():
-    import subprocess
-
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "make_rl_prompts.py"), "--check"], capture_output=True, text=True)
+    result = run_script(REPO / "scripts" / "make_rl_prompts.py", "--check")
     assert result.returncode == 0, result.stderr
 
 

@@ -11,7 +11,7 @@ import transformers.optimization as hf
 from omegaconf import OmegaConf
 from verl.utils.torch_functional import get_cosine_schedule_with_warmup as verl_cosine
 
-from helpers import CONF_DIR, compose, optimizer_for, planned, run_cli
+from helpers import CONF_DIR, compose, optimizer_for, planned, run_cli, run_module
 from tinker_exp.main import run, validate
 from tinker_exp.errors import ConfigError
 from tinker_exp.optim.plan import build_plan
@@ -313,8 +313,9 @@ def test_dry_run_cli_prints_table_and_imports_nothing_heavy(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("plan.*")) == ["plan.json", "plan.png"]
     assert (tmp_path / "plan.json").stat().st_size < 16_000
     # Any step's values, later, from the run dir alone
-    shown = subprocess.run([sys.executable, "-m", "tinker_exp.optim.preview", str(tmp_path / "plan.json"), "777777"],
-                           capture_output=True, text=True, timeout=60, cwd=CONF_DIR.parent, check=True).stdout  # fmt: skip
+    shown = run_module("tinker_exp.optim.preview", str(tmp_path / "plan.json"), "777777", timeout=60, cwd=CONF_DIR.parent)
+    assert shown.returncode == 0, shown.stderr
+    shown = shown.stdout
     (line,) = [line for line in shown.splitlines() if line.split()[:1] == ["777777"]]
     assert line.split()[1:] == [f"{planned(tmp_path, key)[777777]:.6g}" for key in ("lr", "beta1", "beta2")]
 

@@ -133,14 +133,10 @@ def test_a_session_whose_heartbeats_stopped_releases_its_model(tmp_path):
 
 @pytest.mark.parametrize("value", ["0", "many"])
 def test_a_chunk_length_that_is_not_a_count_is_one_line_before_anything_starts(tmp_path, value):
-    import subprocess
-    import sys
-
-    from helpers import REPO
+    from helpers import run_module
 
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "tinker_exp.serve", f"serve.max_chunk_datums={value}", f"serve.run_dir={run_dir}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = run_module("tinker_exp.serve", f"serve.max_chunk_datums={value}", f"serve.run_dir={run_dir}", timeout=120)
     shown = int(value) if value.isdigit() else value
     assert done.returncode == 2 and done.stderr.splitlines() == [
         f"tinker_exp: config error: serve.max_chunk_datums: {shown!r} is not a count (an integer >= 1)"], done.stderr
