@@ -3,12 +3,12 @@
 Run as a script, it imports what `tinker_exp/__main__.py` imports first (tinker_exp.main: Hydra, OmegaConf, our
 config; one thread, nothing started) and, with a CPU build of torch, what a CPU run imports once it starts its
 workers (preload: torch, verl, Ray, transformers, matplotlib, with the platform environment such a run sets
-first). Then it takes requests on a unix socket (`serve`; one JSON line a connection): {"script", "args", "env",
-"cwd", "stdout", "stderr", "default_sigint", "module"} (script: a file to run as `python SCRIPT ARGS`, as
-tests/fake_cli.py; null: `python -m MODULE ARGS`, tinker_exp or another of ours). For each it forks; the parent
-answers {"pid"} at once and {"rc"} when the child has ended; the child leaves the loop and becomes that command in
-that cwd and environment, its stdin /dev/null and its stdout/stderr those files, and
-ends as that process would (threads joined, atexit handlers, exit status, a traceback on an uncaught exception),
+first). Then it takes requests on a unix socket (`serve`; one JSON line a connection): {"args", "env", "cwd",
+"stdout", "stderr", "default_sigint"} (args: what follows `python` on its command line, `-m MODULE ARGS` for
+tinker_exp or another of ours, or `SCRIPT ARGS` for a file such as tests/fake_cli.py; as tests/zygotes.py's
+requests). For each it forks; the parent answers {"pid"} at once and {"rc"} when the child has ended; the child
+leaves the loop and becomes that command in that cwd and environment, its stdin /dev/null and its stdout/stderr
+those files, and ends as that process would (threads joined, atexit handlers, exit status, a traceback on an uncaught exception),
 less the teardown of its modules (`end`). Imports print
 nothing and start no thread, and the state they leave that a run could see is put back as a fresh process has it:
 the environment (what the imports set, they set again in the child), the root logger, and the process's start
@@ -226,15 +226,16 @@ if __name__ == "__main__":
         import signal
 
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    script = request.get("script")
-    if script:  # `python SCRIPT ARGS`: the script's folder first
-        sys.path[0] = os.path.dirname(script)
-        sys.argv = [script, *request["args"]]
-    else:
+    args = request["args"]
+    if args[0] == "-m":
+        script, module = None, args[1]
         sys.path[0] = request["cwd"]  # `python -m`: the working directory first, not this file's
-        sys.argv = ["-m", *request["args"]]  # runpy puts the module's file in argv[0], as `python -m` does
-    module = request["module"]
-    del request, serve, imports_set
+        sys.argv = ["-m", *args[2:]]  # runpy puts the module's file in argv[0], as `python -m` does
+    else:  # `python SCRIPT ARGS`: the script's folder first
+        script, module = args[0], None
+        sys.path[0] = os.path.dirname(script)
+        sys.argv = list(args)
+    del request, serve, imports_set, args
     import runpy
 
     if script:

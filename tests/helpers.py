@@ -64,7 +64,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
 
 def run_module(module: str, *args: str, env: dict | None = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` (tinker_exp.report, tinker_exp.forecast, ...) as run_cli runs the CLI."""
-    return _run_forked([sys.executable, "-m", module, *args], None, list(args), env, timeout, cwd, module)
+    return _run_forked([sys.executable, "-m", module, *args], env, timeout, cwd)
 
 
 FAKE_CLI = REPO / "tests" / "fake_cli.py"
@@ -78,7 +78,7 @@ def run_fake_cli(*args: str, env: dict | None = None, timeout: float = 300) -> s
 
 def run_script(script: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS` in the repo, its output captured, forked from the CLI zygote as run_cli is."""
-    return _run_forked([sys.executable, str(script), *args], str(script), list(args), env, timeout, REPO)
+    return _run_forked([sys.executable, str(script), *args], env, timeout, REPO)
 
 
 def start_fake_cli(*args: str, env: dict | None = None, default_sigint: bool = False) -> ForkedProcess | subprocess.Popen:
@@ -92,7 +92,7 @@ def start_fake_cli(*args: str, env: dict | None = None, default_sigint: bool = F
         preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if default_sigint else None
         return subprocess.Popen(command, cwd=REPO, env=merged, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=preexec)  # fmt: skip
-    return _cli_zygote().run_in_child(command, str(FAKE_CLI), list(args), merged, REPO, default_sigint)
+    return _cli_zygote().run_in_child(command, merged, REPO, default_sigint)
 
 
 def _unsafe_for_the_zygote(env: dict) -> bool:
@@ -103,12 +103,11 @@ def _unsafe_for_the_zygote(env: dict) -> bool:
     return any(key.startswith(ZYGOTE_UNSAFE_ENV) and key not in ZYGOTE_SAFE_ENV for key in changed)
 
 
-def _run_forked(command: list[str], script: str | None, args: list[str], env: dict | None, timeout: float,
-                cwd: Path, module: str = "tinker_exp") -> subprocess.CompletedProcess:  # fmt: skip
+def _run_forked(command: list[str], env: dict | None, timeout: float, cwd: Path) -> subprocess.CompletedProcess:
     merged = environment(env)
     if _unsafe_for_the_zygote(merged):
         return subprocess.run(command, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout)
-    process = _cli_zygote().run_in_child(command, script, args, merged, cwd, module=module)
+    process = _cli_zygote().run_in_child(command, merged, cwd)
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired as expired:  # as subprocess.run: the process killed, with what it wrote
@@ -246,8 +245,8 @@ class CliZygote:
                 self.process.kill()
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def run_in_child(self, command: list[str], script: str | None, args: list[str], env: dict, cwd: Path,
-                     default_sigint: bool = False, module: str = "tinker_exp") -> ForkedProcess:  # fmt: skip
+    def run_in_child(self, command: list[str], env: dict, cwd: Path, default_sigint: bool = False) -> ForkedProcess:
+        """`command` (`python -m MODULE ARGS` or `python SCRIPT ARGS`) forked from the zygote, running."""
         import socket
         import tempfile
 
@@ -256,7 +255,7 @@ class CliZygote:
         env = {JOB_PYTHON_ENV: self.job_python, **env}  # its local sweep jobs fork here too (unless the session's server takes them)
         folder = Path(tempfile.mkdtemp(prefix=f"run{next(self.ids)}-", dir=self.folder))
         (folder / "stdout").write_text(""), (folder / "stderr").write_text("")
-        request = {"script": script, "module": module, "args": args, "env": env, "cwd": str(cwd), "stdout": str(folder / "stdout"),
+        request = {"args": command[1:], "env": env, "cwd": str(cwd), "stdout": str(folder / "stdout"),
                    "stderr": str(folder / "stderr"), "default_sigint": default_sigint}  # fmt: skip
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         deadline = time.monotonic() + 120
