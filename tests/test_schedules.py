@@ -315,8 +315,7 @@ def test_dry_run_cli_prints_table_and_imports_nothing_heavy(tmp_path):
     # Any step's values, later, from the run dir alone
     shown = run_module("tinker_exp.optim.preview", str(tmp_path / "plan.json"), "777777", timeout=60, cwd=CONF_DIR.parent)
     assert shown.returncode == 0, shown.stderr
-    shown = shown.stdout
-    (line,) = [line for line in shown.splitlines() if line.split()[:1] == ["777777"]]
+    (line,) = [line for line in shown.stdout.splitlines() if line.split()[:1] == ["777777"]]
     assert line.split()[1:] == [f"{planned(tmp_path, key)[777777]:.6g}" for key in ("lr", "beta1", "beta2")]
 
 
