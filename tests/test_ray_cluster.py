@@ -165,3 +165,61 @@ def test_a_head_whose_ray_start_exits_before_it_started_starts_again(tmp_path, m
             pass
     assert capsys.readouterr().out.count("Ray head 127.0.0.1:") == ray_cluster.NODE_STARTS
     assert not allocation.head_file(tmp_path).exists()
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_a_ray_node_that_ignores_sigterm_is_killed_after_the_grace_and_sooner_once_the_job_is_stopping(stopping, monkeypatch):
+    """stop_group: SIGTERM to the node's process group, SIGKILL after its grace; once SIGTERM reached this process
+    (Slurm's KillWait is running) the grace is STOPPING_WAIT_S (both shortened here)."""
+    import signal
+    import subprocess
+    import sys
+
+    from tinker_exp.runtime.ray_cluster import stop_group
+    from tinker_exp.train import signals
+
+    monkeypatch.setattr(signals, "SIGTERM_RECEIVED", signals.threading.Event())
+    monkeypatch.setattr(signals, "STOPPING_WAIT_S", 0.5)
+    if stopping:
+        signals.SIGTERM_RECEIVED.set()
+    process = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                "print('ready', flush=True); time.sleep(120)"], start_new_session=True, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert process.stdout.readline() == "ready\n"  # its SIGTERM is ignored from here
+    waited = []
+    wait = process.wait
+    monkeypatch.setattr(process, "wait", lambda timeout=None: (waited.append(timeout), wait(timeout))[1])
+    stop_group(process, grace_s=3.0)
+    assert process.returncode == -signal.SIGKILL
+    assert waited == [0.5 if stopping else 3.0, 5.0]
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_freeing_the_workers_of_a_cluster_that_does_not_answer_waits_less_once_the_job_is_stopping(stopping, monkeypatch):
+    """TinkerWorkers.shutdown on a cluster it did not start: ray.kill runs in a thread joined for its timeout, at most
+    STOPPING_WAIT_S once SIGTERM arrived (Slurm signalled Ray's daemons too; its KillWait is running). Both
+    shortened here."""
+    import threading
+    import types
+    import warnings
+
+    import ray
+
+    from tinker_exp.runtime.workers import TinkerWorkers
+    from tinker_exp.train import signals
+
+    monkeypatch.setattr(signals, "SIGTERM_RECEIVED", threading.Event())
+    monkeypatch.setattr(signals, "STOPPING_WAIT_S", 0.5)
+    if stopping:
+        signals.SIGTERM_RECEIVED.set()
+    released = threading.Event()
+    monkeypatch.setattr(ray, "kill", lambda worker: released.wait(60))  # a GCS that does not answer
+    workers = object.__new__(TinkerWorkers)  # only what shutdown reads: no Ray started
+    workers.owns_ray, workers.output, workers.pool = False, None, None
+    workers.group = types.SimpleNamespace(workers=["actor"])
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            workers.shutdown(timeout_s=3.0)
+    finally:
+        released.set()
+    assert [str(w.message) for w in caught] == [f"Ray did not free the workers within {'0' if stopping else '3'} s (is its cluster gone?)"]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, TypeVar
 
-from tinker_exp.train.signals import ignored_by_children, sigterm_handler_kept
+from tinker_exp.train.signals import cleanup_wait, ignored_by_children, sigterm_handler_kept
 
 T = TypeVar("T")
 
@@ -225,8 +225,8 @@ def ray_process(command: list[str], allocation: Allocation) -> Iterator[tuple[su
 
 def stop_group(process: subprocess.Popen, grace_s: float = 10.0) -> None:
     """SIGTERM the Ray node's process group, SIGKILL what is left after `grace_s` (a node whose head is gone
-    cannot drain itself and would wait on the GCS)."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+    cannot drain itself and would wait on the GCS; after a SIGTERM of our own, Slurm's KillWait is running)."""
+    for sig, wait_s in ((signal.SIGTERM, cleanup_wait(grace_s)), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:

@@ -31,6 +31,7 @@ from tinker_exp.runtime.device import DeviceChoice, check_gpus, check_placement
 from tinker_exp.runtime.ray_cluster import start_ray, wait_for_nodes
 from tinker_exp.runtime.worker_output import WorkerOutput
 from tinker_exp.train.protocols import StepResult
+from tinker_exp.train.signals import cleanup_wait
 
 log = logging.getLogger(__name__)
 
@@ -439,6 +440,7 @@ class TinkerWorkers:
 
         freeing = threading.Thread(target=free, name="free-ray-workers", daemon=True)
         freeing.start()
+        timeout_s = cleanup_wait(timeout_s)
         freeing.join(timeout_s)
         if freeing.is_alive():
             warnings.warn(f"Ray did not free the workers within {timeout_s:.0f} s (is its cluster gone?)", stacklevel=2)

@@ -13,6 +13,17 @@ from tinker_exp.errors import Terminated
 SIGTERM_RECEIVED = threading.Event()
 """Set once SIGTERM arrived: an error raised afterwards (inside ray.get, say) is part of the stop."""
 
+STOPPING_WAIT_S = 2.0
+"""Once SIGTERM arrived, the longest a clean-up waits on another process (Ray freeing the workers, a Ray node
+draining): Slurm signals every process of the job at once (Ray's daemons, W&B's service) and SIGKILLs what is left
+after its KillWait (30 s by default); with 10 s waits, a cancelled 2-node job's driver was SIGKILLed on a loaded
+machine before it exited."""
+
+
+def cleanup_wait(seconds: float) -> float:
+    """How long a clean-up may wait on another process: `seconds`, or at most STOPPING_WAIT_S once SIGTERM arrived."""
+    return min(seconds, STOPPING_WAIT_S) if SIGTERM_RECEIVED.is_set() else seconds
+
 
 @contextmanager
 def sigterm_raises() -> Iterator[None]:
