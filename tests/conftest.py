@@ -201,6 +201,32 @@ def postgres_url(tmp_path_factory):
     return once_across_workers(tmp_path_factory, "postgres_url", start)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report kept on its test (`item.reports[phase]`), for the fixtures' teardown to read."""
+    report = yield
+    item.reports = {**getattr(item, "reports", {}), report.when: report}
+    return report
+
+
+@pytest.fixture(autouse=True)
+def slurm_queue_emptied(request):
+    """After a test on the local Slurm cluster: what it left in the queue (a failed test's jobs) is cancelled and the
+    nodes are waited for, so that one failure does not starve the next tests of nodes; a failed test prints the
+    cluster's state and its jobs' logs (helpers.slurm_state)."""
+    if "slurm_env" not in request.fixturenames:
+        yield
+        return
+    from helpers import cancel_leftover_jobs, slurm_state
+
+    slurm_env = request.getfixturevalue("slurm_env")
+    tmp_path = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if any(report.failed for report in getattr(request.node, "reports", {}).values()):
+        print(slurm_state(slurm_env, tmp_path))
+    cancel_leftover_jobs(slurm_env)
+
+
 @pytest.fixture(autouse=True)
 def close_figures():
     """Figures drawn to be read back as data (draw_report, draw_plan) are closed after each test that drew any."""

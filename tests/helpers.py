@@ -363,6 +363,30 @@ def squeue(slurm_env: dict) -> str:
     return subprocess.run(["squeue", "-h", "-o", "%i %T"], env=environment(slurm_env), capture_output=True, text=True).stdout
 
 
+def cancel_leftover_jobs(slurm_env: dict, timeout: float = 120) -> None:
+    """Cancel every job in the local cluster's queue and wait until its nodes are idle."""
+    jobs = [line.split()[0] for line in squeue(slurm_env).splitlines() if line.strip()]
+    if jobs:
+        subprocess.run(["scancel", *jobs], env=environment(slurm_env), capture_output=True)
+    wait_until(lambda: not squeue(slurm_env).strip() and slurm_nodes_idle(slurm_env), timeout, f"jobs {jobs} not gone", poll=1)
+
+
+def slurm_state(slurm_env: dict, folder: Path | None = None, lines: int = 15) -> str:
+    """What to read when a Slurm test fails: the queue, the nodes, the controller's log, and the last lines of
+    every log under `folder` (drivers', submitit's, the runs')."""
+    env = environment(slurm_env)
+    commands = [["squeue", "-o", "%i %T %r %N %M"], ["sinfo", "-N", "-o", "%N %T %E"]]
+    parts = [f"$ {' '.join(c)}\n" + subprocess.run(c, env=env, capture_output=True, text=True).stdout for c in commands]
+    logs = [Path(slurm_env["SLURM_CONF"]).parent.parent / "log" / "slurmctld.log"]
+    if folder is not None:
+        logs += sorted(p for p in folder.rglob("*") if p.is_file() and (p.suffix in (".log", ".out", ".err")))
+    for log in logs:
+        if log.exists():
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {log} (last {len(tail)} lines)\n" + "\n".join(line[:300] for line in tail))
+    return "\n".join(parts)
+
+
 # --- W&B 0.31 offline run file: 7-byte header, then LevelDB-log records in 32 KiB blocks --------------
 WANDB_HEADER = b":W&B" + struct.pack("<H", 0xBEE1) + b"\x00"
 BLOCK = 32768

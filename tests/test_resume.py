@@ -127,8 +127,9 @@ def test_a_preempted_two_node_slurm_job_resumes_from_its_checkpoint(slurm_env, t
         "hydra.launcher.nodes=2", "backend.num_workers=1",
         "trainer.steps=24", "checkpoint.every_steps=4", "logger=none", "+override=lr_cosine",
     ]  # fmt: skip
-    slurm = environment(slurm_env)
-    driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    slurm, log = environment(slurm_env), tmp_path / "driver.log"
+    with open(log, "w") as out:
+        driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=out, stderr=subprocess.STDOUT)
     run_dir = tmp_path / "0"
     try:
         checkpoint = run_dir / "checkpoints" / "step_00000008" / "MANIFEST.json"
@@ -141,10 +142,10 @@ def test_a_preempted_two_node_slurm_job_resumes_from_its_checkpoint(slurm_env, t
         wait_until(lambda: f"{job_id} PENDING" in squeue(slurm_env).splitlines(), 240, "the job was not requeued")
         wait_until(lambda: slurm_nodes_idle(slurm_env), 240, "the node did not finish the first start")
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+5"], env=slurm, check=True)
-        output, _ = driver.communicate(timeout=300)
+        driver.wait(timeout=300)
     finally:
         driver.kill()
-    assert driver.returncode == 0, output[-3000:]
+    assert driver.returncode == 0, log.read_text()[-3000:]
     assert job_json(run_dir)["slurm"]["restart_count"] == "1"  # the second start
     assert job_json(run_dir)["slurm"]["num_nodes"] == "2"
     starts = [line for line in (run_dir / "tinker_exp.log").read_text().splitlines() if "workers: " in line]
