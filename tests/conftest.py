@@ -11,6 +11,18 @@ from helpers import COSINE_TRUNK, REPO, SLURM_NODES
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_ERROR_REPORTING"] = "false"
 os.environ.pop("WANDB_API_KEY", None)
+# Ray's daemons, tuned for a 2-core machine that runs many clusters (each session's, each CLI run's, each Slurm
+# job's): idle, a cluster took 4.3 CPU-s a minute, 2.0 with these (its log monitor globbed its log dir 10 times a
+# second below 1000 files; prestarted workers and metrics nobody reads). What the tests check is unchanged: a
+# worker starts when an actor asks for it, a new log file is read from its start within 0.5 s. Set before any
+# process starts, so every ray.init, `ray start` and fork server inherits the same.
+os.environ.update(
+    RAY_LOG_MONITOR_MANY_FILES_THRESHOLD="0",
+    RAY_enable_worker_prestart="0",
+    RAY_prestart_worker_first_driver="0",
+    RAY_enable_metrics_collection="0",
+    RAY_event_stats="0",
+)
 # The tiny model is built once and reused across test runs.
 os.environ.setdefault("TINKER_EXP_CACHE", str(REPO / ".cache"))
 
