@@ -193,21 +193,24 @@ def bare_worker_config(spec: dict):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
 
-    values = spec["optimizer_values"]
+    values, knobs = spec["optimizer_values"], spec["throughput"]
+    tokens = knobs["micro_batch_tokens"] or None
     return TrainingWorkerConfig(
         model_type="language_model",
         model_config=HFModelConfig(path=spec["model_path"], override_config={"attn_implementation": spec["attention"]},
-                                   enable_gradient_checkpointing=False),  # fmt: skip
+                                   enable_gradient_checkpointing=knobs["gradient_checkpointing"],
+                                   use_remove_padding=knobs["padding_free"]),  # fmt: skip
         engine_config=FSDPEngineConfig(
-            strategy=spec["strategy"], use_dynamic_bsz=False, micro_batch_size_per_gpu=spec["micro_batch_size"],
+            strategy=spec["strategy"], use_dynamic_bsz=tokens is not None, max_token_len_per_gpu=tokens,
+            infer_max_token_len_per_gpu=tokens, micro_batch_size_per_gpu=spec["micro_batch_size"],
             infer_micro_batch_size_per_gpu=spec["micro_batch_size"],
             mixed_precision={"param_dtype": spec["precision"], "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-            use_torch_compile=spec["device"] == "cuda", seed=spec["seed"],
+            use_torch_compile=knobs["torch_compile"], seed=spec["seed"],
         ),  # fmt: skip
         optimizer_config=FSDPOptimizerConfig(
             optimizer=spec["optimizer"], lr=values["lr"], betas=tuple(values["betas"]), weight_decay=values["weight_decay"],
-            override_optimizer_config={"eps": values["eps"]}, clip_grad=spec["clip_grad"], lr_scheduler_type="constant",
-            total_training_steps=spec["steps"],
+            override_optimizer_config={"eps": values["eps"], **knobs["optimizer_kernel"]}, clip_grad=spec["clip_grad"],
+            lr_scheduler_type="constant", total_training_steps=spec["steps"],
         ),  # fmt: skip
         checkpoint_config=CheckpointConfig(save_lora_only=False),
     )
@@ -265,7 +268,9 @@ def prepare(overrides: list[str], tmp: Path) -> tuple[dict, dict]:
 
     from tinker_exp import config
     from tinker_exp.main import validate
-    from tinker_exp.runtime.device import resolve
+    from dataclasses import asdict
+
+    from tinker_exp.runtime.device import resolve, throughput
     from tinker_exp.runtime.inputs import load_examples, model_dir
     from tinker_exp.runtime.workers import platform_env
     from tinker_exp.train.data import batch_for_step, dataset_rows
@@ -285,6 +290,7 @@ def prepare(overrides: list[str], tmp: Path) -> tuple[dict, dict]:
         "model_path": str(model_path), "num_workers": cfg.backend.num_workers, "strategy": cfg.backend.strategy,
         "micro_batch_size": cfg.backend.micro_batch_size, "seed": t.seed, "steps": t.steps,
         "optimizer": cfg.optimizer.name.value, "clip_grad": cfg.optimizer.max_grad_norm,
+        "throughput": asdict(throughput(cfg.backend, choice.device, cfg.optimizer.name.value)),
         "optimizer_values": plan.optimizer_values, "step_params": plan[0],
         "batches": [[[e.input_ids for e in batch], [e.loss_mask for e in batch]] for batch in batches],
     }  # fmt: skip

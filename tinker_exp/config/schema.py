@@ -37,6 +37,26 @@ class Precision(str, Enum):
     bf16 = "bf16"
 
 
+class Attention(str, Enum):
+    auto = "auto"  # flash_attention_2 when it can run (bf16 on a GPU that has it, flash-attn importable), else sdpa
+    sdpa = "sdpa"
+    flash_attention_2 = "flash_attention_2"
+    eager = "eager"
+
+
+class OptimizerKernel(str, Enum):
+    auto = "auto"  # fused on cuda for the optimizers torch has a fused kernel of (adam, adamw, sgd); else torch's own choice
+    fused = "fused"
+    foreach = "foreach"
+    for_loop = "for_loop"
+
+
+FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+"""optimizer.name values whose torch class has a fused kernel (fused=True), on CUDA and CPU."""
+AUTO_MICRO_BATCH_TOKENS = 16384
+"""backend.micro_batch_tokens=null on cuda: at most this many tokens a micro batch."""
+
+
 class LoggerName(str, Enum):
     wandb = "wandb"
     none = "none"
@@ -270,6 +290,29 @@ class BackendConfig:
     """auto: bf16 on cuda, fp32 on cpu."""
     ray_address: Optional[str] = "${oc.env:RAY_ADDRESS,null}"
     """A Ray cluster to join; None: start a local one (and stop it at the end)."""
+    # --- throughput (docs/devices.md#throughput-knobs); each default leaves a CPU run's losses as they were ---
+    micro_batch_tokens: Optional[int] = None
+    """Micro batches by tokens (verl's use_dynamic_bsz, max_token_len_per_gpu): each worker's sequences are packed
+    into balanced micro batches of at most this many tokens (>= data.max_length) instead of micro_batch_size
+    sequences each. 0: by sequences (micro_batch_size). None: 16384 on cuda, by sequences on cpu. SFT and
+    validation; RL runs stay by sequences."""
+    padding_free: bool = True
+    """verl's use_remove_padding (verl's default too): a micro batch's sequences are concatenated into one row
+    without pad tokens (attention kept within each sequence); false pads every sequence to the micro batch's
+    longest. SFT and validation (RL runs pad)."""
+    attention: Attention = Attention.auto
+    """auto: flash_attention_2 for bf16 on a GPU with bf16 when flash-attn imports against this torch, else sdpa
+    (flash-attn has no fp32 kernels); flash_attention_2 where it cannot run is refused before any worker starts."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing (recompute each layer's activations in the backward): less memory, ~1/3 more
+    compute. verl's default is on; ours is off (throughput): turn it on when a micro batch does not fit."""
+    torch_compile: Optional[bool] = None
+    """verl's use_torch_compile. None: on for cuda, off for cpu. verl 0.9.1 compiles only its entropy function,
+    which the SFT and RL losses here do not compute: no effect on a step's time today."""
+    optimizer_kernel: OptimizerKernel = OptimizerKernel.auto
+    """The torch optimizer's implementation: fused (one kernel for all parameters; adam, adamw, sgd), foreach
+    (batched per op; every torch optimizer, not muon), for_loop (per parameter). auto: fused on cuda where the
+    optimizer has it, else torch's own default (foreach on cuda, for_loop on cpu)."""
 
     def __post_init__(self) -> None:
         if min(self.num_workers, self.nodes, self.micro_batch_size) < 1:
@@ -279,6 +322,16 @@ class BackendConfig:
             )
         if self.nodes_timeout_s <= 0:
             raise ConfigError(f"backend.nodes_timeout_s: must be > 0, got {self.nodes_timeout_s!r}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:
+            raise ConfigError(
+                f"backend.micro_batch_tokens: must be >= 0 (0: by sequences) or null (auto), got {self.micro_batch_tokens!r}"
+            )
+
+    def tokens_per_micro_batch(self, device: str) -> int:
+        """The token budget of a micro batch on `device` (cpu, cuda); 0: by sequences."""
+        if self.micro_batch_tokens is None:
+            return AUTO_MICRO_BATCH_TOKENS if device == "cuda" else 0
+        return self.micro_batch_tokens
 
 
 @dataclass

@@ -116,6 +116,7 @@ def check(cfg: Config) -> None:
             f"trainer.batch_size={batch} must split evenly over {over} "
             f"into micro batches of backend.micro_batch_size={backend.micro_batch_size}"
         )
+    check_throughput(cfg)
     if cfg.env.active and cfg.rl.kl_coef:
         raise ConfigError(f"rl.kl_coef={cfg.rl.kl_coef}: a KL penalty to the initial model is not implemented yet: leave it 0")
     if cfg.env.active and cfg.lora.rank > 0:
@@ -136,6 +137,34 @@ def check(cfg: Config) -> None:
     for i, step in enumerate(cfg.plan_steps):
         if not 0 <= step < cfg.trainer.steps:
             raise ConfigError(f"plan_steps[{i}]: {step} is not a step of this run (0 .. {cfg.trainer.steps - 1})")
+
+
+def check_throughput(cfg: Config) -> None:
+    """The throughput knobs against the optimizer and the data (docs/devices.md#throughput-knobs)."""
+    from tinker_exp.config.schema import AUTO_MICRO_BATCH_TOKENS, FUSED_OPTIMIZERS, OptimizerKernel
+
+    backend, name = cfg.backend, cfg.optimizer.name.value
+    kernel = backend.optimizer_kernel
+    if kernel is OptimizerKernel.fused and name not in FUSED_OPTIMIZERS:
+        raise ConfigError(
+            f"backend.optimizer_kernel=fused: optimizer.name={name} has no fused kernel in torch "
+            f"(fused: {', '.join(FUSED_OPTIMIZERS)}); use foreach, for_loop or auto"
+        )
+    if kernel in (OptimizerKernel.foreach, OptimizerKernel.for_loop) and name == "Muon":
+        raise ConfigError(f"backend.optimizer_kernel={kernel.value}: optimizer.name=Muon has no such choice; use auto")
+    tokens, longest = backend.micro_batch_tokens, cfg.data.max_length
+    if cfg.env.active:  # RL runs stay by sequences
+        return
+    if tokens is not None and 0 < tokens < longest:
+        raise ConfigError(
+            f"backend.micro_batch_tokens={tokens}: a micro batch must hold the longest sequence "
+            f"(data.max_length={longest}); set it >= {longest}, or 0 (by sequences)"
+        )
+    if tokens is None and backend.device.value != "cpu" and longest > AUTO_MICRO_BATCH_TOKENS:
+        raise ConfigError(
+            f"backend.micro_batch_tokens=null: on cuda that is {AUTO_MICRO_BATCH_TOKENS} tokens a micro batch, less "
+            f"than data.max_length={longest}; set backend.micro_batch_tokens >= {longest}, or 0 (by sequences)"
+        )
 
 
 def load(dcfg: DictConfig) -> Config:

@@ -90,15 +90,29 @@ def choose_precision(requested: str, device: str, bf16: bool | None, gpu: str = 
     return requested
 
 
-def choose_attention(device: str, precision: str, bf16: bool | None, flash_attn: bool) -> str:
-    """flash-attn only for bf16 on a GPU known to support it, when it imports against this torch: it has no
-    fp32 kernels (precision=fp32 would fail at the first forward); torch's SDPA everywhere else."""
-    return FLASH if device == "cuda" and precision == "bf16" and bf16 is True and flash_attn else SDPA
+def choose_attention(device: str, precision: str, bf16: bool | None, flash_attn: bool, requested: str = "auto") -> str:
+    """backend.attention -> the attention transformers builds. auto: flash-attn only for bf16 on a GPU known to
+    support it, when it imports against this torch (it has no fp32 kernels: precision=fp32 would fail at the first
+    forward); torch's SDPA everywhere else. flash_attention_2 asked for where it cannot run is refused; sdpa and
+    eager are taken as asked."""
+    can_flash = device == "cuda" and precision == "bf16" and bf16 is not False
+    if requested == "auto":
+        return FLASH if can_flash and bf16 is True and flash_attn else SDPA
+    if requested == FLASH and not (can_flash and flash_attn):
+        why = (
+            "flash-attn is not importable here (transformers' is_flash_attn_2_available, or its CUDA extension)"
+            if can_flash
+            else f"it runs only for bf16 on a GPU with bf16 (this run: {device}, {precision})"
+        )
+        raise ConfigError(f"backend.attention=flash_attention_2: {why}; use auto or sdpa")
+    return requested
 
 
-def needs_flash_probe(device: str, precision: str, bf16: bool | None) -> bool:
+def needs_flash_probe(device: str, precision: str, bf16: bool | None, requested: str = "auto") -> bool:
     """Whether flash-attn's availability matters (importing it costs time: only ask when it could be used)."""
-    return choose_attention(device, precision, bf16, flash_attn=True) == FLASH
+    if requested not in ("auto", FLASH):
+        return False
+    return device == "cuda" and precision == "bf16" and bf16 is not False and (bf16 is True or requested == FLASH)
 
 
 def check_gpus(per_node: Sequence[float], num_workers: int, nodes: int) -> None:
@@ -150,8 +164,9 @@ def resolve(backend: BackendConfig, build: TorchBuild | None = None) -> DeviceCh
         warnings.warn(warning, stacklevel=2)
     gpu = f"GPU 0 ({build.gpu_name})" if build.gpu_name else "GPU 0"
     precision = choose_precision(backend.precision.value, device, build.bf16, gpu)
-    flash = needs_flash_probe(device, precision, build.bf16) and flash_attn_usable()
-    return DeviceChoice(device, precision, choose_attention(device, precision, build.bf16, flash))
+    requested = backend.attention.value
+    flash = needs_flash_probe(device, precision, build.bf16, requested) and flash_attn_usable()
+    return DeviceChoice(device, precision, choose_attention(device, precision, build.bf16, flash, requested))
 
 
 def probe() -> TorchBuild:
@@ -184,3 +199,51 @@ def flash_attn_usable() -> bool:
         warnings.warn(f"flash-attn is installed but does not import ({type(e).__name__}: {e}); using sdpa", stacklevel=2)
         return False
     return True
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The throughput knobs of a run (backend.micro_batch_tokens, ...), resolved for its device: what
+    `worker_config` hands verl. Pure: tested on CPU for both devices."""
+
+    micro_batch_tokens: int
+    """0: micro batches of backend.micro_batch_size sequences; else verl's use_dynamic_bsz at this many tokens."""
+    padding_free: bool
+    gradient_checkpointing: bool
+    torch_compile: bool
+    optimizer_kernel: dict[str, bool]
+    """Keyword arguments for the torch optimizer ({"fused": True}, {"foreach": False}, ...; {}: torch's default)."""
+
+    def describe(self) -> str:
+        batches = f"micro batches <= {self.micro_batch_tokens} tokens" if self.micro_batch_tokens else "micro batches by sequences"
+        kernel = ", ".join(f"{k}={v}" for k, v in self.optimizer_kernel.items()) or "torch's default"
+        return (
+            f"{batches}, padding-free {'on' if self.padding_free else 'off'}, activation checkpointing "
+            f"{'on' if self.gradient_checkpointing else 'off'}, torch.compile {'on' if self.torch_compile else 'off'}, "
+            f"optimizer kernel {kernel}"
+        )
+
+
+def throughput(backend: BackendConfig, device: str, optimizer_name: str) -> Throughput:
+    """backend's throughput knobs for `device` (cpu, cuda) and optimizer.name: auto values resolved. On cpu every
+    default is what the CPU runs used before these knobs (by sequences, padding-free, no checkpointing, no
+    compile, torch's default kernel), so their losses stay bitwise."""
+    from tinker_exp.config.schema import FUSED_OPTIMIZERS, OptimizerKernel
+
+    kernel = backend.optimizer_kernel
+    if kernel is OptimizerKernel.auto:
+        kwargs = {"fused": True} if device == "cuda" and optimizer_name in FUSED_OPTIMIZERS else {}
+    elif kernel is OptimizerKernel.fused:
+        kwargs = {"fused": True}
+    elif kernel is OptimizerKernel.foreach:
+        kwargs = {"foreach": True}
+    else:
+        kwargs = {"foreach": False}
+    compile_ = device == "cuda" if backend.torch_compile is None else backend.torch_compile
+    return Throughput(
+        micro_batch_tokens=backend.tokens_per_micro_batch(device),
+        padding_free=backend.padding_free,
+        gradient_checkpointing=backend.gradient_checkpointing,
+        torch_compile=compile_,
+        optimizer_kernel=kwargs,
+    )

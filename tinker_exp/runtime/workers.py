@@ -217,27 +217,35 @@ def worker_config(
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
 
+    from tinker_exp.runtime.device import throughput
+
     lora = lora if lora is not None and lora.rank > 0 else None
+    knobs = throughput(backend, choice.device, optimizer.name.value)  # docs/devices.md#throughput-knobs
     optimizer_fields = verl_optimizer_fields(optimizer.name.value, optimizer_values)
     if optimizer_fields["optimizer_impl"] == "tinker_exp.runtime.muon":  # it splits the model by parameter name
         from tinker_exp.runtime.muon import parameter_names
 
         optimizer_fields["override_optimizer_config"]["param_names"] = parameter_names(model_path)
+    optimizer_fields["override_optimizer_config"].update(knobs.optimizer_kernel)  # fused / foreach (torch's own keys)
+    tokens = knobs.micro_batch_tokens or None
     return TrainingWorkerConfig(
         model_type="language_model",
         model_config=HFModelConfig(
             path=model_path,
             override_config={"attn_implementation": choice.attention},
-            enable_gradient_checkpointing=False,
+            enable_gradient_checkpointing=knobs.gradient_checkpointing,
+            use_remove_padding=knobs.padding_free,
             **lora_adapters.model_config_fields(lora),
         ),
         engine_config=FSDPEngineConfig(
             strategy=backend.strategy,
-            use_dynamic_bsz=False,
+            use_dynamic_bsz=tokens is not None,  # micro batches by tokens
+            max_token_len_per_gpu=tokens,
+            infer_max_token_len_per_gpu=tokens,
             micro_batch_size_per_gpu=backend.micro_batch_size,
             infer_micro_batch_size_per_gpu=backend.micro_batch_size,  # validation (infer_batch)
             mixed_precision={"param_dtype": choice.precision, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-            use_torch_compile=choice.device == "cuda",
+            use_torch_compile=knobs.torch_compile,
             seed=trainer.seed,
         ),
         # Built from the converted values: the param groups hold exactly float and tuple, so verl's
