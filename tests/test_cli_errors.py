@@ -258,6 +258,16 @@ REFUSED_AS_TYPED = [
     (["+override=lr_cosine", "override.lr.value=-1e-3"], "override.lr.value: must be >= 0, got -0.001"),  # not a step
     (["+override=adamw_one_cycle", "override.beta1.max_momentum=1.5"], "override.beta1.max_momentum: 1.5 is not in [0, 1)"),
     (["optimizer.clip_grad=-1"], "optimizer.clip_grad: must be >= 0, got -1.0"),
+    (["backend.micro_batch_tokens=-1"], "backend.micro_batch_tokens: must be >= 0 (0: by sequences) or null (auto), got -1"),
+    (["backend.micro_batch_tokens=64"], "backend.micro_batch_tokens=64: a micro batch must hold the longest sequence "
+                                        "(data.max_length=128); set it >= 128, or 0 (by sequences)"),  # fmt: skip
+    (["data.max_length=20000"], "backend.micro_batch_tokens=null: on cuda that is 16384 tokens a micro batch, less than "
+                                "data.max_length=20000; set backend.micro_batch_tokens >= 20000, or 0 (by sequences)"),  # fmt: skip
+    (["optimizer=rmsprop", "backend.optimizer_kernel=fused"],
+     "backend.optimizer_kernel=fused: optimizer.name=RMSprop has no fused kernel in torch (fused: Adam, AdamW, SGD); "
+     "use foreach, for_loop or auto"),  # fmt: skip
+    (["optimizer=muon", "backend.optimizer_kernel=foreach"],
+     "backend.optimizer_kernel=foreach: optimizer.name=Muon has no such choice; use auto"),
 ]
 
 

@@ -28,6 +28,7 @@ from tinker_exp.runtime.device import (
     needs_flash_probe,
     probe,
     resolve,
+    throughput,
 )
 
 CPU_BUILD = TorchBuild(version="2.13.0+cpu", cuda=None)
@@ -126,6 +127,96 @@ def test_attention(device, precision, bf16, flash_attn, expected):
 def test_flash_attn_is_looked_for_only_where_it_could_be_used():
     assert needs_flash_probe("cuda", "bf16", True)
     assert not any(needs_flash_probe(*case) for case in [("cuda", "fp32", True), ("cuda", "bf16", False), ("cpu", "bf16", None)])
+
+
+@pytest.mark.parametrize(
+    "requested, device, precision, bf16, flash_attn, expected",
+    [
+        ("sdpa", "cuda", "bf16", True, True, SDPA),  # asked for: taken, flash-attn or not
+        ("eager", "cpu", "fp32", None, False, "eager"),
+        ("flash_attention_2", "cuda", "bf16", True, True, FLASH),
+        ("flash_attention_2", "cuda", "bf16", None, True, FLASH),  # GPUs not seen from the driver: the workers' call
+    ],
+)
+def test_attention_asked_for(requested, device, precision, bf16, flash_attn, expected):
+    assert choose_attention(device, precision, bf16, flash_attn, requested) == expected
+    assert needs_flash_probe(device, precision, bf16, requested) == (requested == FLASH)
+
+
+@pytest.mark.parametrize(
+    "device, precision, bf16, flash_attn, why",
+    [
+        ("cuda", "bf16", True, False, "flash-attn is not importable here"),
+        ("cuda", "fp32", True, True, r"it runs only for bf16 on a GPU with bf16 \(this run: cuda, fp32\)"),
+        ("cpu", "fp32", None, True, r"it runs only for bf16 on a GPU with bf16 \(this run: cpu, fp32\)"),
+    ],
+)
+def test_flash_attention_asked_for_where_it_cannot_run_is_refused(device, precision, bf16, flash_attn, why):
+    with pytest.raises(ConfigError, match=rf"^backend.attention=flash_attention_2: {why}.*; use auto or sdpa$"):
+        choose_attention(device, precision, bf16, flash_attn, "flash_attention_2")
+
+
+def test_resolve_refuses_flash_attention_on_this_machine_before_any_worker():
+    with pytest.raises(ConfigError, match="^backend.attention=flash_attention_2: it runs only for bf16"):
+        resolve(backend(attention="flash_attention_2"), CPU_BUILD)
+    assert resolve(backend(attention="eager"), CPU_BUILD) == DeviceChoice("cpu", "fp32", "eager")
+
+
+# --- throughput knobs -------------------------------------------------------------------------------------------
+def test_throughput_defaults_leave_cpu_runs_as_they_were_and_choose_throughput_on_cuda():
+    cpu, cuda = throughput(backend(), "cpu", "AdamW"), throughput(backend(), "cuda", "AdamW")
+    assert (cpu.micro_batch_tokens, cpu.padding_free, cpu.gradient_checkpointing, cpu.torch_compile, cpu.optimizer_kernel) == (
+        0, True, False, False, {}
+    )  # what every CPU run used before the knobs: the CPU suite's losses stay bitwise
+    assert (cuda.micro_batch_tokens, cuda.padding_free, cuda.gradient_checkpointing, cuda.torch_compile, cuda.optimizer_kernel) == (
+        16384, True, False, True, {"fused": True}
+    )
+    assert throughput(backend(), "cuda", "Muon").optimizer_kernel == {}  # no fused kernel: torch's default
+    assert throughput(backend(), "cuda", "RMSprop").optimizer_kernel == {}
+    assert cuda.describe() == (
+        "micro batches <= 16384 tokens, padding-free on, activation checkpointing off, torch.compile on, "
+        "optimizer kernel fused=True"
+    )
+
+
+@pytest.mark.parametrize(
+    "values, device, field, expected",
+    [
+        ({"micro_batch_tokens": 4096}, "cpu", "micro_batch_tokens", 4096),
+        ({"micro_batch_tokens": 0}, "cuda", "micro_batch_tokens", 0),
+        ({"padding_free": "false"}, "cuda", "padding_free", False),
+        ({"gradient_checkpointing": "true"}, "cpu", "gradient_checkpointing", True),
+        ({"torch_compile": "false"}, "cuda", "torch_compile", False),
+        ({"torch_compile": "true"}, "cpu", "torch_compile", True),
+        ({"optimizer_kernel": "fused"}, "cpu", "optimizer_kernel", {"fused": True}),
+        ({"optimizer_kernel": "foreach"}, "cuda", "optimizer_kernel", {"foreach": True}),
+        ({"optimizer_kernel": "for_loop"}, "cuda", "optimizer_kernel", {"foreach": False}),
+    ],
+)
+def test_throughput_knobs_asked_for_are_taken_on_either_device(values, device, field, expected):
+    assert getattr(throughput(backend(**values), device, "AdamW"), field) == expected
+
+
+def test_the_knobs_reach_verl_s_worker_config():
+    """worker_config hands verl what `throughput` resolved: by tokens (training and validation), padding-free,
+    checkpointing, compile, and the optimizer kernel beside the optimizer's own values."""
+    from tinker_exp.config import LoraConfig, OptimizerConfig, TrainerConfig
+    from tinker_exp.runtime.inputs import model_dir
+    from tinker_exp.runtime.workers import worker_config
+
+    cfg = config.load(compose("backend.micro_batch_tokens=2048", "backend.gradient_checkpointing=true",
+                              "backend.padding_free=false", "backend.optimizer_kernel=foreach"))  # fmt: skip
+    values = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    built = worker_config(cfg.backend, cfg.optimizer, cfg.trainer, str(model_dir(cfg.model)), values,
+                          DeviceChoice("cpu", "fp32", SDPA), cfg.lora)  # fmt: skip
+    engine, model = built.engine_config, built.model_config
+    assert (engine.use_dynamic_bsz, engine.max_token_len_per_gpu, engine.infer_max_token_len_per_gpu) == (True, 2048, 2048)
+    assert (model.use_remove_padding, model.enable_gradient_checkpointing, engine.use_torch_compile) == (False, True, False)
+    assert built.optimizer_config.override_optimizer_config == {"eps": 1e-8, "foreach": True}
+    default = worker_config(cfg.backend.__class__(), OptimizerConfig(), TrainerConfig(), str(model_dir(cfg.model)), values,
+                            DeviceChoice("cpu", "fp32", SDPA), LoraConfig())  # fmt: skip
+    assert (default.engine_config.use_dynamic_bsz, default.engine_config.max_token_len_per_gpu) == (False, None)
+    assert default.optimizer_config.override_optimizer_config == {"eps": 1e-8}
 
 
 def backend(**values):
