@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -74,6 +75,39 @@ def test_the_gpu_variant_runs_on_cpu_with_tiny_shapes(ray_address):
     assert "attention: sdpa" in out and "workers (tinker_exp): 1 rank(s) on cpu; attention sdpa" in out
     for line in ("median step time:", "start to end of step 1:", "tokens/s (median step):"):
         assert line in out, out
+
+
+GPU_BENCH = REPO / "benchmarks" / "gpu.py"
+
+
+def test_the_gpu_benchmark_runs_on_cpu_with_tiny_shapes_and_the_throughput_knobs(ray_address, tmp_path):
+    """benchmarks/gpu.py as on a GPU machine (--tiny --device cpu), with the knobs a GPU run turns on asked for
+    explicitly (micro batches by tokens, the fused optimizer, activation checkpointing): both loops train through
+    verl with them, losses bitwise equal between the loops (one worker config), applied == requested, and every
+    figure the GPU run reports is printed."""
+    figures = tmp_path / "figures.json"
+    result = subprocess.run(
+        [sys.executable, str(GPU_BENCH), "--tiny", "--device", "cpu", "--steps", "4", "--warmup", "1",
+         "--set", "backend.micro_batch_tokens=128", "--set", "backend.optimizer_kernel=fused",
+         "--set", "backend.gradient_checkpointing=true", "--json", str(figures)],
+        cwd=REPO, env=environment({"RAY_ADDRESS": ray_address, "TINKER_EXP_CACHE": str(REPO / ".cache")}),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert "checks passed: losses finite, applied == requested, every rank on its device" in out
+    assert ("throughput: micro batches <= 128 tokens, padding-free on, activation checkpointing on, torch.compile off, "
+            "optimizer kernel fused=True") in out.replace("cpu, fp32, attention sdpa; ", "throughput: ")  # fmt: skip
+    for pattern in (r"\[ *[0-9.]+ s\] tinker_exp's workers ready", r"\[ *[0-9.]+ s\]   step 3: ",
+                    r"start-up: +imports [0-9.]+ s, Ray [0-9.]+ s, worker group [0-9.]+ s, workers up [0-9.]+ s, model load [0-9.]+ s, first step [0-9.]+ s",
+                    r"step: +[0-9.]+ ms \(median\); forward_backward +[0-9.]+ ms \(worker +[0-9.]+ ms, Ray round trip +-?[0-9.]+ ms\); "
+                    r"optimizer_step +[0-9.]+ ms \(worker +[0-9.]+ ms, Ray round trip +-?[0-9.]+ ms\); driver's own work +[0-9.]+ ms",
+                    r"tokens/s: +[0-9,]+", r"MFU: +[0-9.]+ % \(6 x N x tokens / step time / 790 TFLOP/s; N = 139,840 parameters",
+                    r"bare loop: +[0-9.]+ ms a step \(median\), ready in [0-9.]+ s; tinker_exp / bare = [0-9.]+; losses bitwise equal"):  # fmt: skip
+        assert re.search(pattern, out), (pattern, out[-3000:])
+    saved = json.loads(figures.read_text())
+    assert saved["tokens_per_step"] == 4 * 64 and len(saved["tinker_exp"]["losses"]) == 4
+    assert saved["tinker_exp"]["losses"] == saved["bare"]["losses"]
 
 
 PRUNING = REPO / "benchmarks" / "pruning.py"
