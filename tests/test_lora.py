@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import time
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +89,7 @@ def lora_run(ray_address, tmp_path_factory):
     seen: dict = {}
     run_dir = tmp_path_factory.mktemp("lora_run")
     last = run(compose(*COMMON), run_dir, start_workers=probed(fixed, seen))
+    seen["returned"] = time.time()
     return run_dir, last, model_path, fixed, seen
 
 
@@ -107,6 +110,26 @@ def test_only_the_adapters_train(lora_run):
         on_disk = {name: digest(f.get_tensor(name)) for name in f.keys()}
     assert len(on_disk) == 20 and on_disk.items() <= base.items()  # every weight of the file, unchanged
     assert adapters and all(start[name] != end[name] for name in adapters), [n for n in adapters if start[n] == end[n]]
+
+
+def test_the_run_ends_within_seconds_of_its_last_checkpoint(lora_run):
+    """The end of a run, in order and bounded: the last step's row (its final evaluation in it), its checkpoint,
+    the adapter's export, the workers freed (here with the probe's reads), report.png, run() returning; from the
+    checkpoint to the return a few seconds, not the minute a stuck end would take (issue 46: a GPU LoRA run had not
+    ended 8 s after its last step). Timestamps from the files themselves (mtimes) and the rows' `time`."""
+    run_dir, last, *_, seen = lora_run
+
+    def written(folder: Path) -> float:
+        return max(path.stat().st_mtime for path in folder.rglob("*") if path.is_file())
+
+    step = read_jsonl(run_dir / "metrics.jsonl")[-1]["time"]
+    checkpoint = written(run_dir / "checkpoints" / f"step_{STEPS:08d}")
+    adapter = written(run_dir / "adapter")
+    report = (run_dir / "report.png").stat().st_mtime
+    assert "val/loss" in last  # the final evaluation ran, before its row was written
+    slack = 0.05  # file systems' mtime granularity against time.time()
+    assert step - slack <= checkpoint <= adapter + slack <= report + 2 * slack <= seen["returned"] + 3 * slack
+    assert seen["returned"] - checkpoint < 15, (step, checkpoint, adapter, report, seen["returned"])
 
 
 def test_the_exported_adapter_loads_with_peft_and_scores_as_the_worker(lora_run):

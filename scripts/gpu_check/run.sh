@@ -1,0 +1,149 @@
+#!/bin/bash
+# The GPU check of tinker_exp, one command from the repo's root on a GPU machine without network ($OUT set):
+#   bash scripts/gpu_check/run.sh
+# It installs what the machine lacks from the bundle (.gpu_bundle, built by scripts/gpu_check/build_bundle.sh: cp312
+# wheels + a pruned Ray) into /tmp/site, then runs the stages in order, each under its own timeout, in its own
+# process session (what a stage leaves running, Ray's daemons and workers included, is killed after it), within
+# one deadline (GPU_BUDGET_S, default 390 s after start). Writes under $OUT: figures.json (every stage's figures),
+# run.log (all output), gpu.csv (nvidia-smi every 2 s) and logs.tar.gz (each stage's log, each run dir's logs).
+#
+# Stages (GPU):
+#   a  benchmarks/gpu.py: Qwen2.5-1.5B's shape, 16 x 2048 = 32,768 tokens a step, the default throughput knobs:
+#      start-up split, step split, tokens/s, MFU, peak memory, ratio to the bare verl loop        (150 s)
+#   b  the same batch with the knobs as before them (by sequences, 2 a micro batch; foreach AdamW), tinker_exp only (90 s)
+#   c  `python -m tinker_exp backend.num_workers=1`: a cold start and the tiny model's fixed cost a step   (60 s)
+#   d  `lora=r8 trainer.steps=10`: the end of a run (evaluation, checkpoint, adapter export, report, shutdown)  (60 s)
+# Switches: GPU_STAGES="a b" (a subset); GPU_EMU=1 (no GPU: backend=cpu, tiny settings, longer timeouts: how this
+# script is tested on CPU); GPU_BUNDLE (default .gpu_bundle); GPU_SITE=none (use the Python environment as it is).
+set -u
+START=$(date +%s)
+ROOT=$(pwd)
+HERE="$ROOT/scripts/gpu_check"
+BUNDLE=${GPU_BUNDLE:-$ROOT/.gpu_bundle}
+EMU=${GPU_EMU:-0}
+STAGES=" ${GPU_STAGES:-a b c d} "
+OUT=${OUT:-/tmp/gpu_out}
+SITE=${GPU_SITE:-/tmp/site}
+WORK=${GPU_WORK:-/tmp/gpu_check}
+LOGS="$WORK/logs"
+PY=${PYTHON:-python3}
+rm -rf "$LOGS"; mkdir -p "$OUT" "$LOGS"
+FIG="$OUT/figures.json"
+export GPU_CSV="$OUT/gpu.csv"
+rm -f "$FIG"
+exec > >(tee -a "$OUT/run.log") 2>&1
+if [ "$EMU" = 1 ]; then BUDGET=${GPU_BUDGET_S:-1500}; else BUDGET=${GPU_BUDGET_S:-390}; fi
+left() { echo $(( START + BUDGET - $(date +%s) )); }
+say() { echo "=== [$(( $(date +%s) - START )) s] $*"; }
+
+# --- install -------------------------------------------------------------------------------------------------
+if [ "$SITE" != none ]; then
+  say "install: $(ls "$BUNDLE"/whl/*.whl 2>/dev/null | wc -l) wheels + ray.tar.xz from $BUNDLE into $SITE; stages:$STAGES"
+  rm -rf "$SITE"; mkdir -p "$SITE"
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$BUNDLE"/whl/*.whl
+  PIP_RC=$?
+  tar -xJf "$BUNDLE/ray.tar.xz" -C "$SITE"
+  TAR_RC=$?
+  export PYTHONPATH="$SITE:$ROOT"
+  say "install done: pip rc $PIP_RC, tar rc $TAR_RC"
+else
+  PIP_RC=0; TAR_RC=0
+  export PYTHONPATH="$ROOT"
+fi
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
+export TINKER_EXP_CACHE=${TINKER_EXP_CACHE:-$WORK/cache}
+if [ "$EMU" = 1 ]; then
+  export RAY_TMPDIR=${RAY_TMPDIR:-$WORK/ray}  # never the /tmp/ray of other clusters on a shared machine
+  mkdir -p "$RAY_TMPDIR"
+  unset RAY_ADDRESS
+fi
+NSMI_PID=
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw,clocks.sm --format=csv,nounits -l 2 > "$GPU_CSV" 2>/dev/null &
+  NSMI_PID=$!
+fi
+$PY - > "$LOGS/env.log" 2>&1 <<PYEOF
+import importlib.metadata as md, json, os, sys, time
+t = time.monotonic()
+info = {"python": sys.version.split()[0], "pip_rc": $PIP_RC, "tar_rc": $TAR_RC, "cpus": os.cpu_count(), "emu": "$EMU" == "1"}
+for name in ("torch", "verl", "ray", "transformers", "tokenizers", "tensordict", "flash-attn", "flash_attn", "liger-kernel", "triton", "numpy"):
+    try:
+        info[name] = md.version(name)
+    except md.PackageNotFoundError:
+        info[name] = None
+import torch
+info["torch_cuda"] = torch.version.cuda
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=p.name, gpu_mem_gib=round(p.total_memory / 2**30, 1), capability=list(torch.cuda.get_device_capability(0)))
+import ray, verl  # noqa: F401  (the imports themselves, from the site dir)
+info["import_s"] = round(time.monotonic() - t, 1)
+print("ENV " + json.dumps(info))
+PYEOF
+cat "$LOGS/env.log"
+$PY "$HERE/record.py" "$FIG" env env 0 "$(( $(date +%s) - START ))" "$LOGS/env.log"
+
+# --- stages --------------------------------------------------------------------------------------------------
+SUMMARY=()
+# stage LETTER NAME KIND TIMEOUT_S MIN_S RUN_DIR -- COMMAND...
+stage() {
+  local letter=$1 name=$2 kind=$3 nominal=$4 minimum=$5 run_dir=$6; shift 7
+  case "$STAGES" in *" $letter "*) ;; *) return ;; esac
+  local t=$nominal avail=$(( $(left) - 8 ))
+  (( avail < t )) && t=$avail
+  if (( t < minimum )); then
+    say "stage $name: skipped ($avail s left before the deadline, needs $minimum)"
+    $PY "$HERE/record.py" "$FIG" "$name" skipped skipped 0 -
+    SUMMARY+=("$name=skip"); return
+  fi
+  [ -n "$run_dir" ] && rm -rf "$run_dir"
+  local log="$LOGS/$name.log" sidfile="$LOGS/$name.sid"
+  say "stage $name (timeout $t s): $*"
+  local s0=$(date +%s.%N)
+  (setsid bash -c 'echo $$ > "$0"; shift; exec timeout -k 5 "$@"' "$sidfile" _ "$t" "$@" 2>&1) | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  local s1=$(date +%s.%N)
+  local sid=$(cat "$sidfile" 2>/dev/null)
+  if [ -n "$sid" ]; then  # what the stage left running (Ray's daemons, workers): its session's processes
+    local pids=$($PY -c "
+import os, sys
+sid = int(sys.argv[1])
+for n in os.listdir('/proc'):
+    if n.isdigit() and int(n) != os.getpid():
+        try:
+            print(n) if os.getsid(int(n)) == sid else None
+        except OSError:
+            pass" "$sid" 2>/dev/null)
+    if [ -n "$pids" ]; then echo "stage $name left $(echo $pids | wc -w) process(es): killing"; kill -9 $pids 2>/dev/null; sleep 1; fi
+  fi
+  local secs=$($PY -c "print(round($s1 - $s0, 1))")
+  say "stage $name: rc $rc, $secs s"
+  $PY "$HERE/record.py" "$FIG" "$name" "$kind" "$rc" "$secs" "$log" $run_dir $s1
+  SUMMARY+=("$name=$rc(${secs%.*}s)")
+}
+
+R="$WORK/runs"
+mkdir -p "$R"
+OLD=(--set backend.micro_batch_tokens=0 --set backend.micro_batch_size=2 --set backend.optimizer_kernel=foreach)
+if [ "$EMU" = 1 ]; then
+  CPU=(backend=cpu backend.num_workers=1 logger=none)
+  stage a a_bench bench 400 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --json "$LOGS/a_bench.log.json"
+  stage b b_bench_before bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 4 --warmup 1 "${OLD[@]}" --json "$LOGS/b_bench_before.log.json"
+  stage c c_default run 300 60 "$R/c_default" -- $PY -m tinker_exp "${CPU[@]}" trainer.steps=6 trainer.eval_every=3 hydra.run.dir="$R/c_default"
+  stage d d_lora_end run 300 60 "$R/d_lora" -- $PY -m tinker_exp lora=r8 "${CPU[@]}" trainer.steps=4 trainer.eval_every=2 checkpoint.every_steps=2 hydra.run.dir="$R/d_lora"
+else
+  stage a a_bench bench 150 90 "" -- $PY benchmarks/gpu.py --json "$LOGS/a_bench.log.json"
+  stage b b_bench_before bench 90 50 "" -- $PY benchmarks/gpu.py --no-bare --steps 4 --warmup 1 "${OLD[@]}" --json "$LOGS/b_bench_before.log.json"
+  stage c c_default run 60 40 "$R/c_default" -- $PY -m tinker_exp backend.num_workers=1 logger=none hydra.run.dir="$R/c_default"
+  stage d d_lora_end run 60 40 "$R/d_lora" -- $PY -m tinker_exp lora=r8 trainer.steps=10 backend.num_workers=1 logger=none hydra.run.dir="$R/d_lora"
+fi
+
+# --- what comes back -----------------------------------------------------------------------------------------
+[ -n "$NSMI_PID" ] && kill "$NSMI_PID" 2>/dev/null
+$PY "$HERE/record.py" "$FIG" summary summary 0 "$(( $(date +%s) - START ))" -
+tar -czf "$OUT/logs.tar.gz" --exclude='checkpoints' --exclude='adapter' --exclude='*.png' --exclude='wandb' \
+  --exclude='*.safetensors' -C "$LOGS" . -C "$R" . 2>/dev/null
+say "SUMMARY: ${SUMMARY[*]}; total $(( $(date +%s) - START )) s; figures in $FIG"
+grep -h -A8 "^GPU benchmark: " "$LOGS"/a_bench.log "$LOGS"/b_bench_before.log 2>/dev/null
+sleep 1  # let tee write the last lines
