@@ -44,12 +44,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0)  # fmt: skip
 """Qwen2.5-1.5B's shape (tied embeddings): 1.54 B parameters."""
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=1024, max_position_embeddings=256)  # fmt: skip
 PEAK_FLOPS = 790e12
 """H200 dense bf16 matmul, as measured on the machine (8192^3 products: 769..798 TFLOP/s)."""
 
 BEGAN = time.monotonic()
+from overhead import TINY_QWEN2 as TINY  # noqa: E402  (benchmarks/overhead.py: the CI shapes)
 
 
 def say(message: str) -> None:
@@ -58,40 +57,20 @@ def say(message: str) -> None:
 
 # --- model and data -----------------------------------------------------------------------------------------------
 def build_model(shape: dict, cache: Path, dtype: str) -> tuple[Path, int]:
-    """A Qwen2 of `shape` (random weights, seed 0) with tinker_exp's tokenizer, cached; (dir, parameter count)."""
-    import hashlib
-    import shutil
-
-    key = hashlib.sha256(json.dumps({**shape, "dtype": dtype}, sort_keys=True).encode()).hexdigest()[:10]
-    target = cache / "models" / f"gpu-bench-qwen2-{key}"
-    if (target / "n_params.json").exists():
-        return target, json.loads((target / "n_params.json").read_text())["n_params"]
+    """overhead.py's model (a Qwen2 of `shape`, random weights, cached; built on the GPU when there is one) and its
+    parameter count, read from the weights file's header (tied: the shared matrix once)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from safetensors import safe_open
 
-    from tinker_exp.runtime.tiny_model import _corpus_texts, build_tokenizer
+    from overhead import bench_model
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    try:
-        tokenizer = build_tokenizer(384, _corpus_texts())
-        tokenizer.save_pretrained(staging)
-        config = Qwen2Config(**shape, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-        torch.manual_seed(0)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        with torch.device(device):
-            model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
-        n_params = sum(p.numel() for p in model.parameters())  # tied: the shared matrix once
-        model.save_pretrained(staging)
-        del model
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        (staging / "n_params.json").write_text(json.dumps({"n_params": n_params}))
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target, n_params
+    model = bench_model(shape, cache, dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    n_params = 0
+    for weights in sorted(model.glob("*.safetensors")):
+        with safe_open(str(weights), framework="pt") as f:
+            for name in f.keys():
+                n_params += math.prod(f.get_slice(name).get_shape())
+    return model, n_params
 
 
 def build_data(path: Path, rows: int, chars: int) -> Path:

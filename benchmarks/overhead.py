@@ -217,8 +217,9 @@ def bare_worker_config(spec: dict):
 
 
 # --- the GPU variant's model and data, built offline --------------------------------------------------------------
-def bench_model(shape: dict, cache: Path, dtype: str) -> Path:
-    """A Qwen2 of `shape`, random weights (seed 0), with tinker_exp's tiny byte-level tokenizer; cached."""
+def bench_model(shape: dict, cache: Path, dtype: str, device: str = "cpu") -> Path:
+    """A Qwen2 of `shape`, random weights (seed 0), with tinker_exp's tiny byte-level tokenizer; cached. Built on
+    `device` (cuda: seconds for 1.5B parameters, but this process then holds a CUDA context)."""
     import hashlib
 
     key = hashlib.sha256(json.dumps({**shape, "dtype": dtype}, sort_keys=True).encode()).hexdigest()[:10]
@@ -240,8 +241,11 @@ def bench_model(shape: dict, cache: Path, dtype: str) -> Path:
         config = Qwen2Config(**shape, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
         torch.manual_seed(0)
-        # on CPU: a CUDA context in this process would hold GPU memory through every run it times
-        Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(staging)
+        # on CPU by default: a CUDA context in this process would hold GPU memory through every run it times
+        with torch.device(device):
+            Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(staging)
+        if device == "cuda":
+            torch.cuda.empty_cache()
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
