@@ -199,13 +199,14 @@ def bare_worker_config(spec: dict):
         model_type="language_model",
         model_config=HFModelConfig(path=spec["model_path"], override_config={"attn_implementation": spec["attention"]},
                                    enable_gradient_checkpointing=knobs["gradient_checkpointing"],
-                                   use_remove_padding=knobs["padding_free"]),  # fmt: skip
+                                   use_remove_padding=knobs["padding_free"], use_fused_kernels=knobs["fused_lm_head"],
+                                   fused_kernel_options={"impl_backend": "torch"} if knobs["fused_lm_head"] else {}),  # fmt: skip
         engine_config=FSDPEngineConfig(
             strategy=spec["strategy"], use_dynamic_bsz=tokens is not None, max_token_len_per_gpu=tokens,
             infer_max_token_len_per_gpu=tokens, micro_batch_size_per_gpu=spec["micro_batch_size"],
             infer_micro_batch_size_per_gpu=spec["micro_batch_size"],
             mixed_precision={"param_dtype": spec["precision"], "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-            use_torch_compile=knobs["torch_compile"], seed=spec["seed"],
+            use_torch_compile=knobs["torch_compile"], reshard_after_forward=knobs["reshard_after_forward"], seed=spec["seed"],
         ),  # fmt: skip
         optimizer_config=FSDPOptimizerConfig(
             optimizer=spec["optimizer"], lr=values["lr"], betas=tuple(values["betas"]), weight_decay=values["weight_decay"],

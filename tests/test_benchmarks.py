@@ -82,22 +82,24 @@ GPU_BENCH = REPO / "benchmarks" / "gpu.py"
 
 def test_the_gpu_benchmark_runs_on_cpu_with_tiny_shapes_and_the_throughput_knobs(ray_address, tmp_path):
     """benchmarks/gpu.py as on a GPU machine (--tiny --device cpu), with the knobs a GPU run turns on asked for
-    explicitly (micro batches by tokens, the fused optimizer, activation checkpointing): both loops train through
+    explicitly (micro batches by tokens, the fused optimizer, activation checkpointing, verl's fused lm head): both
+    loops train through
     verl with them, losses bitwise equal between the loops (one worker config), applied == requested, and every
     figure the GPU run reports is printed."""
     figures = tmp_path / "figures.json"
     result = subprocess.run(
         [sys.executable, str(GPU_BENCH), "--tiny", "--device", "cpu", "--steps", "4", "--warmup", "1",
          "--set", "backend.micro_batch_tokens=128", "--set", "backend.optimizer_kernel=fused",
-         "--set", "backend.gradient_checkpointing=true", "--json", str(figures)],
+         "--set", "backend.gradient_checkpointing=true", "--set", "backend.fused_lm_head=true", "--json", str(figures)],
         cwd=REPO, env=environment({"RAY_ADDRESS": ray_address, "TINKER_EXP_CACHE": str(REPO / ".cache")}),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert "checks passed: losses finite, applied == requested, every rank on its device" in out
-    assert ("throughput: micro batches <= 128 tokens, padding-free on, activation checkpointing on, torch.compile off, "
-            "optimizer kernel fused=True") in out.replace("cpu, fp32, attention sdpa; ", "throughput: ")  # fmt: skip
+    assert ("GPU benchmark: cpu, fp32, attention sdpa; micro batches <= 128 tokens, padding-free on, activation "
+            "checkpointing on, torch.compile off, fused lm head on, reshard after forward off, optimizer kernel "
+            "fused=True") in out  # fmt: skip
     for pattern in (r"\[ *[0-9.]+ s\] tinker_exp's workers ready", r"\[ *[0-9.]+ s\]   step 3: ",
                     r"start-up: +imports [0-9.]+ s, Ray [0-9.]+ s, worker group [0-9.]+ s, workers up [0-9.]+ s, model load [0-9.]+ s, first step [0-9.]+ s",
                     r"step: +[0-9.]+ ms \(median\); forward_backward +[0-9.]+ ms \(worker +[0-9.]+ ms, Ray round trip +-?[0-9.]+ ms\); "

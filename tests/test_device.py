@@ -165,17 +165,17 @@ def test_resolve_refuses_flash_attention_on_this_machine_before_any_worker():
 # --- throughput knobs -------------------------------------------------------------------------------------------
 def test_throughput_defaults_leave_cpu_runs_as_they_were_and_choose_throughput_on_cuda():
     cpu, cuda = throughput(backend(), "cpu", "AdamW"), throughput(backend(), "cuda", "AdamW")
-    assert (cpu.micro_batch_tokens, cpu.padding_free, cpu.gradient_checkpointing, cpu.torch_compile, cpu.optimizer_kernel) == (
-        0, True, False, False, {}
-    )  # what every CPU run used before the knobs: the CPU suite's losses stay bitwise
-    assert (cuda.micro_batch_tokens, cuda.padding_free, cuda.gradient_checkpointing, cuda.torch_compile, cuda.optimizer_kernel) == (
-        16384, True, False, True, {"fused": True}
-    )
+    fields = ("micro_batch_tokens", "padding_free", "gradient_checkpointing", "torch_compile", "fused_lm_head",
+              "reshard_after_forward", "optimizer_kernel")  # fmt: skip
+    # on cpu what every CPU run used before the knobs (the CPU suite's losses stay bitwise), but one all-gather
+    # fewer per layer (reshard_after_forward off: data movement only)
+    assert [getattr(cpu, f) for f in fields] == [0, True, False, False, False, False, {}]
+    assert [getattr(cuda, f) for f in fields] == [16384, True, False, True, True, True, {"fused": True}]
     assert throughput(backend(), "cuda", "Muon").optimizer_kernel == {}  # no fused kernel: torch's default
     assert throughput(backend(), "cuda", "RMSprop").optimizer_kernel == {}
     assert cuda.describe() == (
         "micro batches <= 16384 tokens, padding-free on, activation checkpointing off, torch.compile on, "
-        "optimizer kernel fused=True"
+        "fused lm head on, reshard after forward on, optimizer kernel fused=True"
     )
 
 
@@ -188,6 +188,10 @@ def test_throughput_defaults_leave_cpu_runs_as_they_were_and_choose_throughput_o
         ({"gradient_checkpointing": "true"}, "cpu", "gradient_checkpointing", True),
         ({"torch_compile": "false"}, "cuda", "torch_compile", False),
         ({"torch_compile": "true"}, "cpu", "torch_compile", True),
+        ({"fused_lm_head": "true"}, "cpu", "fused_lm_head", True),
+        ({"fused_lm_head": "false"}, "cuda", "fused_lm_head", False),
+        ({"reshard_after_forward": "true"}, "cpu", "reshard_after_forward", True),
+        ({"reshard_after_forward": "false"}, "cuda", "reshard_after_forward", False),
         ({"optimizer_kernel": "fused"}, "cpu", "optimizer_kernel", {"fused": True}),
         ({"optimizer_kernel": "foreach"}, "cuda", "optimizer_kernel", {"foreach": True}),
         ({"optimizer_kernel": "for_loop"}, "cuda", "optimizer_kernel", {"foreach": False}),
@@ -205,13 +209,15 @@ def test_the_knobs_reach_verl_s_worker_config():
     from tinker_exp.runtime.workers import worker_config
 
     cfg = config.load(compose("backend.micro_batch_tokens=2048", "backend.gradient_checkpointing=true",
-                              "backend.padding_free=false", "backend.optimizer_kernel=foreach"))  # fmt: skip
+                              "backend.padding_free=false", "backend.optimizer_kernel=foreach", "backend.fused_lm_head=true"))  # fmt: skip
     values = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     built = worker_config(cfg.backend, cfg.optimizer, cfg.trainer, str(model_dir(cfg.model)), values,
                           DeviceChoice("cpu", "fp32", SDPA), cfg.lora)  # fmt: skip
     engine, model = built.engine_config, built.model_config
     assert (engine.use_dynamic_bsz, engine.max_token_len_per_gpu, engine.infer_max_token_len_per_gpu) == (True, 2048, 2048)
     assert (model.use_remove_padding, model.enable_gradient_checkpointing, engine.use_torch_compile) == (False, True, False)
+    assert engine.reshard_after_forward is False
+    assert (model.use_fused_kernels, model.fused_kernel_options) == (True, {"impl_backend": "torch"})
     assert built.optimizer_config.override_optimizer_config == {"eps": 1e-8, "foreach": True}
     default = worker_config(cfg.backend.__class__(), OptimizerConfig(), TrainerConfig(), str(model_dir(cfg.model)), values,
                             DeviceChoice("cpu", "fp32", SDPA), LoraConfig())  # fmt: skip

@@ -309,6 +309,15 @@ class BackendConfig:
     torch_compile: Optional[bool] = None
     """verl's use_torch_compile. None: on for cuda, off for cpu. verl 0.9.1 compiles only its entropy function,
     which the SFT and RL losses here do not compute: no effect on a step's time today."""
+    fused_lm_head: Optional[bool] = None
+    """verl's fused lm head (use_fused_kernels, its torch backend): the log-probs computed 512 tokens at a time
+    from the last hidden states, never the whole logits tensor. Without it, and without flash-attn's cross-entropy,
+    verl 0.9.1 computes a padding-free batch's log-probs one token at a time in a Python loop. None: on for cuda,
+    off for cpu (the same values up to float rounding)."""
+    reshard_after_forward: Optional[bool] = None
+    """FSDP2's reshard_after_forward: true frees each layer's gathered parameters after its forward and gathers
+    them again for its backward (less memory); false keeps them to the backward (one all-gather fewer per layer
+    and micro batch). None: false on cpu, true on cuda (verl's default). Moves data only: losses are the same."""
     optimizer_kernel: OptimizerKernel = OptimizerKernel.auto
     """The torch optimizer's implementation: fused (one kernel for all parameters; adam, adamw, sgd), foreach
     (batched per op; every torch optimizer, not muon), for_loop (per parameter). auto: fused on cuda where the

@@ -211,6 +211,8 @@ class Throughput:
     padding_free: bool
     gradient_checkpointing: bool
     torch_compile: bool
+    fused_lm_head: bool
+    reshard_after_forward: bool
     optimizer_kernel: dict[str, bool]
     """Keyword arguments for the torch optimizer ({"fused": True}, {"foreach": False}, ...; {}: torch's default)."""
 
@@ -220,7 +222,7 @@ class Throughput:
         return (
             f"{batches}, padding-free {'on' if self.padding_free else 'off'}, activation checkpointing "
             f"{'on' if self.gradient_checkpointing else 'off'}, torch.compile {'on' if self.torch_compile else 'off'}, "
-            f"optimizer kernel {kernel}"
+            f"fused lm head {'on' if self.fused_lm_head else 'off'}, reshard after forward {'on' if self.reshard_after_forward else 'off'}, optimizer kernel {kernel}"
         )
 
 
@@ -245,5 +247,7 @@ def throughput(backend: BackendConfig, device: str, optimizer_name: str) -> Thro
         padding_free=backend.padding_free,
         gradient_checkpointing=backend.gradient_checkpointing,
         torch_compile=compile_,
+        fused_lm_head=device == "cuda" if backend.fused_lm_head is None else backend.fused_lm_head,
+        reshard_after_forward=device == "cuda" if backend.reshard_after_forward is None else backend.reshard_after_forward,
         optimizer_kernel=kwargs,
     )

@@ -235,6 +235,8 @@ def worker_config(
             override_config={"attn_implementation": choice.attention},
             enable_gradient_checkpointing=knobs.gradient_checkpointing,
             use_remove_padding=knobs.padding_free,
+            use_fused_kernels=knobs.fused_lm_head,  # its torch backend: log-probs 512 tokens at a time
+            fused_kernel_options={"impl_backend": "torch"} if knobs.fused_lm_head else {},
             **lora_adapters.model_config_fields(lora),
         ),
         engine_config=FSDPEngineConfig(
@@ -246,6 +248,7 @@ def worker_config(
             infer_micro_batch_size_per_gpu=backend.micro_batch_size,  # validation (infer_batch)
             mixed_precision={"param_dtype": choice.precision, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
             use_torch_compile=knobs.torch_compile,
+            reshard_after_forward=knobs.reshard_after_forward,
             seed=trainer.seed,
         ),
         # Built from the converted values: the param groups hold exactly float and tuple, so verl's
