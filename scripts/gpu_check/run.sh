@@ -4,15 +4,16 @@
 # It installs what the machine lacks from the bundle (.gpu_bundle, built by scripts/gpu_check/build_bundle.sh: cp312
 # wheels + a pruned Ray) into /tmp/site, then runs the stages in order, each under its own timeout, in its own
 # process session (what a stage leaves running, Ray's daemons and workers included, is killed after it), within
-# one deadline (GPU_BUDGET_S, default 390 s after start). Writes under $OUT: figures.json (every stage's figures),
+# one deadline (GPU_BUDGET_S, default 360 s after start). Writes under $OUT: figures.json (every stage's figures),
 # run.log (all output), gpu.csv (nvidia-smi every 2 s) and logs.tar.gz (each stage's log, each run dir's logs).
 #
 # Stages (GPU):
 #   a  benchmarks/gpu.py: Qwen2.5-1.5B's shape, 16 x 2048 = 32,768 tokens a step, the default throughput knobs:
-#      start-up split, step split, tokens/s, MFU, peak memory, ratio to the bare verl loop        (150 s)
-#   b  the same batch with the knobs as before them (by sequences, 2 a micro batch; foreach AdamW), tinker_exp only (90 s)
-#   c  `python -m tinker_exp backend.num_workers=1`: a cold start and the tiny model's fixed cost a step   (60 s)
-#   d  `lora=r8 trainer.steps=10`: the end of a run (evaluation, checkpoint, adapter export, report, shutdown)  (60 s)
+#      start-up split, step split, tokens/s, MFU, peak memory, ratio to the bare verl loop               (140 s)
+#   b  the same batch with the knobs as before them (by sequences, 2 a micro batch; no fused lm head; foreach
+#      AdamW), tinker_exp's loop only                                                                       (80 s)
+#   c  `python -m tinker_exp lora=r8 trainer.steps=10 backend.num_workers=1`: a CLI run's cold start, the tiny
+#      model's fixed cost a step, and its end (evaluation, checkpoint, adapter export, report, shutdown)   (80 s)
 # Switches: GPU_STAGES="a b" (a subset); GPU_EMU=1 (no GPU: backend=cpu, tiny settings, longer timeouts: how this
 # script is tested on CPU); GPU_BUNDLE (default .gpu_bundle); GPU_SITE=none (use the Python environment as it is).
 set -u
@@ -21,7 +22,7 @@ ROOT=$(pwd)
 HERE="$ROOT/scripts/gpu_check"
 BUNDLE=${GPU_BUNDLE:-$ROOT/.gpu_bundle}
 EMU=${GPU_EMU:-0}
-STAGES=" ${GPU_STAGES:-a b c d} "
+STAGES=" ${GPU_STAGES:-a b c} "
 OUT=${OUT:-/tmp/gpu_out}
 SITE=${GPU_SITE:-/tmp/site}
 WORK=${GPU_WORK:-/tmp/gpu_check}
@@ -32,7 +33,7 @@ FIG="$OUT/figures.json"
 export GPU_CSV="$OUT/gpu.csv"
 rm -f "$FIG"
 exec > >(tee -a "$OUT/run.log") 2>&1
-if [ "$EMU" = 1 ]; then BUDGET=${GPU_BUDGET_S:-1500}; else BUDGET=${GPU_BUDGET_S:-390}; fi
+if [ "$EMU" = 1 ]; then BUDGET=${GPU_BUDGET_S:-1500}; else BUDGET=${GPU_BUDGET_S:-360}; fi
 left() { echo $(( START + BUDGET - $(date +%s) )); }
 say() { echo "=== [$(( $(date +%s) - START )) s] $*"; }
 
@@ -125,18 +126,17 @@ for n in os.listdir('/proc'):
 
 R="$WORK/runs"
 mkdir -p "$R"
-OLD=(--set backend.micro_batch_tokens=0 --set backend.micro_batch_size=2 --set backend.optimizer_kernel=foreach)
+OLD=(--set backend.micro_batch_tokens=0 --set backend.micro_batch_size=2 --set backend.fused_lm_head=false
+     --set backend.optimizer_kernel=foreach)
 if [ "$EMU" = 1 ]; then
   CPU=(backend=cpu backend.num_workers=1 logger=none)
-  stage a a_bench bench 400 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --json "$LOGS/a_bench.log.json"
-  stage b b_bench_before bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 4 --warmup 1 "${OLD[@]}" --json "$LOGS/b_bench_before.log.json"
-  stage c c_default run 300 60 "$R/c_default" -- $PY -m tinker_exp "${CPU[@]}" trainer.steps=6 trainer.eval_every=3 hydra.run.dir="$R/c_default"
-  stage d d_lora_end run 300 60 "$R/d_lora" -- $PY -m tinker_exp lora=r8 "${CPU[@]}" trainer.steps=4 trainer.eval_every=2 checkpoint.every_steps=2 hydra.run.dir="$R/d_lora"
+  stage a a_bench bench 400 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --steps 5 --json "$LOGS/a_bench.log.json"
+  stage b b_bench_before bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 3 --warmup 1 "${OLD[@]}" --json "$LOGS/b_bench_before.log.json"
+  stage c c_lora_end run 300 60 "$R/c_lora" -- $PY -m tinker_exp lora=r8 "${CPU[@]}" trainer.steps=4 trainer.eval_every=2 checkpoint.every_steps=2 hydra.run.dir="$R/c_lora"
 else
-  stage a a_bench bench 150 90 "" -- $PY benchmarks/gpu.py --json "$LOGS/a_bench.log.json"
-  stage b b_bench_before bench 90 50 "" -- $PY benchmarks/gpu.py --no-bare --steps 4 --warmup 1 "${OLD[@]}" --json "$LOGS/b_bench_before.log.json"
-  stage c c_default run 60 40 "$R/c_default" -- $PY -m tinker_exp backend.num_workers=1 logger=none hydra.run.dir="$R/c_default"
-  stage d d_lora_end run 60 40 "$R/d_lora" -- $PY -m tinker_exp lora=r8 trainer.steps=10 backend.num_workers=1 logger=none hydra.run.dir="$R/d_lora"
+  stage a a_bench bench 140 80 "" -- $PY benchmarks/gpu.py --steps 5 --json "$LOGS/a_bench.log.json"
+  stage b b_bench_before bench 80 45 "" -- $PY benchmarks/gpu.py --no-bare --steps 3 --warmup 1 "${OLD[@]}" --json "$LOGS/b_bench_before.log.json"
+  stage c c_lora_end run 80 40 "$R/c_lora" -- $PY -m tinker_exp lora=r8 trainer.steps=10 backend.num_workers=1 logger=none hydra.run.dir="$R/c_lora"
 fi
 
 # --- what comes back -----------------------------------------------------------------------------------------
