@@ -270,6 +270,9 @@ class BackendConfig:
     """auto: bf16 on cuda, fp32 on cpu."""
     ray_address: Optional[str] = "${oc.env:RAY_ADDRESS,null}"
     """A Ray cluster to join; None: start a local one (and stop it at the end)."""
+    pool: str = "auto"
+    """Warm workers (docs/pool.md): auto: a free pool of this sweep's, else this user's (`python -m tinker_exp.pool
+    up`) if one is up, else a cold start; none: always a cold start; else a pool's address (its socket)."""
 
     def __post_init__(self) -> None:
         if min(self.num_workers, self.nodes, self.micro_batch_size) < 1:
@@ -279,6 +282,10 @@ class BackendConfig:
             )
         if self.nodes_timeout_s <= 0:
             raise ConfigError(f"backend.nodes_timeout_s: must be > 0, got {self.nodes_timeout_s!r}")
+        if not self.pool:
+            raise ConfigError("backend.pool: empty; auto, none or a pool's address")
+        if self.pool not in ("auto", "none") and self.nodes > 1:
+            raise ConfigError(f"backend.pool={self.pool}: a pool holds workers on its own machine; a run over backend.nodes={self.nodes} starts cold (backend.pool=auto or none)")
 
 
 @dataclass
