@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tinker_exp.errors import STOPS, ConfigError, TinkerExpError, one_line
+from tinker_exp.errors import STOPS, ConfigError, one_line
 from tinker_exp.pool import wire
+from tinker_exp.pool.local import answers, end, start_host
 
 IDLE_MIN = 60.0
 """A pool with no run for this long frees its workers and ends (`up --idle-min`)."""
-START_TIMEOUT_S = 300.0
-"""How long `up` waits for a new pool's process to listen."""
 USAGE = __doc__.split("\n\n", 1)[1]
 
 
@@ -75,13 +73,13 @@ def up(args: list[str]) -> int:
     from tinker_exp.pool.client import Lease, run_payload
 
     idle, overrides = idle_minutes(args)
-    cfg, plan = checked_config(overrides)
+    cfg = checked_config(overrides)
     address = wire.address_of()
     for _ in range(2):
         if not answers(address):
             start_host(address, idle * 60)
         sock = wire.connect(address, None)
-        wire.send(sock, ("prepare", {"code": wire.code_fingerprint(), "pid": os.getpid(), "who": "pool up", **run_payload((cfg, plan))}))
+        wire.send(sock, ("prepare", {"code": wire.code_fingerprint(), "pid": os.getpid(), "who": "pool up", **run_payload((cfg,))}))
         reply = wire.recv(sock)
         if reply[0] != "stale":
             break
@@ -97,7 +95,7 @@ def up(args: list[str]) -> int:
 
 
 def checked_config(overrides: list[str]):
-    """The typed config and plan of `python -m tinker_exp OVERRIDES`, checked as a run checks them."""
+    """The typed config of `python -m tinker_exp OVERRIDES`, checked (its plan too) as a run checks it."""
     from hydra import compose, initialize_config_dir
 
     from tinker_exp import config
@@ -108,41 +106,8 @@ def checked_config(overrides: list[str]):
     with one_line_compose_errors(), initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         dcfg = compose(config_name="config", overrides=overrides)
     cfg = config.load(dcfg)
-    return cfg, validate(cfg)
-
-
-def answers(address: Path) -> bool:
-    try:
-        return wire.ask(address, ("status",), timeout_s=2.0)["pid"] > 0
-    except (OSError, EOFError):
-        return False
-
-
-def start_host(address: Path, idle_s: float, parent_pid: int | None = None) -> subprocess.Popen:
-    """The pool's process, in a session of its own (a terminal's Ctrl-C is for runs, not for it); returns once it
-    listens. Its output goes to its log beside the socket."""
-    wire.make_private(address.parent)
-    log_path = wire.log_of(address)
-    with open(log_path, "ab") as log_file:
-        command = [sys.executable, "-m", "tinker_exp.pool", "_host", str(address), str(idle_s)]
-        process = subprocess.Popen(
-            command + ([str(parent_pid)] if parent_pid else []),
-            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
-        )  # fmt: skip
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not answers(address):
-        if process.poll() is not None:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-            raise PoolStartError(f"the pool's process ended (exit {process.returncode}) before it listened; {log_path}:\n{tail}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise PoolStartError(f"the pool did not listen within {START_TIMEOUT_S:.0f} s; its log: {log_path}")
-        time.sleep(0.2)
-    return process
-
-
-class PoolStartError(TinkerExpError):
-    label = "pool error"
+    validate(cfg)
+    return cfg
 
 
 def status(address: Path) -> int:
@@ -172,16 +137,12 @@ def describe_status(info: dict) -> str:
     ])  # fmt: skip
 
 
-def down(address: Path, wait_s: float = 60.0) -> int:
-    try:
-        _, pid = wire.ask(address, ("down",))
-    except (OSError, EOFError):
+def down(address: Path) -> int:
+    pid = end(address)
+    if pid is None:
         print(f"no pool is up at {address}")
-        return 0
-    deadline = time.monotonic() + wait_s
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    print(f"pool down (pid {pid})" if not Path(f"/proc/{pid}").exists() else f"pool (pid {pid}) still ending after {wait_s:.0f} s")
+    else:
+        print(f"pool down (pid {pid})" if not Path(f"/proc/{pid}").exists() else f"pool (pid {pid}) still ending")
     return 0
 
 

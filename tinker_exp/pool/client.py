@@ -113,9 +113,12 @@ class Lease:
     def describe(self) -> str:
         return f"pool: training on the warm workers of {self.address} (pid {self.info['pid']})"
 
-    def train_run(self, *arguments: Any) -> dict[str, Any]:
-        """main.train_run's arguments, run by the pool; its result, or what it raised, here."""
-        wire.send(self.sock, ("run", run_payload(arguments)))
+    def train_run(self, cfg: Any, plan: Any, rows: Any, start: Any, run_dir: Path, wandb_config: dict[str, Any],
+                  start_workers: Any, job_number: int | None) -> dict[str, Any]:  # fmt: skip
+        """main.train_run, run by the pool; its result, or what it raised, here. The plan and the rows are made there
+        again from the config (a plan holds compiled schedules, which do not travel)."""
+        assert start_workers is None, "a pool runs verl's workers"
+        wire.send(self.sock, ("run", run_payload((cfg, start, run_dir, wandb_config, job_number))))
         try:
             return self.follow()
         except (KeyboardInterrupt, Terminated) as stop:

@@ -31,6 +31,8 @@ from tinker_exp.train.signals import SIGTERM_RECEIVED, sigterm_raises
 
 log = logging.getLogger(__name__)
 
+ENDING_WAIT_S = 60.0
+"""How long a new run waits for a stopped or killed one to close its files and give the workers back."""
 STOP_SIGNAL = signal.SIGUSR1
 """What a client's SIGTERM becomes in this process, only while a run runs (a late one, after the run, is ignored)."""
 
@@ -59,7 +61,9 @@ class Host:
         self.group = WarmGroup(build, assemble.WORKERS_LOG)
         self.code = wire.code_fingerprint()
         self.jobs: queue.Queue[Job] = queue.Queue()
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
+        self.free = threading.Condition(self.lock)
+        """Notified when the pool's holder lets go."""
         self.holder: dict[str, Any] | None = None  # who holds the pool: {"who", "pid", "since"}
         self.current: Job | None = None
         self.started, self.last_used = time.time(), time.monotonic()
@@ -106,11 +110,13 @@ class Host:
         if request.get("code") != self.code:
             wire.send(sock, ("stale", self.code))
             return
-        with self.lock:
+        with self.free:
+            # A run whose client has gone (killed) or stopped it is ending: the next one waits for it, not refused.
+            self.free.wait_for(lambda: self.holder is None or not self.holder["ending"], timeout=ENDING_WAIT_S)
             if self.holder is not None or self.stopping.is_set():
                 wire.send(sock, ("busy", self.holder or {"who": "its own end", "pid": os.getpid(), "since": time.time()}))
                 return
-            self.holder = {"who": request.get("who", ""), "pid": request.get("pid"), "since": time.time()}
+            self.holder = {"who": request.get("who", ""), "pid": request.get("pid"), "since": time.time(), "ending": False}
         job = None
         try:
             wire.send(sock, ("leased", {"pid": os.getpid(), "since": self.started}))
@@ -123,14 +129,15 @@ class Host:
                 job = Job("run", message[1], sock)
             self.jobs.put(job)
             self._watch(sock, job)
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the client has gone (killed): its run stops as on SIGTERM
             if job is not None:
-                self._stop_job(job, signal.SIGINT)
+                self._stop_job(job, STOP_SIGNAL)
         finally:
             if job is not None:
                 job.done.wait()
-            with self.lock:
+            with self.free:
                 self.holder = None
+                self.free.notify_all()
             self.last_used = time.monotonic()
 
     def _watch(self, sock: socket.socket, job: Job) -> None:
@@ -147,6 +154,8 @@ class Host:
     def _stop_job(self, job: Job, signum: int) -> None:
         with self.lock:
             job.cancelled = True
+            if self.holder is not None:
+                self.holder["ending"] = True
             if job.running and not job.done.is_set():
                 signal.pthread_kill(self.main_thread, signum)
 
@@ -196,17 +205,20 @@ class Host:
             job.running, self.current = False, None
 
     def _train(self, payload: dict[str, Any]) -> dict[str, Any]:
-        from tinker_exp.main import train_run
+        from tinker_exp.main import checked_env, checked_rows, train_run, validate
 
-        cfg, plan, rows, start, run_dir, wandb_config, _, job_number = payload["arguments"]
-        return train_run(cfg, plan, rows, start, run_dir, wandb_config, self.group.lend, job_number)
+        cfg, start, run_dir, wandb_config, job_number = payload["arguments"]
+        rows = checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # as the client read them (main.run)
+        return train_run(cfg, validate(cfg), rows, start, run_dir, wandb_config, self.group.lend, job_number)
 
     def _prepare(self, payload: dict[str, Any]) -> str:
         from tinker_exp.runtime.inputs import model_dir
         from tinker_exp.runtime.warm import describe_key
 
-        cfg, plan = payload["arguments"]
-        self.group.prepare(cfg, plan, model_dir(cfg.model), wire.log_of(self.address).parent / f"{self.address.stem}-workers")
+        from tinker_exp.main import validate
+
+        (cfg,) = payload["arguments"]
+        self.group.prepare(cfg, validate(cfg), model_dir(cfg.model), wire.log_of(self.address).parent / f"{self.address.stem}-workers")
         return describe_key(self.group.key)
 
     # -- status and the end -----------------------------------------------------------------------------------------

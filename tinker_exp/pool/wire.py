@@ -20,7 +20,8 @@ SWEEP_POOLS_ENV = "TINKER_EXP_SWEEP_POOLS"
 free one of them before this user's pool."""
 DEFAULT_NAME = "pool"
 """`python -m tinker_exp.pool up`'s pool: DIR/pool.sock."""
-PACKAGES = ("tinker_exp", "hydra_plugins")
+PACKAGES = ("tinker_exp",)
+"""The code a pool runs (a sweep's launcher runs in the sweep's own process)."""
 _HEADER = struct.Struct("!Q")
 
 

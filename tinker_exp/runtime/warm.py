@@ -121,6 +121,7 @@ class WarmGroup:
             self.free()
         if self.workers is None:
             started = time.monotonic()
+            start_own_cluster(choice.device)
             workers = self.build(cfg, plan, model_path, out_dir, choice)
             workers.owns_ray = False  # the pool's cluster outlives its groups: freeing one frees its actors only
             try:
@@ -147,6 +148,18 @@ class WarmGroup:
             self.free()
         finally:
             ray.shutdown()
+
+
+def start_own_cluster(device: str) -> None:
+    """The pool's own local Ray cluster, started once: never a run's RAY_ADDRESS, whose resources the pool's
+    groups would then hold between runs."""
+    import ray
+
+    from tinker_exp.runtime.ray_cluster import start_ray
+    from tinker_exp.runtime.workers import platform_env
+
+    if not ray.is_initialized():
+        start_ray(None, platform_env(device))
 
 
 def is_dead_worker(error: BaseException) -> bool:
