@@ -116,10 +116,11 @@ def run(
 @contextmanager
 def warm_pool(cfg: Config, start: StartPoint, start_workers: StartWorkers | None) -> Iterator[Any]:
     """The warm pool this run trains on (backend.pool), held for it; None: a cold start (a dry run, a run that is
-    done and a test's own workers never take one)."""
+    done, one over several nodes and a test's own workers never take one)."""
     from tinker_exp.pool.client import attach
 
-    pool = None if cfg.dry_run or start.complete or start_workers is not None else attach(cfg.backend.pool)
+    cold = cfg.dry_run or start.complete or start_workers is not None or cfg.backend.nodes > 1
+    pool = None if cold else attach(cfg.backend.pool)
     try:
         yield pool
     finally:

@@ -36,7 +36,7 @@ from tinker_exp import config as tinker_config
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import ConfigError, TinkerExpError, one_line
 from tinker_exp.formats import masked
-from tinker_exp.pool.local import SweepPools, sweep_pools, wanted
+from tinker_exp.pool.local import SweepPools, wanted
 from tinker_exp.sweep.jobs import (
     JobOutcome,
     StartedJob,
@@ -246,13 +246,15 @@ class SweepLauncher(BaseSubmititLauncher):
             jobs = self._submit(executor, args)
         returns, outcomes = [], []
         ended: dict[int, tuple[JobReturn, JobOutcome]] = {}
+        pools = SweepPools()  # local jobs' warm workers: one pool per job at once, ended after the jobs
         try:
             if self._EXECUTOR == "local":
                 workers = max((cfg.backend.num_workers for cfg in configs if cfg is not None), default=1)
                 at_once = points_at_once(os.cpu_count(), workers, self.params.get("max_parallel"))
                 log.info(f"{len(args)} local jobs, at most {at_once} at a time (hydra.launcher.max_parallel)")
-                with sweep_pools(configs, min(at_once, len(args))):  # warm workers, one pool per job at once
-                    ended = self._run_local(executor, args, at_once, jobs)
+                if wanted(configs):
+                    pools.start(min(at_once, len(args)))
+                ended = self._run_local(executor, args, at_once, jobs)
             started = iter(jobs)
             for num, overrides in zip(nums, job_overrides):
                 if num in ended:  # a local job: waited for, and said, as it ended
@@ -264,8 +266,11 @@ class SweepLauncher(BaseSubmititLauncher):
                 returns.append(ret)
                 outcomes.append(outcome)
         except KeyboardInterrupt:
-            cancel(jobs)  # first, before anything that could be slow on a loaded machine
+            cancel(jobs)  # first, before anything that could be slow on a loaded machine (the pools' end too)
+            pools.close()
             raise KeyboardInterrupt(continue_line(sweep_dir)) from None
+        finally:
+            pools.close()
 
         self.outcomes.update((o.num, o) for o in outcomes)
         if self.summarize:

@@ -43,7 +43,7 @@ def attach(setting: str) -> "Lease | None":
     """The pool this run trains on, held for it; None for a cold start. `setting`: backend.pool (none, auto or an
     address). auto: a free pool of this sweep's, else this user's pool if up, else a cold start (said in one line).
     A pool that is busy refuses the run (one line, exit 2, nothing written); one that runs older code is skipped."""
-    if setting == "none":
+    if setting == "none" or (setting == "auto" and "SLURM_JOB_ID" in os.environ):  # a Slurm job: its own allocation
         return None
     explicit = setting != "auto"
     addresses = [Path(setting).expanduser()] if explicit else sweep_addresses() or [wire.address_of()]

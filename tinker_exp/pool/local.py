@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import atexit
 import logging
-from contextlib import contextmanager
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from tinker_exp.errors import TinkerExpError
 from tinker_exp.pool import wire
@@ -95,6 +94,9 @@ class SweepPools:
     def __init__(self) -> None:
         self.processes: list[tuple[Path, subprocess.Popen]] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"processes": []}  # a copy (a job's pickled launcher) holds none: only the sweep ends its pools
+
     def start(self, count: int) -> None:
         if self.processes or count < 1:
             return
@@ -121,15 +123,3 @@ class SweepPools:
 def wanted(configs: Sequence[Any]) -> bool:
     """Whether a sweep's jobs would take a sweep pool: their backend.pool is auto (none: cold; an address: that pool)."""
     return any(cfg is not None and cfg.backend.pool == "auto" and cfg.backend.nodes == 1 and not cfg.dry_run for cfg in configs)
-
-
-@contextmanager
-def sweep_pools(configs: Sequence[Any], count: int) -> Iterator[SweepPools]:
-    """`count` pools for a sweep's jobs while within, if they would take one (`wanted`)."""
-    pools = SweepPools()
-    if wanted(configs):
-        pools.start(count)
-    try:
-        yield pools
-    finally:
-        pools.close()
