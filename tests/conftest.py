@@ -25,6 +25,10 @@ os.environ.update(
 )
 # The tiny model is built once and reused across test runs.
 os.environ.setdefault("TINKER_EXP_CACHE", str(REPO / ".cache"))
+# Runs with backend.pool=auto (the default) look for this user's warm pool here: an empty folder of the session's, so a
+# developer's own pool never serves the suite's runs (tests/test_pool.py starts pools of its own). Short: a socket's
+# path holds at most 107 bytes.
+os.environ["TINKER_EXP_POOL_DIR"] = __import__("tempfile").mkdtemp(prefix="txp-pool-", dir="/tmp")
 
 
 REAL_FIXTURES = {"ray_address", "slurm_env", "postgres_url"}

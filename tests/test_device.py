@@ -167,9 +167,8 @@ def test_throughput_defaults_leave_cpu_runs_as_they_were_and_choose_throughput_o
     cpu, cuda = throughput(backend(), "cpu", "AdamW"), throughput(backend(), "cuda", "AdamW")
     fields = ("micro_batch_tokens", "padding_free", "gradient_checkpointing", "torch_compile", "fused_lm_head",
               "reshard_after_forward", "optimizer_kernel")  # fmt: skip
-    # on cpu what every CPU run used before the knobs (the CPU suite's losses stay bitwise), but one all-gather
-    # fewer per layer (reshard_after_forward off: data movement only)
-    assert [getattr(cpu, f) for f in fields] == [0, True, False, False, False, False, {}]
+    # on cpu what every CPU run used before the knobs: the CPU suite's losses stay bitwise
+    assert [getattr(cpu, f) for f in fields] == [0, True, False, False, False, True, {}]
     assert [getattr(cuda, f) for f in fields] == [16384, True, False, True, True, True, {"fused": True}]
     assert throughput(backend(), "cuda", "Muon").optimizer_kernel == {}  # no fused kernel: torch's default
     assert throughput(backend(), "cuda", "RMSprop").optimizer_kernel == {}
@@ -190,7 +189,7 @@ def test_throughput_defaults_leave_cpu_runs_as_they_were_and_choose_throughput_o
         ({"torch_compile": "true"}, "cpu", "torch_compile", True),
         ({"fused_lm_head": "true"}, "cpu", "fused_lm_head", True),
         ({"fused_lm_head": "false"}, "cuda", "fused_lm_head", False),
-        ({"reshard_after_forward": "true"}, "cpu", "reshard_after_forward", True),
+        ({"reshard_after_forward": "false"}, "cpu", "reshard_after_forward", False),
         ({"reshard_after_forward": "false"}, "cuda", "reshard_after_forward", False),
         ({"optimizer_kernel": "fused"}, "cpu", "optimizer_kernel", {"fused": True}),
         ({"optimizer_kernel": "foreach"}, "cuda", "optimizer_kernel", {"foreach": True}),
@@ -209,7 +208,8 @@ def test_the_knobs_reach_verl_s_worker_config():
     from tinker_exp.runtime.workers import worker_config
 
     cfg = config.load(compose("backend.micro_batch_tokens=2048", "backend.gradient_checkpointing=true",
-                              "backend.padding_free=false", "backend.optimizer_kernel=foreach", "backend.fused_lm_head=true"))  # fmt: skip
+                              "backend.padding_free=false", "backend.optimizer_kernel=foreach", "backend.fused_lm_head=true",
+                              "backend.reshard_after_forward=false"))  # fmt: skip
     values = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     built = worker_config(cfg.backend, cfg.optimizer, cfg.trainer, str(model_dir(cfg.model)), values,
                           DeviceChoice("cpu", "fp32", SDPA), cfg.lora)  # fmt: skip

@@ -12,7 +12,7 @@ from helpers import REPO
 PACKAGE = REPO / "tinker_exp"
 HEAVY = ("torch", "verl", "ray", "transformers", "tokenizers", "peft")
 PURE = ["tinker_exp.config", "tinker_exp.optim", "tinker_exp.train", "tinker_exp.sweep", "tinker_exp.errors",
-        "tinker_exp.formats", "tinker_exp.rl", "tinker_exp.main", "tinker_exp.forecast", "hydra_plugins.tinker_exp_plugins"]  # fmt: skip
+        "tinker_exp.formats", "tinker_exp.rl", "tinker_exp.main", "tinker_exp.forecast", "tinker_exp.pool", "hydra_plugins.tinker_exp_plugins"]  # fmt: skip
 
 
 def modules(package: str) -> list[str]:
@@ -68,7 +68,7 @@ LAYERS = [
     ("tinker_exp.train", "tinker_exp.rl"),  # the loop and its protocols, sinks, checkpoints, data, start point; RL envs
     ("tinker_exp.runtime", "tinker_exp.sweep", "tinker_exp.forecast"),  # verl/Ray wiring; sweeps' member and trial sides, reports
     ("tinker_exp.main", "tinker_exp.__main__", "tinker_exp.multinode", "tinker_exp.report", "tinker_exp.assemble",
-     "tinker_exp.serve"),  # entry points (serve: the Tinker API server)
+     "tinker_exp.serve", "tinker_exp.pool"),  # entry points (serve: the Tinker API server; pool: warm workers)
     ("hydra_plugins",),  # Hydra's launchers and sweepers, around the entry point
 ]
 

@@ -10,11 +10,12 @@ import copy
 import functools
 import gc
 import logging
+from contextlib import contextmanager
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import hydra
 from omegaconf import DictConfig, OmegaConf, read_write
@@ -111,6 +112,40 @@ def run(
     rows = checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # an env's prompts replace the data set
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     start = start_point(cfg, resolved, run_dir)  # resume or branch: checked against its config, before any worker
+    with warm_pool(cfg, start, start_workers) as pool:  # refused (busy) before anything is written
+        return accepted_run(cfg, plan, rows, start, run_dir, resolved, choices, job, start_workers, hydra_files, pool)
+
+
+@contextmanager
+def warm_pool(cfg: Config, start: StartPoint, start_workers: StartWorkers | None) -> Iterator[Any]:
+    """The warm pool this run trains on (backend.pool), held for it; None: a cold start (a dry run, a run that is
+    done, one over several nodes and a test's own workers never take one)."""
+    from tinker_exp.pool.client import attach
+
+    cold = cfg.dry_run or start.complete or start_workers is not None or cfg.backend.nodes > 1
+    pool = None if cold else attach(cfg.backend.pool)
+    try:
+        yield pool
+    finally:
+        if pool is not None:
+            pool.release()
+
+
+def accepted_run(
+    cfg: Config,
+    plan: Plan,
+    rows: Any,
+    start: StartPoint,
+    run_dir: Path,
+    resolved: Any,
+    choices: dict[str, Any] | None,
+    job: dict[str, Any] | None,
+    start_workers: StartWorkers | None,
+    hydra_files: dict[str, str] | None,
+    pool: Any,
+) -> dict[str, Any]:
+    """`run` once the command is accepted: its record in the run dir, then the dry run or the training (on the warm
+    pool's workers when `pool` is one)."""
     write_hydra_files(run_dir, hydra_files or {})  # accepted: from here on the run dir records this command
     write_job_info(run_dir, {**(job or job_info(None, [])), **({"branch": start.lineage} if start.lineage else {})})
     if start.kind != "start":
@@ -135,7 +170,10 @@ def run(
     wandb_config = wandb_run_config(resolved, plan, choices, job)  # one flat key per value
     if start.trunk_wandb_run_id:
         wandb_config["branch.trunk_wandb_run_id"] = start.trunk_wandb_run_id
-    return train_run(cfg, plan, rows, start, run_dir, wandb_config, start_workers, (job or {}).get("num"))
+    if pool is not None:
+        log.info(pool.describe())
+    trains = pool.train_run if pool is not None else train_run  # the pool runs train_run itself, on its workers
+    return trains(cfg, plan, rows, start, run_dir, wandb_config, start_workers, (job or {}).get("num"))
 
 
 def completed_run(start: StartPoint, run_dir: Path, steps: int) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from tinker_exp import config as tinker_config
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import ConfigError, TinkerExpError, one_line
 from tinker_exp.formats import masked
+from tinker_exp.pool.local import SweepPools, wanted
 from tinker_exp.sweep.jobs import (
     JobOutcome,
     StartedJob,
@@ -169,6 +170,7 @@ class SweepLauncher(BaseSubmititLauncher):
         self.running: list[StartedJob] = []  # started by `start`, not yet returned by `wait_any`
         self.data_checked: set[str] = set()  # the data settings `start` found good (a data set is read once)
         self.stream_executor: Any = None
+        self.pools = SweepPools()  # a streaming sweep's (a study's) warm pools: started at its first local job
 
     def _executor(self) -> Any:
         """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it)."""
@@ -244,11 +246,14 @@ class SweepLauncher(BaseSubmititLauncher):
             jobs = self._submit(executor, args)
         returns, outcomes = [], []
         ended: dict[int, tuple[JobReturn, JobOutcome]] = {}
+        pools = SweepPools()  # local jobs' warm workers: one pool per job at once, ended after the jobs
         try:
             if self._EXECUTOR == "local":
                 workers = max((cfg.backend.num_workers for cfg in configs if cfg is not None), default=1)
                 at_once = points_at_once(os.cpu_count(), workers, self.params.get("max_parallel"))
                 log.info(f"{len(args)} local jobs, at most {at_once} at a time (hydra.launcher.max_parallel)")
+                if wanted(configs):
+                    pools.start(min(at_once, len(args)))
                 ended = self._run_local(executor, args, at_once, jobs)
             started = iter(jobs)
             for num, overrides in zip(nums, job_overrides):
@@ -261,8 +266,11 @@ class SweepLauncher(BaseSubmititLauncher):
                 returns.append(ret)
                 outcomes.append(outcome)
         except KeyboardInterrupt:
-            cancel(jobs)  # first, before anything that could be slow on a loaded machine
+            cancel(jobs)  # first, before anything that could be slow on a loaded machine (the pools' end too)
+            pools.close()
             raise KeyboardInterrupt(continue_line(sweep_dir)) from None
+        finally:
+            pools.close()
 
         self.outcomes.update((o.num, o) for o in outcomes)
         if self.summarize:
@@ -319,6 +327,10 @@ class SweepLauncher(BaseSubmititLauncher):
         handle = StartedJob(num, overrides, refused=refused)
         if refused is None:
             Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+            if self._EXECUTOR == "local":  # warm workers for this streaming sweep's jobs, till it ends (at exit)
+                cfg = point_error(self.hydra_context, self.config, overrides, self.data_checked)[0]
+                if wanted([cfg]):
+                    self.pools.start(self.capacity(self.config) or 1)
             if self.stream_executor is None:
                 self.stream_executor = self._executor()
             arg = (list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state())
@@ -375,10 +387,12 @@ class SweepLauncher(BaseSubmititLauncher):
         return ended
 
     def cancel_running(self) -> None:
-        """Cancel every job `start` started that `wait_any` has not returned (one scancel for all on Slurm)."""
+        """Cancel every job `start` started that `wait_any` has not returned (one scancel for all on Slurm); the
+        sweep's pools end with them."""
         jobs, self.running = [h.job for h in self.running], []
         if jobs:
             cancel(jobs)
+        self.pools.close()
 
     def _outcome(
         self, num: int, overrides: Sequence[str], job: Any, refused: str | None, ended_by: str | None = None, wait: bool = False

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -119,8 +120,8 @@ class OptunaSweeper(Sweeper):
                 "e.g. 'optimizer.lr=tag(log, interval(1e-5, 1e-3))'"
             )
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        save_multirun(self.config, sweep_dir)  # the storage URL's password not written
+        made_now = not sweep_dir.exists()
+        sweep_dir.mkdir(parents=True, exist_ok=True)  # a study's default storage is a file in it
         self.dry_run = bool(self.config.get("dry_run"))
         storage = self.storage or sweep_storage(sweep_dir)
         shown = masked(storage)
@@ -137,7 +138,10 @@ class OptunaSweeper(Sweeper):
             )  # fmt: skip
         except Exception as e:  # SQLAlchemy's errors (no server, a bad URL) carry the URL: said once, masked
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if made_now:  # refused: the sweep leaves nothing behind
+                shutil.rmtree(sweep_dir, ignore_errors=True)
             raise ConfigError(f"hydra.sweeper.storage: {shown}: cannot open the study: {masked(why)[:300]}") from None
+        save_multirun(self.config, sweep_dir)  # accepted; the storage URL's password not written
         if self.pruner != "none" and not self.dry_run:  # each job reports to its trial (number = job number) through the same storage
             os.environ[STUDY_ENV] = json.dumps(
                 {"storage": storage, "study_name": self.study_name, "pruner": self.pruner, "pruner_args": self.pruner_args}

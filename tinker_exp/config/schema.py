@@ -290,6 +290,9 @@ class BackendConfig:
     """auto: bf16 on cuda, fp32 on cpu."""
     ray_address: Optional[str] = "${oc.env:RAY_ADDRESS,null}"
     """A Ray cluster to join; None: start a local one (and stop it at the end)."""
+    pool: str = "auto"
+    """Warm workers (docs/pool.md): auto: a free pool of this sweep's, else this user's (`python -m tinker_exp.pool
+    up`) if one is up, else a cold start; none: always a cold start; else a pool's address (its socket)."""
     # --- throughput (docs/devices.md#throughput-knobs); each default leaves a CPU run's losses as they were ---
     micro_batch_tokens: Optional[int] = None
     """Micro batches by tokens (verl's use_dynamic_bsz, max_token_len_per_gpu): each worker's sequences are packed
@@ -314,10 +317,11 @@ class BackendConfig:
     from the last hidden states, never the whole logits tensor. Without it, and without flash-attn's cross-entropy,
     verl 0.9.1 computes a padding-free batch's log-probs one token at a time in a Python loop. None: on for cuda,
     off for cpu (the same values up to float rounding)."""
-    reshard_after_forward: Optional[bool] = None
-    """FSDP2's reshard_after_forward: true frees each layer's gathered parameters after its forward and gathers
-    them again for its backward (less memory); false keeps them to the backward (one all-gather fewer per layer
-    and micro batch). None: false on cpu, true on cuda (verl's default). Moves data only: losses are the same."""
+    reshard_after_forward: bool = True
+    """FSDP2's reshard_after_forward (verl's default: true): true frees each layer's gathered parameters after its
+    forward and gathers them again for its backward (less memory); false keeps them to the backward (one
+    all-gather fewer per layer and micro batch; after a forward-only evaluation they stay gathered). Moves data
+    only: losses are the same."""
     optimizer_kernel: OptimizerKernel = OptimizerKernel.auto
     """The torch optimizer's implementation: fused (one kernel for all parameters; adam, adamw, sgd), foreach
     (batched per op; every torch optimizer, not muon), for_loop (per parameter). auto: fused on cuda where the
@@ -331,6 +335,10 @@ class BackendConfig:
             )
         if self.nodes_timeout_s <= 0:
             raise ConfigError(f"backend.nodes_timeout_s: must be > 0, got {self.nodes_timeout_s!r}")
+        if not self.pool:
+            raise ConfigError("backend.pool: empty; auto, none or a pool's address")
+        if self.pool not in ("auto", "none") and self.nodes > 1:
+            raise ConfigError(f"backend.pool={self.pool}: a pool holds workers on its own machine; a run over backend.nodes={self.nodes} starts cold (backend.pool=auto or none)")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:
             raise ConfigError(
                 f"backend.micro_batch_tokens: must be >= 0 (0: by sequences) or null (auto), got {self.micro_batch_tokens!r}"

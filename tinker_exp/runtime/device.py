@@ -248,6 +248,6 @@ def throughput(backend: BackendConfig, device: str, optimizer_name: str) -> Thro
         gradient_checkpointing=backend.gradient_checkpointing,
         torch_compile=compile_,
         fused_lm_head=device == "cuda" if backend.fused_lm_head is None else backend.fused_lm_head,
-        reshard_after_forward=device == "cuda" if backend.reshard_after_forward is None else backend.reshard_after_forward,
+        reshard_after_forward=backend.reshard_after_forward,
         optimizer_kernel=kwargs,
     )

@@ -21,6 +21,8 @@ from tinker_exp.runtime.workers import (
     TinkerWorkers,
     _loss,
     engine_device_info,
+    fresh_engine,
+    keep_initial_state,
     optimizer_step_with_clip,
     param_group_values,
     start_process_group,
@@ -61,6 +63,22 @@ def _rl_worker_class():
             Ray actor (its update_weights is a coroutine), which does not run two calls in the order they were sent."""
             torch.manual_seed(self.config.actor.fsdp_config.seed)  # as the SFT worker's reset: the same start
             TinkerActorRolloutRefWorker.init_model(self)
+            self.actor.set_loss_fn(loss_fn=loss_fn)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def keep_initial_state(self) -> None:
+            """On a pool's group, right after its build: the start every later run restores (`fresh_state`)."""
+            self.kept = keep_initial_state(self.actor.engine, self.config.actor.fsdp_config.seed)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def fresh_state(self, config, loss_fn, seed: int) -> None:
+            """A pool's run starts here: the actor's engine as a cold build with `seed` leaves it, a new optimizer
+            built from `config` (this run's actor_rollout_ref section) as init_model builds it, the run's loss."""
+            from verl.utils.config import omega_conf_to_dataclass
+
+            optimizer_config = omega_conf_to_dataclass(config.actor).optim
+            self.kept = fresh_engine(self.actor.engine, getattr(self, "kept", None), optimizer_config, seed)
+            self.actor.optimizer_config = optimizer_config
             self.actor.set_loss_fn(loss_fn=loss_fn)
 
         @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"), blocking=False)
@@ -165,6 +183,10 @@ class RLWorkers(TinkerWorkers):
     def load_checkpoint(self, folder) -> None:
         super().load_checkpoint(folder)
         self.weights_version += 1
+
+    def _fresh_state(self, worker_config: Any, seed: int) -> list:
+        self.weights_version += 1
+        return self.group.execute_all_async("fresh_state", worker_config, self.loss_fn, seed)
 
     def export_weights(self) -> dict[str, Any]:
         """The full model's tensors by name, gathered from every rank (rank 0's copy)."""

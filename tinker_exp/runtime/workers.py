@@ -100,7 +100,7 @@ def engine_device_info(engine: Any) -> dict[str, Any]:
     from verl.utils.device import get_device_name
 
     parameter = next(engine.module.parameters())
-    info = {"platform": get_device_name(), "parameters": str(parameter.device)}
+    info = {"platform": get_device_name(), "parameters": str(parameter.device), "pid": os.getpid()}
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.current_device()
         info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -143,6 +143,56 @@ def optimizer_step_with_clip(step: Any, engine: Any, optim_step_params: dict[str
     return {**metrics, "param_groups": [{**group, "grad_clip_norm": applied} for group in param_group_values(engine)]}
 
 
+def engine_tensors(engine: Any) -> list:
+    """Every tensor of the engine's model that training or a build sets: parameters (each rank's shards), buffers."""
+    return [*engine.module.parameters(), *engine.module.buffers()]
+
+
+def keep_initial_state(engine: Any, seed: int) -> dict[str, Any]:
+    """What a cold build with `seed` leaves on this rank: a copy of its weights (on their device) and torch's RNG, so
+    that a later run starts from exactly there without building again (`restore_initial_state`)."""
+    import torch
+
+    with torch.no_grad():
+        tensors = [t.detach().clone() for t in engine_tensors(engine)]
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return {"seed": seed, "tensors": tensors, "rng": torch.get_rng_state(), "cuda_rng": cuda}
+
+
+def restore_initial_state(engine: Any, kept: dict[str, Any], optimizer_config: Any) -> None:
+    """This rank as a cold build left it (`kept`), with a new optimizer (zero state) and lr scheduler built from
+    `optimizer_config` as verl's engine builds them, and no gradients."""
+    import torch
+
+    with torch.no_grad():
+        for tensor, initial in zip(engine_tensors(engine), kept["tensors"], strict=True):
+            tensor.copy_(initial)
+    for parameter in engine.module.parameters():
+        parameter.grad = None  # a run stopped between forward_backward and optimizer_step leaves some
+    engine.optimizer_config = optimizer_config
+    engine.optimizer = engine._build_optimizer(engine.module)
+    engine.lr_scheduler = engine._build_lr_scheduler(engine.optimizer)
+    engine.checkpoint_manager.optimizer, engine.checkpoint_manager.lr_scheduler = engine.optimizer, engine.lr_scheduler
+    torch.set_rng_state(kept["rng"])
+    if kept["cuda_rng"] is not None:
+        torch.cuda.set_rng_state_all(kept["cuda_rng"])
+
+
+def fresh_engine(engine: Any, kept: dict[str, Any] | None, optimizer_config: Any, seed: int) -> dict[str, Any]:
+    """A run's start on a kept engine, exactly a cold one's: restored from the copy kept at the build when the seed
+    is the build's, else built again from the model dir (the seed draws LoRA's initial matrices); returns what is
+    kept now."""
+    import torch
+
+    if kept is not None and kept["seed"] == seed:
+        restore_initial_state(engine, kept, optimizer_config)
+        return kept
+    engine.optimizer_config = optimizer_config
+    torch.manual_seed(seed)  # as a cold worker's reset
+    engine.initialize()
+    return keep_initial_state(engine, seed)
+
+
 def _worker_class():
     import torch
     from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
@@ -156,6 +206,7 @@ def _worker_class():
         def __init__(self, config):
             start_process_group()
             super().__init__(config)
+            self.kept = None  # a pool's group: the start every run restores (keep_initial_state)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def reset(self):
@@ -163,6 +214,17 @@ def _worker_class():
             # this, LoRA's A matrices (drawn here; FSDP2 keeps rank 0's) differ from run to run.
             torch.manual_seed(self.engine_config.seed)
             return TinkerTrainingWorker.reset(self)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def keep_initial_state(self) -> None:
+            """On a pool's group, right after its build: the start every later run restores (`fresh_state`)."""
+            self.kept = keep_initial_state(self.engine, self.engine_config.seed)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def fresh_state(self, optimizer_config, seed: int) -> None:
+            """A pool's run starts here: the engine as a cold build with `seed` leaves it, a new optimizer."""
+            self.kept = fresh_engine(self.engine, self.kept, optimizer_config, seed)
+            self.optimizer_config = optimizer_config
 
         @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
         def forward_backward(self, data):
@@ -293,6 +355,7 @@ class TinkerWorkers:
             device = resolve(replace(backend, device=Device(device)))
         self.choice = device
         self.device = device.device
+        self.backend, self.model_path = backend, model_path
         self.nodes = backend.nodes
         self.lora = lora if lora is not None and lora.rank > 0 else None
         self.output = output
@@ -363,6 +426,24 @@ class TinkerWorkers:
     def worker_class(self) -> type:
         """The Ray actor class of each rank (a test plants an applied/requested mismatch in a subclass)."""
         return _worker_class()
+
+    def keep_initial_state(self) -> None:
+        """A pool's group, once built (after ready()): every rank keeps the start each later run restores."""
+        self.group.keep_initial_state()
+
+    def start_fresh(self, optimizer: OptimizerConfig, trainer: TrainerConfig, optimizer_values: dict[str, Any], output: WorkerOutput) -> None:
+        """A new run on these workers (a pool's): what they print from now on goes to `output`; each rank's engine
+        as a cold start with this run's optimizer and seed leaves it (runtime/workers.py `fresh_engine`)."""
+        import ray
+
+        if output is not self.output:
+            self.output = output
+            output.start()
+        config = self._worker_config(self.backend, optimizer, trainer, self.model_path, optimizer_values)
+        ray.get(self._fresh_state(config, trainer.seed))
+
+    def _fresh_state(self, worker_config: Any, seed: int) -> list:
+        return self.group.execute_all_async("fresh_state", worker_config.optimizer_config, seed)
 
     def _worker_config(
         self,

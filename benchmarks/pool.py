@@ -1,0 +1,180 @@
+"""Warm workers (tinker_exp/pool/) against cold starts: paired runs, medians, ratios. Four parts, each its own command:
+
+- start: process start to the end of step 1, for the bare verl loop (benchmarks/overhead.py's), a cold run
+  (backend.pool=none) and a run on a warm pool (started once, before the pairs); each pair runs the three in an
+  alternating order. Printed: every pair, the medians and ratios, and the warm run's parts: the client's (Python,
+  Hydra, the checks: a dry run of the same command), the pool's (fresh state, data, W&B; the rest) and step 1 itself.
+- study: an Optuna study (hparams_search=lr_cosine, seeded) of --trials trials of --steps steps, cold then warm
+  (the sweep's own pool): wall time against the sum of its trials' training time (first step's start to last row),
+  and whether both studies found the same objective values and best trial.
+- pbt: a population (hparams_search=pbt_lr_cosine, 4 members), cold then warm: wall time.
+- memory: a pool's resident memory (the pool's process and each worker's) at rest, then after every 5 of --runs
+  short runs on it.
+
+    .venv/bin/python benchmarks/pool.py start [--pairs 3] [--steps 3]
+    .venv/bin/python benchmarks/pool.py study [--trials 8] [--steps 20]
+    .venv/bin/python benchmarks/pool.py pbt
+    .venv/bin/python benchmarks/pool.py memory [--runs 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from overhead import figures, prepare, spread, timed  # noqa: E402  (the bare loop and its timing, as overhead.py has them)
+
+PYTHON = sys.executable
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def pool_command(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([PYTHON, "-m", "tinker_exp.pool", *args], cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"pool {' '.join(args)} failed:\n{done.stdout}{done.stderr}")
+    return done
+
+
+def start(args: argparse.Namespace, tmp: Path) -> None:
+    overrides = ["+override=constant", f"trainer.steps={args.steps}", "checkpoint.every_steps=0", "checkpoint.at_end=false"]
+    spec, _ = prepare(overrides, tmp)
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    print(pool_command("up", *overrides).stdout.strip().splitlines()[-1], file=sys.stderr)
+    starts: dict[str, list[float]] = {"bare": [], "cold": [], "warm": []}
+    step_one, losses = [], {}
+    sides = ["bare", "cold", "warm"]
+    try:
+        for pair in range(args.pairs):
+            order = sides[pair % 3:] + sides[:pair % 3]
+            for side in order:
+                if side == "bare":
+                    out = tmp / f"bare_{pair}.jsonl"
+                    began, rows = timed([PYTHON, str(REPO / "benchmarks" / "overhead.py"), "--bare", str(tmp / "spec.json"), str(out)],
+                                        lambda: [json.loads(line) for line in out.read_text().splitlines()][:-1])  # fmt: skip
+                    starts["bare"].append(figures(began, [r["time"] for r in rows])[1])
+                    losses["bare"] = [r["loss"] for r in rows]
+                    continue
+                run_dir = tmp / f"{side}_{pair}"
+                pool = ["backend.pool=none"] if side == "cold" else []
+                began, rows = timed([PYTHON, "-m", "tinker_exp", *overrides, *pool, f"hydra.run.dir={run_dir}"], lambda: rows_of(run_dir))
+                starts[side].append(rows[0]["time"] - began)
+                losses[side] = [r["train/loss"] for r in rows]
+                if side == "warm":
+                    step_one.append(rows[0]["perf/step_time_s"])
+            print(f"pair {pair + 1}/{args.pairs}: " + ", ".join(f"{s} {starts[s][-1]:.2f} s" for s in sides), file=sys.stderr)
+        client = []
+        for i in range(args.pairs):  # the client's part: the same command's dry run (compose, checks, plan; no workers)
+            began = time.time()
+            subprocess.run([PYTHON, "-m", "tinker_exp", *overrides, "dry_run=true", f"hydra.run.dir={tmp / f'dry_{i}'}"],
+                           cwd=REPO, capture_output=True, check=True)  # fmt: skip
+            client.append(time.time() - began)
+    finally:
+        pool_command("down")
+    print(f"{'pair':6}{'bare s':>9}{'cold s':>9}{'warm s':>9}{'warm/cold':>11}{'warm/bare':>11}")
+    for i in range(args.pairs):
+        b, c, w = starts["bare"][i], starts["cold"][i], starts["warm"][i]
+        print(f"{i + 1:<6}{b:9.2f}{c:9.2f}{w:9.2f}{w / c:11.3f}{w / b:11.3f}")
+    med = {side: statistics.median(values) for side, values in starts.items()}
+    print(f"process start to the end of step 1 (median (min..max)): bare {spread(starts['bare'], '.2f')} s, cold "
+          f"{spread(starts['cold'], '.2f')} s, warm {spread(starts['warm'], '.2f')} s; warm/cold {med['warm'] / med['cold']:.3f}, "
+          f"warm/bare {med['warm'] / med['bare']:.3f}")  # fmt: skip
+    c, s = statistics.median(client), statistics.median(step_one)
+    print(f"the warm run's parts (medians): client (Python, Hydra, checks: a dry run) {c:.2f} s; step 1 itself {s:.2f} s; "
+          f"the pool's part (fresh state, data, W&B, the rest) {med['warm'] - c - s:.2f} s")  # fmt: skip
+    print(f"losses: cold == warm {'bitwise' if losses['cold'] == losses['warm'] else 'DIFFER'}; bare == warm "
+          f"{'bitwise' if losses['bare'] == losses['warm'] else 'differ'}")  # fmt: skip
+
+
+def sweep(command: list[str], sweep_dir: Path) -> tuple[float, list[dict]]:
+    """Run a sweep; (its wall time, each job's rows) (jobs in sweep_dir/N/)."""
+    began = time.monotonic()
+    done = subprocess.run([PYTHON, "-m", "tinker_exp", *command, f"hydra.sweep.dir={sweep_dir}"], cwd=REPO, capture_output=True, text=True)
+    wall = time.monotonic() - began
+    if done.returncode != 0:
+        sys.exit(f"the sweep failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    jobs = sorted((p for p in sweep_dir.iterdir() if p.name.isdigit() and (p / "metrics.jsonl").exists()), key=lambda p: int(p.name))
+    return wall, [{"num": int(j.name), "rows": rows_of(j), "objective": objective(j)} for j in jobs]
+
+
+def objective(run_dir: Path) -> float | None:
+    path = run_dir / "objective.json"
+    return json.loads(path.read_text()).get("value") if path.exists() else None
+
+
+def training_time(rows: list[dict]) -> float:
+    """A run's training: from its first step's start to its last row."""
+    return rows[-1]["time"] - rows[0]["time"] + rows[0]["perf/step_time_s"]
+
+
+def compare_sweeps(name: str, command: list[str], tmp: Path) -> None:
+    results = {}
+    for side, extra in (("cold", ["backend.pool=none"]), ("warm", [])):
+        wall, jobs = sweep([*command, *extra], tmp / side)
+        trained = sum(training_time(job["rows"]) for job in jobs)
+        results[side] = (wall, trained, jobs)
+        print(f"{name} {side}: {len(jobs)} jobs, wall {wall:.1f} s, their training {trained:.1f} s: ratio {wall / trained:.2f}", file=sys.stderr)
+    (cw, ct, cj), (ww, wt, wj) = results["cold"], results["warm"]
+    print(f"{name}: wall cold {cw:.1f} s, warm {ww:.1f} s (warm/cold {ww / cw:.3f}); wall / the trials' training: cold "
+          f"{cw / ct:.2f}x, warm {ww / wt:.2f}x")  # fmt: skip
+    same = [a["objective"] for a in cj] == [b["objective"] for b in wj]
+    best = lambda jobs: min((j for j in jobs if j["objective"] is not None), key=lambda j: j["objective"])["num"]  # noqa: E731
+    print(f"{name}: objective values cold == warm: {same}; best job cold {best(cj)}, warm {best(wj)}")
+
+
+def study(args: argparse.Namespace, tmp: Path) -> None:
+    compare_sweeps("study", ["-m", "hparams_search=lr_cosine", f"hydra.sweeper.n_trials={args.trials}",
+                             f"trainer.steps={args.steps}", "logger=none"], tmp)  # fmt: skip
+
+
+def pbt(args: argparse.Namespace, tmp: Path) -> None:
+    compare_sweeps("pbt", ["-m", "hparams_search=pbt_lr_cosine", "logger=none"], tmp)
+
+
+def memory(args: argparse.Namespace, tmp: Path) -> None:
+    overrides = ["trainer.steps=2", "checkpoint.every_steps=0", "checkpoint.at_end=false", "logger=none"]
+    pool_command("up", *overrides)
+
+    def figures_now() -> str:
+        line = [l for l in pool_command("status").stdout.splitlines() if "memory" in l][0]
+        return line.split(": ", 1)[1]
+
+    try:
+        print(f"at rest: {figures_now()}")
+        for run in range(1, args.runs + 1):
+            subprocess.run([PYTHON, "-m", "tinker_exp", *overrides, f"hydra.run.dir={tmp / f'run_{run}'}"], cwd=REPO,
+                           capture_output=True, check=True)  # fmt: skip
+            if run % 5 == 0:
+                print(f"after {run} runs: {figures_now()}")
+    finally:
+        pool_command("down")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("part", choices=["start", "study", "pbt", "memory"])
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=20)
+    args = parser.parse_args()
+    args.steps = args.steps or (3 if args.part == "start" else 20)
+    os.environ.setdefault("WANDB_MODE", "offline")
+    with tempfile.TemporaryDirectory() as name:
+        {"start": start, "study": study, "pbt": pbt, "memory": memory}[args.part](args, Path(name))
+
+
+if __name__ == "__main__":
+    main()

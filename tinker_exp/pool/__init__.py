@@ -1,0 +1,2 @@
+"""Warm workers: a long-lived process holding a Ray cluster and a verl worker group that runs reuse, each from
+exactly the state a cold start leaves (docs/pool.md). `python -m tinker_exp.pool up|status|down`."""

@@ -1,0 +1,166 @@
+"""A run's side of a pool: find one (`attach`, per `backend.pool`), hold it for the run, hand it the run and show
+what it says (its log records, the progress bar) as a cold run would show them; Ctrl-C and SIGTERM reach the run
+there, and it stops as a cold run does. Pure Python: no torch, verl or ray in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tinker_exp.errors import ConfigError, Terminated, TinkerExpError
+from tinker_exp.pool import wire
+
+log = logging.getLogger(__name__)
+
+STOP_WAIT_S = 30.0
+"""After Ctrl-C or SIGTERM, how long the run waits for the pool to stop it and close its files."""
+
+
+class PoolBusyError(TinkerExpError):
+    """The pool is lending its workers to another run: one run at a time on a group."""
+
+    exit_code = 2
+    label = "pool busy"
+
+
+class PoolGoneError(TinkerExpError):
+    """The pool ended while it ran this run."""
+
+    label = "pool error"
+
+
+def sweep_addresses() -> list[Path]:
+    return [Path(a) for a in os.environ.get(wire.SWEEP_POOLS_ENV, "").split(":") if a]
+
+
+def attach(setting: str) -> "Lease | None":
+    """The pool this run trains on, held for it; None for a cold start. `setting`: backend.pool (none, auto or an
+    address). auto: a free pool of this sweep's, else this user's pool if up, else a cold start (said in one line).
+    A pool that is busy refuses the run (one line, exit 2, nothing written); one that runs older code is skipped."""
+    if setting == "none" or (setting == "auto" and "SLURM_JOB_ID" in os.environ):  # a Slurm job: its own allocation
+        return None
+    explicit = setting != "auto"
+    addresses = [Path(setting).expanduser()] if explicit else sweep_addresses() or [wire.address_of()]
+    answers: list[tuple[Path, Any]] = []
+    for address in addresses:
+        try:
+            sock = wire.connect(address)
+            wire.send(sock, ("lease", {"code": wire.code_fingerprint(), "pid": os.getpid(), "who": " ".join(sys.argv[1:])}))
+            reply = wire.recv(sock)
+        except (OSError, EOFError) as e:
+            answers.append((address, ("none", str(e))))
+            continue
+        if reply[0] == "leased":
+            sock.settimeout(None)
+            return Lease(sock, address, reply[1])
+        sock.close()
+        answers.append((address, reply))
+    busy = [(address, reply[1]) for address, reply in answers if reply[0] == "busy"]
+    if busy:
+        address, holder = busy[0]
+        raise PoolBusyError(
+            f"backend.pool={setting}: the pool at {address} is running another run ({holder['who'] or 'no overrides'}, "
+            f"pid {holder['pid']}, since {time.strftime('%H:%M:%S', time.localtime(holder['since']))}); one run at a time "
+            "on its workers: run again when it ends, or with backend.pool=none (a cold start)"
+        )
+    stale = [address for address, reply in answers if reply[0] == "stale"]
+    if stale:
+        line = f"the pool at {stale[0]} runs the code of before a change: python -m tinker_exp.pool down, then up again"
+        if explicit:
+            raise ConfigError(f"backend.pool={setting}: {line}")
+        log.info(f"pool: {line}; starting cold")
+        return None
+    if explicit:
+        raise ConfigError(f"backend.pool={setting}: no pool answers there (python -m tinker_exp.pool up starts one)")
+    log.info("pool: none is up, starting cold (python -m tinker_exp.pool up keeps workers warm between runs)")
+    return None
+
+
+def run_payload(arguments: tuple) -> dict[str, Any]:
+    """What the pool needs besides the arguments to run as this process would: its environment, working dir, log
+    level and whether its terminal is one."""
+    return {
+        "arguments": arguments,
+        "environ": dict(os.environ),
+        "cwd": os.getcwd(),
+        "log_level": logging.getLogger().getEffectiveLevel(),
+        "isatty": sys.stderr.isatty(),
+    }
+
+
+@dataclass(frozen=True)
+class RemoteError(Exception):
+    """An error that is not ours, raised in the pool's run: its traceback as the pool saw it."""
+
+    text: str
+
+    def __str__(self) -> str:
+        return f"in the pool's run:\n{self.text}"
+
+
+class Lease:
+    """This run's hold on a pool: released when the run ends (or this process does)."""
+
+    def __init__(self, sock: Any, address: Path, info: dict[str, Any]) -> None:
+        self.sock, self.address, self.info = sock, address, info
+
+    def describe(self) -> str:
+        return f"pool: training on the warm workers of {self.address} (pid {self.info['pid']})"
+
+    def train_run(self, cfg: Any, plan: Any, rows: Any, start: Any, run_dir: Path, wandb_config: dict[str, Any],
+                  start_workers: Any, job_number: int | None) -> dict[str, Any]:  # fmt: skip
+        """main.train_run, run by the pool; its result, or what it raised, here. The plan and the rows are made there
+        again from the config (a plan holds compiled schedules, which do not travel)."""
+        assert start_workers is None, "a pool runs verl's workers"
+        wire.send(self.sock, ("run", run_payload((cfg, start, run_dir, wandb_config, job_number))))
+        try:
+            return self.follow()
+        except (KeyboardInterrupt, Terminated) as stop:
+            self._stop("SIGINT" if isinstance(stop, KeyboardInterrupt) else "SIGTERM")
+            raise
+
+    def follow(self) -> Any:
+        """What the pool says until it is done: shown here as a cold run shows it; its result, or its error raised."""
+        while True:
+            try:
+                message = wire.recv(self.sock)
+            except (EOFError, OSError) as e:
+                raise PoolGoneError(f"the pool at {self.address} ended during the run ({e}); its log: {wire.log_of(self.address)}") from None
+            kind = message[0]
+            if kind == "log":
+                record = logging.makeLogRecord(message[1])
+                logger = logging.getLogger(record.name)
+                if logger.isEnabledFor(record.levelno):
+                    logger.handle(record)
+            elif kind in ("stdout", "stderr"):
+                stream = getattr(sys, kind)
+                stream.write(message[1])
+                stream.flush()
+            elif kind == "done":
+                return message[1]
+            elif kind == "raised":
+                raise message[1]
+            elif kind == "crashed":
+                raise RemoteError(message[1])
+
+    def _stop(self, signal_name: str) -> None:
+        """Ctrl-C or SIGTERM here: the same reaches the run in the pool, which closes it as a cold run closes; its
+        lines are shown until it has (bounded)."""
+        try:
+            wire.send(self.sock, ("stop", signal_name))
+            self.sock.settimeout(STOP_WAIT_S)
+            self.follow()
+        except BaseException:  # its stop (KeyboardInterrupt, Terminated), or a pool that does not answer in time
+            pass
+
+    def release(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,420 @@
+"""The pool's process: torch, verl and Ray imported once, a Ray cluster and a warm worker group (runtime/warm.py)
+held across runs, and each run a client hands it trained here by `main.train_run`, the very code a cold run runs,
+with its log records, progress bar and errors sent back to the client's terminal.
+
+One run at a time (a second client is refused while one holds the pool). The run executes in this process's main
+thread, so a client's Ctrl-C or SIGTERM (or its end: a killed client) stops it as a cold run stops (KeyboardInterrupt,
+Terminated); the group then starts the next run from its kept state. Idle for `idle_s`, or asked (`down`), the pool
+frees its workers and ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from tinker_exp.errors import STOPS, Terminated
+from tinker_exp.pool import wire
+from tinker_exp.train.signals import SIGTERM_RECEIVED, sigterm_raises
+
+log = logging.getLogger(__name__)
+
+ENDING_WAIT_S = 60.0
+"""How long a new run waits for a stopped or killed one to close its files and give the workers back."""
+STOP_SIGNAL = signal.SIGUSR1
+"""What a client's SIGTERM becomes in this process, only while a run runs (a late one, after the run, is ignored)."""
+
+
+@dataclass
+class Job:
+    """A request for the main thread: a run (`kind` "run"), or a group built ahead of runs ("prepare", from `up`)."""
+
+    kind: str
+    payload: dict[str, Any]
+    sock: socket.socket
+    done: threading.Event = field(default_factory=threading.Event)
+    running: bool = False
+    cancelled: bool = False
+
+
+class Host:
+    def __init__(self, address: Path, idle_s: float, parent_pid: int | None = None) -> None:
+        from tinker_exp import assemble
+        from tinker_exp.runtime.warm import WarmGroup
+
+        def build(cfg, plan, model_path, run_dir, choice):
+            return assemble.verl_workers(cfg, plan, model_path, run_dir, choice)
+
+        self.address, self.idle_s, self.parent_pid = address, idle_s, parent_pid
+        self.group = WarmGroup(build, assemble.WORKERS_LOG)
+        self.code = wire.code_fingerprint()
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.lock = threading.RLock()
+        self.free = threading.Condition(self.lock)
+        """Notified when the pool's holder lets go."""
+        self.holder: dict[str, Any] | None = None  # who holds the pool: {"who", "pid", "since"}
+        self.current: Job | None = None
+        self.started, self.last_used = time.time(), time.monotonic()
+        self.stopping = threading.Event()
+        self.main_thread = threading.main_thread().ident
+
+    # -- the listener: one thread a connection -------------------------------------------------------------------
+    def listen(self) -> socket.socket:
+        if self.address.exists():
+            self.address.unlink()
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(str(self.address))
+        os.chmod(self.address, 0o600)
+        server.listen(16)
+        threading.Thread(target=self._accept, args=(server,), name="pool-accept", daemon=True).start()
+        return server
+
+    def _accept(self, server: socket.socket) -> None:
+        while not self.stopping.is_set():
+            try:
+                sock, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), name="pool-client", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        with sock:
+            try:
+                if not same_user(sock):
+                    return
+                message = wire.recv(sock)
+                kind = message[0]
+                if kind == "status":
+                    wire.send(sock, self.status())
+                elif kind == "down":
+                    wire.send(sock, ("ok", os.getpid()))
+                    self.stop("asked (pool down)")
+                elif kind in ("lease", "prepare"):
+                    self._lend(sock, kind, message[1])
+            except (EOFError, OSError):
+                pass
+
+    def _lend(self, sock: socket.socket, kind: str, request: dict[str, Any]) -> None:
+        if request.get("code") != self.code:
+            wire.send(sock, ("stale", self.code))
+            return
+        with self.free:
+            # A run whose client has gone (killed) or stopped it is ending: the next one waits for it, not refused.
+            self.free.wait_for(lambda: self.holder is None or not self.holder["ending"], timeout=ENDING_WAIT_S)
+            if self.holder is not None or self.stopping.is_set():
+                wire.send(sock, ("busy", self.holder or {"who": "its own end", "pid": os.getpid(), "since": time.time()}))
+                return
+            self.holder = {"who": request.get("who", ""), "pid": request.get("pid"), "since": time.time(), "ending": False}
+        job = None
+        try:
+            wire.send(sock, ("leased", {"pid": os.getpid(), "since": self.started}))
+            if kind == "prepare":
+                job = Job("prepare", request, sock)
+            else:
+                message = wire.recv(sock)
+                if message[0] != "run":
+                    return
+                job = Job("run", message[1], sock)
+            self.jobs.put(job)
+            self._watch(sock, job)
+        except (EOFError, OSError):  # the client has gone (killed): its run stops as on SIGTERM
+            if job is not None:
+                self._stop_job(job, STOP_SIGNAL)
+        finally:
+            if job is not None:
+                job.done.wait()
+            with self.free:
+                self.holder = None
+                self.free.notify_all()
+            self.last_used = time.monotonic()
+
+    def _watch(self, sock: socket.socket, job: Job) -> None:
+        """Until the job is done: a stop from the client, or its end (killed), stops the run."""
+        sock.settimeout(0.5)
+        while not job.done.is_set():
+            try:
+                message = wire.recv(sock)
+            except socket.timeout:
+                continue
+            if message[0] == "stop":
+                self._stop_job(job, STOP_SIGNAL if message[1] == "SIGTERM" else signal.SIGINT)
+
+    def _stop_job(self, job: Job, signum: int) -> None:
+        with self.lock:
+            job.cancelled = True
+            if self.holder is not None:
+                self.holder["ending"] = True
+            if job.running and not job.done.is_set():
+                signal.pthread_kill(self.main_thread, signum)
+
+    # -- the main thread: runs, one at a time ---------------------------------------------------------------------
+    def run_forever(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                job = self.jobs.get(timeout=1.0)
+            except queue.Empty:
+                self._check_idle()
+                continue
+            except (KeyboardInterrupt, Terminated):  # a client's stop that came after its run ended
+                continue
+            try:
+                self._execute(job)
+            except (KeyboardInterrupt, Terminated):
+                pass
+            finally:
+                job.done.set()
+
+    def _check_idle(self) -> None:
+        if self.holder is None and time.monotonic() - self.last_used > self.idle_s:
+            self.stop(f"idle for {self.idle_s / 60:g} min")
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            self.stop("the sweep that started it has ended")
+
+    def _execute(self, job: Job) -> None:
+        out = Outbox(job.sock)
+        with self.lock:
+            if job.cancelled:
+                return
+            job.running, self.current = True, job
+        answer: Any = None
+        try:
+            with client_context(job.payload, out):
+                try:
+                    answer = ("done", self._prepare(job.payload) if job.kind == "prepare" else self._train(job.payload))
+                finally:
+                    self._ended(job)
+        except BaseException as e:  # what the run raised; a stop that arrived as it was ending is not its answer
+            if answer is None:
+                answer = answer_for(e)
+        out.send(answer)
+
+    def _ended(self, job: Job) -> None:
+        with self.lock:
+            job.running, self.current = False, None
+
+    def _train(self, payload: dict[str, Any]) -> dict[str, Any]:
+        from tinker_exp.main import checked_env, checked_rows, train_run, validate
+
+        cfg, start, run_dir, wandb_config, job_number = payload["arguments"]
+        rows = checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # as the client read them (main.run)
+        return train_run(cfg, validate(cfg), rows, start, run_dir, wandb_config, self.group.lend, job_number)
+
+    def _prepare(self, payload: dict[str, Any]) -> str:
+        from tinker_exp.runtime.inputs import model_dir
+        from tinker_exp.runtime.warm import describe_key
+
+        from tinker_exp.main import validate
+
+        (cfg,) = payload["arguments"]
+        self.group.prepare(cfg, validate(cfg), model_dir(cfg.model), wire.log_of(self.address).parent / f"{self.address.stem}-workers")
+        return describe_key(self.group.key)
+
+    # -- status and the end -----------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        from tinker_exp.runtime.warm import describe_key
+
+        group = self.group
+        return {
+            "pid": os.getpid(),
+            "address": str(self.address),
+            "since": self.started,
+            "idle_s": self.idle_s,
+            "idle_for_s": 0.0 if self.holder else time.monotonic() - self.last_used,
+            "holder": self.holder,
+            "group": describe_key(group.key) if group.key else None,
+            "group_built_at": group.built_at,
+            "runs": group.runs,
+            "memory_mb": {"pool": rss_mb(os.getpid()), "workers": [rss_mb(pid) for pid in self.worker_pids()]},
+        }
+
+    def worker_pids(self) -> list[int]:
+        return list(self.group.pids)
+
+    def stop(self, why: str) -> None:
+        if not self.stopping.is_set():
+            log.info(f"pool: stopping: {why}")
+        self.stopping.set()
+        with self.lock:
+            current = self.current
+        if current is not None:
+            self._stop_job(current, STOP_SIGNAL)
+
+
+def answer_for(error: BaseException) -> tuple[str, Any]:
+    """What the client raises: our own stops as they are (one line and their exit code there, as in a cold run);
+    anything else as its traceback."""
+    import pickle
+
+    if isinstance(error, (*STOPS, KeyboardInterrupt)):
+        try:
+            pickle.dumps(error)
+            return ("raised", error)
+        except Exception:
+            pass
+    return ("crashed", "".join(traceback.format_exception(error)))
+
+
+class Outbox:
+    """Messages to the client, from any thread (a log record may come from W&B's or Ray's)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.lock = sock, threading.Lock()
+
+    def send(self, message: Any) -> None:
+        with self.lock:
+            try:
+                wire.send(self.sock, message)
+            except OSError:
+                pass  # the client is gone: its run is being stopped
+
+
+class ForwardedStream:
+    """sys.stdout / sys.stderr during a run: what is written goes to the client's."""
+
+    def __init__(self, out: Outbox, name: str, isatty: bool, underlying: Any) -> None:
+        self.out, self.name, self._isatty, self.underlying = out, name, isatty, underlying
+        self.encoding = "utf-8"
+
+    def fileno(self) -> int:
+        return self.underlying.fileno()  # for a library's fault handler: this process's own (the pool's log)
+
+    def write(self, text: str) -> int:
+        if text:
+            self.out.send((self.name, text))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return self._isatty
+
+
+class ForwardedRecords(logging.Handler):
+    def __init__(self, out: Outbox) -> None:
+        super().__init__()
+        self.out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = dict(record.__dict__)
+        fields["msg"], fields["args"] = record.getMessage(), None
+        if record.exc_info:
+            fields["exc_text"] = self.formatter.formatException(record.exc_info) if self.formatter else logging.Formatter().formatException(record.exc_info)
+        fields["exc_info"] = None
+        self.out.send(("log", fields))
+
+
+@contextmanager
+def client_context(payload: dict[str, Any], out: Outbox) -> Iterator[None]:
+    """For one run: the client's environment and working dir, its log level; what the run logs and prints goes to the
+    client; SIGINT and the stop signal raise in this thread as Ctrl-C and SIGTERM do in a cold run."""
+    environ, cwd = dict(os.environ), os.getcwd()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    streams = sys.stdout, sys.stderr
+    forward = ForwardedRecords(out)
+    os.environ.clear()
+    os.environ.update({k: v for k, v in environ.items() if k.startswith("RAY_")})  # this process's Ray session
+    os.environ.update(payload.get("environ", {}))
+    os.chdir(payload.get("cwd", cwd))
+    root.handlers = [forward]
+    root.setLevel(payload.get("log_level", logging.INFO))
+    sys.stdout = ForwardedStream(out, "stdout", False, streams[0])
+    sys.stderr = ForwardedStream(out, "stderr", payload.get("isatty", False), streams[1])
+    reset_warning_registries()  # a warning shown to an earlier run is shown again, as in a fresh process
+
+    def terminated(signum: int, frame: Any) -> None:
+        if SIGTERM_RECEIVED.is_set():
+            return
+        SIGTERM_RECEIVED.set()
+        raise Terminated()
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, STOP_SIGNAL)}
+    try:
+        with sigterm_raises():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(STOP_SIGNAL, terminated)
+            yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sys.stdout, sys.stderr = streams
+        root.handlers, root.level = handlers, level
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def reset_warning_registries() -> None:
+    for module in list(sys.modules.values()):
+        registry = getattr(module, "__dict__", {}).get("__warningregistry__")  # no getattr: lazy modules import on it
+        if isinstance(registry, dict):
+            registry.clear()
+
+
+def same_user(sock: socket.socket) -> bool:
+    """Only this user's processes may hand the pool a run (the folder is private too)."""
+    import struct
+
+    try:
+        credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (AttributeError, OSError):
+        return True  # no SO_PEERCRED here: the 0700 folder alone guards it
+    _, uid, _ = struct.unpack("3i", credentials)
+    return uid == os.getuid()
+
+
+def rss_mb(pid: int | None) -> float | None:
+    """A process's resident memory in MiB (Linux's /proc), None if unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def serve(address: Path, idle_s: float, parent_pid: int | None) -> None:
+    """The pool's process, until it is asked down, idles out or (a sweep's) its sweep ends."""
+    from tinker_exp.main import one_line_warning
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", stream=sys.stderr)
+    warnings.formatwarning = one_line_warning
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a client's stop is for its run only: see Host._stop_job
+    signal.signal(STOP_SIGNAL, signal.SIG_IGN)
+    warm_imports()
+    host = Host(address, idle_s, parent_pid)
+    signal.signal(signal.SIGTERM, lambda signum, frame: host.stop("SIGTERM"))
+    server = host.listen()
+    log.info(f"pool: listening at {address} (pid {os.getpid()}, idles out after {idle_s / 60:g} min)")
+    try:
+        host.run_forever()
+    finally:
+        server.close()
+        if address.exists():
+            address.unlink()
+        host.group.close()
+        log.info("pool: down")
+
+
+def warm_imports() -> None:
+    """What every run imports, imported before the first: the pool's point is that no run waits for it."""
+    from tinker_exp.runtime import rl_workers, sampler, workers  # noqa: F401
+    from tinker_exp.runtime.workers import _worker_class
+    from tinker_exp.train import loop, sinks  # noqa: F401
+
+    _worker_class()
+    rl_workers._rl_worker_class()

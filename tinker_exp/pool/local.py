@@ -1,0 +1,125 @@
+"""Pool processes on this machine: started (`start_host`), asked whether they answer, ended; and a sweep's own pools
+(`SweepPools`): one per job the sweep runs at once, started before its first job and ended with it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from tinker_exp.errors import TinkerExpError
+from tinker_exp.pool import wire
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0
+"""How long a new pool's process may take to listen."""
+SWEEP_IDLE_S = 3600.0
+"""A sweep's pool ends with its sweep (or when the sweep's process is gone); this bounds it if neither is seen."""
+
+
+class PoolStartError(TinkerExpError):
+    label = "pool error"
+
+
+def answers(address: Path) -> bool:
+    try:
+        return wire.ask(address, ("status",), timeout_s=2.0)["pid"] > 0
+    except (OSError, EOFError):
+        return False
+
+
+def start_host(address: Path, idle_s: float, parent_pid: int | None = None, wait: bool = True) -> subprocess.Popen:
+    """The pool's process, in a session of its own (a terminal's Ctrl-C is for runs, not for it); returns once it
+    listens (`wait`). Its output goes to its log beside the socket. `parent_pid`: it ends when that process has."""
+    wire.make_private(address.parent)
+    log_path = wire.log_of(address)
+    with open(log_path, "ab") as log_file:
+        command = [sys.executable, "-m", "tinker_exp.pool", "_host", str(address), str(idle_s)]
+        process = subprocess.Popen(
+            command + ([str(parent_pid)] if parent_pid else []),
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
+        )  # fmt: skip
+    if wait:
+        wait_listening(process, address)
+    return process
+
+
+def wait_listening(process: subprocess.Popen, address: Path) -> None:
+    log_path = wire.log_of(address)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not answers(address):
+        if process.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+            raise PoolStartError(f"the pool's process ended (exit {process.returncode}) before it listened; {log_path}:\n{tail}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise PoolStartError(f"the pool did not listen within {START_TIMEOUT_S:.0f} s; its log: {log_path}")
+        time.sleep(0.2)
+
+
+
+
+def end(address: Path, process: subprocess.Popen | None = None, wait_s: float = 60.0) -> int | None:
+    """Ask the pool at `address` to end, and wait until its process has (its child `process`: reaped); its pid, or
+    None if none answered."""
+    try:
+        _, pid = wire.ask(address, ("down",))
+    except (OSError, EOFError):
+        pid = None
+    if process is not None:
+        try:
+            process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        return pid
+    deadline = time.monotonic() + wait_s
+    while pid is not None and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return pid
+
+
+class SweepPools:
+    """A sweep's own pools: `count` of them on this machine, each serving one of its jobs at a time, reached by the
+    jobs through SWEEP_POOLS_ENV (`backend.pool=auto` takes a free one). Their processes are this sweep's children:
+    ended by `close` (called at exit too, after Ctrl-C or a failed job) or, should this process be killed, by
+    themselves once it is gone."""
+
+    def __init__(self) -> None:
+        self.processes: list[tuple[Path, subprocess.Popen]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"processes": []}  # a copy (a job's pickled launcher) holds none: only the sweep ends its pools
+
+    def start(self, count: int) -> None:
+        if self.processes or count < 1:
+            return
+        folder = wire.pool_dir()
+        wire.make_private(folder)
+        addresses = [folder / f"sweep-{os.getpid()}-{i}.sock" for i in range(count)]
+        log.info(f"pool: {count} warm pool(s) for this sweep's jobs (backend.pool=auto): {', '.join(map(str, addresses))}")
+        self.processes = [(a, start_host(a, SWEEP_IDLE_S, os.getpid(), wait=False)) for a in addresses]
+        atexit.register(self.close)
+        for address, process in self.processes:
+            wait_listening(process, address)
+        os.environ[wire.SWEEP_POOLS_ENV] = ":".join(map(str, addresses))
+
+    def close(self) -> None:
+        processes, self.processes = self.processes, []
+        if not processes:
+            return
+        os.environ.pop(wire.SWEEP_POOLS_ENV, None)
+        for address, process in processes:
+            end(address, process)
+        log.info(f"pool: the sweep's {len(processes)} pool(s) ended")
+
+
+def wanted(configs: Sequence[Any]) -> bool:
+    """Whether a sweep's jobs would take a sweep pool: their backend.pool is auto (none: cold; an address: that pool)."""
+    return any(cfg is not None and cfg.backend.pool == "auto" and cfg.backend.nodes == 1 and not cfg.dry_run for cfg in configs)
