@@ -361,6 +361,15 @@ def main() -> int:
         say(f"tinker_exp's loop done: {len(metrics)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; the run ended "
             f"{startup['run_end_after_last_step_s']:.1f} s after its last step")  # fmt: skip
 
+        step = split["step_s"]
+        mfu = 6 * n_params * tokens / step / PEAK_FLOPS
+        peak = figures["peak_memory_gib"]
+        say(f"tinker_exp: {step * 1e3:.1f} ms a step (median), {tokens / step:,.0f} tokens/s, MFU {mfu * 100:.1f} %, "
+            f"peak memory {'-' if peak is None else f'{peak:.1f} GiB'}")  # fmt: skip
+        print("GPU_BENCH_PARTIAL " + json.dumps({"mfu": mfu, "tokens_per_s": tokens / step, "step_s": step, "split": split,
+                                                 "peak_memory_gib": peak, "startup": startup, "device": choice.describe(),
+                                                 "throughput": knobs.describe()}, default=str), flush=True)  # fmt: skip
+
         # --- the bare loop ---
         if not args.no_bare:
             say("the bare verl loop: starting its workers")

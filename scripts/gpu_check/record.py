@@ -2,7 +2,8 @@
 
     python3 scripts/gpu_check/record.py FIGURES STAGE KIND RC SECONDS LOG [RUN_DIR] [END_TIME]
 
-KIND: env (the ENV line), bench (benchmarks/gpu.py's GPU_BENCH line and its --json file, LOG.json), run (a
+KIND: env (the ENV line), bench (benchmarks/gpu.py's GPU_BENCH line, else its GPU_BENCH_PARTIAL line, its progress
+lines and its --json file, LOG.json), run (a
 tinker_exp run dir: losses, step times, tokens/s, the device and workers lines, and the end of the run: END_TIME,
 when the process exited, minus the last step's row and minus the last checkpoint's line), skipped, summary.
 Stdlib only; never raises (a parse error is recorded as such).
@@ -76,7 +77,14 @@ def figures(kind: str, log_path: str, extra: list[str]) -> dict:
         return json.loads(lines[-1][4:]) if lines else {"parse": "no ENV line"}
     if kind == "bench":
         lines = [line for line in log.splitlines() if line.startswith("GPU_BENCH ")]
-        f = json.loads(lines[-1][len("GPU_BENCH "):]) if lines else {"parse": "no GPU_BENCH line"}
+        partial = [line for line in log.splitlines() if line.startswith("GPU_BENCH_PARTIAL ")]
+        if lines:
+            f = json.loads(lines[-1][len("GPU_BENCH "):])
+        elif partial:  # stopped in the bare loop: tinker_exp's figures
+            f = {"partial": True, **json.loads(partial[-1][len("GPU_BENCH_PARTIAL "):])}
+        else:
+            f = {"parse": "no GPU_BENCH line"}
+        f["progress"] = [line for line in log.splitlines() if line.startswith("[")][-40:]
         full = Path(log_path + ".json")
         if full.exists():
             f["all"] = json.loads(full.read_text())
