@@ -279,7 +279,7 @@ def main() -> int:
         tokens = statistics.median(facts["tokens"])
         from tinker_exp.runtime.device import throughput
 
-        knobs = throughput(_backend(overrides), choice.device, spec["optimizer"])
+        knobs = throughput(_backend(overrides), choice.device, spec["optimizer"], choice.attention)
         figures.update(tokens_per_step=tokens, device=choice.describe(), throughput=knobs.describe())
         say(f"config: {choice.describe()}; {knobs.describe()}; {rows} x {seq} tokens = {tokens:,.0f} tokens a step")
 

@@ -295,7 +295,7 @@ def prepare(overrides: list[str], tmp: Path) -> tuple[dict, dict]:
         "model_path": str(model_path), "num_workers": cfg.backend.num_workers, "strategy": cfg.backend.strategy,
         "micro_batch_size": cfg.backend.micro_batch_size, "seed": t.seed, "steps": t.steps,
         "optimizer": cfg.optimizer.name.value, "clip_grad": cfg.optimizer.max_grad_norm,
-        "throughput": asdict(throughput(cfg.backend, choice.device, cfg.optimizer.name.value)),
+        "throughput": asdict(throughput(cfg.backend, choice.device, cfg.optimizer.name.value, choice.attention)),
         "optimizer_values": plan.optimizer_values, "step_params": plan[0],
         "batches": [[[e.input_ids for e in batch], [e.loss_mask for e in batch]] for batch in batches],
     }  # fmt: skip

@@ -82,22 +82,23 @@ GPU_BENCH = REPO / "benchmarks" / "gpu.py"
 
 def test_the_gpu_benchmark_runs_on_cpu_with_tiny_shapes_and_the_throughput_knobs(ray_address, tmp_path):
     """benchmarks/gpu.py as on a GPU machine (--tiny --device cpu), with the knobs a GPU run turns on asked for
-    explicitly (micro batches by tokens, the fused optimizer, activation checkpointing, verl's fused lm head): both
-    loops train through
+    explicitly (micro batches by tokens, padded, the fused optimizer, activation checkpointing, verl's fused lm
+    head): both loops train through
     verl with them, losses bitwise equal between the loops (one worker config), applied == requested, and every
     figure the GPU run reports is printed."""
     figures = tmp_path / "figures.json"
     result = subprocess.run(
         [sys.executable, str(GPU_BENCH), "--tiny", "--device", "cpu", "--steps", "4", "--warmup", "1",
          "--set", "backend.micro_batch_tokens=128", "--set", "backend.optimizer_kernel=fused",
-         "--set", "backend.gradient_checkpointing=true", "--set", "backend.fused_lm_head=true", "--json", str(figures)],
+         "--set", "backend.gradient_checkpointing=true", "--set", "backend.fused_lm_head=true",
+         "--set", "backend.padding_free=false", "--json", str(figures)],
         cwd=REPO, env=environment({"RAY_ADDRESS": ray_address, "TINKER_EXP_CACHE": str(REPO / ".cache")}),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert "checks passed: losses finite, applied == requested, every rank on its device" in out
-    assert ("GPU benchmark: cpu, fp32, attention sdpa; micro batches <= 128 tokens, padding-free on, activation "
+    assert ("GPU benchmark: cpu, fp32, attention sdpa; micro batches <= 128 tokens, padding-free off, activation "
             "checkpointing on, torch.compile off, fused lm head on, reshard after forward on, optimizer kernel "
             "fused=True") in out  # fmt: skip
     for pattern in (r"\[ *[0-9.]+ s\] tinker_exp's workers ready", r"\[ *[0-9.]+ s\]   step 3: ",

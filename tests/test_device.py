@@ -169,11 +169,12 @@ def test_throughput_defaults_leave_cpu_runs_as_they_were_and_choose_throughput_o
               "reshard_after_forward", "optimizer_kernel")  # fmt: skip
     # on cpu what every CPU run used before the knobs: the CPU suite's losses stay bitwise
     assert [getattr(cpu, f) for f in fields] == [0, True, False, False, False, True, {}]
-    assert [getattr(cuda, f) for f in fields] == [16384, True, False, True, True, True, {"fused": True}]
+    assert [getattr(cuda, f) for f in fields] == [16384, False, False, True, True, True, {"fused": True}]  # sdpa: padded
+    assert throughput(backend(), "cuda", "AdamW", FLASH).padding_free  # flash-attn's variable-length kernel
     assert throughput(backend(), "cuda", "Muon").optimizer_kernel == {}  # no fused kernel: torch's default
     assert throughput(backend(), "cuda", "RMSprop").optimizer_kernel == {}
     assert cuda.describe() == (
-        "micro batches <= 16384 tokens, padding-free on, activation checkpointing off, torch.compile on, "
+        "micro batches <= 16384 tokens, padding-free off, activation checkpointing off, torch.compile on, "
         "fused lm head on, reshard after forward on, optimizer kernel fused=True"
     )
 
@@ -183,7 +184,8 @@ def test_throughput_defaults_leave_cpu_runs_as_they_were_and_choose_throughput_o
     [
         ({"micro_batch_tokens": 4096}, "cpu", "micro_batch_tokens", 4096),
         ({"micro_batch_tokens": 0}, "cuda", "micro_batch_tokens", 0),
-        ({"padding_free": "false"}, "cuda", "padding_free", False),
+        ({"padding_free": "false"}, "cpu", "padding_free", False),
+        ({"padding_free": "true"}, "cuda", "padding_free", True),
         ({"gradient_checkpointing": "true"}, "cpu", "gradient_checkpointing", True),
         ({"torch_compile": "false"}, "cuda", "torch_compile", False),
         ({"torch_compile": "true"}, "cpu", "torch_compile", True),

@@ -4,7 +4,7 @@
 # It installs what the machine lacks from the bundle (.gpu_bundle, built by scripts/gpu_check/build_bundle.sh: cp312
 # wheels + a pruned Ray) into /tmp/site, then runs the stages in order, each under its own timeout, in its own
 # process session (what a stage leaves running, Ray's daemons and workers included, is killed after it), within
-# one deadline (GPU_BUDGET_S, default 360 s after start). Writes under $OUT: figures.json (every stage's figures),
+# one deadline (GPU_BUDGET_S, default 400 s after start). Writes under $OUT: figures.json (every stage's figures),
 # run.log (all output), gpu.csv (nvidia-smi every 2 s) and logs.tar.gz (each stage's log, each run dir's logs).
 #
 # Stages (GPU):
@@ -14,6 +14,8 @@
 #      AdamW), tinker_exp's loop only                                                                       (80 s)
 #   c  `python -m tinker_exp lora=r8 trainer.steps=10 backend.num_workers=1`: a CLI run's cold start, the tiny
 #      model's fixed cost a step, and its end (evaluation, checkpoint, adapter export, report, shutdown)   (80 s)
+#   d  a's batch and knobs but padding-free on (with sdpa the default pads), tinker_exp's loop only: what sdpa
+#      makes of a packed row                                                        (70 s, or what is left: >= 45 s)
 # Switches: GPU_STAGES="a b" (a subset); GPU_EMU=1 (no GPU: backend=cpu, tiny settings, longer timeouts: how this
 # script is tested on CPU); GPU_BUNDLE (default .gpu_bundle); GPU_SITE=none (use the Python environment as it is).
 set -u
@@ -22,7 +24,7 @@ ROOT=$(pwd)
 HERE="$ROOT/scripts/gpu_check"
 BUNDLE=${GPU_BUNDLE:-$ROOT/.gpu_bundle}
 EMU=${GPU_EMU:-0}
-STAGES=" ${GPU_STAGES:-a b c} "
+STAGES=" ${GPU_STAGES:-a b c d} "
 OUT=${OUT:-/tmp/gpu_out}
 SITE=${GPU_SITE:-/tmp/site}
 WORK=${GPU_WORK:-/tmp/gpu_check}
@@ -33,7 +35,7 @@ FIG="$OUT/figures.json"
 export GPU_CSV="$OUT/gpu.csv"
 rm -f "$FIG"
 exec > >(tee -a "$OUT/run.log") 2>&1
-if [ "$EMU" = 1 ]; then BUDGET=${GPU_BUDGET_S:-1500}; else BUDGET=${GPU_BUDGET_S:-360}; fi
+if [ "$EMU" = 1 ]; then BUDGET=${GPU_BUDGET_S:-1500}; else BUDGET=${GPU_BUDGET_S:-400}; fi
 left() { echo $(( START + BUDGET - $(date +%s) )); }
 say() { echo "=== [$(( $(date +%s) - START )) s] $*"; }
 
@@ -127,16 +129,18 @@ for n in os.listdir('/proc'):
 R="$WORK/runs"
 mkdir -p "$R"
 OLD=(--set backend.micro_batch_tokens=0 --set backend.micro_batch_size=2 --set backend.fused_lm_head=false
-     --set backend.optimizer_kernel=foreach)
+     --set backend.optimizer_kernel=foreach --set backend.padding_free=true)  # as every run was before the knobs
 if [ "$EMU" = 1 ]; then
   CPU=(backend=cpu backend.num_workers=1 logger=none)
   stage a a_bench bench 400 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --steps 5 --json "$LOGS/a_bench.log.json"
   stage b b_bench_before bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 3 --warmup 1 "${OLD[@]}" --json "$LOGS/b_bench_before.log.json"
   stage c c_lora_end run 300 60 "$R/c_lora" -- $PY -m tinker_exp lora=r8 "${CPU[@]}" trainer.steps=4 trainer.eval_every=2 checkpoint.every_steps=2 hydra.run.dir="$R/c_lora"
+  stage d d_bench_packed bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 3 --warmup 1 --set backend.padding_free=true --json "$LOGS/d_bench_packed.log.json"
 else
   stage a a_bench bench 140 80 "" -- $PY benchmarks/gpu.py --steps 5 --json "$LOGS/a_bench.log.json"
   stage b b_bench_before bench 80 45 "" -- $PY benchmarks/gpu.py --no-bare --steps 3 --warmup 1 "${OLD[@]}" --json "$LOGS/b_bench_before.log.json"
   stage c c_lora_end run 80 40 "$R/c_lora" -- $PY -m tinker_exp lora=r8 trainer.steps=10 backend.num_workers=1 logger=none hydra.run.dir="$R/c_lora"
+  stage d d_bench_packed bench 70 45 "" -- $PY benchmarks/gpu.py --no-bare --steps 3 --warmup 1 --set backend.padding_free=true --json "$LOGS/d_bench_packed.log.json"
 fi
 
 # --- what comes back -----------------------------------------------------------------------------------------
@@ -145,5 +149,5 @@ $PY "$HERE/record.py" "$FIG" summary summary 0 "$(( $(date +%s) - START ))" -
 tar -czf "$OUT/logs.tar.gz" --exclude='checkpoints' --exclude='adapter' --exclude='*.png' --exclude='wandb' \
   --exclude='*.safetensors' -C "$LOGS" . -C "$R" . 2>/dev/null
 say "SUMMARY: ${SUMMARY[*]}; total $(( $(date +%s) - START )) s; figures in $FIG"
-grep -h -A8 "^GPU benchmark: " "$LOGS"/a_bench.log "$LOGS"/b_bench_before.log 2>/dev/null
+grep -h -A8 "^GPU benchmark: " "$LOGS"/a_bench.log "$LOGS"/b_bench_before.log "$LOGS"/d_bench_packed.log 2>/dev/null
 sleep 1  # let tee write the last lines

@@ -299,10 +299,12 @@ class BackendConfig:
     into balanced micro batches of at most this many tokens (>= data.max_length) instead of micro_batch_size
     sequences each. 0: by sequences (micro_batch_size). None: 16384 on cuda, by sequences on cpu. SFT and
     validation; RL runs stay by sequences."""
-    padding_free: bool = True
-    """verl's use_remove_padding (verl's default too): a micro batch's sequences are concatenated into one row
-    without pad tokens (attention kept within each sequence); false pads every sequence to the micro batch's
-    longest. SFT and validation (RL runs pad)."""
+    padding_free: Optional[bool] = None
+    """verl's use_remove_padding: a micro batch's sequences are concatenated into one row without pad tokens
+    (attention kept within each sequence); false pads every sequence to the micro batch's longest. None: on for
+    cpu and for flash_attention_2 (its variable-length kernel), off for sdpa on cuda (transformers then masks the
+    packed row with a full tokens x tokens mask, which keeps SDPA off its flash kernel). SFT and validation (RL
+    runs pad)."""
     attention: Attention = Attention.auto
     """auto: flash_attention_2 for bf16 on a GPU with bf16 when flash-attn imports against this torch, else sdpa
     (flash-attn has no fp32 kernels); flash_attention_2 where it cannot run is refused before any worker starts."""

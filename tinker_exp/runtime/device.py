@@ -226,8 +226,9 @@ class Throughput:
         )
 
 
-def throughput(backend: BackendConfig, device: str, optimizer_name: str) -> Throughput:
-    """backend's throughput knobs for `device` (cpu, cuda) and optimizer.name: auto values resolved. On cpu every
+def throughput(backend: BackendConfig, device: str, optimizer_name: str, attention: str = SDPA) -> Throughput:
+    """backend's throughput knobs for `device` (cpu, cuda), optimizer.name and the attention chosen: auto values
+    resolved. On cpu every
     default is what the CPU runs used before these knobs (by sequences, padding-free, no checkpointing, no
     compile, torch's default kernel), so their losses stay bitwise."""
     from tinker_exp.config.schema import FUSED_OPTIMIZERS, OptimizerKernel
@@ -244,7 +245,7 @@ def throughput(backend: BackendConfig, device: str, optimizer_name: str) -> Thro
     compile_ = device == "cuda" if backend.torch_compile is None else backend.torch_compile
     return Throughput(
         micro_batch_tokens=backend.tokens_per_micro_batch(device),
-        padding_free=backend.padding_free,
+        padding_free=(device == "cpu" or attention == FLASH) if backend.padding_free is None else backend.padding_free,
         gradient_checkpointing=backend.gradient_checkpointing,
         torch_compile=compile_,
         fused_lm_head=device == "cuda" if backend.fused_lm_head is None else backend.fused_lm_head,

@@ -282,7 +282,7 @@ def worker_config(
     from tinker_exp.runtime.device import throughput
 
     lora = lora if lora is not None and lora.rank > 0 else None
-    knobs = throughput(backend, choice.device, optimizer.name.value)  # docs/devices.md#throughput-knobs
+    knobs = throughput(backend, choice.device, optimizer.name.value, choice.attention)  # docs/devices.md#throughput-knobs
     optimizer_fields = verl_optimizer_fields(optimizer.name.value, optimizer_values)
     if optimizer_fields["optimizer_impl"] == "tinker_exp.runtime.muon":  # it splits the model by parameter name
         from tinker_exp.runtime.muon import parameter_names
