@@ -4,6 +4,8 @@ killed mid-step, then a good run; a second run refused while one runs; up, statu
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import signal
 import subprocess
@@ -97,6 +99,17 @@ def test_resume_and_a_branch_on_the_pool_are_bitwise_cold_ones(pool, cosine_trun
     warm(pool, *branch, f"hydra.run.dir={tmp_path / 'warm_branch'}")
     cold_rows, warm_rows = (without_timings(metrics_rows(tmp_path / name)) for name in ("cold_branch", "warm_branch"))
     assert [row["train/step"] for row in warm_rows] == [4, 5, 6] and warm_rows == cold_rows
+
+
+def test_a_worker_that_died_is_replaced_and_the_next_run_is_the_cold_run(pool, cosine_trunk, tmp_path):
+    status = run_module("tinker_exp.pool", "status", env=pool).stdout
+    pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", status.split("memory", 1)[1])]
+    assert len(pids) == 2, status
+    os.kill(pids[1], signal.SIGKILL)  # a rank lost (out of memory, say) between two runs
+    result = warm(pool, *COSINE_TRUNK, f"hydra.run.dir={tmp_path}")
+    assert "pool: a worker had died" in result.stdout and "building the group again" in result.stdout
+    assert without_timings(metrics_rows(tmp_path)) == without_timings(metrics_rows(cosine_trunk[0]))
+    assert str(pids[1]) not in run_module("tinker_exp.pool", "status", env=pool).stdout
 
 
 @pytest.mark.parametrize(
