@@ -11,7 +11,7 @@
 - memory: a pool's resident memory (the pool's process and each worker's) at rest, then after every 5 of --runs
   short runs on it.
 
-    .venv/bin/python benchmarks/pool.py start [--pairs 3] [--steps 3]
+    .venv/bin/python benchmarks/pool.py start [--pairs 3] [--steps 3] [--set KEY=VALUE ...]
     .venv/bin/python benchmarks/pool.py study [--trials 8] [--steps 20]
     .venv/bin/python benchmarks/pool.py pbt
     .venv/bin/python benchmarks/pool.py memory [--runs 20]
@@ -49,7 +49,7 @@ def pool_command(*args: str) -> subprocess.CompletedProcess:
 
 
 def start(args: argparse.Namespace, tmp: Path) -> None:
-    overrides = ["+override=constant", f"trainer.steps={args.steps}", "checkpoint.every_steps=0", "checkpoint.at_end=false"]
+    overrides = ["+override=constant", f"trainer.steps={args.steps}", "checkpoint.every_steps=0", "checkpoint.at_end=false", *args.set]
     spec, _ = prepare(overrides, tmp)
     (tmp / "spec.json").write_text(json.dumps(spec))
     print(pool_command("up", *overrides).stdout.strip().splitlines()[-1], file=sys.stderr)
@@ -169,6 +169,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="start: a config override (a GPU: backend.num_workers=1)")
     args = parser.parse_args()
     args.steps = args.steps or (3 if args.part == "start" else 20)
     os.environ.setdefault("WANDB_MODE", "offline")
