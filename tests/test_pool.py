@@ -128,3 +128,21 @@ def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_pa
     if command[0] == "lora=r8":
         adapter = "adapter/adapter_model.safetensors"
         assert (tmp_path / "warm" / adapter).read_bytes() == (tmp_path / "cold" / adapter).read_bytes()
+
+
+def test_a_pool_left_idle_ends_by_itself(tmp_path):
+    """`up --idle-min`'s rule, on a pool process with no group: no run for its idle time, it ends and says why."""
+    import tempfile
+
+    from tinker_exp.pool.local import start_host
+
+    address = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp")) / "idle.sock"
+    process = start_host(address, idle_s=1.0)
+    try:
+        process.wait(timeout=120)
+    finally:
+        process.kill()
+    log = (address.parent / "idle.log").read_text()
+    assert process.returncode == 0 and "pool: stopping: idle for" in log and "pool: down" in log, log[-2000:]
+    assert not address.exists()
+    shutil.rmtree(address.parent, ignore_errors=True)
