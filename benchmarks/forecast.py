@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -29,40 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tinker_exp.forecast.corpus import write_corpus
+
 REPO = Path(__file__).resolve().parent.parent
-WORDS = ("apple river cloud music window garden stone light paper table orange silver forest candle rocket "
-         "pencil mirror bridge castle dragon ocean planet summer winter yellow purple jacket pocket basket "
-         "hammer ladder marble needle rabbit saddle tunnel violin wallet zebra anchor bottle button cactus").split()  # fmt: skip
-
-
-def corpus_row(rng: random.Random) -> dict[str, str]:
-    kind = rng.randrange(4)
-    if kind == 0:
-        a, b = rng.randrange(1000), rng.randrange(1000)
-        return {"prompt": f"Add {a} and {b}.", "response": f" {a} plus {b} is {a + b}."}
-    if kind == 1:
-        words = rng.sample(WORDS, rng.randint(3, 5))
-        return {"prompt": "Reverse: " + " ".join(words), "response": " " + " ".join(reversed(words))}
-    if kind == 2:
-        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 8)))
-        return {"prompt": f"Spell {word}.", "response": " " + "-".join(word)}
-    word, n = rng.choice(WORDS), rng.randint(2, 7)
-    start = rng.randrange(50)
-    return {"prompt": f"Count from {start} to {start + n - 1} with {word}.", "response": " " + " ".join(f"{word}{start + i}" for i in range(n))}
-
-
-def write_corpus(out: Path, train_rows: int, val_rows: int, seed: int = 0) -> tuple[Path, Path]:
-    """Distinct rows: no row repeats within a run of train_rows / batch_size steps, none is in both files."""
-    rng, seen, rows = random.Random(seed), set(), []
-    while len(rows) < train_rows + val_rows:
-        row = corpus_row(rng)
-        if row["prompt"] not in seen:
-            seen.add(row["prompt"])
-            rows.append(row)
-    train, val = out / "corpus_train.jsonl", out / "corpus_val.jsonl"
-    train.write_text("".join(json.dumps(r) + "\n" for r in rows[:train_rows]))
-    val.write_text("".join(json.dumps(r) + "\n" for r in rows[train_rows:]))
-    return train, val
 
 
 def run(name: str, out: Path, args: list[str], env: dict[str, str]) -> Path:
@@ -109,6 +77,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--law", default="mpl")
     p.add_argument("--seeds", type=int, default=2, help="cosine runs with seeds 0.. (the seed-to-seed spread)")
+    p.add_argument("--runs-only", action="store_true", help="run (or find) the runs, fit nothing")
     p.add_argument("--from-step", type=int, default=60, help="fit from this step: the tiny model's first fast drop (loss 6 -> 3.5) is not the law's regime")
     args = p.parse_args()
     out = (REPO / args.out).resolve()
@@ -141,6 +110,8 @@ def main() -> None:
     }
     seeds = [runs["cosine"]] + [run(f"cosine_seed{s}", out, [*common, *quiet, "+override=lr_cosine", f"override.lr.warmup_steps={warm}",
                                                                f"trainer.steps={T}", f"trainer.seed={s}"], env) for s in range(1, args.seeds)]  # fmt: skip
+    if args.runs_only:
+        return
     table = measure(out, runs, seeds, T, warm, args.law, args.from_step, lambda law_dir: run("proposed", out, ["--config-dir", str(law_dir), "+override=proposed", *quiet], env))
     (out / "table.md").write_text(table + "\n")
     print(table)
