@@ -4,8 +4,9 @@ today's parameters? The speed figure of docs/forecast.md.
 Three curves generated from the multi-power law (normalised-lr parameters L0 3, A 42, alpha 0.44, B 0.4, C 0.01,
 beta 0.6, gamma 0.6) with log-normal noise (0.5 %) on every logged loss, the shapes of the published fitting set:
 constant, cosine to 0.1 x peak, and a two-stage constant (0.1 x peak from 2/3 of the run), each --steps long with a
-warmup of 9 % and the loss logged every --every steps. Fits them as `fit` does (mpl law, train/loss, --refits
-refits) and prints the time and the parameters. With --old, also the fit of --old-rev (the code before the fast
+warmup of 9 % and the loss logged every --every steps, written as metrics.jsonl files. Runs `python -m
+tinker_exp.forecast fit` on them in this process (mpl law, train/loss, --refits refits; law.json and fit.png into a
+temporary dir) and prints its time and the fitted parameters. With --old, also the fit of --old-rev (the code before the fast
 fit: finite-difference Jacobian, a dense [point, change point] matrix) without refits, and the fast fit without
 refits beside it: the largest relative difference of their parameters. --old's fit is timed without its
 errors_of (a dense matrix over every logged point: GBs at 24,000 steps), so its figure is a lower bound.
@@ -16,7 +17,9 @@ errors_of (a dense matrix over every logged point: GBs at 24,000 steps), so its 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import contextlib
+import io
+import json
 import subprocess
 import sys
 import tempfile
@@ -28,7 +31,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tinker_exp.forecast.fit import fit_law  # noqa: E402
+from tinker_exp.forecast.__main__ import main as forecast_main  # noqa: E402
+from tinker_exp.forecast.fit import fit_law, read_law  # noqa: E402
 from tinker_exp.forecast.laws import LAWS, predict  # noqa: E402
 from tinker_exp.forecast.runs import Curve  # noqa: E402
 
@@ -55,6 +59,14 @@ def curves(steps: int, every: int, noise: float = 0.005, seed: int = 0) -> list[
         loss = predict(LAWS["mpl"], TRUE, lr, at) * np.exp(rng.normal(0, noise, len(at)))
         made.append(Curve(name, Path(name), PEAK * lr, at, loss, [name] * len(at)))
     return made
+
+
+def write_metrics(path: Path, curve: Curve) -> Path:
+    """The curve as a run's metrics.jsonl: applied/lr at every step, train/loss where logged."""
+    loss = dict(zip(curve.steps.tolist(), curve.loss.tolist()))
+    rows = ({"train/step": s, "applied/lr": float(v), **({"train/loss": loss[s]} if s in loss else {})} for s, v in enumerate(curve.lr))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def old_fit(rev: str):
@@ -87,11 +99,16 @@ def main() -> None:
     args = p.parse_args()
     made = curves(args.steps, args.every)
     print(f"3 curves of {args.steps} steps (constant, cosine, two-stage), {len(made[0].steps)} logged points each; true: {shown(TRUE)}", flush=True)
+    work = Path(tempfile.mkdtemp())
+    files = [str(write_metrics(work / f"{c.name}.jsonl", c)) for c in made]
     start = time.perf_counter()
-    law = fit_law("mpl", made, "train/loss", refits=args.refits)
+    with contextlib.redirect_stdout(io.StringIO()):  # the command's own table: the figures below are what matter
+        forecast_main(["fit", *files, "--refits", str(args.refits), "--out", str(work / "law")])
     took = time.perf_counter() - start
+    law = read_law(work / "law" / "law.json")
     fit = law.record["fit"]
-    print(f"fast fit, {args.refits} refits: {took:.1f} s; {fit['refits']} refits converged, {fit['refits_not_converged']} did not", flush=True)
+    print(f"python -m tinker_exp.forecast fit (law.json and fit.png), {args.refits} refits: {took:.1f} s; "
+          f"{fit['refits']} refits converged, {fit['refits_not_converged']} did not", flush=True)  # fmt: skip
     print(f"  {shown(law.params)}", flush=True)
     if not args.old:
         return

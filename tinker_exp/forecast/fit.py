@@ -28,6 +28,9 @@ MIN_POINTS = 3  # per run, after its warmup
 MAX_FIT_POINTS = 80
 """Per run, consecutive fitted points are averaged into at most this many (a fit evaluates the law thousands of
 times: cost grows with points x lr changes; averaging neighbours also takes the batch noise out of train/loss)."""
+REFIT_EVALUATIONS = 1000
+"""A refit's most evaluations of the law (400 before the fit was fast: a refit along the law's flat valley, beta
+near its bound, often needed more and was dropped as not converged)."""
 FIT_RESOLUTION = 0.01
 """The fit's decay sum in blocks (laws.features): within 2e-7 (cosine) and 2e-5 (WSD, 1-sqrt) of the exact loss
 on 24,000-step curves, far below any loss's noise, with 18 x fewer terms on a cosine. Predictions, errors and
@@ -81,7 +84,7 @@ class Law:
         reason = None
         unidentified = self.record.get("fit", {}).get("unidentified", [])
         if unidentified and features(np.asarray(lr) / self.lr_scale, self.final_updates(len(lr))).decays:
-            reason = f"the schedule decays; {', '.join(unidentified)} were not identified (no fitted run decays: fit a decay branch too)"
+            reason = f"the schedule decays and {', '.join(unidentified)} were not identified: no fitted run decays (fit a decay branch too)"
         elif low < 0:
             reason = f"interval [{low:.4g}, {high:.4g}] holds negative losses (the refits disagree)"
         elif high - low > self.loss_spread > 0:
@@ -177,18 +180,18 @@ def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, s
     for _ in range(refits):
         weights = np.sqrt(np.bincount(rng.integers(0, len(measured), len(measured)), minlength=len(measured)).astype(float))
         start = best.x * np.where(shape, np.exp(rng.uniform(-0.7, 0.7, len(best.x))), 1.0)
-        result = solve(problem, start, True, 400, weights)
+        result = solve(problem, start, True, REFIT_EVALUATIONS, weights)
         if result.status > 0 and np.all(np.isfinite(result.x)):  # a refit that did not converge says nothing
             refitted.append(result.x)
         else:
             failed += 1
-    warmups = {warmup_end(c.lr) for c in curves}
-    law = Law(kind, best.x, refitted, metric, lr_scale, min(warmups), FINAL_WINDOW.get(metric, 1), from_step)
+    # A proposed schedule's warmup: the longest fitted run's (the trunk's), not the shortest of runs that differ
+    longest = max(curves, key=lambda c: len(c.lr))
+    law = Law(kind, best.x, refitted, metric, lr_scale, warmup_end(longest.lr), FINAL_WINDOW.get(metric, 1), from_step)
     unidentified = [] if design.decays else list(law_kind.decay_params)
     law.record = {
         "runs": [{"run": str(c.path), "name": c.name, "steps": len(c.lr), "points": len(c.steps), "fitted_points": len(k)} for c, k in chosen],
         "settings": _common_settings(curves),
-        "warmup_start": min(float(c.lr[0]) for c in curves),
         "fit": {"cost": float(best.cost), "start_messages": messages, "refits": len(refitted), "refits_asked": refits, "refits_not_converged": failed,
                 "unidentified": unidentified, "loss_spread": float(np.ptp(np.exp(measured)))},  # fmt: skip
     }
@@ -288,7 +291,7 @@ def read_law(path: Path) -> Law:
     try:
         params = np.array([float(doc["params"][n]) for n in names])
         refits = [np.array([float(r[n]) for n in names]) for r in doc.get("refits", [])]
-        record = {k: doc[k] for k in ("runs", "settings", "fit", "warmup_start") if k in doc}
+        record = {k: doc[k] for k in ("runs", "settings", "fit") if k in doc}
         law = Law(doc["law"], params, refits, doc["metric"], float(doc["lr_scale"]), int(doc["warmup_steps"]), int(doc["final_window"]), int(doc.get("from_step", 0)), record)
     except (KeyError, TypeError, ValueError) as e:
         raise ForecastError(f"{path}: key {e} missing or not a number") from None

@@ -98,6 +98,8 @@ def expand(paths: list[Path]) -> list[Path]:
             found.append(path)
             continue
         jobs = sorted((d for d in path.iterdir() if is_run_dir(d)), key=lambda d: (not d.name.isdigit(), d.name.zfill(9))) if path.is_dir() else []
+        if not jobs and path.is_dir() and ((path / "plan.json").is_file() or (path / "config.yaml").is_file()):
+            raise ForecastError(f"{path}: no {METRICS} (a dry run, or a run that logged no step: a forecast needs a run's losses)")
         if not jobs:
             raise ForecastError(f"{path}: not a run dir, a sweep dir or a {METRICS} file")
         found.extend(jobs)
