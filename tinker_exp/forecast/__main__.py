@@ -40,8 +40,9 @@ def cmd_fit(args: argparse.Namespace) -> None:
     law = fit_law(args.law, curves, args.metric, refits=args.refits, from_step=args.from_step)
     fit = law.record["fit"]
     if fit["unidentified"]:
-        warnings.warn(f"{', '.join(fit['unidentified'])} not identified: no fitted run's lr changes after its warmup, so they stay at their starting "
-                      "values and a schedule that decays gets no forecast; fit a decay branch too (docs/forecast.md#what-to-fit)", stacklevel=1)  # fmt: skip
+        # printed, not warnings.warn: shown once whatever the warning filters (a test's, a user's -W)
+        print(f"{PROG}: warning: {', '.join(fit['unidentified'])} not identified (left at the starting values): no fitted run's lr changes after its "
+              "warmup, so a schedule that decays gets no forecast; fit a decay branch too (docs/forecast.md#what-to-fit)", file=sys.stderr)  # fmt: skip
     for name in stale:  # the previous fit's outputs, all of them: none may sit beside a law it was not made with
         (out / name).unlink()
     out.mkdir(parents=True, exist_ok=True)
@@ -161,6 +162,17 @@ def cmd_propose(args: argparse.Namespace) -> None:
     print(f"wrote {path}; run it: python -m tinker_exp --config-dir {out.resolve()} +override=proposed")
 
 
+def cmd_corpus(args: argparse.Namespace) -> None:
+    from tinker_exp.forecast.corpus import write_corpus
+
+    for flag, value, least in (("--rows", args.rows, 1), ("--val-rows", args.val_rows, 1)):
+        if value < least:
+            raise ForecastError(f"{flag}: {value}: a count of rows, {least} or more")
+    train, val = write_corpus(Path(args.out), args.rows, args.val_rows, args.seed)
+    print(f"wrote {train} ({args.rows} rows) and {val} ({args.val_rows} rows), no prompt twice")
+    print(f"train on it: python -m tinker_exp data.path={train} data.val_path={val} ... (a run of up to {args.rows} / trainer.batch_size steps sees no row twice)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Fit a loss-curve law to finished runs; check, rank and propose schedules.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -192,6 +204,12 @@ def parser() -> argparse.ArgumentParser:
     propose.add_argument("--top", type=int, default=10, help="candidates printed (default 10)")
     propose.add_argument("--force", action="store_true", help="write proposed.yaml even when no candidate is separable from the best")
     propose.set_defaults(func=cmd_propose)
+    corpus = sub.add_parser("corpus", help="write a generated SFT corpus of distinct rows (the laws' regime): OUT/corpus_train.jsonl, corpus_val.jsonl")
+    corpus.add_argument("out", metavar="OUT")
+    corpus.add_argument("--rows", type=int, default=8000, help="training rows (default 8000: 1000 steps of batch 8 without a repeat)")
+    corpus.add_argument("--val-rows", type=int, default=160, help="held-out rows for val/loss (default 160)")
+    corpus.add_argument("--seed", type=int, default=0)
+    corpus.set_defaults(func=cmd_corpus)
     return p
 
 
