@@ -46,8 +46,10 @@ def run(name: str, out: Path, args: list[str], env: dict[str, str]) -> Path:
     return run_dir
 
 
-def forecast(*args: str) -> str:
+def forecast(*args: str, refusal_ok: bool = False) -> str:
     result = subprocess.run([sys.executable, "-m", "tinker_exp.forecast", *args], cwd=REPO, capture_output=True, text=True)
+    if result.returncode == 2 and refusal_ok:
+        return "refused: " + result.stderr.strip()
     if result.returncode != 0:
         sys.exit(f"forecast {args[0]} failed: {result.stderr[-3000:]}")
     return result.stdout
@@ -128,7 +130,7 @@ def measure(out: Path, runs: dict[str, Path], seeds: list[Path], T: int, warm: i
                   f"seed-to-seed spread of cosine ({len(seeds)} seeds): max - min {max(spread) - min(spread):.4f}, std {np.std(spread, ddof=1):.4f}", ""]  # fmt: skip
         for fit_name, fitted in fits.items():
             law_dir = out / f"fit_{fit_name}_{metric.split('/')[0]}"
-            forecast("fit", *(str(runs[n]) for n in fitted), "--law", law_name, "--metric", metric, "--out", str(law_dir), "--from-step", str(from_step))
+            forecast("fit", *(str(runs[n]) for n in fitted), "--law", law_name, "--metric", metric, "--out", str(law_dir), "--from-step", str(from_step), "--overwrite")
             held = [n for n in runs if n not in fitted]
             forecast("check", str(law_dir / "law.json"), *[str(runs[n]) for n in held], *[str(s) for s in seeds[1:]])
             checked = json.loads((law_dir / "check.json").read_text())["runs"]
@@ -143,8 +145,13 @@ def measure(out: Path, runs: dict[str, Path], seeds: list[Path], T: int, warm: i
                       "fit's own final errors: " + ", ".join(f"{r['run'].split('/')[-1]} {r['final_error']:+.4f}" for r in law["fit"]["runs"])]  # fmt: skip
             if fit_name == "A":  # one proposed run (CPU time), by fit A on train/loss: its val/loss is read too
                 if metric == "train/loss":
-                    text = forecast("propose", str(law_dir / "law.json"), "--steps", str(T), "--family", "wsd")
+                    propose = ("propose", str(law_dir / "law.json"), "--steps", str(T), "--family", "wsd")
+                    text = forecast(*propose, refusal_ok=True)
+                    refusal = text.split(": ", 1)[1] if text.startswith("refused: ") else ""
+                    if refusal:  # measured anyway: what running a proposal the law could not choose costs
+                        text = forecast(*propose, "--force")
                     proposed_line = next(line for line in text.splitlines() if line.startswith("proposed:"))
+                    proposed_line += f" (propose refused: {refusal}; run with --force)" if refusal else ""
                     proposed = run_proposed(law_dir)
                 else:
                     proposed_line = "the schedule proposed by fit A on train/loss"
