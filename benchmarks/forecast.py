@@ -1,8 +1,8 @@
 """How well does a loss-curve law forecast schedules of the tiny model? The measurement of docs/forecast.md.
 
 Data that does not repeat within a run (the regime the laws describe; the shipped 256-row set is seen ~6 times in
-200 steps and is not): a generated SFT corpus of distinct rows (sums, reversals, spellings, counts over random
-words), written under OUT, with a held-out file for val/loss. Runs (all `python -m tinker_exp`, lr peak 1e-3,
+200 steps and is not): the generated SFT corpus of distinct rows of `python -m tinker_exp.forecast corpus`
+(tinker_exp/forecast/corpus.py), written under OUT, with a held-out file for val/loss. Runs (all `python -m tinker_exp`, lr peak 1e-3,
 warmup 20 steps, horizon T):
 - fitted: a constant trunk (WSD with no decay, checkpoints every T/10), WSD decay branches off it: 20 % 1-sqrt to 0
   (fit A: trunk + it), and 40 % linear to 0 (fit B: trunk + both);
@@ -13,7 +13,7 @@ Then per fit and metric: `check` on the held-out runs, Kendall's tau of predicte
 the T-step schedules, and the regret of the proposed schedule against the best measured one. Prints the table (and
 writes OUT/table.md). A run already finished in OUT is not run again.
 
-    .venv/bin/python benchmarks/forecast.py [--out outputs/forecast_bench] [--steps 300] [--law mpl] [--from-step 60] [--seeds 2]
+    .venv/bin/python benchmarks/forecast.py [--out outputs/forecast_bench] [--steps 300] [--law mpl] [--from-step 60] [--seeds 2] [--runs-only]
 """
 
 from __future__ import annotations
