@@ -143,22 +143,22 @@ def cmd_propose(args: argparse.Namespace) -> None:
     if best["reason"] is not None:
         raise ForecastError(f"propose: no candidate of --family {args.family} has a forecast ({best['reason']}); nothing written")
     tied = [r for r in rows[1:] if r["rank"] in best["not_separable_from"]]
-    separable = len(rows) - 1 - len(tied) - sum(r["reason"] is not None for r in rows)
-    if len(rows) > 1 and separable == 0 and not args.force:
+    unknown = sum(r["reason"] is not None for r in rows)
+    others = f"{len(tied)} of {len(rows) - 1} other candidates not separable from it" + (f", {unknown} with no forecast" if unknown else "")
+    if len(rows) > 1 and len(rows) - 1 - len(tied) - unknown == 0 and not args.force:
         raise ForecastError(f"propose: none of the {len(rows) - 1} other candidates is separable from the best ({best['plan']}: {best['predicted']:.4f} "
-                            f"in [{best['low']:.4f}, {best['high']:.4f}]): the law cannot choose; nothing written (--force writes it anyway)")  # fmt: skip
+                            f"in [{best['low']:.4f}, {best['high']:.4f}]; {others}): the law cannot choose; nothing written (--force writes it anyway)")  # fmt: skip
     out = Path(args.out) if args.out else Path(args.law).parent
     header = [
         f"Proposed by {PROG} propose {args.law} --steps {args.steps} --family {args.family}" + (" --force" if args.force else ""),
-        f"predicted final {law.metric} {best['predicted']:.4f} in [{best['low']:.4f}, {best['high']:.4f}]"
-        f" ({law.kind} law; {len(tied)} of {len(rows) - 1} other candidates not separable from it)",
+        f"predicted final {law.metric} {best['predicted']:.4f} in [{best['low']:.4f}, {best['high']:.4f}] ({law.kind} law; {others})",
         f"run: python -m tinker_exp --config-dir {out.resolve()} +override=proposed",
     ]
     path = write_proposed(best["spec"], args.steps, law.record.get("settings", {}), header, out)
     print_ranked(rows[: args.top], law)
     (out / "propose.json").write_text(json.dumps({"proposed": best, "candidates": rows}, indent=1) + "\n", encoding="utf-8")
     print(f"proposed: {best['plan']}: predicted {best['predicted']:.4f} [{best['low']:.4f}, {best['high']:.4f}]"
-          + (f"; {len(tied)} of {len(rows) - 1} other candidates not separable from it" if tied else ""))  # fmt: skip
+          + (f"; {others}" if tied or unknown else ""))  # fmt: skip
     print(f"wrote {path}; run it: python -m tinker_exp --config-dir {out.resolve()} +override=proposed")
 
 

@@ -4,8 +4,9 @@ The fit is the recipe that reproduces the multi-power law's published figures: s
 Huber loss (f_scale 1e-3) on log residuals, from a few generic starts, keeping the lowest cost. The law is poorly
 identified (other starts give other parameters with a similar error), so the fit also keeps refits: bootstrap
 resamples of the fitted points, each started from the best fit with its shape parameters (all but L0, A) moved
-by a random factor. Every prediction is made by the fit and by each refit: their spread is the interval.
-scipy and numpy only.
+by a random factor. Every prediction is made by the fit and by each refit: their spread is the interval, or no
+forecast where it says nothing (Law.forecast). Fast on long curves: analytic Jacobians, every run in one
+vectorised pass, the decay sum in blocks (FIT_RESOLUTION; benchmarks/forecast_fit.py). scipy and numpy only.
 """
 
 from __future__ import annotations
