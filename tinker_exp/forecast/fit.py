@@ -34,8 +34,8 @@ REFIT_EVALUATIONS = 1000
 near its bound, often needed more and was dropped as not converged)."""
 FIT_RESOLUTION = 0.01
 """The fit's decay sum in blocks (laws.features): within 2e-7 (cosine) and 2e-5 (WSD, 1-sqrt) of the exact loss
-on 24,000-step curves, far below any loss's noise, with 18 x fewer terms on a cosine. Predictions, errors and
-plots are exact."""
+on 24,000-step curves, far below any loss's noise, with 18 x fewer terms on a cosine: every start and every
+refit on it, then the best start polished on the exact sum. Predictions, errors and plots are exact."""
 FINAL_WINDOW = {"train/loss": 10, "val/loss": 1}
 """The final loss is the mean over this many last logged points: one train/loss is one batch's, noisy."""
 
@@ -175,6 +175,11 @@ def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, s
         messages.append(result.message)
     if best is None:
         raise NotConverged(f"the {kind} law did not converge on {', '.join(c.name for c in curves)} ({messages[-1]}); no law.json written")
+    if FIT_RESOLUTION and design.decays:  # the law's parameters are the exact sum's optimum: polished on it, from next to it
+        exact = concat([features(c.lr / lr_scale, binned(updates_seen(metric, c.steps[keep]), c.loss[keep])[0]) for c, keep in chosen if len(keep)])
+        polished = solve(_Problem(law_kind, exact, measured), best.x, True, 1000)
+        if polished.status > 0 and np.all(np.isfinite(polished.x)):
+            best = polished
     rng = np.random.default_rng(seed)
     refitted, failed = [], 0
     shape = np.arange(len(best.x)) >= 2  # L0 and A are well determined; the rest is where starts disagree
