@@ -298,9 +298,13 @@ def test_a_fit_without_a_decay_says_its_decay_terms_are_unknown_and_forecasts_no
     assert law.record["fit"]["unidentified"] == ["B", "C", "beta", "gamma"]
     assert "not identified" in law.forecast(wsd(300, 60))["reason"]
     assert law.forecast(wsd(300, 0))["reason"] is None
+    decaying = generated_run(tmp_path, "wsd", "mpl", wsd(200, 40), 0.003, 1)
+    forecast_main(["check", str(tmp_path / "law" / "law.json"), str(decaying), str(run)])
+    warned = [line for line in capsys.readouterr().err.splitlines() if "were not identified" in line]
+    assert len(warned) == 1 and "wsd.jsonl decays" in warned[0]
     line = refused(["propose", str(tmp_path / "law" / "law.json"), "--steps", "300", "--force"], capsys)
     assert "propose: no candidate of --family wsd has a forecast" in line and "not identified" in line
-    assert sorted(p.name for p in (tmp_path / "law").iterdir()) == ["fit.png", "law.json"]
+    assert sorted(p.name for p in (tmp_path / "law").iterdir()) == ["check.json", "fit.png", "law.json"]
 
 
 def _law_with_refits(tmp_path: Path, name: str, refit_l0: list[float], spread: float) -> Path:

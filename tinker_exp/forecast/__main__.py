@@ -11,7 +11,7 @@ from pathlib import Path
 from tinker_exp.errors import TinkerExpError, one_line
 from tinker_exp.formats import text_table
 from tinker_exp.forecast.fit import Law, errors_of, fit_law, read_law, write_law
-from tinker_exp.forecast.laws import LAWS
+from tinker_exp.forecast.laws import LAWS, features
 from tinker_exp.forecast.plans import FAMILIES, Candidate, describe_spec, family_specs, plan_lr, spec_lr, write_proposed
 from tinker_exp.forecast.runs import METRIC_CHOICES, ForecastError, check_comparable, expand, read_curve, shared_keys
 
@@ -75,6 +75,11 @@ def cmd_check(args: argparse.Namespace) -> None:
         for key, value in shared_keys(curve.settings).items():
             if key in fitted and fitted[key] != value:
                 warnings.warn(f"{curve.name}: {key} is {value}, the fitted runs' {fitted[key]}: another regime than the law's", stacklevel=1)
+    unidentified = law.record.get("fit", {}).get("unidentified", [])
+    for curve in curves:
+        if unidentified and features(curve.lr / law.lr_scale, [len(curve.lr)]).decays:
+            print(f"{PROG}: warning: {curve.name} decays, and the law's {', '.join(unidentified)} were not identified (no fitted run decays): "
+                  "its prediction after the decay starts is the starting values' guess", file=sys.stderr)  # fmt: skip
     results = []
     for curve in curves:
         found = errors_of(law, curve)
