@@ -19,6 +19,7 @@ writes OUT/table.md). A run already finished in OUT is not run again.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -114,7 +115,14 @@ def main() -> None:
                                                                f"trainer.steps={T}", f"trainer.seed={s}"], env) for s in range(1, args.seeds)]  # fmt: skip
     if args.runs_only:
         return
-    table = measure(out, runs, seeds, T, warm, args.law, args.from_step, lambda law_dir: run("proposed", out, ["--config-dir", str(law_dir), "+override=proposed", *quiet], env))
+
+    def run_proposed(law_dir: Path) -> Path:
+        """The proposal run as written; named by its lr schedule, so that another proposal is run, not found."""
+        text = (law_dir / "override" / "proposed.yaml").read_text()
+        digest = hashlib.sha256(text[text.index("override:") :].encode()).hexdigest()[:8]
+        return run(f"proposed_{digest}", out, ["--config-dir", str(law_dir), "+override=proposed", *quiet], env)
+
+    table = measure(out, runs, seeds, T, warm, args.law, args.from_step, run_proposed)
     (out / "table.md").write_text(table + "\n")
     print(table)
 
