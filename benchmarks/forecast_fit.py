@@ -28,13 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from tinker_exp.forecast.__main__ import main as forecast_main
+from tinker_exp.forecast.fit import fit_law, read_law
+from tinker_exp.forecast.laws import LAWS, predict
+from tinker_exp.forecast.runs import Curve
 
-from tinker_exp.forecast.__main__ import main as forecast_main  # noqa: E402
-from tinker_exp.forecast.fit import fit_law, read_law  # noqa: E402
-from tinker_exp.forecast.laws import LAWS, predict  # noqa: E402
-from tinker_exp.forecast.runs import Curve  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 TRUE = np.array([3.0, 42.0, 0.44, 0.4, 0.01, 0.6, 0.6])
 PEAK = 3e-4
