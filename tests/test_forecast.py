@@ -119,6 +119,11 @@ def test_rank_sorts_composed_plans_with_intervals_and_marks_the_inseparable(fixe
 
     plans = ["+override=lr_wsd trainer.steps=100", "+override=lr_cosine trainer.steps=100", "+override.lr=1e-3 trainer.steps=100",
              "+override=lr_wsd trainer.steps=100 override.lr.min_ratio=0.0"]  # fmt: skip
+    rl_dir = tmp_path / "rl_run"  # an RL run by its config, its losses positive or not
+    rl_dir.mkdir()
+    write_metrics(rl_dir / "metrics.jsonl", wsd(100, 0), {s: 3.0 - s / 100 for s in range(100)})
+    (rl_dir / "config.yaml").write_text("env:\n  name: digits\n  prompts: builtin:digits.jsonl\n")
+    assert "rl_run: an RL run (env.prompts builtin:digits.jsonl)" in refused(["fit", str(rl_dir), "--out", str(out)], capsys)
     dry = tmp_path / "dry_run"
     dry.mkdir()
     cfg = compose_config(["+override=lr_cosine", "trainer.steps=100"])

@@ -13,13 +13,15 @@ from tinker_exp.formats import text_table
 from tinker_exp.forecast.fit import Law, errors_of, fit_law, read_law, write_law
 from tinker_exp.forecast.laws import LAWS, features
 from tinker_exp.forecast.plans import FAMILIES, Candidate, describe_spec, family_specs, plan_lr, spec_lr, write_proposed
-from tinker_exp.forecast.runs import METRIC_CHOICES, ForecastError, check_comparable, expand, read_curve, shared_keys
+from tinker_exp.forecast.runs import METRIC_CHOICES, ForecastError, check_comparable, expand, read_curve, refuse_rl, shared_keys
 
 PROG = "python -m tinker_exp.forecast"
 
 
 def read_curves(paths: list[str], metric: str) -> list:
-    return [read_curve(path, metric) for path in expand([Path(p) for p in paths])]
+    curves = [read_curve(path, metric) for path in expand([Path(p) for p in paths])]
+    refuse_rl(curves)
+    return curves
 
 
 OUTPUTS = ("law.json", "fit.png", "check.json", "rank.json", "propose.json", "override/proposed.yaml")

@@ -158,6 +158,16 @@ def read_curve(path: Path, metric: str) -> Curve:
     )
 
 
+def refuse_rl(curves: list[Curve]) -> None:
+    """An RL run's train/loss is a policy-gradient surrogate (often <= 0), not the loss the laws describe: refused
+    by its config, whatever the sign of its losses."""
+    for curve in curves:
+        prompts = curve.settings.get("env.prompts")
+        if prompts:
+            raise ForecastError(f"{curve.path}: an RL run (env.prompts {prompts}): its train/loss is a policy-gradient loss, not the falling "
+                                "pretraining or SFT loss the laws describe")  # fmt: skip
+
+
 def shared_keys(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k.startswith(SHARED_PREFIXES) and k not in NOT_SHARED}
 
