@@ -119,11 +119,6 @@ def test_rank_sorts_composed_plans_with_intervals_and_marks_the_inseparable(fixe
 
     plans = ["+override=lr_wsd trainer.steps=100", "+override=lr_cosine trainer.steps=100", "+override.lr=1e-3 trainer.steps=100",
              "+override=lr_wsd trainer.steps=100 override.lr.min_ratio=0.0"]  # fmt: skip
-    rl_dir = tmp_path / "rl_run"  # an RL run by its config, its losses positive or not
-    rl_dir.mkdir()
-    write_metrics(rl_dir / "metrics.jsonl", wsd(100, 0), {s: 3.0 - s / 100 for s in range(100)})
-    (rl_dir / "config.yaml").write_text("env:\n  name: digits\n  prompts: builtin:digits.jsonl\n")
-    assert "rl_run: an RL run (env.prompts builtin:digits.jsonl)" in refused(["fit", str(rl_dir), "--out", str(out)], capsys)
     dry = tmp_path / "dry_run"
     dry.mkdir()
     cfg = compose_config(["+override=lr_cosine", "trainer.steps=100"])
@@ -376,6 +371,11 @@ def test_fit_refuses_bad_flags_a_used_out_an_rl_loss_and_a_dry_run_in_one_line(t
     assert "--from-step: -5" in refused(["fit", str(run), "--from-step", "-5", "--out", str(out)], capsys)
     rl = write_metrics(tmp_path / "rl.jsonl", wsd(100, 0), {s: -0.5 + s / 1000 for s in range(100)})
     assert "rl.jsonl: train/loss is -0.479 at step 21" in refused(["fit", str(rl), "--out", str(out)], capsys)
+    rl_dir = tmp_path / "rl_run"  # an RL run by its config, its losses positive or not
+    rl_dir.mkdir()
+    write_metrics(rl_dir / "metrics.jsonl", wsd(100, 0), {s: 3.0 - s / 100 for s in range(100)})
+    (rl_dir / "config.yaml").write_text("env:\n  name: digits\n  prompts: builtin:digits.jsonl\n")
+    assert "rl_run: an RL run (env.prompts builtin:digits.jsonl)" in refused(["fit", str(rl_dir), "--out", str(out)], capsys)
     dry = tmp_path / "dry_run"
     dry.mkdir()
     (dry / "plan.json").write_text("{}")
