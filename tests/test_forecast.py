@@ -407,3 +407,17 @@ def test_the_corpus_has_distinct_rows_none_held_out_twice_and_is_the_same_on_eve
     write_corpus(tmp_path / "b", 3000, 100)
     assert (tmp_path / "b" / "corpus_train.jsonl").read_bytes() == (tmp_path / "a" / "corpus_train.jsonl").read_bytes()
     assert "--rows: 0" in refused(["corpus", str(tmp_path / "c"), "--rows", "0"], capsys)
+
+
+def test_a_proposal_warms_up_as_the_longest_fitted_run_did(tmp_path, capsys):
+    """Runs whose warmups differ (a 200-step trunk warming up over 20 steps, a 100-step run over 5): the proposal
+    repeats the trunk's warmup, not the shortest one (which started its lr 4 x higher)."""
+    trunk = generated_run(tmp_path, "trunk", "momentum", wsd(200, 0), 0.003, 0)
+    short_lr = wsd(100, 30)
+    short_lr[:5] = PEAK * np.arange(5) / 5
+    short_lr[5:WARMUP] = PEAK
+    short = generated_run(tmp_path, "short", "momentum", short_lr, 0.003, 1)
+    forecast_main(["fit", str(trunk), str(short), "--law", "momentum", "--refits", "0", "--out", str(tmp_path / "law")])
+    assert read_law(tmp_path / "law" / "law.json").warmup_steps == WARMUP
+    forecast_main(["propose", str(tmp_path / "law" / "law.json"), "--steps", "200", "--family", "cosine", "--force"])
+    assert json.loads((tmp_path / "law" / "propose.json").read_text())["proposed"]["spec"]["warmup_steps"] == WARMUP
