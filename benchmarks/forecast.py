@@ -1,8 +1,8 @@
 """How well does a loss-curve law forecast schedules of the tiny model? The measurement of docs/forecast.md.
 
 Data that does not repeat within a run (the regime the laws describe; the shipped 256-row set is seen ~6 times in
-200 steps and is not): a generated SFT corpus of distinct rows (sums, reversals, spellings, counts over random
-words), written under OUT, with a held-out file for val/loss. Runs (all `python -m tinker_exp`, lr peak 1e-3,
+200 steps and is not): the generated SFT corpus of distinct rows of `python -m tinker_exp.forecast corpus`
+(tinker_exp/forecast/corpus.py), written under OUT, with a held-out file for val/loss. Runs (all `python -m tinker_exp`, lr peak 1e-3,
 warmup 20 steps, horizon T):
 - fitted: a constant trunk (WSD with no decay, checkpoints every T/10), WSD decay branches off it: 20 % 1-sqrt to 0
   (fit A: trunk + it), and 40 % linear to 0 (fit B: trunk + both);
@@ -13,15 +13,15 @@ Then per fit and metric: `check` on the held-out runs, Kendall's tau of predicte
 the T-step schedules, and the regret of the proposed schedule against the best measured one. Prints the table (and
 writes OUT/table.md). A run already finished in OUT is not run again.
 
-    .venv/bin/python benchmarks/forecast.py [--out outputs/forecast_bench] [--steps 300] [--law mpl] [--from-step 60] [--seeds 2]
+    .venv/bin/python benchmarks/forecast.py [--out outputs/forecast_bench] [--steps 300] [--law mpl] [--from-step 60] [--seeds 2] [--runs-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -29,40 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tinker_exp.forecast.corpus import write_corpus
+
 REPO = Path(__file__).resolve().parent.parent
-WORDS = ("apple river cloud music window garden stone light paper table orange silver forest candle rocket "
-         "pencil mirror bridge castle dragon ocean planet summer winter yellow purple jacket pocket basket "
-         "hammer ladder marble needle rabbit saddle tunnel violin wallet zebra anchor bottle button cactus").split()  # fmt: skip
-
-
-def corpus_row(rng: random.Random) -> dict[str, str]:
-    kind = rng.randrange(4)
-    if kind == 0:
-        a, b = rng.randrange(1000), rng.randrange(1000)
-        return {"prompt": f"Add {a} and {b}.", "response": f" {a} plus {b} is {a + b}."}
-    if kind == 1:
-        words = rng.sample(WORDS, rng.randint(3, 5))
-        return {"prompt": "Reverse: " + " ".join(words), "response": " " + " ".join(reversed(words))}
-    if kind == 2:
-        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 8)))
-        return {"prompt": f"Spell {word}.", "response": " " + "-".join(word)}
-    word, n = rng.choice(WORDS), rng.randint(2, 7)
-    start = rng.randrange(50)
-    return {"prompt": f"Count from {start} to {start + n - 1} with {word}.", "response": " " + " ".join(f"{word}{start + i}" for i in range(n))}
-
-
-def write_corpus(out: Path, train_rows: int, val_rows: int, seed: int = 0) -> tuple[Path, Path]:
-    """Distinct rows: no row repeats within a run of train_rows / batch_size steps, none is in both files."""
-    rng, seen, rows = random.Random(seed), set(), []
-    while len(rows) < train_rows + val_rows:
-        row = corpus_row(rng)
-        if row["prompt"] not in seen:
-            seen.add(row["prompt"])
-            rows.append(row)
-    train, val = out / "corpus_train.jsonl", out / "corpus_val.jsonl"
-    train.write_text("".join(json.dumps(r) + "\n" for r in rows[:train_rows]))
-    val.write_text("".join(json.dumps(r) + "\n" for r in rows[train_rows:]))
-    return train, val
 
 
 def run(name: str, out: Path, args: list[str], env: dict[str, str]) -> Path:
@@ -78,8 +47,10 @@ def run(name: str, out: Path, args: list[str], env: dict[str, str]) -> Path:
     return run_dir
 
 
-def forecast(*args: str) -> str:
+def forecast(*args: str, refusal_ok: bool = False) -> str:
     result = subprocess.run([sys.executable, "-m", "tinker_exp.forecast", *args], cwd=REPO, capture_output=True, text=True)
+    if result.returncode == 2 and refusal_ok:
+        return "refused: " + result.stderr.strip()
     if result.returncode != 0:
         sys.exit(f"forecast {args[0]} failed: {result.stderr[-3000:]}")
     return result.stdout
@@ -109,6 +80,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--law", default="mpl")
     p.add_argument("--seeds", type=int, default=2, help="cosine runs with seeds 0.. (the seed-to-seed spread)")
+    p.add_argument("--runs-only", action="store_true", help="run (or find) the runs, fit nothing")
     p.add_argument("--from-step", type=int, default=60, help="fit from this step: the tiny model's first fast drop (loss 6 -> 3.5) is not the law's regime")
     args = p.parse_args()
     out = (REPO / args.out).resolve()
@@ -141,7 +113,16 @@ def main() -> None:
     }
     seeds = [runs["cosine"]] + [run(f"cosine_seed{s}", out, [*common, *quiet, "+override=lr_cosine", f"override.lr.warmup_steps={warm}",
                                                                f"trainer.steps={T}", f"trainer.seed={s}"], env) for s in range(1, args.seeds)]  # fmt: skip
-    table = measure(out, runs, seeds, T, warm, args.law, args.from_step, lambda law_dir: run("proposed", out, ["--config-dir", str(law_dir), "+override=proposed", *quiet], env))
+    if args.runs_only:
+        return
+
+    def run_proposed(law_dir: Path) -> Path:
+        """The proposal run as written; named by its lr schedule, so that another proposal is run, not found."""
+        text = (law_dir / "override" / "proposed.yaml").read_text()
+        digest = hashlib.sha256(text[text.index("override:") :].encode()).hexdigest()[:8]
+        return run(f"proposed_{digest}", out, ["--config-dir", str(law_dir), "+override=proposed", *quiet], env)
+
+    table = measure(out, runs, seeds, T, warm, args.law, args.from_step, run_proposed)
     (out / "table.md").write_text(table + "\n")
     print(table)
 
@@ -157,7 +138,7 @@ def measure(out: Path, runs: dict[str, Path], seeds: list[Path], T: int, warm: i
                   f"seed-to-seed spread of cosine ({len(seeds)} seeds): max - min {max(spread) - min(spread):.4f}, std {np.std(spread, ddof=1):.4f}", ""]  # fmt: skip
         for fit_name, fitted in fits.items():
             law_dir = out / f"fit_{fit_name}_{metric.split('/')[0]}"
-            forecast("fit", *(str(runs[n]) for n in fitted), "--law", law_name, "--metric", metric, "--out", str(law_dir), "--from-step", str(from_step))
+            forecast("fit", *(str(runs[n]) for n in fitted), "--law", law_name, "--metric", metric, "--out", str(law_dir), "--from-step", str(from_step), "--overwrite")
             held = [n for n in runs if n not in fitted]
             forecast("check", str(law_dir / "law.json"), *[str(runs[n]) for n in held], *[str(s) for s in seeds[1:]])
             checked = json.loads((law_dir / "check.json").read_text())["runs"]
@@ -172,8 +153,13 @@ def measure(out: Path, runs: dict[str, Path], seeds: list[Path], T: int, warm: i
                       "fit's own final errors: " + ", ".join(f"{r['run'].split('/')[-1]} {r['final_error']:+.4f}" for r in law["fit"]["runs"])]  # fmt: skip
             if fit_name == "A":  # one proposed run (CPU time), by fit A on train/loss: its val/loss is read too
                 if metric == "train/loss":
-                    text = forecast("propose", str(law_dir / "law.json"), "--steps", str(T), "--family", "wsd")
+                    propose = ("propose", str(law_dir / "law.json"), "--steps", str(T), "--family", "wsd")
+                    text = forecast(*propose, refusal_ok=True)
+                    refusal = text.split(": ", 1)[1] if text.startswith("refused: ") else ""
+                    if refusal:  # measured anyway: what running a proposal the law could not choose costs
+                        text = forecast(*propose, "--force")
                     proposed_line = next(line for line in text.splitlines() if line.startswith("proposed:"))
+                    proposed_line += f" (propose refused: {refusal}; run with --force)" if refusal else ""
                     proposed = run_proposed(law_dir)
                 else:
                     proposed_line = "the schedule proposed by fit A on train/loss"

@@ -3,7 +3,7 @@
 - start: process start to the end of step 1, for the bare verl loop (benchmarks/overhead.py's), a cold run
   (backend.pool=none) and a run on a warm pool (started once, before the pairs); each pair runs the three in an
   alternating order. Printed: every pair, the medians and ratios, and the warm run's parts: the client's (Python,
-  Hydra, the checks: a dry run of the same command), the pool's (fresh state, data, W&B; the rest) and step 1 itself.
+  Hydra, the checks, until its log says it handed the run over), the pool's (inputs, fresh state, sinks) and step 1.
 - study: an Optuna study (hparams_search=lr_cosine, seeded) of --trials trials of --steps steps, cold then warm
   (the sweep's own pool): wall time against the sum of its trials' training time (first step's start to last row),
   and whether both studies found the same objective values and best trial.
@@ -11,7 +11,7 @@
 - memory: a pool's resident memory (the pool's process and each worker's) at rest, then after every 5 of --runs
   short runs on it.
 
-    .venv/bin/python benchmarks/pool.py start [--pairs 3] [--steps 3]
+    .venv/bin/python benchmarks/pool.py start [--pairs 3] [--steps 3] [--set KEY=VALUE ...]
     .venv/bin/python benchmarks/pool.py study [--trials 8] [--steps 20]
     .venv/bin/python benchmarks/pool.py pbt
     .venv/bin/python benchmarks/pool.py memory [--runs 20]
@@ -41,6 +41,14 @@ def rows_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def handed_over(log: Path) -> float:
+    """When the client handed its run to the pool: its log line saying so (the run dir's log, ms resolution)."""
+    from datetime import datetime
+
+    line = next(l for l in log.read_text().splitlines() if "pool: training on the warm workers" in l)
+    return datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
 def pool_command(*args: str) -> subprocess.CompletedProcess:
     done = subprocess.run([PYTHON, "-m", "tinker_exp.pool", *args], cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
@@ -49,12 +57,12 @@ def pool_command(*args: str) -> subprocess.CompletedProcess:
 
 
 def start(args: argparse.Namespace, tmp: Path) -> None:
-    overrides = ["+override=constant", f"trainer.steps={args.steps}", "checkpoint.every_steps=0", "checkpoint.at_end=false"]
+    overrides = ["+override=constant", f"trainer.steps={args.steps}", "checkpoint.every_steps=0", "checkpoint.at_end=false", *args.set]
     spec, _ = prepare(overrides, tmp)
     (tmp / "spec.json").write_text(json.dumps(spec))
     print(pool_command("up", *overrides).stdout.strip().splitlines()[-1], file=sys.stderr)
     starts: dict[str, list[float]] = {"bare": [], "cold": [], "warm": []}
-    step_one, losses = [], {}
+    parts, losses = [], {}
     sides = ["bare", "cold", "warm"]
     try:
         for pair in range(args.pairs):
@@ -72,15 +80,11 @@ def start(args: argparse.Namespace, tmp: Path) -> None:
                 began, rows = timed([PYTHON, "-m", "tinker_exp", *overrides, *pool, f"hydra.run.dir={run_dir}"], lambda: rows_of(run_dir))
                 starts[side].append(rows[0]["time"] - began)
                 losses[side] = [r["train/loss"] for r in rows]
-                if side == "warm":
-                    step_one.append(rows[0]["perf/step_time_s"])
+                if side == "warm":  # its parts: the client's until it hands the run over, the pool's, step 1
+                    sent = handed_over(run_dir / "tinker_exp.log")
+                    step = rows[0]["perf/step_time_s"]
+                    parts.append((sent - began, rows[0]["time"] - step - sent, step))
             print(f"pair {pair + 1}/{args.pairs}: " + ", ".join(f"{s} {starts[s][-1]:.2f} s" for s in sides), file=sys.stderr)
-        client = []
-        for i in range(args.pairs):  # the client's part: the same command's dry run (compose, checks, plan; no workers)
-            began = time.time()
-            subprocess.run([PYTHON, "-m", "tinker_exp", *overrides, "dry_run=true", f"hydra.run.dir={tmp / f'dry_{i}'}"],
-                           cwd=REPO, capture_output=True, check=True)  # fmt: skip
-            client.append(time.time() - began)
     finally:
         pool_command("down")
     print(f"{'pair':6}{'bare s':>9}{'cold s':>9}{'warm s':>9}{'warm/cold':>11}{'warm/bare':>11}")
@@ -91,9 +95,9 @@ def start(args: argparse.Namespace, tmp: Path) -> None:
     print(f"process start to the end of step 1 (median (min..max)): bare {spread(starts['bare'], '.2f')} s, cold "
           f"{spread(starts['cold'], '.2f')} s, warm {spread(starts['warm'], '.2f')} s; warm/cold {med['warm'] / med['cold']:.3f}, "
           f"warm/bare {med['warm'] / med['bare']:.3f}")  # fmt: skip
-    c, s = statistics.median(client), statistics.median(step_one)
-    print(f"the warm run's parts (medians): client (Python, Hydra, checks: a dry run) {c:.2f} s; step 1 itself {s:.2f} s; "
-          f"the pool's part (fresh state, data, W&B, the rest) {med['warm'] - c - s:.2f} s")  # fmt: skip
+    client, pool, step = (statistics.median(p[i] for p in parts) for i in range(3))
+    print(f"the warm run's parts (medians): the client (Python, Hydra, checks, the pool's lease) {client:.2f} s; the pool "
+          f"(the run's inputs, fresh state, sinks) {pool:.2f} s; step 1 itself {step:.2f} s")  # fmt: skip
     print(f"losses: cold == warm {'bitwise' if losses['cold'] == losses['warm'] else 'DIFFER'}; bare == warm "
           f"{'bitwise' if losses['bare'] == losses['warm'] else 'differ'}")  # fmt: skip
 
@@ -169,6 +173,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="start: a config override (a GPU: backend.num_workers=1)")
     args = parser.parse_args()
     args.steps = args.steps or (3 if args.part == "start" else 20)
     os.environ.setdefault("WANDB_MODE", "offline")

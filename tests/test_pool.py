@@ -4,6 +4,8 @@ killed mid-step, then a good run; a second run refused while one runs; up, statu
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import signal
 import subprocess
@@ -99,6 +101,17 @@ def test_resume_and_a_branch_on_the_pool_are_bitwise_cold_ones(pool, cosine_trun
     assert [row["train/step"] for row in warm_rows] == [4, 5, 6] and warm_rows == cold_rows
 
 
+def test_a_worker_that_died_is_replaced_and_the_next_run_is_the_cold_run(pool, cosine_trunk, tmp_path):
+    status = run_module("tinker_exp.pool", "status", env=pool).stdout
+    pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", status.split("memory", 1)[1])]
+    assert len(pids) == 2, status
+    os.kill(pids[1], signal.SIGKILL)  # a rank lost (out of memory, say) between two runs
+    result = warm(pool, *COSINE_TRUNK, f"hydra.run.dir={tmp_path}")
+    assert "pool: a worker had died" in result.stdout and "building the group again" in result.stdout
+    assert without_timings(metrics_rows(tmp_path)) == without_timings(metrics_rows(cosine_trunk[0]))
+    assert str(pids[1]) not in run_module("tinker_exp.pool", "status", env=pool).stdout
+
+
 @pytest.mark.parametrize(
     "command",
     [["lora=r8", "trainer.steps=3"], ["env=digits", "loss=importance_sampling", "trainer.steps=2"]],
@@ -115,3 +128,21 @@ def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_pa
     if command[0] == "lora=r8":
         adapter = "adapter/adapter_model.safetensors"
         assert (tmp_path / "warm" / adapter).read_bytes() == (tmp_path / "cold" / adapter).read_bytes()
+
+
+def test_a_pool_left_idle_ends_by_itself(tmp_path):
+    """`up --idle-min`'s rule, on a pool process with no group: no run for its idle time, it ends and says why."""
+    import tempfile
+
+    from tinker_exp.pool.local import start_host
+
+    address = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp")) / "idle.sock"
+    process = start_host(address, idle_s=1.0)
+    try:
+        process.wait(timeout=120)
+    finally:
+        process.kill()
+    log = (address.parent / "idle.log").read_text()
+    assert process.returncode == 0 and "pool: stopping: idle for" in log and "pool: down" in log, log[-2000:]
+    assert not address.exists()
+    shutil.rmtree(address.parent, ignore_errors=True)

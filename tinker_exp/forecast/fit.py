@@ -4,8 +4,9 @@ The fit is the recipe that reproduces the multi-power law's published figures: s
 Huber loss (f_scale 1e-3) on log residuals, from a few generic starts, keeping the lowest cost. The law is poorly
 identified (other starts give other parameters with a similar error), so the fit also keeps refits: bootstrap
 resamples of the fitted points, each started from the best fit with its shape parameters (all but L0, A) moved
-by a random factor. Every prediction is made by the fit and by each refit: their spread is the interval.
-scipy and numpy only.
+by a random factor. Every prediction is made by the fit and by each refit: their spread is the interval, or no
+forecast where it says nothing (Law.forecast). Fast on long curves: analytic Jacobians, every run in one
+vectorised pass, the decay sum in blocks (FIT_RESOLUTION; benchmarks/forecast_fit.py). scipy and numpy only.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from tinker_exp.forecast.laws import LAWS, LawKind, features, warmup_end
+from tinker_exp.forecast.laws import LAWS, LawKind, concat, features, predict, warmup_end
 from tinker_exp.forecast.runs import Curve, ForecastError, NotConverged, updates_seen
 
 FORMAT = "tinker_exp forecast law 1"
@@ -28,6 +29,13 @@ MIN_POINTS = 3  # per run, after its warmup
 MAX_FIT_POINTS = 80
 """Per run, consecutive fitted points are averaged into at most this many (a fit evaluates the law thousands of
 times: cost grows with points x lr changes; averaging neighbours also takes the batch noise out of train/loss)."""
+REFIT_EVALUATIONS = 1000
+"""A refit's most evaluations of the law (400 before the fit was fast: a refit along the law's flat valley, beta
+near its bound, often needed more and was dropped as not converged)."""
+FIT_RESOLUTION = 0.01
+"""The fit's decay sum in blocks (laws.features): within 2e-7 (cosine) and 2e-5 (WSD, 1-sqrt) of the exact loss
+on 24,000-step curves, far below any loss's noise, with 18 x fewer terms on a cosine: every start and every
+refit on it, then the best start polished on the exact sum. Predictions, errors and plots are exact."""
 FINAL_WINDOW = {"train/loss": 10, "val/loss": 1}
 """The final loss is the mean over this many last logged points: one train/loss is one batch's, noisy."""
 
@@ -52,8 +60,7 @@ class Law:
 
     def curve(self, lr: np.ndarray, updates: np.ndarray, params: np.ndarray | None = None) -> np.ndarray:
         """The predicted metric after `updates` updates of the schedule `lr` (raw lr, one value per update)."""
-        f = features(np.asarray(lr) / self.lr_scale, np.asarray(updates))
-        return self.law.predict(self.params if params is None else params, f)
+        return predict(self.law, self.params if params is None else params, np.asarray(lr) / self.lr_scale, np.asarray(updates))
 
     def final_updates(self, total_steps: int) -> np.ndarray:
         """The update counts behind the last `final_window` steps' metric of a run of `total_steps` steps."""
@@ -67,6 +74,28 @@ class Law:
         point = float(np.mean(self.law.predict(self.params, f)))
         spread = [float(np.mean(self.law.predict(p, f))) for p in self.refits] or [point]
         return point, float(np.percentile(spread, 5)), float(np.percentile(spread, 95))
+
+    def forecast(self, lr: np.ndarray) -> dict[str, Any]:
+        """The final loss of a schedule with its interval (refits' 5-95 %, widened by `misfit`), or the reason
+        there is none: "reason" is None for a forecast. No forecast when the schedule decays and the fitted runs
+        did not (the decay terms are their starting values), when the interval holds a negative loss, or when it
+        is wider than the fitted losses' whole spread (it says nothing the fitted curves did not)."""
+        point, low, high = self.final(lr)
+        low, high = min(low, point) - self.misfit, max(high, point) + self.misfit
+        reason = None
+        unidentified = self.record.get("fit", {}).get("unidentified", [])
+        if unidentified and features(np.asarray(lr) / self.lr_scale, self.final_updates(len(lr))).decays:
+            reason = f"the schedule decays and {', '.join(unidentified)} were not identified: no fitted run decays (fit a decay branch too)"
+        elif low < 0:
+            reason = f"interval [{low:.4g}, {high:.4g}] holds negative losses (the refits disagree)"
+        elif high - low > self.loss_spread > 0:
+            reason = f"interval [{low:.4g}, {high:.4g}] is wider than the fitted losses' spread {self.loss_spread:.4g}"
+        return {"predicted": point, "low": low, "high": high, "reason": reason}
+
+    @property
+    def loss_spread(self) -> float:
+        """max - min of the fitted (binned) losses: an interval wider than this says nothing the runs did not."""
+        return float(self.record.get("fit", {}).get("loss_spread", 0.0))
 
     @property
     def misfit(self) -> float:
@@ -111,55 +140,97 @@ def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, s
         if own < MIN_POINTS:
             after = f"step {from_step}" if from_step > warmup_end(curve.lr) else "the warmup"
             raise ForecastError(f"{curve.path}: {own} {metric} points after {after}; a fit needs at least {MIN_POINTS} a run")
+    for curve, keep in chosen:
+        bad = keep[curve.loss[keep] <= 0]
+        if len(bad):
+            raise ForecastError(f"{curve.path}: {metric} is {curve.loss[bad[0]]:g} at step {curve.steps[bad[0]]}; the laws describe a positive loss "
+                                "falling with the lr sum (an RL run's loss is not one)")  # fmt: skip
     total = sum(len(keep) for _, keep in chosen)
     if total < 2 * len(law_kind.params):
         raise ForecastError(f"{', '.join(c.name for c in curves)}: {total} {metric} points to fit; the {kind} law needs at least {2 * len(law_kind.params)}")
-    blocks = []
+    parts, measured = [], []
     for c, keep in chosen:
         if len(keep):
             updates, loss = binned(updates_seen(metric, c.steps[keep]), c.loss[keep])
-            blocks.append((features(c.lr / lr_scale, updates), np.log(loss)))
-    measured = np.concatenate([b[1] for b in blocks])
-
-    def residuals(p: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
-        with np.errstate(all="ignore"):
-            predicted = np.concatenate([law_kind.predict(p, f) for f, _ in blocks])
-            r = np.log(np.maximum(predicted, 1e-12)) - measured
-        r = np.where(np.isfinite(r), r, 10.0)  # a non-finite prediction is a large residual, not a crash
-        return r if weights is None else r * weights
-
-    from scipy.optimize import least_squares
-
+            parts.append(features(c.lr / lr_scale, updates, resolution=FIT_RESOLUTION))
+            measured.append(np.log(loss))
+    design, measured = concat(parts), np.concatenate(measured)
+    problem = _Problem(law_kind, design, measured)
     lower, upper = np.array(law_kind.lower), np.array(law_kind.upper)
+
+    def solve(problem: _Problem, start: np.ndarray, huber: bool, most: int, weights: np.ndarray | None = None):
+        from scipy.optimize import least_squares
+
+        robust = {"loss": "huber", "f_scale": HUBER_SCALE} if huber else {}
+        return least_squares(problem.residuals, np.clip(start, lower, upper - 1e-9), jac=problem.jacobian, bounds=(lower, upper),
+                             max_nfev=most, x_scale="jac", args=() if weights is None else (weights,), **robust)  # fmt: skip
+
+    # Plain least squares first: from a generic start every residual is far beyond the Huber scale, where the loss
+    # is flat in its curvature and the solver stops where it began; then the Huber fit from there.
     best, messages = None, []
     for start in law_kind.starts(np.exp(measured)):
-        # Plain least squares first: from a generic start every residual is far beyond the Huber scale, where the
-        # loss is flat in its curvature and the solver stops where it began; then the Huber fit from there.
-        plain = least_squares(residuals, np.clip(start, lower, upper - 1e-9), bounds=(lower, upper), max_nfev=1000, x_scale="jac")
-        result = least_squares(residuals, plain.x, bounds=(lower, upper), loss="huber", f_scale=HUBER_SCALE, max_nfev=1000, x_scale="jac")
+        result = solve(problem, solve(problem, start, False, 1000).x, True, 1000)
         if result.status > 0 and np.all(np.isfinite(result.x)) and (best is None or result.cost < best.cost):
             best = result
         messages.append(result.message)
     if best is None:
         raise NotConverged(f"the {kind} law did not converge on {', '.join(c.name for c in curves)} ({messages[-1]}); no law.json written")
+    if FIT_RESOLUTION and design.decays:  # the law's parameters are the exact sum's optimum: polished on it, from next to it
+        exact = concat([features(c.lr / lr_scale, binned(updates_seen(metric, c.steps[keep]), c.loss[keep])[0]) for c, keep in chosen if len(keep)])
+        polished = solve(_Problem(law_kind, exact, measured), best.x, True, 1000)
+        if polished.status > 0 and np.all(np.isfinite(polished.x)):
+            best = polished
     rng = np.random.default_rng(seed)
-    refitted = []
+    refitted, failed = [], 0
     shape = np.arange(len(best.x)) >= 2  # L0 and A are well determined; the rest is where starts disagree
     for _ in range(refits):
-        counts = np.bincount(rng.integers(0, len(measured), len(measured)), minlength=len(measured)).astype(float)
-        start = np.clip(best.x * np.where(shape, np.exp(rng.uniform(-0.7, 0.7, len(best.x))), 1.0), lower, upper - 1e-9)
-        result = least_squares(residuals, start, bounds=(lower, upper), loss="huber", f_scale=HUBER_SCALE,
-                               max_nfev=400, x_scale="jac", args=(np.sqrt(counts),))  # fmt: skip
+        weights = np.sqrt(np.bincount(rng.integers(0, len(measured), len(measured)), minlength=len(measured)).astype(float))
+        start = best.x * np.where(shape, np.exp(rng.uniform(-0.7, 0.7, len(best.x))), 1.0)
+        result = solve(problem, start, True, REFIT_EVALUATIONS, weights)
         if result.status > 0 and np.all(np.isfinite(result.x)):  # a refit that did not converge says nothing
             refitted.append(result.x)
-    warmups = {warmup_end(c.lr) for c in curves}
-    law = Law(kind, best.x, refitted, metric, lr_scale, min(warmups), FINAL_WINDOW.get(metric, 1), from_step)
+        else:
+            failed += 1
+    # A proposed schedule's warmup: the longest fitted run's (the trunk's), not the shortest of runs that differ
+    longest = max(curves, key=lambda c: len(c.lr))
+    law = Law(kind, best.x, refitted, metric, lr_scale, warmup_end(longest.lr), FINAL_WINDOW.get(metric, 1), from_step)
+    unidentified = [] if design.decays else list(law_kind.decay_params)
     law.record = {
         "runs": [{"run": str(c.path), "name": c.name, "steps": len(c.lr), "points": len(c.steps), "fitted_points": len(k)} for c, k in chosen],
         "settings": _common_settings(curves),
-        "fit": {"cost": float(best.cost), "start_messages": messages, "refits": len(refitted), "runs": [errors_of(law, c) for c in curves]},
+        "fit": {"cost": float(best.cost), "start_messages": messages, "refits": len(refitted), "refits_asked": refits, "refits_not_converged": failed,
+                "unidentified": unidentified, "loss_spread": float(np.ptp(np.exp(measured)))},  # fmt: skip
     }
+    law.record["fit"]["runs"] = [errors_of(law, c) for c in curves]
     return law
+
+
+class _Problem:
+    """The fit's residuals (log predicted - log measured, times a refit's weights) and their analytic Jacobian:
+    scipy's finite differences would cost one more evaluation of the law per parameter."""
+
+    def __init__(self, law_kind: LawKind, design: Any, measured: np.ndarray) -> None:
+        self.law_kind, self.design, self.measured = law_kind, design, measured
+
+    def _raw(self, p: np.ndarray, jacobian: bool):
+        with np.errstate(all="ignore"):
+            out = self.law_kind.predict(p, self.design, jacobian=jacobian)
+        return out if jacobian else (out, None)
+
+    def residuals(self, p: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        predicted, _ = self._raw(p, False)
+        with np.errstate(all="ignore"):
+            r = np.log(np.maximum(predicted, 1e-12)) - self.measured
+        r = np.where(np.isfinite(r), r, 10.0)  # a non-finite prediction is a large residual, not a crash
+        return r if weights is None else r * weights
+
+    def jacobian(self, p: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        predicted, jac = self._raw(p, True)
+        usable = np.isfinite(predicted) & (predicted > 1e-12)  # where the residual is clamped, it does not move
+        with np.errstate(all="ignore"):
+            jac = np.where(usable[:, None], jac / np.where(usable, predicted, 1.0)[:, None], 0.0)
+        jac = np.where(np.isfinite(jac), jac, 0.0)
+        return jac if weights is None else jac * weights[:, None]
 
 
 def _common_settings(curves: list[Curve]) -> dict[str, Any]:

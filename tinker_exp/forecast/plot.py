@@ -12,6 +12,9 @@ from tinker_exp.forecast.laws import warmup_end
 from tinker_exp.forecast.runs import Curve, updates_seen
 
 
+MAX_DRAWN = 1000  # the law's line at this many steps at most: at every step of a 24,000-step cosine it takes minutes
+
+
 def write_fit_png(law: Law, curves: list[Curve], path: Path, title: str) -> Path:
     import matplotlib
 
@@ -22,7 +25,7 @@ def write_fit_png(law: Law, curves: list[Curve], path: Path, title: str) -> Path
     errors = {r["run"]: r for r in law.record.get("fit", {}).get("runs", [])}
     for i, curve in enumerate(curves):
         color = f"C{i % 10}"
-        steps = np.arange(len(curve.lr))
+        steps = np.unique(np.linspace(0, len(curve.lr) - 1, min(len(curve.lr), MAX_DRAWN)).astype(np.int64))
         updates = np.clip(updates_seen(law.metric, steps), 1, len(curve.lr))
         shown = updates_seen(law.metric, steps) > warmup_end(curve.lr)  # the law holds from the peak on
         error = errors.get(curve.name)
@@ -30,7 +33,7 @@ def write_fit_png(law: Law, curves: list[Curve], path: Path, title: str) -> Path
         label = curve.name + (f" ({final} {error['actual']:.3f}, law's error {error['final_error']:+.3f})" if error else "")
         loss_ax.plot(curve.steps, curve.loss, ".", color=color, markersize=3.5 if len(curve.steps) < 200 else 2.5, alpha=0.5)
         loss_ax.plot(steps[shown], law.curve(curve.lr, updates[shown]), "-", color=color, linewidth=1.4, label=label)
-        lr_ax.plot(steps, curve.lr, color=color, linewidth=1.0)
+        lr_ax.plot(np.arange(len(curve.lr)), curve.lr, color=color, linewidth=1.0)
     if law.from_step:
         loss_ax.axvline(law.from_step, color="0.4", linestyle=":", linewidth=1.0, label=f"fitted from step {law.from_step}")
     low = min(float(np.percentile(c.loss, 1)) for c in curves)

@@ -98,6 +98,8 @@ def expand(paths: list[Path]) -> list[Path]:
             found.append(path)
             continue
         jobs = sorted((d for d in path.iterdir() if is_run_dir(d)), key=lambda d: (not d.name.isdigit(), d.name.zfill(9))) if path.is_dir() else []
+        if not jobs and path.is_dir() and ((path / "plan.json").is_file() or (path / "config.yaml").is_file()):
+            raise ForecastError(f"{path}: no {METRICS} (a dry run, or a run that logged no step: a forecast needs a run's losses)")
         if not jobs:
             raise ForecastError(f"{path}: not a run dir, a sweep dir or a {METRICS} file")
         found.extend(jobs)
@@ -154,6 +156,16 @@ def read_curve(path: Path, metric: str) -> Curve:
         sources=[points[s][1] for s in steps],
         settings=run_settings(path) if path.is_dir() else {},
     )
+
+
+def refuse_rl(curves: list[Curve]) -> None:
+    """An RL run's train/loss is a policy-gradient surrogate (often <= 0), not the loss the laws describe: refused
+    by its config, whatever the sign of its losses."""
+    for curve in curves:
+        prompts = curve.settings.get("env.prompts")
+        if prompts:
+            raise ForecastError(f"{curve.path}: an RL run (env.prompts {prompts}): its train/loss is a policy-gradient loss, not the falling "
+                                "pretraining or SFT loss the laws describe")  # fmt: skip
 
 
 def shared_keys(settings: dict[str, Any]) -> dict[str, Any]:

@@ -123,7 +123,7 @@ def status(address: Path) -> int:
 def describe_status(info: dict) -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["since"]))
     memory = info["memory_mb"]
-    workers = ", ".join(f"{mb:.0f}" for mb in memory["workers"] if mb is not None) or "-"
+    workers = ", ".join(f"{mb or 0:.0f} (pid {pid})" for mb, pid in zip(memory["workers"], info["worker_pids"])) or "-"
     holder = info["holder"]
     now = (
         f"running a run since {time.strftime('%H:%M:%S', time.localtime(holder['since']))} (pid {holder['pid']}: {holder['who'] or 'no overrides'})"

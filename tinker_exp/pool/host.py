@@ -237,6 +237,7 @@ class Host:
             "group_built_at": group.built_at,
             "runs": group.runs,
             "memory_mb": {"pool": rss_mb(os.getpid()), "workers": [rss_mb(pid) for pid in self.worker_pids()]},
+            "worker_pids": self.worker_pids(),
         }
 
     def worker_pids(self) -> list[int]:

@@ -141,13 +141,13 @@ class WarmGroup:
             workers.shutdown()
 
     def close(self) -> None:
-        """The group freed and the pool's Ray cluster stopped."""
+        """The pool's Ray cluster stopped, and with it the group (no actor freed one by one: they end with it)."""
         import ray
 
-        try:
-            self.free()
-        finally:
-            ray.shutdown()
+        if self.workers is not None and self.workers.output is not None:
+            self.workers.output.stop()
+        self.workers = self.key = None
+        ray.shutdown()
 
 
 def start_own_cluster(device: str) -> None:
