@@ -11,7 +11,7 @@
 - memory: a pool's resident memory (the pool's process and each worker's) at rest, then after every 5 of --runs
   short runs on it.
 
-    .venv/bin/python benchmarks/pool.py start [--pairs 3] [--steps 3] [--set KEY=VALUE ...]
+    .venv/bin/python benchmarks/pool.py start [--pairs 3] [--steps 3] [--no-bare] [--set KEY=VALUE ...]
     .venv/bin/python benchmarks/pool.py study [--trials 8] [--steps 20]
     .venv/bin/python benchmarks/pool.py pbt
     .venv/bin/python benchmarks/pool.py memory [--runs 20]
@@ -58,15 +58,15 @@ def pool_command(*args: str) -> subprocess.CompletedProcess:
 
 def start(args: argparse.Namespace, tmp: Path) -> None:
     overrides = ["+override=constant", f"trainer.steps={args.steps}", "checkpoint.every_steps=0", "checkpoint.at_end=false", *args.set]
-    spec, _ = prepare(overrides, tmp)
-    (tmp / "spec.json").write_text(json.dumps(spec))
+    if not args.no_bare:
+        (tmp / "spec.json").write_text(json.dumps(prepare(overrides, tmp)[0]))
     print(pool_command("up", *overrides).stdout.strip().splitlines()[-1], file=sys.stderr)
     starts: dict[str, list[float]] = {"bare": [], "cold": [], "warm": []}
     parts, losses = [], {}
-    sides = ["bare", "cold", "warm"]
+    sides = ["cold", "warm"] if args.no_bare else ["bare", "cold", "warm"]
     try:
         for pair in range(args.pairs):
-            order = sides[pair % 3:] + sides[:pair % 3]
+            order = sides[pair % len(sides):] + sides[:pair % len(sides)]
             for side in order:
                 if side == "bare":
                     out = tmp / f"bare_{pair}.jsonl"
@@ -87,19 +87,20 @@ def start(args: argparse.Namespace, tmp: Path) -> None:
             print(f"pair {pair + 1}/{args.pairs}: " + ", ".join(f"{s} {starts[s][-1]:.2f} s" for s in sides), file=sys.stderr)
     finally:
         pool_command("down")
-    print(f"{'pair':6}{'bare s':>9}{'cold s':>9}{'warm s':>9}{'warm/cold':>11}{'warm/bare':>11}")
+    print(f"{'pair':6}" + "".join(f"{side + ' s':>9}" for side in ("bare", "cold", "warm") if starts[side]) + f"{'warm/cold':>11}"
+          + ("" if args.no_bare else f"{'warm/bare':>11}"))  # fmt: skip
     for i in range(args.pairs):
-        b, c, w = starts["bare"][i], starts["cold"][i], starts["warm"][i]
-        print(f"{i + 1:<6}{b:9.2f}{c:9.2f}{w:9.2f}{w / c:11.3f}{w / b:11.3f}")
-    med = {side: statistics.median(values) for side, values in starts.items()}
-    print(f"process start to the end of step 1 (median (min..max)): bare {spread(starts['bare'], '.2f')} s, cold "
-          f"{spread(starts['cold'], '.2f')} s, warm {spread(starts['warm'], '.2f')} s; warm/cold {med['warm'] / med['cold']:.3f}, "
-          f"warm/bare {med['warm'] / med['bare']:.3f}")  # fmt: skip
+        c, w = starts["cold"][i], starts["warm"][i]
+        print(f"{i + 1:<6}" + (f"{starts['bare'][i]:9.2f}" if starts["bare"] else "") + f"{c:9.2f}{w:9.2f}{w / c:11.3f}"
+              + ("" if args.no_bare else f"{w / starts['bare'][i]:11.3f}"))  # fmt: skip
+    med = {side: statistics.median(values) for side, values in starts.items() if values}
+    print(f"process start to the end of step 1 (median (min..max)): " + ", ".join(f"{side} {spread(starts[side], '.2f')} s" for side in sides)
+          + f"; warm/cold {med['warm'] / med['cold']:.3f}" + ("" if args.no_bare else f", warm/bare {med['warm'] / med['bare']:.3f}"))  # fmt: skip
     client, pool, step = (statistics.median(p[i] for p in parts) for i in range(3))
     print(f"the warm run's parts (medians): the client (Python, Hydra, checks, the pool's lease) {client:.2f} s; the pool "
           f"(the run's inputs, fresh state, sinks) {pool:.2f} s; step 1 itself {step:.2f} s")  # fmt: skip
-    print(f"losses: cold == warm {'bitwise' if losses['cold'] == losses['warm'] else 'DIFFER'}; bare == warm "
-          f"{'bitwise' if losses['bare'] == losses['warm'] else 'differ'}")  # fmt: skip
+    print(f"losses: cold == warm {'bitwise' if losses['cold'] == losses['warm'] else 'DIFFER'}"
+          + ("" if args.no_bare else f"; bare == warm {'bitwise' if losses['bare'] == losses['warm'] else 'differ'}"))
 
 
 def sweep(command: list[str], sweep_dir: Path) -> tuple[float, list[dict]]:
@@ -173,6 +174,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--no-bare", action="store_true", help="start: without the bare verl loop")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="start: a config override (a GPU: backend.num_workers=1)")
     args = parser.parse_args()
     args.steps = args.steps or (3 if args.part == "start" else 20)

@@ -5,7 +5,8 @@
 KIND: env (the ENV line), bench (benchmarks/gpu.py's GPU_BENCH line, else its GPU_BENCH_PARTIAL line, its progress
 lines and its --json file, LOG.json), run (a
 tinker_exp run dir: losses, step times, tokens/s, the device and workers lines, and the end of the run: END_TIME,
-when the process exited, minus the last step's row and minus the last checkpoint's line), skipped, summary.
+when the process exited, minus the last step's row and minus the last checkpoint's line), text (the log's last
+lines), skipped, summary.
 Stdlib only; never raises (a parse error is recorded as such).
 """
 
@@ -92,6 +93,8 @@ def figures(kind: str, log_path: str, extra: list[str]) -> dict:
         return f
     if kind == "run":
         return run_figures(log, Path(extra[0]), float(extra[1]) if len(extra) > 1 else None)
+    if kind == "text":  # a benchmark that prints its own table (benchmarks/pool.py): its last lines
+        return {"tail": log.splitlines()[-12:]}
     return {}
 
 

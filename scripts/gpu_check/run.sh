@@ -14,6 +14,7 @@
 #      AdamW), tinker_exp's loop only                                                                       (80 s)
 #   c  `python -m tinker_exp lora=r8 trainer.steps=10 backend.num_workers=1`: a CLI run's cold start, the tiny
 #      model's fixed cost a step, and its end (evaluation, checkpoint, adapter export, report, shutdown)   (80 s)
+#   e  benchmarks/pool.py start: the tiny model's cold run and a run on a warm pool, process start to step 1 (140 s)
 #   d  a's batch and knobs but padding-free on (with sdpa the default pads), tinker_exp's loop only: what sdpa
 #      makes of a packed row                                                        (70 s, or what is left: >= 45 s)
 # Switches: GPU_STAGES="a b" (a subset); GPU_EMU=1 (no GPU: backend=cpu, tiny settings, longer timeouts: how this
@@ -24,7 +25,7 @@ ROOT=$(pwd)
 HERE="$ROOT/scripts/gpu_check"
 BUNDLE=${GPU_BUNDLE:-$ROOT/.gpu_bundle}
 EMU=${GPU_EMU:-0}
-STAGES=" ${GPU_STAGES:-a b c d} "
+STAGES=" ${GPU_STAGES:-a b c e d} "
 OUT=${OUT:-/tmp/gpu_out}
 SITE=${GPU_SITE:-/tmp/site}
 WORK=${GPU_WORK:-/tmp/gpu_check}
@@ -135,11 +136,13 @@ if [ "$EMU" = 1 ]; then
   stage a a_bench bench 400 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --steps 5 --json "$LOGS/a_bench.log.json"
   stage b b_bench_before bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 3 --warmup 1 "${OLD[@]}" --json "$LOGS/b_bench_before.log.json"
   stage c c_lora_end run 300 60 "$R/c_lora" -- $PY -m tinker_exp lora=r8 "${CPU[@]}" trainer.steps=4 trainer.eval_every=2 checkpoint.every_steps=2 hydra.run.dir="$R/c_lora"
+  stage e e_pool_start text 400 60 "" -- $PY benchmarks/pool.py start --pairs 1 --no-bare --set backend=cpu --set backend.num_workers=1 --set logger=none
   stage d d_bench_packed bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 3 --warmup 1 --set backend.padding_free=true --json "$LOGS/d_bench_packed.log.json"
 else
   stage a a_bench bench 140 80 "" -- $PY benchmarks/gpu.py --steps 5 --json "$LOGS/a_bench.log.json"
   stage b b_bench_before bench 80 45 "" -- $PY benchmarks/gpu.py --no-bare --steps 3 --warmup 1 "${OLD[@]}" --json "$LOGS/b_bench_before.log.json"
   stage c c_lora_end run 80 40 "$R/c_lora" -- $PY -m tinker_exp lora=r8 trainer.steps=10 backend.num_workers=1 logger=none hydra.run.dir="$R/c_lora"
+  stage e e_pool_start text 140 90 "" -- $PY benchmarks/pool.py start --pairs 1 --no-bare --set backend.num_workers=1 --set logger=none
   stage d d_bench_packed bench 70 45 "" -- $PY benchmarks/gpu.py --no-bare --steps 3 --warmup 1 --set backend.padding_free=true --json "$LOGS/d_bench_packed.log.json"
 fi
 
