@@ -48,6 +48,7 @@ if [ "$SITE" != none ]; then
   PIP_RC=$?
   tar -xJf "$BUNDLE/ray.tar.xz" -C "$SITE"
   TAR_RC=$?
+  chmod -R a+x "$SITE/ray/core/src/ray" "$SITE/ray/core/libjemalloc.so" 2>/dev/null  # Ray's daemons (the tar may keep no x bits)
   export PYTHONPATH="$SITE:$ROOT"
   say "install done: pip rc $PIP_RC, tar rc $TAR_RC"
 else
