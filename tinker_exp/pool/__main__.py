@@ -75,9 +75,10 @@ def up(args: list[str]) -> int:
     idle, overrides = idle_minutes(args)
     cfg = checked_config(overrides)
     address = wire.address_of()
+    started = None
     for _ in range(2):
         if not answers(address):
-            start_host(address, idle * 60)
+            started = start_host(address, idle * 60)
         sock = wire.connect(address, None)
         wire.send(sock, ("prepare", {"code": wire.code_fingerprint(), "pid": os.getpid(), "who": "pool up", **run_payload((cfg,))}))
         reply = wire.recv(sock)
@@ -88,7 +89,12 @@ def up(args: list[str]) -> int:
         down(address)
     if reply[0] == "busy":
         raise ConfigError(f"the pool at {address} is running a run ({reply[1]['who']}); up again when it ends")
-    described = Lease(sock, address, reply[1]).follow()
+    try:
+        described = Lease(sock, address, reply[1]).follow()
+    except BaseException:
+        if started is not None:  # a pool this `up` started and could not build: not left behind half made
+            end(address, started)
+        raise
     print(f"pool up at {address} (pid {reply[1]['pid']}): {described}; runs train on it (backend.pool=auto, the default); "
           f"it idles out after {idle:g} min without a run; python -m tinker_exp.pool down frees it")  # fmt: skip
     return 0
