@@ -34,7 +34,7 @@ def server(tmp_path, **kwargs) -> Server:
         built.append(FakeWorkers(rank))
         return built[-1]
 
-    made = Server("tiny-llama", build, dict, lambda first_step: None, lambda *a: {}, tmp_path, lambda: None, **kwargs)
+    made = Server("tiny-llama", build, dict, lambda folder, first_step: None, lambda *a: {}, tmp_path, lambda: None, **kwargs)
     made.built = built
     return made
 
