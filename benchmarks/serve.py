@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -136,6 +137,8 @@ def server_steps(tokens: list[list[int]], steps: int) -> list[float]:
             if "serving" not in process.stdout.readline():
                 stderr.seek(0)
                 raise SystemExit(f"the server did not start:\n{stderr.read()[-4000:]}")
+            # its line per request: read as they come (a full pipe would stop the server)
+            threading.Thread(target=process.stdout.read, daemon=True).start()
             os.environ.update({k: env[k] for k in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_TELEMETRY")})
             client = tinker.ServiceClient().create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
             data = [datum(t) for t in tokens]

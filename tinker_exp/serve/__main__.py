@@ -250,12 +250,15 @@ class Stopped(Exception):
 
     @classmethod
     def watch(cls) -> None:
+        """Our handlers under uvicorn's (it restores them, then raises the signal it caught): SIGTERM raises Stopped,
+        SIGINT KeyboardInterrupt, even where the shell that started us ignores SIGINT (a command run with `&`)."""
         import signal
 
         def stop(signum, frame):
             raise cls()
 
         signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def scrub_key(serve: ServeConfig) -> None:
