@@ -654,6 +654,11 @@ def test_bad_checkpoint_and_sampling_requests_are_one_line_errors(server, traine
                                             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
                                             "sampling_params": params})
         assert response.status_code == 400 and response.json()["error"].startswith(message), response.text
+    outside = post(server, "asample", {"sampling_session_id": sampling_session_id, "seq_id": 0, "num_samples": 1,
+                                       "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, VOCAB]}]},
+                                       "sampling_params": {"max_tokens": 4}})
+    assert outside.status_code == 400 and outside.json()["error"] == (
+        f"prompt.chunks[0].tokens: token id {VOCAB} is not in the vocabulary (ids 0 .. {VOCAB - 1}: the model's vocab_size is {VOCAB})")
 
 
 def test_a_retried_request_gets_the_same_future_and_runs_once(server, trained):

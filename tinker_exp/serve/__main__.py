@@ -228,7 +228,8 @@ def main(args: list[str]) -> None:
     host, port = listener.getsockname()[:2]
     access = "requests must carry its key" if serve.api_key else "no key: any local user can reach it"
     print(f"tinker_exp.serve: serving {model_name} on http://{host}:{port} (run dir {run_dir}; {access})", flush=True)
-    stopped = Stopped.watch()
+    Stopped.watch()
+    stopped = None
     try:
         uvicorn.Server(uvicorn.Config(build_app(server, serve.api_key), log_level="warning",
                                       timeout_graceful_shutdown=1)).run(sockets=[listener])

@@ -298,6 +298,10 @@ class Server:
         """The server stops (Ctrl-C, SIGTERM): the held model's workers are freed now; its id (None: none held)."""
         with self.lock:
             model, self.model = self.model, None
+            for future in self.futures.values():  # no retrieve_future poll keeps the process from ending
+                if not future.done.is_set():
+                    future.error = "the server stopped"
+                    future.done.set()
         if model is None:
             return None
         self._free(model)
