@@ -6,8 +6,9 @@ Every training call returns a future (``request_id``) at once; the work runs on 
 protobuf for forward_backward, JSON otherwise. A request that is wrong (malformed protobuf or JSON, an unknown loss,
 non-finite or out-of-range AdamParams, a token id outside the vocabulary, a model id that is not served, a second
 model) is refused before it is queued: HTTP 400 with one line naming the field, the workers untouched. Each request
-is one line on the server's terminal (its method, model, seq_id, time and outcome), never a traceback. The model is its client's session's: when the session ends
-(``ServiceClient.close``, or no heartbeat for SESSION_TIMEOUT_S) its workers are freed for the next client.
+is one line on the server's terminal (its method, model, seq_id, time and outcome), never a traceback. The model is
+its client's session's: when the session ends (``ServiceClient.close``, or no heartbeat for SESSION_TIMEOUT_S) its
+workers are freed for the next client. Each model's rows go to its own metrics.jsonl (<run dir>/models/<model>/).
 """
 
 
@@ -46,7 +47,7 @@ POLL_S = 30.0
 STATE, SAMPLER = "weights", "sampler_weights"
 """The SDK's checkpoint kinds, as its paths spell them: tinker://<model_id>/weights/<name> (save_state: weights and
 optimizer state), tinker://<model_id>/sampler_weights/<name> (save_weights_for_sampler). On disk:
-<run dir>/checkpoints/<model_id>/<kind>/<name>/."""
+<run dir>/checkpoints/<model_id, colons as _>/<kind>/<name>/ (on_disk)."""
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")
 """A model id as the SDK's paths carry it (session_id:train:model_seq_id); on disk its colons are '_' (on_disk())."""
