@@ -72,7 +72,8 @@ def serve_config(args: list[str], environ: dict | None = None) -> tuple[ServeCon
             rest.append(arg)
             continue
         name = bare.removeprefix("serve.")
-        if not sep or not bare.startswith("serve.") or name not in ServeConfig.__dataclass_fields__:  # (never the value: it may be a mistyped key)
+        if not sep or not bare.startswith("serve.") or name not in ServeConfig.__dataclass_fields__:
+            # never the value: it may be a mistyped key
             raise ConfigError(f"{key}: not a serve key ({keys}), as serve.KEY=VALUE")
         if ServeConfig.__dataclass_fields__[name].type == "int":
             try:
@@ -82,7 +83,7 @@ def serve_config(args: list[str], environ: dict | None = None) -> tuple[ServeCon
         own[name] = value
     if not own.get("api_key") and environ.get(API_KEY_ENV):
         try:
-            return ServeConfig(**own, api_key=environ[API_KEY_ENV]), rest
+            return ServeConfig(**{**own, "api_key": environ[API_KEY_ENV]}), rest
         except ConfigError as e:
             raise ConfigError(str(e).replace("serve.api_key:", f"{API_KEY_ENV}:", 1)) from None
     return ServeConfig(**own), rest
