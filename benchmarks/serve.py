@@ -140,7 +140,8 @@ def server_steps(tokens: list[list[int]], steps: int) -> list[float]:
             # its line per request: read as they come (a full pipe would stop the server)
             threading.Thread(target=process.stdout.read, daemon=True).start()
             os.environ.update({k: env[k] for k in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_TELEMETRY")})
-            client = tinker.ServiceClient().create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
+            service = tinker.ServiceClient()
+            client = service.create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
             data = [datum(t) for t in tokens]
             times = []
             for _ in range(steps):
@@ -148,6 +149,7 @@ def server_steps(tokens: list[list[int]], steps: int) -> list[float]:
                 client.forward_backward(data, "cross_entropy").result()
                 client.optim_step(types.AdamParams(**ADAM)).result()
                 times.append(time.perf_counter() - start)
+            service.close("success").result(timeout=60)  # its heartbeats end with it, not 120 s after the server
             return times
         finally:
             process.terminate()
