@@ -3,6 +3,7 @@ driven by the tinker SDK, against the same calls on the same workers class (Serv
 wire size of one step's forward_backward protobuf.
 
     .venv/bin/python benchmarks/serve.py [--pairs 3] [--steps 10]
+    .venv/bin/python benchmarks/serve.py --against ../other-checkout [--pairs 6]   # this server against another's
 
 Each pair runs both, in its own Ray cluster each time, the first of a pair alternating (one process each: the direct
 loop here, the server in a subprocess with this process as its SDK client). Per run: the median step time (a step is
@@ -19,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,8 +48,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--against", type=Path, help="another checkout: its server against this one's, paired")
     args = parser.parse_args()
     tokens = batch_tokens()
+    if args.against is not None:
+        return against(args.against.resolve(), tokens, args.pairs, args.steps)
     print(f"wire: one step's forward_backward request {request_bytes(tokens)} bytes ({BATCH} sequences, "
           f"{sum(len(t) for t in tokens)} tokens)")
     pairs = []
@@ -62,6 +67,24 @@ def main() -> None:
         print(f"{name}: median step {statistics.median(values):.1f} ms ({min(values):.1f}..{max(values):.1f})")
     ratios = [p["server"] / p["direct"] for p in pairs]
     print(f"server / direct: median {statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})")
+
+
+def against(other: Path, tokens: list[list[int]], pairs: int, steps: int) -> None:
+    """This checkout's server against `other`'s (a checkout before a change, say), the same SDK client loop, the
+    first of a pair alternating: each run's median step, then the medians and the per-pair ratios."""
+    global REPO
+    this, times = REPO, {"other": [], "this": []}
+    for pair in range(pairs):
+        for name in ("other", "this") if pair % 2 == 0 else ("this", "other"):
+            REPO = other if name == "other" else this  # the server runs from this checkout (python -m, its cwd)
+            times[name].append(statistics.median(server_steps(tokens, steps)[1:]) * 1e3)
+        print(f"pair {pair}: {other} {times['other'][-1]:.1f} ms, this {times['this'][-1]:.1f} ms, "
+              f"ratio {times['this'][-1] / times['other'][-1]:.3f}")
+    REPO = this
+    for name, values in times.items():
+        print(f"{name}: median step {statistics.median(values):.1f} ms ({min(values):.1f}..{max(values):.1f})")
+    ratios = [a / b for a, b in zip(times["this"], times["other"])]
+    print(f"this / other: median {statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})")
 
 
 def request_bytes(tokens: list[list[int]]) -> int:
@@ -136,8 +159,11 @@ def server_steps(tokens: list[list[int]], steps: int) -> list[float]:
             if "serving" not in process.stdout.readline():
                 stderr.seek(0)
                 raise SystemExit(f"the server did not start:\n{stderr.read()[-4000:]}")
+            # its line per request: read as they come (a full pipe would stop the server)
+            threading.Thread(target=process.stdout.read, daemon=True).start()
             os.environ.update({k: env[k] for k in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_TELEMETRY")})
-            client = tinker.ServiceClient().create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
+            service = tinker.ServiceClient()
+            client = service.create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
             data = [datum(t) for t in tokens]
             times = []
             for _ in range(steps):
@@ -145,6 +171,7 @@ def server_steps(tokens: list[list[int]], steps: int) -> list[float]:
                 client.forward_backward(data, "cross_entropy").result()
                 client.optim_step(types.AdamParams(**ADAM)).result()
                 times.append(time.perf_counter() - start)
+            service.close("success").result(timeout=60)  # its heartbeats end with it, not 120 s after the server
             return times
         finally:
             process.terminate()

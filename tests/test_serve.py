@@ -1,5 +1,6 @@
-"""`python -m tinker_exp.serve` driven by the unmodified tinker SDK (0.38, a test extra) through TINKER_BASE_URL and a
-tml- key: one server for the module (a subprocess on the shared Ray cluster, 2 CPU workers, the tiny model).
+"""`python -m tinker_exp.serve` driven by the unmodified tinker SDK (0.38, a test extra) through TINKER_BASE_URL and
+the server's key (TINKER_EXP_API_KEY): one server for the module (a subprocess on the shared Ray cluster, 2 CPU
+workers, the tiny model), its terminal lines collected.
 
 A supervised loop whose AdamParams change every step (lr, betas, eps, weight_decay, grad_clip_norm): the loss falls,
 each step's values are what the workers applied (metrics.jsonl), the per-datum log-probs sum to loss:sum; then bad
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,8 @@ from helpers import REPO, environment, read_jsonl
 
 tinker = pytest.importorskip("tinker")  # the test extra: pip install -e .[test]
 
-API_KEY = "tml-serve-test"
+API_KEY = "tml-serve-test-5f0c2e9a7b41d3"
+"""The server's key (TINKER_EXP_API_KEY) and the SDK's (TINKER_API_KEY)."""
 RANK = 0
 """The client's LoRA rank: 0, full fine-tuning (ours; Tinker's ranks are >= 1): the digits env's reward rises in ten
 RL steps at its lr (1e-2) with every weight trained, not with rank-8 adapters on the tiny model's two layers
@@ -47,24 +51,66 @@ CHUNK_DATUMS = 40
 fit one chunk, the chunk test's batch takes three."""
 
 
-def start_server(ray_address: str, run_dir: Path, port: int) -> subprocess.Popen:
-    """The server, started as a user starts it; its first line (printed once it listens) says where."""
+class Terminal:
+    """A server process's stdout and stderr lines, read as they come (never a full pipe that blocks the server)."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.process, self.out, self.err = process, [], []
+        self.listening, self.closed = threading.Event(), [threading.Event(), threading.Event()]
+        for stream, lines, closed in ((process.stdout, self.out, self.closed[0]), (process.stderr, self.err, self.closed[1])):
+            threading.Thread(target=self._read, args=(stream, lines, closed), daemon=True).start()
+
+    def _read(self, stream, lines: list, closed: threading.Event) -> None:
+        for line in stream:
+            lines.append(line.rstrip("\n"))
+            if "serving" in line:
+                self.listening.set()
+        closed.set()
+        self.listening.set()  # it exited: the caller looks at why
+
+    def ended(self, timeout: float) -> int:
+        """The exit status, once it has exited and every line of it is read."""
+        code = self.process.wait(timeout)
+        assert all(closed.wait(timeout) for closed in self.closed)
+        return code
+
+    def requests(self, text: str) -> list[str]:
+        """Its per-request lines that hold `text`."""
+        return [line for line in self.out if line.startswith("tinker_exp.serve: ") and text in line]
+
+
+def start_server(ray_address: str, run_dir: Path, port: int) -> Terminal:
+    """The server, started as a user starts it (its key from TINKER_EXP_API_KEY); its first line (printed once it
+    listens) says where."""
     process = subprocess.Popen(
         [sys.executable, "-m", "tinker_exp.serve", f"serve.port={port}", f"serve.run_dir={run_dir}", "logger=wandb",  # offline
          f"serve.max_chunk_datums={CHUNK_DATUMS}"],
-        cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, env=environment({"RAY_ADDRESS": ray_address, "TINKER_EXP_API_KEY": API_KEY, "TINKER_API_KEY": None}),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    line = process.stdout.readline()  # blocks until it listens (or exits)
-    assert "serving" in line, (line, process.poll(), process.stderr.read() if process.poll() is not None else "")
-    return process
+    terminal = Terminal(process)
+    assert terminal.listening.wait(600), "the server never listened"
+    assert terminal.out and "serving" in terminal.out[0] and "requests must carry its key" in terminal.out[0], (
+        terminal.out, terminal.err[-20:])
+    return terminal
+
+
+def model_rows(server, model_id: str) -> list[dict]:
+    """A served model's own metrics.jsonl (models/<model id, colons as _>/)."""
+    return read_jsonl(model_dir(server, model_id) / "metrics.jsonl")
+
+
+def model_dir(server, model_id: str) -> Path:
+    return server["run_dir"] / "models" / model_id.replace(":", "_")
 
 
 @pytest.fixture(scope="module")
 def server(ray_address, tmp_path_factory):
     """One server for the module (the last test kills it and starts another on the same run dir and port)."""
     run_dir, port = Path(tmp_path_factory.mktemp("serve")), free_port()
+    terminal = start_server(ray_address, run_dir, port)
     served = {"url": f"http://127.0.0.1:{port}", "run_dir": run_dir, "port": port, "ray_address": ray_address,
-              "process": start_server(ray_address, run_dir, port)}
+              "process": terminal.process, "terminal": terminal}
     yield served
     served["process"].terminate()
     served["process"].wait(60)
@@ -105,8 +151,9 @@ def trained(server, tokenized):
     for params in STEPS:
         outputs.append(client.forward_backward(data, "cross_entropy").result())
         responses.append(client.optim_step(types.AdamParams(**params)).result())
+    model_id = client.get_info().model_id
     yield {"capabilities": capabilities, "client": client, "outputs": outputs, "responses": responses, "data": data,
-           "rows": read_jsonl(server["run_dir"] / "metrics.jsonl"), "service": service, "initial": initial}
+           "rows": model_rows(server, model_id), "service": service, "initial": initial, "model_id": model_id}
     if not server.get("restarted"):  # (the restart test closes it before the kill)
         service.close("success").result(timeout=60)  # as a user's loop ends: no heartbeat outlives the module
 
@@ -122,11 +169,39 @@ def test_a_closed_session_is_finished_and_its_heartbeats_refused(server, trained
     assert finished_again.status_code == 404 and finished_again.json()["error"] == f"session_id: {session_id!r} is not a session of this server"
 
 
-def test_capabilities_and_model_info(trained):
+def test_capabilities_and_model_info(trained, tokenized):
+    """get_info as the SDK reads it; its tokenizer_id is the model's local dir, so the SDK's own get_tokenizer() (the
+    cookbook's first call) loads it from disk (the issue: 53 s retrying the hub for 'tiny-llama', then OSError)."""
+    from tinker_exp.config.schema import ModelConfig
+    from tinker_exp.runtime.inputs import model_dir as local_model
+
     assert [m.model_name for m in trained["capabilities"].supported_models] == ["tiny-llama"]
     info = trained["client"].get_info()
     assert not info.is_lora and info.lora_rank is None and info.model_data.model_name == "tiny-llama"
     assert info.model_id.endswith(":train:0")  # the SDK's own scheme: session_id:train:model_seq_id
+    assert info.model_data.tokenizer_id == str(local_model(ModelConfig()).resolve())
+    tokenizer = trained["client"].get_tokenizer()
+    assert [tokenizer.encode(text) for text in TEXTS] == tokenized
+
+
+def test_the_key_is_required_and_written_nowhere(server, trained):
+    """With a key (TINKER_EXP_API_KEY), a request without it, with another tml- key or with a near miss is a 401 of
+    one line, and one refused line on the terminal; the key is in no file of the run dir (metrics, W&B's files and
+    config, checkpoints, logs) and in no line the server printed."""
+    import httpx
+
+    out_before = len(server["terminal"].out)
+    for headers, why in [({}, "X-API-Key: missing"), ({"X-API-Key": "tml-local"}, "X-API-Key: not this server's key"),
+                         ({"X-API-Key": API_KEY[:-1]}, "X-API-Key: not this server's key")]:
+        response = httpx.post(f"{server['url']}/api/v1/get_info", json={"model_id": trained["model_id"]}, headers=headers)
+        assert response.status_code == 401 and response.json()["error"].startswith(why), response.text
+    lines = server["terminal"].out[out_before:]
+    assert sum("get_info" in line and ": refused (401, " in line for line in lines) == 3, lines
+    assert post(server, "get_info", {"model_id": trained["model_id"]}).status_code == 200
+    secret = API_KEY.encode()
+    holding = [path for path in server["run_dir"].rglob("*") if path.is_file() and secret in path.read_bytes()]
+    assert holding == [], holding
+    assert not any(API_KEY in line for line in server["terminal"].out + server["terminal"].err)
 
 
 def test_supervised_loop_loss_falls_and_logprobs_sum_to_the_loss(trained):
@@ -211,10 +286,26 @@ def test_wandb_holds_each_steps_row_as_metrics_jsonl_does(server, trained):
     assert config["serve.port"] == server["port"] and config["model.name"] == "tiny-llama" and config["logger.name"] == "wandb"
 
 
+VOCAB = 384
+"""The tiny model's vocab_size (ModelConfig): token ids 0 .. 383."""
+
+
 def test_bad_requests_are_one_line_http_errors_and_the_server_goes_on(server, trained, tokenized):
+    """Each refused before the workers: a one-line 400 naming the field, and one line on the server's terminal,
+    never a traceback. NaN, infinity and null AdamParams (the issue: a NaN lr trained at the config's lr), token ids
+    outside the vocabulary (the issue: an IndexError from a worker, a 40-line traceback), through the SDK and raw."""
+    from tinker import types
+
     model_id = trained["client"].get_info().model_id
     adam = dict(STEPS[0])
+    out_before = len(server["terminal"].out)
     cases = [
+        ("optim_step", {"model_id": model_id, "adam_params": {**adam, "learning_rate": None}}, None,
+         "adam_params.learning_rate: null is not a number"),
+        ("optim_step", json.dumps({"model_id": model_id, "adam_params": {**adam, "grad_clip_norm": float("inf")}}).encode(),
+         None, "adam_params.grad_clip_norm: inf is not a finite number"),
+        ("optim_step", json.dumps({"model_id": model_id, "adam_params": {**adam, "beta2": float("nan")}}).encode(),
+         None, "adam_params.beta2: nan is not a finite number"),
         ("forward_backward", b"\xff\xff not protobuf", "application/x-protobuf", "forward_backward: the body is not a ForwardBackwardRequest protobuf"),
         ("optim_step", b"{not json", "application/json", "/api/v1/optim_step: the body is not JSON"),
         ("optim_step", {"model_id": model_id, "adam_params": {**adam, "beta1": 1.0}}, None, "adam_params.beta1: 1.0 is not in [0, 1)"),
@@ -230,16 +321,38 @@ def test_bad_requests_are_one_line_http_errors_and_the_server_goes_on(server, tr
         assert response.status_code == 400, (route, response.text)
         error = response.json()["error"]
         assert error.startswith(message) and "\n" not in error, (route, error)
-    from tinker import types
-
-    unknown_loss = trained["client"].forward_backward(trained["data"], "nope")
+    client = trained["client"]
+    with pytest.raises(tinker.BadRequestError, match=r"adam_params\.learning_rate: null is not a number"):  # the SDK's NaN
+        client.optim_step(types.AdamParams(learning_rate=float("nan"))).result()
+    outside = list(tokenized[1])
+    outside[3] = 10**6
+    sdk_cases = [
+        ([datum(tokenized[0]), datum(outside)],
+         f"data[1].model_input: token id {10**6} is not in the vocabulary (ids 0 .. {VOCAB - 1}: the model's vocab_size is {VOCAB})"),
+        ([datum(tokenized[0][:-1] + [VOCAB])],  # only the last target: never in model_input
+         f"data[0].loss_fn_inputs.target_tokens: token id {VOCAB} is not in the vocabulary (ids 0 .. {VOCAB - 1}"),
+    ]
+    for data, message in sdk_cases:
+        with pytest.raises(tinker.BadRequestError) as refused:
+            client.forward_backward(data, "cross_entropy").result()
+        assert message in str(refused.value), str(refused.value)
+    unknown_loss = client.forward_backward(trained["data"], "nope")
     with pytest.raises(Exception, match="loss_fn: 'nope' is not served"):
         unknown_loss.result()
-    rows_before = (server["run_dir"] / "metrics.jsonl").read_text()
+    lines = server["terminal"].out[out_before:]
+    refused_lines = [line for line in lines if ": refused (400, " in line]
+    # one line each (the SDK's NaN, sent as null, and the nope loss included), none for the SDK's retries
+    assert len(refused_lines) == len(cases) + 1 + len(sdk_cases) + 1, lines
+    for message in [m for *_, m in cases] + [m for _, m in sdk_cases]:
+        assert any(message in line for line in refused_lines), (message, lines)
+    assert sum(line.startswith(f"tinker_exp.serve: optim_step model {model_id} seq ") and "adam_params.learning_rate: null"
+               in line for line in refused_lines) == 1, lines  # the SDK's: in its sequence
+    assert not any("Traceback" in line for line in server["terminal"].out + server["terminal"].err)
+    rows_before = (model_dir(server, model_id) / "metrics.jsonl").read_text()
     output = trained["client"].forward_backward(trained["data"], "cross_entropy").result()
     trained["client"].optim_step(types.AdamParams(**STEPS[-1])).result()
-    rows = read_jsonl(server["run_dir"] / "metrics.jsonl")
-    assert (server["run_dir"] / "metrics.jsonl").read_text().startswith(rows_before)
+    rows = read_jsonl(model_dir(server, model_id) / "metrics.jsonl")
+    assert (model_dir(server, model_id) / "metrics.jsonl").read_text().startswith(rows_before)
     assert len(rows) == len(STEPS) + 1 and rows[-1]["train/loss"] == output.metrics["loss:sum"]
     assert server["process"].poll() is None
 
@@ -373,8 +486,8 @@ def test_save_state_writes_a_checkpoint_under_the_sdks_path(server, trained):
 
     model_id = trained["client"].get_info().model_id
     assert trained["initial"] == f"tinker://{model_id}/weights/initial"
-    folder = server["run_dir"] / "checkpoints" / model_id / "weights" / "initial"
-    assert problem(folder) is None and json.loads((folder / "loop.json").read_text())["step"] == 0
+    folder = server["run_dir"] / "checkpoints" / model_id.replace(":", "_") / "weights" / "initial"  # scp/rsync-safe
+    assert ":" not in str(folder.relative_to(server["run_dir"])) and problem(folder) is None and json.loads((folder / "loop.json").read_text())["step"] == 0
     again = post(server, "save_weights", {"model_id": model_id, "path": "initial", "type": "save_weights"})
     assert again.status_code == 400 and again.json()["error"] == (
         f"path: 'initial': model {model_id} has a checkpoint of that name (overwrite=true replaces it)")
@@ -506,9 +619,11 @@ def test_bad_checkpoint_and_sampling_requests_are_one_line_errors(server, traine
     model_id = trained["client"].get_info().model_id
     second = tinker.ServiceClient()
     try:
-        with pytest.raises(tinker.BadRequestError, match=f"create_model: this server already serves model {model_id}; "
-                           "one client at a time may hold a model"):
+        with pytest.raises(tinker.BadRequestError) as refused:  # and when it frees itself
             second.create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
+        assert (f"create_model: this server already serves model {model_id}; one client at a time may hold a model. "
+                "It is freed when its client closes its ServiceClient, or 120 s after that client's last heartbeat (in "
+                ) in str(refused.value), str(refused.value)
     finally:
         second.close("success").result(timeout=60)
     cases = [
@@ -539,6 +654,11 @@ def test_bad_checkpoint_and_sampling_requests_are_one_line_errors(server, traine
                                             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
                                             "sampling_params": params})
         assert response.status_code == 400 and response.json()["error"].startswith(message), response.text
+    outside = post(server, "asample", {"sampling_session_id": sampling_session_id, "seq_id": 0, "num_samples": 1,
+                                       "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, VOCAB]}]},
+                                       "sampling_params": {"max_tokens": 4}})
+    assert outside.status_code == 400 and outside.json()["error"] == (
+        f"prompt.chunks[0].tokens: token id {VOCAB} is not in the vocabulary (ids 0 .. {VOCAB - 1}: the model's vocab_size is {VOCAB})")
 
 
 def test_a_retried_request_gets_the_same_future_and_runs_once(server, trained):
@@ -547,7 +667,7 @@ def test_a_retried_request_gets_the_same_future_and_runs_once(server, trained):
     import httpx
 
     model_id = trained["client"].get_info().model_id
-    rows_before = len(read_jsonl(server["run_dir"] / "metrics.jsonl"))
+    rows_before = len(model_rows(server, model_id))
 
     def send(key: str, seq_id: int) -> str:
         body = {"model_id": model_id, "seq_id": seq_id, "type": "optim_step", "adam_params": {**STEPS[0], "learning_rate": 0.0}}
@@ -563,7 +683,7 @@ def test_a_retried_request_gets_the_same_future_and_runs_once(server, trained):
     assert second != first
     for request_id in (first, second):
         retrieved(server, request_id)
-    assert len(read_jsonl(server["run_dir"] / "metrics.jsonl")) == rows_before + 2
+    assert len(model_rows(server, model_id)) == rows_before + 2
 
 
 def test_a_models_requests_run_in_seq_id_order_when_they_arrive_out_of_order(server, trained):
@@ -582,54 +702,135 @@ def test_a_models_requests_run_in_seq_id_order_when_they_arrive_out_of_order(ser
     assert step.status_code == 200 == fb.status_code, (step.text, fb.text)
     loss = deserialize_forward_backward_output(retrieved(server, fb.json()["request_id"]).content).metrics["loss:sum"]
     grad_norm = retrieved(server, step.json()["request_id"]).json()["metrics"]["grad_norm"]
-    row = read_jsonl(server["run_dir"] / "metrics.jsonl")[-1]
+    row = model_rows(server, model_id)[-1]
     assert row["train/loss"] == loss > 0 and row["train/grad_norm"] == grad_norm > 0
     again = post(server, "forward_backward", body, "application/x-protobuf")
     assert again.status_code == 400 and again.json()["error"] == (
         f"seq_id: {seq_fb} of model {model_id} was sent before (its turn is past; the next is {seq_step + 1})")
 
 
-def test_a_killed_server_restarted_continues_bitwise(server, trained):
-    """save_state, then the next step on the running server. The client's session ends (ServiceClient.close): its
-    model is released, and another client (its own ServiceClient: create_training_client_from_state_with_optimizer)
-    takes the saved state on the same server and the same step. Then the server is killed (SIGKILL) and started
-    again on the same run dir, and a third client does the same. Both times loss, log-probs, grad norm and the
-    log-probs after the step are bitwise the uninterrupted server's, and metrics.jsonl holds that step's row once."""
-    import signal
-
+def test_a_killed_server_restarted_continues_bitwise_and_every_models_rows_are_its_own(server, trained):
+    """save_state, then the next step on the running server, and one more. The client's session ends
+    (ServiceClient.close): its model (A) is released, and another client (its own ServiceClient:
+    create_training_client_from_state_with_optimizer) takes the saved state on the same server as model B and takes
+    the same step. Then the server is killed (SIGKILL) and started again on the same run dir, and a third client (C)
+    does the same. Both times loss, log-probs, grad norm and the log-probs after the step are bitwise the
+    uninterrupted server's. Every model's rows are in its own metrics.jsonl: A's history intact after B's and C's
+    restores of an earlier step (the issue: one shared file, a restore deleted another model's later rows), B's and
+    C's from the checkpoint's step. Last, Ctrl-C while C is held: one line, exit 130, C's workers freed."""
     from tinker import types
 
     client, data = trained["client"], trained["data"]
+    model_a = client.get_info().model_id
     saved = client.save_state("before-kill").result().path
-    step = json.loads((server["run_dir"] / "checkpoints" / client.get_info().model_id / "weights" / "before-kill" / "loop.json").read_text())["step"]
+    checkpoint = server["run_dir"] / "checkpoints" / model_a.replace(":", "_") / "weights" / "before-kill"
+    step = json.loads((checkpoint / "loop.json").read_text())["step"]
 
     def next_step(training_client):  # grad_clip_norm 0.05 clips: the clip after a restart too
         output = training_client.forward_backward(data, "cross_entropy").result()
         response = training_client.optim_step(types.AdamParams(**STEPS[1])).result()
         return output, response, training_client.forward(data, "cross_entropy").result()
 
-    def from_saved_state():  # a new client (its own session) continues from the saved state
+    def from_saved_state(close: bool = True):  # a new client (its own session) continues from the saved state
         service = tinker.ServiceClient()
+        resumed = service.create_training_client_from_state_with_optimizer(saved).result()
         try:
-            resumed = service.create_training_client_from_state_with_optimizer(saved).result()
             assert resumed.get_info().lora_rank is None  # the checkpoint's: full fine-tuning
-            return next_step(resumed)
+            return (*next_step(resumed), resumed.get_info().model_id, service)
         finally:
-            service.close("success").result(timeout=60)
+            if close:
+                service.close("success").result(timeout=60)
 
     uninterrupted = next_step(client)
+    client.forward_backward(data, "cross_entropy").result()  # A goes on past the checkpoint: rows B and C must not touch
+    client.optim_step(types.AdamParams(**STEPS[2])).result()
+    rows_a = (model_dir(server, model_a) / "metrics.jsonl").read_text()
+    assert [row["train/step"] for row in model_rows(server, model_a)][-3:] == [step - 1, step, step + 1]
     trained["service"].close("success").result(timeout=60)
     server["restarted"] = True
-    released = from_saved_state()
+    *released, model_b, _ = from_saved_state()
     server["process"].send_signal(signal.SIGKILL)
     server["process"].wait(60)
-    server["process"] = start_server(server["ray_address"], server["run_dir"], server["port"])
-    restarted = from_saved_state()
-    for (output, response, after), (want_output, want_response, want_after) in ((released, uninterrupted), (restarted, uninterrupted)):
+    server["terminal"] = start_server(server["ray_address"], server["run_dir"], server["port"])
+    server["process"] = server["terminal"].process
+    *restarted, model_c, service_c = from_saved_state(close=False)
+    want_output, want_response, want_after = uninterrupted
+    for output, response, after in (released, restarted):
         assert output.metrics["loss:sum"] == want_output.metrics["loss:sum"]
         assert all(same(a, b) for a, b in zip(logprobs_of(output), logprobs_of(want_output)))
         assert response.metrics["grad_norm"] == want_response.metrics["grad_norm"]
         assert all(same(a, b) for a, b in zip(logprobs_of(after), logprobs_of(want_after)))
-    rows = read_jsonl(server["run_dir"] / "metrics.jsonl")
-    assert [row["train/step"] for row in rows] == list(range(step + 1))
-    assert rows[-1]["train/grad_norm"] == want_response.metrics["grad_norm"] and rows[-1]["applied/grad_clip_norm"] == 0.05
+    assert len({model_a, model_b, model_c}) == 3
+    assert (model_dir(server, model_a) / "metrics.jsonl").read_text() == rows_a  # A's history, every row
+    for model in (model_b, model_c):
+        rows = model_rows(server, model)
+        assert [row["train/step"] for row in rows] == [step]
+        assert rows[0]["train/grad_norm"] == want_response.metrics["grad_norm"] and rows[0]["applied/grad_clip_norm"] == 0.05
+    assert sorted(path.name for path in (server["run_dir"] / "models").iterdir()) == sorted(
+        model.replace(":", "_") for model in (model_a, model_b, model_c))
+    assert not (server["run_dir"] / "metrics.jsonl").exists()
+    # Ctrl-C while C holds its workers: the server frees them and ends in one line, exit 130
+    terminal = server["terminal"]
+    server["process"].send_signal(signal.SIGINT)
+    assert terminal.ended(120) == 130, terminal.err[-20:]
+    service_c._session_holder.close()  # its heartbeats stop (the server is gone: close() would wait on it)
+    assert terminal.err[-1] == f"tinker_exp.serve: stopped (Ctrl-C); model {model_c}'s workers freed", terminal.err[-20:]
+    assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in terminal.err + terminal.out)
+    requests = terminal.requests(f"model {model_c}")
+    assert any(f"optim_step model {model_c} seq " in line and ": ok (" in line for line in requests), terminal.out
+
+
+def test_a_server_open_to_others_or_on_a_runs_dir_is_refused_in_one_line(tmp_path):
+    """Before anything starts, each one line naming the key: a host that is not loopback without a key; a host that
+    cannot be bound; a port in use; a key the SDK cannot send (never shown, nor a mistyped key's value); serve.run_dir
+    holding a training run (its metrics.jsonl and checkpoints). Through the command (exit 2, nothing written) for two;
+    the checks __main__ runs first, in this process, for the rest."""
+    from helpers import run_module
+
+    from tinker_exp.errors import ConfigError
+    from tinker_exp.serve.__main__ import check_access, check_run_dir, listen, serve_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"train/step": 0}\n')
+    before = sorted(path.name for path in run.iterdir())
+    fresh = tmp_path / "fresh"
+    secret = "tml-typed-in-the-wrong-place-0123"
+    for args, message in [(["serve.host=0.0.0.0"], "serve.host: '0.0.0.0' is not a loopback address: anyone who reaches the port"),
+                          ([f"serve.run_dir={run}", f"serve.apikey={secret}"], "serve.apikey: not a serve key (serve.host, ")]:
+        done = run_module("tinker_exp.serve", *args, f"serve.run_dir={fresh}", "logger=none", env={"TINKER_EXP_API_KEY": None})
+        assert done.returncode == 2, (args, done.stderr[-2000:])
+        assert done.stderr.startswith(f"tinker_exp: config error: {message}") and done.stderr.count("\n") == 1, (args, done.stderr)
+        assert secret not in done.stderr
+    assert not fresh.exists()
+
+    def refusal(*args: str, environ: dict | None = None) -> str:
+        with pytest.raises(ConfigError) as refused:
+            serve = serve_config(list(args), environ or {})[0]
+            check_access(serve)
+            check_run_dir(Path(serve.run_dir))
+            listen(serve).close()
+        return str(refused.value)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            ([f"serve.run_dir={run}"], f"serve.run_dir: '{run}' is a training run's dir (it holds job.json): the served"),
+            (["serve.host=203.0.113.7", f"serve.api_key={API_KEY}"], "serve.host: '203.0.113.7' cannot be listened on ("),
+            (["serve.host=no-such-host.invalid", f"serve.api_key={API_KEY}"], "serve.host: 'no-such-host.invalid' "),
+            ([f"serve.port={port}"], f"serve.port: {port} cannot be listened on (Address already in use; serve.port=0"),
+            (["serve.api_key=tml-short"], "serve.api_key: (not shown) is not a key: the SDK sends only keys starting with tml-"),
+            ([f"api_key={secret}"], "api_key: not a serve key (serve.host, "),
+            ([f"+serve.api_key={secret[:-3]} x"], "serve.api_key: (not shown) is not a key"),
+        ]
+        for args, message in cases:
+            error = refusal(*args)
+            assert error.startswith(message) and "\n" not in error, (args, error)
+            assert "tml-short" not in error and secret[:-3] not in error and API_KEY not in error
+    assert refusal("serve.host=0.0.0.0", environ={"TINKER_EXP_API_KEY": "tml-x"}).startswith(
+        "TINKER_EXP_API_KEY: (not shown) is not a key")
+    assert serve_config(["serve.host=0.0.0.0"], {"TINKER_EXP_API_KEY": API_KEY})[0].api_key == API_KEY
+    assert sorted(path.name for path in run.iterdir()) == before

@@ -34,7 +34,7 @@ def server(tmp_path, **kwargs) -> Server:
         built.append(FakeWorkers(rank))
         return built[-1]
 
-    made = Server("tiny-llama", build, dict, lambda first_step: None, lambda *a: {}, tmp_path, lambda: None, **kwargs)
+    made = Server("tiny-llama", build, dict, lambda folder, first_step: None, lambda *a: {}, tmp_path, lambda: None, **kwargs)
     made.built = built
     return made
 
@@ -121,8 +121,9 @@ def test_a_session_whose_heartbeats_stopped_releases_its_model(tmp_path):
     clock.now = 100.0
     assert made.heartbeat(first.session_id)  # beating: it keeps its model
     clock.now = 200.0
-    with pytest.raises(BadRequest, match="already serves model"):
-        claimed(made, other)
+    with pytest.raises(BadRequest, match=r"already serves model .* It is freed when its client closes its ServiceClient, "
+                       r"or 120 s after that client's last heartbeat \(in 20 s at most if it has stopped\)$"):
+        claimed(made, other)  # when it frees itself: 100 + 120 - 200
     clock.now = 320.5  # 120.5 s since its last heartbeat; the other session started at 0 and beat never: it ended too
     with pytest.raises(BadRequest, match=f"^session_id: '{other}' is not a session of this server"):
         claimed(made, other)
@@ -141,3 +142,25 @@ def test_a_chunk_length_that_is_not_a_count_is_one_line_before_anything_starts(t
     assert done.returncode == 2 and done.stderr.splitlines() == [
         f"tinker_exp: config error: serve.max_chunk_datums: {shown!r} is not a count (an integer >= 1)"], done.stderr
     assert not run_dir.exists() and not done.stdout
+
+
+def test_a_failure_of_the_servers_own_is_one_line_and_its_traceback_goes_to_the_run_dir(tmp_path):
+    """A request whose work raises (a worker's error): its future fails with the error's last line, the terminal gets
+    one line naming serve_errors.log, and the traceback is there, not on the terminal; a request that works is one
+    ok line with its method, model and seq_id."""
+    lines: list[str] = []
+    made = server(tmp_path, say=lines.append)
+    model = claimed(made)
+
+    def fails():
+        raise RuntimeError("in a worker:\n  File x\nIndexError: index out of range in self")
+
+    ok = made.in_turn(model, 1, lambda: lambda: {"fine": True}, method="optim_step")
+    failed = made.in_turn(model, 2, lambda: fails, method="forward_backward")
+    assert result(made, ok) == {"fine": True}
+    assert result(made, failed) == "IndexError: index out of range in self"
+    assert lines[-2].startswith(f"tinker_exp.serve: optim_step model {model.model_id} seq 1: ok (")
+    assert lines[-1].startswith(f"tinker_exp.serve: forward_backward model {model.model_id} seq 2: failed (")
+    assert lines[-1].endswith(f"IndexError: index out of range in self (traceback in {tmp_path / 'serve_errors.log'})")
+    assert "Traceback (most recent call last)" in (tmp_path / "serve_errors.log").read_text()
+    assert not any("Traceback" in line for line in lines)

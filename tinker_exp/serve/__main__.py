@@ -10,42 +10,70 @@ workers.log, as a run's, and checkpoints/ (save_state, save_weights_for_sampler)
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tinker_exp.errors import ConfigError, TinkerExpError, one_line
 
 
+API_KEY_ENV = "TINKER_EXP_API_KEY"
+"""The environment variable the key is read from when serve.api_key is not given (the safer way: a command line is
+visible to every user of the machine in `ps`)."""
+KEY_PREFIX, KEY_MIN_CHARS = "tml-", 16
+RUN_DIR_MARKS = ("job.json", "plan.json", "metrics.jsonl", "summary.jsonl")
+"""Files a training run's dir (or a sweep's) holds at its top and a served run dir never does: serve.run_dir there
+would write served rows and checkpoints into that run's files."""
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     host: str = "127.0.0.1"
-    """The address the server listens on."""
+    """The address the server listens on (not loopback: serve.api_key is required)."""
     port: int = 8000
     """Its port (0: any free one; the line printed at start names it)."""
     run_dir: str = ""
-    """Where metrics.jsonl and workers.log go; empty: outputs/serve/<date>/<time>."""
+    """Where each model's metrics.jsonl, workers.log and checkpoints go; empty: outputs/serve/<date>/<time>."""
     max_chunk_datums: int = 1024
     """The most datums the SDK sends in one forward_backward request (its `fwdbwd_max_chunk_len`; 1024 is its own
     default): a larger batch comes in chunks, each one pass of the workers, so this bounds a pass's memory."""
+    api_key: str = field(default="", repr=False)
+    """The key every request must carry (the SDK's TINKER_API_KEY, sent as X-API-Key); empty: $TINKER_EXP_API_KEY,
+    else none (loopback only: any tml- key is taken). Never written anywhere: not in W&B's config, not in a log."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port: {self.port!r} is not a port (0 .. 65535)")
         if not isinstance(self.max_chunk_datums, int) or self.max_chunk_datums < 1:
             raise ConfigError(f"serve.max_chunk_datums: {self.max_chunk_datums!r} is not a count (an integer >= 1)")
+        if self.api_key and (not self.api_key.startswith(KEY_PREFIX) or len(self.api_key) < len(KEY_PREFIX) + KEY_MIN_CHARS
+                             or not self.api_key.isprintable() or " " in self.api_key):
+            # the value is a secret: never in a message
+            raise ConfigError(f"serve.api_key: (not shown) is not a key: the SDK sends only keys starting with "
+                              f"{KEY_PREFIX}; use {KEY_PREFIX} and at least {KEY_MIN_CHARS} more characters, no spaces "
+                              f"(e.g. {KEY_PREFIX}$(python -c 'import secrets; print(secrets.token_hex(16))'))")
+
+    def public(self) -> dict:
+        """The settings as W&B's config may hold them: everything but the key."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "api_key"}
 
 
-def serve_config(args: list[str]) -> tuple[ServeConfig, list[str]]:
-    """The serve.* arguments as a ServeConfig; the rest are the run's overrides."""
+def serve_config(args: list[str], environ: dict | None = None) -> tuple[ServeConfig, list[str]]:
+    """The serve.* arguments as a ServeConfig (serve.api_key, else $TINKER_EXP_API_KEY); the rest are the run's
+    overrides."""
+    import os
+
+    environ = os.environ if environ is None else environ
     own, rest = {}, []
+    keys = ", ".join(f"serve.{name}" for name in ServeConfig.__dataclass_fields__)
     for arg in args:
         key, sep, value = arg.partition("=")
-        if not key.startswith("serve."):
+        bare = key.lstrip("+")
+        if not bare.startswith("serve.") and "api_key" not in bare.lower():
             rest.append(arg)
             continue
-        name = key.removeprefix("serve.")
-        keys = ", ".join(f"serve.{name}" for name in ServeConfig.__dataclass_fields__)
-        if not sep or name not in ServeConfig.__dataclass_fields__:
+        name = bare.removeprefix("serve.")
+        if not sep or not bare.startswith("serve.") or name not in ServeConfig.__dataclass_fields__:
+            # never the value: it may be a mistyped key
             raise ConfigError(f"{key}: not a serve key ({keys}), as serve.KEY=VALUE")
         if ServeConfig.__dataclass_fields__[name].type == "int":
             try:
@@ -53,12 +81,80 @@ def serve_config(args: list[str]) -> tuple[ServeConfig, list[str]]:
             except ValueError:
                 pass  # ServeConfig names the key and the value as typed
         own[name] = value
+    if not own.get("api_key") and environ.get(API_KEY_ENV):
+        try:
+            return ServeConfig(**{**own, "api_key": environ[API_KEY_ENV]}), rest
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("serve.api_key:", f"{API_KEY_ENV}:", 1)) from None
     return ServeConfig(**own), rest
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (or a name that resolves only to loopback ones)."""
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False  # not resolvable: create_server names it below
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def check_access(serve: ServeConfig) -> None:
+    """A server that listens beyond this machine takes only requests that carry its key."""
+    if not serve.api_key and not loopback(serve.host):
+        raise ConfigError(f"serve.host: {serve.host!r} is not a loopback address: anyone who reaches the port could "
+                          f"train, overwrite checkpoints and sample the weights; set a key ({API_KEY_ENV}=tml-..., or "
+                          "serve.api_key) or serve on 127.0.0.1")
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """serve.run_dir must not be a training run's (or a sweep's) dir: served rows would land in its files."""
+    marks = [name for name in RUN_DIR_MARKS if (run_dir / name).exists()]
+    if marks:
+        raise ConfigError(f"serve.run_dir: {str(run_dir)!r} is a training run's dir (it holds {marks[0]}): the served "
+                          "models' rows and checkpoints would land among that run's files; give a dir of its own")
+
+
+def listen(serve: ServeConfig):
+    """The listening socket (before any worker starts); an address that cannot be bound names its key."""
+    import errno
+    import os
+    import socket
+
+    try:
+        return socket.create_server((serve.host, serve.port))
+    except socket.gaierror as e:
+        raise ConfigError(f"serve.host: {serve.host!r} is not an address of this machine ({e.strerror})") from None
+    except OSError as e:
+        if e.errno in (errno.EADDRINUSE, errno.EACCES) and serve.port:
+            raise ConfigError(f"serve.port: {serve.port} cannot be listened on ({os.strerror(e.errno)}; serve.port=0 "
+                              "takes a free one)") from None
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise ConfigError(f"serve.host: {serve.host!r} cannot be listened on ({why})") from None
+
+
+def vocabulary_size(model_path: Path) -> int:
+    """The model's embedding rows: token ids at or beyond it are refused before they reach a worker."""
+    import json
+
+    config = Path(model_path) / "config.json"
+    if config.is_file():
+        size = json.loads(config.read_text()).get("vocab_size")
+        if isinstance(size, int):
+            return size
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_path).vocab_size)
 
 
 def main(args: list[str]) -> None:
     import datetime
-    import socket
 
     from hydra import compose, initialize_config_dir
 
@@ -66,6 +162,11 @@ def main(args: list[str]) -> None:
     from tinker_exp.main import CONF_DIR
 
     serve, overrides = serve_config(args)
+    scrub_key(serve)  # from here the key is in `serve` alone: not in sys.argv, nor in the workers' environment
+    check_access(serve)
+    run_dir = Path(serve.run_dir or f"outputs/serve/{datetime.datetime.now():%Y-%m-%d/%H-%M-%S-%f}")
+    check_run_dir(run_dir)
+    listener = listen(serve)  # a port in use, a host not ours: one line, before any worker
     config.register()
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -85,8 +186,6 @@ def main(args: list[str]) -> None:
     from tinker_exp.optim.plan import plan_for
 
     plan = build_plan(None, cfg.optimizer, 1)  # the optimizer's own values, checked as a run checks them
-    run_dir = Path(serve.run_dir or f"outputs/serve/{datetime.datetime.now():%Y-%m-%d/%H-%M-%S-%f}")
-    listener = socket.create_server((serve.host, serve.port))  # a port in use: one line, before any worker
     run_dir.mkdir(parents=True, exist_ok=True)
 
     from tinker_exp.runtime.device import resolve
@@ -117,18 +216,61 @@ def main(args: list[str]) -> None:
 
         return ServedSampler(model_path, cfg.trainer.seed)
 
-    def open_rows(first_step: int) -> Sinks:  # metrics.jsonl reopened where a load_state rewinds it; W&B stays open
-        return Sinks([JsonlSink(run_dir / "metrics.jsonl", first_step), wandb and KeptOpen(wandb)])
+    def open_rows(folder: Path, first_step: int) -> Sinks:
+        """A model's metrics.jsonl (in its own folder; reopened where a load_state rewinds it: rows of first_step
+        and later are replaced, that model's only); the W&B run stays open."""
+        folder.mkdir(parents=True, exist_ok=True)
+        return Sinks([JsonlSink(folder / "metrics.jsonl", first_step), wandb and KeptOpen(wandb)])
 
-    server = Server(model_name, build_workers, optim_params, open_rows, check_applied, run_dir / "checkpoints", make_sampler,
-                    serve.max_chunk_datums)
+    server = Server(model_name, build_workers, optim_params, open_rows, check_applied, run_dir, make_sampler,
+                    serve.max_chunk_datums, vocab_size=vocabulary_size(model_path), tokenizer_id=str(model_path.resolve()))
     import uvicorn
 
     host, port = listener.getsockname()[:2]
-    print(f"tinker_exp.serve: serving {model_name} on http://{host}:{port} (run dir {run_dir})", flush=True)
-    uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning")).run(sockets=[listener])
-    if wandb is not None:  # the server stopped (Ctrl-C, SIGTERM): its W&B run ends
-        wandb.close()
+    access = "requests must carry its key" if serve.api_key else "no key: any local user can reach it"
+    print(f"tinker_exp.serve: serving {model_name} on http://{host}:{port} (run dir {run_dir}; {access})", flush=True)
+    Stopped.watch()
+    stopped = None
+    try:
+        uvicorn.Server(uvicorn.Config(build_app(server, serve.api_key), log_level="warning",
+                                      timeout_graceful_shutdown=1)).run(sockets=[listener])
+    except (KeyboardInterrupt, Stopped) as e:
+        stopped = e
+    finally:
+        held = server.close()  # the held model's workers freed
+        if wandb is not None:  # the server stopped (Ctrl-C, SIGTERM): its W&B run ends
+            wandb.close()
+    if stopped is not None:
+        why, code = ("Ctrl-C", 130) if isinstance(stopped, KeyboardInterrupt) else ("SIGTERM", 143)
+        print(f"tinker_exp.serve: stopped ({why}); " + (f"model {held}'s workers freed" if held else "no model held"),
+              file=sys.stderr, flush=True)
+        sys.exit(code)
+
+
+class Stopped(Exception):
+    """SIGTERM, once uvicorn has shut down (it raises the signal it caught again): ended as Ctrl-C is, in one line."""
+
+    @classmethod
+    def watch(cls) -> None:
+        """Our handlers under uvicorn's (it restores them, then raises the signal it caught): SIGTERM raises Stopped,
+        SIGINT KeyboardInterrupt, even where the shell that started us ignores SIGINT (a command run with `&`)."""
+        import signal
+
+        def stop(signum, frame):
+            raise cls()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def scrub_key(serve: ServeConfig) -> None:
+    """The key given on the command line is blanked in sys.argv, which W&B records (wandb-metadata.json), and
+    $TINKER_EXP_API_KEY leaves the environment, which Ray's workers would inherit."""
+    import os
+
+    os.environ.pop(API_KEY_ENV, None)
+    if serve.api_key:
+        sys.argv[:] = [arg if serve.api_key not in arg else arg.replace(serve.api_key, "(key)") for arg in sys.argv]
 
 
 def served_wandb(cfg, composed, serve: ServeConfig, run_dir: Path):
@@ -137,14 +279,12 @@ def served_wandb(cfg, composed, serve: ServeConfig, run_dir: Path):
     if cfg.logger.name.value != "wandb":
         return None
     import os
-    from dataclasses import asdict
-
     from omegaconf import OmegaConf
 
     from tinker_exp.train.sinks import StartingSink, WandbSink, flat_config, wandb_environment
 
     os.environ.update(wandb_environment(run_dir, cfg.logger.mode.value))
-    config = flat_config({**OmegaConf.to_container(composed, resolve=True), "serve": asdict(serve)})
+    config = flat_config({**OmegaConf.to_container(composed, resolve=True), "serve": serve.public()})
     return StartingSink(lambda: WandbSink.start(cfg.logger, run_dir, config, name=cfg.logger.run_name or run_dir.name))
 
 
@@ -167,6 +307,7 @@ if __name__ == "__main__":
     except TinkerExpError as e:
         print(f"tinker_exp: {one_line(e)}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except OSError as e:  # the address: in use, not ours
-        print(f"tinker_exp: serve: cannot listen: {e}", file=sys.stderr)
-        sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before the server listens (composing, building the tiny model)
+        print("tinker_exp.serve: stopped (Ctrl-C) before serving", file=sys.stderr)
+        sys.exit(130)
+

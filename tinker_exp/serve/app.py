@@ -4,14 +4,17 @@
 Every training call returns a future (``request_id``) at once; the work runs on one thread, a model's calls in their
 ``seq_id`` order (one that arrives early waits for its predecessors), and ``retrieve_future`` hands back its result:
 protobuf for forward_backward, JSON otherwise. A request that is wrong (malformed protobuf or JSON, an unknown loss,
-AdamParams out of range, a model id that is not served, a second model) is refused before it is queued: HTTP 400
-with one line naming the field, the workers untouched. The model is its client's session's: when the session ends
-(``ServiceClient.close``, or no heartbeat for SESSION_TIMEOUT_S) its workers are freed for the next client.
+non-finite or out-of-range AdamParams, a token id outside the vocabulary, a model id that is not served, a second
+model) is refused before it is queued: HTTP 400 with one line naming the field, the workers untouched. Each request
+is one line on the server's terminal (its method, model, seq_id, time and outcome), never a traceback. The model is
+its client's session's: when the session ends (``ServiceClient.close``, or no heartbeat for SESSION_TIMEOUT_S) its
+workers are freed for the next client. Each model's rows go to its own metrics.jsonl (<run dir>/models/<model>/).
 """
 
 
+import hmac
 import json
-import logging
+import math
 import queue
 import re
 import shutil
@@ -35,7 +38,6 @@ from tinker_exp.serve.wire import (
 )
 from tinker_exp.train.checkpoints import LOOP_STATE, WORKERS, commit_save, problem
 
-log = logging.getLogger(__name__)
 
 PROTOBUF = "application/x-protobuf"
 ADAM_PARAMS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
@@ -45,8 +47,13 @@ POLL_S = 30.0
 STATE, SAMPLER = "weights", "sampler_weights"
 """The SDK's checkpoint kinds, as its paths spell them: tinker://<model_id>/weights/<name> (save_state: weights and
 optimizer state), tinker://<model_id>/sampler_weights/<name> (save_weights_for_sampler). On disk:
-<run dir>/checkpoints/<model_id>/<kind>/<name>/."""
+<run dir>/checkpoints/<model_id, colons as _>/<kind>/<name>/ (on_disk)."""
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")
+"""A model id as the SDK's paths carry it (session_id:train:model_seq_id); on disk its colons are '_' (on_disk())."""
+ERRORS_LOG = "serve_errors.log"
+"""In the run dir: the traceback of each request that failed for a reason of the server's own (its terminal line
+names this file)."""
 UNCACHED = {"/api/v1/retrieve_future", "/api/v1/session_heartbeat", "/api/v1/telemetry"}
 """Routes answered afresh on every call, whatever their idempotency key (a result that was pending may be ready)."""
 SNAPSHOTS_KEPT = 4
@@ -65,6 +72,11 @@ class Future:
     result: Any = None
     protobuf: bool = False
     error: str | None = None
+    label: str = ""
+    """The request's line on the terminal: its method, model and seq_id."""
+    start: float = field(default_factory=time.monotonic)
+    kept: bool = False
+    """Whether its failure's traceback went to the run dir's serve_errors.log."""
 
 
 @dataclass
@@ -83,6 +95,13 @@ class Model:
     """The seq_id whose turn it is (the SDK numbers a training client's requests from 1)."""
     waiting: dict[int, tuple[Future, Callable[[], Any]] | None] = field(default_factory=dict)
     """seq_id -> a request that came before its turn (None: one that was refused, whose turn just passes)."""
+    rows: Any = None
+    """Its own metrics.jsonl (open_rows), opened at its first row: no other model's rows are ever touched."""
+
+
+def on_disk(model_id: str) -> str:
+    """A model id as a folder name: its colons are '_' (a path with a colon is host:path to scp and rsync)."""
+    return model_id.replace(":", "_")
 
 
 class Server:
@@ -92,20 +111,23 @@ class Server:
     checks AdamParams as an override is (ConfigError naming the key)."""
 
     def __init__(self, model_name: str, build_workers: Callable[[int], Any], optim_params: Callable[[dict], dict],
-                 open_rows: Callable[[int], Any], check_applied: Callable[[int, dict, list], dict],
-                 checkpoints: Path, make_sampler: Callable[[], Any], max_chunk_datums: int = 1024,
+                 open_rows: Callable[[Path, int], Any], check_applied: Callable[[int, dict, list], dict],
+                 run_dir: Path, make_sampler: Callable[[], Any], max_chunk_datums: int = 1024,
                  seq_gap_timeout_s: float = SEQ_GAP_TIMEOUT_S, session_timeout_s: float = SESSION_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic):
-        """`open_rows(first_step)`: the metrics.jsonl sink (a JsonlSink: rows of first_step and later are replaced);
-        `checkpoints`: where checkpoints go; `make_sampler()`: the driver's sampler (runtime/serve_sampler.py);
-        `max_chunk_datums`: the most datums the SDK is asked to send in one forward_backward (serve.max_chunk_datums);
-        `clock`: the time sessions' heartbeats are kept in."""
+                 clock: Callable[[], float] = time.monotonic, vocab_size: int | None = None,
+                 tokenizer_id: str | None = None, say: Callable[[str], None] | None = None):
+        """`open_rows(folder, first_step)`: a model's metrics sink in its folder (a JsonlSink: its rows of first_step
+        and later are replaced); `run_dir`: where models/<model>/ and checkpoints/<model>/ go; `make_sampler()`: the
+        driver's sampler (runtime/serve_sampler.py); `max_chunk_datums`: the most datums the SDK is asked to send in
+        one forward_backward (serve.max_chunk_datums); `clock`: the time sessions' heartbeats are kept in;
+        `vocab_size`: token ids at or beyond it are refused; `tokenizer_id`: get_info's (what the SDK's
+        get_tokenizer loads: the model's local dir); `say(line)`: a line on the terminal, one per request."""
         self.model_name = model_name
         self.build_workers, self.optim_params, self.open_rows, self.check_applied = (
             build_workers, optim_params, open_rows, check_applied)
-        self.rows = open_rows(0)
-        self.checkpoints, self.make_sampler = checkpoints, make_sampler
-        self.max_chunk_datums = max_chunk_datums
+        self.run_dir, self.checkpoints, self.make_sampler = run_dir, run_dir / "checkpoints", make_sampler
+        self.max_chunk_datums, self.vocab_size, self.tokenizer_id = max_chunk_datums, vocab_size, tokenizer_id or model_name
+        self.say = say or (lambda line: print(line, flush=True))
         self.seq_gap_timeout_s, self.session_timeout_s, self.clock = seq_gap_timeout_s, session_timeout_s, clock
         self.sampler: Any = None
         self.sampling_sessions: dict[str, dict[str, Any]] = {}
@@ -130,28 +152,49 @@ class Server:
             except BadRequest as e:
                 future.error = str(e)
             except Exception as e:  # a worker's failure: the client is told, the server goes on
-                log.exception("serve: a request failed")
                 lines = [line for line in f"{type(e).__name__}: {e}".splitlines() if line.strip()]
                 future.error = lines[-1]  # a worker's error: its last line is the exception itself
-            future.done.set()
+                self.keep_traceback(future.label)
+                future.kept = True
+            self._done(future)
 
-    def _future(self, protobuf: bool) -> tuple[str, Future]:
+    def keep_traceback(self, label: str) -> None:
+        """The traceback of a failure of the server's own, into the run dir's serve_errors.log (never the terminal)."""
+        import traceback
+
+        with open(self.run_dir / ERRORS_LOG, "a", encoding="utf-8") as errors:
+            errors.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {label}\n{traceback.format_exc()}\n")
+
+    def _done(self, future: Future, error: str | None = None) -> None:
+        """A request is over: its future is set, and its line said (ok, or failed with its error)."""
+        if error is not None:
+            future.error = error
+        future.done.set()
+        if future.label:
+            ms = (time.monotonic() - future.start) * 1e3
+            failed = f"failed ({ms:.0f} ms): {future.error}" if future.error is not None else f"ok ({ms:.0f} ms)"
+            self.say(f"tinker_exp.serve: {future.label}: {failed}"
+                     + (f" (traceback in {self.run_dir / ERRORS_LOG})" if future.kept else ""))
+
+    def _future(self, protobuf: bool, label: str = "") -> tuple[str, Future]:
         request_id = str(uuid.uuid4())
-        future = self.futures[request_id] = Future(protobuf=protobuf)
+        future = self.futures[request_id] = Future(protobuf=protobuf, label=label)
         return request_id, future
 
-    def submit(self, work: Callable[[], Any], protobuf: bool = False) -> str:
-        """Queue `work` now (a request outside any model's sequence)."""
-        request_id, future = self._future(protobuf)
+    def submit(self, work: Callable[[], Any], protobuf: bool = False, label: str = "") -> str:
+        """Queue `work` now (a request outside any model's sequence); `label`: its line on the terminal."""
+        request_id, future = self._future(protobuf, label)
         self.jobs.put((future, work))
         return request_id
 
-    def in_turn(self, model: Model, seq_id: Any, check: Callable[[], Callable[[], Any]], protobuf: bool = False) -> str:
+    def in_turn(self, model: Model, seq_id: Any, check: Callable[[], Callable[[], Any]], protobuf: bool = False,
+                method: str = "") -> str:
         """A model's request: `check()` refuses it (BadRequest) or gives its work, which is queued in the model's
         seq_id order: one that comes early waits for its predecessors (SEQ_GAP_TIMEOUT_S at most). Without a seq_id
         (not the SDK), the work is queued at once. A refused request's turn passes: its successors need not wait."""
+        label = f"{method} model {model.model_id} seq {seq_id}" if method else ""
         if seq_id is None:
-            return self.submit(check(), protobuf)
+            return self.submit(check(), protobuf, label)
         if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
             raise BadRequest(f"seq_id: {seq_id!r} is not a sequence number (an integer >= 1)")
         with self.lock:
@@ -163,7 +206,7 @@ class Server:
             except BadRequest:
                 self._take_turn(model, seq_id, None)
                 raise
-            request_id, future = self._future(protobuf)
+            request_id, future = self._future(protobuf, label)
             self._take_turn(model, seq_id, (future, work))
         return request_id
 
@@ -190,9 +233,8 @@ class Server:
             for waiting in sorted(s for s in model.waiting if s <= last):
                 request = model.waiting.pop(waiting)
                 if request is not None:
-                    request[0].error = (f"seq_id: {waiting} of model {model.model_id} waited "
-                                        f"{self.seq_gap_timeout_s:g} s for seq_id {missing}, which never came")
-                    request[0].done.set()
+                    self._done(request[0], f"seq_id: {waiting} of model {model.model_id} waited "
+                                           f"{self.seq_gap_timeout_s:g} s for seq_id {missing}, which never came")
             model.next_seq = last + 1
 
     def served_model(self, model_id: Any) -> Model:
@@ -235,17 +277,36 @@ class Server:
             self.model = None
             for request in model.waiting.values():
                 if request is not None:
-                    request[0].error = f"model_id: {model.model_id} was released (its session {session_id} ended)"
-                    request[0].done.set()
+                    self._done(request[0], f"model_id: {model.model_id} was released (its session {session_id} ended)")
             model.waiting.clear()
 
         def free() -> dict:
-            if model.workers is not None:
-                model.workers.shutdown()
-                model.workers = None
+            self._free(model)
             return {}
 
         self.submit(free)
+
+    @staticmethod
+    def _free(model: Model) -> None:
+        if model.rows is not None:
+            model.rows.close()
+            model.rows = None
+        if model.workers is not None:
+            model.workers.shutdown()
+            model.workers = None
+
+    def close(self) -> str | None:
+        """The server stops (Ctrl-C, SIGTERM): the held model's workers are freed now; its id (None: none held)."""
+        with self.lock:
+            model, self.model = self.model, None
+            for future in self.futures.values():  # no retrieve_future poll keeps the process from ending
+                if not future.done.is_set():
+                    future.error = "the server stopped"
+                    future.done.set()
+        if model is None:
+            return None
+        self._free(model)
+        return model.model_id
 
     def create_model(self, body: dict) -> str:
         base_model = body.get("base_model")
@@ -264,7 +325,7 @@ class Server:
             self._build(model)
             return {"model_id": model.model_id, "type": "create_model"}
 
-        return self.submit(build)
+        return self.submit(build, label=f"create_model model {model.model_id} rank {rank}")
 
     def _claim(self, route: str, body: dict, base_model: str, rank: int) -> Model:
         """The one model, for this client's session (the SDK's id: session_id:train:model_seq_id); while another
@@ -273,8 +334,11 @@ class Server:
         with self.lock:
             # a holder whose heartbeats stopped ends here (live_session), and its model with it
             if self.model is not None and self.live_session(self.model.session_id):
+                left = self.session_timeout_s - (self.clock() - self.sessions[self.model.session_id])
                 raise BadRequest(f"{route}: this server already serves model {self.model.model_id}; one client "
-                                 "at a time may hold a model")
+                                 "at a time may hold a model. It is freed when its client closes its ServiceClient, "
+                                 f"or {self.session_timeout_s:g} s after that client's last heartbeat (in "
+                                 f"{max(left, 0):.0f} s at most if it has stopped)")
             if not self.live_session(session_id):
                 raise BadRequest(f"session_id: {session_id!r} is not a session of this server (create_session first)")
             self.model = Model(f"{session_id}:train:{body.get('model_seq_id', 0)}", base_model, rank, session_id)
@@ -289,12 +353,12 @@ class Server:
                     self.model = None
             raise
 
-    def forward_backward(self, body: bytes) -> tuple[str, str]:
-        request = forward_backward_request(body)
+    def forward_backward(self, request: Any) -> tuple[str, str]:
+        """A parsed ForwardBackwardRequest (wire.forward_backward_request)."""
         model = self.served_model(request.model_id)
 
         def check() -> Callable[[], bytes]:
-            data, params = forward_backward_data(request), loss_params(request)
+            data, params = forward_backward_data(request, self.vocab_size), loss_params(request)
 
             def run() -> bytes:
                 model.workers.use_loss(request.loss_fn, params)
@@ -307,7 +371,8 @@ class Server:
             return run
 
         # seq_id 0: none (the proto's default; the SDK numbers from 1)
-        return self.in_turn(model, request.seq_id or None, check, protobuf=True), model.model_id
+        method = "forward" if request.forward_only else "forward_backward"
+        return self.in_turn(model, request.seq_id or None, check, True, method), model.model_id
 
     def optim_step(self, body: dict) -> tuple[str, str]:
         model = self.served_model(body.get("model_id"))
@@ -319,6 +384,12 @@ class Server:
             unknown = sorted(set(adam) - set(ADAM_PARAMS))
             if unknown:
                 raise BadRequest(f"adam_params.{unknown[0]}: not an AdamParams field ({', '.join(ADAM_PARAMS)})")
+            for key in ADAM_PARAMS:
+                value = adam.get(key, 0.0)
+                if value is None:  # the SDK sends every field: null is a NaN or infinity that JSON could not carry
+                    raise BadRequest(f"adam_params.{key}: null is not a number (NaN and infinities arrive as null)")
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise BadRequest(f"adam_params.{key}: {value!r} is not a finite number")
             try:
                 params = self.optim_params({key: adam[key] for key in ADAM_PARAMS if adam.get(key) is not None})
             except ConfigError as e:
@@ -329,7 +400,7 @@ class Server:
                 first = self.check_applied(model.step, params, applied)
                 from tinker_exp.optim import flat_values
 
-                self.rows.log({"train/step": model.step, "time": time.time(), "train/loss": model.loss_since_step,
+                self._rows(model).log({"train/step": model.step, "time": time.time(), "train/loss": model.loss_since_step,
                               "train/grad_norm": grad_norm, **flat_values("requested", params), **flat_values("applied", first)})
                 model.step += 1
                 model.loss_since_step = 0.0
@@ -337,10 +408,16 @@ class Server:
 
             return run
 
-        return self.in_turn(model, body.get("seq_id"), check), model.model_id
+        return self.in_turn(model, body.get("seq_id"), check, method="optim_step"), model.model_id
+
+    def _rows(self, model: Model) -> Any:
+        """The model's own metrics sink, opened at its served step (a rewound model's later rows are replaced)."""
+        if model.rows is None:
+            model.rows = self.open_rows(self.run_dir / "models" / on_disk(model.model_id), model.step)
+        return model.rows
 
     def _folder(self, model_id: str, kind: str, name: str) -> Path:
-        return self.checkpoints / model_id / kind / name
+        return self.checkpoints / on_disk(model_id) / kind / name
 
     @staticmethod
     def _name(name: Any) -> str:
@@ -351,7 +428,7 @@ class Server:
     def _checkpoint(self, path: Any, kind: str, field: str = "path") -> tuple[Path, dict]:
         """A tinker:// path of this server's -> its folder and loop.json; anything else a one-line BadRequest."""
         parts = path.removeprefix("tinker://").split("/") if isinstance(path, str) and path.startswith("tinker://") else []
-        if len(parts) != 3 or parts[1] != kind or not all(parts):
+        if len(parts) != 3 or parts[1] != kind or not MODEL_ID.fullmatch(parts[0]) or not CHECKPOINT_NAME.fullmatch(parts[2]):
             raise BadRequest(f"{field}: {path!r} is not a checkpoint path (tinker://<model_id>/{kind}/<name>)")
         folder = self._folder(parts[0], kind, parts[2])
         if not folder.is_dir():
@@ -388,7 +465,7 @@ class Server:
 
             return run
 
-        return self.in_turn(model, body.get("seq_id"), check), model.model_id
+        return self.in_turn(model, body.get("seq_id"), check, method="save_state"), model.model_id
 
     def load_state(self, body: dict) -> tuple[str, str]:
         """load_state (weights, a fresh optimizer) or load_state_with_optimizer (`optimizer`: true), onto the
@@ -411,21 +488,23 @@ class Server:
                     self._build(model)
                 model.workers.load_state(folder / WORKERS, optimizer)
                 model.step, model.loss_since_step = int(meta["step"]), 0.0
-                self.rows.close()
-                self.rows = self.open_rows(model.step)  # this step's row and later ones are logged again
+                if model.rows is not None:  # this model's rows of this step and later are logged again
+                    model.rows.close()
+                    model.rows = None
                 return {"path": path, "model_id": model.model_id, "type": "load_weights"}
 
             return run
 
         if body.get("model_id") is not None:  # the client's own model (TrainingClient.load_state): in its turn
             model = self.served_model(body["model_id"])
-            return self.in_turn(model, body.get("seq_id"), lambda: load(model, *checked(model))), model.model_id
+            return (self.in_turn(model, body.get("seq_id"), lambda: load(model, *checked(model)), method="load_state"),
+                    model.model_id)
         folder, meta = checked(None)  # a new model (ServiceClient.create_training_client_from_state)
         base_model = body.get("base_model") or meta["base_model"]
         if base_model != self.model_name:
             raise BadRequest(f"base_model: {base_model!r} is not served (this server serves {self.model_name!r})")
         model = self._claim("load_weights", body, base_model, meta["lora_rank"])
-        return self.submit(load(model, folder, meta)), model.model_id
+        return self.submit(load(model, folder, meta), label=f"load_state model {model.model_id} (new)"), model.model_id
 
     def _sampler(self):
         if self.sampler is None:
@@ -436,7 +515,8 @@ class Server:
         """save_weights_for_sampler(name): the weights as a sampler checkpoint (tinker://.../sampler_weights/name);
         without a name (save_weights_and_get_sampling_client): a sampling session on these weights, in memory."""
         model = self.served_model(body.get("model_id"))
-        return self.in_turn(model, body.get("seq_id"), lambda: self._sampler_save(model, body)), model.model_id
+        return (self.in_turn(model, body.get("seq_id"), lambda: self._sampler_save(model, body),
+                             method="save_weights_for_sampler"), model.model_id)
 
     def _sampler_save(self, model: Model, body: dict) -> Callable[[], dict]:
         name = body.get("path")
@@ -497,7 +577,7 @@ class Server:
         if session["weights"] is None:
             raise BadRequest(f"sampling_session_id: {session_id!r}: its weights were dropped (the server keeps the "
                              f"last {SNAPSHOTS_KEPT} unnamed snapshots; save_weights_for_sampler(name) keeps them)")
-        prompt = prompt_tokens(body.get("prompt"))
+        prompt = prompt_tokens(body.get("prompt"), vocab_size=self.vocab_size)
         n = body.get("num_samples", 1)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise BadRequest(f"num_samples: {n!r} is not a count (an integer >= 1)")
@@ -533,7 +613,7 @@ class Server:
             samples = sampler.sample(prompt, n, max_tokens, float(temperature), seed, **limits)
             return sample_response(samples, sampler.prompt_log_probs(prompt) if with_prompt else None)
 
-        request_id = self.submit(run, protobuf=True)
+        request_id = self.submit(run, protobuf=True, label=f"sample session {session_id} seq {body.get('seq_id')}")
         return request_id, [f"{request_id}:{i}" for i in range(n)]
 
     def retrieve(self, request_id: Any) -> Future:
@@ -544,17 +624,29 @@ class Server:
         return future
 
 
-def build_app(server: Server):
-    """The FastAPI app over `server`: each route parses, checks, and answers (a future, or the value itself)."""
+def build_app(server: Server, api_key: str = ""):
+    """The FastAPI app over `server`: each route parses, checks, and answers (a future, or the value itself).
+    `api_key`: the key every request must carry as X-API-Key (compared in constant time); empty: any tml- key."""
     import json
 
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 
     app = FastAPI()
+    expected = api_key.encode()
 
     def refused(message: str, status: int = 400) -> JSONResponse:
         return JSONResponse({"error": message, "detail": message}, status_code=status)
+
+    def said_refused(request: Request, status: int, message: str) -> None:
+        """A refused request's one line: its method (route), model and seq_id when it named them, and why."""
+        who = getattr(request.state, "who", None) or (None, None)
+        model = f" model {who[0]}" if who[0] else ""
+        seq = f" seq {who[1]}" if who[1] is not None else ""
+        ms = (time.monotonic() - getattr(request.state, "start", time.monotonic())) * 1e3
+        client = request.client.host if request.client else "?"
+        server.say(f"tinker_exp.serve: {request.url.path.removeprefix('/api/v1/')}{model}{seq}: refused "
+                   f"({status}, {ms:.0f} ms, from {client}): {message}")
 
     @app.middleware("http")
     async def idempotent(request: Request, call_next):
@@ -572,14 +664,31 @@ def build_app(server: Server):
         return Response(body, response.status_code, None, response.media_type)
 
     @app.middleware("http")
-    async def api_key(request: Request, call_next):
-        key = request.headers.get("x-api-key", "")
-        if request.url.path.startswith("/api/v1/") and not key.startswith("tml-"):
-            return refused("X-API-Key: a key starting with tml- is required", 401)
-        return await call_next(request)
+    async def key(request: Request, call_next):
+        """With a key, a request without it (or with another) is a 401; without one, any tml- key (loopback only:
+        __main__ refuses another host without a key). The key is never in a line or a log."""
+        request.state.start = time.monotonic()
+        given = request.headers.get("x-api-key", "")
+        if request.url.path.startswith("/api/v1/"):
+            if expected and not hmac.compare_digest(given.encode(), expected):
+                message = "X-API-Key: " + ("missing" if not given else "not this server's key") + " (TINKER_API_KEY)"
+                said_refused(request, 401, message)
+                return refused(message, 401)
+            if not expected and not given.startswith("tml-"):
+                said_refused(request, 401, "X-API-Key: a key starting with tml- is required")
+                return refused("X-API-Key: a key starting with tml- is required", 401)
+        try:
+            return await call_next(request)
+        except Exception as error:  # a fault of the server's own: one line each to the client and the terminal
+            server.keep_traceback(request.url.path)  # the traceback: into the run dir
+            message = [line for line in f"{type(error).__name__}: {error}".splitlines() if line.strip()][-1]
+            server.say(f"tinker_exp.serve: {request.url.path.removeprefix('/api/v1/')}: failed: {message} (traceback "
+                       f"in {server.run_dir / ERRORS_LOG})")
+            return refused(message, 500)
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, error: BadRequest):
+        said_refused(request, 400, str(error))
         return refused(str(error))
 
     async def json_body(request: Request) -> dict:
@@ -589,6 +698,7 @@ def build_app(server: Server):
             raise BadRequest(f"{request.url.path}: the body is not JSON ({e})") from None
         if not isinstance(body, dict):
             raise BadRequest(f"{request.url.path}: the body is not a JSON object")
+        request.state.who = (body.get("model_id") or body.get("sampling_session_id"), body.get("seq_id"))
         return body
 
     def future(request_id: str, model_id: str | None = None) -> dict:
@@ -643,13 +753,16 @@ def build_app(server: Server):
         model = server.served_model((await json_body(request)).get("model_id"))
         return {"type": "get_info", "model_id": model.model_id, "is_lora": model.lora_rank > 0,
                 "lora_rank": model.lora_rank or None,
-                "model_data": {"model_name": model.base_model, "tokenizer_id": model.base_model, "arch": "causal_lm"}}
+                # tokenizer_id: what the SDK's get_tokenizer() loads (AutoTokenizer.from_pretrained): the local dir
+                "model_data": {"model_name": model.base_model, "tokenizer_id": server.tokenizer_id, "arch": "causal_lm"}}
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):
         if request.headers.get("content-encoding"):
             raise BadRequest(f"Content-Encoding: {request.headers['content-encoding']!r} is not served (send plain protobuf)")
-        return future(*server.forward_backward(await request.body()))
+        parsed = forward_backward_request(await request.body())
+        request.state.who = (parsed.model_id, parsed.seq_id or None)
+        return future(*server.forward_backward(parsed))
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):

@@ -53,8 +53,19 @@ def forward_backward_request(body: bytes) -> Any:
     return request
 
 
-def forward_backward_data(request: Any) -> list[Datum]:
-    """A ForwardBackwardRequest's data as the workers take them, every input checked."""
+def check_vocabulary(tokens: Sequence[int], vocab_size: int | None, field: str) -> None:
+    """Every token id in [0, vocab_size): one outside would fail in a worker's embedding (an IndexError)."""
+    if vocab_size is None or not len(tokens):
+        return
+    low, high = min(tokens), max(tokens)
+    if low < 0 or high >= vocab_size:
+        raise BadRequest(f"{field}: token id {low if low < 0 else high} is not in the vocabulary (ids 0 .. "
+                         f"{vocab_size - 1}: the model's vocab_size is {vocab_size})")
+
+
+def forward_backward_data(request: Any, vocab_size: int | None = None) -> list[Datum]:
+    """A ForwardBackwardRequest's data as the workers take them, every input checked (token ids against
+    `vocab_size`)."""
     import numpy as np
 
     if request.loss_fn not in LOSS_INPUTS:
@@ -77,6 +88,8 @@ def forward_backward_data(request: Any) -> list[Datum]:
                   for name in (*needs, "weights") if name in datum.loss_fn_inputs}
         inputs.setdefault("weights", np.ones(len(tokens), dtype=np.float32))
         targets = inputs.pop("target_tokens").tolist()
+        check_vocabulary(tokens, vocab_size, f"{where}.model_input")
+        check_vocabulary(targets, vocab_size, f"{where}.loss_fn_inputs.target_tokens")
         lengths = ", ".join(f"{name} {len(values)}" for name, values in inputs.items())
         if not tokens or len(targets) != len(tokens) or any(len(values) != len(tokens) for values in inputs.values()):
             raise BadRequest(f"{where}: model_input has {len(tokens)} tokens, target_tokens {len(targets)}, {lengths}: "
@@ -167,8 +180,9 @@ def sampling_limits(params: dict) -> dict[str, Any]:
     return {"stop": stop, "top_k": max(top_k, 0), "top_p": float(top_p)}
 
 
-def prompt_tokens(prompt: Any, field: str = "prompt") -> list[int]:
-    """A ModelInput in JSON ({"chunks": [{"type": "encoded_text", "tokens": [...]}]}) -> its tokens."""
+def prompt_tokens(prompt: Any, field: str = "prompt", vocab_size: int | None = None) -> list[int]:
+    """A ModelInput in JSON ({"chunks": [{"type": "encoded_text", "tokens": [...]}]}) -> its tokens (each in the
+    vocabulary)."""
     chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
     if not isinstance(chunks, list) or not chunks:
         raise BadRequest(f"{field}.chunks: missing or empty (a ModelInput of encoded text)")
@@ -179,6 +193,7 @@ def prompt_tokens(prompt: Any, field: str = "prompt") -> list[int]:
         ids = chunk.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise BadRequest(f"{field}.chunks[{j}].tokens: not a list of token ids")
+        check_vocabulary(ids, vocab_size, f"{field}.chunks[{j}].tokens")
         tokens += ids
     if not tokens:
         raise BadRequest(f"{field}: no token")
