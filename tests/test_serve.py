@@ -749,6 +749,8 @@ def test_a_killed_server_restarted_continues_bitwise_and_every_models_rows_are_i
     trained["service"].close("success").result(timeout=60)
     server["restarted"] = True
     *released, model_b, _ = from_saved_state()
+    # B's model trained on A's workers, kept warm and put in a fresh state (docs/pool.md): bitwise, checked below
+    assert "tinker_exp.serve: the new model trains on the kept workers (fresh state)" in server["terminal"].err, server["terminal"].err[-20:]
     server["process"].send_signal(signal.SIGKILL)
     server["process"].wait(60)
     server["terminal"] = start_server(server["ray_address"], server["run_dir"], server["port"])

@@ -427,6 +427,10 @@ class TinkerWorkers:
         """The Ray actor class of each rank (a test plants an applied/requested mismatch in a subclass)."""
         return _worker_class()
 
+    @property
+    def lora_rank(self) -> int:
+        return self.lora.rank if self.lora is not None else 0
+
     def keep_initial_state(self) -> None:
         """A pool's group, once built (after ready()): every rank keeps the start each later run restores."""
         self.group.keep_initial_state()

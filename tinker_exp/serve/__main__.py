@@ -201,12 +201,23 @@ def main(args: list[str]) -> None:
     model_path = model_dir(cfg.model)
     model_name = cfg.model.path or cfg.model.name
 
-    def build_workers(rank: int) -> ServeWorkers:
-        lora = replace(cfg.lora, rank=rank)
+    kept: list[ServeWorkers] = []  # the last client's group, kept warm for the next client's model (docs/pool.md)
+
+    def build_workers(rank: int) -> KeptWarm:
+        """A client's model: the kept group in a fresh state (exactly a new build's) when its LoRA rank is the kept
+        one's, else a new group (the kept one freed first)."""
+        if kept and kept[0].lora_rank == rank:
+            workers = kept.pop()
+            workers.start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, workers.output)
+            print("tinker_exp.serve: the new model trains on the kept workers (fresh state)", file=sys.stderr, flush=True)
+            return KeptWarm(workers, kept)
+        while kept:
+            kept.pop().shutdown()
         workers = ServeWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values, choice,
-                               WorkerOutput(run_dir / "workers.log"), lora)
+                               WorkerOutput(run_dir / "workers.log"), replace(cfg.lora, rank=rank))
         workers.ready()
-        return workers
+        workers.keep_initial_state()
+        return KeptWarm(workers, kept)
 
     def optim_params(adam: dict) -> dict:
         return plan_for(adam, plan.optimizer_values, 1, plan.optimizer, float(cfg.optimizer.clip_grad or 0.0))[0]
@@ -237,7 +248,9 @@ def main(args: list[str]) -> None:
     except (KeyboardInterrupt, Stopped) as e:
         stopped = e
     finally:
-        held = server.close()  # the held model's workers freed
+        held = server.close()  # the held model's workers given back, then freed with the kept ones
+        while kept:
+            kept.pop().shutdown()
         if wandb is not None:  # the server stopped (Ctrl-C, SIGTERM): its W&B run ends
             wandb.close()
     if stopped is not None:
@@ -245,6 +258,19 @@ def main(args: list[str]) -> None:
         print(f"tinker_exp.serve: stopped ({why}); " + (f"model {held}'s workers freed" if held else "no model held"),
               file=sys.stderr, flush=True)
         sys.exit(code)
+
+
+class KeptWarm:
+    """A client's model's workers: freeing them (its session ended) keeps them for the next client's model."""
+
+    def __init__(self, workers: ServeWorkers, kept: list) -> None:
+        self._workers, self._kept = workers, kept
+
+    def __getattr__(self, name: str):
+        return getattr(self._workers, name)
+
+    def shutdown(self) -> None:
+        self._kept.append(self._workers)
 
 
 class Stopped(Exception):
