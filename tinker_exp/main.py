@@ -118,17 +118,16 @@ def run(
 
 @contextmanager
 def warm_pool(cfg: Config, start: StartPoint, start_workers: StartWorkers | None) -> Iterator[Any]:
-    """The warm pool this run trains on (backend.pool), held for it; None: a cold start (a dry run, a run that is
-    done, one over several nodes and a test's own workers never take one)."""
-    from tinker_exp.pool.client import attach
+    """The warm pool this run trains on (backend.pool), held for it, or a cold start (a dry run, a run that is done,
+    one over several nodes and a test's own workers never take a pool)."""
+    from tinker_exp.pool.client import Cold, attach
 
     cold = cfg.dry_run or start.complete or start_workers is not None or cfg.backend.nodes > 1
-    pool = None if cold else attach(cfg.backend.pool)
+    pool = Cold() if cold else attach(cfg.backend.pool)
     try:
         yield pool
     finally:
-        if pool is not None:
-            pool.release()
+        pool.release()
 
 
 def accepted_run(
@@ -145,7 +144,7 @@ def accepted_run(
     pool: Any,
 ) -> dict[str, Any]:
     """`run` once the command is accepted: its record in the run dir, then the dry run or the training (on the warm
-    pool's workers when `pool` is one)."""
+    pool's workers when `pool` is one, not `Cold`)."""
     write_hydra_files(run_dir, hydra_files or {})  # accepted: from here on the run dir records this command
     write_job_info(run_dir, {**(job or job_info(None, [])), **({"branch": start.lineage} if start.lineage else {})})
     if start.kind != "start":
@@ -170,9 +169,9 @@ def accepted_run(
     wandb_config = wandb_run_config(resolved, plan, choices, job)  # one flat key per value
     if start.trunk_wandb_run_id:
         wandb_config["branch.trunk_wandb_run_id"] = start.trunk_wandb_run_id
-    if pool is not None:
+    if pool.describe():
         log.info(pool.describe())
-    trains = pool.train_run if pool is not None else train_run  # the pool runs train_run itself, on its workers
+    trains = pool.train_run or train_run  # a warm pool runs train_run itself, on its workers
     return trains(cfg, plan, rows, start, run_dir, wandb_config, start_workers, (job or {}).get("num"))
 
 

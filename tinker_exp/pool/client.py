@@ -39,12 +39,27 @@ def sweep_addresses() -> list[Path]:
     return [Path(a) for a in os.environ.get(wire.SWEEP_POOLS_ENV, "").split(":") if a]
 
 
-def attach(setting: str) -> "Lease | None":
-    """The pool this run trains on, held for it; None for a cold start. `setting`: backend.pool (none, auto or an
-    address). auto: a free pool of this sweep's, else this user's pool if up, else a cold start (said in one line).
-    A pool that is busy refuses the run (one line, exit 2, nothing written); one that runs older code is skipped."""
+@dataclass(frozen=True)
+class Cold:
+    """A cold start: the run starts its own workers; `why`, when not empty, is its one line saying so."""
+
+    why: str = ""
+    train_run = None  # main.train_run, in this process
+
+    def describe(self) -> str:
+        return self.why
+
+    def release(self) -> None:
+        pass
+
+
+def attach(setting: str) -> "Lease | Cold":
+    """The pool this run trains on, held for it, or a cold start. `setting`: backend.pool (none, auto or an address).
+    auto: a free pool of this sweep's, else this user's pool if up, else a cold start (said in one line, when the run
+    trains). A pool that is busy refuses the run (one line, exit 2, nothing written); one that runs older code is
+    skipped."""
     if setting == "none" or (setting == "auto" and "SLURM_JOB_ID" in os.environ):  # a Slurm job: its own allocation
-        return None
+        return Cold()
     explicit = setting != "auto"
     addresses = [Path(setting).expanduser()] if explicit else sweep_addresses() or [wire.address_of()]
     answers: list[tuple[Path, Any]] = []
@@ -74,12 +89,10 @@ def attach(setting: str) -> "Lease | None":
         line = f"the pool at {stale[0]} runs the code of before a change: python -m tinker_exp.pool down, then up again"
         if explicit:
             raise ConfigError(f"backend.pool={setting}: {line}")
-        log.info(f"pool: {line}; starting cold")
-        return None
+        return Cold(f"pool: {line}; starting cold")
     if explicit:
         raise ConfigError(f"backend.pool={setting}: no pool answers there (python -m tinker_exp.pool up starts one)")
-    log.info("pool: none is up, starting cold (python -m tinker_exp.pool up keeps workers warm between runs)")
-    return None
+    return Cold("pool: none is up, starting cold (python -m tinker_exp.pool up keeps workers warm between runs)")
 
 
 def run_payload(arguments: tuple) -> dict[str, Any]:
