@@ -33,7 +33,7 @@ def pool(tmp_path_factory):
     import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp"))
-    env = {"TINKER_EXP_POOL_DIR": str(folder), "RAY_ADDRESS": None}
+    env = {"TINKER_EXP_POOL_DIR": str(folder), "TINKER_EXP_POOL": "auto", "RAY_ADDRESS": None}
     up = run_module("tinker_exp.pool", "up", "--idle-min", "15", env=env, timeout=400)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:] + (folder / "pool.log").read_text()[-3000:]
     assert "pool up at" in up.stdout and "2 x TinkerTrainingWorker on cpu" in up.stdout

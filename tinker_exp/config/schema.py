@@ -290,9 +290,10 @@ class BackendConfig:
     """auto: bf16 on cuda, fp32 on cpu."""
     ray_address: Optional[str] = "${oc.env:RAY_ADDRESS,null}"
     """A Ray cluster to join; None: start a local one (and stop it at the end)."""
-    pool: str = "auto"
+    pool: str = "${oc.env:TINKER_EXP_POOL,auto}"
     """Warm workers (docs/pool.md): auto: a free pool of this sweep's, else this user's (`python -m tinker_exp.pool
-    up`) if one is up, else a cold start; none: always a cold start; else a pool's address (its socket)."""
+    up`) if one is up, else a cold start; none: always a cold start; else a pool's address (its socket). The
+    environment's TINKER_EXP_POOL sets the default (a job script's `export TINKER_EXP_POOL=none`)."""
     # --- throughput (docs/devices.md#throughput-knobs); each default leaves a CPU run's losses as they were ---
     micro_batch_tokens: Optional[int] = None
     """Micro batches by tokens (verl's use_dynamic_bsz, max_token_len_per_gpu): each worker's sequences are packed

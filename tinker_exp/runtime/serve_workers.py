@@ -221,3 +221,17 @@ class ServeWorkers(TinkerWorkers):
             non_tensor_dict={"global_batch_size": len(data), "temperature": 1.0, "calculate_entropy": False,
                              "max_response_len": longest, "global_token_num": [len(t) for t in tokens]},
         )
+
+
+def vocabulary_size(model_path: Path) -> int:
+    """The model's embedding rows: token ids at or beyond it are refused before they reach a worker."""
+    import json
+
+    config = Path(model_path) / "config.json"
+    if config.is_file():
+        size = json.loads(config.read_text()).get("vocab_size")
+        if isinstance(size, int):
+            return size
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_path).vocab_size)

@@ -139,20 +139,6 @@ def listen(serve: ServeConfig):
         raise ConfigError(f"serve.host: {serve.host!r} cannot be listened on ({why})") from None
 
 
-def vocabulary_size(model_path: Path) -> int:
-    """The model's embedding rows: token ids at or beyond it are refused before they reach a worker."""
-    import json
-
-    config = Path(model_path) / "config.json"
-    if config.is_file():
-        size = json.loads(config.read_text()).get("vocab_size")
-        if isinstance(size, int):
-            return size
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(model_path).vocab_size)
-
-
 def main(args: list[str]) -> None:
     import datetime
 
@@ -192,7 +178,7 @@ def main(args: list[str]) -> None:
     from tinker_exp.runtime.inputs import model_dir
     from tinker_exp.runtime.worker_output import WorkerOutput
     from tinker_exp.serve.app import Server, build_app
-    from tinker_exp.runtime.serve_workers import ServeWorkers
+    from tinker_exp.runtime.serve_workers import ServeWorkers, vocabulary_size
     from tinker_exp.train.loop import check_applied
     from tinker_exp.train.sinks import JsonlSink, Sinks
 
