@@ -33,7 +33,7 @@ WANDB_RUN_ID = "wandb_run_id"
 
 RESUME_FREE = (
     "logger.", "verbose", "dry_run", "resume", "plan_steps", "checkpoint.", "trainer.eval_every", "trainer.objective",
-    "trainer.objective_mode", "trainer.max_nonfinite_steps", "backend.ray_address", "backend.nodes_timeout_s",
+    "trainer.objective_mode", "trainer.max_nonfinite_steps", "backend.ray_address", "backend.pool", "backend.nodes_timeout_s",
     "model.cache_dir",
 )  # fmt: skip
 """Keys (a trailing dot: a whole group) a resume may change: they change nothing that was or will be trained."""
