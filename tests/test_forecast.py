@@ -376,6 +376,10 @@ def test_fit_refuses_bad_flags_a_used_out_an_rl_loss_and_a_dry_run_in_one_line(t
     write_metrics(rl_dir / "metrics.jsonl", wsd(100, 0), {s: 3.0 - s / 100 for s in range(100)})
     (rl_dir / "config.yaml").write_text("env:\n  name: digits\n  prompts: builtin:digits.jsonl\n")
     assert "rl_run: an RL run (env.prompts builtin:digits.jsonl)" in refused(["fit", str(rl_dir), "--out", str(out)], capsys)
+    rows = [json.loads(line) | {"train/reward": 0.5} for line in (rl_dir / "metrics.jsonl").read_text().splitlines()]
+    rl_file = tmp_path / "rl_rows.jsonl"  # an RL run's metrics.jsonl alone (no config beside it): told by its rows
+    rl_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert "rl_rows.jsonl: an RL run (it logs train/reward)" in refused(["fit", str(rl_file), "--out", str(out)], capsys)
     dry = tmp_path / "dry_run"
     dry.mkdir()
     (dry / "plan.json").write_text("{}")

@@ -193,7 +193,7 @@ def test_the_summary_lists_members_by_final_objective_with_their_exploits_and_do
     sweep, members = population
     lines = table(members).splitlines()
     assert [line.split()[0] for line in lines[2:]] == ["*0", "1", "2", "3"]
-    assert lines[0].split()[:4] == ["member", "objective", "exploits", "donors"]
+    assert lines[0].split()[:6] == ["member", "objective:", "val/loss", "(last)", "exploits", "donors"]  # by its metric
     cells = {line.split()[0].lstrip("*"): line.split() for line in lines[2:]}
     assert cells["0"][1:4] == ["2.5000", "0", "-"] and cells["1"][1:4] == ["2.6000", "1", "0@4"]
     assert cells["2"][1:4] == ["2.6500", "1", "0@2"] and cells["3"][1:4] == ["-", "0", "-"] and "CANCELLED" in cells["3"]

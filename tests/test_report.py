@@ -60,12 +60,13 @@ def texts(fig) -> list[str]:
     return [t.get_text() for t in fig.findobj(Text) if t.get_text()]
 
 
-def legend(fig) -> list[str]:
-    """The run entries of the figure's one legend (beside the loss panel or below the figure), after train/val."""
+def legend(fig, kinds=("train", "val")) -> list[str]:
+    """The run entries of the figure's one legend (beside the main panel or below the figure), after its two
+    kinds of line (train/val; an RL run's train/reward and eval/reward)."""
     legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]
     assert len(legends) == 1
     labels = [t.get_text() for t in legends[0].get_texts()]
-    assert labels[:2] == ["train", "val"]
+    assert labels[:2] == list(kinds)
     return labels[2:]
 
 
@@ -109,26 +110,39 @@ def test_a_runs_report_is_titled_by_its_name_and_its_legend_names_its_overrides(
     assert [ax.get_ylabel() for ax in draw_report([read_run(plain)], "run plain").axes] == ["loss"]
 
 
-def test_an_rl_runs_rewards_are_drawn_in_a_panel_below_its_loss_labelled_train_and_eval(tmp_path):
-    """Each run's train/reward (every step) and eval/reward (at its evaluations) read back from the reward panel,
-    under the run's label; the plan's panels follow it. An SFT run has none (above: its panels are the loss's)."""
+def rl_run(run_dir: Path, reward: list[float], overrides=(), objective=None) -> Path:
+    """An RL run dir: make_run's, its rows with train/reward at every step and eval/reward (reward + 0.05) at odd ones."""
+    make_run(run_dir, overrides, objective=objective)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row, r in zip(rows, reward):
+        row.pop("val/loss", None)
+        row |= {"train/reward": r} | ({"eval/reward": r + 0.05} if row["train/step"] % 2 else {})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return run_dir
+
+
+def test_an_rl_runs_reward_is_its_main_panel_and_its_policy_loss_a_small_one_below(tmp_path):
+    """Each run's train/reward (every step) and eval/reward (at its evaluations) read back from the main panel,
+    under the run's label, the legend there; the policy loss below it, then the plan's panels. One RL run's title
+    says what it came to, as its last line does. An SFT run's main panel is its loss (above)."""
     rewards = {"a": [0.0, 0.25, 0.5, 1.0], "b": [0.1, 0.1, 0.2, 0.3]}
     for name, reward in rewards.items():
-        run_dir = make_run(tmp_path / name, [f"trainer.seed={len(name) + ord(name)}"])
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        for row, r in zip(rows, reward):
-            row |= {"train/reward": r} | ({"eval/reward": r + 0.05} if row["train/step"] % 2 else {})
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        rl_run(tmp_path / name, reward, [f"trainer.seed={len(name) + ord(name)}"])
     runs = [read_run(tmp_path / name) for name in rewards]
     fig = draw_report(runs, "rl")
-    assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "reward", "lr"]
-    reward_ax = fig.axes[1]
-    assert [t.get_text() for t in reward_ax.get_legend().get_texts()] == ["train/reward", "eval/reward"]
+    assert [ax.get_ylabel() for ax in fig.axes] == ["reward", "policy loss", "lr"]
+    assert [ax.get_gridspec().get_height_ratios() for ax in fig.axes][0] == [2.2, 1, 1]  # the reward's panel the largest
+    reward_ax, loss_ax = fig.axes[:2]
+    assert legend(fig, ("train/reward", "eval/reward")) == ["trainer.seed=98", "trainer.seed=99"]
     for run, reward in zip(runs, rewards.values()):
         train, evaluated = [line for line in reward_ax.get_lines() if line.get_gid() == run.label]
         assert (list(train.get_xdata()), list(train.get_ydata())) == ([0, 1, 2, 3], reward)
         assert evaluated.get_linestyle() == "--" and list(evaluated.get_xdata()) == [1, 3]
         assert list(evaluated.get_ydata()) == [reward[1] + 0.05, reward[3] + 0.05]
+        (loss,) = [line for line in loss_ax.get_lines() if line.get_gid() == run.label]
+        assert list(loss.get_ydata()) == [5.0, 4.5, 4.2, 4.0]
+    one = draw_report([read_run(tmp_path / "a")], "run a")
+    assert one._suptitle.get_text().splitlines()[-1] == "last reward 1.0000, best eval/reward 1.0500 after 4 steps"
 
 
 def test_a_sweeps_best_job_by_its_objective_is_drawn_thick_and_named(tmp_path):

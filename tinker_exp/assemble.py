@@ -23,7 +23,7 @@ from tinker_exp.train.evaluation import Evaluation
 from tinker_exp.train.judges import Judge
 from tinker_exp.train.objective import objective_metric, objective_sign
 from tinker_exp.train.protocols import BatchSource, Workers
-from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, StartingSink, WandbSink, wandb_environment
+from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, StartingSink, WandbSink, summary_ops, wandb_environment
 from tinker_exp.train.start import StartPoint
 
 if TYPE_CHECKING:
@@ -168,7 +168,8 @@ def start_wandb(into: Sinks, cfg: Config, plan: Plan, run_dir: Path, wandb_confi
         plot = plot_plan(plan, run_dir / "plan.png")
         if cfg.logger.name.value != "wandb":
             return None
-        wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=cfg.logger.run_name or run_dir.name)
+        summaries = summary_ops(objective_metric(cfg), cfg.trainer.objective_mode.value, rl=cfg.env.active)
+        wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=cfg.logger.run_name or run_dir.name, summaries=summaries)
         if wandb_sink is not None:
             wandb_sink.attach_plan(*plan_table(plan, cfg.plan_steps), plot)
         return wandb_sink

@@ -29,7 +29,7 @@ from tinker_exp.formats import masked, read_jsonl
 from tinker_exp.train.checkpoints import resume_point
 from tinker_exp.train.data import Row, dataset_rows
 from tinker_exp.train.early_stop import check_early_stop
-from tinker_exp.train.objective import objective_metric, objective_value, write_objective
+from tinker_exp.train.objective import came_to, objective_metric, objective_value, write_objective
 from tinker_exp.train.rundir_lock import RunDirLock
 from tinker_exp.train.signals import as_stop, sigterm_raises
 from tinker_exp.train.start import SAVED_CONFIG, StartPoint, start_point
@@ -233,8 +233,8 @@ def train_run(
             sinks.close(exit_code)  # the W&B run is finished (with the exit code) however the job ends
     report = write_report([("", run_dir)], run_dir / REPORT, f"run {title_name(run_dir)}")
     if last:
-        val = f", val loss {last['val/loss']:.4f}" if "val/loss" in last else ""
-        log.info(f"done: {last['train/step'] + 1} steps, final loss {last['train/loss']:.4f}{val}; {run_dir / 'metrics.jsonl'}; {report}")
+        rows = read_jsonl(run_dir / "metrics.jsonl")  # a resumed run's earlier steps too: its best evaluation may be there
+        log.info(f"done: {last['train/step'] + 1} steps, {came_to(rows or [last])}; {run_dir / 'metrics.jsonl'}; {report}")
     return last
 
 

@@ -57,6 +57,7 @@ class Curve:
     loss: np.ndarray
     sources: list[str]
     settings: dict[str, Any] = field(default_factory=dict)
+    rewarded: bool = False  # its rows log train/reward: an RL run's, whatever its config (a metrics.jsonl has none)
 
     @property
     def peak(self) -> float:
@@ -129,6 +130,7 @@ def read_curve(path: Path, metric: str) -> Curve:
     rows = _rows_of(path)
     lr: dict[int, float] = {}
     points: dict[int, tuple[float, str]] = {}
+    rewarded = any("train/reward" in row for _, row in rows)
     for source, row in rows:
         step = row.get("train/step")
         if not isinstance(step, int):
@@ -155,16 +157,19 @@ def read_curve(path: Path, metric: str) -> Curve:
         loss=np.array([points[s][0] for s in steps]),
         sources=[points[s][1] for s in steps],
         settings=run_settings(path) if path.is_dir() else {},
+        rewarded=rewarded,
     )
 
 
 def refuse_rl(curves: list[Curve]) -> None:
     """An RL run's train/loss is a policy-gradient surrogate (often <= 0), not the loss the laws describe: refused
-    by its config, whatever the sign of its losses."""
+    by its config or, for a metrics.jsonl file alone, by its rows (they log train/reward), whatever the sign of its
+    losses."""
     for curve in curves:
         prompts = curve.settings.get("env.prompts")
-        if prompts:
-            raise ForecastError(f"{curve.path}: an RL run (env.prompts {prompts}): its train/loss is a policy-gradient loss, not the falling "
+        if prompts or curve.rewarded:
+            why = f"env.prompts {prompts}" if prompts else "it logs train/reward"
+            raise ForecastError(f"{curve.path}: an RL run ({why}): its train/loss is a policy-gradient loss, not the falling "
                                 "pretraining or SFT loss the laws describe")  # fmt: skip
 
 

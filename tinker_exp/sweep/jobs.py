@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from tinker_exp.formats import read_jsonl, text_table
 from tinker_exp.sweep.slurm import Settling
-from tinker_exp.train.objective import higher_is_better, ranking_key
+from tinker_exp.train.objective import higher_is_better, ranking_key, read_run_end
 
 # What Slurm tells a job about itself (sbatch / srun set these in the job's environment).
 SLURM_VARIABLES = {
@@ -75,7 +75,10 @@ class JobOutcome:
     job_id: str | None = None  # the scheduler's id (Slurm: ARRAYID_TASK, as squeue and sacct show it)
     steps: int = 0  # steps logged to metrics.jsonl
     final_loss: float | None = None
+    final_reward: float | None = None  # an RL job's last train/reward (None for SFT)
     objective: float | None = None  # what the job returned to the sweeper (trainer.objective)
+    metric: str | None = None  # trainer.objective and its mode, as its objective.json names them (None: no file)
+    mode: str | None = None
     higher_is_better: bool = False  # trainer.objective_mode=max: the highest objective is the best
     branch_from: str | None = None  # a branch's trunk run dir (job.json's lineage), its steps before branch_step
     branch_step: int | None = None
@@ -110,6 +113,8 @@ def read_outcome(
     """What a job left in its run dir (whatever it got to before it ended), and the objective it returned."""
     outcome = JobOutcome(num, list(overrides), status, str(run_dir), error, job_id, objective=objective)
     outcome.higher_is_better = higher_is_better(run_dir)
+    end = read_run_end(run_dir)
+    outcome.metric, outcome.mode = end.get("metric"), end.get("mode")
     job = run_dir / JOB_FILE
     try:
         lineage = json.loads(job.read_text()).get("branch") if job.is_file() else None
@@ -123,6 +128,8 @@ def read_outcome(
         outcome.steps = len(rows)
         losses = [row["train/loss"] for row in rows if "train/loss" in row]
         outcome.final_loss = losses[-1] if losses else None
+        rewards = [row["train/reward"] for row in rows if "train/reward" in row]
+        outcome.final_reward = rewards[-1] if rewards else None
     return outcome
 
 
@@ -160,7 +167,10 @@ def summary_table(outcomes: Sequence[JobOutcome]) -> str:
     """Sorted by objective, the best job marked with `*`; a sweep of branches says once where they came from,
     above the table (its steps column counts each branch's own steps), and branches of several branch steps are
     grouped by it, the best of each group marked."""
-    header = ["job", "overrides", "status", "steps", "final loss", "objective", "job id", "run dir"]
+    rl = any(o.final_reward is not None for o in outcomes)  # an RL sweep: its reward, not its policy-gradient loss
+    header = ["job", "overrides", "status", "steps", "final reward" if rl else "final loss",
+              objective_header([(o.metric, o.mode) for o in outcomes if o.objective is not None]), "job id", "run dir"]  # fmt: skip
+    final = (lambda o: o.final_reward) if rl else (lambda o: o.final_loss)
     groups = budget_groups(outcomes)
     ordered = [o for group in groups for o in group]
     # a pruned trial is never the best
@@ -171,7 +181,7 @@ def summary_table(outcomes: Sequence[JobOutcome]) -> str:
             " ".join(o.overrides) or "-",
             o.status,
             str(o.steps),
-            "-" if o.final_loss is None else f"{o.final_loss:.4f}",
+            "-" if final(o) is None else f"{final(o):.4f}",
             "-" if o.objective is None else f"{o.objective:.4f}",
             o.job_id or "-",
             o.run_dir,
@@ -182,6 +192,15 @@ def summary_table(outcomes: Sequence[JobOutcome]) -> str:
     if len(groups) > 1:
         origin += "; grouped by branch step (a budget), the best of each marked *"
     return (f"{origin}\n" if origin else "") + text_table(header, rows)
+
+
+def objective_header(judged: Sequence[tuple[str | None, str | None]]) -> str:
+    """The objective column's name: the metric and mode every judged run shares ("objective: eval/reward (max)");
+    plain "objective" when they differ or no run says."""
+    if len(set(judged)) != 1 or None in judged[0]:
+        return "objective"
+    metric, mode = judged[0]
+    return f"objective: {metric} ({mode})"
 
 
 def write_summary(sweep_dir: Path, outcomes: Sequence[JobOutcome]) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from tinker_exp.formats import read_json, read_jsonl, text_table
-from tinker_exp.sweep.jobs import write_summary_files
+from tinker_exp.sweep.jobs import objective_header, write_summary_files
 from tinker_exp.train.objective import higher_is_better, ranking_key
 from tinker_exp.sweep.report import LINE_WIDTH, BEST_LINE_WIDTH, display_name  # noqa: F401 (display_name: the sweeper's)
 
@@ -40,6 +40,7 @@ class Member:
     error: str | None = None
     objective: float | None = None  # its final objective (what its job returned); None unless completed
     metric: str = DEFAULT_METRIC  # trainer.objective, as its objective.json names it
+    mode: str | None = None  # trainer.objective_mode, as its objective.json names it (None: no file)
     higher_is_better: bool = False  # trainer.objective_mode=max, as its objective.json says
     steps: int = 0  # metrics rows its run dir holds (its own steps, before and after its exploits)
     exploits: list[dict[str, int]] = field(default_factory=list)  # [{"donor": d, "step": s}] in step order
@@ -58,8 +59,9 @@ def read_member(member: int, start: Mapping[str, Any], run_dir: Path, objective:
     run_dir = Path(run_dir)
     status = status or ("COMPLETED" if error is None else "FAILED")
     found = Member(member, dict(start), status, str(run_dir), error, objective if error is None else None)
-    metric = (read_json(run_dir / "objective.json") or {}).get("metric")
-    found.metric = metric if isinstance(metric, str) else DEFAULT_METRIC
+    end = read_json(run_dir / "objective.json") or {}
+    found.metric = end["metric"] if isinstance(end.get("metric"), str) else DEFAULT_METRIC
+    found.mode = end.get("mode")
     found.higher_is_better = higher_is_better(run_dir)
     metrics = run_dir / "metrics.jsonl"
     found.steps = len(read_jsonl(metrics)) if metrics.exists() else 0
@@ -115,7 +117,7 @@ def donors_text(member: Member) -> str:
 
 def table(members: Sequence[Member]) -> str:
     """Ranked by final objective, the best member marked with `*`."""
-    header = ["member", "objective", "exploits", "donors (member@step)", "start values", "final values", "status", "steps", "run dir"]
+    header = ["member", objective_header([(m.metric, m.mode) for m in members if m.ok]), "exploits", "donors (member@step)", "start values", "final values", "status", "steps", "run dir"]
     ordered = ranked(members)
     best = ordered[0] if ordered and ordered[0].ok else None
     rows = [

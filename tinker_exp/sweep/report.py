@@ -1,5 +1,5 @@
 """report.png: look rather than read. Every run's training and validation loss overlaid (an RL run's train/reward
-and eval/reward in a panel below it), and every optimizer value
+and eval/reward instead, its policy-gradient loss in a small panel below them), and every optimizer value
 that changes over a run or differs between runs, one panel each, drawn from what each run applied (applied/KEY)
 up to where it stopped (a log axis where the values span more than a decade). One run, a sweep (the best job by its objective drawn thick and named
 in the legend), a study (the same, and study.png: the objective against each searched parameter), or any runs
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tinker_exp.formats import display_name, read_json, read_jsonl
-from tinker_exp.train.objective import ranking_key
+from tinker_exp.train.objective import came_to, ranking_key
 
 if TYPE_CHECKING:  # imported when a report is drawn: Hydra imports this module with its plugins at every start
     from matplotlib.figure import Figure
@@ -34,7 +34,7 @@ STUDY_REPORT = "study.png"  # a study's objective against each searched paramete
 # Per-run identity, not a setting: a sweep names each job's W&B run and group after its overrides and sweep dir.
 IDENTITY_KEYS = ("logger.run_name", "logger.group")
 LINE_WIDTH, BEST_LINE_WIDTH = 1.0, 2.8
-REWARD_KEYS = ("train/reward", "eval/reward")  # an RL run's: drawn in a reward panel below the loss
+REWARD_KEYS = ("train/reward", "eval/reward")  # an RL run's: its main panel, the policy loss below it
 LEGEND_BESIDE = 60  # labels up to this many characters: the legend beside the plot, longer ones below it
 
 
@@ -367,8 +367,8 @@ def _pyplot() -> Any:
 
 
 def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
-    """The figure (not saved): loss panel, a reward panel when a run logged train/reward or eval/reward (RL), then
-    one panel per plan key that changes. Each run's loss lines
+    """The figure (not saved): the loss panel, or when a run logged train/reward or eval/reward (RL) the reward
+    panel and the policy loss's below it, then one panel per plan key that changes. Each run's loss lines
     carry its label as their gid, and the legend one entry per run, so what is drawn can be read back. None when
     no run logged a step."""
     trunks, runs = trunks_of(runs)
@@ -395,12 +395,15 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     legend_width = 0.075 * widest if beside else 0
     fig, axes = plt.subplots(1 + rewarded + len(varying), 1, figsize=(8 + legend_width, 3.4 + 1.8 * (rewarded + len(varying))),
                              sharex=True, squeeze=False, gridspec_kw={"height_ratios": [2.2] + [1] * (rewarded + len(varying))})  # fmt: skip
-    reward_ax = axes[1, 0] if rewarded else None
+    # An RL run is read by its reward: the reward is the main panel, its policy-gradient loss a small one below it.
+    reward_ax = axes[0, 0] if rewarded else None
+    loss_ax = axes[1, 0] if rewarded else axes[0, 0]
+    main_ax = axes[0, 0]
     plan_axes = axes[1 + rewarded :, 0]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] if len(runs) <= 10 else plt.get_cmap("tab20").colors
-    loss_ax = axes[0, 0]
-    handles = [Line2D([], [], color="0.3", linewidth=1.0, label="train"),
-               Line2D([], [], color="0.3", linewidth=1.6, linestyle="--", marker="o", markersize=3, label="val")]  # fmt: skip
+    kinds = ("train/reward", "eval/reward") if rewarded else ("train", "val")
+    handles = [Line2D([], [], color="0.3", linewidth=1.0, label=kinds[0]),
+               Line2D([], [], color="0.3", linewidth=1.6, linestyle="--", marker="o", markersize=3, label=kinds[1])]  # fmt: skip
     for trunk in trunks:
         rows = trunk.rows()
         loss_ax.plot(*_series(rows, "train/loss"), color=TRUNK_COLOR, linewidth=TRUNK_WIDTH, zorder=1, gid=trunk.label)
@@ -435,20 +438,17 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
         if is_best:
             label = f"best: {label}" if len(groups) == 1 else f"best at step {run.first}: {label}"
         handles.append(Line2D([], [], color=color, linewidth=4 if is_best else 2, label=label))
-    loss_ax.set_ylabel("loss")
+    loss_ax.set_ylabel("policy loss" if rewarded else "loss")  # an RL run's train/loss: the loss's token sum
     loss_ax.grid(alpha=0.3)
-    if beside:
-        loss_ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    elif below:
-        fig.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(0.0, 0.0), frameon=False)
-    else:
-        loss_ax.legend(handles=handles, fontsize=8, loc="best")
     if reward_ax is not None:
         reward_ax.set_ylabel("reward")
         reward_ax.grid(alpha=0.3)
-        reward_ax.legend(handles=[Line2D([], [], color="0.3", linewidth=1.0, label="train/reward"),
-                                  Line2D([], [], color="0.3", linewidth=1.6, linestyle="--", marker="o", markersize=3,
-                                         label="eval/reward")], fontsize=7, loc="best")  # fmt: skip
+    if beside:
+        main_ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    elif below:
+        fig.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(0.0, 0.0), frameon=False)
+    else:
+        main_ax.legend(handles=handles, fontsize=8, loc="best")
     for ax, key in zip(plan_axes, varying):
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
@@ -496,6 +496,8 @@ def _title_lines(title: str, runs: Sequence[RunInfo], bests: Sequence[RunInfo], 
         lines.append(f"best of {judged} by {metric} ({mode}): {best.name or best.label}, {value:.4g}")
     elif len(runs) == 1 and runs[0].schedules and runs[0].label != runs[0].schedules:
         lines.append(runs[0].schedules)  # the legend has the overrides; the schedules they made, here
+    if len(runs) == 1 and "train/reward" in runs[0].rows[-1]:  # an RL run: what it came to, as its last line says
+        lines.append(came_to(runs[0].rows))
     if silent:
         lines.append("not drawn, no step logged: " + ", ".join(run.name or run.label for run in silent))
     return lines

@@ -86,3 +86,17 @@ def ranking_key(objective: float | None, higher: bool) -> float:
     """Sort key of an objective, best first: lower, or higher when maximised; None (no objective) is the caller's to
     put last."""
     return 0.0 if objective is None else (-objective if higher else objective)
+
+
+def came_to(rows: Sequence[dict[str, Any]]) -> str:
+    """What a run came to, in words (its last line, an RL run's report title): an RL run's reward first (its last
+    step's train/reward, its highest eval/reward over `rows`), not its policy-gradient loss; an SFT run's final
+    train and val loss."""
+    last = rows[-1]
+    if "train/reward" in last:
+        evaluated = [row for row in rows if "eval/reward" in row]
+        best = max(evaluated, key=lambda row: row["eval/reward"], default=None)  # the first of equal highs
+        at_best = "" if best is None else f", best eval/reward {best['eval/reward']:.4f} after {best['train/step'] + 1} steps"
+        return f"last reward {last['train/reward']:.4f}{at_best}"
+    val = f", val loss {last['val/loss']:.4f}" if "val/loss" in last else ""
+    return f"final loss {last['train/loss']:.4f}{val}"

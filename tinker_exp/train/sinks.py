@@ -106,6 +106,16 @@ WANDB_SUMMARY_ONLY = ("train/nonfinite_steps", "val/tokens")
 """metrics.jsonl keys W&B keeps in the run summary, not the history: counts, not curves (no chart)."""
 
 
+def summary_ops(objective: str, mode: str, rl: bool = False) -> dict[str, str]:
+    """What the W&B run's summary keeps of a metric (W&B's summary ops, comma-separated): an SFT run's val/loss its
+    lowest, as always; an RL run's rewards (train/reward, eval/reward) their highest and last, so the summary shows
+    the best evaluation; the run's objective (trainer.objective) also by its mode (min or max), beside its last."""
+    ops = {"train/reward": "max,last", "eval/reward": "max,last"} if rl else {"val/loss": "min"}
+    if mode in ("min", "max"):
+        ops[objective] = ",".join(dict.fromkeys([mode, *ops.get(objective, "last").split(","), "last"]))
+    return ops
+
+
 class WandbSink:
     """The run's history holds only what a person charts; everything else goes to the config or the summary."""
 
@@ -115,8 +125,10 @@ class WandbSink:
         self._summary: dict[str, Any] = {}
 
     @classmethod
-    def start(cls, logger_cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str) -> "WandbSink | None":
+    def start(cls, logger_cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str,
+              summaries: Mapping[str, str] | None = None) -> "WandbSink | None":  # fmt: skip
         """Start a W&B run; on any failure warn and return None (training goes on, JSONL is complete).
+        `summaries`: metric -> what the run's summary keeps of it (`summary_ops`).
 
         One W&B run id per run dir (kept in `wandb_run_id`): a run continued in the same dir (resume, a
         requeued Slurm job) resumes the same W&B run.
@@ -147,7 +159,8 @@ class WandbSink:
             )
             run.define_metric("train/step", hidden=True)  # the x axis, not a chart of its own
             run.define_metric("*", step_metric="train/step")
-            run.define_metric("val/loss", step_metric="train/step", summary="min")
+            for metric, kept in (summaries or summary_ops("val/loss", "last")).items():
+                run.define_metric(metric, step_metric="train/step", summary=kept)
             log.info(f"W&B run {run.id} ({mode}): {run.dir}")
             return cls(run)
         except Exception as e:  # no key, no network, bad entity: never stop training for the logger
@@ -197,6 +210,7 @@ class ProgressBar:
 
     def __init__(self, total: int, first_step: int = 0):
         self.total, self.first_step = total, first_step
+        self.last_eval: float | None = None  # an RL run's latest eval/reward, shown until the next evaluation
         self._bar = None
 
     def log(self, row: dict[str, Any]) -> None:
@@ -206,13 +220,23 @@ class ProgressBar:
             self._bar = tqdm(
                 total=self.total, initial=self.first_step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True
             )
-        lr = row.get("applied/lr", float("nan"))
-        self._bar.set_postfix(step=row["train/step"], loss=f"{row['train/loss']:.4f}", lr=f"{lr:.3g}", refresh=False)
+        self.last_eval = row.get("eval/reward", self.last_eval)
+        self._bar.set_postfix(progress_fields(row, self.last_eval), refresh=False)
         self._bar.update(1)
 
     def close(self, exit_code: int = 0) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def progress_fields(row: dict[str, Any], last_eval: float | None = None) -> dict[str, Any]:
+    """What the bar shows of a step, in order: an RL run's reward first (and `last_eval`, its latest eval/reward),
+    not its loss (a policy-gradient surrogate near 0); an SFT run's loss, as before."""
+    lr = f"{row.get('applied/lr', float('nan')):.3g}"
+    if "train/reward" in row:
+        evaluated = {} if last_eval is None else {"eval_reward": f"{last_eval:.4f}"}
+        return {"reward": f"{row['train/reward']:.4f}", **evaluated, "step": row["train/step"], "lr": lr}
+    return {"step": row["train/step"], "loss": f"{row['train/loss']:.4f}", "lr": lr}
 
 
 class Background:
