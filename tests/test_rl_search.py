@@ -152,3 +152,22 @@ def test_a_pruned_rl_study_maximises_eval_reward_and_prunes_below_the_lower_boun
     best = max(complete, key=lambda t: t.value)
     assert (saved.direction, saved.best_trial, saved.best_value) == ("maximize", best.number, best.value)
     assert [row["num"] for row in read_jsonl(sweep / "summary.jsonl")][0] == best.number
+
+
+def test_an_rl_studys_table_and_its_trials_last_lines_say_the_reward_not_the_policy_loss(rl_study):
+    """The printed table's columns are the final train/reward and the objective by name; a completed trial's last
+    line (its run dir's log: what its terminal shows) says its last reward and its best eval/reward, where it was."""
+    sweep, out = rl_study
+    table = out[out.index("study summary"):].splitlines()
+    assert "final reward" in table[1] and "objective: eval/reward (max)" in table[1] and "final loss" not in table[1]
+    summary = read_jsonl(sweep / "summary.jsonl")
+    for row in summary:
+        rows = metrics_rows(Path(row["run_dir"]))
+        assert row["final_reward"] == rows[-1]["train/reward"] and (row["metric"], row["mode"]) == ("eval/reward", "max")
+        if row["status"] == "COMPLETED":
+            best = max((r for r in rows if "eval/reward" in r), key=lambda r: r["eval/reward"])
+            done = [line for line in (Path(row["run_dir"]) / "tinker_exp.log").read_text().splitlines() if "- done: " in line]
+            assert done[-1].split("- done: ")[1].startswith(
+                f"4 steps, last reward {rows[-1]['train/reward']:.4f}, best eval/reward {best['eval/reward']:.4f} "
+                f"after {best['train/step'] + 1} steps; "
+            )
