@@ -64,3 +64,26 @@ def test_a_bad_rl_input_is_one_line_exit_2_and_writes_nothing(monkeypatch, capsy
     assert code == 2, err
     assert err.strip().splitlines() == [f"tinker_exp: {line.format(repo=REPO)}"], err
     assert "Traceback" not in out + err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, where, tokens", [
+    (["env.max_new_tokens=100000"], f"{{repo}}/{DIGITS}", 100000),
+    (["env.prompts=long.jsonl"], "long.jsonl:2", 8),  # its first row fits
+], ids=["max_new_tokens", "a long prompt"])  # fmt: skip
+def test_a_dry_run_refuses_a_prompt_and_max_new_tokens_longer_than_the_models_positions(monkeypatch, capsys, tmp_path, args, where, tokens):
+    """As the run does once it has its sampler (assemble.rl_inputs), the dry run renders each prompt with the model's
+    tokenizer and chat template (no worker, no weights) and refuses the first whose tokens plus env.max_new_tokens
+    exceed the tiny model's 256 positions: one line naming the file and row, exit 2, nothing written."""
+    from helpers import REPO
+
+    (tmp_path / "long.jsonl").write_text('{"prompt": "hi"}\n{"prompt": "' + "abc " * 3000 + '"}\n')
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(monkeypatch, capsys, *RL, *args, f"hydra.run.dir={tmp_path / 'run'}", "dry_run=true")
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    head, _, rest = line.partition(" the prompt is ")
+    assert head == f"tinker_exp: config error: env.prompts: {where.format(repo=REPO)}:"
+    prompt_tokens = int(rest.split()[0])
+    assert rest == (f"{prompt_tokens} tokens; with env.max_new_tokens={tokens} that is {prompt_tokens + tokens}, more than the "
+                    "model's 256 positions: shorten the prompt or lower env.max_new_tokens")  # fmt: skip
+    assert prompt_tokens + tokens > 256 and "Traceback" not in out + err and not (tmp_path / "run").exists()

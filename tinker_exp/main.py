@@ -1,6 +1,7 @@
 """Entry point: compose (Hydra) -> config -> plan -> (dry run, or) workers -> loop -> sinks.
 
-Config errors and dry runs import no torch, verl or ray: the runtime is imported only past validation.
+Config errors and dry runs import no torch, verl or ray: the runtime is imported only past validation (an RL dry run
+loads the model's tokenizer and config with transformers, to check its prompts' lengths as the run does).
 """
 
 from __future__ import annotations
@@ -66,10 +67,17 @@ def checked_rows(cfg: Config) -> tuple[list[Row], list[Row]]:
 
 def checked_env(cfg: Config) -> Env:
     """An RL run's env: its prompt rows read and checked, its reward imported and tried on every row, before any
-    worker starts (a dry run finds a bad row or reward as the run would)."""
+    worker starts (a dry run finds a bad row or reward as the run would). A dry run also loads the model's
+    tokenizer and config (no weights, no worker) to check that each prompt and env.max_new_tokens fit the model, as
+    the run checks once it has its sampler."""
     from tinker_exp.rl.env import load_env
 
-    return load_env(cfg.env)
+    env = load_env(cfg.env)
+    if cfg.dry_run:
+        from tinker_exp.runtime.inputs import check_env_fits_model
+
+        check_env_fits_model(cfg, env)
+    return env
 
 
 def describe(plan: Plan, steps: list[int]) -> str:

@@ -73,7 +73,7 @@ def point_error(
     """(the point's typed config, None), or (None, why its job would stop before any worker starts): composed
     as its job is, then the pure checks `tinker_exp.main.run` makes first (config, plan, data rows, chat template).
     `data_checked`: the data settings already found good in this sweep (a data set is read once, not per point)."""
-    from tinker_exp.main import checked_rows, validate  # the entry's own checks; they import no torch, verl or ray
+    from tinker_exp.main import checked_env, checked_rows, validate  # the entry's own checks: no verl or ray
 
     try:
         job_cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
@@ -81,9 +81,9 @@ def point_error(
             del job_cfg["hydra"]  # what the task function gets (Hydra's run_job)
         cfg = tinker_config.load(job_cfg)
         validate(cfg)
-        data_key = repr((cfg.data, cfg.model.path))
+        data_key = repr((cfg.env, cfg.model.path) if cfg.env.active else (cfg.data, cfg.model.path))
         if data_checked is None or data_key not in data_checked:
-            checked_rows(cfg)
+            checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # an env's prompts replace the data set, as in run
             if data_checked is not None:
                 data_checked.add(data_key)
     except COMPOSE_ERRORS as e:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tinker_exp.config import DataConfig, ModelConfig, resolve_model_path
+from tinker_exp.config import Config, DataConfig, ModelConfig, resolve_model_path
 from tinker_exp.train.data import Row, Tokenized, tokenize
+
+if TYPE_CHECKING:
+    from tinker_exp.rl.env import Env
 
 
 def model_dir(model: ModelConfig) -> Path:
@@ -24,3 +28,19 @@ def load_examples(data: DataConfig, model_path: Path, train: list[Row], val: lis
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     return tokenize(train, tokenizer, data, "training"), tokenize(val, tokenizer, data, "validation")
+
+
+def check_env_fits_model(cfg: Config, env: Env) -> None:
+    """A dry run's check of what an RL run checks once it has its sampler (assemble.rl_inputs), without the model's
+    weights or any worker: each prompt, rendered with the model's tokenizer and chat template as the sampler renders
+    it, plus env.max_new_tokens fits the model's positions (max_position_embeddings, what the sampler reads)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tinker_exp.rl.prompts import check_prompt_lengths
+    from tinker_exp.runtime.sampler import chat_prompt_ids
+
+    model_path = model_dir(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    positions = AutoConfig.from_pretrained(model_path).max_position_embeddings
+    for rows in (env.train, env.eval):
+        check_prompt_lengths(rows, [len(chat_prompt_ids(tokenizer, row.prompt)) for row in rows], cfg.env.max_new_tokens, positions)
