@@ -144,6 +144,9 @@ def test_a_sweep_of_branches_shows_the_trunk_once_up_to_the_last_branch_step(tmp
     for ax in fig.axes:
         assert branch_lines(ax) == [4, 8]
     assert lines_by_gid(fig.axes[1])["trunk t (steps 0..7)"] == [list(range(8))]  # the trunk's plan once, too
+    named = make_run(tmp_path / "wsd_trunk")  # a trunk whose dir says it is one: named once ("trunk trunk" before)
+    branch = make_run(tmp_path / "b", COSINE, trunk=named, at=4, overrides=[f"branch.from={named}", "branch.step=4"])
+    assert legend(draw_report([read_run(branch)], "run b"))[2] == "wsd_trunk (steps 0..3)"
 
     # The summary says it once, above the table (steps: each branch's own).
     outcomes = [read_outcome(n, ["branch.step=" + str(at)], "COMPLETED", sweep / str(n), None) for n, at in enumerate((4, 8))]

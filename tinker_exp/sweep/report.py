@@ -323,7 +323,9 @@ class Trunk:
 
         logged = [_step(row) for row in self.run.rows if self.part.holds(_step(row))]
         last = self.part.end - 1 if self.part.end is not None else max(logged, default=self.part.first)
-        return f"trunk {display_name(self.run.dir)} ({steps_word(self.part.first, last)})"
+        name = display_name(self.run.dir)
+        said = "" if "trunk" in name.rsplit("/", 1)[-1].lower() else "trunk "  # a dir named trunk: not "trunk trunk"
+        return f"{said}{name} ({steps_word(self.part.first, last)})"
 
     def rows(self) -> list[dict[str, Any]]:
         return [row for row in self.run.rows if self.part.holds(_step(row))]
