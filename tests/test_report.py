@@ -337,6 +337,27 @@ def test_a_maximised_studys_picture_says_higher_is_better_and_rings_the_highest(
     )
 
 
+def test_a_study_of_one_completed_trial_draws_it_on_the_searched_range_without_a_colour_bar_or_a_warning():
+    """One point: no colour bar of trial numbers (Optuna's spanned 0.9-1.1 around the one), no warning of equal x
+    limits, and the lr axis over the range searched, the point inside it."""
+    import optuna
+    from optuna.distributions import FloatDistribution, IntDistribution
+
+    space = {"override.lr": FloatDistribution(1e-4, 3e-2, log=True), "override.lr.warmup_steps": IntDistribution(0, 5)}
+    study = optuna.create_study(direction="maximize")
+    study.add_trial(optuna.trial.create_trial(params={"override.lr": 3e-3, "override.lr.warmup_steps": 2}, distributions=space, value=0.27))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = draw_study(study, "study s")
+    assert [ax.get_label() for ax in fig.axes if ax.get_label() == "<colorbar>"] == []
+    panels = {ax.get_xlabel(): ax for ax in fig.axes}
+    assert sorted(panels) == sorted(space)
+    for name, searched in space.items():
+        low, high = panels[name].get_xlim()
+        assert low < searched.low and high > searched.high  # the whole range, a little padded
+    assert "(1 completed); best: trial 0, 0.27" in fig._suptitle.get_text()
+
+
 def test_the_command_draws_a_studys_trials_and_its_parameters(tmp_path, capsys):
     sweep, study = study_dir(tmp_path)
     assert command.main([str(sweep)]) == 0

@@ -538,8 +538,12 @@ def draw_study(study: Any, title: str) -> Figure | None:
     # Optuna sets its own style (ggplot) for good: the rc context keeps it to this figure, not the next report's.
     with warnings.catch_warnings(), matplotlib.rc_context():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # "experimental": not in the log
+        if len(complete) == 1:  # one point: Optuna's x limits are equal (matplotlib warns); set to the range below
+            warnings.filterwarnings("ignore", message="Attempting to set identical low and high xlims", category=UserWarning)
         axes = optuna.visualization.matplotlib.plot_slice(study)
     axes_list = list(getattr(axes, "flat", [axes]))
+    if len(complete) == 1:
+        _one_trial(axes_list, complete[0])
     best = study.best_trial
     # Pruned trials marked, not dropped: each at the last value it reported (where its pruner stopped it).
     pruned = [t for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)) if _finite(t.value)]
@@ -575,6 +579,21 @@ def draw_study(study: Any, title: str) -> Figure | None:
     fig.suptitle(f"{title}\nobjective ({better} is better) against each searched parameter ({counted}); best: trial "
                  f"{best.number}, {best.value:.4g}", fontsize=10)  # fmt: skip
     return fig
+
+
+def _one_trial(axes: Sequence[Any], trial: Any) -> None:
+    """A study of one completed trial: no colour bar of trial numbers (Optuna's spans a made-up 0.9-1.1 around
+    the one), and each numeric axis over the parameter's searched range, where the point sits in it."""
+    import optuna
+
+    for ax in axes[0].figure.axes:
+        if ax.get_label() == "<colorbar>":
+            ax.remove()
+    for ax in axes:
+        searched = trial.distributions.get(ax.get_xlabel())
+        if isinstance(searched, (optuna.distributions.FloatDistribution, optuna.distributions.IntDistribution)) and searched.high > searched.low:
+            ax.set_xlim(searched.low, searched.high)
+            _widen(ax, [searched.low, searched.high])
 
 
 def _widen(ax: Any, xs: Sequence[float]) -> None:
