@@ -88,7 +88,7 @@ def test_a_runs_report_is_titled_by_its_name_and_its_legend_names_its_overrides(
     run_dir = make_run(tmp_path / "outputs" / "runs" / "2026-12-01" / "08-36-42-416363", ["+override=lr_cosine", "trainer.steps=4"])
     fig = draw_report([read_run(run_dir)], f"run {title_name(run_dir)}")
     assert fig._suptitle.get_text() == (
-        "run runs/2026-12-01/08-36-42-416363\nlr: cosine (value 0.001, warmup_steps 2, min_ratio 0.1, num_cycles 0.5)"
+        "run runs/2026-12-01/08-36-42-416363\nlr: cosine (value 0.001, warmup_steps 2, min_ratio 0.1)"  # num_cycles: its default
     )
     assert legend(fig) == ["+override=lr_cosine trainer.steps=4"]  # as typed
     assert not [text for text in texts(fig) if str(tmp_path) in text]  # no absolute path anywhere
@@ -98,7 +98,7 @@ def test_a_runs_report_is_titled_by_its_name_and_its_legend_names_its_overrides(
     assert title_name(named) == "lr-cosine-short (named)"
     fig = draw_report([read_run(named)], f"run {title_name(named)}")
     assert fig._suptitle.get_text() == "run lr-cosine-short (named)"  # the schedules are the legend
-    assert legend(fig) == ["lr: cosine (value 0.001, warmup_steps 2, min_ratio 0.1, num_cycles 0.5)"]
+    assert legend(fig) == ["lr: cosine (value 0.001, warmup_steps 2, min_ratio 0.1)"]
     # A sweep's job: W&B's name for it is made of its overrides, which the legend shows (floats shortened).
     job = make_run(tmp_path / "outputs" / "sweeps" / "s" / "1", ["+override=lr_cosine", "override.lr.value=0.0006380556092044456"],
                    config="logger:\n  run_name: override=lr_cosine,override.lr.value=0.0006380556092044456\n")  # fmt: skip
@@ -119,6 +119,21 @@ def rl_run(run_dir: Path, reward: list[float], overrides=(), objective=None) -> 
         row |= {"train/reward": r} | ({"eval/reward": r + 0.05} if row["train/step"] % 2 else {})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return run_dir
+
+
+def test_a_proposed_runs_title_says_its_schedule_as_given_and_fits_the_picture(tmp_path):
+    """A proposed WSD (forecast propose: value, warmup, decay, shape, final ratio): its title says those, not the
+    parameters plan.json holds at their defaults (stable_steps None, num_cycles 0.5, ...), and every title line, a
+    long one wrapped, lies inside the saved picture."""
+    spec = {"lr": {"schedule": "wsd", "value": 3e-3, "warmup_steps": 2, "decay_steps": 4, "decay_shape": "1-sqrt", "min_ratio": 0.01}}
+    run_dir = make_run(tmp_path / ("proposed_" + "x" * 120), ["+override=proposed"], losses=[5.0 - s / 10 for s in range(20)], schedule=spec)
+    fig = draw_report([read_run(run_dir)], f"run {title_name(run_dir)}")
+    title = fig._suptitle.get_text()
+    assert title.splitlines()[-1] == "lr: wsd (value 0.003, warmup_steps 2, decay_steps 4, decay_shape 1-sqrt, min_ratio 0.01)"
+    fig.canvas.draw()
+    drawn, whole = fig._suptitle.get_window_extent(), fig.bbox
+    assert whole.x0 <= drawn.x0 and drawn.x1 <= whole.x1  # the long name wrapped, inside
+    assert "".join(title.splitlines()[:-1]) == f"run {title_name(run_dir)}"
 
 
 def test_an_rl_runs_reward_is_its_main_panel_and_its_policy_loss_a_small_one_below(tmp_path):

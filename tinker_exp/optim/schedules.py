@@ -498,6 +498,11 @@ def compile_schedule(
     return Schedule(kind, total, lambda steps: function(steps, total, **spec), boundaries, where, params, fractions)
 
 
+def schedule_defaults(kind: str) -> dict[str, Any]:
+    """A schedule kind's parameters that have defaults, with them ({} for a kind that is not one)."""
+    return _defaults(kind) if kind in SCHEDULES else {}
+
+
 def _defaults(kind: str) -> dict[str, Any]:
     parameters = inspect.signature(SCHEDULES[kind]).parameters.values()
     return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}

@@ -121,7 +121,10 @@ def _finite(value: Any) -> bool:
 
 
 def _schedules(run_dir: Path) -> str:
-    """plan.json's override in words: "lr: cosine (warmup_steps 2, min_ratio 0.1); beta2: 0.95"."""
+    """plan.json's override in words, each schedule's parameters as given (plan.json also holds those left at their
+    defaults: wsd's stable_steps None, num_cycles 0.5): "lr: cosine (warmup_steps 2, min_ratio 0.1); beta2: 0.95"."""
+    from tinker_exp.optim.schedules import schedule_defaults
+
     override = (read_json(run_dir / "plan.json") or {}).get("override") or {}
 
     def words(entry: Any) -> str:
@@ -131,7 +134,9 @@ def _schedules(run_dir: Path) -> str:
             return str(entry)
         if entry.get("schedule") == "constant":
             return _short(entry.get("value"))
-        shown = [f"{key} {_short(value)}" for key, value in entry.items() if key not in ("schedule", "total_steps", "fractions")]
+        defaults = schedule_defaults(str(entry.get("schedule")))  # a value left at its default says nothing
+        shown = [f"{key} {_short(value)}" for key, value in entry.items()
+                 if key not in ("schedule", "total_steps", "fractions") and (key not in defaults or value != defaults[key])]  # fmt: skip
         return f"{entry.get('schedule')} ({', '.join(shown)})" if shown else str(entry.get("schedule"))
 
     return "; ".join(f"{key}: {words(entry)}" for key, entry in override.items())
@@ -465,7 +470,7 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     branch_words = "; dashed: branch step N, after N steps done, at the branch's first train/step" if branch_steps else ""
     axes[-1, 0].set_xlabel(f"train/step (0 = the first step{branch_words})")
     lines = _title_lines(title, runs, bests, len(groups) > 1, silent)
-    fig.suptitle("\n".join(_wrap(line, 110 + int(12 * legend_width)) for line in lines), fontsize=10)
+    _fitted_title(fig, lines, 110 + int(12 * legend_width))
     fig.tight_layout()
     return fig
 
@@ -503,6 +508,16 @@ def _title_lines(title: str, runs: Sequence[RunInfo], bests: Sequence[RunInfo], 
     if silent:
         lines.append("not drawn, no step logged: " + ", ".join(run.name or run.label for run in silent))
     return lines
+
+
+def _fitted_title(fig: Any, lines: Sequence[str], width: int) -> None:
+    """The title, its lines wrapped at `width` characters, or fewer where a line drawn is wider than the figure
+    (long names, wide letters): no line runs past the picture's edges."""
+    text = fig.suptitle("\n".join(_wrap(line, width) for line in lines), fontsize=10)
+    renderer = fig.canvas.get_renderer()
+    while width > 40 and text.get_window_extent(renderer).width > 0.98 * fig.bbox.width:
+        width -= 6
+        text.set_text("\n".join(_wrap(line, width) for line in lines))
 
 
 def _wrap(text: str, width: int) -> str:
