@@ -54,6 +54,12 @@ class CheckpointError(TinkerExpError, RuntimeError):
     label = "checkpoint error"
 
 
+class WorkersStartError(TinkerExpError, RuntimeError):
+    """The worker group could not start for a reason of the machine, not the config (its rendezvous port taken)."""
+
+    label = "workers did not start"
+
+
 class Terminated(SystemExit):
     """SIGTERM (scancel, preemption, requeue): raised in the loop so the run is closed before Slurm's SIGKILL.
 

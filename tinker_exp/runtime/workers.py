@@ -31,6 +31,7 @@ from tinker_exp.runtime.device import DeviceChoice, check_gpus, check_placement
 from tinker_exp.runtime.ray_cluster import start_ray, wait_for_nodes
 from tinker_exp.runtime.worker_output import WorkerOutput
 from tinker_exp.train.protocols import StepResult
+from tinker_exp.errors import WorkersStartError
 from tinker_exp.train.signals import cleanup_wait
 
 log = logging.getLogger(__name__)
@@ -326,6 +327,13 @@ def worker_config(
     )
 
 
+def port_taken(error: BaseException) -> bool:
+    """Whether a worker's start failed because its rendezvous address was in use: rank 0's TCPStore could not bind
+    (torch's DistNetworkError, EADDRINUSE, as Ray reports the actor's death)."""
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 class TinkerWorkers:
     """A Ray worker group of TinkerTrainingWorkers with one FSDP2 engine over all ranks.
 
@@ -373,13 +381,14 @@ class TinkerWorkers:
         if not ray.is_initialized():
             start_ray(backend.ray_address, env)
         self.pool = self.group = None
+        self._start_args = (ray, backend, worker_cls, worker_config, env)  # a start again on a new port (ready())
         if output is not None:
             output.start()
         try:
             wait_for_nodes(backend.nodes, backend.nodes_timeout_s)
             if self.device == "cuda":  # before any placement group: one the cluster cannot hold would wait forever
                 check_gpus([node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]], backend.num_workers, backend.nodes)
-            self._start(ray, backend, worker_cls, worker_config, env)
+            self._start(*self._start_args)
         except BaseException:
             self.shutdown()
             raise
@@ -414,14 +423,48 @@ class TinkerWorkers:
 
     def ready(self) -> None:
         """Wait until every worker has built its model (a worker's start-up error is raised here), then check that
-        each rank's model sits where it was asked to (its own GPU on cuda)."""
+        each rank's model sits where it was asked to (its own GPU on cuda).
+
+        The rendezvous port verl picks (get_master_addr_port: one the OS says is free on rank 0's node, closed again)
+        is not held: on a busy machine another process may take it before rank 0 binds it (EADDRINUSE). The group is then started once more, on a new port; a second clash is
+        one line (WorkersStartError) saying so."""
         import ray
 
         pending, self.pending = self.pending, []
-        if pending:
+        if not pending:
+            return
+        try:
             ray.get(pending)
-            self.placement = check_placement(self.device, self.group.device_info(), self.nodes)
-            log.info(f"workers: {self.placement}")
+        except Exception as e:
+            if not port_taken(e):
+                raise
+            port = getattr(self.group, "master_port", None)
+            log.warning(f"workers: the rendezvous port {port} was taken by another process before rank 0 bound it "
+                        "(EADDRINUSE); starting the worker group again on a new port")  # fmt: skip
+            self._free_group()
+            self._start(*self._start_args)
+            pending, self.pending = self.pending, []
+            try:
+                ray.get(pending)
+            except Exception as again:
+                if port_taken(again):
+                    raise WorkersStartError(
+                        f"the workers' rendezvous port was taken by another process twice (EADDRINUSE, ports {port} and "
+                        f"{getattr(self.group, 'master_port', None)}): a busy machine; the same command starts again"
+                    ) from again
+                raise
+        self.placement = check_placement(self.device, self.group.device_info(), self.nodes)
+        log.info(f"workers: {self.placement}")
+
+    def _free_group(self) -> None:
+        """The group's actors and placement groups freed, Ray left running (a start again follows)."""
+        import ray
+
+        for worker in self.group.workers if self.group is not None else []:
+            ray.kill(worker)
+        for placement_group in (self.pool.pgs if self.pool is not None else None) or []:
+            ray.util.remove_placement_group(placement_group)
+        self.pool = self.group = None
 
     def worker_class(self) -> type:
         """The Ray actor class of each rank (a test plants an applied/requested mismatch in a subclass)."""
@@ -528,13 +571,8 @@ class TinkerWorkers:
             ray.shutdown()  # stops the daemons we started, and with them the actors: no call to the GCS
             return
 
-        def free() -> None:  # on a shared cluster: free our actors and placement groups for the next job
-            for worker in self.group.workers if self.group is not None else []:
-                ray.kill(worker)
-            for placement_group in (self.pool.pgs if self.pool is not None else None) or []:
-                ray.util.remove_placement_group(placement_group)
-
-        freeing = threading.Thread(target=free, name="free-ray-workers", daemon=True)
+        # On a shared cluster: free our actors and placement groups for the next job.
+        freeing = threading.Thread(target=self._free_group, name="free-ray-workers", daemon=True)
         freeing.start()
         timeout_s = cleanup_wait(timeout_s)
         freeing.join(timeout_s)
