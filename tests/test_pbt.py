@@ -362,21 +362,23 @@ def test_a_member_whose_boundaries_are_not_evaluations_stops_before_any_worker(t
 
 
 def test_a_maximised_objective_ranks_the_highest_first_in_grid_and_population_summaries(tmp_path):
-    """objective_mode=max (an RL run's eval/reward): the summary's best is the highest, for a sweep's jobs and a
-    population's members alike (each run's objective.json says the mode)."""
+    """A maximised objective (objective_mode=max, or a reward's last value: an RL run's eval/reward by default): the
+    summary's best is the highest, for a sweep's jobs and a population's members alike (each run's objective.json says
+    whether it was maximised); a loss's last value: the lowest."""
     from tinker_exp.sweep.jobs import ranked as ranked_jobs, read_outcome
     from tinker_exp.sweep.pbt_report import ranked as ranked_members, read_member
     from tinker_exp.sweep.report import best_run, read_run
     from tinker_exp.train.objective import write_objective
 
-    def run(n: int, value: float, mode: str):
-        run_dir = tmp_path / mode / str(n)
+    def run(n: int, value: float, metric: str, mode: str):
+        run_dir = tmp_path / metric.replace("/", "_") / mode / str(n)
         run_dir.mkdir(parents=True)
-        write_objective(run_dir, "eval/reward", mode, value)
+        write_objective(run_dir, metric, mode, value)
         return run_dir
 
-    for mode, order in (("max", [1, 2, 0]), ("last", [0, 2, 1])):
-        dirs = [run(n, value, mode) for n, value in enumerate([0.43, 0.92, 0.59])]
+    for metric, mode, order in (("eval/reward", "max", [1, 2, 0]), ("eval/reward", "last", [1, 2, 0]),
+                                ("val/loss", "last", [0, 2, 1]), ("val/loss", "max", [1, 2, 0])):  # fmt: skip
+        dirs = [run(n, value, metric, mode) for n, value in enumerate([0.43, 0.92, 0.59])]
         jobs = [read_outcome(n, [], "COMPLETED", d, None, objective=v) for n, (d, v) in enumerate(zip(dirs, [0.43, 0.92, 0.59]))]
         members = [read_member(n, {}, d, v, None) for n, (d, v) in enumerate(zip(dirs, [0.43, 0.92, 0.59]))]
         assert [o.num for o in ranked_jobs(jobs)] == order

@@ -28,7 +28,8 @@ from tinker_exp.sweep.study import CUT_OFF, evaluations_error, masked, open_stor
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.slurm import slurm_states
 from tinker_exp.train.checkpoints import latest
-from tinker_exp.train.objective import read_objective, write_objective
+from tinker_exp.config import load
+from tinker_exp.train.objective import maximised, objective_metric, objective_sign, read_objective, write_objective
 
 
 def parse(*overrides: str):
@@ -89,13 +90,31 @@ def test_a_bad_search_dimension_is_a_config_error(override, message):
      ("maximize", "last", "maximize"), ("minimize", "last", "minimize"), ("maximize", "max", "maximize")],
 )
 def test_the_study_direction_follows_the_objective_mode_unless_given(direction, mode, expected):
-    assert study_direction(direction, compose(f"trainer.objective_mode={mode}").trainer.objective_mode) == expected
+    cfg = compose(f"trainer.objective_mode={mode}")
+    assert study_direction(direction, objective_metric(cfg), cfg.trainer.objective_mode) == expected
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [(("env=digits", "loss=importance_sampling"), "maximize"),  # eval/reward, its last value
+     (("env=digits", "loss=importance_sampling", "env.eval_prompts=null"), "maximize"),  # train/reward
+     (("env=digits", "loss=importance_sampling", "trainer.objective=train/ppo_kl"), "minimize"),
+     (("env=digits", "loss=importance_sampling", "trainer.objective_mode=min"), "minimize")],
+)
+def test_an_rl_runs_reward_is_maximised_by_default_and_what_the_run_ranks_by_agrees(overrides, expected):
+    """A reward's last value is maximised without trainer.objective_mode=max: the study's direction, the run's sign
+    (early stop, keep_best, a population) and objective.json (the summaries) say the same."""
+    cfg = compose(*overrides)
+    metric = objective_metric(cfg)
+    assert study_direction(None, metric, cfg.trainer.objective_mode) == expected
+    assert objective_sign(load(cfg)) == (-1 if expected == "maximize" else 1)
+    assert maximised(metric, cfg.trainer.objective_mode.value) is (expected == "maximize")
 
 
 @pytest.mark.parametrize("direction, mode", [("minimize", "max"), ("maximize", "min")])
 def test_a_direction_contrary_to_the_objective_mode_is_a_config_error(direction, mode):
     with pytest.raises(ConfigError, match=rf"^hydra.sweeper.direction={direction} contradicts trainer.objective_mode={mode} "):
-        study_direction(direction, mode)
+        study_direction(direction, "val/loss", mode)
 
 
 def test_a_pruner_judges_an_rl_run_on_its_held_out_prompts_and_needs_them():

@@ -81,7 +81,9 @@ class OptunaSweeper(Sweeper):
                 raise ConfigError(f"hydra.sweeper.{key}: {value!r} must be an int >= {least}")
         from tinker_exp.sweep.study import evaluations_error, make_pruner, study_direction
 
-        self.direction = study_direction(self.direction, config.trainer.objective_mode)
+        from tinker_exp.train.objective import objective_metric
+
+        self.direction = study_direction(self.direction, objective_metric(config), config.trainer.objective_mode)
         self.optuna_pruner = make_pruner(self.pruner, self.pruner_args)
         if self.pruner != "none" and (why := evaluations_error(self.pruner, config)):
             raise ConfigError(why)

@@ -85,7 +85,7 @@ class OptimizerName(str, Enum):
 class ObjectiveMode(str, Enum):
     last = "last"
     min = "min"
-    max = "max"  # higher is better (a reward): early stop and keep_best follow it
+    max = "max"  # higher is better: early stop and keep_best follow it (last on a reward is maximised too)
 
 
 class DataFormat(str, Enum):
@@ -400,11 +400,12 @@ class TrainerConfig:
     eval_every: int = 10
     """Evaluate on the validation set after every N steps (0: only after the last step), when there is one."""
     objective: Optional[str] = None
-    """The metric the run returns to Hydra's sweeper (lower is better). None: val/loss, or train/loss without
-    validation data."""
+    """The metric the run returns to Hydra's sweeper. None: val/loss, or train/loss without validation data; an RL
+    run's eval/reward, or train/reward without held-out prompts."""
     objective_mode: ObjectiveMode = ObjectiveMode.last
-    """last: the metric's last logged value; min: its lowest; max: its highest (higher is better: early stop and
-    keep_best follow)."""
+    """last: the metric's last logged value (lower is better, but higher for a reward: train/reward, eval/reward);
+    min: its lowest (lower is better); max: its highest (higher is better). Early stop, keep_best, a study's
+    direction and a population's ranking follow it."""
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     """End the run early when the objective metric stops improving at evaluations."""
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tinker_exp.formats import display_name, read_json, read_jsonl
-from tinker_exp.train.objective import came_to, ranking_key
+from tinker_exp.train.objective import came_to, maximised, ranking_key
 
 if TYPE_CHECKING:  # imported when a report is drawn: Hydra imports this module with its plugins at every start
     from matplotlib.figure import Figure
@@ -206,12 +206,12 @@ def by_branch_step(runs: Sequence[RunInfo]) -> list[list[RunInfo]]:
 
 
 def best_run(runs: Sequence[RunInfo]) -> RunInfo | None:
-    """The run with the lowest objective (what every sweeper minimises), when at least two runs have one and
+    """The run with the best objective (the lowest; the highest where it was maximised), when at least two runs have one and
     all of them judge by the same metric and mode (runs of sweeps with different objectives are not ranked)."""
     judged = [run for run in runs if run.objective is not None]
     if len(judged) < 2 or len({(run.objective["metric"], run.objective["mode"]) for run in judged}) > 1:
         return None
-    return min(judged, key=lambda run: ranking_key(run.objective["value"], run.objective["mode"] == "max"))
+    return min(judged, key=lambda run: ranking_key(run.objective["value"], maximised(run.objective["metric"], run.objective["mode"])))
 
 
 def _step(row: dict) -> Any:

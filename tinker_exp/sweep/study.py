@@ -27,7 +27,7 @@ from optuna.trial import FrozenTrial, TrialState
 from tinker_exp.errors import ConfigError
 from tinker_exp.formats import masked  # noqa: F401 (the sweeper's and the tests' name for it)
 from tinker_exp.train.judges import GO_ON, Decision, Judge, stop
-from tinker_exp.train.objective import objective_metric, read_objective, read_run_end
+from tinker_exp.train.objective import maximised, objective_metric, read_objective, read_run_end
 from tinker_exp.train.evaluation import missing_evaluation_data
 
 RESULTS_FILE = "optimization_results.yaml"
@@ -79,12 +79,12 @@ PRUNERS = {
 PRUNER_ARGS = "hydra.sweeper.pruner_args"
 
 
-def study_direction(direction: str | None, objective_mode: Any) -> str:
-    """The study's direction: hydra.sweeper.direction when given, else what trainer.objective_mode says (max:
-    maximize; min and last: minimize, the objective's default sense). Given and contrary to a min or max mode: an
-    error naming both keys."""
+def study_direction(direction: str | None, metric: str, objective_mode: Any) -> str:
+    """The study's direction: hydra.sweeper.direction when given, else the objective's (train/objective.py
+    `maximised`: maximize with trainer.objective_mode=max, or a reward's last value; else minimize). Given and
+    contrary to a min or max mode: an error naming both keys."""
     mode = str(getattr(objective_mode, "value", objective_mode))
-    implied = "maximize" if mode == "max" else "minimize"
+    implied = "maximize" if maximised(metric, mode) else "minimize"
     if direction is None:
         return implied
     if direction not in ("minimize", "maximize"):

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from tinker_exp.config import Config
 from tinker_exp.errors import ConfigError
 from tinker_exp.formats import read_json
+from tinker_exp.train.evaluation import missing_evaluation_data
 
 OBJECTIVE_FILE = "objective.json"  # written by a run that completed: what it returned to the sweeper
 
@@ -20,17 +21,20 @@ RL_TRAIN_METRICS = ("train/reward", "train/reward_std", "train/degenerate_groups
 RL_EVAL_METRICS = ("eval/reward", "eval/reward_std", "perf/eval_time_s")
 
 
+HIGHER_IS_BETTER = ("train/reward", "eval/reward")
+"""Metrics a run wants high (rewards): with trainer.objective_mode=last they are maximised; every other metric
+(a loss) is minimised unless the mode is max."""
+
+
 def has_validation(cfg: Config) -> bool:
     """Whether the run evaluates: held-out rows (SFT) or held-out prompts (RL, env.eval_prompts)."""
-    if cfg.env.active:
-        return cfg.env.eval_prompts is not None
-    return cfg.data.val_path is not None or cfg.data.val_fraction is not None
+    return missing_evaluation_data(cfg) is None
 
 
 def objective_metric(cfg: Config) -> str:
     """trainer.objective, checked against what the run logs; by default val/loss (train/loss without validation),
-    for RL eval/reward (train/reward without held-out prompts)."""
-    rl = cfg.env.active
+    for RL eval/reward (train/reward without held-out prompts). `cfg`: the typed config or a sweep's DictConfig."""
+    rl = getattr(cfg.env, "prompts", None) is not None
     logged = TRAIN_METRICS + (RL_TRAIN_METRICS if rl else ()) + (((RL_EVAL_METRICS if rl else VAL_METRICS)) if has_validation(cfg) else ())
     metric = cfg.trainer.objective or (
         ("eval/reward" if has_validation(cfg) else "train/reward") if rl else ("val/loss" if has_validation(cfg) else "train/loss")
@@ -41,9 +45,16 @@ def objective_metric(cfg: Config) -> str:
     return metric
 
 
+def maximised(metric: str, mode: str) -> bool:
+    """Whether a run's objective is maximised: with objective_mode=max, and with last on a reward (HIGHER_IS_BETTER);
+    never with min. Early stop, keep_best, a study's direction, a population's ranking and the summaries follow it."""
+    return mode == "max" or (mode == "last" and metric in HIGHER_IS_BETTER)
+
+
 def objective_sign(cfg: Config) -> int:
-    """1 when lower is better (a loss), -1 with objective_mode=max (a reward): sign * value is minimised."""
-    return -1 if cfg.trainer.objective_mode.value == "max" else 1
+    """1 when lower is better (a loss), -1 when the objective is maximised (a reward): sign * value is minimised."""
+    mode = str(getattr(cfg.trainer.objective_mode, "value", cfg.trainer.objective_mode))
+    return -1 if maximised(objective_metric(cfg), mode) else 1
 
 
 def objective_value(rows: Sequence[dict[str, Any]], metric: str, mode: str) -> float | None:
@@ -61,7 +72,7 @@ def write_objective(
     """Written when a run completed: what it returned (a study continued after a kill reads it back). `best`:
     the kept best checkpoint (checkpoint.keep_best), its step, value and path. `steps`: steps trained and planned,
     and pruned_at_step when its study's pruner stopped it."""
-    doc = {"metric": metric, "mode": mode, "value": value, **({"best_checkpoint": best} if best else {}), **(steps or {})}
+    doc = {"metric": metric, "mode": mode, "maximised": maximised(metric, mode), "value": value, **({"best_checkpoint": best} if best else {}), **(steps or {})}
     (run_dir / OBJECTIVE_FILE).write_text(json.dumps(doc) + "\n")
 
 
@@ -77,9 +88,10 @@ def read_run_end(run_dir: Path) -> dict[str, Any]:
 
 
 def higher_is_better(run_dir: Path) -> bool:
-    """Whether the run's objective was maximised (objective.json's mode, trainer.objective_mode=max): a sweep's summary
-    ranks its runs by it."""
-    return read_run_end(run_dir).get("mode") == "max"
+    """Whether the run's objective was maximised (objective.json; a file from before "maximised": its mode max): a
+    sweep's summary ranks its runs by it."""
+    doc = read_run_end(run_dir)
+    return bool(doc.get("maximised", doc.get("mode") == "max"))
 
 
 def ranking_key(objective: float | None, higher: bool) -> float:
