@@ -309,3 +309,17 @@ def test_the_loop_checkpoints_the_batch_mid_batch_and_a_last_batch_may_be_partia
     assert [row["train/update"] for row in rows] == [0, 1, 0, 1, 0] and batches.cursor == 3 * 2
     held = {step: "batch" in saved_loop_state(tmp_path / "full" / f"step_{step:08d}")[BATCH_SOURCE] for step in range(1, 6)}
     assert held == {1: True, 2: False, 3: True, 4: False, 5: True}
+
+
+def test_the_plan_table_says_which_batch_and_update_each_optimizer_step_is():
+    from helpers import compose
+    from tinker_exp import config
+    from tinker_exp.optim.preview import format_table
+
+    cfg = config.load(compose("trainer.steps=10", "+override=lr_cosine"))
+    plan = build_plan(cfg.override, cfg.optimizer, 10)
+    lines = format_table(plan, [5], updates_per_batch=4).splitlines()
+    assert lines[0].split() == ["step", "batch:update", "lr"]
+    assert {line.split()[0]: line.split()[1] for line in lines[2:] if line.split()[0].isdigit()}["5"] == "1:1"
+    assert lines[-1] == "RL: a batch is sampled every 4 optimizer steps; step s trains batch s // 4, update s % 4 (column batch:update)"
+    assert "batch" not in format_table(plan, [5])  # one update a batch: the table as before
