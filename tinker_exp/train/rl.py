@@ -225,14 +225,13 @@ class RLBatches:
             "train/zero_advantage_step": int(measured["all_degenerate"]),
             "train/response_length": measured["response_length"],
         }
-        self.current = SampledBatch(step, rollouts, row)
         times = {"perf/sampling_s": measured["sampling_s"], "perf/weight_export_s": self.weights.export_time_s,
                  "perf/sampler_load_s": self.weights.load_time_s}  # fmt: skip
         if self.rl.uses_reference:
             start = time.perf_counter()
             rollouts = with_reference(self.weights.sampler, rollouts, self.rl.temperature)
             times["perf/reference_s"] = time.perf_counter() - start
-            self.current = SampledBatch(step, rollouts, row)
+        self.current = SampledBatch(step, rollouts, row)
         return Batch(rollouts, {**row, **times, "train/update": 0})
 
     def state(self) -> dict[str, Any]:
