@@ -73,7 +73,15 @@ def test_your_own_env_is_two_keys_without_a_group():
 def test_the_rl_defaults():
     rl = typed().rl
     assert (rl.group_size, rl.prompts_per_step, rl.temperature, rl.advantage.value, rl.kl_coef) == (8, 4, 1.0, "grpo", 0.0)
-    assert rl.responses_per_step == 32
+    assert (rl.updates_per_batch, rl.kl_estimator, rl.log_kl_ref) == (1, "k3", False)
+    assert rl.responses_per_step == 32 and not rl.uses_reference
+
+
+def test_a_kl_penalty_and_several_updates_per_batch_are_accepted():
+    """kl_coef > 0 was refused before the penalty existed; it needs the initial model's log-probs, as the metric does."""
+    cfg = typed("env=digits", "loss=ppo", "rl.kl_coef=0.1", "rl.kl_estimator=k1", "rl.updates_per_batch=4")
+    validate(cfg)
+    assert cfg.rl.uses_reference and typed("rl.log_kl_ref=true").rl.uses_reference
 
 
 BAD_VALUES = [
@@ -83,6 +91,9 @@ BAD_VALUES = [
     (["rl.temperature=-1"], "rl.temperature: must be > 0 (and finite), got -1.0"),
     (["rl.temperature=inf"], "rl.temperature: must be > 0 (and finite), got inf"),
     (["rl.kl_coef=-0.1"], "rl.kl_coef: must be >= 0 (and finite), got -0.1"),
+    (["rl.kl_estimator=k4"], "rl.kl_estimator: 'k4' is not one of verl's KL estimators: k1, k2, k3, k1+, k3+, kl, mse, low_var_kl, abs"),
+    (["rl.updates_per_batch=0"], "rl.updates_per_batch: must be >= 1 (optimizer steps per sampled batch), got 0"),
+    (["rl.updates_per_batch=1.5"], "rl.updates_per_batch: Value '1.5' of type 'float' could not be converted to Integer"),
     (["rl.advantage=gae"], "rl.advantage: Invalid value 'gae', expected one of [grpo, mean_centred]"),
     (["env=digits", "env.max_new_tokens=0"], "env.max_new_tokens: must be >= 1, got 0"),
     (["env.prompts=rows.jsonl"], "env.prompts=rows.jsonl needs env.reward=package.module:function (the reward)"),

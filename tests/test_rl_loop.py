@@ -237,3 +237,89 @@ def test_an_exploit_takes_the_donors_prompt_cursor_and_sampler_state_with_its_ch
     assert [row["train/reward"] for row in own[2:]] != [row["train/reward"] for row in donor[2:]]  # the rule shows
     state = json.loads((tmp_path / "donor" / "step_00000002" / "loop.json").read_text())[BATCH_SOURCE]
     assert state["prompt_cursor"] == 2 * 2
+
+
+def test_each_sampled_batch_is_trained_on_by_updates_per_batch_steps():
+    """rl.updates_per_batch=3: steps 0, 3, 6 sample (exporting the weights the last steps left; the prompt cursor
+    moves), steps 1, 2, 4, 5 return the same rollouts (the sampler's log-probs and advantages as sampled) with the
+    batch's reward; the row says which update it is and the times its step spent sampling (0 on a reuse)."""
+    batches = source(rl=RLConfig(group_size=4, prompts_per_step=2, updates_per_batch=3))
+    sampler, trainer = batches.weights.sampler, batches.weights.workers
+    served = []
+    for step in range(7):
+        served.append(batches.batch(step))
+        trainer.step()  # every optimizer step changes the weights
+    assert [b.measured["train/update"] for b in served] == [0, 1, 2, 0, 1, 2, 0]
+    assert sampler.loaded == 3 and batches.cursor == 3 * 2
+    assert served[1].examples is served[0].examples and served[2].examples is served[0].examples
+    assert rollouts(served[4]) == rollouts(served[3]) != rollouts(served[0]) != rollouts(served[6])
+    assert [b.measured["train/reward"] for b in served[:3]] == [served[0].measured["train/reward"]] * 3
+    assert [b.measured["perf/sampling_s"] > 0 for b in served] == [True, False, False, True, False, False, True]
+    assert "perf/reference_s" not in served[0].measured  # no KL reference asked for
+
+
+def test_a_checkpoint_mid_batch_holds_the_batch_and_a_resume_there_trains_on_the_same_bits():
+    """The state after a step that is not a batch's last holds the batch (through JSON, as loop.json does: floats
+    round-trip exactly); a source restored there serves the same rollouts to the batch's end, then samples what the
+    uninterrupted source sampled. A batch's end holds no batch: the next step samples."""
+    rl = RLConfig(group_size=4, prompts_per_step=2, updates_per_batch=3)
+    uninterrupted = source(rl=rl)
+    for step in range(2):
+        uninterrupted.batch(step)
+    mid = json.loads(json.dumps(uninterrupted.state()))
+    later = [uninterrupted.batch(step) for step in range(2, 5)]
+    end = json.loads(json.dumps(uninterrupted.state()))  # after step 4: mid-batch again (steps 3, 4, 5)
+    assert mid["batch"]["first_step"] == 0 and end["batch"]["first_step"] == 3
+    uninterrupted.batch(5)
+    assert "batch" not in uninterrupted.state()
+
+    resumed = source(rl=rl)
+    resumed.restore(mid)
+    again = [resumed.batch(step) for step in range(2, 5)]
+    assert [r.examples for r in again] == [r.examples for r in later]  # Rollout equality: every int and float
+    assert [r.measured["train/update"] for r in again] == [2, 0, 1]
+    assert [r.measured["train/reward"] for r in again] == [r.measured["train/reward"] for r in later]
+    assert isinstance(again[0].examples[0].log_probs[0], float)
+
+
+def test_the_loop_checkpoints_the_batch_mid_batch_and_a_last_batch_may_be_partial(tmp_path):
+    """trainer.steps=5 with 2 updates a batch: batches at steps 0, 2, 4 (the last trained once, by the plan's last
+    step); every checkpoint after an odd number of steps holds its batch (the next step would train on it), the
+    others none. The real resume mid-batch: tests/test_rl_ray.py."""
+    from tinker_exp.train.checkpoints import saved_loop_state
+
+    plan = build_plan({}, OptimizerConfig(), 5)
+    rl = RLConfig(group_size=4, prompts_per_step=2, updates_per_batch=2)
+
+    class Rows(list):
+        def log(self, row):
+            self.append(row)
+
+        def attach_table(self, *args):
+            pass
+
+    def run(folder):
+        workers, rows, batches = FakeWorkers(plan.optimizer_values), Rows(), source(rl=rl)
+        workers.ready()
+        checkpointer = Checkpointer(tmp_path / folder, CheckpointConfig(every_steps=1, keep_last=0), 5, workers, {}, None)
+        train(TrainerConfig(steps=5, eval_every=0), plan, workers, batches, rows, checkpointer)
+        return rows, batches
+
+    rows, batches = run("full")
+    assert [row["train/update"] for row in rows] == [0, 1, 0, 1, 0] and batches.cursor == 3 * 2
+    held = {step: "batch" in saved_loop_state(tmp_path / "full" / f"step_{step:08d}")[BATCH_SOURCE] for step in range(1, 6)}
+    assert held == {1: True, 2: False, 3: True, 4: False, 5: True}
+
+
+def test_the_plan_table_says_which_batch_and_update_each_optimizer_step_is():
+    from helpers import compose
+    from tinker_exp import config
+    from tinker_exp.optim.preview import format_table
+
+    cfg = config.load(compose("trainer.steps=10", "+override=lr_cosine"))
+    plan = build_plan(cfg.override, cfg.optimizer, 10)
+    lines = format_table(plan, [5], updates_per_batch=4).splitlines()
+    assert lines[0].split() == ["step", "batch:update", "lr"]
+    assert {line.split()[0]: line.split()[1] for line in lines[2:] if line.split()[0].isdigit()}["5"] == "1:1"
+    assert lines[-1] == "RL: a batch is sampled every 4 optimizer steps; step s trains batch s // 4, update s % 4 (column batch:update)"
+    assert "batch" not in format_table(plan, [5])  # one update a batch: the table as before

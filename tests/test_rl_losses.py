@@ -47,7 +47,7 @@ def hand(name: str, p: float, q: float, a: float, params: dict) -> tuple[float, 
     return -(p * a - 0.5 * beta * (p - q) ** 2), -(a - beta * (p - q)), False
 
 
-def micro_batch(seqs, *, dp_size=1, batch_num_tokens=N_TOKENS, max_response_len=None):
+def micro_batch(seqs, *, dp_size=1, batch_num_tokens=N_TOKENS, max_response_len=None, ref=None):
     """A micro batch as verl's engine hands it to the loss: nested whole-sequence log-probs (position t holds the
     log-prob of token t+1), padded (B, R) fields, the engine's non-tensor dp_size and batch_num_tokens."""
     from tensordict import TensorDict
@@ -82,6 +82,8 @@ def micro_batch(seqs, *, dp_size=1, batch_num_tokens=N_TOKENS, max_response_len=
         },
         batch_size=[len(seqs)],
     )
+    if ref is not None:  # the initial model's log-probs of the response tokens (verl's ref_log_prob)
+        data["ref_log_prob"] = padded(ref)
     tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=batch_num_tokens, max_response_len=R, global_batch_size=len(SEQS))
     return {"log_probs": log_probs}, data, values
 
@@ -164,11 +166,59 @@ def test_metrics_reduce_to_token_weighted_batch_figures(name):
         rl_losses.PG_LOSS: sum(hand(name, p, q, a, PARAMS[name])[0] for p, q, a in tokens),
         rl_losses.PPO_KL: sum(q - p for p, q, _ in tokens) / N_TOKENS,
         rl_losses.ABS_LOG_RATIO: sum(abs(p - q) for p, q, _ in tokens) / N_TOKENS,
+        rl_losses.RATIO_MEAN: sum(math.exp(p - q) for p, q, _ in tokens) / N_TOKENS,
+        rl_losses.RATIO_MIN: min(math.exp(p - q) for p, q, _ in tokens),  # reduced over micro batches and ranks
+        rl_losses.RATIO_MAX: max(math.exp(p - q) for p, q, _ in tokens),
     }
     if name in ("ppo", "cispo"):
         expected[rl_losses.CLIP_FRACTION] = sum(hand(name, p, q, a, PARAMS[name])[2] for p, q, a in tokens) / N_TOKENS
     assert reduced == pytest.approx(expected, rel=1e-12)
     assert {"ppo": 3, "cispo": 6}.get(name, 0) == round(reduced.get(rl_losses.CLIP_FRACTION, 0.0) * N_TOKENS)
+
+
+REF = [[-1.2, -0.6, -1.5], [-0.3, -2.0], [-2.0, -0.4, -0.7, -1.0], [-0.9]]  # the initial model's log-probs
+
+
+def hand_kl(estimator: str, p: float, ref: float) -> tuple[float, float]:
+    """verl's per-token KL estimator (joschu.net/blog/kl-approx.html) and its derivative in p."""
+    if estimator == "k1":
+        return p - ref, 1.0
+    return math.exp(ref - p) - (ref - p) - 1, 1 - math.exp(ref - p)  # k3
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_the_kl_penalty_adds_kl_coef_times_the_estimators_token_sum_and_logs_its_mean(estimator):
+    """With ref_log_prob in the batch and kl_coef > 0: loss = Tinker's loss + kl_coef x sum of the estimator, its
+    gradient likewise, over micro batches and ranks as the policy term; kl_ref is the estimator's token mean and
+    kl_loss the penalty's part. kl_coef 0 logs kl_ref and leaves the loss and gradient as they were."""
+    from verl.utils.py_functional import append_to_dict
+
+    coef, params = 0.25, PARAMS["ppo"]
+    fn = rl_losses.build_loss_fn("ppo", params, kl_coef=coef, kl_estimator=estimator)
+    loss, metrics, values = run(fn, SEQS, ref=REF)
+    loss.backward()
+    tokens = [(p, q, a, r) for (_, ps, qs, a), refs in zip(SEQS, REF) for p, q, r in zip(ps, qs, refs)]
+    kls = [hand_kl(estimator, p, r) for p, _, _, r in tokens]
+    policy = [hand("ppo", p, q, a, params) for p, q, a, _ in tokens]
+    assert loss.item() == pytest.approx(sum(e[0] for e in policy) + coef * sum(k[0] for k in kls), rel=1e-12)
+    assert response_grads(values, SEQS) == pytest.approx([e[1] + coef * k[1] for e, k in zip(policy, kls)], rel=1e-12, abs=1e-15)
+
+    per_rank = []
+    for rank in ((0, 3), (1, 2)):
+        gathered: dict = {}
+        for i in rank:
+            append_to_dict(gathered, run(fn, [SEQS[i]], dp_size=2, max_response_len=4, ref=[REF[i]])[1])
+        per_rank.append(gathered)
+    reduced = rl_losses.batch_metrics({key: [r[key] for r in per_rank] for key in per_rank[0]})
+    assert reduced[rl_losses.KL_REF] == pytest.approx(sum(k[0] for k in kls) / N_TOKENS, rel=1e-12)
+    assert reduced[rl_losses.KL_LOSS] == pytest.approx(coef * sum(k[0] for k in kls), rel=1e-12)
+    assert reduced[rl_losses.PG_LOSS] == pytest.approx(sum(e[0] for e in policy), rel=1e-12)
+
+    unpenalised, metrics, values = run(rl_losses.build_loss_fn("ppo", params, kl_estimator=estimator), SEQS, ref=REF)
+    assert unpenalised.item() == pytest.approx(sum(e[0] for e in policy), rel=1e-12)
+    assert rl_losses.KL_LOSS not in metrics and metrics[rl_losses.KL_REF].aggregate() == pytest.approx(reduced[rl_losses.KL_REF])
+    with pytest.raises(ValueError, match="kl_coef > 0 needs ref_log_prob"):
+        run(fn, SEQS)
 
 
 def test_batch_metrics_reduces_the_engines_plain_numbers_to_their_mean():

@@ -100,7 +100,7 @@ def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env) -> Inputs:
     from tinker_exp.train.rl import Prompt, RLBatches, RLEvaluation, Weights
 
     trainer = cfg.trainer
-    sampler = HFSampler(model_path, trainer.seed)
+    sampler = HFSampler(model_path, trainer.seed, reference=cfg.rl.uses_reference)
     weights = Weights(sampler)
 
     def prompts(rows: list) -> list[Prompt]:
@@ -114,7 +114,10 @@ def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env) -> Inputs:
         evaluation = RLEvaluation(prompts(env.eval), weights, env.reward, cfg.rl, cfg.env.max_new_tokens,
                                   trainer.eval_every, trainer.steps, trainer.seed + 1)  # fmt: skip
     rl = cfg.rl
-    log.info(f"RL: env {env.name}, {len(env.train)} prompts, {rl.prompts_per_step} x {rl.group_size} samples a step, loss {cfg.loss.name.value}")
+    updates = f"{rl.updates_per_batch} optimizer steps a batch" if rl.updates_per_batch > 1 else "one optimizer step a batch"
+    kl = f", KL to the initial model {rl.kl_coef} x {rl.kl_estimator}" if rl.kl_coef else ""
+    log.info(f"RL: env {env.name}, {len(env.train)} prompts, {rl.prompts_per_step} x {rl.group_size} samples a batch, "
+             f"{updates}, loss {cfg.loss.name.value}{kl}")  # fmt: skip
     return Inputs(choice, model_path, batches, evaluation)
 
 
@@ -145,10 +148,9 @@ def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choic
         choice or resolve(cfg.backend), WorkerOutput(run_dir / WORKERS_LOG, echo=cfg.verbose), cfg.lora,
     )  # fmt: skip
     if cfg.env.active:
-        from tinker_exp.runtime.rl_losses import build_loss_fn
-        from tinker_exp.runtime.rl_workers import RLWorkers
+        from tinker_exp.runtime.rl_workers import RLWorkers, rl_loss_fn
 
-        return RLWorkers(*arguments, loss_fn=build_loss_fn(cfg.loss.name.value, cfg.loss.params), rl=cfg.rl)
+        return RLWorkers(*arguments, loss_fn=rl_loss_fn(cfg.loss, cfg.rl), rl=cfg.rl)
     return TinkerWorkers(*arguments)
 
 

@@ -80,10 +80,11 @@ def checked_env(cfg: Config) -> Env:
     return env
 
 
-def describe(plan: Plan, steps: list[int]) -> str:
+def describe(plan: Plan, steps: list[int], updates_per_batch: int = 1) -> str:
     from tinker_exp.optim.preview import format_table
 
-    return f"optimizer built with {plan.optimizer_values}; {len(plan)} steps; sent with optimizer_step:\n{format_table(plan, steps)}"
+    table = format_table(plan, steps, updates_per_batch)
+    return f"optimizer built with {plan.optimizer_values}; {len(plan)} steps; sent with optimizer_step:\n{table}"
 
 
 def write_plan(plan: Plan, run_dir: Path, steps: list[int], lineage: dict[str, Any] | None = None) -> Path:
@@ -163,7 +164,7 @@ def accepted_run(
         from tinker_exp.assemble import WORKERS_LOG
 
         log.info(f"worker output: {run_dir / WORKERS_LOG}" + ("" if cfg.verbose else " (verbose=true shows it here too)"))
-    log.info(describe(plan, cfg.plan_steps))
+    log.info(describe(plan, cfg.plan_steps, cfg.rl.updates_per_batch if cfg.env.active else 1))
     plan_file = write_plan(plan, run_dir, cfg.plan_steps, start.lineage)
     if cfg.dry_run:
         from tinker_exp.optim.preview import plot_plan

@@ -32,6 +32,11 @@ class Advantage(str, Enum):
 
 RL_LOSSES = tuple(name.value for name in LossName if name is not LossName.cross_entropy)
 
+KL_ESTIMATORS = ("k1", "k2", "k3", "k1+", "k3+", "kl", "mse", "low_var_kl", "abs")
+"""verl's names for its per-token KL estimators (verl.trainer.ppo.core_algos.kl_penalty), with lp the policy's and
+ref the initial model's log-prob of the sampled token: k1 (= kl) lp - ref; k2 (= mse) (lp - ref)^2 / 2; k3
+(= low_var_kl) exp(ref - lp) - (ref - lp) - 1; abs |lp - ref|; a trailing + keeps the value and takes k2's gradient."""
+
 LOSS_PARAMETERS: dict[str, dict[str, float]] = {
     "cross_entropy": {},
     "importance_sampling": {},
@@ -150,11 +155,27 @@ class RLConfig:
     """grpo: (reward - group mean) / (group std + 1e-6); mean_centred: reward - group mean (tinker-cookbook). A
     group whose rewards are all equal has zero advantages either way."""
     kl_coef: float = 0.0
-    """Weight of a KL penalty to the initial model (0: none)."""
+    """Weight of a KL penalty to the initial model (0: none): the loss adds kl_coef x the token sum of the KL
+    estimator (kl_estimator) between the policy and the initial model on the sampled tokens."""
+    kl_estimator: str = "k3"
+    """The per-token KL estimator, by verl's name (KL_ESTIMATORS): k3 (= low_var_kl, verl's default kl_loss_type),
+    k1 (= kl), k2 (= mse), abs, k1+ / k3+ (the value of k1 / k3 with k2's gradient)."""
+    log_kl_ref: bool = False
+    """Log train/kl_ref (the token mean of kl_estimator against the initial model) even with kl_coef 0; with
+    kl_coef > 0 it is always logged. Costs one forward pass of the initial model per sampled batch, on the driver."""
+    updates_per_batch: int = 1
+    """Optimizer steps per sampled batch: a batch is sampled at every step that is a multiple of it and trained on by
+    that many optimizer steps (each forward_backward + optimizer_step, the ratio against the sampler's log-probs).
+    trainer.steps counts optimizer steps; one that is not a multiple leaves a last batch with fewer updates."""
 
     @property
     def responses_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether each sampled batch needs the initial model's log-probs (the penalty, or its metric)."""
+        return self.kl_coef > 0 or self.log_kl_ref
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -167,6 +188,10 @@ class RLConfig:
             raise ConfigError(f"rl.temperature: must be > 0 (and finite), got {self.temperature!r}")
         if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
             raise ConfigError(f"rl.kl_coef: must be >= 0 (and finite), got {self.kl_coef!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"rl.kl_estimator: {self.kl_estimator!r} is not one of verl's KL estimators: {', '.join(KL_ESTIMATORS)}")
+        if self.updates_per_batch < 1:
+            raise ConfigError(f"rl.updates_per_batch: must be >= 1 (optimizer steps per sampled batch), got {self.updates_per_batch}")
 
 
 def check_rl(cfg: Any) -> None:

@@ -117,8 +117,6 @@ def check(cfg: Config) -> None:
             f"into micro batches of backend.micro_batch_size={backend.micro_batch_size}"
         )
     check_throughput(cfg)
-    if cfg.env.active and cfg.rl.kl_coef:
-        raise ConfigError(f"rl.kl_coef={cfg.rl.kl_coef}: a KL penalty to the initial model is not implemented yet: leave it 0")
     if cfg.env.active and cfg.lora.rank > 0:
         raise ConfigError(
             f"lora.rank={cfg.lora.rank}: RL with LoRA is not supported yet (the driver's sampler loads the full "

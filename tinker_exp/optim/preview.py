@@ -39,13 +39,23 @@ def plan_table(plan: Plan, extra: Iterable[int] = ()) -> tuple[list[str], list[l
     return ["step", *columns], rows
 
 
-def format_table(plan: Plan, extra: Iterable[int] = ()) -> str:
+def format_table(plan: Plan, extra: Iterable[int] = (), updates_per_batch: int = 1) -> str:
+    """`updates_per_batch` > 1 (an RL run's rl.updates_per_batch): each row also says which sampled batch its
+    optimizer step trains on and which update of it that is; the plan stays indexed by optimizer steps."""
     header, rows = plan_table(plan, extra)
+    batches = [] if updates_per_batch == 1 else [
+        f"RL: a batch is sampled every {updates_per_batch} optimizer steps; step s trains batch s // "
+        f"{updates_per_batch}, update s % {updates_per_batch} (column batch:update)"
+    ]  # fmt: skip
     if len(header) == 1:
-        return "no override: nothing is sent with optimizer_step"
-    table = text_table(header, [[str(row[0])] + [f"{v:.6g}" for v in row[1:]] for row in rows])
+        return "\n".join(["no override: nothing is sent with optimizer_step", *batches])
+    cells = [[str(row[0])] + [f"{v:.6g}" for v in row[1:]] for row in rows]
+    if batches:
+        header = [header[0], "batch:update", *header[1:]]
+        cells = [[c[0], f"{row[0] // updates_per_batch}:{row[0] % updates_per_batch}", *c[1:]] for c, row in zip(cells, rows)]
+    table = text_table(header, cells)
     phases = [f"{label}: {describe(s, detail=True)}" for label, s in plan.schedules.items()]
-    return "\n".join([table, *phases])
+    return "\n".join([table, *phases, *batches])
 
 
 _LENGTHS = {"warmup_steps": "warmup", "stable_steps": "stable", "decay_steps": "decay", "step_size": "every",

@@ -30,6 +30,9 @@ PG_LOSS = "actor/pg_loss"  # the loss: Tinker's token sum over the whole batch (
 CLIP_FRACTION = "actor/pg_clipfrac"  # share of tokens whose clipped term is the active one (ppo, cispo)
 PPO_KL = "actor/ppo_kl"  # token mean of log q - log p: the sampler/trainer mismatch, signed (k1 estimator)
 ABS_LOG_RATIO = "actor/abs_log_ratio"  # token mean of |log p - log q|: the mismatch, unsigned
+RATIO_MEAN, RATIO_MIN, RATIO_MAX = "actor/ratio_mean", "actor/ratio_min", "actor/ratio_max"  # r = p/q over the tokens
+KL_REF = "actor/kl_ref"  # token mean of the KL estimator between the policy and the initial model (ref_log_prob)
+KL_LOSS = "actor/kl_loss"  # the KL penalty's part of the loss: kl_coef x the estimator's token sum
 
 
 def importance_sampling_terms(log_prob, old_log_prob, advantages):
@@ -71,16 +74,21 @@ TOKEN_TERMS: dict[str, Callable] = {
 }
 
 
-def tinker_rl_loss(model_output, data, dp_group=None, *, loss: str, **params):
+def tinker_rl_loss(model_output, data, dp_group=None, *, loss: str, kl_coef: float = 0.0, kl_estimator: str = "k3", **params):
     """verl's loss signature: one micro batch -> (its share of the batch's token-sum loss, times dp_size; metrics).
 
     Metrics are verl ``Metric``s aggregated by SUM, each micro batch's value already divided by the batch's token
     count and multiplied by dp_size, so that verl's reduction (sum over micro batches, mean over ranks:
-    ``Metric.aggregate_dp``) gives the token-weighted figure over the whole batch.
+    ``Metric.aggregate_dp``) gives the token-weighted figure over the whole batch; the ratio's min and max are MIN /
+    MAX ``Metric``s (verl reduces those over every micro batch of every rank).
+
+    With ``ref_log_prob`` in the batch (the initial model's log-probs of the sampled tokens), the KL estimator
+    `kl_estimator` (verl's ``kl_penalty``) is logged as its token mean; with `kl_coef` > 0 the loss adds kl_coef x
+    its token sum, aggregated as the policy term is.
     """
     import torch
 
-    from verl.trainer.ppo.core_algos import agg_loss
+    from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
     from verl.utils.metric import AggregationType, Metric
     from verl.workers.utils.padding import no_padding_2_padding
 
@@ -101,18 +109,34 @@ def tinker_rl_loss(model_output, data, dp_group=None, *, loss: str, **params):
         return Metric(AggregationType.SUM, share)
 
     log_ratio = (log_prob - old_log_prob).detach()
+    ratio = torch.exp(log_ratio).double()
     metrics = {
         PG_LOSS: Metric(AggregationType.SUM, pg_loss.detach()),
         PPO_KL: batch_share(-log_ratio),
         ABS_LOG_RATIO: batch_share(log_ratio.abs()),
+        RATIO_MEAN: batch_share(ratio),
+        RATIO_MIN: Metric(AggregationType.MIN, ratio[mask].min()),  # every response has a token: never empty
+        RATIO_MAX: Metric(AggregationType.MAX, ratio[mask].max()),
     }
     if clipped is not None:
         metrics[CLIP_FRACTION] = batch_share(clipped)
-    return pg_loss, metrics
+    total = pg_loss
+    if "ref_log_prob" in data.keys():
+        ref_log_prob = data.select("ref_log_prob").to_padded_tensor()["ref_log_prob"]
+        kl = kl_penalty(log_prob, ref_log_prob, kl_penalty=kl_estimator)
+        metrics[KL_REF] = batch_share(kl)
+        if kl_coef > 0:
+            kl_loss = kl_coef * agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode="token-sum", dp_size=dp_size)
+            metrics[KL_LOSS] = Metric(AggregationType.SUM, kl_loss.detach())
+            total = pg_loss + kl_loss
+    elif kl_coef > 0:
+        raise ValueError("kl_coef > 0 needs ref_log_prob in the batch (the initial model's log-probs)")
+    return total, metrics
 
 
-def build_loss_fn(name: str, params: dict[str, Any]) -> Callable:
-    """The loss function for ``set_loss_fn``: a picklable partial of ``tinker_rl_loss`` with this loss's parameters.
+def build_loss_fn(name: str, params: dict[str, Any], kl_coef: float = 0.0, kl_estimator: str = "k3") -> Callable:
+    """The loss function for ``set_loss_fn``: a picklable partial of ``tinker_rl_loss`` with this loss's parameters
+    and the KL penalty's (rl.kl_coef, rl.kl_estimator).
 
     `params` holds exactly the loss's parameters (LOSS_PARAMS[name]); their values are the config's to check (it
     names the key as typed), so they are taken as they are.
@@ -122,7 +146,8 @@ def build_loss_fn(name: str, params: dict[str, Any]) -> Callable:
     expected, given = set(LOSS_PARAMS[name]), set(params)
     if expected != given:
         raise ValueError(f"loss {name!r} takes parameters {sorted(expected)}, got {sorted(given)}")
-    return partial(tinker_rl_loss, loss=name, **{key: float(value) for key, value in params.items()})
+    return partial(tinker_rl_loss, loss=name, kl_coef=float(kl_coef), kl_estimator=kl_estimator,
+                   **{key: float(value) for key, value in params.items()})  # fmt: skip
 
 
 def batch_metrics(metrics: dict[str, Any]) -> dict[str, float]:

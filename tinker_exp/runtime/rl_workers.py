@@ -37,8 +37,13 @@ ROLE = "actor"
 LOSS_METRICS = {
     "actor/pg_loss": "train/pg_loss",
     "actor/pg_clipfrac": "train/clip_fraction",  # ppo, cispo only
-    "actor/ppo_kl": "train/ppo_kl",
+    "actor/ppo_kl": "train/ppo_kl",  # token mean of log p_sampler - log p_trainer: KL(sampler || policy), k1
     "actor/abs_log_ratio": "train/mismatch",  # mean |log p_trainer - log p_sampler| over the response tokens
+    "actor/ratio_mean": "train/ratio_mean",  # the importance ratio p_trainer / p_sampler over the response tokens
+    "actor/ratio_min": "train/ratio_min",
+    "actor/ratio_max": "train/ratio_max",
+    "actor/kl_ref": "train/kl_ref",  # token mean of rl.kl_estimator against the initial model (with a reference)
+    "actor/kl_loss": "train/kl_loss",  # kl_coef x its token sum: train/loss = train/pg_loss + train/kl_loss
 }
 """The RL loss's metrics (runtime/rl_losses.py) -> the row's names."""
 
@@ -119,6 +124,13 @@ def _rl_worker_class():
     return TinkerExpActorWorker
 
 
+def rl_loss_fn(loss: Any, rl: Any):
+    """The run's loss function (config LossConfig, RLConfig): Tinker's loss with its parameters and the KL penalty."""
+    from tinker_exp.runtime.rl_losses import build_loss_fn
+
+    return build_loss_fn(loss.name.value, loss.params, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator)
+
+
 def actor_rollout_ref_config(sft_config: Any, backend: Any, batch_size: int, group_size: int):
     """verl's generated `actor_rollout_ref` defaults, with the SFT run's model, engine and optimizer laid over them:
     an RL run builds the model and optimizer an SFT run with the same config would."""
@@ -173,6 +185,11 @@ class RLWorkers(TinkerWorkers):
     def _init_args(self, worker_config: Any) -> dict[str, Any]:
         return {"config": worker_config, "role": ROLE}
 
+    def for_run(self, cfg: Any) -> None:
+        """A pool's group lent to another run: that run's loss (its parameters, its KL penalty) and sampling
+        temperature, installed by the fresh start that follows (`_fresh_state`), not the first run's."""
+        self.loss_fn, self.rl = rl_loss_fn(cfg.loss, cfg.rl), cfg.rl
+
     def _build_model(self) -> list:
         return self.group.execute_all_async("init_model_with_loss", self.loss_fn)
 
@@ -225,13 +242,18 @@ class RLWorkers(TinkerWorkers):
         mask = torch.zeros(len(rollouts), longest)
         old_log_probs = torch.zeros(len(rollouts), longest)
         advantages = torch.zeros(len(rollouts), longest)
+        reference = all(r.ref_log_probs is not None for r in rollouts)
+        ref_log_probs = torch.zeros(len(rollouts), longest)
         for i, rollout in enumerate(rollouts):
             n = len(rollout.response_ids)
             mask[i, :n] = 1.0
             old_log_probs[i, :n] = torch.tensor(rollout.log_probs, dtype=torch.float32)
             advantages[i, :n] = rollout.advantage
+            if reference:
+                ref_log_probs[i, :n] = torch.tensor(rollout.ref_log_probs, dtype=torch.float32)
         return tu.get_tensordict(
             tensor_dict={
+                **({"ref_log_prob": ref_log_probs} if reference else {}),  # verl's name; the loss's KL term reads it
                 "input_ids": nested(full),
                 "position_ids": nested([list(range(len(f))) for f in full]),
                 "prompts": nested([list(r.prompt_ids) for r in rollouts]),

@@ -46,13 +46,19 @@ def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
 class HFSampler:
     """A driver-side copy of the model that samples; `load` takes the workers' exported tensors."""
 
-    def __init__(self, model_path: Path, seed: int):
+    def __init__(self, model_path: Path, seed: int, reference: bool = False):
+        """`reference`: also keep a frozen copy of the initial model (the model dir's weights, the start of every
+        run, resumed, branched or pooled alike) for `reference_log_probs` (rl.kl_coef, rl.log_kl_ref)."""
+        import copy
+
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(DRIVER_THREADS)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+        self.reference = copy.deepcopy(self.model) if reference else None
+        """The initial model, never loaded into (`load` changes self.model only)."""
         self._rng = torch.Generator().manual_seed(seed).get_state()
         self.stop_ids = sorted({i for i in (self.tokenizer.eos_token_id, self._im_end()) if i is not None})
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
@@ -112,6 +118,23 @@ class HFSampler:
             text = self.tokenizer.decode(row[:length], skip_special_tokens=True)
             samples.append(Sample(row[:length], row_log_probs[:length].tolist(), text, stop_at is not None))
         return samples
+
+    def reference_log_probs(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float) -> list[list[float]]:
+        """Each response token's log-prob under the initial model, softmax(logits / temperature) as the trainer
+        computes the policy's: one forward pass of the prompt's responses, right-padded."""
+        import torch
+
+        assert self.reference is not None, "built without a reference (HFSampler(reference=True))"
+        longest = max(len(r) for r in responses)
+        prompt = list(prompt_ids)
+        ids = torch.tensor([prompt + list(r) + [self.pad_id] * (longest - len(r)) for r in responses])
+        mask = torch.tensor([[1] * (len(prompt) + len(r)) + [0] * (longest - len(r)) for r in responses])
+        with torch.no_grad():
+            logits = self.reference(ids, attention_mask=mask).logits.float()
+        # the logits at position i score token i + 1: the response's tokens are scored from the prompt's last on
+        scores = logits[:, len(prompt) - 1 : len(prompt) - 1 + longest] / temperature
+        picked = torch.log_softmax(scores, -1).gather(-1, ids[:, len(prompt) :].unsqueeze(-1)).squeeze(-1)
+        return [row[: len(r)] for row, r in zip(picked.tolist(), responses)]
 
     def prompt_log_probs(self, prompt_ids: Sequence[int]) -> list[float]:
         """Each prompt token's log-prob under the model given the tokens before it (softmax of the logits, no

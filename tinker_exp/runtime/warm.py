@@ -98,14 +98,21 @@ class WarmGroup:
         """The group for this run, in the state a cold start of it leaves: the kept one when its key matches, else a
         new one (the old freed first); what the workers print goes to the run dir from now on."""
         output = WorkerOutput(run_dir / self.workers_log, echo=cfg.verbose)
+
+        def start_fresh() -> None:
+            workers = self.prepare(cfg, plan, model_path, run_dir)
+            if hasattr(workers, "for_run"):  # an RL group: this run's loss and sampling, not the first run's
+                workers.for_run(cfg)
+            workers.start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, output)
+
         try:
-            self.prepare(cfg, plan, model_path, run_dir).start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, output)
+            start_fresh()
         except Exception as e:
             if not is_dead_worker(e):
                 raise
             log.info(f"pool: a worker had died ({type(e).__name__}); building the group again")
             self.free()
-            self.prepare(cfg, plan, model_path, run_dir).start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, output)
+            start_fresh()
         self.runs += 1
         return Lent(self.workers)
 

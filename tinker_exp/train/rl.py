@@ -1,10 +1,13 @@
 """The RL batch source and evaluation: sample groups from the current weights, reward them, advantages. Pure Python.
 
-Each step (`RLBatches.batch`): the workers export their weights into the sampler (runtime/sampler.py, behind the
-`Sampler` seam), the step's prompts (the next `rl.prompts_per_step` from the prompt cursor, shuffled each epoch with
-the run's seed) are sampled `rl.group_size` times each, every response is rewarded, and the group's advantages
-computed; the batch is the rollouts with their sampler log-probs. Its state in a checkpoint: the prompt cursor and
-the sampler's random state, so a resumed run samples what the uninterrupted run sampled.
+A sampled batch (`RLBatches.batch` at every step that is a multiple of rl.updates_per_batch, K): the workers export
+their weights into the sampler (runtime/sampler.py, behind the `Sampler` seam), the batch's prompts (the next
+`rl.prompts_per_step` from the prompt cursor, shuffled each epoch with the run's seed) are sampled `rl.group_size`
+times each, every response is rewarded, and the group's advantages computed; the batch is the rollouts with their
+sampler log-probs (and the initial model's, when the run has a KL reference). The next K - 1 optimizer steps train on
+the same rollouts: the ratio is taken against the sampler's log-probs each time. Its state in a checkpoint: the
+prompt cursor, the sampler's random state, and mid-batch the batch itself, so a resumed run samples and trains on
+what the uninterrupted run did.
 
 A step whose groups all have zero advantage (every group's rewards equal) is trained as any other: forward_backward
 (the loss and its gradient are zero) and optimizer_step with the plan's values (AdamW's moments and weight decay
@@ -16,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from tinker_exp.rl.advantages import group_advantages
@@ -34,6 +37,8 @@ class Rollout:
     """The sampler's log-prob of each response token (old_log_probs)."""
     advantage: float
     reward: float
+    ref_log_probs: list[float] | None = None
+    """The initial model's log-prob of each response token (a run with a KL reference), else None."""
 
     @property
     def input_ids(self) -> list[int]:
@@ -55,6 +60,11 @@ class Sampler(Protocol):
     def load(self, tensors: Any) -> None: ...
 
     def sample(self, prompt_ids: Sequence[int], n: int, max_new_tokens: int, temperature: float) -> list[Sampled]: ...
+
+    def reference_log_probs(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float) -> list[list[float]]:
+        """Each response token's log-prob under the initial model (softmax(logits / temperature)), whatever weights
+        the sampler has loaded since."""
+        ...
 
     def rng_state(self) -> str: ...
 
@@ -137,14 +147,55 @@ def sample_groups(
     return rollouts, samples, measured
 
 
+def with_reference(sampler: Sampler, rollouts: list[Rollout], temperature: float) -> list[Rollout]:
+    """The rollouts with the initial model's log-probs of their responses, one call per prompt's group."""
+    out: list[Rollout] = []
+    start = 0
+    while start < len(rollouts):
+        end = start
+        while end < len(rollouts) and rollouts[end].prompt_ids == rollouts[start].prompt_ids:
+            end += 1
+        group = rollouts[start:end]
+        ref = sampler.reference_log_probs(group[0].prompt_ids, [r.response_ids for r in group], temperature)
+        out += [replace(r, ref_log_probs=list(lp)) for r, lp in zip(group, ref, strict=True)]
+        start = end
+    return out
+
+
+@dataclass(frozen=True)
+class SampledBatch:
+    """A sampled batch, kept for the K - 1 optimizer steps after the one that sampled it."""
+
+    first_step: int
+    """The optimizer step that sampled it (its update 0)."""
+    rollouts: list[Rollout]
+    measured: dict[str, Any]
+    """What sampling it measured (rewards, lengths; its times are those of its first step only)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Ints and floats only: Python floats round-trip exactly through JSON (repr), so a resumed run trains on
+        the same bits."""
+        return {"first_step": self.first_step, "rollouts": [asdict(r) for r in self.rollouts], "measured": self.measured}
+
+    @classmethod
+    def from_json(cls, state: Mapping[str, Any]) -> "SampledBatch":
+        return cls(int(state["first_step"]), [Rollout(**r) for r in state["rollouts"]], dict(state["measured"]))
+
+
 class RLBatches:
-    """The BatchSource of an RL run (train/protocols.py)."""
+    """The BatchSource of an RL run (train/protocols.py). `rl.updates_per_batch` (K) optimizer steps per sampled
+    batch: a batch is sampled at each step that is a multiple of K (or when none is kept: a run branched from a
+    batch's end with another K), and kept for the steps up to the next multiple."""
 
     def __init__(self, prompts: Sequence[Prompt], weights: Weights, reward: Reward, rl: Any, max_new_tokens: int, seed: int):
         self.prompts, self.weights, self.reward = list(prompts), weights, reward
         self.rl, self.max_new_tokens, self.seed = rl, max_new_tokens, seed
         self.cursor = 0
         """How many prompts the run has taken so far."""
+        self.current: SampledBatch | None = None
+        """The batch being trained on; None before the first."""
+        self.next_step = 0
+        """The step after the last one served: a checkpoint taken now resumes there."""
 
     def attach(self, workers: Exporting) -> None:
         """The workers whose weights it samples from (they start after this source is built)."""
@@ -157,6 +208,12 @@ class RLBatches:
         return self.prompts[order[position]]
 
     def batch(self, step: int) -> Batch:
+        self.next_step = step + 1
+        if self.current is not None and step % self.rl.updates_per_batch:
+            times = {"perf/sampling_s": 0.0, "perf/weight_export_s": 0.0, "perf/sampler_load_s": 0.0}
+            if self.rl.uses_reference:
+                times["perf/reference_s"] = 0.0
+            return Batch(self.current.rollouts, {**self.current.measured, **times, "train/update": step - self.current.first_step})
         self.weights.refresh()
         prompts = [self._prompt(self.cursor + i) for i in range(self.rl.prompts_per_step)]
         self.cursor += len(prompts)
@@ -167,19 +224,30 @@ class RLBatches:
             "train/degenerate_groups": measured["degenerate_groups"],
             "train/zero_advantage_step": int(measured["all_degenerate"]),
             "train/response_length": measured["response_length"],
-            "perf/sampling_s": measured["sampling_s"],
-            "perf/weight_export_s": self.weights.export_time_s,
-            "perf/sampler_load_s": self.weights.load_time_s,
         }
-        return Batch(rollouts, row)
+        times = {"perf/sampling_s": measured["sampling_s"], "perf/weight_export_s": self.weights.export_time_s,
+                 "perf/sampler_load_s": self.weights.load_time_s}  # fmt: skip
+        if self.rl.uses_reference:
+            start = time.perf_counter()
+            rollouts = with_reference(self.weights.sampler, rollouts, self.rl.temperature)
+            times["perf/reference_s"] = time.perf_counter() - start
+        self.current = SampledBatch(step, rollouts, row)
+        return Batch(rollouts, {**row, **times, "train/update": 0})
 
     def state(self) -> dict[str, Any]:
-        return {"prompt_cursor": self.cursor, "sampler_rng": self.weights.sampler.rng_state()}
+        """The prompt cursor and the sampler's random state; mid-batch (the next step trains on the kept batch),
+        the batch too."""
+        state: dict[str, Any] = {"prompt_cursor": self.cursor, "sampler_rng": self.weights.sampler.rng_state()}
+        if self.current is not None and self.next_step % self.rl.updates_per_batch:
+            state["batch"] = self.current.to_json()
+        return state
 
     def restore(self, state: Mapping[str, Any]) -> None:
+        """A checkpoint's state ({} at step 0); a checkpoint at a batch's end holds no batch: the next step samples."""
         if state:
             self.cursor = int(state["prompt_cursor"])
             self.weights.sampler.set_rng_state(state["sampler_rng"])
+        self.current = SampledBatch.from_json(state["batch"]) if state.get("batch") else None
 
 
 class RLEvaluation:
