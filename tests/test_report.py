@@ -291,8 +291,9 @@ def study_dir(tmp_path: Path) -> tuple[Path, object]:
 
 
 def test_a_studys_picture_plots_the_objective_against_each_parameter_with_the_best_ringed(tmp_path):
-    import matplotlib.pyplot as plt
+    from tinker_exp.sweep.report import _pyplot
 
+    plt = _pyplot()  # the backend chosen as every picture chooses it (Agg), before the style is read
     sweep, study = study_dir(tmp_path)
     style = dict(plt.rcParams)
     with warnings.catch_warnings(record=True) as caught:
@@ -425,7 +426,7 @@ def test_a_path_that_is_not_a_run_dir_is_one_line_and_exit_2(tmp_path):
         assert (result.returncode, result.stdout, result.stderr) == (2, "", f"tinker_exp.report: {message}\n")
 
 
-def test_a_study_over_a_choice_rings_the_best_on_the_numeric_axes_and_one_parameter_keeps_our_title(tmp_path):
+def test_a_study_over_a_choice_rings_the_best_on_each_axis_and_one_parameter_keeps_our_title(tmp_path):
     import optuna
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
@@ -440,13 +441,42 @@ def test_a_study_over_a_choice_rings_the_best_on_the_numeric_axes_and_one_parame
         warnings.simplefilter("error")  # Optuna's ExperimentalWarning is silenced where the picture is built
         fig = draw_study(study, "study")
     rings = {ax.get_xlabel(): [c for c in ax.collections if c.get_label().startswith("best:")] for ax in fig.axes if ax.get_xlabel()}
-    assert {name: len(found) for name, found in rings.items()} == {"optimizer.name": 0, "trainer.batch_size": 1}
+    ticks = {t.get_text(): t.get_position()[0] for t in next(ax for ax in fig.axes if ax.get_xlabel() == "optimizer.name").get_xticklabels()}
+    assert {name: [tuple(p) for p in ring.get_offsets()] for name, (ring,) in rings.items()} == {
+        "optimizer.name": [(ticks["'sgd'"], 0.5)], "trainer.batch_size": [(4.0, 0.5)]}  # the lowest: minimised
 
     single = optuna.create_study(storage=f"sqlite:///{tmp_path / 'optuna.db'}", study_name="one parameter")
     single.tell(single.ask({"optimizer.lr": FloatDistribution(1e-4, 1e-2)}), 3.0)
     single.tell(single.ask({"optimizer.lr": FloatDistribution(1e-4, 1e-2)}), 2.0)
     fig = draw_study(single, "study of one")
     assert "Slice Plot" not in texts(fig) and fig._suptitle.get_text().startswith("study of one\n")
+
+
+def test_a_choice_of_numbers_is_ringed_at_its_tick_and_a_choice_only_pruned_trials_drew_gets_one():
+    """choice(1e-6, 3e-2) (Optuna draws a choice on a categorical axis, numbers too): two completed trials drew 3e-2
+    and one pruned trial 1e-6. The best is ringed on its point (its tick, not x = 0.03 off to the side), and the
+    pruned trial's choice gets a tick of its own (it had none: not drawn at 1e-6, beside 3e-2's tick)."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import TrialState
+
+    space = {"override.lr": CategoricalDistribution([1e-6, 3e-2])}
+    study = optuna.create_study(direction="maximize")
+    for lr, reward, state in ((3e-2, 0.27, TrialState.COMPLETE), (1e-6, 0.04, TrialState.PRUNED), (3e-2, 0.27, TrialState.COMPLETE)):
+        study.add_trial(optuna.trial.create_trial(params={"override.lr": lr}, distributions=space, value=reward, state=state,
+                                                  intermediate_values={1: reward}))  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of equal x limits: one value on the axis
+        fig = draw_study(study, "study s")
+    (ax,) = [ax for ax in fig.axes if ax.get_xlabel() == "override.lr"]
+    ticks = {t.get_text(): t.get_position()[0] for t in ax.get_xticklabels()}
+    (ring,) = [c for c in ax.collections if c.get_label().startswith("best:")]
+    (cross,) = [c for c in ax.collections if c.get_gid() == "pruned"]
+    assert [tuple(p) for p in ring.get_offsets()] == [(ticks["0.03"], 0.27)]
+    assert [tuple(p) for p in cross.get_offsets()] == [(ticks["1e-06"], 0.04)] and ticks["1e-06"] != ticks["0.03"]
+    low, high = ax.get_xlim()
+    assert low < min(ticks.values()) and max(ticks.values()) < high
+    fig.canvas.draw()
 
 
 def test_a_job_that_logged_no_step_is_named_in_the_title_and_still_labels_the_others(tmp_path):

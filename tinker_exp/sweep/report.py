@@ -553,8 +553,9 @@ def draw_study(study: Any, title: str) -> Figure | None:
     # Optuna sets its own style (ggplot) for good: the rc context keeps it to this figure, not the next report's.
     with warnings.catch_warnings(), matplotlib.rc_context():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # "experimental": not in the log
-        if len(complete) == 1:  # one point: Optuna's x limits are equal (matplotlib warns); set to the range below
-            warnings.filterwarnings("ignore", message="Attempting to set identical low and high xlims", category=UserWarning)
+        # One distinct value on an axis (one trial, or a choice that every trial drew alike): Optuna's x limits are
+        # equal and matplotlib widens them, warning; one trial's axes are set to the searched range below.
+        warnings.filterwarnings("ignore", message="Attempting to set identical low and high xlims", category=UserWarning)
         axes = optuna.visualization.matplotlib.plot_slice(study)
     axes_list = list(getattr(axes, "flat", [axes]))
     if len(complete) == 1:
@@ -566,17 +567,21 @@ def draw_study(study: Any, title: str) -> Figure | None:
     for ax in axes_list:
         ax.set_title("")  # one parameter: Optuna's "Slice Plot" over our title
         name = ax.get_xlabel()
-        value = best.params.get(name)
-        if _finite(value):  # a categorical axis places its values by Optuna's own mapping: not ringed
-            ax.scatter([value], [best.value], s=160, facecolors="none", edgecolors="red", linewidths=2, zorder=5,
+        # A choice (numbers too) sits at its tick on a categorical axis, as Optuna places it; a range at its value.
+        categorical = isinstance(best.distributions.get(name), optuna.distributions.CategoricalDistribution)
+        if categorical:  # a choice only pruned trials drew has no tick of Optuna's: one is added after the others
+            _add_choices(ax, [t.params[name] for t in pruned if name in t.params])
+        at = _place(ax, best.params.get(name), categorical)
+        if at is not None:
+            ax.scatter([at], [best.value], s=160, facecolors="none", edgecolors="red", linewidths=2, zorder=5,
                        label=f"best: trial {best.number}")  # fmt: skip
             ringed.append(ax)
-        places = [(_place(ax, t.params[name]), t.value) for t in pruned if name in t.params]
+        places = [(_place(ax, t.params[name], categorical), t.value) for t in pruned if name in t.params]
         places = [(x, y) for x, y in places if x is not None]
         if places:
             ax.scatter(*zip(*places), marker="x", s=45, color="0.35", linewidths=1.6, zorder=4, gid="pruned")
             crossed = True
-            if _finite(value):  # Optuna fixed the limits to the completed trials': widened to hold the pruned too
+            if not categorical:  # Optuna fixed the limits to the completed trials': widened to hold the pruned too
                 _widen(ax, [x for x, _ in places])
         if ax.get_xscale() == "log":
             _readable_log_ticks(ax)
@@ -622,14 +627,26 @@ def _widen(ax: Any, xs: Sequence[float]) -> None:
         ax.set_xlim(low - pad, high + pad)
 
 
-def _place(ax: Any, value: Any) -> float | None:
-    """Where a parameter's value sits on its axis: a number at itself, a choice at its tick (Optuna's labels)."""
-    if _finite(value):
-        return float(value)
+def _place(ax: Any, value: Any, categorical: bool) -> float | None:
+    """Where a parameter's value sits on its axis: a number of a range at itself, a choice at its tick (Optuna's
+    labels); None for a choice no completed trial drew (Optuna gave it no tick)."""
+    if not categorical:
+        return float(value) if _finite(value) else None
     for tick, text in zip(ax.get_xticks(), ax.get_xticklabels()):
         if text.get_text() in (str(value), repr(value)):
             return float(tick)
     return None
+
+
+def _add_choices(ax: Any, values: Sequence[Any]) -> None:
+    """Ticks for the choices among `values` that a categorical axis lacks (Optuna labels a choice by its repr)."""
+    ticks, labels = list(ax.get_xticks()), [text.get_text() for text in ax.get_xticklabels()]
+    missing = list(dict.fromkeys(repr(v) for v in values if repr(v) not in labels and str(v) not in labels))
+    if not missing:
+        return
+    ticks += [float(len(ticks) + i) for i in range(len(missing))]
+    ax.set_xticks(ticks, labels + missing)
+    ax.set_xlim(-0.5, len(ticks) - 0.5)
 
 
 def _readable_log_ticks(ax: Any) -> None:
