@@ -89,8 +89,6 @@ def test_on_one_sampled_batch_the_losses_agree_on_policy_and_part_once_the_ratio
         assert updates[a][1].grad_norm != pytest.approx(updates[b][1].grad_norm, rel=1e-3), (a, b)
     apart = {(a, b): max((weights[a][k] - weights[b][k]).abs().max().item() for k in weights[a])
              for i, a in enumerate(LOSSES) for b in LOSSES[i + 1 :]}  # fmt: skip
-    print({name: [(round(u.loss, 4), round(u.grad_norm, 3), round(u.metrics.get("train/clip_fraction", 0), 3)) for u in steps]
-           for name, steps in updates.items()}, apart)  # fmt: skip
     assert all(value > 1e-5 for value in apart.values()), apart
 
 

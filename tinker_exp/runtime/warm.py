@@ -101,8 +101,7 @@ class WarmGroup:
 
         def start_fresh() -> None:
             workers = self.prepare(cfg, plan, model_path, run_dir)
-            if hasattr(workers, "for_run"):  # an RL group: this run's loss and sampling, not the first run's
-                workers.for_run(cfg)
+            workers.for_run(cfg)  # an RL run's own loss, not the first run's
             workers.start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, output)
 
         try:

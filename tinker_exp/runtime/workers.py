@@ -478,6 +478,10 @@ class TinkerWorkers:
         """A pool's group, once built (after ready()): every rank keeps the start each later run restores."""
         self.group.keep_initial_state()
 
+    def for_run(self, cfg: Any) -> None:
+        """A pool's group lent to another run: what that run sets beyond the group's key (an RL run's loss), taken
+        by the fresh start that follows; an SFT run sets nothing more."""
+
     def start_fresh(self, optimizer: OptimizerConfig, trainer: TrainerConfig, optimizer_values: dict[str, Any], output: WorkerOutput) -> None:
         """A new run on these workers (a pool's): what they print from now on goes to `output`; each rank's engine
         as a cold start with this run's optimizer and seed leaves it (runtime/workers.py `fresh_engine`)."""

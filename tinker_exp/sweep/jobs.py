@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from tinker_exp.formats import read_jsonl, text_table
 from tinker_exp.sweep.slurm import Settling
-from tinker_exp.train.objective import higher_is_better, ranking_key, read_run_end
+from tinker_exp.train.objective import ranking_key, read_run_end, was_maximised
 
 # What Slurm tells a job about itself (sbatch / srun set these in the job's environment).
 SLURM_VARIABLES = {
@@ -112,8 +112,8 @@ def read_outcome(
 ) -> JobOutcome:
     """What a job left in its run dir (whatever it got to before it ended), and the objective it returned."""
     outcome = JobOutcome(num, list(overrides), status, str(run_dir), error, job_id, objective=objective)
-    outcome.higher_is_better = higher_is_better(run_dir)
     end = read_run_end(run_dir)
+    outcome.higher_is_better = was_maximised(end)
     outcome.metric, outcome.mode = end.get("metric"), end.get("mode")
     job = run_dir / JOB_FILE
     try:

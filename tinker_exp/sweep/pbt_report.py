@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from tinker_exp.formats import read_json, read_jsonl, text_table
 from tinker_exp.sweep.jobs import objective_header, write_summary_files
-from tinker_exp.train.objective import higher_is_better, ranking_key
+from tinker_exp.train.objective import ranking_key, was_maximised
 from tinker_exp.sweep.report import LINE_WIDTH, BEST_LINE_WIDTH, display_name  # noqa: F401 (display_name: the sweeper's)
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def read_member(member: int, start: Mapping[str, Any], run_dir: Path, objective:
     end = read_json(run_dir / "objective.json") or {}
     found.metric = end["metric"] if isinstance(end.get("metric"), str) else DEFAULT_METRIC
     found.mode = end.get("mode")
-    found.higher_is_better = higher_is_better(run_dir)
+    found.higher_is_better = was_maximised(end)
     metrics = run_dir / "metrics.jsonl"
     found.steps = len(read_jsonl(metrics)) if metrics.exists() else 0
     rows = run_dir / POPULATION_ROWS

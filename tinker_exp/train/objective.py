@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from tinker_exp.config import Config
 from tinker_exp.errors import ConfigError
@@ -87,11 +87,10 @@ def read_run_end(run_dir: Path) -> dict[str, Any]:
     return read_json(run_dir / OBJECTIVE_FILE) or {}
 
 
-def higher_is_better(run_dir: Path) -> bool:
-    """Whether the run's objective was maximised (objective.json; a file from before "maximised": its mode max): a
-    sweep's summary ranks its runs by it."""
-    doc = read_run_end(run_dir)
-    return bool(doc.get("maximised", doc.get("mode") == "max"))
+def was_maximised(end: Mapping[str, Any]) -> bool:
+    """Whether a run's objective was maximised, as its objective.json (`end`) says (a file from before "maximised":
+    its mode max): the summaries and report.png rank runs by it."""
+    return bool(end.get("maximised", end.get("mode") == "max"))
 
 
 def ranking_key(objective: float | None, higher: bool) -> float:
