@@ -132,7 +132,7 @@ def warm_pool(cfg: Config, start: StartPoint, start_workers: StartWorkers | None
     from tinker_exp.pool.client import Cold, attach
 
     cold = cfg.dry_run or start.complete or start_workers is not None or cfg.backend.nodes > 1
-    pool = Cold() if cold else attach(cfg.backend.pool)
+    pool = Cold() if cold else attach(cfg)
     try:
         yield pool
     finally:

@@ -338,8 +338,10 @@ class BackendConfig:
             )
         if self.nodes_timeout_s <= 0:
             raise ConfigError(f"backend.nodes_timeout_s: must be > 0, got {self.nodes_timeout_s!r}")
-        if not self.pool:
-            raise ConfigError("backend.pool: empty; auto, none or a pool's address")
+        if self.pool not in ("auto", "none") and not self.pool.startswith("${") and "/" not in self.pool and not self.pool.endswith(".sock"):
+            meant = f"; did you mean {self.pool.lower()}?" if self.pool.lower() in ("auto", "none") else ""
+            raise ConfigError(f"backend.pool={self.pool}: not one of auto, none or a pool's socket path (a path with a "
+                              f"'/' or ending in .sock){meant}")  # fmt: skip
         if self.pool not in ("auto", "none") and self.nodes > 1:
             raise ConfigError(f"backend.pool={self.pool}: a pool holds workers on its own machine; a run over backend.nodes={self.nodes} starts cold (backend.pool=auto or none)")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:
