@@ -108,7 +108,10 @@ def private_folder_problem(folder: Path) -> str | None:
 
 def socket_problem(address: Path) -> str | None:
     """Why the socket at `address` is not to be trusted, before connecting: its folder is not this user's private
-    folder, or the socket is another user's. None: nothing to say (no socket there is the connect's error)."""
+    folder, or the socket is another user's. None: nothing to say (no folder or no socket there: the connect's
+    error, no pool)."""
+    if not os.path.lexists(address.parent):
+        return None
     problem = private_folder_problem(address.parent)
     if problem:
         return problem
