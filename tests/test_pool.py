@@ -134,6 +134,20 @@ def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_pa
         assert (tmp_path / "warm" / adapter).read_bytes() == (tmp_path / "cold" / adapter).read_bytes()
 
 
+def test_a_warm_run_uses_the_reward_file_as_it_is_now(pool, tmp_path):
+    """The user's reward, imported from the client's folder at each run: edited between two warm runs (0.0 -> 1.0),
+    the second run's reward is the new one (the RL group of the test above is kept: no new build)."""
+    rl = ["env=digits", "loss=importance_sampling", "trainer.steps=1", "logger=none", "env.reward=my_pool_reward:reward"]
+    rewards = []
+    for value in (0.0, 1.0):
+        (tmp_path / "my_pool_reward.py").write_text(f"def reward(row, response):\n    return {value}\n")
+        run_dir = tmp_path / f"run_{value}"
+        result = run_cli(*rl, f"hydra.run.dir={run_dir}", env=pool, cwd=tmp_path)
+        assert result.returncode == 0 and "pool: training on the warm workers of" in result.stdout, result.stderr[-3000:]
+        rewards.append(metrics_rows(run_dir)[0]["train/reward"])
+    assert rewards == [0.0, 1.0]
+
+
 @pytest.mark.real  # a pool process (torch, verl and Ray imported; no workers)
 def test_a_silent_client_loses_its_lease_and_a_pool_left_idle_ends_by_itself(tmp_path, monkeypatch):
     """A client that leases the pool and then says nothing (stopped, hung) does not hold it: after the lease timeout

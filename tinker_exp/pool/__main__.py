@@ -174,7 +174,7 @@ def down(address: Path) -> int:
     if pid is None:
         print(f"no pool is up at {address}")
     else:
-        print(f"pool down (pid {pid})" if not Path(f"/proc/{pid}").exists() else f"pool (pid {pid}) still ending")
+        print(f"pool down (pid {pid})" if not wire.alive(pid) else f"pool (pid {pid}) still ending")
     return 0
 
 

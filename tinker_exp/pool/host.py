@@ -486,22 +486,14 @@ def descendant_pids(pid: int) -> list[int]:
 def ended_all(pids: list[int], grace_s: float = 5.0) -> None:
     """Those of `pids` still running after `grace_s` (Ray's own shutdown had them end) are killed."""
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+    while time.monotonic() < deadline and any(wire.alive(pid) for pid in pids):
         time.sleep(0.1)
     for pid in pids:
-        if alive(pid):
+        if wire.alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def warm_imports() -> None:

@@ -88,7 +88,7 @@ def end(address: Path, process: subprocess.Popen | None = None, wait_s: float = 
             process.kill()
         return pid
     deadline = time.monotonic() + wait_s
-    while pid is not None and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+    while pid is not None and wire.alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     return pid
 

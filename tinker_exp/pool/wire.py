@@ -182,6 +182,15 @@ def holder_of(address: Path) -> int | None:
         return None
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet waited for, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 def log_of(address: Path) -> Path:
     """The pool's own log (its start, its groups, its end): beside its socket."""
     return address.with_suffix(".log")
