@@ -251,10 +251,12 @@ def listen_as_another_user(socket_path: Path, ready_w: int, done_r: int, out_w: 
     server.settimeout(0.1)
     os.write(ready_w, b"1")
     accepted = size = 0
-    while not select.select([done_r], [], [], 0)[0]:  # until the test has looked
+    while True:
         try:
             conn, _ = server.accept()
-        except OSError:
+        except OSError:  # none waiting: done once the test has looked
+            if select.select([done_r], [], [], 0)[0]:
+                break
             continue
         accepted += 1
         conn.settimeout(5.0)
