@@ -225,13 +225,23 @@ class ServeWorkers(TinkerWorkers):
 
 def vocabulary_size(model_path: Path) -> int:
     """The model's embedding rows: token ids at or beyond it are refused before they reach a worker."""
+    return _model_setting(model_path, "vocab_size")
+
+
+def model_positions(model_path: Path) -> int:
+    """The model's positions (max_position_embeddings): a longer sequence is refused before it reaches a worker."""
+    return _model_setting(model_path, "max_position_embeddings")
+
+
+def _model_setting(model_path: Path, name: str) -> int:
+    """An integer of the model's config.json (transformers' AutoConfig where the file does not say)."""
     import json
 
     config = Path(model_path) / "config.json"
     if config.is_file():
-        size = json.loads(config.read_text()).get("vocab_size")
-        if isinstance(size, int):
-            return size
+        value = json.loads(config.read_text()).get(name)
+        if isinstance(value, int):
+            return value
     from transformers import AutoConfig
 
-    return int(AutoConfig.from_pretrained(model_path).vocab_size)
+    return int(getattr(AutoConfig.from_pretrained(model_path), name))
