@@ -403,12 +403,12 @@ def test_a_batch_of_several_chunks_equals_the_same_batch_sent_as_one_request(ser
     assert sent.status_code == 200, sent.text
     whole = deserialize_forward_backward_output(retrieved(server, sent.json()["request_id"]).content)
     whole_norm = client.optim_step(still).result().metrics["grad_norm"]
-    config.fwdbwd_max_chunk_len = CHUNK_DATUMS // 4
+    client.holder._client_config = config.model_copy(update={"fwdbwd_max_chunk_len": CHUNK_DATUMS // 4})
     try:
         assert [len(chunk.data) for chunk in client._chunked_requests_generator(data)] == [10, 10, 5]
         chunked = client.forward_backward(data, "cross_entropy").result()
     finally:
-        config.fwdbwd_max_chunk_len = CHUNK_DATUMS
+        client.holder._client_config = config
     chunked_norm = client.optim_step(still).result().metrics["grad_norm"]
     assert abs(chunked.metrics["loss:sum"] - whole.metrics["loss:sum"]) <= 1e-5 * abs(whole.metrics["loss:sum"])
     assert len(logprobs_of(chunked)) == len(data) == len(logprobs_of(whole))

@@ -207,6 +207,84 @@ def test_a_session_whose_heartbeats_stopped_releases_its_model(tmp_path):
     assert not made.heartbeat(first.session_id)
 
 
+class FakeSampler:
+    """The driver's sampler, as bookkeeping: a snapshot's weights are a number (the model's step when saved); a
+    sample answers with them as its token."""
+
+    positions = 64
+
+    def __init__(self):
+        self.loaded = None
+
+    @staticmethod
+    def write(workers, folder, lora_rank: int) -> None:
+        (folder / "step").write_text(str(workers.step))
+
+    @staticmethod
+    def weights(folder) -> dict:
+        return {"step": int((folder / "step").read_text())}
+
+    def use(self, key, tensors) -> None:
+        self.loaded = tensors() if callable(tensors) else tensors
+
+    def sample(self, prompt, n, max_tokens, temperature, seed, **limits) -> list:
+        from tinker_exp.runtime.sampler import Sample
+
+        return [Sample([self.loaded["step"]], [0.0], "", False) for _ in range(n)]
+
+
+def test_a_sample_accepted_before_saves_drop_its_snapshot_samples_its_weights(tmp_path):
+    """Unnamed snapshots beyond SNAPSHOTS_KEPT are dropped; a sample accepted while its snapshot was kept holds its
+    weights, even when the saves queued before it drop the snapshot (the issue: a TypeError from the workers'
+    reload of None); one sent after the drop is the documented one-line 400."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    from tinker_exp.serve.app import SNAPSHOTS_KEPT
+
+    sampler = FakeSampler()
+    made = Server("tiny-llama", lambda rank: FakeWorkers(rank), dict, lambda folder, first_step: None, lambda *a: {},
+                  tmp_path, lambda: sampler)
+    model = claimed(made)
+    model.workers.step = 0
+
+    def snapshot(seq_id: int) -> str:
+        request_id = made.save_for_sampler({"model_id": model.model_id, "seq_id": seq_id, "sampling_session_seq_id": seq_id})[0]
+        return request_id
+
+    first = result(made, snapshot(1))["sampling_session_id"]
+    sample = {"sampling_session_id": first, "num_samples": 1, "prompt": {"chunks": [{"tokens": [1]}]},
+              "sampling_params": {"max_tokens": 1}}
+    gate = threading.Event()
+    made.submit(gate.wait)  # the work thread busy: what follows is queued, in order
+    model.workers.step = 7  # the later snapshots' weights
+    saves = [snapshot(seq_id) for seq_id in range(2, 2 + SNAPSHOTS_KEPT)]
+    accepted = made.sample(sample)[0]  # its snapshot is still kept: accepted, queued behind the saves
+    gate.set()
+    for save in saves:
+        result(made, save)
+    assert made.sampling_sessions[first]["weights"] is None  # dropped by the saves queued before the sample
+    response = pb.SampleResponse()
+    response.ParseFromString(result(made, accepted))
+    assert list(__import__("numpy").frombuffer(response.sequences[0].tokens, dtype="int32")) == [0]  # its own weights
+    with pytest.raises(BadRequest, match=f"^sampling_session_id: '{first}': its weights were dropped \\(the server keeps "
+                                         f"the last {SNAPSHOTS_KEPT} unnamed snapshots"):
+        made.sample(sample)
+
+
+def test_a_run_dir_that_is_a_file_is_one_line_and_nothing_is_written(tmp_path):
+    from helpers import run_module
+
+    taken = tmp_path / "taken"
+    taken.write_text("a file\n")
+    for run_dir, where in ((taken, ""), (taken / "sub", f": {str(taken)!r}")):
+        done = run_module("tinker_exp.serve", f"serve.run_dir={run_dir}", timeout=120)
+        assert done.returncode == 2 and done.stderr.splitlines() == [
+            f"tinker_exp: config error: serve.run_dir: {str(run_dir)!r}{where} is a file, not a folder; give a folder "
+            "(it is made if it does not exist)"], done.stderr
+        assert not done.stdout
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["taken"] and taken.read_text() == "a file\n"
+
+
 @pytest.mark.parametrize("value", ["0", "many"])
 def test_a_chunk_length_that_is_not_a_count_is_one_line_before_anything_starts(tmp_path, value):
     from helpers import run_module

@@ -758,6 +758,18 @@ class LimitedBody:
         return await self.app(scope, counted, send)
 
 
+def bad_request_in(error: BaseException) -> BadRequest | None:
+    """The BadRequest `error` is or holds (Starlette's middleware raises what its receive raised in an
+    ExceptionGroup)."""
+    if isinstance(error, BadRequest):
+        return error
+    for inner in getattr(error, "exceptions", ()):
+        found = bad_request_in(inner)
+        if found is not None:
+            return found
+    return None
+
+
 def build_app(server: Server, api_key: str = ""):
     """The FastAPI app over `server`: each route parses, checks, and answers (a future, or the value itself).
     `api_key`: the key every request must carry as X-API-Key (compared in constant time); empty: any tml- key."""
@@ -821,10 +833,11 @@ def build_app(server: Server, api_key: str = ""):
             return refused(message)
         try:
             return await call_next(request)
-        except BadRequest as error:  # a body past the limit without a Content-Length (LimitedBody)
-            said_refused(request, 400, str(error))
-            return refused(str(error))
         except Exception as error:  # a fault of the server's own: one line each to the client and the terminal
+            too_large = bad_request_in(error)
+            if too_large is not None:  # a body past the limit without a Content-Length (LimitedBody)
+                said_refused(request, 400, str(too_large))
+                return refused(str(too_large))
             server.keep_traceback(request.url.path)  # the traceback: into the run dir
             message = [line for line in f"{type(error).__name__}: {error}".splitlines() if line.strip()][-1]
             server.say(f"tinker_exp.serve: {request.url.path.removeprefix('/api/v1/')}: failed: {message} (traceback "
