@@ -814,13 +814,17 @@ def test_a_sample_queued_behind_saves_that_drop_its_snapshot_samples_its_weights
     from tinker_exp.serve.app import SNAPSHOTS_KEPT
 
     client = trained["client"]
-    sampler = client.save_weights_and_get_sampling_client()
+    sampler = client.save_weights_and_get_sampling_client().result()
     prompt, params = types.ModelInput.from_ints([1, 2, 3]), types.SamplingParams(max_tokens=4, seed=11)
     want = sampler.sample(prompt, 2, params).result()
     # the work thread kept busy by a forward pass of 40 long datums while the saves and the sample arrive
     blocker, *seq_ids = reserved_seq_ids(client, 1 + SNAPSHOTS_KEPT)
-    busy = post(server, "forward_backward", forward_backward_body(
-        client, [datum([(7 + i + j) % 300 for i in range(200)]) for j in range(CHUNK_DATUMS)], blocker), "application/x-protobuf")
+    from tinker.proto import tinker_public_pb2
+
+    forward = tinker_public_pb2.ForwardBackwardRequest.FromString(forward_backward_body(
+        client, [datum([(7 + i + j) % 300 for i in range(200)]) for j in range(CHUNK_DATUMS)], blocker))
+    forward.forward_only = True  # no gradient left behind for the tests after this one
+    busy = post(server, "forward_backward", forward.SerializeToString(), "application/x-protobuf")
     saves = [post(server, "save_weights_for_sampler", {"model_id": trained["model_id"], "seq_id": seq_id,
                                                        "sampling_session_seq_id": 1000 + seq_id}) for seq_id in seq_ids]
     got = sampler.sample(prompt, 2, params).result()  # queued after the saves: its snapshot is dropped before it runs

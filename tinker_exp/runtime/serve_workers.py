@@ -223,6 +223,23 @@ class ServeWorkers(TinkerWorkers):
         )
 
 
+def start_served_ray(ray_address: str | None, device: str) -> None:
+    """Ray for the server, from its main thread before it listens: a new local cluster (`ray_address` None) or the
+    one named. The worker groups join it (none owns it); stop_served_ray ends it when the server stops."""
+    from tinker_exp.runtime.ray_cluster import start_ray
+    from tinker_exp.runtime.workers import platform_env, use_platform
+
+    use_platform(device)
+    start_ray(ray_address, platform_env(device))
+
+
+def stop_served_ray() -> None:
+    """The daemons and agents the server's Ray started stop with it (a cluster it joined: disconnected)."""
+    import ray
+
+    ray.shutdown()
+
+
 def vocabulary_size(model_path: Path) -> int:
     """The model's embedding rows: token ids at or beyond it are refused before they reach a worker."""
     return _model_setting(model_path, "vocab_size")

@@ -242,11 +242,9 @@ def main(args: list[str]) -> None:
                     serve.max_chunk_datums, vocab_size=vocabulary_size(model_path), tokenizer_id=str(model_path.resolve()),
                     positions=model_positions(model_path), max_num_samples=serve.max_num_samples,
                     max_body_bytes=serve.max_body_bytes)
-    import ray
     import uvicorn
 
-    from tinker_exp.runtime.ray_cluster import start_ray
-    from tinker_exp.runtime.workers import platform_env, use_platform
+    from tinker_exp.runtime.serve_workers import start_served_ray, stop_served_ray
 
     Stopped.watch()  # from here SIGTERM is Stopped: Ray's daemons, once started, are stopped below
     stopped = held = None
@@ -254,8 +252,7 @@ def main(args: list[str]) -> None:
         # Ray from this (the main) thread, once: the worker groups join it, and it is shut down here when the server
         # stops. Started by the first model's build (the work thread), its signal handling was not set up (SIGTERM:
         # exit 134 or no stopped line) and its agents outlived the server.
-        use_platform(choice.device)
-        start_ray(cfg.backend.ray_address, platform_env(choice.device))
+        start_served_ray(cfg.backend.ray_address, choice.device)
         host, port = listener.getsockname()[:2]
         access = "requests must carry its key" if serve.api_key else "no key: any local user can reach it"
         print(f"tinker_exp.serve: serving {model_name} on http://{host}:{port} (run dir {run_dir}; {access})", flush=True)
@@ -271,7 +268,7 @@ def main(args: list[str]) -> None:
             if wandb is not None:  # the server stopped (Ctrl-C, SIGTERM): its W&B run ends
                 wandb.close()
         finally:
-            ray.shutdown()  # the daemons this server started (a cluster it joined: disconnected)
+            stop_served_ray()
     if stopped is not None:
         why, code = ("Ctrl-C", 130) if isinstance(stopped, KeyboardInterrupt) else ("SIGTERM", 143)
         print(f"tinker_exp.serve: stopped ({why}); " + (f"model {held}'s workers freed" if held else "no model held"),

@@ -758,13 +758,13 @@ class LimitedBody:
         return await self.app(scope, counted, send)
 
 
-def bad_request_in(error: BaseException) -> BadRequest | None:
-    """The BadRequest `error` is or holds (Starlette's middleware raises what its receive raised in an
+def bad_request_in(error: BaseException, kind: type = BadRequest) -> BaseException | None:
+    """The BadRequest (or `kind`) `error` is or holds (Starlette's middleware raises what its receive raised in an
     ExceptionGroup)."""
-    if isinstance(error, BadRequest):
+    if isinstance(error, kind):
         return error
     for inner in getattr(error, "exceptions", ()):
-        found = bad_request_in(inner)
+        found = bad_request_in(inner, kind)
         if found is not None:
             return found
     return None
@@ -777,6 +777,7 @@ def build_app(server: Server, api_key: str = ""):
 
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
+    from starlette.requests import ClientDisconnect
 
     app = FastAPI()
     expected = api_key.encode()
@@ -838,6 +839,8 @@ def build_app(server: Server, api_key: str = ""):
             if too_large is not None:  # a body past the limit without a Content-Length (LimitedBody)
                 said_refused(request, 400, str(too_large))
                 return refused(str(too_large))
+            if bad_request_in(error, ClientDisconnect) is not None:  # the client went away: no one to answer
+                return Response(status_code=499)
             server.keep_traceback(request.url.path)  # the traceback: into the run dir
             message = [line for line in f"{type(error).__name__}: {error}".splitlines() if line.strip()][-1]
             server.say(f"tinker_exp.serve: {request.url.path.removeprefix('/api/v1/')}: failed: {message} (traceback "
