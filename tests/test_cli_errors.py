@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -308,3 +309,39 @@ def test_the_help_sections_are_built_only_when_the_help_is_printed(argv, shown):
         assert (cli_help.help_section("overrides") != "") is shown
     finally:
         cli_help.SHOWN = False
+
+
+def refused_on_the_run_path(given: Path) -> dict[str, tuple[list[str], str]]:
+    """A command refused at each stage of a run's path, with the start of its one line: composing, the config's
+    checks, the data, the start point, the pool, the device, the model's LoRA targets, tokenizing, the run dir."""
+    bad_rows = given / "bad.jsonl"
+    bad_rows.write_text('{"prompt": "a", "response": "b"}\n{"prompt": 1}\n')
+    a_file = given / "a_file"
+    a_file.write_text("")
+    return {
+        "a misspelled key": (["trainer.stpes=3"], "config error: trainer.stpes: trainer has no key stpes"),
+        "a bad value": (["optimizer.lr=-1"], "config error: optimizer.lr: must be >= 0"),
+        "a bad row": ([f"data.path={bad_rows}"], f"config error: data.path: {bad_rows}:2: "),
+        "no checkpoint": (["resume=must"], "config error: resume=must, but there is no checkpoint in "),
+        "no pool there": ([f"backend.pool={given / 'no.sock'}"], f"config error: backend.pool={given / 'no.sock'}: no pool answers there"),
+        "a GPU-only setting on cpu": (["backend.attention=flash_attention_2", "backend.device=cpu"],
+                                      "config error: backend.attention=flash_attention_2: it runs only for bf16 on a GPU"),  # fmt: skip
+        "a LoRA target the model lacks": (["lora=r8", "lora.target_modules=[nope]"], "config error: lora.target_modules: 'nope' matches no module"),
+        "a row too long": (["data.truncation=error", "data.max_length=8"], "config error: data.path: "),
+        "a run dir below a file": ([f"hydra.run.dir={a_file}/run"], f"config error: hydra.run.dir={a_file}/run: {a_file} is a file, not a folder"),
+    }
+
+
+def test_a_refused_command_writes_nothing_anywhere(tmp_path):
+    """Each command, typed in an empty folder with Hydra's default run dir (outputs/runs/DATE/TIME) and W&B on: exit
+    2, one line, no traceback, and not a file or folder made below that folder (no outputs/, no W&B dir, no log)."""
+    given, cwd = tmp_path / "given", tmp_path / "cwd"
+    given.mkdir()
+    cwd.mkdir()
+    for what, (args, line) in refused_on_the_run_path(given).items():
+        result = run_cli(*args, "logger=wandb", cwd=cwd)
+        assert result.returncode == 2, (what, result.stderr[-3000:])
+        (said,) = [s for s in result.stderr.splitlines() if not s.startswith("Writing model shards")]  # a first tiny model
+        assert said.startswith(f"tinker_exp: {line}"), (what, said)
+        assert "Traceback" not in result.stdout + result.stderr, what
+        assert sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*")) == [], what
