@@ -37,8 +37,34 @@ def compose_message(error: BaseException) -> str:
     if isinstance(cause, OmegaConfBaseException):
         message = (getattr(cause, "msg", None) or str(cause)).strip().splitlines()[0]
         key = getattr(cause, "full_key", None)
-        return f"{key}: {message}" if key else (message if cause is error else f"{head}: {message}")
+        if key:
+            return f"{key}: {type_message(message, getattr(cause, 'value', None)) or message}"
+        return message if cause is error else f"{head}: {message}"
     return head
+
+
+NOT_CONVERTED = re.compile(r"Value '.*' of type '\w+' could not be converted to (?P<kind>\w+)$")
+NOT_A_BOOL = re.compile(r"Value '.*' is not a valid bool")
+NOT_AN_OPTION = re.compile(r"Invalid value '.*', expected one of \[(?P<options>.*)\]$")
+NOT_OPTIONAL = re.compile(r"field '.*' is not Optional$|Non optional field cannot be assigned None")
+KINDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string", "Path": "a path"}
+
+
+def type_message(message: str, value: Any) -> str | None:
+    """OmegaConf's words for a value of the wrong type, for every typed key (an int, a float, a bool, a choice, a
+    value that may not be null), in ours: what the key takes and what it got (None: another message)."""
+    got = f"{value!r} ({type(value).__name__})"
+    if match := NOT_CONVERTED.match(message):
+        takes = KINDS.get(match.group("kind"), match.group("kind"))
+        whole = isinstance(value, float) and value.is_integer() and match.group("kind") == "Integer"
+        return f"expected {takes}, got {got}" + (f": write {int(value)}" if whole else "")
+    if NOT_A_BOOL.match(message):
+        return f"expected true or false, got {got}"
+    if match := NOT_AN_OPTION.match(message):
+        return f"expected one of {match.group('options')}, got {value!r}"
+    if NOT_OPTIONAL.search(message):
+        return "expected a value, got null (this key has no null)"
+    return None
 
 
 OVERRIDE = "override"
