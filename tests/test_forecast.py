@@ -425,3 +425,28 @@ def test_a_proposal_warms_up_as_the_longest_fitted_run_did(tmp_path, capsys):
     law = read_law(tmp_path / "law" / "law.json")
     assert law.warmup_steps == WARMUP  # what propose's candidates warm up over (family_specs)
     assert {spec["warmup_steps"] for spec in family_specs("cosine", 200, law.lr_scale, law.warmup_steps)} == {WARMUP}
+
+
+def test_an_output_folder_that_is_a_file_is_one_line_and_nothing_is_written(fixed_law, tmp_path, capsys):
+    """corpus OUT, every --out and a law's own folder for propose's override/: a file there (or above it) is one
+    line naming the flag, exit 2, before anything is read or written; report -o below a file likewise."""
+    from tinker_exp.report import main as report_main
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    run = generated_run(tmp_path, "constant", "momentum", wsd(100, 0), 0.003, 0)
+    assert refused(["corpus", str(a_file)], capsys) == f"python -m tinker_exp.forecast: forecast error: OUT: {a_file} is a file, not a folder"
+    below = a_file / "law"
+    assert refused(["fit", str(run), "--out", str(below)], capsys).endswith(f"--out: {a_file} is a file, not a folder (in {below})")
+    for command in (["check", str(fixed_law), str(run)], ["rank", str(fixed_law), "+override=lr_cosine trainer.steps=100"],
+                    ["propose", str(fixed_law), "--steps", "100"]):  # fmt: skip
+        assert refused([*command, "--out", str(a_file)], capsys).endswith(f"--out: {a_file} is a file, not a folder"), command
+    (fixed_law.parent / "override").write_text("")  # where propose writes override/proposed.yaml by default
+    assert refused(["propose", str(fixed_law), "--steps", "100"], capsys).endswith(f"LAW: {fixed_law.parent / 'override'} is a file, not a folder")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_bytes(run.read_bytes())
+    assert report_main([str(run_dir), "-o", str(a_file / "report.png")]) == 2
+    assert capsys.readouterr().err.strip() == f"tinker_exp.report: -o {a_file / 'report.png'}: {a_file} is a file, not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "constant.jsonl", "law.json", "override", "run"]
+    assert [p.name for p in run_dir.iterdir()] == ["metrics.jsonl"]
