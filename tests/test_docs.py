@@ -382,3 +382,20 @@ def test_the_logging_page_names_the_file_a_study_keeps():
 
     text = " ".join((REPO / "docs" / "logging.md").read_text().split())
     assert f"A study (a sweep dir with `{JOURNAL_FILE}`, or an earlier version's `{SQLITE_FILE}`)" in text
+
+
+def test_the_forecast_pages_rank_example_ranks_plans_on_the_data_the_law_was_fitted_on():
+    """docs/forecast.md's `rank` line, $DATA as its DATA= line sets it: each quoted PLAN composes (as a run would)
+    with the corpus that its fit's runs trained on, so rank has no other data set to warn of."""
+    from tinker_exp.forecast.plans import plan_lr
+
+    lines = (REPO / "docs" / "forecast.md").read_text().splitlines()
+    data = next(line for line in lines if line.startswith('DATA="') and "# the fitted runs' data" in line)
+    data = shlex.split(data.split("#")[0])[0].removeprefix("DATA=")
+    rank = next(line for line in lines if line.startswith("python -m tinker_exp.forecast rank "))
+    plans = [arg for arg in shlex.split(rank.replace("$DATA", data))[4:] if "=" in arg]
+    assert len(plans) == 2
+    fitted = dict(arg.split("=", 1) for arg in data.split())
+    for plan in plans:
+        settings = plan_lr(plan).settings
+        assert {key: settings[key] for key in fitted} == fitted, plan

@@ -450,3 +450,38 @@ def test_an_output_folder_that_is_a_file_is_one_line_and_nothing_is_written(fixe
     assert capsys.readouterr().err.strip() == f"tinker_exp.report: -o {a_file / 'report.png'}: {a_file} is a file, not a folder"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "constant.jsonl", "law.json", "override", "run"]
     assert [p.name for p in run_dir.iterdir()] == ["metrics.jsonl"]
+
+
+def warned_by(argv: list[str]) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forecast_main(argv)
+    return [str(w.message) for w in caught]
+
+
+def test_rank_warns_of_a_plan_on_other_data_than_the_fitted_runs_as_of_another_peak(fixed_law, tmp_path, capsys, monkeypatch):
+    """The law's fitted runs trained on their own data (law.json's settings): a plan without that data.path (the
+    default data set) or at another batch size is warned, naming the key and what to add, as another peak lr is; a
+    plan that repeats the fitted runs' settings is not; a dry run's dir is read from its .hydra/config.yaml."""
+    import sys
+
+    from tinker_exp.main import main as run_main_entry
+
+    doc = json.loads(fixed_law.read_text())
+    doc["settings"] = {"data.path": "outputs/corpus/corpus_train.jsonl", "trainer.batch_size": 8, "optimizer.name": "AdamW"}
+    fixed_law.write_text(json.dumps(doc))
+    plan = "+override=lr_cosine trainer.steps=100"
+    assert warned_by(["rank", str(fixed_law), plan]) == [
+        f"plan {plan!r}: data.path is builtin:tiny_sft.jsonl, the fitted runs' outputs/corpus/corpus_train.jsonl: another regime than "
+        "the law's (a plan: add data.path=outputs/corpus/corpus_train.jsonl)"]  # fmt: skip
+    same = f"{plan} data.path=outputs/corpus/corpus_train.jsonl"
+    assert warned_by(["rank", str(fixed_law), same, f"{same} trainer.batch_size=4", f"{same} optimizer.lr=2e-3"]) == [
+        f"plan '{same} trainer.batch_size=4': trainer.batch_size is 4, the fitted runs' 8: another regime than the law's "
+        "(a plan: add trainer.batch_size=8)",
+        f"plan '{same} optimizer.lr=2e-3': peak lr 0.002, the law was fitted at {PEAK:g}: an extrapolation"]  # fmt: skip
+    dry = tmp_path / "dry"
+    monkeypatch.setattr(sys, "argv", ["tinker_exp", "+override=lr_cosine", "trainer.steps=100", "dry_run=true", f"hydra.run.dir={dry}"])
+    run_main_entry()
+    assert [w.split(":")[1] for w in warned_by(["rank", str(fixed_law), str(dry)])] == [" data.path is builtin"]

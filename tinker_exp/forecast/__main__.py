@@ -77,17 +77,24 @@ def refits_line(law: Law) -> str:
     return f"{len(law.refits)} of {asked} refits converged" + (f" ({failed} did not: left out of the intervals)" if failed else "")
 
 
+def warn_if_another_regime(law: Law, name: str, peak: float, settings: dict | None) -> None:
+    """A run checked or a plan ranked at another peak lr than the law's, or with another model, data set, batch size
+    or optimizer than the fitted runs' (their config.yaml): the forecast is an extrapolation, said in a warning."""
+    if abs(peak - law.lr_scale) > 1e-9 * law.lr_scale:
+        warnings.warn(f"{name}: peak lr {peak:g}, the law was fitted at {law.lr_scale:g}: an extrapolation", stacklevel=1)
+    fitted = law.record.get("settings", {})
+    for key, value in shared_keys(settings or {}).items():
+        if key in fitted and fitted[key] != value:
+            warnings.warn(f"{name}: {key} is {value}, the fitted runs' {fitted[key]}: another regime than the law's"
+                          f" (a plan: add {key}={fitted[key]})", stacklevel=1)  # fmt: skip
+
+
 def cmd_check(args: argparse.Namespace) -> None:
     out = out_folder(args.out, "--out") if args.out else Path(args.law).parent
     law = read_law(Path(args.law))
     curves = read_curves(args.runs, law.metric)
     for curve in curves:
-        if abs(curve.peak - law.lr_scale) > 1e-9 * law.lr_scale:
-            warnings.warn(f"{curve.name}: peak lr {curve.peak:g}, the law was fitted at {law.lr_scale:g}: an extrapolation", stacklevel=1)
-        fitted = law.record.get("settings", {})
-        for key, value in shared_keys(curve.settings).items():
-            if key in fitted and fitted[key] != value:
-                warnings.warn(f"{curve.name}: {key} is {value}, the fitted runs' {fitted[key]}: another regime than the law's", stacklevel=1)
+        warn_if_another_regime(law, curve.name, curve.peak, curve.settings)
     unidentified = law.record.get("fit", {}).get("unidentified", [])
     for curve in curves:
         if unidentified and features(curve.lr / law.lr_scale, [len(curve.lr)]).decays:
@@ -140,8 +147,7 @@ def cmd_rank(args: argparse.Namespace) -> None:
     law = read_law(Path(args.law))
     candidates = [plan_lr(text, Path(args.config_dir) if args.config_dir else None) for text in args.plans]
     for c in candidates:
-        if abs(c.lr.max() - law.lr_scale) > 1e-9 * law.lr_scale:
-            warnings.warn(f"plan {c.name!r}: peak lr {c.lr.max():g}, the law was fitted at {law.lr_scale:g}: an extrapolation", stacklevel=1)
+        warn_if_another_regime(law, f"plan {c.name!r}", float(c.lr.max()), c.settings)
     rows = ranked(law, candidates)
     print_ranked(rows, law)
     if args.out:
