@@ -345,3 +345,13 @@ def test_a_refused_command_writes_nothing_anywhere(tmp_path):
         assert said.startswith(f"tinker_exp: {line}"), (what, said)
         assert "Traceback" not in result.stdout + result.stderr, what
         assert sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*")) == [], what
+
+
+def test_a_config_dir_that_is_no_folder_is_one_line(monkeypatch, capsys, tmp_path):
+    """Hydra's "Additional config directory ... not found" (exit 1, with its HYDRA_FULL_ERROR line) as ours."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for args, line in ((["--config-dir", str(tmp_path / "nope")], f"--config-dir {tmp_path / 'nope'}: no such folder"),
+                       ([f"--config-dir={a_file}"], f"--config-dir {a_file}: {a_file} is a file, not a folder")):  # fmt: skip
+        check_one_line(*run_main(monkeypatch, capsys, *args, "+override=lr_cosine", f"hydra.run.dir={tmp_path / 'run'}", "dry_run=true"), line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

@@ -246,6 +246,22 @@ def schedule_parameter_message(kind: str, key: str, name: str, typed: str) -> st
     return f"{key}: {kind} has no parameter {name}" + suggest(name, takes, f"{kind} takes")
 
 
+def config_dir_message(argv: list[str]) -> str:
+    """--config-dir (-cd) DIR as typed, and why it is no config dir."""
+    from pathlib import Path
+
+    from tinker_exp.formats import not_a_folder
+
+    flag, given = "--config-dir", ""
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            flag, given = arg, argv[i + 1]
+        elif arg.startswith("--config-dir="):
+            given = arg.partition("=")[2]
+    where = "" if Path(given).is_absolute() else f" ({Path(given).absolute()})"
+    return f"{flag} {given}: {not_a_folder(Path(given)) or 'no such folder' + where}"
+
+
 def as_config_error(error: BaseException) -> ConfigError:
     return ConfigError(compose_message(error))
 
@@ -253,7 +269,7 @@ def as_config_error(error: BaseException) -> ConfigError:
 @contextmanager
 def one_line_compose_errors() -> Iterator[None]:
     from hydra._internal import utils as hydra_utils
-    from hydra.errors import InstantiationException
+    from hydra.errors import InstantiationException, SearchPathException
 
     original = hydra_utils.run_and_report
 
@@ -271,6 +287,8 @@ def one_line_compose_errors() -> Iterator[None]:
                 stop(e.__cause__)
             except (*COMPOSE_ERRORS, TinkerExpError) as e:  # ours too: a sweeper's config error (its search space)
                 stop(e if isinstance(e, TinkerExpError) else as_config_error(e))
+            except SearchPathException:  # the only one Hydra raises before composing: --config-dir is not a folder
+                stop(ConfigError(config_dir_message(sys.argv[1:])))
 
         return original(guarded)
 
