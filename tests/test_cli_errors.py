@@ -269,6 +269,8 @@ REFUSED_AS_TYPED = [
      "use foreach, for_loop or auto"),  # fmt: skip
     (["optimizer=muon", "backend.optimizer_kernel=foreach"],
      "backend.optimizer_kernel=foreach: optimizer.name=Muon has no such choice; use auto"),
+    (["backend=cpu", "backend.attention=flash_attention_2"],  # a dry run too: no torch needed to know a CPU run's
+     "backend.attention=flash_attention_2: it runs only for bf16 on a GPU with bf16 (this run: cpu, fp32); use auto or sdpa"),
 ]
 
 

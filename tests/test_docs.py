@@ -399,3 +399,11 @@ def test_the_forecast_pages_rank_example_ranks_plans_on_the_data_the_law_was_fit
     for plan in plans:
         settings = plan_lr(plan).settings
         assert {key: settings[key] for key in fitted} == fitted, plan
+
+
+def test_the_readmes_command_list_has_as_many_commands_as_its_heading_says():
+    lines = (REPO / "README.md").read_text().splitlines()
+    heading = next(line for line in lines if re.match(r"## \w+ commands$", line))
+    words = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen".split()
+    block = code_block(REPO / "README.md", "python -m tinker_exp +override=lr_cosine ")
+    assert len([line for line in block if line.startswith("python -m ")]) == words.index(heading.split()[1].lower()) + 1

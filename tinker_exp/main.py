@@ -50,8 +50,10 @@ log = logging.getLogger(__name__)
 def validate(cfg: Config) -> Plan:
     """Everything that can be checked without torch, verl or ray; returns the plan. Raises ConfigError naming the key."""
     from tinker_exp.optim import build_plan
+    from tinker_exp.runtime.device import check_cpu_settings  # pure: torch only where a device is probed
 
     config.check(cfg)
+    check_cpu_settings(cfg.backend)
     objective_metric(cfg)
     check_early_stop(cfg)
     return build_plan(cfg.override, cfg.optimizer, cfg.trainer.steps)

@@ -169,6 +169,13 @@ def resolve(backend: BackendConfig, build: TorchBuild | None = None) -> DeviceCh
     return DeviceChoice(device, precision, choose_attention(device, precision, build.bf16, flash, requested))
 
 
+def check_cpu_settings(backend: BackendConfig) -> None:
+    """backend.device=cpu, resolved without torch (no build can change a CPU run's choice): a GPU-only setting asked
+    for with it (flash_attention_2) is refused by a dry run, and before a warm pool's run is recorded, as by a run."""
+    if backend.device.value == "cpu":
+        resolve(backend, TorchBuild(version="(not asked)", cuda=None))
+
+
 def probe() -> TorchBuild:
     """This process's torch and GPUs (device properties only: no tensor is put on a GPU)."""
     import shutil
