@@ -15,14 +15,14 @@ QUIET_PIP = 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
-	@echo "make: creating $(VENV) with $$($(PYTHON) --version) ..."
+	@echo "creating $(VENV) with $$($(PYTHON) --version) ..."
 	@$(PYTHON) -m venv $(VENV)
-	@echo "make: installing torch 2.13.0 (CPU build) into $(VENV) (~MIN_TORCH) ..."
+	@echo "installing torch 2.13.0 (CPU build) into $(VENV) (~1 min) ..."
 	@set -o pipefail; $(PY) -m pip install --quiet torch==2.13.0 $(QUIET_PIP)
-	@echo "make: installing tinker_exp and its dependencies (verl, Ray, transformers, W&B, Optuna, pytest, ...) (~MIN_REST) ..."
+	@echo "installing tinker_exp and its dependencies (verl, Ray, transformers, W&B, Optuna, pytest, ...) (3-5 min) ..."
 	@set -o pipefail; $(PY) -m pip install --quiet -e '.[test]' $(QUIET_PIP)
 	@touch $@
-	@echo "make: installed into $(VENV) (make clean removes it)"
+	@echo "installed into $(VENV) (make clean removes it)"
 
 run: install
 	$(PY) -m tinker_exp $(ARGS)
