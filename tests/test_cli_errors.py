@@ -357,3 +357,23 @@ def test_a_config_dir_that_is_no_folder_is_one_line(monkeypatch, capsys, tmp_pat
                        ([f"--config-dir={a_file}"], f"--config-dir {a_file}: {a_file} is a file, not a folder")):  # fmt: skip
         check_one_line(*run_main(monkeypatch, capsys, *args, "+override=lr_cosine", f"hydra.run.dir={tmp_path / 'run'}", "dry_run=true"), line)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+FIRST_CONTACT = [
+    (["--dry-run"], "--dry-run: not a flag: a key is set as KEY=VALUE, as in dry_run=true"),
+    (["--steps", "10"], "--steps: not a flag: a key is set as KEY=VALUE, as in trainer.steps=VALUE"),
+    (["--trainer.steps=3"], "--trainer.steps=3: not a flag: a key is set as KEY=VALUE, as in trainer.steps=3"),
+    (["--cgf", "job"], "--cgf: not a flag; did you mean --cfg? (flags: --help, --hydra-help, --version, --cfg, --resolve, --package, "
+                       "--run, --multirun, --shell-completion, --config-path, --config-name, --config-dir, --experimental-rerun, --info); "
+                       "keys are set as KEY=VALUE"),  # fmt: skip
+    (["steps=10"], "steps: the config has no key steps; did you mean trainer.steps?"),  # not plan_steps, the closest top-level name
+    (["lr=1e-3"], "lr: the config has no key lr; did you mean optimizer.lr?"),  # not lora
+]
+
+
+@pytest.mark.parametrize("args, line", FIRST_CONTACT, ids=[" ".join(args) for args, _ in FIRST_CONTACT])
+def test_a_flag_or_a_bare_key_a_new_user_types_gets_the_key_to_type(monkeypatch, capsys, tmp_path, args, line):
+    """Hydra's parser prints its usage and "__main__.py: error: unrecognized arguments" for an unknown flag; a bare
+    key named as in a group pointed at the closest top-level name. Nothing written."""
+    check_one_line(*run_main(monkeypatch, capsys, *args, f"hydra.run.dir={tmp_path / 'run'}"), line)
+    assert not any(tmp_path.iterdir())

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from tinker_exp import config
 from tinker_exp.config import Config
-from tinker_exp.config.compose_errors import one_line_compose_errors
+from tinker_exp.config.compose_errors import one_line_compose_errors, refuse_unknown_flags
 from tinker_exp.errors import STOPS, ConfigError, Terminated, TinkerExpError, one_line
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
 from tinker_exp.formats import masked, not_a_folder, read_jsonl
@@ -448,6 +448,7 @@ def main() -> None:
     warnings.formatwarning = one_line_warning
     try:
         with one_line_compose_errors():  # Hydra's compose errors: one line and exit 2, like every config error
+            refuse_unknown_flags(sys.argv[1:])
             _hydra_main()
     except KeyboardInterrupt as e:  # Ctrl-C: what was running is stopped (a sweep's jobs cancelled); no traceback
         print("tinker_exp: interrupted (Ctrl-C)" + (f"; {e}" if str(e) else ""), file=sys.stderr)

@@ -203,7 +203,46 @@ OPEN_MAPPINGS = ("pruner_args", "wrapped_args")
 
 def no_such_key(key: str, name: str, known: list[str]) -> str:
     owner = key.rpartition(".")[0] or "the config"
+    in_groups = keys_named(name) if owner == "the config" else []
+    if in_groups:  # steps=10 means trainer.steps, not plan_steps (the closest top-level name)
+        return f"{key}: {owner} has no key {name}; did you mean {' or '.join(in_groups)}?"
     return f"{key}: {owner} has no key {name}" + suggest(name, known, f"{owner}'s keys:")
+
+
+def keys_named(name: str) -> list[str]:
+    """The config's keys called `name`, at the top or in a group: steps -> trainer.steps, lr -> optimizer.lr."""
+    import dataclasses
+    import typing
+
+    from tinker_exp.config.schema import Config
+
+    found = []
+    for field, hint in typing.get_type_hints(Config).items():
+        if field == name:
+            found.append(name)
+        group = next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), hint)  # Optional[Group]
+        if dataclasses.is_dataclass(group) and name in {f.name for f in dataclasses.fields(group)}:
+            found.append(f"{field}.{name}")
+    return found
+
+
+def refuse_unknown_flags(argv: list[str]) -> None:
+    """A flag Hydra's parser does not know (`--dry-run`, `--steps 10`): one line that says how a key is set
+    (argparse prints its usage and exits 2, naming the program __main__.py)."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    _, unknown = parser.parse_known_args(argv)
+    flag = next((arg for arg in unknown if arg.startswith("-")), None)
+    if flag is None:
+        return
+    name, _, value = flag.lstrip("-").partition("=")
+    keys = [name] if "." in name else keys_named(name.replace("-", "_"))  # --trainer.steps=3, --dry-run
+    if keys:
+        typed = f"{keys[0]}={value or ('true' if keys[0] == 'dry_run' else 'VALUE')}"
+        raise ConfigError(f"{flag}: not a flag: a key is set as KEY=VALUE, as in {typed}")
+    flags = [max(action.option_strings, key=len) for action in parser._actions if action.option_strings]
+    raise ConfigError(f"{flag}: not a flag" + suggest(flag, flags, "flags:") + "; keys are set as KEY=VALUE")
 
 
 def unknown_key(node: Any, where: str = "") -> str | None:
@@ -297,5 +336,7 @@ def one_line_compose_errors() -> Iterator[None]:
         yield
     except COMPOSE_ERRORS as e:  # --help composes outside run_and_report
         stop(as_config_error(e))
+    except ConfigError as e:  # raised before Hydra runs: an unknown flag
+        stop(e)
     finally:
         hydra_utils.run_and_report = original
