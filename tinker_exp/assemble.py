@@ -80,6 +80,10 @@ def inputs(cfg: Config, rows: "tuple[list[Row], list[Row]] | Env", start: StartP
 
     trainer, data = cfg.trainer, cfg.data
     choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
+    if choice.device == "cuda":
+        from tinker_exp.runtime.device import check_own_cluster, probe
+
+        check_own_cluster(cfg.backend, probe().gpus)
     said = [f"device: {choice.describe()}"]
     if start.checkpoint is not None:
         check_checkpoint_device(start.checkpoint, choice.device)
