@@ -101,6 +101,8 @@ def test_cli_bad_override_exits_nonzero_with_a_clear_message(tmp_path):
         (["trainer.foo=1"], f"trainer.foo: trainer has no key foo (trainer's keys: {', '.join(TRAINER_KEYS)})"),
         (["+override=nonexistent"], f"+override=nonexistent: override has no option nonexistent (options: {', '.join(options('override'))})"),
         (["trainer.steps=[1"], "'trainer.steps=[1': no viable alternative at input '[1'"),
+        (["data.path=~/chat.jsonl"], "data.path=~/chat.jsonl: Hydra reads this value only in quotes: type "
+                                     "'data.path=\"~/chat.jsonl\"' (or write $HOME/chat.jsonl, which the shell expands)"),  # fmt: skip
         (["trainer.batch_size=0"], "trainer.batch_size: must be >= 1, got 0"),
         (["backend.micro_batch_size=0"], "backend.num_workers=2, backend.nodes=1 and backend.micro_batch_size=0 must be >= 1"),
         (["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0"),

@@ -31,7 +31,9 @@ def compose_message(error: BaseException) -> str:
     if grammar is not None:
         return grammar
     if isinstance(error, OverrideParseException):  # the CLI text itself does not parse
-        return f"{error.override!r}: {error.message.strip().splitlines()[0]}"
+        return unreadable_value(error.override) if "LexerNoViableAlt" in error.message else (
+            f"{error.override!r}: {error.message.strip().splitlines()[0]}"
+        )  # fmt: skip
     cause = error if isinstance(error, OmegaConfBaseException) else error.__cause__
     head = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if isinstance(cause, OmegaConfBaseException):
@@ -41,6 +43,13 @@ def compose_message(error: BaseException) -> str:
             return f"{key}: {type_message(message, getattr(cause, 'value', None)) or message}"
         return message if cause is error else f"{head}: {message}"
     return head
+
+
+def unreadable_value(typed: str) -> str:
+    """KEY=VALUE whose value holds a character Hydra's grammar reads only in quotes (~, &, a quote, ...)."""
+    key, _, value = typed.partition("=")
+    home = f" (or write $HOME{value[1:]}, which the shell expands)" if value.startswith("~") else ""
+    return f"{typed}: Hydra reads this value only in quotes: type '{key}=\"{value}\"'{home}"
 
 
 NOT_CONVERTED = re.compile(r"Value '.*' of type '\w+' could not be converted to (?P<kind>\w+)$")

@@ -17,8 +17,9 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
 def data_path(path: str, key: str = "data.path") -> Path:
-    """A data file (`key` names it in errors): "builtin:NAME" is tinker_exp/assets/NAME; it must exist."""
-    resolved = ASSETS / path.removeprefix("builtin:") if path.startswith("builtin:") else Path(path)
+    """A data file (`key` names it in errors): "builtin:NAME" is tinker_exp/assets/NAME; ~ is the home dir (as in
+    model.path); it must exist."""
+    resolved = ASSETS / path.removeprefix("builtin:") if path.startswith("builtin:") else Path(path).expanduser()
     if resolved.is_dir():
         raise ConfigError(f"{key}: {path!r} is a directory, not a JSONL or Parquet file")
     if not resolved.is_file():
