@@ -407,3 +407,19 @@ def test_the_readmes_command_list_has_as_many_commands_as_its_heading_says():
     words = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen".split()
     block = code_block(REPO / "README.md", "python -m tinker_exp +override=lr_cosine ")
     assert len([line for line in block if line.startswith("python -m ")]) == words.index(heading.split()[1].lower()) + 1
+
+
+def test_make_install_says_each_step_as_the_readme_quotes_and_hides_only_pips_location_flood(tmp_path: Path):
+    """`make -n install` (nothing run): the README's quoted step line is what it echoes; the Makefile's pip filter,
+    run on pip-shaped output, drops the per-package "Location ... is ignored" warnings, keeps every other line and
+    pip's exit status (bash pipefail)."""
+    venv = tmp_path / "venv"
+    planned = subprocess.run(["make", "-n", "--no-print-directory", "install", f"VENV={venv}"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    quoted = re.search(r"`(installing torch [^`]+)`", (REPO / "README.md").read_text())[1]
+    assert f'echo "{quoted.replace(".venv", str(venv))}"' in planned
+    assert [line for line in planned.splitlines() if line.startswith("echo")][-1].startswith('echo "installed into')
+    pipe = subprocess.run(["make", "-s", "--no-print-directory", "--eval", "show: ; $(info $(value QUIET_PIP))", "show"],
+                          cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    pip = "printf \"WARNING: Location 'file:///x/simple/six/' is ignored: it is neither a file nor a directory.\\nERROR: no six\\n\"; exit 3"
+    shown = subprocess.run(["bash", "-c", f"set -o pipefail; {{ {pip}; }} {pipe}"], capture_output=True, text=True)
+    assert (shown.returncode, shown.stdout) == (3, "ERROR: no six\n")
