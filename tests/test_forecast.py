@@ -475,11 +475,11 @@ def test_rank_warns_of_a_plan_on_other_data_than_the_fitted_runs_as_of_another_p
     plan = "+override=lr_cosine trainer.steps=100"
     assert warned_by(["rank", str(fixed_law), plan]) == [
         f"plan {plan!r}: data.path is builtin:tiny_sft.jsonl, the fitted runs' outputs/corpus/corpus_train.jsonl: another regime than "
-        "the law's (a plan: add data.path=outputs/corpus/corpus_train.jsonl)"]  # fmt: skip
+        "the law's (add data.path=outputs/corpus/corpus_train.jsonl to the plan)"]  # fmt: skip
     same = f"{plan} data.path=outputs/corpus/corpus_train.jsonl"
     assert warned_by(["rank", str(fixed_law), same, f"{same} trainer.batch_size=4", f"{same} optimizer.lr=2e-3"]) == [
         f"plan '{same} trainer.batch_size=4': trainer.batch_size is 4, the fitted runs' 8: another regime than the law's "
-        "(a plan: add trainer.batch_size=8)",
+        "(add trainer.batch_size=8 to the plan)",
         f"plan '{same} optimizer.lr=2e-3': peak lr 0.002, the law was fitted at {PEAK:g}: an extrapolation"]  # fmt: skip
     dry = tmp_path / "dry"
     monkeypatch.setattr(sys, "argv", ["tinker_exp", "+override=lr_cosine", "trainer.steps=100", "dry_run=true", f"hydra.run.dir={dry}"])

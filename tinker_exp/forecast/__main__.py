@@ -77,16 +77,17 @@ def refits_line(law: Law) -> str:
     return f"{len(law.refits)} of {asked} refits converged" + (f" ({failed} did not: left out of the intervals)" if failed else "")
 
 
-def warn_if_another_regime(law: Law, name: str, peak: float, settings: dict | None) -> None:
-    """A run checked or a plan ranked at another peak lr than the law's, or with another model, data set, batch size
-    or optimizer than the fitted runs' (their config.yaml): the forecast is an extrapolation, said in a warning."""
+def warn_if_another_regime(law: Law, name: str, peak: float, settings: dict | None, plan: bool = False) -> None:
+    """A run checked or a `plan` ranked at another peak lr than the law's, or with another model, data set, batch
+    size or optimizer than the fitted runs' (their config.yaml): the forecast is an extrapolation, said in a warning
+    (a plan's says what to add to it)."""
     if abs(peak - law.lr_scale) > 1e-9 * law.lr_scale:
         warnings.warn(f"{name}: peak lr {peak:g}, the law was fitted at {law.lr_scale:g}: an extrapolation", stacklevel=1)
     fitted = law.record.get("settings", {})
     for key, value in shared_keys(settings or {}).items():
         if key in fitted and fitted[key] != value:
-            warnings.warn(f"{name}: {key} is {value}, the fitted runs' {fitted[key]}: another regime than the law's"
-                          f" (a plan: add {key}={fitted[key]})", stacklevel=1)  # fmt: skip
+            add = f" (add {key}={fitted[key]} to the plan)" if plan else ""
+            warnings.warn(f"{name}: {key} is {value}, the fitted runs' {fitted[key]}: another regime than the law's{add}", stacklevel=1)
 
 
 def cmd_check(args: argparse.Namespace) -> None:
@@ -147,7 +148,7 @@ def cmd_rank(args: argparse.Namespace) -> None:
     law = read_law(Path(args.law))
     candidates = [plan_lr(text, Path(args.config_dir) if args.config_dir else None) for text in args.plans]
     for c in candidates:
-        warn_if_another_regime(law, f"plan {c.name!r}", float(c.lr.max()), c.settings)
+        warn_if_another_regime(law, f"plan {c.name!r}", float(c.lr.max()), c.settings, plan=True)
     rows = ranked(law, candidates)
     print_ranked(rows, law)
     if args.out:
