@@ -129,8 +129,6 @@ def takes_list(key: str) -> bool | None:
     import dataclasses
     import typing
 
-    from tinker_exp.config.schema import Config
-
     parts = key.lstrip("+~").split(".")
     if parts[0] == OVERRIDE:
         from tinker_exp.optim.schedules import PARAMS
@@ -139,19 +137,30 @@ def takes_list(key: str) -> bool | None:
             return parts[1] == "betas"
         lengths = {name for params in PARAMS.values() for name, param in params.items() if param.kind == "lengths"}
         return parts[-1] in lengths  # a schedule parameter: milestones takes a list
+    node = schema_type(".".join(parts))
+    if node is None or node is Any or dataclasses.is_dataclass(node):
+        return None
+    return typing.get_origin(node) in (list, tuple)
+
+
+def schema_type(key: str) -> Any:
+    """A config key's type in the schema (Optional[X]: X); None where the schema has no such key."""
+    import dataclasses
+    import typing
+
+    from tinker_exp.config.schema import Config
+
     node: Any = Config
-    for part in parts:
+    for part in key.split("."):
         if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
             return None
         hints = typing.get_type_hints(node)
         if part not in hints:
             return None
         node = hints[part]
-    while typing.get_origin(node) is typing.Union:  # Optional[X]
-        node = next(arg for arg in typing.get_args(node) if arg is not type(None))
-    if node is Any or (isinstance(node, type) and dataclasses.is_dataclass(node)):
-        return None
-    return typing.get_origin(node) in (list, tuple)
+        while typing.get_origin(node) is typing.Union:  # Optional[X]
+            node = next(arg for arg in typing.get_args(node) if arg is not type(None))
+    return node
 
 
 def twice_message(argv: list[str]) -> str:
@@ -248,7 +257,7 @@ def refuse_unknown_flags(argv: list[str]) -> None:
     name, _, value = flag.lstrip("-").partition("=")
     keys = [name] if "." in name else keys_named(name.replace("-", "_"))  # --trainer.steps=3, --dry-run
     if keys:
-        typed = f"{keys[0]}={value or ('true' if keys[0] == 'dry_run' else 'VALUE')}"
+        typed = f"{keys[0]}={value or ('true' if schema_type(keys[0]) is bool else 'VALUE')}"  # --dry-run: dry_run=true
         raise ConfigError(f"{flag}: not a flag: a key is set as KEY=VALUE, as in {typed}")
     flags = [max(action.option_strings, key=len) for action in parser._actions if action.option_strings]
     raise ConfigError(f"{flag}: not a flag" + suggest(flag, flags, "flags:") + "; keys are set as KEY=VALUE")
