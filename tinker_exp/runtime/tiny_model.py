@@ -95,15 +95,10 @@ def _build(model_cfg: dict[str, Any], out: Path) -> None:
         tie_word_embeddings=True,
     )
     torch.manual_seed(model_cfg["init_seed"])
-    from transformers.utils import logging as hf_logging
+    from tinker_exp.runtime import no_progress_bars
 
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # "Writing model shards" for one small file, on a first run's terminal
-    try:
+    with no_progress_bars():
         LlamaForCausalLM(config).to(torch.float32).save_pretrained(out)
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
 
 
 def cache_dir(value: str) -> Path:
