@@ -323,6 +323,7 @@ def refused_on_the_run_path(given: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "a misspelled key": (["trainer.stpes=3"], "config error: trainer.stpes: trainer has no key stpes"),
         "a bad value": (["optimizer.lr=-1"], "config error: optimizer.lr: must be >= 0"),
+        "a bad value, run in its run dir": (["hydra.job.chdir=true", "optimizer.lr=-1"], "config error: optimizer.lr: must be >= 0"),
         "a bad row": ([f"data.path={bad_rows}"], f"config error: data.path: {bad_rows}:2: "),
         "no checkpoint": (["resume=must"], "config error: resume=must, but there is no checkpoint in "),
         "no pool there": ([f"backend.pool={given / 'no.sock'}"], f"config error: backend.pool={given / 'no.sock'}: no pool answers there"),
