@@ -331,6 +331,7 @@ def refused_on_the_run_path(given: Path) -> dict[str, tuple[list[str], str]]:
                                       "config error: backend.attention=flash_attention_2: it runs only for bf16 on a GPU"),  # fmt: skip
         "a LoRA target the model lacks": (["lora=r8", "lora.target_modules=[nope]"], "config error: lora.target_modules: 'nope' matches no module"),
         "a row too long": (["data.truncation=error", "data.max_length=8"], "config error: data.path: "),
+        "a model cache that is a file": ([f"model.cache_dir={a_file}"], f"config error: model.cache_dir={a_file}: {a_file} is a file, not a folder"),
         "a run dir below a file": ([f"hydra.run.dir={a_file}/run"], f"config error: hydra.run.dir={a_file}/run: {a_file} is a file, not a folder"),
     }
 
