@@ -63,6 +63,13 @@ class Inputs:
     model_path: Path
     batches: BatchSource
     evaluation: Evaluation | None
+    said: tuple[str, ...] = ()
+    """What the run says about them (device, LoRA, data), logged by `tell` once they are all accepted: a refused
+    command writes no log line into the run dir."""
+
+    def tell(self) -> None:
+        for line in self.said:
+            log.info(line)
 
 
 def inputs(cfg: Config, rows: "tuple[list[Row], list[Row]] | Env", start: StartPoint) -> Inputs:
@@ -73,26 +80,30 @@ def inputs(cfg: Config, rows: "tuple[list[Row], list[Row]] | Env", start: StartP
 
     trainer, data = cfg.trainer, cfg.data
     choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
-    log.info(f"device: {choice.describe()}")
+    if choice.device == "cuda":
+        from tinker_exp.runtime.device import check_own_cluster, probe
+
+        check_own_cluster(cfg.backend, probe().gpus)
+    said = [f"device: {choice.describe()}"]
     if start.checkpoint is not None:
         check_checkpoint_device(start.checkpoint, choice.device)
     model_path = model_dir(cfg.model)  # on disk before any worker builds it
     if cfg.env.active:
-        return rl_inputs(cfg, choice, model_path, rows)
+        return rl_inputs(cfg, choice, model_path, rows, said)
     if cfg.lora.rank:
         from tinker_exp.runtime import lora
 
-        log.info(f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}: {lora.check(cfg.lora, model_path)}")
+        said.append(f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}: {lora.check(cfg.lora, model_path)}")
     train_set, val_set = load_examples(data, model_path, *rows)
-    log.info(f"data: training {train_set.describe(data)}" + (f"; validation {val_set.describe(data)}" if rows[1] else ""))
+    said.append(f"data: training {train_set.describe(data)}" + (f"; validation {val_set.describe(data)}" if rows[1] else ""))
     evaluation = None
     if val_set.examples:
         evaluation = Evaluation(eval_batches(val_set.examples, trainer.batch_size), trainer.eval_every, trainer.steps)
     batches = DataFileBatches(train_set.examples, trainer.batch_size, trainer.seed, data.shuffle)
-    return Inputs(choice, model_path, batches, evaluation)
+    return Inputs(choice, model_path, batches, evaluation, tuple(said))
 
 
-def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env) -> Inputs:
+def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env, said: list[str]) -> Inputs:
     """An RL run's batch source and evaluation: the env's prompts (in the model's chat template), its reward, the
     driver's sampler (its weights come from the workers once they run: `attach`)."""
     from tinker_exp.rl.prompts import check_prompt_lengths
@@ -116,9 +127,9 @@ def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env) -> Inputs:
     rl = cfg.rl
     updates = f"{rl.updates_per_batch} optimizer steps a batch" if rl.updates_per_batch > 1 else "one optimizer step a batch"
     kl = f", KL to the initial model {rl.kl_coef} x {rl.kl_estimator}" if rl.kl_coef else ""
-    log.info(f"RL: env {env.name}, {len(env.train)} prompts, {rl.prompts_per_step} x {rl.group_size} samples a batch, "
-             f"{updates}, loss {cfg.loss.name.value}{kl}")  # fmt: skip
-    return Inputs(choice, model_path, batches, evaluation)
+    said.append(f"RL: env {env.name}, {len(env.train)} prompts, {rl.prompts_per_step} x {rl.group_size} samples a batch, "
+                f"{updates}, loss {cfg.loss.name.value}{kl}")  # fmt: skip
+    return Inputs(choice, model_path, batches, evaluation, tuple(said))
 
 
 def attach(given: Inputs, running: Workers, into: Sinks) -> None:
