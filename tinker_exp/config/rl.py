@@ -185,6 +185,11 @@ class RLConfig:
     """Optimizer steps per sampled batch: a batch is sampled at every step that is a multiple of it and trained on by
     that many optimizer steps (each forward_backward + optimizer_step, the ratio against the sampler's log-probs).
     trainer.steps counts optimizer steps; one that is not a multiple leaves a last batch with fewer updates."""
+    max_steps_off_policy: int = 0
+    """0: synchronous (each batch sampled from the current weights, then trained on). k >= 1: the driver samples the
+    next batches while the workers train; step s's batch is sampled from the weights after optimizer step
+    max(s - k, first step), exactly k steps old once past the first k (train/staleness), so a run is as
+    deterministic as a synchronous one. Needs updates_per_batch 1."""
 
     @property
     def responses_per_step(self) -> int:
@@ -210,6 +215,13 @@ class RLConfig:
             raise ConfigError(f"rl.kl_estimator: {self.kl_estimator!r} is not one of verl's KL estimators: {', '.join(KL_ESTIMATORS)}")
         if self.updates_per_batch < 1:
             raise ConfigError(f"rl.updates_per_batch: must be >= 1 (optimizer steps per sampled batch), got {self.updates_per_batch}")
+        if self.max_steps_off_policy < 0:
+            raise ConfigError(f"rl.max_steps_off_policy: must be >= 0 (0: synchronous), got {self.max_steps_off_policy}")
+        if self.max_steps_off_policy and self.updates_per_batch > 1:
+            raise ConfigError(
+                f"rl.max_steps_off_policy={self.max_steps_off_policy} needs rl.updates_per_batch=1, got "
+                f"{self.updates_per_batch} (an off-policy run samples a batch for every optimizer step)"
+            )
 
 
 def check_rl(cfg: Any) -> None:
