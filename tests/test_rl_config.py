@@ -75,7 +75,7 @@ def test_your_own_env_is_two_keys_without_a_group():
 def test_the_rl_defaults():
     rl = typed().rl
     assert (rl.group_size, rl.prompts_per_step, rl.temperature, rl.advantage.value, rl.kl_coef) == (8, 4, 1.0, "grpo", 0.0)
-    assert (rl.updates_per_batch, rl.kl_estimator, rl.log_kl_ref) == (1, "k3", False)
+    assert (rl.updates_per_batch, rl.kl_estimator, rl.log_kl_ref, rl.max_steps_off_policy) == (1, "k3", False, 0)
     assert rl.responses_per_step == 32 and not rl.uses_reference
 
 
@@ -96,6 +96,12 @@ BAD_VALUES = [
     (["rl.kl_estimator=k4"], "rl.kl_estimator: 'k4' is not one of verl's KL estimators: k1, k2, k3, k1+, k3+, kl, mse, low_var_kl, abs"),
     (["rl.updates_per_batch=0"], "rl.updates_per_batch: must be >= 1 (optimizer steps per sampled batch), got 0"),
     (["rl.updates_per_batch=1.5"], "rl.updates_per_batch: Value '1.5' of type 'float' could not be converted to Integer"),
+    (["rl.max_steps_off_policy=-1"], "rl.max_steps_off_policy: must be >= 0 (0: synchronous), got -1"),
+    (
+        ["rl.max_steps_off_policy=2", "rl.updates_per_batch=4"],
+        "rl.max_steps_off_policy=2 needs rl.updates_per_batch=1, got 4 (an off-policy run samples a batch for every "
+        "optimizer step)",
+    ),
     (["rl.advantage=gae"], "rl.advantage: Invalid value 'gae', expected one of [grpo, mean_centred]"),
     (["env=digits", "env.max_new_tokens=0"], "env.max_new_tokens: must be >= 1, got 0"),
     (["env.prompts=rows.jsonl"], "env.prompts=rows.jsonl needs env.reward=package.module:function (the reward)"),

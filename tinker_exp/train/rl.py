@@ -161,6 +161,17 @@ def sample_groups(
     return rollouts, samples, measured
 
 
+def sampled_row(measured: Mapping[str, Any]) -> dict[str, Any]:
+    """What sampling a batch measured, under the row's names."""
+    return {
+        "train/reward": measured["reward"],
+        "train/reward_std": measured["reward_std"],
+        "train/degenerate_groups": measured["degenerate_groups"],
+        "train/zero_advantage_step": int(measured["all_degenerate"]),
+        "train/response_length": measured["response_length"],
+    }
+
+
 def with_reference(sampler: Sampler, rollouts: list[Rollout], temperature: float) -> list[Rollout]:
     """The rollouts with the initial model's log-probs of their responses, one call per prompt's group."""
     out: list[Rollout] = []
@@ -232,13 +243,7 @@ class RLBatches:
         prompts = [self._prompt(self.cursor + i) for i in range(self.rl.prompts_per_step)]
         self.cursor += len(prompts)
         rollouts, _, measured = sample_groups(self.weights, prompts, self.reward, self.rl, self.max_new_tokens)
-        row = {
-            "train/reward": measured["reward"],
-            "train/reward_std": measured["reward_std"],
-            "train/degenerate_groups": measured["degenerate_groups"],
-            "train/zero_advantage_step": int(measured["all_degenerate"]),
-            "train/response_length": measured["response_length"],
-        }
+        row = sampled_row(measured)
         times = {"perf/sampling_s": measured["sampling_s"], "perf/weight_export_s": self.weights.export_time_s,
                  "perf/sampler_load_s": self.weights.load_time_s}  # fmt: skip
         if self.rl.uses_reference:
@@ -362,13 +367,7 @@ class OffPolicyBatches(RLBatches):
                 start = time.perf_counter()
                 rollouts = with_reference(self.weights.sampler, rollouts, self.rl.temperature)
                 times["perf/reference_s"] = time.perf_counter() - start
-        row = {
-            "train/reward": measured["reward"],
-            "train/reward_std": measured["reward_std"],
-            "train/degenerate_groups": measured["degenerate_groups"],
-            "train/zero_advantage_step": int(measured["all_degenerate"]),
-            "train/response_length": measured["response_length"],
-        }
+        row = sampled_row(measured)
         return SampledBatch(version, rollouts, row), times
 
     def _in_flight_through(self, last: int) -> None:
