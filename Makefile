@@ -9,10 +9,13 @@ export WANDB_ERROR_REPORTING := false
 
 install: $(VENV)/.installed
 
+# tinker-cookbook 0.6.1 (tests/test_serve_cookbook.py) requires tml-renderers>=0.4.1, which our registry lacks (0.2.1);
+# it imports it only for Inkling and Kimi models, so its other requirements come with the test extra, it without its own.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps tinker-cookbook==0.6.1
 	touch $@
 
 run: install
