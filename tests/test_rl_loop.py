@@ -426,3 +426,15 @@ def test_a_reward_that_fails_in_the_sampling_thread_fails_the_loops_next_batch()
     batches.attach(Trainer())
     with pytest.raises(Exception, match="no reward for you"):
         batches.batch(0)
+
+
+def test_close_stops_a_sampling_thread_left_waiting_by_a_run_that_stopped_early():
+    batches = off_policy_source(1)
+    for step in range(2):
+        batches.batch(step)
+        batches.weights.workers.step()
+    thread = batches._thread
+    batches._in_flight_through(2)  # it sampled batch 2 and waits for the weights of step 2, which never come
+    assert thread.is_alive()
+    batches.close()
+    assert not thread.is_alive() and not batches._exported and not batches._ready

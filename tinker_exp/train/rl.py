@@ -268,6 +268,9 @@ class RLBatches:
             self.weights.sampler.set_rng_state(state["sampler_rng"])
         self.current = SampledBatch.from_json(state["batch"]) if state.get("batch") else None
 
+    def close(self) -> None:
+        pass
+
 
 class OffPolicyBatches(RLBatches):
     """The BatchSource of an off-policy run (rl.max_steps_off_policy = k >= 1): a sampling thread in the driver
@@ -399,6 +402,11 @@ class OffPolicyBatches(RLBatches):
                 self._ready[int(entry["step"])] = (SampledBatch.from_json(entry["batch"]), dict(entry["times"]))
             if self._ready:
                 self._first, self._next = min(self._ready), max(self._ready) + 1
+
+    def close(self) -> None:
+        """The thread stops (a run stopped early, or failed, leaves it waiting for weights that never come)."""
+        self._stop_thread()
+        self._exported, self._ready = {}, {}
 
     def _stop_thread(self) -> None:
         if self._thread is not None:
