@@ -14,6 +14,8 @@ QUIET_PIP = 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
 
 install: $(VENV)/.installed
 
+# tinker-cookbook 0.6.1 (tests/test_serve_cookbook.py) requires tml-renderers>=0.4.1, which our registry lacks (0.2.1);
+# it imports it only for Inkling and Kimi models, so its other requirements come with the test extra, it without its own.
 $(VENV)/.installed: pyproject.toml
 	@echo "creating $(VENV) with $$($(PYTHON) --version) ..."
 	@$(PYTHON) -m venv $(VENV)
@@ -21,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	@set -o pipefail; $(PY) -m pip install --quiet torch==2.13.0 $(QUIET_PIP)
 	@echo "installing tinker_exp and its dependencies (verl, Ray, transformers, W&B, Optuna, pytest, ...) (3-5 min) ..."
 	@set -o pipefail; $(PY) -m pip install --quiet -e '.[test]' $(QUIET_PIP)
+	@set -o pipefail; $(PY) -m pip install --quiet --no-deps tinker-cookbook==0.6.1 $(QUIET_PIP)
 	@touch $@
 	@echo "installed into $(VENV) (make clean removes it)"
 

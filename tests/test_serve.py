@@ -422,6 +422,8 @@ RL_LOSS_CONFIGS = {  # each loss with parameters off Tinker's defaults, so that 
     "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
     "cispo": {"clip_low_threshold": 0.5, "clip_high_threshold": 1.05},
     "dro": {"beta": 0.3},
+    "gspo": {"clip_low_threshold": 0.95, "clip_high_threshold": 1.02},
+    "stable_reinforce": {"ratio_cap": 1.3, "sequence_ratio_bound": 1.1},
 }
 
 
@@ -450,13 +452,17 @@ def test_each_rl_loss_through_the_sdk_is_the_rl_losses_formula_on_its_logprobs(t
             "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": sampler.tolist(),
             "advantages": advantages.tolist(), "weights": weights.tolist()}))
         inputs.append((sampler, advantages, weights))
+    # gspo's sequence ratio is over sequence_ratio_mask's positions (the cookbook sends it, not weights)
+    gspo_data = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        **{k: v for k, v in d.loss_fn_inputs.items() if k != "weights"}, "sequence_ratio_mask": w.tolist()})
+        for d, (_, _, w) in zip(data, inputs)]  # fmt: skip
     losses = {}
     for name, config in RL_LOSS_CONFIGS.items():
-        output = client.forward(data, name, config).result()
+        output = client.forward(gspo_data if name == "gspo" else data, name, config).result()
         want, magnitude = 0.0, 0.0
         for got, want_logprobs, (sampler, advantages, weights) in zip(logprobs_of(output), trainer, inputs):
             assert abs(got - want_logprobs).max() < 1e-5, name
-            terms, _ = TOKEN_TERMS[name](*(torch.from_numpy(np.asarray(a, dtype=np.float32)) for a in (got, sampler, advantages)), **config)
+            terms, _ = TOKEN_TERMS[name](*(torch.from_numpy(np.asarray(a, dtype=np.float32)) for a in (got, sampler, advantages, weights)), **config)
             terms = terms * torch.from_numpy(weights)
             want, magnitude = want + float(terms.sum()), magnitude + float(terms.abs().sum())
         losses[name] = output.metrics["loss:sum"]

@@ -108,7 +108,7 @@ def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env, said: list[s
     driver's sampler (its weights come from the workers once they run: `attach`)."""
     from tinker_exp.rl.prompts import check_prompt_lengths
     from tinker_exp.runtime.sampler import HFSampler
-    from tinker_exp.train.rl import Prompt, RLBatches, RLEvaluation, Weights
+    from tinker_exp.train.rl import OffPolicyBatches, Prompt, RLBatches, RLEvaluation, Weights
 
     trainer = cfg.trainer
     sampler = HFSampler(model_path, trainer.seed, reference=cfg.rl.uses_reference)
@@ -119,7 +119,11 @@ def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env, said: list[s
         check_prompt_lengths(rows, [len(i) for i in ids], cfg.env.max_new_tokens, sampler.positions)
         return [Prompt(row, i) for row, i in zip(rows, ids)]
 
-    batches = RLBatches(prompts(env.train), weights, env.reward, cfg.rl, cfg.env.max_new_tokens, trainer.seed)
+    if cfg.rl.max_steps_off_policy:
+        batches = OffPolicyBatches(prompts(env.train), weights, env.reward, cfg.rl, cfg.env.max_new_tokens, trainer.seed,
+                                   total_steps=trainer.steps)  # fmt: skip
+    else:
+        batches = RLBatches(prompts(env.train), weights, env.reward, cfg.rl, cfg.env.max_new_tokens, trainer.seed)
     evaluation = None
     if env.eval:
         evaluation = RLEvaluation(prompts(env.eval), weights, env.reward, cfg.rl, cfg.env.max_new_tokens,
@@ -127,8 +131,9 @@ def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env, said: list[s
     rl = cfg.rl
     updates = f"{rl.updates_per_batch} optimizer steps a batch" if rl.updates_per_batch > 1 else "one optimizer step a batch"
     kl = f", KL to the initial model {rl.kl_coef} x {rl.kl_estimator}" if rl.kl_coef else ""
+    off = f", sampled {rl.max_steps_off_policy} steps off-policy" if rl.max_steps_off_policy else ""
     said.append(f"RL: env {env.name}, {len(env.train)} prompts, {rl.prompts_per_step} x {rl.group_size} samples a batch, "
-                f"{updates}, loss {cfg.loss.name.value}{kl}")  # fmt: skip
+                f"{updates}, loss {cfg.loss.name.value}{kl}{off}")  # fmt: skip
     return Inputs(choice, model_path, batches, evaluation, tuple(said))
 
 

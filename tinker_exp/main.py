@@ -248,6 +248,7 @@ def train_run(
         raise
     finally:
         try:
+            given.batches.close()
             if workers is not None:
                 workers.shutdown()
         finally:

@@ -9,7 +9,7 @@ verl's model output is the log-prob of each next input token, so a datum is its 
 token, and ``target_tokens`` must be ``model_input`` shifted by one (what the SDK's helpers build); anything else is
 refused (tinker_exp/serve/wire.py).
 
-The RL losses (importance_sampling, ppo, cispo, dro) are runtime/rl_losses.py's, installed when a call asks for
+The RL losses (importance_sampling, ppo, cispo, dro, gspo, stable_reinforce) are runtime/rl_losses.py's, installed when a call asks for
 another loss than the one installed: each datum is laid out as an RL rollout whose "prompt" is its first token and
 whose "response" is every target position, masked by `weights` (positions of weight 0 add nothing).
 """
