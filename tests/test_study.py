@@ -383,6 +383,20 @@ def test_a_dry_run_study_plans_its_trials_and_records_nothing(tmp_path):
     assert "config error: trainer.batch_size" in result.stdout and "Traceback" not in result.stderr
 
 
+def test_a_grid_study_plans_each_point_of_its_grid_once_and_no_more_trials(tmp_path):
+    """hydra.sweeper.sampler=grid through the CLI (a dry run): n_trials=20 over a 2 x 2 grid runs the grid's 4 trials,
+    each point once, said in the log."""
+    result = run_cli(
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", "dry_run=true", "+override=lr_cosine", f"hydra.sweep.dir={tmp_path}",
+        "hydra.sweeper.sampler=grid", "override.lr.value=choice(1e-4,1e-3)", "override.lr.warmup_steps=range(0,2)",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "grid of 4 points: the study runs 4 trials, not 20" in result.stdout and "sampler grid" in result.stdout
+    planned = sorted((plan["override"]["lr"]["value"], plan["override"]["lr"]["warmup_steps"])
+                     for plan in (read_json(tmp_path / str(n) / "plan.json") for n in range(4)))  # fmt: skip
+    assert planned == [(1e-4, 0), (1e-4, 1), (1e-3, 0), (1e-3, 1)] and not (tmp_path / "4").exists()
+
+
 # --- real studies -------------------------------------------------------------------------------------
 
 STUDY = [
