@@ -215,8 +215,8 @@ def new_key_message(cause: OmegaConfBaseException, key: str, typed: str) -> str:
     return no_such_key(key, name, [k for k in siblings if k != "hydra"])
 
 
-OPEN_MAPPINGS = ("pruner_args", "wrapped_args")
-"""Mappings (hydra.sweeper.pruner_args, ...) that start empty: every key in them is added with +."""
+OPEN_MAPPINGS = ("pruner_args", "wrapped_args", "sampler_args")
+"""Mappings (hydra.sweeper.pruner_args, sampler_args, ...) that start empty: every key in them is added with +."""
 
 
 def no_such_key(key: str, name: str, known: list[str]) -> str:

@@ -129,6 +129,11 @@ def check(cfg: Config) -> None:
             f"optimizer.name: Muon with lora.rank={cfg.lora.rank} is not supported (Muon splits the full model's "
             "weight matrices; LoRA trains adapters only): choose another optimizer with LoRA"
         )
+    if cfg.optimizer.name.value == "AdamWScheduleFree" and cfg.env.active:
+        raise ConfigError(
+            "optimizer.name: AdamWScheduleFree with an env (RL) is not supported yet (the driver's sampler would "
+            "sample the training point, not the averaged weights): use it for supervised runs"
+        )
     data_path(cfg.data.path)
     if cfg.model.path:
         resolve_model_path(cfg.model.path, download=False)

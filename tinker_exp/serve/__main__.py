@@ -187,6 +187,10 @@ def main(args: list[str]) -> None:
     config.check(cfg)
     if cfg.env.active:
         raise ConfigError("env: the server takes its data from its client; serve without env=")
+    from tinker_exp.optim.optimizers import spec_of
+
+    if spec_of(cfg.optimizer.name.value).averaged:  # its forward, sampling and saved weights would be the training point
+        raise ConfigError(f"optimizer.name: {cfg.optimizer.name.value} is not served yet (its averaged weights are not what the server samples); choose another optimizer")
     from tinker_exp.optim import build_plan
     from tinker_exp.optim.plan import plan_for
 
