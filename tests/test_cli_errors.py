@@ -319,6 +319,8 @@ def refused_on_the_run_path(given: Path) -> dict[str, tuple[list[str], str]]:
     bad_rows = given / "bad.jsonl"
     bad_rows.write_text('{"prompt": "a", "response": "b"}\n{"prompt": 1}\n')
     a_file = given / "a_file"
+    private = given / "pools"  # a pool's folder must be private to the user (docs/pool.md)
+    private.mkdir(mode=0o700, exist_ok=True)
     a_file.write_text("")
     return {
         "a misspelled key": (["trainer.stpes=3"], "config error: trainer.stpes: trainer has no key stpes"),
@@ -326,7 +328,7 @@ def refused_on_the_run_path(given: Path) -> dict[str, tuple[list[str], str]]:
         "a bad value, run in its run dir": (["hydra.job.chdir=true", "optimizer.lr=-1"], "config error: optimizer.lr: must be >= 0"),
         "a bad row": ([f"data.path={bad_rows}"], f"config error: data.path: {bad_rows}:2: "),
         "no checkpoint": (["resume=must"], "config error: resume=must, but there is no checkpoint in "),
-        "no pool there": ([f"backend.pool={given / 'no.sock'}"], f"config error: backend.pool={given / 'no.sock'}: no pool answers there"),
+        "no pool there": ([f"backend.pool={private / 'no.sock'}"], f"config error: backend.pool={private / 'no.sock'}: no pool answers there"),
         "a GPU-only setting on cpu": (["backend.attention=flash_attention_2", "backend.device=cpu"],
                                       "config error: backend.attention=flash_attention_2: it runs only for bf16 on a GPU"),  # fmt: skip
         "a LoRA target the model lacks": (["lora=r8", "lora.target_modules=[nope]"], "config error: lora.target_modules: 'nope' matches no module"),
