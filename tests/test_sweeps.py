@@ -450,7 +450,7 @@ def test_ctrl_c_in_a_local_sweep_stops_the_running_point_and_starts_no_other(ray
         f"hydra.sweep.dir={tmp_path}", "trainer.steps=1000", "logger=none", "optimizer.lr=1e-3,3e-4",
     ]  # fmt: skip
     driver = subprocess.Popen(  # its jobs on the sweep's own warm pool (the suite's default is a cold start)
-        command, cwd=REPO, env=environment({"RAY_ADDRESS": ray_address, "TINKER_EXP_POOL": "auto"}), stdout=subprocess.PIPE,
+        command, cwd=REPO, env=environment({"TINKER_EXP_POOL": "auto"}), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
