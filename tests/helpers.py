@@ -62,6 +62,14 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
     return run_module("tinker_exp", *args, env=env, timeout=timeout, cwd=cwd)
 
 
+def trained_run(run_dir: Path, ray_address: str, *command: str) -> Path:
+    """A real CLI run of `command` into `run_dir` on the session's Ray cluster, finished with exit 0 (a module's
+    shared run, asserted on by several tests)."""
+    result = run_cli(*command, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
 def run_module(module: str, *args: str, env: dict | None = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` (tinker_exp.report, tinker_exp.forecast, ...) as run_cli runs the CLI."""
     return _run_forked([sys.executable, "-m", module, *args], env, timeout, cwd)

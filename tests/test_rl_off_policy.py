@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from helpers import metrics_rows, planned, run_cli
+from helpers import metrics_rows, planned, run_cli, trained_run
 
 K, STEPS, AT = 2, 12, 6
 COMMAND = ["env=digits", "loss=stable_reinforce", "+override=lr_cosine", f"trainer.steps={STEPS}",
@@ -21,10 +21,7 @@ SAME = ("train/reward", "train/reward_std", "train/loss", "train/grad_norm", "tr
 
 @pytest.fixture(scope="module")
 def off_policy_run(ray_address, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("off_policy_run")
-    result = run_cli(*COMMAND, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+    return trained_run(tmp_path_factory.mktemp("off_policy_run"), ray_address, *COMMAND)
 
 
 def test_each_batch_is_sampled_k_steps_behind_and_every_override_is_applied(off_policy_run):

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from helpers import compose, metrics_rows, run_cli
+from helpers import compose, metrics_rows, run_cli, trained_run
 
 K = 4
 PPO_COMMAND = ["env=digits", "loss=ppo", f"rl.updates_per_batch={K}", "rl.kl_coef=0.1", "trainer.steps=6",
@@ -24,10 +24,7 @@ LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
 
 @pytest.fixture(scope="module")
 def ppo_run(ray_address, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("ppo_run")
-    result = run_cli(*PPO_COMMAND, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+    return trained_run(tmp_path_factory.mktemp("ppo_run"), ray_address, *PPO_COMMAND)
 
 
 def test_on_one_sampled_batch_the_losses_agree_on_policy_and_part_once_the_ratio_leaves_1(ray_address):
