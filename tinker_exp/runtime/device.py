@@ -228,14 +228,17 @@ class Throughput:
 
 def throughput(backend: BackendConfig, device: str, optimizer_name: str, attention: str = SDPA) -> Throughput:
     """backend's throughput knobs for `device` (cpu, cuda), optimizer.name and the attention chosen: auto values
-    resolved. On cpu every
-    default is what the CPU runs used before these knobs (by sequences, padding-free, no checkpointing, no
-    compile, torch's default kernel), so their losses stay bitwise."""
-    from tinker_exp.config.schema import FUSED_OPTIMIZERS, OptimizerKernel
+    resolved. On cpu every default steps bitwise as the CPU runs did before these knobs (by sequences,
+    padding-free, no checkpointing, no compile, the for loop, resharded after forward): the two that are faster
+    there, parameters kept gathered to the backward and foreach where it is exact (CPU_FOREACH_EXACT), move data
+    or batch the same operations only (tests/test_optimizers_ray.py checks both bitwise)."""
+    from tinker_exp.config.schema import CPU_FOREACH_EXACT, FUSED_OPTIMIZERS, OptimizerKernel
 
     kernel = backend.optimizer_kernel
-    if kernel is OptimizerKernel.auto:
-        kwargs = {"fused": True} if device == "cuda" and optimizer_name in FUSED_OPTIMIZERS else {}
+    if kernel is OptimizerKernel.auto and device == "cuda":
+        kwargs = {"fused": True} if optimizer_name in FUSED_OPTIMIZERS else {}
+    elif kernel is OptimizerKernel.auto:  # cpu: torch's own default there is the for loop
+        kwargs = {"foreach": True} if optimizer_name in CPU_FOREACH_EXACT else {}
     elif kernel is OptimizerKernel.fused:
         kwargs = {"fused": True}
     elif kernel is OptimizerKernel.foreach:
@@ -249,6 +252,6 @@ def throughput(backend: BackendConfig, device: str, optimizer_name: str, attenti
         gradient_checkpointing=backend.gradient_checkpointing,
         torch_compile=compile_,
         fused_lm_head=device == "cuda" if backend.fused_lm_head is None else backend.fused_lm_head,
-        reshard_after_forward=backend.reshard_after_forward,
+        reshard_after_forward=device == "cuda" if backend.reshard_after_forward is None else backend.reshard_after_forward,
         optimizer_kernel=kwargs,
     )

@@ -145,7 +145,14 @@ def optimizer_step_with_clip(step: Any, engine: Any, optim_step_params: dict[str
 
 
 def engine_tensors(engine: Any) -> list:
-    """Every tensor of the engine's model that training or a build sets: parameters (each rank's shards), buffers."""
+    """Every tensor of the engine's model that training or a build sets: parameters (each rank's shards), buffers.
+    Resharded first: with backend.reshard_after_forward off, FSDP2 leaves each layer's parameters gathered after a
+    forward that no backward follows (an evaluation), registered as whole tensors in place of the shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in engine.module.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()  # frees the gathered copies (values as the shards): not recursive, hence every module
     return [*engine.module.parameters(), *engine.module.buffers()]
 
 
