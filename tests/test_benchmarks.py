@@ -99,7 +99,7 @@ def test_the_gpu_benchmark_runs_on_cpu_with_tiny_shapes_and_the_throughput_knobs
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert "checks passed: losses finite, applied == requested, every rank on its device" in out
     assert ("GPU benchmark: cpu, fp32, attention sdpa; micro batches <= 128 tokens, padding-free off, activation "
-            "checkpointing on, torch.compile off, fused lm head on, reshard after forward on, optimizer kernel "
+            "checkpointing on, torch.compile off, fused lm head on, reshard after forward off, optimizer kernel "
             "fused=True") in out  # fmt: skip
     for pattern in (r"\[ *[0-9.]+ s\] tinker_exp's workers ready", r"\[ *[0-9.]+ s\]   step 3: ",
                     r"start-up: +imports [0-9.]+ s, Ray [0-9.]+ s, worker group [0-9.]+ s, workers up [0-9.]+ s, model load [0-9.]+ s, first step [0-9.]+ s",
