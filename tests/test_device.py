@@ -25,6 +25,7 @@ from tinker_exp.runtime.device import (
     check_placement,
     choose_attention,
     choose_device,
+    choose_liger,
     choose_precision,
     needs_flash_probe,
     probe,
@@ -250,6 +251,42 @@ def test_resolve_puts_the_choices_together():
         resolve(backend(precision="bf16"), V100)
     with pytest.warns(UserWarning, match=r"backend.device=auto: this machine has NVIDIA GPUs"):
         assert resolve(backend(), CPU_BUILD_ON_GPU_MACHINE) == DeviceChoice("cpu", "fp32", SDPA)
+
+
+@pytest.mark.parametrize(
+    "requested, device, importable, expected",
+    [
+        (None, "cuda", True, True), (None, "cuda", False, False), (None, "cpu", True, False), (False, "cuda", True, False),
+        (True, "cuda", True, True), (False, "cpu", False, False),
+        (True, "cpu", True, "backend.liger=true: its kernels are Triton, for GPUs only (this run: cpu); use null (auto) or false"),
+        (True, "cuda", False, "backend.liger=true: liger_kernel does not import here (pip install liger-kernel); use null (auto) or false"),
+    ],
+)  # fmt: skip
+def test_liger_is_on_where_it_can_run_and_refused_where_asked_for_and_it_cannot(requested, device, importable, expected):
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError) as refused:
+            choose_liger(requested, device, importable)
+        assert str(refused.value) == expected
+    else:
+        assert choose_liger(requested, device, importable) is expected
+
+
+def test_liger_on_cpu_is_refused_before_ray_and_auto_leaves_it_off_here():
+    """This machine: a CPU run (liger_kernel or not, Triton needs a GPU); the worker config says what was chosen."""
+    from tinker_exp.runtime.inputs import model_dir
+    from tinker_exp.runtime.workers import worker_config
+
+    with pytest.raises(ConfigError, match=r"^backend.liger=true: its kernels are Triton, for GPUs only \(this run: cpu\)"):
+        resolve(backend(liger="true"), CPU_BUILD)
+    choice = resolve(backend(), CPU_BUILD)
+    assert choice.liger is False and choice.describe() == "cpu, fp32, attention sdpa"
+    assert DeviceChoice("cuda", "bf16", SDPA, liger=True).describe() == "cuda, bf16, attention sdpa, Liger kernels"
+    cfg = config.load(compose())
+    values = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    for liger in (False, True):
+        built = worker_config(cfg.backend, cfg.optimizer, cfg.trainer, str(model_dir(cfg.model)), values,
+                              DeviceChoice("cuda", "bf16", SDPA, liger), cfg.lora)  # fmt: skip
+        assert built.model_config.use_liger is liger
 
 
 # --- the real probe, this machine -----------------------------------------------------------------------------

@@ -330,6 +330,10 @@ class BackendConfig:
     fewer per layer and micro batch; after a forward-only evaluation they stay gathered until the next step). Moves
     data only: losses are bitwise the same. None: false on cpu (faster), true on cuda (memory). SFT runs (RL's
     actor keeps verl's default)."""
+    liger: Optional[bool] = None
+    """Liger's fused Triton kernels (RMSNorm, SwiGLU, RoPE) patched into the model by verl (use_liger; its fused
+    cross-entropy stays off, as verl sets it). None: on for cuda when liger_kernel imports, off on cpu (Triton is
+    for GPUs); true where it cannot run is refused before any worker starts. SFT runs."""
     optimizer_kernel: OptimizerKernel = OptimizerKernel.auto
     """The torch optimizer's implementation: fused (one kernel for all parameters; adam, adamw, sgd), foreach
     (batched per op; every torch optimizer, not muon), for_loop (per parameter). auto: on cuda fused where the

@@ -52,9 +52,10 @@ class DeviceChoice:
     device: str  # cpu | cuda
     precision: str  # fp32 | bf16
     attention: str  # sdpa | flash_attention_2
+    liger: bool = False  # Liger's kernels patched in (backend.liger)
 
     def describe(self) -> str:
-        return f"{self.device}, {self.precision}, attention {self.attention}"
+        return f"{self.device}, {self.precision}, attention {self.attention}" + (", Liger kernels" if self.liger else "")
 
 
 def choose_device(requested: str, build: TorchBuild) -> tuple[str, str | None]:
@@ -105,6 +106,18 @@ def choose_attention(device: str, precision: str, bf16: bool | None, flash_attn:
             else f"it runs only for bf16 on a GPU with bf16 (this run: {device}, {precision})"
         )
         raise ConfigError(f"backend.attention=flash_attention_2: {why}; use auto or sdpa")
+    return requested
+
+
+def choose_liger(requested: bool | None, device: str, importable: bool) -> bool:
+    """backend.liger -> whether verl patches Liger's kernels in. None: on cuda when liger_kernel imports; true where
+    it cannot run is refused (its kernels are Triton: a CPU run would fail in every worker's model build)."""
+    if requested is None:
+        return device == "cuda" and importable
+    if requested and not (device == "cuda" and importable):
+        why = ("liger_kernel does not import here (pip install liger-kernel)" if device == "cuda"
+               else f"its kernels are Triton, for GPUs only (this run: {device})")  # fmt: skip
+        raise ConfigError(f"backend.liger=true: {why}; use null (auto) or false")
     return requested
 
 
@@ -166,7 +179,9 @@ def resolve(backend: BackendConfig, build: TorchBuild | None = None) -> DeviceCh
     precision = choose_precision(backend.precision.value, device, build.bf16, gpu)
     requested = backend.attention.value
     flash = needs_flash_probe(device, precision, build.bf16, requested) and flash_attn_usable()
-    return DeviceChoice(device, precision, choose_attention(device, precision, build.bf16, flash, requested))
+    attention = choose_attention(device, precision, build.bf16, flash, requested)
+    liger = choose_liger(backend.liger, device, device == "cuda" and backend.liger is not False and liger_usable())
+    return DeviceChoice(device, precision, attention, liger)
 
 
 def probe() -> TorchBuild:
@@ -197,6 +212,15 @@ def flash_attn_usable() -> bool:
         from flash_attn import flash_attn_varlen_func  # noqa: F401  (loads flash_attn_2_cuda)
     except Exception as e:  # ImportError, OSError (undefined symbol): any of them means no flash-attn here
         warnings.warn(f"flash-attn is installed but does not import ({type(e).__name__}: {e}); using sdpa", stacklevel=2)
+        return False
+    return True
+
+
+def liger_usable() -> bool:
+    """Whether Liger's kernels import here (liger_kernel and the Triton it runs on)."""
+    try:
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance  # noqa: F401  (what verl calls)
+    except Exception:  # not installed, or no Triton for this torch
         return False
     return True
 

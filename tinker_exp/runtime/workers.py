@@ -305,6 +305,7 @@ def worker_config(
             override_config={"attn_implementation": choice.attention},
             enable_gradient_checkpointing=knobs.gradient_checkpointing,
             use_remove_padding=knobs.padding_free,
+            use_liger=choice.liger,  # its fused cross-entropy off (verl's own choice)
             use_fused_kernels=knobs.fused_lm_head,  # its torch backend: log-probs 512 tokens at a time
             fused_kernel_options={"impl_backend": "torch"} if knobs.fused_lm_head else {},
             **lora_adapters.model_config_fields(lora),
