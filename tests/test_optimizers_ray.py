@@ -212,8 +212,20 @@ def digest_probed():
 
                 @register(dispatch_mode=Dispatch.ONE_TO_ALL)
                 def gathered_parameters(self) -> int:
-                    """Parameters registered unsharded (whole tensors, not DTensor shards): what a forward left."""
+                    """Parameters registered unsharded (whole tensors, not DTensor shards)."""
                     return sum(not hasattr(p, "to_local") for p in self.engine.module.parameters())
+
+                @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+                def gathered_by_a_bare_forward(self, data) -> int:
+                    """What verl's own forward-only path (no reshard after it) leaves gathered; then resharded."""
+                    from verl.workers.engine_workers_tinker import TinkerTrainingWorker
+
+                    from tinker_exp.runtime.workers import reshard
+
+                    TinkerTrainingWorker.infer_batch(self, data)  # verl's, not ours
+                    gathered = sum(not hasattr(p, "to_local") for p in self.engine.module.parameters())
+                    reshard(self.engine.module)
+                    return gathered
 
             return Digest
 
@@ -233,12 +245,12 @@ def families_with_foreach() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def kernels(ray_address):
-    """One worker group of 2 ranks with the CPU defaults (parameters kept gathered after each forward) lent, as a
-    pool lends its group, to every optimizer family whose foreach is a choice, with foreach and then the for loop:
-    each from the group's fresh start (fresh_state), KERNEL_STEPS steps of a cosine lr with an evaluation after the
-    first and after the last. So every fresh start but the first follows an evaluation (whose forward left the
-    parameters gathered); the first runs once more at the end. Per run: losses, grad norms, evaluation losses,
-    every rank's parameter digest."""
+    """One worker group of 2 ranks with the CPU defaults (parameters kept gathered from each forward to its backward)
+    lent, as a pool lends its group, to every optimizer family whose foreach is a choice, with foreach and then the
+    for loop: each from the group's fresh start (fresh_state), KERNEL_STEPS steps of a cosine lr with an evaluation
+    after the first and after the last. So every fresh start but the first follows an evaluation; the first runs
+    once more at the end. Per run: losses, grad norms, evaluation losses, every rank's parameter digest, and the
+    parameters left gathered after the last evaluation; and once, what verl's own forward-only path leaves."""
     import random
 
     from tinker_exp import config
@@ -261,6 +273,7 @@ def kernels(ray_address):
     try:
         workers.ready()
         workers.keep_initial_state()
+        results["bare forward"] = workers.group.gathered_by_a_bare_forward(workers._batch(examples))
         for index, (name, kernel) in enumerate([*runs, runs[0]]):
             cfg = configs[name, kernel]
             plan = validate(cfg)
@@ -301,14 +314,18 @@ def test_foreach_steps_bitwise_as_the_for_loop_for_the_families_auto_gives_it_on
 
 
 def test_a_fresh_start_after_an_evaluation_is_the_first_start(kernels):
-    """The pool's fresh_state, on parameters an evaluation left gathered, restores the group's start exactly: the
-    first run, done again last, is bitwise the first (losses, grad norms, evaluations, parameters); and the runs
+    """verl's forward-only path leaves the parameters gathered (reshard_after_forward off), which a pool's fresh
+    start could not copy the kept shards into (`aten.copy_.default got mixed torch.Tensor and DTensor`): our
+    evaluation reshards after it, and a fresh start after an evaluation restores the group's start exactly (the
+    first run, done again last, is bitwise the first: losses, grad norms, evaluations, parameters); the runs
     between trained (the loss falls)."""
-    first = next(key for key in kernels if not key[2])
+    runs = {key: result for key, result in kernels.items() if key != "bare forward"}
+    first = next(key for key in runs if not key[2])
     again = (*first[:2], True)
-    assert all(count > 0 for result in kernels.values() for count in result["gathered"])  # the evaluation left them so
-    assert kernels[again] == kernels[first]
-    for result in kernels.values():
+    assert kernels["bare forward"] == [20, 20]  # verl's forward-only path leaves every parameter of both ranks gathered
+    assert all(result["gathered"] == [0, 0] for result in runs.values())  # ours reshards: a fresh start writes shards
+    assert runs[again] == runs[first]
+    for result in runs.values():
         assert result["steps"][-1][0] < result["steps"][0][0]
 
 

@@ -145,15 +145,21 @@ def optimizer_step_with_clip(step: Any, engine: Any, optim_step_params: dict[str
 
 
 def engine_tensors(engine: Any) -> list:
-    """Every tensor of the engine's model that training or a build sets: parameters (each rank's shards), buffers.
-    Resharded first: with backend.reshard_after_forward off, FSDP2 leaves each layer's parameters gathered after a
-    forward that no backward follows (an evaluation), registered as whole tensors in place of the shards."""
+    """Every tensor of the engine's model that training or a build sets: parameters (each rank's shards), buffers."""
+    return [*engine.module.parameters(), *engine.module.buffers()]
+
+
+def reshard(module: Any) -> None:
+    """Every FSDP2 module of `module` back to its shards. With backend.reshard_after_forward off (the CPU default)
+    FSDP2 keeps a layer's gathered parameters from its forward to its backward; a forward with no backward (an
+    evaluation) leaves them gathered, registered in place of the shards: what writes the shards then (a pool's fresh
+    start, schedule-free's move to its averaged weights and back) would not reach the next forward, which reuses
+    them. Values are unchanged: the gathered copies are freed."""
     from torch.distributed.fsdp import FSDPModule
 
-    for module in engine.module.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()  # frees the gathered copies (values as the shards): not recursive, hence every module
-    return [*engine.module.parameters(), *engine.module.buffers()]
+    for part in module.modules():
+        if isinstance(part, FSDPModule):
+            part.reshard()  # not recursive: hence every module
 
 
 def keep_initial_state(engine: Any, seed: int) -> dict[str, Any]:
@@ -242,6 +248,13 @@ def _worker_class():
             if output is None:
                 return None
             return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": output.get_non_tensor("metrics")})
+
+        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
+        def infer_batch(self, data):
+            # between calls the parameters are always the shards (`reshard`), evaluations included
+            output = TinkerTrainingWorker.infer_batch(self, data)
+            reshard(self.engine.module)
+            return output
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def device_info(self) -> dict[str, Any]:
