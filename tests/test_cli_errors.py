@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -268,6 +269,8 @@ REFUSED_AS_TYPED = [
      "use foreach, for_loop or auto"),  # fmt: skip
     (["optimizer=muon", "backend.optimizer_kernel=foreach"],
      "backend.optimizer_kernel=foreach: optimizer.name=Muon has no such choice; use auto"),
+    (["backend=cpu", "backend.attention=flash_attention_2"],  # a dry run too: no torch needed to know a CPU run's
+     "backend.attention=flash_attention_2: it runs only for bf16 on a GPU with bf16 (this run: cpu, fp32); use auto or sdpa"),
 ]
 
 
@@ -308,3 +311,73 @@ def test_the_help_sections_are_built_only_when_the_help_is_printed(argv, shown):
         assert (cli_help.help_section("overrides") != "") is shown
     finally:
         cli_help.SHOWN = False
+
+
+def refused_on_the_run_path(given: Path) -> dict[str, tuple[list[str], str]]:
+    """A command refused at each stage of a run's path, with the start of its one line: composing, the config's
+    checks, the data, the start point, the pool, the device, the model's LoRA targets, tokenizing, the run dir."""
+    bad_rows = given / "bad.jsonl"
+    bad_rows.write_text('{"prompt": "a", "response": "b"}\n{"prompt": 1}\n')
+    a_file = given / "a_file"
+    private = given / "pools"  # a pool's folder must be private to the user (docs/pool.md)
+    private.mkdir(mode=0o700, exist_ok=True)
+    a_file.write_text("")
+    return {
+        "a misspelled key": (["trainer.stpes=3"], "config error: trainer.stpes: trainer has no key stpes"),
+        "a bad value": (["optimizer.lr=-1"], "config error: optimizer.lr: must be >= 0"),
+        "a bad value, run in its run dir": (["hydra.job.chdir=true", "optimizer.lr=-1"], "config error: optimizer.lr: must be >= 0"),
+        "a bad row": ([f"data.path={bad_rows}"], f"config error: data.path: {bad_rows}:2: "),
+        "no checkpoint": (["resume=must"], "config error: resume=must, but there is no checkpoint in "),
+        "no pool there": ([f"backend.pool={private / 'no.sock'}"], f"config error: backend.pool={private / 'no.sock'}: no pool answers there"),
+        "a GPU-only setting on cpu": (["backend.attention=flash_attention_2", "backend.device=cpu"],
+                                      "config error: backend.attention=flash_attention_2: it runs only for bf16 on a GPU"),  # fmt: skip
+        "a LoRA target the model lacks": (["lora=r8", "lora.target_modules=[nope]"], "config error: lora.target_modules: 'nope' matches no module"),
+        "a row too long": (["data.truncation=error", "data.max_length=8"], "config error: data.path: "),
+        "a model cache that is a file": ([f"model.cache_dir={a_file}"], f"config error: model.cache_dir={a_file}: {a_file} is a file, not a folder"),
+        "a run dir below a file": ([f"hydra.run.dir={a_file}/run"], f"config error: hydra.run.dir={a_file}/run: {a_file} is a file, not a folder"),
+    }
+
+
+def test_a_refused_command_writes_nothing_anywhere(tmp_path):
+    """Each command, typed in an empty folder with Hydra's default run dir (outputs/runs/DATE/TIME) and W&B on: exit
+    2, one line, no traceback, and not a file or folder made below that folder (no outputs/, no W&B dir, no log)."""
+    given, cwd = tmp_path / "given", tmp_path / "cwd"
+    given.mkdir()
+    cwd.mkdir()
+    for what, (args, line) in refused_on_the_run_path(given).items():
+        result = run_cli(*args, "logger=wandb", cwd=cwd)
+        assert result.returncode == 2, (what, result.stderr[-3000:])
+        (said,) = result.stderr.splitlines()
+        assert said.startswith(f"tinker_exp: {line}"), (what, said)
+        assert "Traceback" not in result.stdout + result.stderr, what
+        assert sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*")) == [], what
+
+
+def test_a_config_dir_that_is_no_folder_is_one_line(monkeypatch, capsys, tmp_path):
+    """Hydra's "Additional config directory ... not found" (exit 1, with its HYDRA_FULL_ERROR line) as ours."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for args, line in ((["--config-dir", str(tmp_path / "nope")], f"--config-dir {tmp_path / 'nope'}: no such folder"),
+                       ([f"--config-dir={a_file}"], f"--config-dir {a_file}: {a_file} is a file, not a folder")):  # fmt: skip
+        check_one_line(*run_main(monkeypatch, capsys, *args, "+override=lr_cosine", f"hydra.run.dir={tmp_path / 'run'}", "dry_run=true"), line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+FIRST_CONTACT = [
+    (["--dry-run"], "--dry-run: not a flag: a key is set as KEY=VALUE, as in dry_run=true"),
+    (["--steps", "10"], "--steps: not a flag: a key is set as KEY=VALUE, as in trainer.steps=VALUE"),
+    (["--trainer.steps=3"], "--trainer.steps=3: not a flag: a key is set as KEY=VALUE, as in trainer.steps=3"),
+    (["--cgf", "job"], "--cgf: not a flag; did you mean --cfg? (flags: --help, --hydra-help, --version, --cfg, --resolve, --package, "
+                       "--run, --multirun, --shell-completion, --config-path, --config-name, --config-dir, --experimental-rerun, --info); "
+                       "keys are set as KEY=VALUE"),  # fmt: skip
+    (["steps=10"], "steps: the config has no key steps; did you mean trainer.steps?"),  # not plan_steps, the closest top-level name
+    (["lr=1e-3"], "lr: the config has no key lr; did you mean optimizer.lr?"),  # not lora
+]
+
+
+@pytest.mark.parametrize("args, line", FIRST_CONTACT, ids=[" ".join(args) for args, _ in FIRST_CONTACT])
+def test_a_flag_or_a_bare_key_a_new_user_types_gets_the_key_to_type(monkeypatch, capsys, tmp_path, args, line):
+    """Hydra's parser prints its usage and "__main__.py: error: unrecognized arguments" for an unknown flag; a bare
+    key named as in a group pointed at the closest top-level name. Nothing written."""
+    check_one_line(*run_main(monkeypatch, capsys, *args, f"hydra.run.dir={tmp_path / 'run'}"), line)
+    assert not any(tmp_path.iterdir())

@@ -95,12 +95,14 @@ def test_cli_bad_override_exits_nonzero_with_a_clear_message(tmp_path):
 @pytest.mark.parametrize(
     "args, line",
     [
-        (["optimizer.lr=abc"], "optimizer.lr: Value 'abc' of type 'str' could not be converted to Float"),
-        (["backend.device=tpu"], "backend.device: Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
-        (["trainer.steps=1.5"], "trainer.steps: Value '1.5' of type 'float' could not be converted to Integer"),
+        (["optimizer.lr=abc"], "optimizer.lr: expected a number, got 'abc' (str)"),
+        (["backend.device=tpu"], "backend.device: expected one of auto, cpu, cuda, got 'tpu'"),
+        (["trainer.steps=1.5"], "trainer.steps: expected an integer, got 1.5 (float)"),
         (["trainer.foo=1"], f"trainer.foo: trainer has no key foo (trainer's keys: {', '.join(TRAINER_KEYS)})"),
         (["+override=nonexistent"], f"+override=nonexistent: override has no option nonexistent (options: {', '.join(options('override'))})"),
         (["trainer.steps=[1"], "'trainer.steps=[1': no viable alternative at input '[1'"),
+        (["data.path=~/chat.jsonl"], "data.path=~/chat.jsonl: Hydra reads this value only in quotes: type "
+                                     "'data.path=\"~/chat.jsonl\"' (or write $HOME/chat.jsonl, which the shell expands)"),  # fmt: skip
         (["trainer.batch_size=0"], "trainer.batch_size: must be >= 1, got 0"),
         (["backend.micro_batch_size=0"], "backend.num_workers=2, backend.nodes=1 and backend.micro_batch_size=0 must be >= 1"),
         (["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0"),
@@ -110,7 +112,7 @@ def test_cli_bad_override_exits_nonzero_with_a_clear_message(tmp_path):
         (["+override.lr={schedule:cosine,value:1e-3,min_ratio:2}"], "override.lr.min_ratio: 2 is not in [0, 1]"),
         (["+override.lr={schedule:linear,start:fast,end:0}"], "override.lr.start: expected a number, got 'fast' (str)"),
         (["plan_steps=[5,20]"], "plan_steps[1]: 20 is not a step of this run (0 .. 19)"),
-        (["plan_steps=[x]"], "plan_steps[0]: Value 'x' of type 'str' could not be converted to Integer"),
+        (["plan_steps=[x]"], "plan_steps[0]: expected an integer, got 'x' (str)"),
     ],
 )
 def test_every_kind_of_bad_input_is_one_line_and_exit_2(tmp_path, args, line):
@@ -198,3 +200,38 @@ def test_clip_grad_0_or_null_is_no_clipping(given, max_norm):
     """As Tinker's grad_clip_norm=0 and HF's max_grad_norm=0: verl is given an infinite max_norm (a 0 would zero
     every gradient); tests/test_optimizers_ray.py trains with it."""
     assert typed(compose(f"optimizer.clip_grad={given}")).optimizer.max_grad_norm == max_norm
+
+
+def int_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every key of the schema (and its groups) whose type is int, or int or None."""
+    import dataclasses
+    import typing
+
+    found = []
+    for name, hint in typing.get_type_hints(schema).items():
+        if name not in {f.name for f in dataclasses.fields(schema)}:
+            continue
+        args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is typing.Union else [hint]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            found += int_keys(args[0], f"{prefix}{name}.")
+        elif args == [int]:
+            found.append(f"{prefix}{name}")
+    return found
+
+
+def test_every_int_key_given_a_fraction_says_what_it_takes_in_one_line():
+    """OmegaConf's words ("Value '1.5' of type 'float' could not be converted to Integer") become ours, for each int
+    key of the schema: the key, what it takes, what it got; a whole float says what to write."""
+    from hydra.errors import ConfigCompositionException
+
+    from tinker_exp.config import Config
+    from tinker_exp.config.compose_errors import compose_message
+
+    keys = int_keys(Config)
+    assert {"trainer.steps", "rl.updates_per_batch", "backend.num_workers", "checkpoint.keep_last"} <= set(keys)
+    for key in keys:
+        for value, line in (("1.5", f"{key}: expected an integer, got 1.5 (float)"),
+                            ("1e3", f"{key}: expected an integer, got 1000.0 (float): write 1000")):  # fmt: skip
+            with pytest.raises(ConfigCompositionException) as refused:
+                compose(f"{key}={value}")
+            assert compose_message(refused.value) == line

@@ -391,3 +391,12 @@ def test_a_run_on_the_chat_set_prints_its_cut_and_trains(tmp_path):
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [row["train/step"] for row in rows] == [0, 1, 2, 3] and rows[-1]["train/loss"] < rows[0]["train/loss"]
     assert rows[-1]["val/tokens"] > 0
+
+
+def test_a_data_path_under_the_home_dir_is_read_as_model_path_is(tmp_path, monkeypatch):
+    """data.path='"~/rows.jsonl"' (quoted: Hydra's grammar reads ~ only so) is the home dir's file, as model.path's ~."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    assert data_path("~/rows.jsonl") == tmp_path / "rows.jsonl"
+    with pytest.raises(ConfigError, match=rf"^data.val_path: no such file: '~/other.jsonl' \(looked at {tmp_path}/other.jsonl\)$"):
+        data_path("~/other.jsonl", "data.val_path")

@@ -22,6 +22,7 @@ from tinker_exp.runtime.device import (
     DeviceChoice,
     TorchBuild,
     check_gpus,
+    check_own_cluster,
     check_placement,
     choose_attention,
     choose_device,
@@ -353,6 +354,18 @@ def test_two_workers_on_a_one_gpu_machine_is_a_clear_error():
         "backend.num_workers=2: 2 workers need 2 GPUs on each of 1 node(s), but Ray reports GPUs per node: 1; "
         "set backend.num_workers=1"
     )
+
+
+def test_a_cluster_of_the_runs_own_is_checked_against_this_machines_gpus_before_ray_starts():
+    """No backend.ray_address, one node: the run's own cluster gets the GPUs the driver sees, so too many workers are
+    refused before the run's record is written (check_gpus' line); a cluster joined or several nodes: checked once
+    Ray reports them."""
+    backend = config.load(compose("backend.num_workers=2")).backend
+    with pytest.raises(ConfigError, match=r"^backend.num_workers=2: 2 workers need 2 GPUs on each of 1 node\(s\), .*: 1; set backend.num_workers=1$"):
+        check_own_cluster(backend, 1)
+    check_own_cluster(backend, 2)
+    for joined in ("backend.ray_address=10.0.0.1:6379", "backend.nodes=2"):
+        check_own_cluster(config.load(compose("backend.num_workers=2", joined)).backend, 1)
 
 
 @pytest.mark.parametrize(

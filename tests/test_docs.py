@@ -382,3 +382,44 @@ def test_the_logging_page_names_the_file_a_study_keeps():
 
     text = " ".join((REPO / "docs" / "logging.md").read_text().split())
     assert f"A study (a sweep dir with `{JOURNAL_FILE}`, or an earlier version's `{SQLITE_FILE}`)" in text
+
+
+def test_the_forecast_pages_rank_example_ranks_plans_on_the_data_the_law_was_fitted_on():
+    """docs/forecast.md's `rank` line, $DATA as its DATA= line sets it: each quoted PLAN composes (as a run would)
+    with the corpus that its fit's runs trained on, so rank has no other data set to warn of."""
+    from tinker_exp.forecast.plans import plan_lr
+
+    lines = (REPO / "docs" / "forecast.md").read_text().splitlines()
+    data = next(line for line in lines if line.startswith('DATA="') and "# the fitted runs' data" in line)
+    data = shlex.split(data.split("#")[0])[0].removeprefix("DATA=")
+    rank = next(line for line in lines if line.startswith("python -m tinker_exp.forecast rank "))
+    plans = [arg for arg in shlex.split(rank.replace("$DATA", data))[4:] if "=" in arg]
+    assert len(plans) == 2
+    fitted = dict(arg.split("=", 1) for arg in data.split())
+    for plan in plans:
+        settings = plan_lr(plan).settings
+        assert {key: settings[key] for key in fitted} == fitted, plan
+
+
+def test_the_readmes_command_list_has_as_many_commands_as_its_heading_says():
+    lines = (REPO / "README.md").read_text().splitlines()
+    heading = next(line for line in lines if re.match(r"## \w+ commands$", line))
+    words = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen".split()
+    block = code_block(REPO / "README.md", "python -m tinker_exp +override=lr_cosine ")
+    assert len([line for line in block if line.startswith("python -m ")]) == words.index(heading.split()[1].lower()) + 1
+
+
+def test_make_install_says_each_step_as_the_readme_quotes_and_hides_only_pips_location_flood(tmp_path: Path):
+    """`make -n install` (nothing run): the README's quoted step line is what it echoes; the Makefile's pip filter,
+    run on pip-shaped output, drops the per-package "Location ... is ignored" warnings, keeps every other line and
+    pip's exit status (bash pipefail)."""
+    venv = tmp_path / "venv"
+    planned = subprocess.run(["make", "-n", "--no-print-directory", "install", f"VENV={venv}"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    quoted = re.search(r"`(installing torch [^`]+)`", (REPO / "README.md").read_text())[1]
+    assert f'echo "{quoted.replace(".venv", str(venv))}"' in planned
+    assert [line for line in planned.splitlines() if line.startswith("echo")][-1].startswith('echo "installed into')
+    pipe = subprocess.run(["make", "-s", "--no-print-directory", "--eval", "show: ; $(info $(value QUIET_PIP))", "show"],
+                          cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    pip = "printf \"WARNING: Location 'file:///x/simple/six/' is ignored: it is neither a file nor a directory.\\nERROR: no six\\n\"; exit 3"
+    shown = subprocess.run(["bash", "-c", f"set -o pipefail; {{ {pip}; }} {pipe}"], capture_output=True, text=True)
+    assert (shown.returncode, shown.stdout) == (3, "ERROR: no six\n")

@@ -425,3 +425,63 @@ def test_a_proposal_warms_up_as_the_longest_fitted_run_did(tmp_path, capsys):
     law = read_law(tmp_path / "law" / "law.json")
     assert law.warmup_steps == WARMUP  # what propose's candidates warm up over (family_specs)
     assert {spec["warmup_steps"] for spec in family_specs("cosine", 200, law.lr_scale, law.warmup_steps)} == {WARMUP}
+
+
+def test_an_output_folder_that_is_a_file_is_one_line_and_nothing_is_written(fixed_law, tmp_path, capsys):
+    """corpus OUT, every --out and a law's own folder for propose's override/: a file there (or above it) is one
+    line naming the flag, exit 2, before anything is read or written; report -o below a file likewise."""
+    from tinker_exp.report import main as report_main
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    run = generated_run(tmp_path, "constant", "momentum", wsd(100, 0), 0.003, 0)
+    assert refused(["corpus", str(a_file)], capsys) == f"python -m tinker_exp.forecast: forecast error: OUT: {a_file} is a file, not a folder"
+    below = a_file / "law"
+    assert refused(["fit", str(run), "--out", str(below)], capsys).endswith(f"--out: {a_file} is a file, not a folder (in {below})")
+    for command in (["check", str(fixed_law), str(run)], ["rank", str(fixed_law), "+override=lr_cosine trainer.steps=100"],
+                    ["propose", str(fixed_law), "--steps", "100"]):  # fmt: skip
+        assert refused([*command, "--out", str(a_file)], capsys).endswith(f"--out: {a_file} is a file, not a folder"), command
+    (fixed_law.parent / "override").write_text("")  # where propose writes override/proposed.yaml by default
+    assert refused(["propose", str(fixed_law), "--steps", "100"], capsys).endswith(f"LAW: {fixed_law.parent / 'override'} is a file, not a folder")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_bytes(run.read_bytes())
+    assert report_main([str(run_dir), "-o", str(a_file / "report.png")]) == 2
+    assert capsys.readouterr().err.strip() == f"tinker_exp.report: -o {a_file / 'report.png'}: {a_file} is a file, not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "constant.jsonl", "law.json", "override", "run"]
+    assert [p.name for p in run_dir.iterdir()] == ["metrics.jsonl"]
+
+
+def warned_by(argv: list[str]) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forecast_main(argv)
+    return [str(w.message) for w in caught]
+
+
+def test_rank_warns_of_a_plan_on_other_data_than_the_fitted_runs_as_of_another_peak(fixed_law, tmp_path, capsys, monkeypatch):
+    """The law's fitted runs trained on their own data (law.json's settings): a plan without that data.path (the
+    default data set) or at another batch size is warned, naming the key and what to add, as another peak lr is; a
+    plan that repeats the fitted runs' settings is not; a dry run's dir is read from its .hydra/config.yaml."""
+    import sys
+
+    from tinker_exp.main import main as run_main_entry
+
+    doc = json.loads(fixed_law.read_text())
+    doc["settings"] = {"data.path": "outputs/corpus/corpus_train.jsonl", "trainer.batch_size": 8, "optimizer.name": "AdamW"}
+    fixed_law.write_text(json.dumps(doc))
+    plan = "+override=lr_cosine trainer.steps=100"
+    assert warned_by(["rank", str(fixed_law), plan]) == [
+        f"plan {plan!r}: data.path is builtin:tiny_sft.jsonl, the fitted runs' outputs/corpus/corpus_train.jsonl: another regime than "
+        "the law's (add data.path=outputs/corpus/corpus_train.jsonl to the plan)"]  # fmt: skip
+    same = f"{plan} data.path=outputs/corpus/corpus_train.jsonl"
+    assert warned_by(["rank", str(fixed_law), same, f"{same} trainer.batch_size=4", f"{same} optimizer.lr=2e-3"]) == [
+        f"plan '{same} trainer.batch_size=4': trainer.batch_size is 4, the fitted runs' 8: another regime than the law's "
+        "(add trainer.batch_size=8 to the plan)",
+        f"plan '{same} optimizer.lr=2e-3': peak lr 0.002, the law was fitted at {PEAK:g}: an extrapolation"]  # fmt: skip
+    dry = tmp_path / "dry"
+    monkeypatch.setattr(sys, "argv", ["tinker_exp", "+override=lr_cosine", "trainer.steps=100", "dry_run=true", f"hydra.run.dir={dry}"])
+    run_main_entry()
+    assert [w.split(":")[1] for w in warned_by(["rank", str(fixed_law), str(dry)])] == [" data.path is builtin"]

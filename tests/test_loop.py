@@ -191,6 +191,9 @@ class MeasuredBatches:
         MeasuredBatches.restored.append(dict(state))
         self.served = state.get("served", 0)
 
+    def close(self):
+        pass
+
 
 def test_a_batch_sources_values_join_the_rows_and_its_state_is_in_every_checkpoint_and_handed_back_on_resume(tmp_path, monkeypatch):
     monkeypatch.setattr(assemble, "DataFileBatches", MeasuredBatches)

@@ -9,14 +9,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers import compose, run_cli
+from helpers import compose, run_cli, run_module
 from tinker_exp.config.schema import OptimizerConfig, OptimizerName
 from tinker_exp.errors import ConfigError
 from tinker_exp.optim.convert import RANGES
-from tinker_exp.optim.optimizers import AUTO, CHOICE, COEFFS, FLAG, FLOAT, INT, OPTIMIZERS, PAIR, VOCABULARY, verl_optimizer_fields
+from tinker_exp.optim.optimizers import AUTO, CHOICE, COEFFS, FLAG, FLOAT, INT, OPTIMIZERS, PAIR, STATE, VOCABULARY, verl_optimizer_fields
 from tinker_exp.optim.plan import build_plan, optimizer_values
 
-KIND_TYPES = {FLOAT: float, PAIR: tuple, FLAG: bool, INT: int, COEFFS: tuple, CHOICE: str, AUTO: type(None)}
+KIND_TYPES = {FLOAT: float, PAIR: tuple, FLAG: bool, INT: int, COEFFS: tuple, CHOICE: str, AUTO: type(None), STATE: float}
 PLAIN = [name for name, spec in OPTIMIZERS.items() if spec.impl == "torch.optim"]
 
 
@@ -65,6 +65,7 @@ def test_the_table_holds_each_real_optimizers_groups(name):
         ("RAdam", ("lr", "betas", "eps", "weight_decay", "grad_clip_norm")),
         ("Adamax", ("lr", "betas", "eps", "weight_decay", "grad_clip_norm")),
         ("Muon", ("lr", "weight_decay", "grad_clip_norm")),
+        ("AdamWScheduleFree", ("lr", "betas", "eps", "weight_decay", "r", "warmup_steps", "weight_lr_power", "grad_clip_norm")),
     ],
 )
 def test_each_optimizer_accepts_its_own_keys(name, sendable):
@@ -130,7 +131,7 @@ def test_cli_refuses_betas_for_muon_in_one_line_before_any_worker(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("option", ["adamw", "adam", "sgd", "rmsprop", "adagrad", "nadam", "radam", "adamax", "muon"])
+@pytest.mark.parametrize("option", ["adamw", "adam", "sgd", "rmsprop", "adagrad", "nadam", "radam", "adamax", "muon", "adamw_schedulefree"])
 def test_every_optimizer_option_composes_and_plans(option):
     from tinker_exp.config.validate import load
 
@@ -234,6 +235,108 @@ def test_muon_state_round_trips_through_state_dict(tiny_llama):
     assert all(torch.equal(continued[k], v) for k, v in model.state_dict().items())  # bitwise
     assert not all(torch.equal(start[k], v) for k, v in model.state_dict().items())
     model.load_state_dict(start)
+
+
+# --- schedule-free AdamW: the package's optimizer in train mode, exact moves to its averaged weights and back -------
+
+
+def schedule_free_pair(**fields):
+    """Ours as verl builds it from optimizer=adamw_schedulefree's values, and the package's reference implementation
+    (which keeps x, the averaged weights, as a tensor of its own), on two copies of one model."""
+    from schedulefree.adamw_schedulefree_reference import AdamWScheduleFreeReference
+
+    torch.manual_seed(0)
+    ours_model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    reference_model = copy.deepcopy(ours_model)
+    ours = built_by_verl("AdamWScheduleFree", ours_model, lr=0.05, **fields)
+    values = optimizer_values(config("AdamWScheduleFree", lr=0.05, **fields))
+    reference = AdamWScheduleFreeReference(reference_model.parameters(), lr=0.05, betas=values["betas"], eps=values["eps"],
+                                           weight_decay=values["weight_decay"], warmup_steps=int(values["warmup_steps"]))  # fmt: skip
+    reference.train()
+    return ours_model, ours, reference_model, reference
+
+
+def train(model, optimizer, steps: int, seed: int = 1) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        inputs = torch.randn(8, 6, generator=generator)
+        optimizer.zero_grad()
+        model(inputs).pow(2).mean().backward()
+        optimizer.step()
+
+
+def test_schedule_free_groups_hold_the_table_and_it_is_built_in_train_mode():
+    ours_model, ours, _, _ = schedule_free_pair(warmup_steps=3)
+    (part,) = OPTIMIZERS["AdamWScheduleFree"].parts.values()
+    assert type(ours).__module__ == "tinker_exp.runtime.schedule_free" and isinstance(ours, __import__("schedulefree").AdamWScheduleFree)
+    for group in ours.param_groups:
+        assert {key: type(value) for key, value in group.items() if key != "params"} == {k: KIND_TYPES[kind] for k, kind in part.keys.items()}
+        assert group["train_mode"] is True and group["warmup_steps"] == 3.0
+    train(ours_model, ours, 1)  # the package's own class would refuse: "not in train mode"
+
+
+def test_schedule_free_evaluates_at_the_averaged_weights_and_trains_on_bitwise():
+    """to_averaged(): the parameters are x (the reference implementation's, which averages explicitly); to_training():
+    y again, bitwise, so the steps after an evaluation are the steps without one."""
+    ours_model, ours, reference_model, reference = schedule_free_pair(warmup_steps=2, weight_decay=0.01)
+    train(ours_model, ours, 5)
+    train(reference_model, reference, 5)
+    training_point = [p.detach().clone() for p in ours_model.parameters()]
+    ours.to_averaged()
+    reference.eval()  # its parameters are x now
+    for x, averaged, y in zip(reference_model.parameters(), ours_model.parameters(), training_point):
+        torch.testing.assert_close(averaged, x, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(averaged, y)
+    ours.to_training()
+    assert all(torch.equal(p, y) for p, y in zip(ours_model.parameters(), training_point))
+    assert all(group["train_mode"] for group in ours.param_groups)
+    train(ours_model, ours, 3, seed=2)
+    after_evaluation = [p.detach().clone() for p in ours_model.parameters()]
+
+    plain_model, plain, _, _ = schedule_free_pair(warmup_steps=2, weight_decay=0.01)  # the same run, never evaluated
+    train(plain_model, plain, 5)
+    train(plain_model, plain, 3, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(after_evaluation, plain_model.parameters()))
+
+
+def test_schedule_free_state_round_trips_and_its_warmup_and_lr_are_sent_per_step():
+    from verl.workers.engine_workers_tinker import _apply_optim_step_params
+
+    model, first, _, _ = schedule_free_pair(warmup_steps=4)
+    train(model, first, 2)
+    saved_model = copy.deepcopy(model.state_dict())
+    saved = copy.deepcopy(first.state_dict())
+    assert saved["param_groups"][0]["k"] == 2 and saved["param_groups"][0]["train_mode"] is True
+    plan = build_plan(OmegaConf.create({"lr": 0.02, "warmup_steps": 1, "betas": [0.8, 0.99]}), config("AdamWScheduleFree"), 1)
+    _apply_optim_step_params(first, plan[0])  # verl's own per-step write: the types match the groups'
+    assert [(g["lr"], g["warmup_steps"], g["betas"]) for g in first.param_groups] == [(0.02, 1.0, (0.8, 0.99))]
+    train(model, first, 2, seed=3)
+    continued = copy.deepcopy(model.state_dict())
+
+    model.load_state_dict(saved_model)
+    second = built_by_verl("AdamWScheduleFree", model, lr=0.05)
+    second.load_state_dict(saved)
+    _apply_optim_step_params(second, plan[0])
+    train(model, second, 2, seed=3)
+    assert all(torch.equal(continued[k], v) for k, v in model.state_dict().items())  # bitwise
+    second.to_averaged()
+    with pytest.raises(RuntimeError, match="call to_training"):  # a checkpoint of x would not resume
+        second.state_dict()
+
+
+def test_schedule_free_refuses_its_running_state_as_an_override_and_rl():
+    from tinker_exp.config.validate import check, load
+
+    with pytest.raises(ConfigError) as info:
+        build_plan(OmegaConf.create({"weight_sum": 1.0}), config("AdamWScheduleFree"), 2)
+    assert "optimizer AdamWScheduleFree updates weight_sum itself at every step (its running state): it cannot be sent" in str(info.value)
+    with pytest.raises(ConfigError, match=r"optimizer.name: AdamWScheduleFree with an env \(RL\) is not supported yet"):
+        check(load(compose("optimizer=adamw_schedulefree", "env=digits", "loss=importance_sampling")))
+    served = run_module("tinker_exp.serve", "optimizer=adamw_schedulefree")  # the server samples its parameters
+    assert served.returncode == 2 and served.stderr.strip() == (
+        "tinker_exp: config error: optimizer.name: AdamWScheduleFree is not served yet (its averaged weights are not "
+        "what the server samples); choose another optimizer"
+    )
 
 
 # --- one_cycle against torch's OneCycleLR ------------------------------------------------------------------------

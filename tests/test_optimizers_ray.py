@@ -18,9 +18,9 @@ import pytest
 from helpers import compose, planned, read_jsonl, wandb_finished_records, wandb_history
 from tinker_exp.config.schema import CPU_FOREACH_EXACT
 from tinker_exp.main import run
-from tinker_exp.optim.optimizers import AUTO, CHOICE, COEFFS, FLAG, FLOAT, INT, OPTIMIZERS, PAIR
+from tinker_exp.optim.optimizers import AUTO, CHOICE, COEFFS, FLAG, FLOAT, INT, OPTIMIZERS, PAIR, STATE
 
-KIND_TYPES = {FLOAT: "float", PAIR: "tuple", FLAG: "bool", INT: "int", COEFFS: "tuple", CHOICE: "str", AUTO: "NoneType"}
+KIND_TYPES = {FLOAT: "float", PAIR: "tuple", FLAG: "bool", INT: "int", COEFFS: "tuple", CHOICE: "str", AUTO: "NoneType", STATE: "float"}
 COMMON = ["trainer.steps=6", "checkpoint.every_steps=3", "trainer.eval_every=0"]
 KEYS = ("train/step", "train/loss", "train/grad_norm")
 
@@ -100,6 +100,16 @@ def adamw(ray_address, tmp_path_factory):
     return whole_and_resumed(
         tmp_path_factory, "adamw", "+override=[lr_cosine,beta2_warmup]", "override.lr.warmup_steps=2", "logger=none",
         "trainer.eval_every=3",
+    )
+
+
+@pytest.fixture(scope="module")
+def schedule_free(ray_address, tmp_path_factory):
+    """Evaluated every 2 steps (at its averaged weights, the training point restored bitwise after each), resumed
+    from step 3: between an evaluation and the next one, as a branch or a pool's run would start."""
+    return whole_and_resumed(
+        tmp_path_factory, "schedule_free", "optimizer=adamw_schedulefree", "trainer.eval_every=2", "logger=none",
+        "+override.lr={schedule: linear, start: 2e-3, end: 1e-3}", "+override.warmup_steps=2",
     )
 
 
@@ -338,6 +348,19 @@ def test_adamw_follows_the_plan_on_lr_and_betas(adamw):
     assert rows[0]["applied/lr"] == 0.0 and rows[2]["applied/lr"] == 1e-3
     assert rows[0]["applied/beta2"] < rows[-1]["applied/beta2"] < 0.999
     assert not math.isnan(rows[-1]["train/loss"])
+
+
+def test_schedule_free_adamw_applies_its_values_evaluates_and_resumes_bitwise(schedule_free):
+    """optimizer=adamw_schedulefree on 2 ranks: the scheduled lr and its own warmup_steps sent and read back at every
+    step, its other values kept; training and validation losses of the resumed run are the whole run's, bitwise
+    (the checkpoint holds the training point, the evaluations between never moved it)."""
+    assert_trains_and_applies(schedule_free, "lr", {"warmup_steps": 2.0}, {"weight_decay": 0.0, "r": 0.0, "weight_lr_power": 2.0})
+    assert_resumes_bitwise(schedule_free)
+    assert_groups_match_the_table(schedule_free, "AdamWScheduleFree")
+    evaluated = [(row["train/step"], row["val/loss"]) for row in schedule_free["rows"] if "val/loss" in row]
+    assert [step for step, _ in evaluated] == [1, 3, 5]
+    assert evaluated[-2:] == [(row["train/step"], row["val/loss"]) for row in schedule_free["resumed"] if "val/loss" in row][-2:]
+    assert evaluated[-1][1] < evaluated[0][1]
 
 
 def test_muon_on_two_workers_steps_as_on_one(muon, tmp_path: Path):

@@ -8,6 +8,7 @@ import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution, distribution_to_json
@@ -25,7 +26,9 @@ from tinker_exp.sweep.pbt import (
     Population,
     decide,
     explored,
+    improvements,
     lineage_rows,
+    pb2_explored,
     post,
     posts_at,
     quantile_size,
@@ -53,12 +56,12 @@ def posts(scores: dict[int, float]) -> dict[int, dict]:
 
 def test_the_environment_names_the_population_and_its_space(tmp_path):
     told = {"board": str(tmp_path), "population": 4, "interval": 2, "quantile": 0.25, "perturb": [0.8, 1.2],
-            "resample_probability": 0.25, "seed": 7, "force_exploit": {"member": 1, "step": 2, "donor": 0},
+            "resample_probability": 0.25, "seed": 7, "force_exploit": {"member": 1, "step": 2, "donor": 0}, "explore": "pb2",
             "space": {"override.lr.value": distribution_to_json(LR), "override.weight_decay": distribution_to_json(FloatDistribution(0.0, 0.1))}}  # fmt: skip
     got = Population.from_environment({POPULATION_ENV: json.dumps(told)})
     assert (got.board, got.population, got.interval, got.perturb, got.seed) == (tmp_path, 4, 2, (0.8, 1.2), 7)
     assert got.space == {"override.lr.value": LR, "override.weight_decay": FloatDistribution(0.0, 0.1)}
-    assert got.force_exploit == {"member": 1, "step": 2, "donor": 0}
+    assert got.force_exploit == {"member": 1, "step": 2, "donor": 0} and got.explore == "pb2"
     assert Population.from_environment({}) is None
     assert [s for s in range(1, 9) if got.is_boundary(s, 8)] == [2, 4, 6]  # never at the last step
 
@@ -67,7 +70,7 @@ def test_the_environment_names_the_population_and_its_space(tmp_path):
     "change, message",
     [({"population": 1}, "population=1 must be >= 2"), ({"quantile": 0.6}, r"quantile=0.6 must be in \(0, 0.5\]"),
      ({"perturb": (0.8, 0.0)}, r"perturb=\[0.8, 0.0\] must be factors > 0"), ({"space": {}}, "space is empty"),
-     ({"interval": 0}, "interval=0 must be >= 1")],
+     ({"interval": 0}, "interval=0 must be >= 1"), ({"explore": "pb3"}, "explore='pb3' must be one of perturb, pb2")],
 )  # fmt: skip
 def test_a_bad_population_is_one_line_naming_the_value(tmp_path, change, message):
     with pytest.raises(ConfigError, match=f"{POPULATION_ENV}: {message}"):
@@ -88,8 +91,87 @@ def test_posts_are_whole_files_one_per_member_and_step(tmp_path):
     at2 = posts_at(board, 2)
     assert sorted(at2) == [0, 3]
     assert at2[3] | {"time": 0} == {"member": 3, "step": 2, "score": 4.1, "sign": 1, "checkpoint": str(tmp_path / "ck3"),
-                                    "values": {"override.lr.value": 2e-3}, "time": 0}  # fmt: skip
+                                    "values": {"override.lr.value": 2e-3}, "time": 0, "start": None}  # fmt: skip
     assert posts_at(board, 6) == {} and posts_at(tmp_path / "none", 2) == {}
+
+
+# --- PB2: the GP bandit on fixed data, and its data from the board ------------------------------------------
+
+
+def test_the_time_varying_kernel_is_the_squared_exponential_times_the_time_decay():
+    from tinker_exp.sweep.pb2 import kernel
+
+    x = np.array([[0.0, 0.0], [0.3, 0.4]])
+    k = kernel(x, np.array([1.0, 3.0]), x, np.array([1.0, 3.0]), lengthscale=0.5, epsilon=0.2)
+    assert k[0, 0] == k[1, 1] == 1.0
+    assert math.isclose(k[0, 1], math.exp(-0.25 / (2 * 0.25)) * 0.8 ** (2 / 2), rel_tol=1e-12) and k[0, 1] == k[1, 0]
+
+
+def test_the_gp_posterior_is_the_textbook_formula_on_fixed_data():
+    """Mean and std at new points equal K*^T (K + noise I)^-1 z and sqrt(1 - K*^T (K + noise I)^-1 K*), y standardised."""
+    from tinker_exp.sweep.pb2 import TimeVaryingGP, kernel
+
+    x = np.array([[0.1], [0.4], [0.7], [0.9]])
+    t, y = np.array([1.0, 1.0, 2.0, 2.0]), np.array([0.5, 1.5, 1.0, -0.2])
+    gp = TimeVaryingGP(x, t, y, lengthscale=0.3, epsilon=0.1, noise=0.05)
+    xq, tq = np.array([[0.25], [0.8]]), np.array([3.0, 3.0])
+    mean, std = gp.predict(xq, tq)
+    z = (y - y.mean()) / y.std()
+    gram = kernel(x, t, x, t, 0.3, 0.1) + 0.05 * np.eye(4)
+    cross = kernel(xq, tq, x, t, 0.3, 0.1)
+    np.testing.assert_allclose(mean, y.mean() + y.std() * cross @ np.linalg.solve(gram, z), rtol=1e-10)
+    np.testing.assert_allclose(std, y.std() * np.sqrt(1 - np.diag(cross @ np.linalg.solve(gram, cross.T))), rtol=1e-8)
+
+
+def test_the_bandit_proposes_near_the_best_improvement_and_follows_the_recent_intervals():
+    from tinker_exp.sweep.pb2 import fit, propose
+
+    grid = np.linspace(0, 1, 11)[:, None]
+    recent = -((grid[:, 0] - 0.3) ** 2)  # improvements peak at 0.3
+    point = propose(grid, np.ones(11), recent, 2.0, np.random.default_rng(0))
+    assert abs(point[0] - 0.3) < 0.1
+    assert np.array_equal(point, propose(grid, np.ones(11), recent, 2.0, np.random.default_rng(0)))  # seeded
+    # The optimum moved: early intervals peaked at 0.2, the recent ones at 0.8; the next interval follows the recent.
+    x = np.vstack([grid, grid])
+    t = np.r_[np.ones(11), np.full(11, 6.0)]
+    y = np.r_[-((grid[:, 0] - 0.2) ** 2), -((grid[:, 0] - 0.8) ** 2)]
+    assert fit(x, t, y).epsilon > 0.01  # the fit found the data change with time
+    assert abs(propose(x, t, y, 7.0, np.random.default_rng(0))[0] - 0.8) < 0.1
+
+
+def test_pb2s_data_are_the_improvements_over_each_interval_from_where_it_started(tmp_path):
+    """Member 1 exploited member 0 at step 2: its interval to step 4 started from member 0's score at 2."""
+    pop = population(tmp_path, explore="pb2", space={"override.lr.value": LR, "override.warmup": CategoricalDistribution([0, 1])})
+    board = pop.board
+    post(board, 0, 2, 3.0, tmp_path / "a", {"override.lr.value": 1e-4, "override.warmup": 0})
+    post(board, 1, 2, 4.0, tmp_path / "b", {"override.lr.value": 3e-3, "override.warmup": 1})
+    post(board, 0, 4, 2.5, tmp_path / "c", {"override.lr.value": 1e-4, "override.warmup": 0}, start={"member": 0, "step": 2})
+    post(board, 1, 4, 2.0, tmp_path / "d", {"override.lr.value": 3e-3, "override.warmup": 0}, start={"member": 0, "step": 2})
+    post(board, 1, 6, 1.0, tmp_path / "e", {"override.lr.value": 3e-3, "override.warmup": 0}, start={"member": 1, "step": 4})
+    data = improvements(board, 4, pop)  # step 6's post is not known at step 4
+    assert [(x, t) for x, t, _ in data] == [([0.0], 2.0), ([1.0], 2.0)]  # lr at its log bounds; the choice not modelled
+    assert [y for _, _, y in data] == pytest.approx([0.5, 1.0])
+    assert improvements(board, 6, pop)[-1][1:] == (3.0, pytest.approx(1.0))
+
+
+def test_pb2_explores_numeric_keys_by_the_bandit_and_choices_as_pbt(tmp_path):
+    space = {"override.lr.value": LR, "override.weight_decay": FloatDistribution(0.0, 0.1),
+             "override.betas.0": CategoricalDistribution([0.8, 0.9, 0.95])}  # fmt: skip
+    pop = population(tmp_path, explore="pb2", space=space)
+    donor = {"override.lr.value": 1e-3, "override.weight_decay": 0.05, "override.betas.0": 0.9}
+    override = {"lr": {"schedule": "cosine", "value": 1e-3}, "weight_decay": 0.05, "betas": [0.9, 0.999]}
+    first, note = pb2_explored(donor, pop, 1, 2, override, 10)  # nothing on the board: PBT's explore
+    assert first == explored(donor, pop, 1, 2, override, 10) and note == "pb2: 0 improvement(s) known, explored as perturb"
+    rng = np.random.default_rng(5)
+    for member in range(4):
+        post(pop.board, member, 2, 3.0, tmp_path / str(member), donor)
+        values = {"override.lr.value": float(np.exp(rng.uniform(np.log(1e-4), np.log(3e-3)))), "override.weight_decay": float(rng.uniform(0, 0.1)), "override.betas.0": 0.9}
+        post(pop.board, member, 4, 3.0 - values["override.lr.value"] * 300, tmp_path / f"{member}b", values, start={"member": member, "step": 2})
+    proposed, note = pb2_explored(donor, pop, 1, 4, override, 10)
+    assert note == "pb2: proposed from 4 improvements" and proposed == pb2_explored(donor, pop, 1, 4, override, 10)[0]
+    assert 1e-4 <= proposed["override.lr.value"] <= 3e-3 and 0.0 <= proposed["override.weight_decay"] <= 0.1
+    assert proposed["override.betas.0"] == explored(donor, pop, 1, 4, override, 10)["override.betas.0"]
+    assert proposed["override.lr.value"] > 1e-3  # the improvements grew with lr: the bandit goes up
 
 
 # --- the decision -----------------------------------------------------------------------------------------

@@ -35,10 +35,11 @@ def force(forced: dict) -> str:
 
 @pytest.fixture(scope="module")
 def local_population(ray_address, tmp_path_factory) -> tuple[Path, str]:
-    """The population on the local launcher, W&B offline: (its sweep dir, what the sweeper printed)."""
+    """The population on the local launcher, W&B offline, explored by PB2 (the Slurm one perturbs): (its sweep dir,
+    what the sweeper printed)."""
     sweep = tmp_path_factory.mktemp("pbt") / "sweep"
     result = run_cli_population(
-        *POPULATION, "logger=wandb", "hydra.sweeper.seed=1", force(LOCAL_FORCED), "hydra/launcher=local",
+        *POPULATION, "logger=wandb", "hydra.sweeper.seed=1", force(LOCAL_FORCED), "hydra/launcher=local", "hydra.sweeper.explore=pb2",
         f"hydra.sweep.dir={sweep}", env={"RAY_ADDRESS": ray_address},
     )  # fmt: skip
     out = result.stdout + result.stderr
@@ -56,7 +57,7 @@ def test_the_local_population_ends_with_its_summary_results_and_replay_line(loca
     check_population(*local_population, LOCAL_FORCED)
 
 
-def test_every_member_decides_at_each_boundary_and_some_exploit_by_themselves(members):
+def test_every_member_decides_at_each_boundary_and_some_exploit_by_themselves(members, local_population):
     rows = {member: read_jsonl(run_dir / POPULATION_FILE) for member, run_dir in enumerate(members)}
     exploits = [(member, r) for member, member_rows in rows.items() for r in member_rows if r["exploit"]]
     forced = (LOCAL_FORCED["member"], LOCAL_FORCED["step"], LOCAL_FORCED["donor"])
@@ -66,6 +67,9 @@ def test_every_member_decides_at_each_boundary_and_some_exploit_by_themselves(me
         assert Path(row["exploit"]["checkpoint"]) == members[row["exploit"]["member"]] / "checkpoints" / f"step_{row['step']:08d}"
         assert (Path(row["exploit"]["checkpoint"]) / "MANIFEST.json").is_file()
     assert all(r["of"] == 1 for r in rows[0])  # the first member alone at each boundary: it carries on
+    # PB2 proposed the values of an exploit from the improvements of the members before it (the first perturbs).
+    logs = "".join((run_dir / "tinker_exp.log").read_text() for run_dir in members)
+    assert "explored by pb2" in local_population[1] and "(pb2: proposed from " in logs, logs[-3000:]
 
 
 def test_an_exploit_continues_from_the_donors_state_in_the_same_job(members):

@@ -40,6 +40,9 @@ BAD = [
     (["hydra.sweeper.perturb=[0.8,-1.2]"], "hydra.sweeper.perturb: -1.2 in [0.8, -1.2] must be a number > 0"),
     (["hydra.sweeper.perturb=[]"], "hydra.sweeper.perturb: [] must be a non-empty list of factors, e.g. [0.8, 1.2]"),
     (["hydra.sweeper.resample_probability=1.5"], "hydra.sweeper.resample_probability: 1.5 must be in [0, 1]"),
+    (["hydra.sweeper.explore=pb3"], "hydra.sweeper.explore: 'pb3' must be one of perturb, pb2 (perturb: PBT's; pb2: a GP bandit)"),
+    (["hydra.sweeper.explore=pb2", "override.lr.value=choice(1e-4,1e-3)"], "hydra.sweeper.explore=pb2: its GP models numeric keys, "
+     "and the space has only choices (override.lr.value); use explore=perturb or search a number too"),
     (["hydra.sweeper.force_exploit={member:0,step:3,donor:1}"],
      "hydra.sweeper.force_exploit: {'member': 0, 'step': 3, 'donor': 1}: step 3 is not a boundary (a multiple of 2 below trainer.steps=8)"),
     (["hydra.sweeper.force_exploit={member:1,step:2,donor:1}"],

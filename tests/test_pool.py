@@ -1,6 +1,8 @@
 """Warm workers (tinker_exp/pool/): real pools of verl workers on Ray, and real CLI runs on them compared bitwise with
 cold runs of the same commands (every metrics.jsonl value but timings): SFT, LoRA, RL, resume and a branch; a run
-killed mid-step, then a good run; a second run refused while one runs; up, status and down."""
+killed mid-step, then a good run; a second run refused while one runs; up, status and down. Without workers: a
+pool planted by another user gets nothing; what a run sends; a pool process's lease timeout, one process an address
+and a down while it starts; a run dir a pool still writes into."""
 
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from helpers import COSINE_TRUNK, REPO, environment, metrics_rows, run_cli, run_module, wait_until
 
-pytestmark = pytest.mark.real
+NOBODY = 65534
+"""Another local user (this machine's `nobody`): the planted pool's."""
+as_root = pytest.mark.skipif(os.getuid() != 0, reason="planting another user's folder and process needs root")
 
 TIMINGS = ("time", "perf/")
 """What may differ between two runs of one command: when a row was written and how long things took."""
@@ -27,10 +32,9 @@ def without_timings(rows: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
+def pool(ray_address, tmp_path_factory):
     """A pool of this module's (`pool up`, in a folder of its own), and the environment its runs need to find it.
     Its own Ray cluster: never the session's (no RAY_ADDRESS)."""
-    import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp"))
     env = {"TINKER_EXP_POOL_DIR": str(folder), "TINKER_EXP_POOL": "auto", "RAY_ADDRESS": None}
@@ -130,19 +134,260 @@ def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_pa
         assert (tmp_path / "warm" / adapter).read_bytes() == (tmp_path / "cold" / adapter).read_bytes()
 
 
-def test_a_pool_left_idle_ends_by_itself(tmp_path):
-    """`up --idle-min`'s rule, on a pool process with no group: no run for its idle time, it ends and says why."""
-    import tempfile
+def test_a_warm_run_uses_the_reward_file_as_it_is_now(pool, tmp_path):
+    """The user's reward, imported from the client's folder at each run: edited between two warm runs (0.0 -> 1.0),
+    the second run's reward is the new one (the RL group of the test above is kept: no new build)."""
+    rl = ["env=digits", "loss=importance_sampling", "trainer.steps=1", "logger=none", "env.reward=my_pool_reward:reward"]
+    rewards = []
+    for value in (0.0, 1.0):
+        (tmp_path / "my_pool_reward.py").write_text(f"def reward(row, response):\n    return {value}\n")
+        run_dir = tmp_path / f"run_{value}"
+        result = run_cli(*rl, f"hydra.run.dir={run_dir}", env=pool, cwd=tmp_path)
+        assert result.returncode == 0 and "pool: training on the warm workers of" in result.stdout, result.stderr[-3000:]
+        rewards.append(metrics_rows(run_dir)[0]["train/reward"])
+    assert rewards == [0.0, 1.0]
 
+
+@pytest.mark.real  # a pool process (torch, verl and Ray imported; no workers)
+def test_a_silent_client_loses_its_lease_and_a_pool_left_idle_ends_by_itself(tmp_path, monkeypatch):
+    """A client that leases the pool and then says nothing (stopped, hung) does not hold it: after the lease timeout
+    the pool is free; then `up --idle-min`'s rule: no run for its idle time, it ends and says why."""
+
+    from tinker_exp.pool import wire
     from tinker_exp.pool.local import start_host
 
+    monkeypatch.setenv("TINKER_EXP_POOL_LEASE_TIMEOUT_S", "2")
     address = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp")) / "idle.sock"
-    process = start_host(address, idle_s=1.0)
+    process = start_host(address, idle_s=3.0)
     try:
-        process.wait(timeout=120)
+        silent = wire.connect(address)
+        wire.send(silent, ("lease", {"code": wire.code_fingerprint(), "pid": 1, "who": "a silent client"}))
+        assert wire.recv(silent)[0] == "leased"
+        assert wire.ask(address, ("status",))["holder"]["who"] == "a silent client"
+        process.wait(timeout=120)  # freed after 2 s of silence, then idle for 3 s: it ends
     finally:
         process.kill()
     log = (address.parent / "idle.log").read_text()
+    assert "pool: the client (pid 1) said nothing for 2 s; its lease ended" in log, log[-2000:]
     assert process.returncode == 0 and "pool: stopping: idle for" in log and "pool: down" in log, log[-2000:]
     assert not address.exists()
     shutil.rmtree(address.parent, ignore_errors=True)
+
+
+@pytest.mark.real  # pool processes (their imports; no workers)
+def test_two_pools_started_at_once_leave_one_and_a_down_while_it_starts_is_kept():
+
+    from tinker_exp.pool import wire
+    from tinker_exp.pool.local import end, start_host
+
+    address = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp")) / "pool.sock"
+    first, second = (start_host(address, idle_s=600.0, wait=False) for _ in range(2))
+    try:
+        wait_until(lambda: wire.holder_of(address) is not None, 60, "no pool process took the address")
+        holder = wire.holder_of(address)
+        assert holder in (first.pid, second.pid)
+        other = second if holder == first.pid else first
+        assert other.wait(timeout=120) == wire.ALREADY_EXIT  # the second one ends at once: no orphan pool
+        assert end(address) == holder  # before it listens (its imports take seconds): its SIGTERM is kept
+        starter = first if holder == first.pid else second
+        assert starter.wait(timeout=120) == 0
+    finally:
+        first.kill(), second.kill()
+    log = wire.log_of(address).read_text()
+    assert "another pool process holds" in log and "pool: stopping: SIGTERM while it started" in log and "pool: down" in log, log
+    assert not address.exists() and wire.holder_of(address) is None
+    shutil.rmtree(address.parent, ignore_errors=True)
+
+
+@pytest.fixture
+def planted():
+    """Another user's listening socket (a child of this process, forked, running as NOBODY), and what it received:
+    (start(socket_path) -> listener, received(listener) -> (connections accepted, bytes received))."""
+    children = []
+
+    def start(socket_path: Path) -> tuple[int, int, int]:
+        ready_r, ready_w = os.pipe()
+        done_r, done_w = os.pipe()
+        out_r, out_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the other user: no exec (it could not run this checkout's interpreter), plain sockets only
+            try:
+                for fd in (ready_r, done_w, out_r):
+                    os.close(fd)
+                listen_as_another_user(socket_path, ready_w, done_r, out_w)
+            finally:
+                os._exit(0)
+        for fd in (ready_w, done_r, out_w):
+            os.close(fd)
+        assert os.read(ready_r, 1) == b"1", "the other user's listener did not start"
+        os.close(ready_r)
+        children.append(pid)
+        return pid, done_w, out_r
+
+    def received(listener: tuple[int, int, int]) -> tuple[int, int]:
+        pid, done_w, out_r = listener
+        os.close(done_w)
+        accepted, size = os.read(out_r, 100).split()
+        os.close(out_r)
+        os.waitpid(pid, 0)
+        children.remove(pid)
+        return int(accepted), int(size)
+
+    yield start, received
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def listen_as_another_user(socket_path: Path, ready_w: int, done_r: int, out_w: int) -> None:
+    import select
+    import socket
+
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(socket_path))
+    server.listen(8)
+    server.settimeout(0.1)
+    os.write(ready_w, b"1")
+    accepted = size = 0
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:  # none waiting: done once the test has looked
+            if select.select([done_r], [], [], 0)[0]:
+                break
+            continue
+        accepted += 1
+        conn.settimeout(5.0)
+        try:
+            while data := conn.recv(65536):
+                size += len(data)
+        except OSError:
+            pass
+        conn.close()
+    os.write(out_w, f"{accepted} {size}".encode())
+
+
+def tempfile_dir() -> str:
+
+    folder = tempfile.mkdtemp(prefix="txp-planted-", dir="/tmp")
+    os.chmod(folder, 0o755)
+    return folder
+
+
+@as_root
+def test_a_pool_planted_by_another_user_gets_nothing_and_the_run_starts_cold(planted, monkeypatch):
+    """The planted-socket attack: another user's folder at the pool's place with a listening pool.sock; then a
+    private folder of ours whose socket (chowned to us) is served by another user's process. backend.pool=auto: one
+    line and a cold start, nothing sent (nothing to unpickle); an address: one line, exit 2; `pool status`: one line."""
+    from helpers import compose
+
+    from tinker_exp import config
+    from tinker_exp.pool import wire
+    from tinker_exp.pool.client import Cold, attach
+
+    start, received = planted
+    theirs = Path(tempfile_dir())
+    os.chown(theirs, NOBODY, NOBODY)
+    os.chmod(theirs, 0o777)
+    listener = start(theirs / "pool.sock")
+    monkeypatch.setenv("TINKER_EXP_POOL_DIR", str(theirs))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = config.load(compose("backend.pool=auto", "backend.ray_address=null"))
+    lease = attach(cfg)
+    assert isinstance(lease, Cold)
+    assert lease.describe() == f"pool: not trusted, nothing sent to it: {theirs}: owned by uid {NOBODY}, not by you (uid 0) (set TINKER_EXP_POOL_DIR to a folder of yours, or remove it); starting cold"
+    explicit = config.load(compose(f"backend.pool={theirs / 'pool.sock'}", "backend.ray_address=null"))
+    with pytest.raises(wire.UntrustedPool, match=rf"^backend.pool={theirs}/pool.sock: {theirs}: owned by uid {NOBODY}"):
+        attach(explicit)
+    status = run_module("tinker_exp.pool", "status", env={"TINKER_EXP_POOL_DIR": str(theirs)})
+    assert status.returncode == 2 and status.stderr.count("\n") == 1 and "pool refused" in status.stderr, status.stderr
+    assert received(listener) == (0, 0)  # never connected to
+
+    # Our own private folder, our own socket file, but another user's process listening: the peer is checked.
+    ours = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp"))
+    listener = start(theirs / "peer.sock")
+    os.rename(theirs / "peer.sock", ours / "pool.sock")
+    os.chown(ours / "pool.sock", 0, 0)
+    monkeypatch.setenv("TINKER_EXP_POOL_DIR", str(ours))
+    lease = attach(cfg)
+    assert lease.describe() == f"pool: not trusted, nothing sent to it: {ours}/pool.sock: the process listening there runs as uid {NOBODY}, not as you (uid 0); starting cold"
+    accepted, size = received(listener)
+    assert accepted == 1 and size == 0  # connected, checked, closed: nothing sent
+    shutil.rmtree(ours), shutil.rmtree(theirs)
+
+
+def test_a_pool_folder_that_is_not_a_private_folder_is_one_line(tmp_path):
+    """`pool up` where the pools' folder is a file, or open to others: one line, exit 2, nothing started."""
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "open").mkdir(mode=0o755)
+    os.chmod(tmp_path / "open", 0o755)
+    for folder, problem in ((tmp_path / "a_file", "not a folder"), (tmp_path / "open", "mode 0755, not private to you")):
+        up = run_module("tinker_exp.pool", "up", env={"TINKER_EXP_POOL_DIR": str(folder)})
+        assert up.returncode == 2 and up.stderr == f"tinker_exp: pool refused: {folder}: {problem}" + (
+            " (chmod 700 it)" if folder.name == "open" else "") + " (set TINKER_EXP_POOL_DIR to a folder of yours, or remove it)\n", up.stderr
+        assert not (folder / "pool.log").exists() if folder.is_dir() else True
+
+
+def test_a_run_sends_its_pool_only_the_environment_it_needs(monkeypatch):
+    from helpers import compose
+
+    from tinker_exp import config
+    from tinker_exp.pool.client import run_payload
+
+    secrets = {"WANDB_API_KEY": "wk", "HF_TOKEN": "hf", "AWS_SECRET_ACCESS_KEY": "aws", "GITHUB_TOKEN": "gh", "MY_PASSWORD": "pw"}
+    for name, value in {**secrets, "WANDB_MODE": "offline", "CUDA_VISIBLE_DEVICES": "1", "NCCL_DEBUG": "INFO", "SSH_AUTH_SOCK": "/s"}.items():
+        monkeypatch.setenv(name, value)
+    offline = run_payload((), config.load(compose("logger.mode=offline")))
+    assert not set(secrets) & set(offline["environ"]) and "SSH_AUTH_SOCK" not in offline["environ"]
+    assert offline["environ"]["WANDB_MODE"] == "offline" and offline["environ"]["PATH"] == os.environ["PATH"]
+    assert offline["worker_env"]["CUDA_VISIBLE_DEVICES"] == "1" and offline["worker_env"]["NCCL_DEBUG"] == "INFO"
+    online = run_payload((), config.load(compose("logger.mode=online")))
+    assert set(secrets) & set(online["environ"]) == {"WANDB_API_KEY"}  # an online W&B run logs with it
+    assert "WANDB_API_KEY" not in online["worker_env"]
+
+
+def test_pool_commands_mistakes_and_a_closed_pipe_are_one_line(tmp_path):
+    env = {"TINKER_EXP_POOL_DIR": str(tmp_path / "pools")}
+    typo = run_module("tinker_exp.pool", "stauts", env=env)
+    assert typo.returncode == 2 and typo.stderr == "tinker_exp: config error: stauts: not a pool command; did you mean status? (its commands: up, status, down)\n"
+    read, write = os.pipe()
+    os.close(read)  # `pool status | head` once head has gone
+    status = subprocess.run([sys.executable, "-m", "tinker_exp.pool", "status"], cwd=REPO, env=environment(env),
+                            stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    os.close(write)
+    assert status.returncode == 0 and status.stderr == ""
+    for value, meant in (("None", "; did you mean none?"), ("nonsense", "")):
+        run = run_cli(f"backend.pool={value}", f"hydra.run.dir={tmp_path / value}", env=env)
+        assert run.returncode == 2 and run.stderr == (f"tinker_exp: config error: backend.pool={value}: not one of auto, none or a pool's "
+                                                      f"socket path (a path with a '/' or ending in .sock){meant}\n")  # fmt: skip
+        assert not (tmp_path / value).exists()
+
+
+def test_a_rerun_waits_for_the_pool_that_still_writes_into_its_run_dir(tmp_path):
+    """A client SIGKILLed while a pool trains its run: the lock names the pool, so a rerun in that dir waits until
+    the pool has released it (then takes the dir, the killed client's lock gone with the pool's release)."""
+    import threading
+
+    from tinker_exp.train.rundir_lock import LOCK_FILE, RunDirLock, read_holder, written_by_pool
+
+    client = subprocess.Popen([sys.executable, "-c", f"from tinker_exp.train.rundir_lock import RunDirLock; import sys; "
+                               f"lock = RunDirLock(__import__('pathlib').Path({str(tmp_path)!r})); lock.acquire(); print('held', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert client.stdout.readline() == "held\n"
+    rerun_holds = threading.Event()
+    with written_by_pool(tmp_path, client.pid):  # this process is the pool
+        assert read_holder(tmp_path / LOCK_FILE)[0].pool_pid == os.getpid()
+        client.kill()
+        client.wait()
+
+        def rerun() -> None:
+            with RunDirLock(tmp_path):
+                rerun_holds.set()
+
+        thread = threading.Thread(target=rerun)
+        thread.start()
+        assert not rerun_holds.wait(1.0)  # the client is gone, but the pool writes: the rerun waits
+    thread.join(timeout=30)
+    assert rerun_holds.is_set()

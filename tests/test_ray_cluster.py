@@ -223,3 +223,28 @@ def test_freeing_the_workers_of_a_cluster_that_does_not_answer_waits_less_once_t
     finally:
         released.set()
     assert [str(w.message) for w in caught] == [f"Ray did not free the workers within {'0' if stopping else '3'} s (is its cluster gone?)"]
+
+
+def test_rays_notice_of_its_default_token_is_dropped_while_a_run_starts_its_cluster_and_only_that():
+    """Ray's own warning functions, as ray.init calls them for a new local cluster: the one that says it did what it
+    does by default is dropped inside start_ray's filter (a run's terminal stays quiet); a disabled token is still
+    said, and outside the filter the notice reaches the logger's handlers as Ray sends it."""
+    import logging
+
+    from ray._private.authentication import authentication_token_setup as auth
+
+    from tinker_exp.runtime.ray_cluster import DEFAULT_TOKEN_AUTH, dropped
+
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # ray's loggers do not propagate to pytest's
+    logger = logging.getLogger(auth.__name__)
+    logger.addHandler(handler)
+    try:
+        with dropped(logger, DEFAULT_TOKEN_AUTH):
+            auth._warn_token_auth_enabled()
+            auth._warn_token_auth_disabled()
+        auth._warn_token_auth_enabled()
+    finally:
+        logger.removeHandler(handler)
+    assert len(said) == 2 and said[0].startswith("Token authentication is disabled") and said[1].startswith(DEFAULT_TOKEN_AUTH)

@@ -160,6 +160,27 @@ def test_an_rl_runs_reward_is_its_main_panel_and_its_policy_loss_a_small_one_bel
     assert one._suptitle.get_text().splitlines()[-1] == "last reward 1.0000, best eval/reward 1.0500 after 4 steps"
 
 
+def test_an_rl_run_with_a_kl_penalty_draws_its_policy_loss_and_the_penalty_below_the_reward(tmp_path):
+    """rl.kl_coef > 0: train/loss is train/pg_loss + train/kl_loss. The lower panel draws the policy loss (solid)
+    and the KL penalty (dotted, same units), named as such, not train/loss under the label "policy loss"."""
+    run_dir = rl_run(tmp_path / "kl", [0.0, 0.25, 0.5, 1.0])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kl = [0.0, 0.3, 0.6, 0.9]
+    for row, penalty in zip(rows, kl):
+        row |= {"train/pg_loss": row["train/loss"] - penalty, "train/kl_loss": penalty}
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = read_run(run_dir)
+    fig = draw_report([run], "run kl")
+    loss_ax = fig.axes[1]
+    assert loss_ax.get_ylabel() == "policy loss, KL penalty"
+    policy, penalty = [line for line in loss_ax.get_lines() if line.get_gid() == run.label]
+    assert list(policy.get_ydata()) == [5.0, 4.5 - 0.3, 4.2 - 0.6, 4.0 - 0.9] and policy.get_linestyle() == "-"
+    assert list(penalty.get_ydata()) == kl and penalty.get_linestyle() == ":"
+    assert "KL penalty (in the loss)" in texts(fig)
+    plain = draw_report([read_run(rl_run(tmp_path / "plain", [0.0, 0.1, 0.2, 0.3]))], "run plain")
+    assert plain.axes[1].get_ylabel() == "policy loss" and "KL penalty (in the loss)" not in texts(plain)
+
+
 def test_a_sweeps_best_job_by_its_objective_is_drawn_thick_and_named(tmp_path):
     sweep = tmp_path / "outputs" / "sweeps" / "2026-12-01" / "08-38-51"
     last = ("val/loss", "last")

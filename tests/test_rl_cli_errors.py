@@ -28,10 +28,10 @@ REFUSED = [
     (["loss=importance_sampling"], "config error: loss.name=importance_sampling needs an env to sample from (env=digits, "
      "env=arithmetic, or your own: env.prompts=FILE env.reward=package.module:function); without one, use loss=cross_entropy"),
     (["env=digits"], "config error: env=digits trains with an RL loss, not loss.name=cross_entropy: add "
-     "loss=importance_sampling (or ppo, cispo, dro)"),
+     "loss=importance_sampling (or ppo, cispo, dro, gspo, stable_reinforce)"),
     (["env=nosuch", "loss=ppo"], "config error: env=nosuch: env has no option nosuch (options: arithmetic, digits)"),
-    (["env=digits", "loss=nosuch"], "config error: loss=nosuch: loss has no option nosuch (options: cispo, cross_entropy, dro, "
-     "importance_sampling, ppo)"),
+    (["env=digits", "loss=nosuch"], "config error: loss=nosuch: loss has no option nosuch (options: cispo, cross_entropy, dro, gspo, "
+     "importance_sampling, ppo, stable_reinforce)"),
     ([*RL, "rl.group_size=1"], "config error: rl.group_size: must be >= 2, got 1 (advantages compare the responses to one prompt)"),
     ([*RL, "rl.temperature=0"], "config error: rl.temperature: must be > 0 (and finite), got 0.0"),
     ([*RL, "env.max_new_tokens=0"], "config error: env.max_new_tokens: must be >= 1, got 0"),

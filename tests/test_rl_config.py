@@ -29,7 +29,7 @@ def test_the_default_run_is_sft_as_before():
     validate(cfg)
 
 
-def test_the_loss_options_are_tinkers_five_losses():
+def test_the_loss_options_are_tinkers_losses():
     assert options("loss") == sorted(name.value for name in LossName) == sorted(LOSS_PARAMETERS)
     assert set(RL_LOSSES) == set(LOSS_PARAMETERS) - {"cross_entropy"}
 
@@ -45,6 +45,8 @@ def test_tinkers_documented_defaults():
     """Tinker's docs: ppo clips the ratio to [0.8, 1.2] (epsilon 0.2), cispo caps it at 4 with no lower bound."""
     assert typed("loss=ppo").loss.params == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert typed("loss=cispo").loss.params == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
+    assert typed("loss=gspo").loss.params == {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}  # GSPO's paper
+    assert typed("loss=stable_reinforce").loss.params == {"ratio_cap": 2.0, "sequence_ratio_bound": 2.0}  # ours
 
 
 def test_a_set_parameter_replaces_its_default_only():
@@ -73,7 +75,7 @@ def test_your_own_env_is_two_keys_without_a_group():
 def test_the_rl_defaults():
     rl = typed().rl
     assert (rl.group_size, rl.prompts_per_step, rl.temperature, rl.advantage.value, rl.kl_coef) == (8, 4, 1.0, "grpo", 0.0)
-    assert (rl.updates_per_batch, rl.kl_estimator, rl.log_kl_ref) == (1, "k3", False)
+    assert (rl.updates_per_batch, rl.kl_estimator, rl.log_kl_ref, rl.max_steps_off_policy) == (1, "k3", False, 0)
     assert rl.responses_per_step == 32 and not rl.uses_reference
 
 
@@ -93,16 +95,22 @@ BAD_VALUES = [
     (["rl.kl_coef=-0.1"], "rl.kl_coef: must be >= 0 (and finite), got -0.1"),
     (["rl.kl_estimator=k4"], "rl.kl_estimator: 'k4' is not one of verl's KL estimators: k1, k2, k3, k1+, k3+, kl, mse, low_var_kl, abs"),
     (["rl.updates_per_batch=0"], "rl.updates_per_batch: must be >= 1 (optimizer steps per sampled batch), got 0"),
-    (["rl.updates_per_batch=1.5"], "rl.updates_per_batch: Value '1.5' of type 'float' could not be converted to Integer"),
-    (["rl.advantage=gae"], "rl.advantage: Invalid value 'gae', expected one of [grpo, mean_centred]"),
+    (["rl.updates_per_batch=1.5"], "rl.updates_per_batch: expected an integer, got 1.5 (float)"),
+    (["rl.max_steps_off_policy=-1"], "rl.max_steps_off_policy: must be >= 0 (0: synchronous), got -1"),
+    (
+        ["rl.max_steps_off_policy=2", "rl.updates_per_batch=4"],
+        "rl.max_steps_off_policy=2 needs rl.updates_per_batch=1, got 4 (an off-policy run samples a batch for every "
+        "optimizer step)",
+    ),
+    (["rl.advantage=gae"], "rl.advantage: expected one of grpo, mean_centred, got 'gae'"),
     (["env=digits", "env.max_new_tokens=0"], "env.max_new_tokens: must be >= 1, got 0"),
     (["env.prompts=rows.jsonl"], "env.prompts=rows.jsonl needs env.reward=package.module:function (the reward)"),
     (["env.reward=m:f"], "env.reward=m:f needs env.prompts=FILE (the training prompts)"),
     (["env.eval_prompts=held.jsonl"], "env.eval_prompts=held.jsonl needs env.prompts=FILE (the training prompts)"),
     (["env.name=mine"], "env.name=mine needs env.prompts=FILE and env.reward=package.module:function"),
-    (["loss=foo"], "loss=foo: loss has no option foo (options: cispo, cross_entropy, dro, importance_sampling, ppo)"),
+    (["loss=foo"], "loss=foo: loss has no option foo (options: cispo, cross_entropy, dro, gspo, importance_sampling, ppo, stable_reinforce)"),
     (["env=foo"], "env=foo: env has no option foo (options: arithmetic, digits)"),
-    (["loss.name=foo"], "loss.name: Invalid value 'foo', expected one of [cross_entropy, importance_sampling, ppo, cispo, dro]"),
+    (["loss.name=foo"], "loss.name: expected one of cross_entropy, importance_sampling, ppo, cispo, dro, gspo, stable_reinforce, got 'foo'"),
     (
         ["loss=importance_sampling", "loss.clip_low_threshold=0.9"],
         "loss.clip_low_threshold: importance_sampling takes no clip_low_threshold (it has no parameters); "
@@ -125,6 +133,18 @@ BAD_VALUES = [
     ),
     (["loss=ppo", "loss.clip_low_threshold=nan"], "loss.clip_low_threshold: expected a finite number, got nan"),
     (["loss=dro", "loss.beta=0"], "loss.beta: dro needs beta > 0, got 0.0"),
+    (
+        ["loss=gspo", "loss.clip_high_threshold=0.9"],
+        "loss.clip_low_threshold=0.9997 and loss.clip_high_threshold=0.9: gspo needs 0 <= clip_low_threshold <= 1 <= "
+        "clip_high_threshold (bounds of the ratio, which is 1 on-policy)",
+    ),
+    (["loss=stable_reinforce", "loss.ratio_cap=0.5"], "loss.ratio_cap: stable_reinforce needs ratio_cap >= 1 (the ratio is 1 on-policy), got 0.5"),
+    (["loss=stable_reinforce", "loss.sequence_ratio_bound=1"], "loss.sequence_ratio_bound: stable_reinforce needs sequence_ratio_bound > 1, got 1.0"),
+    (
+        ["loss=ppo", "loss.ratio_cap=3"],
+        "loss.ratio_cap: ppo takes no ratio_cap (its parameters: clip_low_threshold, clip_high_threshold); set it to "
+        "null or choose another loss",
+    ),
 ]
 
 
@@ -146,12 +166,12 @@ CROSS_GROUP = [
     ),
     (
         ["env=digits"],
-        "env=digits trains with an RL loss, not loss.name=cross_entropy: add loss=importance_sampling (or ppo, cispo, dro)",
+        "env=digits trains with an RL loss, not loss.name=cross_entropy: add loss=importance_sampling (or ppo, cispo, dro, gspo, stable_reinforce)",
     ),
     (
         ["env.prompts=rows.jsonl", "env.reward=m:f"],
         "env.prompts=rows.jsonl trains with an RL loss, not loss.name=cross_entropy: add loss=importance_sampling "
-        "(or ppo, cispo, dro)",
+        "(or ppo, cispo, dro, gspo, stable_reinforce)",
     ),
     (
         ["env=digits", "loss=ppo", "rl.prompts_per_step=3", "rl.group_size=2"],

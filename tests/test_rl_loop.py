@@ -22,7 +22,7 @@ from tinker_exp.train.early_stop import EarlyStop
 from tinker_exp.train.judges import GO_ON
 from tinker_exp.train.loop import BATCH_SOURCE, train
 from tinker_exp.train.objective import objective_value
-from tinker_exp.train.rl import Prompt, RLBatches, RLEvaluation, Weights
+from tinker_exp.train.rl import OffPolicyBatches, Prompt, RLBatches, RLEvaluation, Weights
 from tinker_exp.train.start import StartPoint
 
 ALPHABET = "ab12"
@@ -323,3 +323,118 @@ def test_the_plan_table_says_which_batch_and_update_each_optimizer_step_is():
     assert {line.split()[0]: line.split()[1] for line in lines[2:] if line.split()[0].isdigit()}["5"] == "1:1"
     assert lines[-1] == "RL: a batch is sampled every 4 optimizer steps; step s trains batch s // 4, update s % 4 (column batch:update)"
     assert "batch" not in format_table(plan, [5])  # one update a batch: the table as before
+
+
+class VersionedSampler(FakeSampler):
+    """A FakeSampler that records which exported weights it held at each sampling call."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+        self.holding, self.sampled_from = None, []
+
+    def load(self, tensors) -> None:
+        super().load(tensors)
+        self.holding = tensors["version"]
+
+    def sample(self, prompt_ids, n, max_new_tokens, temperature):
+        self.sampled_from.append(self.holding)
+        return super().sample(prompt_ids, n, max_new_tokens, temperature)
+
+
+def off_policy_source(k: int, total_steps: int = 8) -> OffPolicyBatches:
+    rl = RLConfig(group_size=4, prompts_per_step=2, max_steps_off_policy=k)
+    batches = OffPolicyBatches(prompts(), Weights(VersionedSampler()), Reward("t:r", digit_share), rl, max_new_tokens=6,
+                               seed=0, total_steps=total_steps)  # fmt: skip
+    batches.attach(Trainer())
+    return batches
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_an_off_policy_batch_is_sampled_from_the_weights_k_steps_old_in_the_synchronous_order(k):
+    """rl.max_steps_off_policy=k: step s's batch is sampled from the weights at the start of step max(s - k, 0)
+    (train/staleness), prompts and random draws taken in step order: with a sampler that ignores its weights the
+    batches are the synchronous run's, bitwise. No batch past the run's last step is sampled."""
+    batches, sync = off_policy_source(k), source()
+    trainer, sampler = batches.weights.workers, batches.weights.sampler
+    served, expected = [], []
+    for step in range(8):
+        served.append(batches.batch(step))
+        expected.append(sync.batch(step))
+        trainer.step()
+        sync.weights.workers.step()
+    assert [b.measured["train/staleness"] for b in served] == [min(step, k) for step in range(8)]
+    assert sampler.sampled_from == [max(step - k, 0) for step in range(8) for _ in range(2)]  # 2 prompts a batch
+    assert [rollouts(b) for b in served] == [rollouts(b) for b in expected]
+    assert [b.measured["train/reward"] for b in served] == [b.measured["train/reward"] for b in expected]
+    assert batches.cursor == sync.cursor == 8 * 2 and not batches._exported  # every export used, then dropped
+    assert batches._thread is not None
+    batches._thread.join(timeout=60)  # it ends after the run's last batch
+    assert not batches._thread.is_alive()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_an_off_policy_checkpoint_holds_the_batches_in_flight_and_a_resume_continues_bitwise(k):
+    """The state after step s holds batches s + 1 .. s + k (sampled from weights the checkpoint does not hold), the
+    cursor and the random state after them; through JSON (as loop.json), a source restored there serves what the
+    uninterrupted one served from step s + 1 on, sampling batch s + k + 1 from the checkpoint's weights."""
+    uninterrupted = off_policy_source(k)
+    served = []
+    for step in range(8):
+        served.append(uninterrupted.batch(step))
+        uninterrupted.weights.workers.step()
+        if step == 2:
+            state = json.loads(json.dumps(uninterrupted.state()))
+    assert [entry["step"] for entry in state["in_flight"]] == list(range(3, 3 + k))
+    assert [entry["batch"]["first_step"] for entry in state["in_flight"]] == [max(s - k, 0) for s in range(3, 3 + k)]
+
+    resumed = off_policy_source(k)
+    resumed.restore(state)
+    resumed.weights.workers.weights_version = 3  # the checkpoint's weights: those at the start of step 3
+    again = []
+    for step in range(3, 8):
+        again.append(resumed.batch(step))
+        resumed.weights.workers.step()
+    assert [b.examples for b in again] == [b.examples for b in served[3:]]  # Rollout equality: every int and float
+    assert [b.measured["train/staleness"] for b in again] == [k] * 5
+    assert resumed.weights.sampler.sampled_from == [s - k for s in range(3 + k, 8) for _ in range(2)]
+
+
+def test_a_restore_mid_run_stops_the_sampling_thread_and_drops_what_it_sampled():
+    """An exploit loads another checkpoint mid-run: the thread stops, and the batches come from the loaded state."""
+    donor = off_policy_source(1)
+    for step in range(3):
+        donor.batch(step)
+        donor.weights.workers.step()
+    state = json.loads(json.dumps(donor.state()))
+    member = off_policy_source(1)
+    for step in range(2):
+        member.batch(step)
+        member.weights.workers.step()
+    thread = member._thread
+    member.restore(state)
+    assert not thread.is_alive() and member._thread is None
+    assert rollouts(member.batch(3)) == rollouts(donor.batch(3))
+
+
+def test_a_reward_that_fails_in_the_sampling_thread_fails_the_loops_next_batch():
+    def broken(row, response):
+        raise ValueError("no reward for you")
+
+    rl = RLConfig(group_size=4, prompts_per_step=2, max_steps_off_policy=1)
+    batches = OffPolicyBatches(prompts(), Weights(VersionedSampler()), Reward("t:r", broken), rl, max_new_tokens=6,
+                               seed=0, total_steps=4)  # fmt: skip
+    batches.attach(Trainer())
+    with pytest.raises(Exception, match="no reward for you"):
+        batches.batch(0)
+
+
+def test_close_stops_a_sampling_thread_left_waiting_by_a_run_that_stopped_early():
+    batches = off_policy_source(1)
+    for step in range(2):
+        batches.batch(step)
+        batches.weights.workers.step()
+    thread = batches._thread
+    batches._in_flight_through(2)  # it sampled batch 2 and waits for the weights of step 2, which never come
+    assert thread.is_alive()
+    batches.close()
+    assert not thread.is_alive() and not batches._exported and not batches._ready

@@ -18,6 +18,7 @@ SEQS = [
     (2, [-0.3, -1.5], [-0.8, -1.0], -0.5),  # ratios 1.65, 0.61
     (4, [-2.2, -0.1, -0.7, -1.2], [-2.0, -0.1, -0.2, -1.9], 2.0),  # ratios 0.82, 1, 0.61, 2.01
     (1, [-0.4], [-0.35], 0.0),  # a zero advantage: contributes nothing but its mismatch
+    (2, [-0.2, -0.6], [-0.9, -0.7], 1.5),  # ratios 2.01, 1.11: geometric mean 1.49, clipped whole by gspo
 ]
 N_TOKENS = sum(len(s[1]) for s in SEQS)
 FILLER = 7.0  # log-prob at prompt positions (and the last position): must get no gradient
@@ -26,7 +27,33 @@ PARAMS = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": 0.3},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},  # sequence ratios 0.82, 1, 1, 0.95, 1.49
+    "stable_reinforce": {"ratio_cap": 2.0, "sequence_ratio_bound": 1.4},  # truncates seq 2's last token, drops seq 4
 }
+
+
+def hand_sequence(name: str, ps: list, qs: list, a: float, params: dict) -> list[tuple[float, float, bool]]:
+    """Each token's (loss, derivative in its p, clipped) for one sequence: the sequence-level losses written out,
+    the token-level ones token by token (hand)."""
+    s = math.exp(sum(p - q for p, q in zip(ps, qs)) / len(ps))  # the geometric-mean ratio
+    if name == "gspo":  # value s, gradient s d(log p), per token
+        lo, hi = params["clip_low_threshold"], params["clip_high_threshold"]
+        unclipped, clipped = s * a, min(max(s, lo), hi) * a
+        clipped_active = clipped < unclipped
+        return [(-min(unclipped, clipped), 0.0 if clipped_active else -s * a, clipped_active)] * len(ps)
+    if name == "stable_reinforce":
+        bound, cap = params["sequence_ratio_bound"], params["ratio_cap"]
+        kept = 1 / bound <= s <= bound
+        out = []
+        for p, q in zip(ps, qs):
+            w = min(math.exp(p - q), cap) if kept else 0.0
+            out.append((-w * p * a, -w * a, not kept or math.exp(p - q) > cap))
+        return out
+    return [hand(name, p, q, a, params) for p, q in zip(ps, qs)]
+
+
+def hand_tokens(name: str, params: dict, seqs=None) -> list[tuple[float, float, bool]]:
+    return [t for _, ps, qs, a in (seqs or SEQS) for t in hand_sequence(name, ps, qs, a, params)]
 
 
 def hand(name: str, p: float, q: float, a: float, params: dict) -> tuple[float, float, bool]:
@@ -111,7 +138,7 @@ def test_each_loss_is_tinkers_token_sum_formula(name):
     fn = rl_losses.build_loss_fn(name, PARAMS[name])
     loss, _, values = run(fn, SEQS)
     loss.backward()
-    expected = [hand(name, p, q, a, PARAMS[name]) for _, ps, qs, a in SEQS for p, q in zip(ps, qs)]
+    expected = hand_tokens(name, PARAMS[name])
     assert loss.item() == pytest.approx(sum(e[0] for e in expected), rel=1e-12)
     assert response_grads(values, SEQS) == pytest.approx([e[1] for e in expected], rel=1e-12, abs=1e-15)
 
@@ -123,7 +150,21 @@ def test_ppo_clips_where_the_clipped_term_is_smaller_on_both_sides():
     loss, _, values = run(fn, SEQS)
     loss.backward()
     zero = [i for i, g in enumerate(response_grads(values, SEQS)) if g == 0.0]
-    assert zero == [1, 4, 8, 9]  # 3 clipped tokens + the token of the zero-advantage sequence
+    assert zero == [1, 4, 8, 9, 10]  # 4 clipped tokens + the token of the zero-advantage sequence
+
+
+def test_gspo_clips_whole_sequences_and_stable_reinforce_truncates_tokens_and_drops_far_sequences():
+    # gspo: the 5th sequence (geometric-mean ratio 1.49 > 1.2, A > 0) has no gradient on either token, though its
+    # second token's own ratio (1.11) is inside the band; stable_reinforce truncates the 3rd sequence's last token
+    # (ratio 2.01 > 2) to weight 2 and drops the 5th sequence (1.49 > 1.4) whole.
+    grads = {}
+    for name in ("gspo", "stable_reinforce"):
+        loss, _, values = run(rl_losses.build_loss_fn(name, PARAMS[name]), SEQS)
+        loss.backward()
+        grads[name] = response_grads(values, SEQS)
+    assert grads["gspo"][10:] == [0.0, 0.0] and all(g != 0.0 for g in grads["gspo"][:9])
+    assert grads["stable_reinforce"][10:] == [0.0, 0.0]
+    assert grads["stable_reinforce"][8] == pytest.approx(-2.0 * 2.0)  # -cap * A
 
 
 @pytest.mark.parametrize("name", list(rl_losses.LOSS_PARAMS))
@@ -154,29 +195,29 @@ def test_metrics_reduce_to_token_weighted_batch_figures(name):
 
     fn = rl_losses.build_loss_fn(name, PARAMS[name])
     per_rank = []
-    for rank_seqs in ((SEQS[0], SEQS[3]), (SEQS[1], SEQS[2])):
+    for rank_batches in (([SEQS[0]], [SEQS[3]]), ([SEQS[1]], [SEQS[2], SEQS[4]])):  # equal micro batch counts
         gathered: dict = {}
-        for seq in rank_seqs:
-            append_to_dict(gathered, run(fn, [seq], dp_size=2, max_response_len=4)[1])
+        for seqs in rank_batches:
+            append_to_dict(gathered, run(fn, seqs, dp_size=2, max_response_len=4)[1])
         per_rank.append(gathered)
     reduced = rl_losses.batch_metrics({key: [rank[key] for rank in per_rank] for key in per_rank[0]})
 
     tokens = [(p, q, a) for _, ps, qs, a in SEQS for p, q in zip(ps, qs)]
     expected = {
-        rl_losses.PG_LOSS: sum(hand(name, p, q, a, PARAMS[name])[0] for p, q, a in tokens),
+        rl_losses.PG_LOSS: sum(t[0] for t in hand_tokens(name, PARAMS[name])),
         rl_losses.PPO_KL: sum(q - p for p, q, _ in tokens) / N_TOKENS,
         rl_losses.ABS_LOG_RATIO: sum(abs(p - q) for p, q, _ in tokens) / N_TOKENS,
         rl_losses.RATIO_MEAN: sum(math.exp(p - q) for p, q, _ in tokens) / N_TOKENS,
         rl_losses.RATIO_MIN: min(math.exp(p - q) for p, q, _ in tokens),  # reduced over micro batches and ranks
         rl_losses.RATIO_MAX: max(math.exp(p - q) for p, q, _ in tokens),
     }
-    if name in ("ppo", "cispo"):
-        expected[rl_losses.CLIP_FRACTION] = sum(hand(name, p, q, a, PARAMS[name])[2] for p, q, a in tokens) / N_TOKENS
+    if name in ("ppo", "cispo", "gspo", "stable_reinforce"):
+        expected[rl_losses.CLIP_FRACTION] = sum(t[2] for t in hand_tokens(name, PARAMS[name])) / N_TOKENS
     assert reduced == pytest.approx(expected, rel=1e-12)
-    assert {"ppo": 3, "cispo": 6}.get(name, 0) == round(reduced.get(rl_losses.CLIP_FRACTION, 0.0) * N_TOKENS)
+    assert {"ppo": 4, "cispo": 7, "gspo": 2, "stable_reinforce": 3}.get(name, 0) == round(reduced.get(rl_losses.CLIP_FRACTION, 0.0) * N_TOKENS)
 
 
-REF = [[-1.2, -0.6, -1.5], [-0.3, -2.0], [-2.0, -0.4, -0.7, -1.0], [-0.9]]  # the initial model's log-probs
+REF = [[-1.2, -0.6, -1.5], [-0.3, -2.0], [-2.0, -0.4, -0.7, -1.0], [-0.9], [-0.5, -0.4]]  # the initial model's log-probs
 
 
 def hand_kl(estimator: str, p: float, ref: float) -> tuple[float, float]:
@@ -204,10 +245,10 @@ def test_the_kl_penalty_adds_kl_coef_times_the_estimators_token_sum_and_logs_its
     assert response_grads(values, SEQS) == pytest.approx([e[1] + coef * k[1] for e, k in zip(policy, kls)], rel=1e-12, abs=1e-15)
 
     per_rank = []
-    for rank in ((0, 3), (1, 2)):
+    for rank in (([0], [3]), ([1], [2, 4])):
         gathered: dict = {}
-        for i in rank:
-            append_to_dict(gathered, run(fn, [SEQS[i]], dp_size=2, max_response_len=4, ref=[REF[i]])[1])
+        for micro in rank:
+            append_to_dict(gathered, run(fn, [SEQS[i] for i in micro], dp_size=2, max_response_len=4, ref=[REF[i] for i in micro])[1])
         per_rank.append(gathered)
     reduced = rl_losses.batch_metrics({key: [r[key] for r in per_rank] for key in per_rank[0]})
     assert reduced[rl_losses.KL_REF] == pytest.approx(sum(k[0] for k in kls) / N_TOKENS, rel=1e-12)
@@ -254,7 +295,7 @@ def test_loss_mask_must_be_the_response_mask():
 
 @pytest.mark.parametrize(
     "name, verl_mode",
-    [("ppo", "vanilla"), ("cispo", "cispo"), ("dro", "dro")],
+    [("ppo", "vanilla"), ("cispo", "cispo"), ("dro", "dro"), ("gspo", "gspo")],
 )
 def test_agrees_with_verls_policy_loss_in_token_sum_mode(name, verl_mode):
     # verl's ppo_loss with its registry's loss and loss_agg_mode="token-sum" computes the same loss and gradient

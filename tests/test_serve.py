@@ -79,12 +79,17 @@ class Terminal:
         return [line for line in self.out if line.startswith("tinker_exp.serve: ") and text in line]
 
 
-def start_server(ray_address: str, run_dir: Path, port: int) -> Terminal:
+MAX_BODY_BYTES, MAX_NUM_SAMPLES = 1 << 20, 8
+"""The server's serve.max_body_bytes and serve.max_num_samples (the RL loop's 8 samples a prompt are the most)."""
+
+
+def start_server(ray_address: str | None, run_dir: Path, port: int) -> Terminal:
     """The server, started as a user starts it (its key from TINKER_EXP_API_KEY); its first line (printed once it
-    listens) says where."""
+    listens) says where. `ray_address` None: its own Ray cluster, as a user's first server has."""
     process = subprocess.Popen(
         [sys.executable, "-m", "tinker_exp.serve", f"serve.port={port}", f"serve.run_dir={run_dir}", "logger=wandb",  # offline
-         f"serve.max_chunk_datums={CHUNK_DATUMS}"],
+         f"serve.max_chunk_datums={CHUNK_DATUMS}", f"serve.max_body_bytes={MAX_BODY_BYTES}",
+         f"serve.max_num_samples={MAX_NUM_SAMPLES}"],
         cwd=REPO, env=environment({"RAY_ADDRESS": ray_address, "TINKER_EXP_API_KEY": API_KEY, "TINKER_API_KEY": None}),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -373,26 +378,37 @@ def test_forward_backward_calls_accumulate_until_optim_step(trained):
 
 
 def test_a_batch_of_several_chunks_equals_the_same_batch_sent_as_one_request(server, trained, tokenized):
-    """A batch of more datums than one chunk (serve.max_chunk_datums, the SDK's fwdbwd_max_chunk_len): the SDK
-    splits it into three and sends them at once, the first last (parallel_fwdbwd_chunks); the server runs them in
-    their seq_id order. The same data as one request (a raw post built by the SDK's own converter, in the client's
-    sequence): the same loss:sum, each datum's log-probs in order (1e-5) and the same grad norm at an lr-0 step
-    (relative 1e-5: the sums add up in another order)."""
+    """The SDK's chunk length is the server's serve.max_chunk_datums (fwdbwd_max_chunk_len), and a request of more
+    datums is refused naming it. A batch of more datums than one chunk (the client's chunk length set to a quarter
+    of it here, so that the whole batch fits one request): the SDK splits it into three and sends them at once, the
+    first last (parallel_fwdbwd_chunks); the server runs them in their seq_id order. The same data as one request (a
+    raw post built by the SDK's own converter, in the client's sequence): the same loss:sum, each datum's log-probs
+    in order (1e-5) and the same grad norm at an lr-0 step (relative 1e-5: the sums add up in another order)."""
     from tinker import types
     from tinker.proto.response_conv import deserialize_forward_backward_output
 
     client = trained["client"]
     still = types.AdamParams(learning_rate=0.0, grad_clip_norm=0.0)
-    pieces = [(tokens, i % (len(tokens) - 5), 2 + i % 4) for i, tokens in enumerate(tokenized * 23)][:2 * CHUNK_DATUMS + 10]
+    pieces = [(tokens, i % (len(tokens) - 5), 2 + i % 4) for i, tokens in enumerate(tokenized * 23)][:CHUNK_DATUMS + 1]
     data = [datum(tokens[start:start + n]) for tokens, start, n in pieces]  # tiny datums: a cheap pass
-    assert client.holder._client_config.fwdbwd_max_chunk_len == CHUNK_DATUMS
-    assert [len(chunk.data) for chunk in client._chunked_requests_generator(data)] == [CHUNK_DATUMS, CHUNK_DATUMS, 10]
-    (seq_id,) = reserved_seq_ids(client, 1)
+    config = client.holder._client_config
+    assert config.fwdbwd_max_chunk_len == CHUNK_DATUMS
+    (too_many, seq_id) = reserved_seq_ids(client, 2)
+    refused = post(server, "forward_backward", forward_backward_body(client, data, too_many), "application/x-protobuf")
+    assert refused.status_code == 400 and refused.json()["error"] == (
+        f"data: {CHUNK_DATUMS + 1} datums exceed serve.max_chunk_datums={CHUNK_DATUMS} (the most in one request; "
+        "the SDK splits a batch into chunks of that many)"), refused.text
+    data = data[:CHUNK_DATUMS * 5 // 8]
     sent = post(server, "forward_backward", forward_backward_body(client, data, seq_id), "application/x-protobuf")
     assert sent.status_code == 200, sent.text
     whole = deserialize_forward_backward_output(retrieved(server, sent.json()["request_id"]).content)
     whole_norm = client.optim_step(still).result().metrics["grad_norm"]
-    chunked = client.forward_backward(data, "cross_entropy").result()
+    client.holder._client_config = config.model_copy(update={"fwdbwd_max_chunk_len": CHUNK_DATUMS // 4})
+    try:
+        assert [len(chunk.data) for chunk in client._chunked_requests_generator(data)] == [10, 10, 5]
+        chunked = client.forward_backward(data, "cross_entropy").result()
+    finally:
+        client.holder._client_config = config
     chunked_norm = client.optim_step(still).result().metrics["grad_norm"]
     assert abs(chunked.metrics["loss:sum"] - whole.metrics["loss:sum"]) <= 1e-5 * abs(whole.metrics["loss:sum"])
     assert len(logprobs_of(chunked)) == len(data) == len(logprobs_of(whole))
@@ -406,6 +422,8 @@ RL_LOSS_CONFIGS = {  # each loss with parameters off Tinker's defaults, so that 
     "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
     "cispo": {"clip_low_threshold": 0.5, "clip_high_threshold": 1.05},
     "dro": {"beta": 0.3},
+    "gspo": {"clip_low_threshold": 0.95, "clip_high_threshold": 1.02},
+    "stable_reinforce": {"ratio_cap": 1.3, "sequence_ratio_bound": 1.1},
 }
 
 
@@ -434,13 +452,17 @@ def test_each_rl_loss_through_the_sdk_is_the_rl_losses_formula_on_its_logprobs(t
             "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": sampler.tolist(),
             "advantages": advantages.tolist(), "weights": weights.tolist()}))
         inputs.append((sampler, advantages, weights))
+    # gspo's sequence ratio is over sequence_ratio_mask's positions (the cookbook sends it, not weights)
+    gspo_data = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        **{k: v for k, v in d.loss_fn_inputs.items() if k != "weights"}, "sequence_ratio_mask": w.tolist()})
+        for d, (_, _, w) in zip(data, inputs)]  # fmt: skip
     losses = {}
     for name, config in RL_LOSS_CONFIGS.items():
-        output = client.forward(data, name, config).result()
+        output = client.forward(gspo_data if name == "gspo" else data, name, config).result()
         want, magnitude = 0.0, 0.0
         for got, want_logprobs, (sampler, advantages, weights) in zip(logprobs_of(output), trainer, inputs):
             assert abs(got - want_logprobs).max() < 1e-5, name
-            terms, _ = TOKEN_TERMS[name](*(torch.from_numpy(np.asarray(a, dtype=np.float32)) for a in (got, sampler, advantages)), **config)
+            terms, _ = TOKEN_TERMS[name](*(torch.from_numpy(np.asarray(a, dtype=np.float32)) for a in (got, sampler, advantages, weights)), **config)
             terms = terms * torch.from_numpy(weights)
             want, magnitude = want + float(terms.sum()), magnitude + float(terms.abs().sum())
         losses[name] = output.metrics["loss:sum"]
@@ -663,7 +685,8 @@ def test_bad_checkpoint_and_sampling_requests_are_one_line_errors(server, traine
 
 def test_a_retried_request_gets_the_same_future_and_runs_once(server, trained):
     """The SDK retries a POST with its X-Idempotency-Key: the same key gets the same future, and the step runs once
-    (one row); another key is another step."""
+    (one row); the same request (its seq_id) re-sent with a new key, as the SDK re-sends one whose reply it lost,
+    gets the same future too; another seq_id is another step."""
     import httpx
 
     model_id = trained["client"].get_info().model_id
@@ -679,6 +702,7 @@ def test_a_retried_request_gets_the_same_future_and_runs_once(server, trained):
     retried, another = reserved_seq_ids(trained["client"], 2)
     first = send("retry-me", retried)
     assert send("retry-me", retried) == first
+    assert send("a-new-key", retried) == first  # the SDK's re-send of a request whose reply it lost: a new key
     second = send("another", another)
     assert second != first
     for request_id in (first, second):
@@ -689,7 +713,8 @@ def test_a_retried_request_gets_the_same_future_and_runs_once(server, trained):
 def test_a_models_requests_run_in_seq_id_order_when_they_arrive_out_of_order(server, trained):
     """Raw posts in the SDK client's sequence: an optim_step (lr 0) sent before the forward_backward whose seq_id
     precedes it waits for it: its row's loss is that forward_backward's loss:sum and its grad norm that batch's (had
-    it run first, both would be 0: the last step zeroed the gradients). A seq_id sent again is a one-line 400."""
+    it run first, both would be 0: the last step zeroed the gradients). The same request sent again gets its
+    future; another request with a seq_id sent before is a one-line 400."""
     from tinker.proto.response_conv import deserialize_forward_backward_output
 
     client, data = trained["client"], trained["data"]
@@ -704,9 +729,125 @@ def test_a_models_requests_run_in_seq_id_order_when_they_arrive_out_of_order(ser
     grad_norm = retrieved(server, step.json()["request_id"]).json()["metrics"]["grad_norm"]
     row = model_rows(server, model_id)[-1]
     assert row["train/loss"] == loss > 0 and row["train/grad_norm"] == grad_norm > 0
-    again = post(server, "forward_backward", body, "application/x-protobuf")
-    assert again.status_code == 400 and again.json()["error"] == (
-        f"seq_id: {seq_fb} of model {model_id} was sent before (its turn is past; the next is {seq_step + 1})")
+    again = post(server, "forward_backward", body, "application/x-protobuf")  # the same request: the same answer
+    assert again.status_code == 200 and again.json()["request_id"] == fb.json()["request_id"], again.text
+    other = post(server, "forward_backward", forward_backward_body(client, data[:1], seq_fb), "application/x-protobuf")
+    assert other.status_code == 400 and other.json()["error"] == (
+        f"seq_id: {seq_fb} of model {model_id} was sent before with another request (its turn is past; the next is "
+        f"{seq_step + 1})")
+
+
+def test_ids_and_names_that_would_lead_outside_the_run_dir_are_refused(server, trained):
+    """The issue's attack, raw as it came: a create_model whose model_seq_id climbs out of the run dir (then
+    save_weights wrote there); and tinker:// paths that climb, on load and on a sampling session. Each a one-line
+    400 naming the field; nothing is written outside the run dir."""
+    outside = server["run_dir"].parent
+    before = sorted(path.name for path in outside.iterdir())
+    session_id = post(server, "create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0",
+                                                 "type": "create_session"}).json()["session_id"]
+    climb = "0/../../../escaped"
+    model = post(server, "create_model", {"session_id": session_id, "model_seq_id": climb, "base_model": "tiny-llama",
+                                          "lora_config": {"rank": 8}})
+    assert model.status_code == 400 and model.json()["error"] == (
+        f"model_seq_id: {climb!r} is not a model_seq_id (an integer >= 0: the SDK's count of its training clients)")
+    saved = post(server, "save_weights", {"model_id": f"{session_id}:train:{climb}", "path": "x", "seq_id": 1})
+    assert saved.status_code == 400 and saved.json()["error"].startswith("model_id: "), saved.text
+    for route, body, field in [
+            ("load_weights", {"session_id": session_id, "model_seq_id": 1, "optimizer": False,
+                              "path": "tinker://..%2F..%2Fx/weights/a"}, "path"),
+            ("load_weights", {"session_id": session_id, "model_seq_id": 1, "optimizer": False,
+                              "path": f"tinker://{trained['model_id']}/weights/../../../../escaped"}, "path"),
+            ("load_weights", {"session_id": session_id, "model_seq_id": 1, "optimizer": False,
+                              "path": "tinker://../weights/.."}, "path"),
+            ("create_sampling_session", {"session_id": session_id, "sampling_session_seq_id": 0,
+                                         "model_path": "tinker://../sampler_weights/escaped"}, "model_path")]:
+        response = post(server, route, body)
+        assert response.status_code == 400 and response.json()["error"].startswith(
+            f"{field}: {body.get('path', body.get('model_path'))!r} is not a checkpoint path"), response.text
+    post(server, f"sessions/{session_id}/finish", {"reason": {"type": "success"}, "detail": None})
+    assert sorted(path.name for path in outside.iterdir()) == before
+
+
+def test_each_limit_is_a_one_line_400_naming_it(server, trained):
+    """serve.max_body_bytes (told by Content-Length, and counted for a body sent in chunks without one),
+    serve.max_num_samples, and a datum longer than the model's positions in forward_backward (serve.max_chunk_datums:
+    the chunk test). The server goes on."""
+    import httpx
+
+    from tinker_exp.config.schema import ModelConfig
+    from tinker_exp.runtime.inputs import model_dir as local_model
+    from tinker_exp.runtime.serve_workers import model_positions
+
+    client = trained["client"]
+    big = b"{" + b" " * MAX_BODY_BYTES + b"}"
+    response = post(server, "optim_step", big)
+    assert response.status_code == 400 and response.json()["error"] == (
+        f"the request's body ({len(big)} bytes) exceeds serve.max_body_bytes={MAX_BODY_BYTES}"), response.text
+
+    def chunks():
+        for start in range(0, len(big), 1 << 16):
+            yield big[start:start + (1 << 16)]
+
+    streamed = httpx.post(f"{server['url']}/api/v1/optim_step", content=chunks(), timeout=60,
+                          headers={"X-API-Key": API_KEY, "Content-Type": "application/json"})
+    assert streamed.status_code == 400 and streamed.json()["error"] == (
+        f"the request's body exceeds serve.max_body_bytes={MAX_BODY_BYTES}"), streamed.text
+    session = post(server, "create_sampling_session", {"session_id": "s", "sampling_session_seq_id": 0,
+                                                       "base_model": "tiny-llama"}).json()["sampling_session_id"]
+    many = post(server, "asample", {"sampling_session_id": session, "num_samples": MAX_NUM_SAMPLES + 1,
+                                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                                    "sampling_params": {"max_tokens": 2}})
+    assert many.status_code == 400 and many.json()["error"] == (
+        f"num_samples: {MAX_NUM_SAMPLES + 1} exceeds serve.max_num_samples={MAX_NUM_SAMPLES}"), many.text
+    positions = model_positions(local_model(ModelConfig()))
+    long = datum([(5 + i) % 300 for i in range(positions + 1)])  # positions inputs + the last target
+    (seq_id,) = reserved_seq_ids(client, 1)
+    refused = post(server, "forward_backward", forward_backward_body(client, [trained["data"][0], long], seq_id),
+                   "application/x-protobuf")
+    assert refused.status_code == 400 and refused.json()["error"] == (
+        f"data[1]: {positions} tokens and the last target exceed the model's {positions} positions "
+        "(max_position_embeddings)"), refused.text
+    assert client.forward(trained["data"], "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_a_sample_queued_behind_saves_that_drop_its_snapshot_samples_its_weights(server, trained):
+    """The issue's race: an unnamed snapshot (save_weights_and_get_sampling_client), then as many unnamed saves as
+    the server keeps plus one, queued at once, and a sample of the first snapshot sent after them: the saves drop the
+    snapshot before the sample runs, yet the sample (accepted while its weights were kept) draws from them, bitwise
+    the same seeded sample taken before. A sample sent after the drop is the documented one-line 400."""
+    from tinker import types
+
+    from tinker_exp.serve.app import SNAPSHOTS_KEPT
+
+    client = trained["client"]
+    sampler = client.save_weights_and_get_sampling_client().result()
+    prompt, params = types.ModelInput.from_ints([1, 2, 3]), types.SamplingParams(max_tokens=4, seed=11)
+    want = sampler.sample(prompt, 2, params).result()
+    # the work thread kept busy by a forward pass of 40 long datums while the saves and the sample arrive
+    blocker, *seq_ids = reserved_seq_ids(client, 1 + SNAPSHOTS_KEPT)
+    from tinker.proto import tinker_public_pb2
+
+    forward = tinker_public_pb2.ForwardBackwardRequest.FromString(forward_backward_body(
+        client, [datum([(7 + i + j) % 300 for i in range(200)]) for j in range(CHUNK_DATUMS)], blocker))
+    forward.forward_only = True  # no gradient left behind for the tests after this one
+    busy = post(server, "forward_backward", forward.SerializeToString(), "application/x-protobuf")
+    saves = [post(server, "save_weights_for_sampler", {"model_id": trained["model_id"], "seq_id": seq_id,
+                                                       "sampling_session_seq_id": 1000 + seq_id}) for seq_id in seq_ids]
+    got = sampler.sample(prompt, 2, params).result()  # queued after the saves: its snapshot is dropped before it runs
+    assert busy.status_code == 200 and all(save.status_code == 200 for save in saves), [save.text for save in saves]
+    for save in saves:
+        retrieved(server, save.json()["request_id"])
+    lines = server["terminal"].out
+    last_save = max(i for i, line in enumerate(lines) if f"seq {seq_ids[-1]}: ok" in line)
+    assert any(": ok (" in line and line.startswith("tinker_exp.serve: sample session ") for line in lines[last_save:]), (
+        "the sample ran before the saves: no race", lines[-8:])
+    assert [list(s.tokens) for s in got.sequences] == [list(s.tokens) for s in want.sequences]
+    assert [s.logprobs for s in got.sequences] == [s.logprobs for s in want.sequences]
+    with pytest.raises(tinker.BadRequestError) as dropped:
+        sampler.sample(prompt, 1, params).result()
+    assert f"its weights were dropped (the server keeps the last {SNAPSHOTS_KEPT} unnamed snapshots" in str(dropped.value)
+    assert not (server["run_dir"] / "serve_errors.log").exists() or "NoneType" not in (
+        server["run_dir"] / "serve_errors.log").read_text()
 
 
 def test_a_killed_server_restarted_continues_bitwise_and_every_models_rows_are_its_own(server, trained):
@@ -717,7 +858,10 @@ def test_a_killed_server_restarted_continues_bitwise_and_every_models_rows_are_i
     does the same. Both times loss, log-probs, grad norm and the log-probs after the step are bitwise the
     uninterrupted server's. Every model's rows are in its own metrics.jsonl: A's history intact after B's and C's
     restores of an earlier step (the issue: one shared file, a restore deleted another model's later rows), B's and
-    C's from the checkpoint's step. Last, Ctrl-C while C is held: one line, exit 130, C's workers freed."""
+    C's from the checkpoint's step. The restarted server has its own Ray cluster (as a user's has). Then D, a new
+    model on C's workers kept warm (no checkpoint loaded in between), takes the first client's first two steps
+    bitwise. Last, SIGTERM while D is held: one line, exit 143, D's workers freed, no process the server started
+    left (its Ray daemons and agents)."""
     from tinker import types
 
     client, data = trained["client"], trained["data"]
@@ -753,7 +897,8 @@ def test_a_killed_server_restarted_continues_bitwise_and_every_models_rows_are_i
     assert "tinker_exp.serve: the new model trains on the kept workers (fresh state)" in server["terminal"].err, server["terminal"].err[-20:]
     server["process"].send_signal(signal.SIGKILL)
     server["process"].wait(60)
-    server["terminal"] = start_server(server["ray_address"], server["run_dir"], server["port"])
+    # started again as a user's first server is: on its own Ray cluster (stopped by SIGTERM below)
+    server["terminal"] = start_server(None, server["run_dir"], server["port"])
     server["process"] = server["terminal"].process
     *restarted, model_c, service_c = from_saved_state(close=False)
     want_output, want_response, want_after = uninterrupted
@@ -771,13 +916,33 @@ def test_a_killed_server_restarted_continues_bitwise_and_every_models_rows_are_i
     assert sorted(path.name for path in (server["run_dir"] / "models").iterdir()) == sorted(
         model.replace(":", "_") for model in (model_a, model_b, model_c))
     assert not (server["run_dir"] / "metrics.jsonl").exists()
-    # Ctrl-C while C holds its workers: the server frees them and ends in one line, exit 130
+    # A fourth client, on C's workers kept warm (no checkpoint loaded in between): a new model from the kept workers
+    # takes the first client's first two steps (from its fresh build) bitwise
+    service_c.close("success").result(timeout=60)
+    service_d = tinker.ServiceClient()
+    client_d = service_d.create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
+    model_d = client_d.get_info().model_id
+    assert server["terminal"].err.count("tinker_exp.serve: the new model trains on the kept workers (fresh state)") == 1
+    for params, want_output, want_response in zip(STEPS[:2], trained["outputs"], trained["responses"]):
+        output = client_d.forward_backward(data, "cross_entropy").result()
+        assert output.metrics["loss:sum"] == want_output.metrics["loss:sum"]
+        assert all(same(a, b) for a, b in zip(logprobs_of(output), logprobs_of(want_output)))
+        assert client_d.optim_step(types.AdamParams(**params)).result().metrics["grad_norm"] == want_response.metrics["grad_norm"]
+    # SIGTERM while D holds its workers: one line, exit 143, and none of the processes it started (Ray's daemons and
+    # agents, its workers) outlive it
+    import psutil
+
     terminal = server["terminal"]
-    server["process"].send_signal(signal.SIGINT)
-    assert terminal.ended(120) == 130, terminal.err[-20:]
-    service_c._session_holder.close()  # its heartbeats stop (the server is gone: close() would wait on it)
-    assert terminal.err[-1] == f"tinker_exp.serve: stopped (Ctrl-C); model {model_c}'s workers freed", terminal.err[-20:]
-    assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in terminal.err + terminal.out)
+    started = psutil.Process(server["process"].pid).children(recursive=True)
+    assert any("raylet" in " ".join(child.cmdline()) for child in started), [c.cmdline()[:2] for c in started]
+    server["process"].send_signal(signal.SIGTERM)
+    assert terminal.ended(120) == 143, terminal.err[-20:]
+    service_d._session_holder.close()  # its heartbeats stop (the server is gone: close() would wait on it)
+    assert terminal.err[-1] == f"tinker_exp.serve: stopped (SIGTERM); model {model_d}'s workers freed", terminal.err[-20:]
+    assert not any("Traceback" in line or "KeyboardInterrupt" in line or "not the main thread" in line
+                   for line in terminal.err + terminal.out)
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive if p.is_running()]
     requests = terminal.requests(f"model {model_c}")
     assert any(f"optim_step model {model_c} seq " in line and ": ok (" in line for line in requests), terminal.out
 

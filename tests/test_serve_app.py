@@ -58,8 +58,8 @@ def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(tmp_path):
     model = claimed(made)
     ran: list[int] = []
 
-    def request(seq_id: int) -> str:
-        return made.in_turn(model, seq_id, lambda: lambda: ran.append(seq_id) or seq_id)
+    def request(seq_id: int, body: str = "the first") -> str:
+        return made.in_turn(model, seq_id, lambda: lambda: ran.append(seq_id) or seq_id, body={"b": body})
 
     late = [request(seq_id) for seq_id in (3, 4, 2)]  # the SDK's parallel chunks: the first one last
     assert ran == [] and not made.futures[late[0]].done.is_set()
@@ -67,13 +67,15 @@ def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(tmp_path):
     assert [result(made, r) for r in (first, late[2], late[0], late[1])] == [1, 2, 3, 4] and ran == [1, 2, 3, 4]
     for seq_id, turn in ((3, "past"), (0, None)):
         with pytest.raises(BadRequest) as refused:
-            request(seq_id)
+            request(seq_id, "another")
         assert "\n" not in str(refused.value)
-        assert str(refused.value) == (f"seq_id: {seq_id} of model {model.model_id} was sent before (its turn is past; the next is 5)"
+        assert str(refused.value) == (f"seq_id: {seq_id} of model {model.model_id} was sent before with another request "
+                                      "(its turn is past; the next is 5)"
                                       if turn else "seq_id: 0 is not a sequence number (an integer >= 1)")
     waiting = request(6)
-    with pytest.raises(BadRequest, match=f"^seq_id: 6 of model {model.model_id} was sent before \\(its turn is taken; the next is 5\\)$"):
-        request(6)
+    with pytest.raises(BadRequest, match=f"^seq_id: 6 of model {model.model_id} was sent before with another request "
+                                         "\\(its turn is taken; the next is 5\\)$"):
+        request(6, "another")
 
     def refuse():
         raise BadRequest("loss_fn: 'nope' is not served")
@@ -81,6 +83,79 @@ def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(tmp_path):
     with pytest.raises(BadRequest, match="^loss_fn: 'nope' is not served$"):  # refused in its turn: the turn passes
         made.in_turn(model, 5, refuse)
     assert result(made, waiting) == 6 and ran[-1] == 6 and model.next_seq == 7
+
+
+def test_a_request_sent_again_with_its_seq_id_gets_the_first_ones_answer_and_runs_once(tmp_path):
+    """The SDK re-sends a request whose reply it lost with a new idempotency key and the same seq_id: the same
+    method and body get the first one's future (the work ran once) or its refusal, whether the first is done or
+    still waits for its turn; another body with that seq_id is refused."""
+    made = server(tmp_path)
+    model = claimed(made)
+    ran: list[int] = []
+
+    def request(seq_id: int, method: str = "optim_step", body: dict | None = None) -> str:
+        return made.in_turn(model, seq_id, lambda: lambda: ran.append(seq_id) or seq_id, method=method,
+                            body=body or {"model_id": model.model_id, "seq_id": seq_id, "lr": 0.1})
+
+    early = request(2)  # waits for seq_id 1
+    assert request(2) == early and ran == []
+    done = request(1)
+    assert result(made, done) == 1 and result(made, early) == 2
+    assert request(1) == done and request(2) == early and ran == [1, 2]
+    with pytest.raises(BadRequest, match="was sent before with another request"):
+        request(2, method="save_state")
+    with pytest.raises(BadRequest, match="was sent before with another request"):
+        request(1, body={"model_id": model.model_id, "seq_id": 1, "lr": 0.2})
+
+    def refuse():
+        raise BadRequest("adam_params.beta1: 1.0 is not in [0, 1)")
+
+    for _ in range(2):  # a refused one sent again: refused again, in the same words
+        with pytest.raises(BadRequest, match=r"^adam_params.beta1: 1.0 is not in \[0, 1\)$"):
+            made.in_turn(model, 3, refuse, method="optim_step", body={"beta1": 1.0})
+    assert ran == [1, 2] and model.next_seq == 4
+    session = model.session_id  # create_model sent again by its session: the same request
+    assert made.create_model({"session_id": session, "model_seq_id": 0, "base_model": "tiny-llama"}) == model.created
+    assert len(made.built) == 1
+
+
+@pytest.mark.parametrize("seq", ["0/../../../../tmp/escaped", -1, True, 1.5, None])
+def test_a_model_seq_id_that_is_not_an_integer_is_refused_before_any_path(tmp_path, seq):
+    """The model id goes into folder names (models/<id>/, checkpoints/<id>/): model_seq_id must be the SDK's integer
+    (the issue: '0/../../../../tmp/NAME' then save_weights wrote outside the run dir)."""
+    made = server(tmp_path)
+    session = made.start_session()
+    for route, call in (("create_model", made.create_model), ("load_weights", made._claim)):
+        body = {"session_id": session, "model_seq_id": seq, "base_model": "tiny-llama"}
+        with pytest.raises(BadRequest) as refused:
+            call(body) if route == "create_model" else call(route, body, "tiny-llama", 0)
+        assert str(refused.value) == (f"model_seq_id: {seq!r} is not a model_seq_id (an integer >= 0: the SDK's count "
+                                      "of its training clients)")
+    assert made.model is None and not made.built
+    with pytest.raises(BadRequest, match="is outside the server's run dir"):
+        made.inside(tmp_path / "checkpoints" / ".." / ".." / "elsewhere")
+
+
+def test_finished_results_replies_and_sampling_sessions_are_pruned(tmp_path):
+    """A finished request's future and a reply by idempotency key are forgotten results_kept_s after they were done
+    (a pending one never); an idempotency key is one request with its route and body; a client session's end drops
+    its sampling sessions."""
+    made = server(tmp_path, results_kept_s=0.0)
+    model = claimed(made)
+    done = made.submit(lambda: "done")
+    assert made.futures[done].done.wait(30)
+    gate = threading.Event()
+    pending = made.submit(lambda: gate.wait(30))
+    made.keep_reply("/api/v1/optim_step", "key", b"{}", (b"answer", 200, None, "application/json"))
+    assert made.reply("/api/v1/optim_step", "key", b"{}")[0] == b"answer"
+    assert made.reply("/api/v1/optim_step", "key", b"{ }") is None and made.reply("/api/v1/save_weights", "key", b"{}") is None
+    made.prune(now=True)
+    assert done not in made.futures and pending in made.futures and not made.replies
+    gate.set()
+    made.create_sampling_session({"session_id": model.session_id, "sampling_session_seq_id": 0, "base_model": "tiny-llama"})
+    other = made.create_sampling_session({"session_id": "another", "sampling_session_seq_id": 0, "base_model": "tiny-llama"})
+    made.end_session(model.session_id)
+    assert list(made.sampling_sessions) == [other]
 
 
 def test_a_request_whose_predecessor_never_comes_fails_in_one_line_and_the_sequence_goes_on(tmp_path):
@@ -130,6 +205,84 @@ def test_a_session_whose_heartbeats_stopped_releases_its_model(tmp_path):
     second = claimed(made)
     assert made.model is second and made.built[0].stopped.is_set()
     assert not made.heartbeat(first.session_id)
+
+
+class FakeSampler:
+    """The driver's sampler, as bookkeeping: a snapshot's weights are a number (the model's step when saved); a
+    sample answers with them as its token."""
+
+    positions = 64
+
+    def __init__(self):
+        self.loaded = None
+
+    @staticmethod
+    def write(workers, folder, lora_rank: int) -> None:
+        (folder / "step").write_text(str(workers.step))
+
+    @staticmethod
+    def weights(folder) -> dict:
+        return {"step": int((folder / "step").read_text())}
+
+    def use(self, key, tensors) -> None:
+        self.loaded = tensors() if callable(tensors) else tensors
+
+    def sample(self, prompt, n, max_tokens, temperature, seed, **limits) -> list:
+        from tinker_exp.runtime.sampler import Sample
+
+        return [Sample([self.loaded["step"]], [0.0], "", False) for _ in range(n)]
+
+
+def test_a_sample_accepted_before_saves_drop_its_snapshot_samples_its_weights(tmp_path):
+    """Unnamed snapshots beyond SNAPSHOTS_KEPT are dropped; a sample accepted while its snapshot was kept holds its
+    weights, even when the saves queued before it drop the snapshot (the issue: a TypeError from the workers'
+    reload of None); one sent after the drop is the documented one-line 400."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    from tinker_exp.serve.app import SNAPSHOTS_KEPT
+
+    sampler = FakeSampler()
+    made = Server("tiny-llama", lambda rank: FakeWorkers(rank), dict, lambda folder, first_step: None, lambda *a: {},
+                  tmp_path, lambda: sampler)
+    model = claimed(made)
+    model.workers.step = 0
+
+    def snapshot(seq_id: int) -> str:
+        request_id = made.save_for_sampler({"model_id": model.model_id, "seq_id": seq_id, "sampling_session_seq_id": seq_id})[0]
+        return request_id
+
+    first = result(made, snapshot(1))["sampling_session_id"]
+    sample = {"sampling_session_id": first, "num_samples": 1, "prompt": {"chunks": [{"tokens": [1]}]},
+              "sampling_params": {"max_tokens": 1}}
+    gate = threading.Event()
+    made.submit(gate.wait)  # the work thread busy: what follows is queued, in order
+    model.workers.step = 7  # the later snapshots' weights
+    saves = [snapshot(seq_id) for seq_id in range(2, 2 + SNAPSHOTS_KEPT)]
+    accepted = made.sample(sample)[0]  # its snapshot is still kept: accepted, queued behind the saves
+    gate.set()
+    for save in saves:
+        result(made, save)
+    assert made.sampling_sessions[first]["weights"] is None  # dropped by the saves queued before the sample
+    response = pb.SampleResponse()
+    response.ParseFromString(result(made, accepted))
+    assert list(__import__("numpy").frombuffer(response.sequences[0].tokens, dtype="int32")) == [0]  # its own weights
+    with pytest.raises(BadRequest, match=f"^sampling_session_id: '{first}': its weights were dropped \\(the server keeps "
+                                         f"the last {SNAPSHOTS_KEPT} unnamed snapshots"):
+        made.sample(sample)
+
+
+def test_a_run_dir_that_is_a_file_is_one_line_and_nothing_is_written(tmp_path):
+    from helpers import run_module
+
+    taken = tmp_path / "taken"
+    taken.write_text("a file\n")
+    for run_dir, where in ((taken, ""), (taken / "sub", f": {str(taken)!r}")):
+        done = run_module("tinker_exp.serve", f"serve.run_dir={run_dir}", timeout=120)
+        assert done.returncode == 2 and done.stderr.splitlines() == [
+            f"tinker_exp: config error: serve.run_dir: {str(run_dir)!r}{where} is a file, not a folder; give a folder "
+            "(it is made if it does not exist)"], done.stderr
+        assert not done.stdout
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["taken"] and taken.read_text() == "a file\n"
 
 
 @pytest.mark.parametrize("value", ["0", "many"])

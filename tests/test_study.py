@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from helpers import REPO, compose, environment, job_json, job_processes, read_job_log, read_jsonl, run_cli, squeue, wait_until
 from tinker_exp.errors import ConfigError
-from tinker_exp.sweep.study import CUT_OFF, evaluations_error, masked, open_storage, recover, results, search_space, steps_line, study_direction, study_in, sweep_storage
+from tinker_exp.sweep.study import CUT_OFF, SAMPLERS, evaluations_error, grid_size, make_sampler, masked, open_storage, recover, results, search_space, steps_line, study_direction, study_in, sweep_storage
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.slurm import slurm_states
 from tinker_exp.train.checkpoints import latest
@@ -210,6 +210,93 @@ def test_a_killed_pruning_study_records_a_trial_pruned_meanwhile_as_pruned(tmp_p
     assert steps_line(summary) == "steps trained: 10 (83%) of the 12 a study without pruning would have trained; 1 trials pruned"
 
 
+SPACES = {  # what each sampler is given below: two numbers, and a number beside a choice
+    "numbers": ["override.lr.value=tag(log, interval(1e-4, 3e-3))", "override.lr.warmup_steps=int(interval(0, 3))"],
+    "choice": ["override.lr.warmup_steps=int(interval(0, 3))", "data.split_seed=choice(1, 2, 3)"],
+}
+
+
+def run_study(sampler, space, n_trials: int = 8, seed: int = 0, **args) -> list:
+    """An in-memory study of `n_trials` asked and told one by one (a quadratic bowl over the numbers, the choice's
+    index added): the points the sampler chose."""
+    study = optuna.create_study(sampler=sampler)
+    for _ in range(n_trials):
+        trial = study.ask(space)
+        value = sum((math.log10(v) + 3) ** 2 if isinstance(v, float) else (v - 1) ** 2 for v in trial.params.values() if not isinstance(v, str))
+        study.tell(trial, value)
+    return [t.params for t in study.trials]
+
+
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_each_sampler_is_optunas_seeded_and_given_its_startup_trials_and_arguments(name):
+    """hydra.sweeper.sampler=NAME: Optuna's class, the seed making its points (the same seed the same points, another
+    seed others), n_startup_trials where it takes them, sampler_args passed on; every point inside the space."""
+    space = search_space(parse(*SPACES["choice" if name in ("grid",) else "numbers"]))[1]
+    sampler = make_sampler(name, {}, space, seed=3, n_startup_trials=2)
+    assert isinstance(sampler, getattr(optuna.samplers, SAMPLERS[name]))
+    if name in ("tpe", "gp", "cmaes"):
+        assert sampler._n_startup_trials == 2
+    points = run_study(sampler, space)
+    assert points == run_study(make_sampler(name, {}, space, seed=3, n_startup_trials=2), space)
+    assert points != run_study(make_sampler(name, {}, space, seed=4, n_startup_trials=2), space)
+    for params in points:
+        for key, value in params.items():
+            assert space[key]._contains(space[key].to_internal_repr(value)), (key, value)
+    if name == "grid":  # each of the 4 x 3 points once, in a seeded order; telling the last one stops nothing
+        assert grid_size(space) == 12 and len({tuple(p.values()) for p in run_study(sampler, space, 12)}) == 12
+    if name == "tpe":  # Optuna 5's TPE: multivariate, the constant liar; sampler_args sets either
+        assert sampler._is_multivariate(optuna.create_study()) and sampler._constant_liar
+        assert not make_sampler(name, {"multivariate": False}, space, 0, 10)._is_multivariate(optuna.create_study())
+    if name == "cmaes":
+        assert make_sampler(name, {"popsize": 5}, space, 0, 2)._popsize == 5
+
+
+@pytest.mark.parametrize(
+    "name, space, args, message",
+    [
+        ("cmaes", "choice", {}, "hydra.sweeper.sampler=cmaes: data.split_seed is a choice; CMA-ES searches numbers only (use tpe or gp)"),
+        ("cmaes", ["override.lr.value=interval(0.1, 1.0)"], {}, "hydra.sweeper.sampler=cmaes: CMA-ES needs 2 or more searched keys, the space has 1"),
+        ("grid", "numbers", {}, "hydra.sweeper.sampler=grid: override.lr.value is a float interval, which has no grid; give its points with choice(...)"),
+        ("tpx", "numbers", {}, "hydra.sweeper.sampler: tpx is not a sampler; did you mean tpe? (samplers: tpe, gp, cmaes, random, grid)"),
+        ("tpe", "numbers", {"multivariat": True}, "hydra.sweeper.sampler_args.multivariat: sampler tpe has no argument multivariat; did you mean multivariate?"),
+        ("tpe", "numbers", {"seed": 1}, "hydra.sweeper.sampler_args.seed: set by hydra.sweeper.seed, not here"),
+        ("random", "numbers", {"n_startup_trials": 1}, "hydra.sweeper.sampler_args.n_startup_trials: set by hydra.sweeper.n_startup_trials, not here"),
+        ("random", "numbers", {"popsize": 4}, "hydra.sweeper.sampler_args.popsize: sampler random has no argument popsize; random takes none but the seed"),
+        ("tpe", "numbers", {"n_ei_candidates": "many"}, "hydra.sweeper.sampler_args.n_ei_candidates: 'many' must be an int"),
+        ("gp", "numbers", {"deterministic_objective": 1}, "hydra.sweeper.sampler_args.deterministic_objective: 1 must be true or false"),
+        ("cmaes", "numbers", {"sigma0": 0.5}, "hydra.sweeper.sampler_args (sigma0=0.5) for sampler cmaes: `sigma0` has been deprecated in v4.9.0."),
+    ],
+)
+def test_a_sampler_that_cannot_serve_the_space_or_an_argument_it_does_not_take_is_a_config_error(name, space, args, message):
+    space = search_space(parse(*(SPACES[space] if isinstance(space, str) else space)))[1]
+    with pytest.raises(ConfigError) as error:
+        make_sampler(name, args, space, seed=0, n_startup_trials=10)
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def test_a_study_begun_under_optuna_4_continues_under_optuna_5(tmp_path):
+    """tests/data/optuna4.journal was written by Optuna 4.9.0 as the sweeper writes a study (TPE, seed 0, two trials
+    of the space below with their overrides, run dirs and a report at step 1; trial 0 told 2.0, trial 1 left
+    RUNNING: the study was killed). Optuna 5 reads it: the same trials, trial 1 recovered from its run dir, and the
+    next trial asked is trial 2, inside the space."""
+    journal = (REPO / "tests" / "data" / "optuna4.journal").read_text()
+    (tmp_path / "optuna.journal").write_text(journal.replace("RUN_DIR", str(tmp_path)))
+    (tmp_path / "1").mkdir()
+    write_objective(tmp_path / "1", "val/loss", "last", 1.25)  # trial 1's run completed while the study was down
+    assert optuna.__version__.startswith("5.") and study_in(tmp_path) == sweep_storage(tmp_path)
+    study = optuna.load_study(study_name="tinker_exp", storage=open_storage(sweep_storage(tmp_path)))
+    assert [(t.number, t.state, t.intermediate_values) for t in study.trials] == [
+        (0, TrialState.COMPLETE, {1: 2.5}), (1, TrialState.RUNNING, {1: 1.5})
+    ]
+    assert study.trials[0].user_attrs["overrides"] == [f"{k}={v!r}" for k, v in study.trials[0].params.items()]
+    assert recover(study) == [f"trial 1: completed while the study was down: 1.25 ({tmp_path / '1'})"]
+    _, space = search_space(parse(*SPACES["numbers"]))
+    study.sampler = make_sampler("tpe", {}, space, seed=2, n_startup_trials=10)
+    trial = study.ask(space)
+    assert trial.number == 2 and 1e-4 <= trial.params["override.lr.value"] <= 3e-3
+    assert results(study, sweep_storage(tmp_path))["best_trial"] == 1
+
+
 # --- the CLI: errors before anything runs, and a study whose trials all fail ---------------------------
 
 
@@ -245,6 +332,10 @@ def test_a_killed_pruning_study_records_a_trial_pruned_meanwhile_as_pruned(tmp_p
          "config error: hydra.sweeper.direction=minimize contradicts trainer.objective_mode=max (higher is better)"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.storage=postgresql://bob:hunter2@127.0.0.1:1/studies"],
          "config error: hydra.sweeper.storage: postgresql://bob:***@127.0.0.1:1/studies: cannot open the study:"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "data.split_seed=choice(1,2)", "hydra.sweeper.sampler=cmaes"],  # refused before any trial
+         "config error: hydra.sweeper.sampler=cmaes: data.split_seed is a choice; CMA-ES searches numbers only"),
+        (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.sampler=grid", "hydra.sweeper.sampler_args.x=1"],  # no +
+         "config error: hydra.sweeper.sampler_args.x=1: hydra.sweeper.sampler_args does not set x: type +hydra.sweeper.sampler_args.x=1"),
         (["optimizer.lr=interval(1e-4,1e-3)", "hydra.sweeper.storage=db.lab/studies"],
          "config error: hydra.sweeper.storage: db.lab/studies: cannot open the study: Could not parse SQLAlchemy URL"),
     ],
@@ -292,6 +383,20 @@ def test_a_dry_run_study_plans_its_trials_and_records_nothing(tmp_path):
     assert "config error: trainer.batch_size" in result.stdout and "Traceback" not in result.stderr
 
 
+def test_a_grid_study_plans_each_point_of_its_grid_once_and_no_more_trials(tmp_path):
+    """hydra.sweeper.sampler=grid through the CLI (a dry run): n_trials=20 over a 2 x 2 grid runs the grid's 4 trials,
+    each point once, said in the log."""
+    result = run_cli(
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", "dry_run=true", "+override=lr_cosine", f"hydra.sweep.dir={tmp_path}",
+        "hydra.sweeper.sampler=grid", "override.lr.value=choice(1e-4,1e-3)", "override.lr.warmup_steps=range(0,2)",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "grid of 4 points: the study runs 4 trials, not 20" in result.stdout and "sampler grid" in result.stdout
+    planned = sorted((plan["override"]["lr"]["value"], plan["override"]["lr"]["warmup_steps"])
+                     for plan in (read_json(tmp_path / str(n) / "plan.json") for n in range(4)))  # fmt: skip
+    assert planned == [(1e-4, 0), (1e-4, 1), (1e-3, 0), (1e-3, 1)] and not (tmp_path / "4").exists()
+
+
 # --- real studies -------------------------------------------------------------------------------------
 
 STUDY = [
@@ -311,9 +416,12 @@ def started_and_told(log_text: str) -> tuple[dict[int, int], set[int]]:
 def test_a_study_killed_while_trials_run_continues_with_the_same_command(ray_address, tmp_path):
     """SIGKILL of the submitting process while two trials a < b (after the first two) run; a's job finishes
     meanwhile, b's is killed too (a node lost). The same command continues: a recorded from its run dir, b failed,
-    none run again, new trials in new run dirs (never resuming another trial's checkpoint), 5 of 6 completed."""
+    none run again, new trials in new run dirs (never resuming another trial's checkpoint), 5 of 6 completed. With
+    CMA-ES (the study's one real non-default sampler: random until 2 trials ended, then its generations, kept in
+    the storage: trial 3 on)."""
     sweep = tmp_path / "study"
-    command = [sys.executable, "-m", "tinker_exp", *STUDY, f"hydra.sweep.dir={sweep}"]
+    sampler = ["hydra.sweeper.sampler=cmaes", "hydra.sweeper.n_startup_trials=2"]
+    command = [sys.executable, "-m", "tinker_exp", *STUDY, *sampler, f"hydra.sweep.dir={sweep}"]
     env = environment({"RAY_ADDRESS": ray_address})
     log = tmp_path / "first.log"
 
@@ -354,6 +462,7 @@ def test_a_study_killed_while_trials_run_continues_with_the_same_command(ray_add
     trials = storage_trials(sweep)
     assert [t.state for t in trials] == [TrialState.FAIL if t.number == b else TrialState.COMPLETE for t in trials]
     assert len(trials) == 6 and trials[a].value == read_objective(sweep / str(a))
+    assert "sampler cmaes" in log.read_text() and all(any(k.startswith("cma:") for k in t.system_attrs) for t in trials[3:])
     for trial in trials:
         run_dir = sweep / str(trial.number)
         assert trial.user_attrs["run_dir"] == str(run_dir)

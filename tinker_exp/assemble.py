@@ -63,6 +63,13 @@ class Inputs:
     model_path: Path
     batches: BatchSource
     evaluation: Evaluation | None
+    said: tuple[str, ...] = ()
+    """What the run says about them (device, LoRA, data), logged by `tell` once they are all accepted: a refused
+    command writes no log line into the run dir."""
+
+    def tell(self) -> None:
+        for line in self.said:
+            log.info(line)
 
 
 def inputs(cfg: Config, rows: "tuple[list[Row], list[Row]] | Env", start: StartPoint) -> Inputs:
@@ -73,31 +80,35 @@ def inputs(cfg: Config, rows: "tuple[list[Row], list[Row]] | Env", start: StartP
 
     trainer, data = cfg.trainer, cfg.data
     choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
-    log.info(f"device: {choice.describe()}")
+    if choice.device == "cuda":
+        from tinker_exp.runtime.device import check_own_cluster, probe
+
+        check_own_cluster(cfg.backend, probe().gpus)
+    said = [f"device: {choice.describe()}"]
     if start.checkpoint is not None:
         check_checkpoint_device(start.checkpoint, choice.device)
     model_path = model_dir(cfg.model)  # on disk before any worker builds it
     if cfg.env.active:
-        return rl_inputs(cfg, choice, model_path, rows)
+        return rl_inputs(cfg, choice, model_path, rows, said)
     if cfg.lora.rank:
         from tinker_exp.runtime import lora
 
-        log.info(f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}: {lora.check(cfg.lora, model_path)}")
+        said.append(f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}: {lora.check(cfg.lora, model_path)}")
     train_set, val_set = load_examples(data, model_path, *rows)
-    log.info(f"data: training {train_set.describe(data)}" + (f"; validation {val_set.describe(data)}" if rows[1] else ""))
+    said.append(f"data: training {train_set.describe(data)}" + (f"; validation {val_set.describe(data)}" if rows[1] else ""))
     evaluation = None
     if val_set.examples:
         evaluation = Evaluation(eval_batches(val_set.examples, trainer.batch_size), trainer.eval_every, trainer.steps)
     batches = DataFileBatches(train_set.examples, trainer.batch_size, trainer.seed, data.shuffle)
-    return Inputs(choice, model_path, batches, evaluation)
+    return Inputs(choice, model_path, batches, evaluation, tuple(said))
 
 
-def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env) -> Inputs:
+def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env, said: list[str]) -> Inputs:
     """An RL run's batch source and evaluation: the env's prompts (in the model's chat template), its reward, the
     driver's sampler (its weights come from the workers once they run: `attach`)."""
     from tinker_exp.rl.prompts import check_prompt_lengths
     from tinker_exp.runtime.sampler import HFSampler
-    from tinker_exp.train.rl import Prompt, RLBatches, RLEvaluation, Weights
+    from tinker_exp.train.rl import OffPolicyBatches, Prompt, RLBatches, RLEvaluation, Weights
 
     trainer = cfg.trainer
     sampler = HFSampler(model_path, trainer.seed, reference=cfg.rl.uses_reference)
@@ -108,7 +119,11 @@ def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env) -> Inputs:
         check_prompt_lengths(rows, [len(i) for i in ids], cfg.env.max_new_tokens, sampler.positions)
         return [Prompt(row, i) for row, i in zip(rows, ids)]
 
-    batches = RLBatches(prompts(env.train), weights, env.reward, cfg.rl, cfg.env.max_new_tokens, trainer.seed)
+    if cfg.rl.max_steps_off_policy:
+        batches = OffPolicyBatches(prompts(env.train), weights, env.reward, cfg.rl, cfg.env.max_new_tokens, trainer.seed,
+                                   total_steps=trainer.steps)  # fmt: skip
+    else:
+        batches = RLBatches(prompts(env.train), weights, env.reward, cfg.rl, cfg.env.max_new_tokens, trainer.seed)
     evaluation = None
     if env.eval:
         evaluation = RLEvaluation(prompts(env.eval), weights, env.reward, cfg.rl, cfg.env.max_new_tokens,
@@ -116,9 +131,10 @@ def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env) -> Inputs:
     rl = cfg.rl
     updates = f"{rl.updates_per_batch} optimizer steps a batch" if rl.updates_per_batch > 1 else "one optimizer step a batch"
     kl = f", KL to the initial model {rl.kl_coef} x {rl.kl_estimator}" if rl.kl_coef else ""
-    log.info(f"RL: env {env.name}, {len(env.train)} prompts, {rl.prompts_per_step} x {rl.group_size} samples a batch, "
-             f"{updates}, loss {cfg.loss.name.value}{kl}")  # fmt: skip
-    return Inputs(choice, model_path, batches, evaluation)
+    off = f", sampled {rl.max_steps_off_policy} steps off-policy" if rl.max_steps_off_policy else ""
+    said.append(f"RL: env {env.name}, {len(env.train)} prompts, {rl.prompts_per_step} x {rl.group_size} samples a batch, "
+                f"{updates}, loss {cfg.loss.name.value}{kl}{off}")  # fmt: skip
+    return Inputs(choice, model_path, batches, evaluation, tuple(said))
 
 
 def attach(given: Inputs, running: Workers, into: Sinks) -> None:

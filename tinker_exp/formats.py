@@ -57,3 +57,15 @@ def text_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(row[c]) for row in cells) for c in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in cells]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def not_a_folder(path: Path) -> str | None:
+    """Why `path` cannot be (or be made) a folder: it, or a folder above it, is a file (None: it can). Checked before
+    anything is written, for a one-line error instead of mkdir's traceback."""
+    for at in (Path(path), *Path(path).parents):
+        if at.exists() or at.is_symlink():
+            if at.is_dir():
+                return None
+            what = f"{at} is a file, not a folder" if at.is_file() else f"{at} is not a folder"
+            return what if at == Path(path) else f"{what} (in {path})"
+    return None

@@ -16,17 +16,18 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import hydra
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from tinker_exp import config
 from tinker_exp.config import Config
-from tinker_exp.config.compose_errors import one_line_compose_errors
-from tinker_exp.errors import STOPS, Terminated, TinkerExpError, one_line
+from tinker_exp.config.compose_errors import one_line_compose_errors, refuse_unknown_flags
+from tinker_exp.errors import STOPS, ConfigError, Terminated, TinkerExpError, one_line
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
-from tinker_exp.formats import masked, read_jsonl
+from tinker_exp.formats import masked, not_a_folder, read_jsonl
 from tinker_exp.train.checkpoints import resume_point
 from tinker_exp.train.data import Row, dataset_rows
 from tinker_exp.train.early_stop import check_early_stop
@@ -49,8 +50,10 @@ log = logging.getLogger(__name__)
 def validate(cfg: Config) -> Plan:
     """Everything that can be checked without torch, verl or ray; returns the plan. Raises ConfigError naming the key."""
     from tinker_exp.optim import build_plan
+    from tinker_exp.runtime.device import check_cpu_settings  # pure: torch only where a device is probed
 
     config.check(cfg)
+    check_cpu_settings(cfg.backend)
     objective_metric(cfg)
     check_early_stop(cfg)
     return build_plan(cfg.override, cfg.optimizer, cfg.trainer.steps)
@@ -122,7 +125,13 @@ def run(
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     start = start_point(cfg, resolved, run_dir)  # resume or branch: checked against its config, before any worker
     with warm_pool(cfg, start, start_workers) as pool:  # refused (busy) before anything is written
-        return accepted_run(cfg, plan, rows, start, run_dir, resolved, choices, job, start_workers, hydra_files, pool)
+        trains = pool.train_run  # a warm pool runs train_run itself, on its workers (and checks its inputs there)
+        if trains is None:  # a cold run: its device, model, LoRA targets and tokenized data checked before the record
+            from tinker_exp import assemble
+
+            given = None if cfg.dry_run or start.complete else assemble.inputs(cfg, rows, start)
+            trains = functools.partial(train_run, given=given)
+        return accepted_run(cfg, plan, rows, start, run_dir, resolved, choices, job, start_workers, hydra_files, pool, trains)
 
 
 @contextmanager
@@ -132,7 +141,7 @@ def warm_pool(cfg: Config, start: StartPoint, start_workers: StartWorkers | None
     from tinker_exp.pool.client import Cold, attach
 
     cold = cfg.dry_run or start.complete or start_workers is not None or cfg.backend.nodes > 1
-    pool = Cold() if cold else attach(cfg.backend.pool)
+    pool = Cold() if cold else attach(cfg)
     try:
         yield pool
     finally:
@@ -151,9 +160,10 @@ def accepted_run(
     start_workers: StartWorkers | None,
     hydra_files: dict[str, str] | None,
     pool: Any,
+    trains: Callable[..., dict[str, Any]],
 ) -> dict[str, Any]:
-    """`run` once the command is accepted: its record in the run dir, then the dry run or the training (on the warm
-    pool's workers when `pool` is one, not `Cold`)."""
+    """`run` once the command is accepted: its record in the run dir, then the dry run or the training by `trains`
+    (train_run, or the warm pool's, on its workers)."""
     write_hydra_files(run_dir, hydra_files or {})  # accepted: from here on the run dir records this command
     write_job_info(run_dir, {**(job or job_info(None, [])), **({"branch": start.lineage} if start.lineage else {})})
     if start.kind != "start":
@@ -180,7 +190,6 @@ def accepted_run(
         wandb_config["branch.trunk_wandb_run_id"] = start.trunk_wandb_run_id
     if pool.describe():
         log.info(pool.describe())
-    trains = pool.train_run or train_run  # a warm pool runs train_run itself, on its workers
     return trains(cfg, plan, rows, start, run_dir, wandb_config, start_workers, (job or {}).get("num"))
 
 
@@ -202,9 +211,11 @@ def train_run(
     wandb_config: dict[str, Any],
     start_workers: StartWorkers | None,
     job_number: int | None = None,
+    given: Any = None,
 ) -> dict[str, Any]:
     """Judges, inputs, sinks, workers, the loop (tinker_exp/assemble.py builds each); the workers are freed and the
-    sinks closed however the run ends. `job_number`: a sweep job's (its trial, or its member).
+    sinks closed however the run ends. `job_number`: a sweep job's (its trial, or its member); `given`: the inputs
+    when checked already (a cold run's: by `run`, before its record is written).
 
     Everything that can stop the run (a member's config, device, checkpoint, model, LoRA targets, data) is checked
     before any worker starts; the driver's remaining start-up (the plan's plot, W&B) then runs while the workers build
@@ -214,7 +225,8 @@ def train_run(
     from tinker_exp.train.loop import train
 
     judges = assemble.judges(cfg, run_dir, job_number, wandb_config)  # first: a member changes the config
-    given = assemble.inputs(cfg, rows, start)
+    given = given or assemble.inputs(cfg, rows, start)
+    given.tell()
     sinks = assemble.sinks(cfg, run_dir, start.step)
     exit_code, workers = 1, None
     try:
@@ -236,6 +248,7 @@ def train_run(
         raise
     finally:
         try:
+            given.batches.close()
             if workers is not None:
                 workers.shutdown()
         finally:
@@ -310,10 +323,53 @@ PROCESS_START = time.time()
 
 
 def made_for_this_command(run_dir: Path) -> bool:
-    """Whether Hydra made the (empty) run dir for this command: Hydra makes it before the task runs, and a refused
-    command must not leave it behind. Told by its change time, as Hydra does not say; on a shared file system whose
-    clock runs ahead, an empty dir made just before may count as made now (and an empty dir is all that goes)."""
+    """Whether Hydra made a sweep job's (empty) run dir for this command: Hydra makes it before the task runs.
+    Told by its change time, as Hydra does not say; on a shared file system whose clock runs ahead, an empty dir made
+    just before may count as made now (and an empty dir is all that goes). A run's: `RunDirCheck` knows."""
     return run_dir.is_dir() and not any(run_dir.iterdir()) and run_dir.stat().st_ctime >= PROCESS_START
+
+
+class RunDirCheck(Callback):
+    """Hydra's callback (conf/config.yaml: hydra.callbacks), called before Hydra makes a run's dir (or a sweep's):
+    a dir that cannot be a folder (a file is there, or above it) is refused in one line, and the topmost folder
+    Hydra is about to make for a run is noted, so that a refused command removes what Hydra made, and only that."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global HYDRA_MADE
+        refuse_a_file(str(config.hydra.run.dir), "hydra.run.dir")
+        run_dir = Path(str(config.hydra.run.dir)).absolute()
+        HYDRA_MADE = next((at for at in reversed([run_dir, *run_dir.parents]) if not at.exists()), None)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        refuse_a_file(str(config.hydra.sweep.dir), "hydra.sweep.dir")
+
+
+HYDRA_MADE: Path | None = None
+"""The topmost folder Hydra makes for this run's dir (the run dir itself, or a parent it lacked), as `RunDirCheck`
+found it before Hydra made it; None: the run dir was there."""
+
+
+def refuse_a_file(path: str, key: str) -> None:
+    why = not_a_folder(Path(path))
+    if why:  # said and exited here: Hydra turns what a callback raises into a warning and goes on
+        error = ConfigError(f"{key}={path}: {why}")
+        print(f"tinker_exp: {one_line(error)}", file=sys.stderr)
+        sys.exit(error.exit_code)
+
+
+def remove_what_hydra_made(run_dir: Path, in_sweep: bool, made_now: bool) -> None:
+    """A refused command's run dir, made by Hydra for it and left empty, goes; a run's parents Hydra made too
+    (outputs/runs/DATE), each only while empty."""
+    if not made_now:
+        return
+    top = run_dir if in_sweep or HYDRA_MADE is None else HYDRA_MADE
+    for at in [run_dir, *run_dir.parents]:
+        if not at.is_dir() or any(at.iterdir()):
+            return
+        drop_log_files_in(at)
+        at.rmdir()
+        if at == top:
+            return
 
 
 def drop_log_files_in(run_dir: Path) -> None:
@@ -345,7 +401,7 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
         logging.getLogger().handlers += ours.handlers
         ours.handlers = []
     job = job_info(hydra_cfg.job.get("num") if in_sweep else None, task_overrides)
-    made_now = made_for_this_command(run_dir)
+    made_now = made_for_this_command(run_dir) if in_sweep else HYDRA_MADE is not None and run_dir.absolute().is_relative_to(HYDRA_MADE)
     try:
         # From the start: Slurm may stop a job while it is still starting up. The lock before anything is written.
         with sigterm_raises(), RunDirLock(run_dir):
@@ -363,9 +419,7 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
             raise
         raise KeyboardInterrupt(where_a_rerun_starts(dcfg, run_dir)) from e
     finally:
-        if made_now and run_dir.is_dir() and not any(run_dir.iterdir()):  # refused: the dir Hydra made for it goes
-            drop_log_files_in(run_dir)
-            run_dir.rmdir()
+        remove_what_hydra_made(run_dir.absolute(), in_sweep, made_now)  # refused: nothing of it stays
 
 
 def one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:
@@ -395,6 +449,7 @@ def main() -> None:
     warnings.formatwarning = one_line_warning
     try:
         with one_line_compose_errors():  # Hydra's compose errors: one line and exit 2, like every config error
+            refuse_unknown_flags(sys.argv[1:])
             _hydra_main()
     except KeyboardInterrupt as e:  # Ctrl-C: what was running is stopped (a sweep's jobs cancelled); no traceback
         print("tinker_exp: interrupted (Ctrl-C)" + (f"; {e}" if str(e) else ""), file=sys.stderr)

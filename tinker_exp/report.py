@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tinker_exp.errors import ConfigError
+from tinker_exp.formats import not_a_folder
 from tinker_exp.sweep.jobs import JOB_FILE
 from tinker_exp.sweep.report import REPORT, STUDY_REPORT, display_name, title_name, write_report, write_study_report
 from tinker_exp.sweep.study import open_storage, study_in
@@ -95,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if out.suffix.lower() != ".png":
             raise ConfigError(f"-o {out}: the report is a PNG; name it *.png")
         if not out.parent.is_dir():
-            raise ConfigError(f"-o {out}: no such directory {out.parent}")
+            raise ConfigError(f"-o {out}: {not_a_folder(out.parent) or f'no such directory {out.parent}'}")
     except ConfigError as e:
         print(f"tinker_exp.report: {e}", file=sys.stderr)
         return e.exit_code

@@ -1,8 +1,9 @@
-"""A Hydra sweeper that runs an Optuna study (TPE, seeded) over tinker_exp runs, on any launcher.
+"""A Hydra sweeper that runs an Optuna study (TPE by default; gp, cmaes, random, grid; seeded) over tinker_exp runs,
+on any launcher.
 
 Why our own and not hydra-optuna-sweeper: its newest release (1.3.0) pins optuna<3, whose SQLite storage fails
 with SQLAlchemy 2, and a study must persist in its sweep dir so that the same command continues it. This one is
-small: Hydra's override parser gives the search space (tinker_exp/sweep/study.py), Optuna >= 4 asks and tells.
+small: Hydra's override parser gives the search space (tinker_exp/sweep/study.py), Optuna 5 asks and tells.
 
 No idle slots: `n_jobs` trials run at all times (fewer where the local launcher runs fewer at once); as soon as
 one ends, the study is told (its value, PRUNED, or FAIL) and the next trial is asked and started, through the
@@ -19,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,8 @@ class OptunaSweeper(Sweeper):
         params: dict[str, str] | None = None,
         pruner: str = "none",
         pruner_args: dict[str, Any] | None = None,
+        sampler: str = "tpe",
+        sampler_args: dict[str, Any] | None = None,
     ) -> None:
         self.n_trials, self.n_jobs, self.seed, self.direction = n_trials, n_jobs, seed, direction
         self.n_startup_trials, self.study_name, self.storage = n_startup_trials, study_name, storage
@@ -72,6 +74,8 @@ class OptunaSweeper(Sweeper):
         self.dry_run = False  # set from the config when the sweep starts
         self.pruner = pruner
         self.pruner_args = OmegaConf.to_container(pruner_args) if isinstance(pruner_args, DictConfig) else dict(pruner_args or {})
+        self.sampler = str(sampler)
+        self.sampler_args = OmegaConf.to_container(sampler_args) if isinstance(sampler_args, DictConfig) else dict(sampler_args or {})
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         # Checked here, not in __init__: Hydra would wrap an error raised there in its own, over several lines.
@@ -104,6 +108,8 @@ class OptunaSweeper(Sweeper):
             STUDY_ENV,
             best_trial,
             finished,
+            grid_size,
+            make_sampler,
             masked,
             open_storage,
             recover,
@@ -121,6 +127,7 @@ class OptunaSweeper(Sweeper):
                 "hydra.sweeper.params: no search space; give one in hydra.sweeper.params or on the command line, "
                 "e.g. 'optimizer.lr=tag(log, interval(1e-5, 1e-3))'"
             )
+        make_sampler(self.sampler, self.sampler_args, space, self.seed, self.n_startup_trials)  # refused before anything is written
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         made_now = not sweep_dir.exists()
         sweep_dir.mkdir(parents=True, exist_ok=True)  # a study's default storage is a file in it
@@ -148,19 +155,18 @@ class OptunaSweeper(Sweeper):
             os.environ[STUDY_ENV] = json.dumps(
                 {"storage": storage, "study_name": self.study_name, "pruner": self.pruner, "pruner_args": self.pruner_args}
             )
-        with warnings.catch_warnings():  # constant_liar is "experimental": no warning on every study
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            # Seeded by the trials so far: a continued study does not replay the first trials' random points.
-            study.sampler = optuna.samplers.TPESampler(
-                seed=self.seed + len(study.trials), n_startup_trials=self.n_startup_trials, constant_liar=True
-            )
+        # Seeded by the trials so far: a continued study does not replay the first trials' random points.
+        study.sampler = make_sampler(self.sampler, self.sampler_args, space, self.seed + len(study.trials), self.n_startup_trials)
+        if self.sampler == "grid" and self.n_trials > grid_size(space):  # past it, GridSampler would sample points again
+            log.info(f"grid of {grid_size(space)} points: the study runs {grid_size(space)} trials, not {self.n_trials}")
+            self.n_trials = grid_size(space)
         if study.trials:
             self._stop_cut_off_jobs(study)
             for line in recover(study):
                 log.info(line)
             log.info(f"continuing study {self.study_name!r} ({shown}): {len(finished(study))} of {self.n_trials} trials done")
         else:
-            log.info(f"study {self.study_name!r} ({shown}): {self.n_trials} trials, {self._at_once()} at a time")
+            log.info(f"study {self.study_name!r} ({shown}): {self.n_trials} trials, {self._at_once()} at a time, sampler {self.sampler}")
         log.info("search space: " + ", ".join(f"{k}: {d}" for k, d in space.items()))
 
         self._run_trials(study, space, fixed, shown)

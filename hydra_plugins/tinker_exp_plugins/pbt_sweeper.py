@@ -29,7 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, check_points, job_objective, job_run_dir, save_multirun
 from tinker_exp.errors import ConfigError, TinkerExpError
-from tinker_exp.sweep.pbt import POPULATION_ENV
+from tinker_exp.sweep.pbt import EXPLORES, POPULATION_ENV, numeric_keys
 
 log = logging.getLogger(__name__)
 
@@ -168,16 +168,20 @@ class PBTSweeper(Sweeper):
         seed: int,
         params: dict[str, str] | None = None,
         force_exploit: Mapping[str, int] | None = None,
+        explore: str = "perturb",
     ) -> None:
         self.population, self.interval, self.quantile = population, interval, quantile
         self.perturb = list(perturb) if isinstance(perturb, (list, tuple, ListConfig)) else perturb
         self.resample_probability, self.seed = resample_probability, seed
         self.params = dict(params or {})
+        self.explore = explore
         self.force_exploit = OmegaConf.to_container(force_exploit) if isinstance(force_exploit, DictConfig) else force_exploit
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         # Checked here, not in __init__: Hydra would wrap an error raised there in its own, over several lines.
         error = settings_error(self.population, self.interval, self.quantile, self.perturb, self.resample_probability, self.seed)
+        if not error and self.explore not in EXPLORES:
+            error = f"hydra.sweeper.explore: {self.explore!r} must be one of {', '.join(EXPLORES)} (perturb: PBT's; pb2: a GP bandit)"
         if error:
             raise ConfigError(error)
         self.hydra_context, self.config = hydra_context, config
@@ -196,7 +200,7 @@ class PBTSweeper(Sweeper):
         save_multirun(self.config, sweep_dir)
         log.info(
             f"population of {self.population}, a boundary every {self.interval} steps of {cfg.trainer.steps}; "
-            f"the bottom {self.quantile:g} exploit the top; search space: " + ", ".join(f"{k}: {dimension(d)}" for k, d in space.items())
+            f"the bottom {self.quantile:g} exploit the top, explored by {self.explore}; search space: " + ", ".join(f"{k}: {dimension(d)}" for k, d in space.items())
         )
         for member, values in enumerate(starts):
             log.info(f"member {member} starts with {trial_label(values)}")
@@ -210,6 +214,7 @@ class PBTSweeper(Sweeper):
             "seed": self.seed,
             "space": {key.lstrip("+~"): distribution_to_json(d) for key, d in space.items()},
             "force_exploit": self.force_exploit,
+            "explore": self.explore,
         }
         with environment(POPULATION_ENV, json.dumps(told)):  # each member's job gets it (local: its process; Slurm: sbatch's)
             returns = self._launch(points)
@@ -236,6 +241,11 @@ class PBTSweeper(Sweeper):
         for error in errors:  # a key that cannot be searched is said before a key that lacks its +
             if error:
                 raise ConfigError(error)
+        if self.explore == "pb2" and not numeric_keys(space):
+            raise ConfigError(
+                f"hydra.sweeper.explore=pb2: its GP models numeric keys, and the space has only choices ({', '.join(space)}); "
+                "use explore=perturb or search a number too"
+            )
         starts = start_values(space, self.population, self.seed)
         points = [[*fixed, *(as_override(key, value) for key, value in values.items())] for values in starts]
         job_points = self.launcher.job_points(points) if hasattr(self.launcher, "job_points") else points

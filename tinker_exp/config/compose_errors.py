@@ -31,14 +31,49 @@ def compose_message(error: BaseException) -> str:
     if grammar is not None:
         return grammar
     if isinstance(error, OverrideParseException):  # the CLI text itself does not parse
-        return f"{error.override!r}: {error.message.strip().splitlines()[0]}"
+        return unreadable_value(error.override) if "LexerNoViableAlt" in error.message else (
+            f"{error.override!r}: {error.message.strip().splitlines()[0]}"
+        )  # fmt: skip
     cause = error if isinstance(error, OmegaConfBaseException) else error.__cause__
     head = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if isinstance(cause, OmegaConfBaseException):
         message = (getattr(cause, "msg", None) or str(cause)).strip().splitlines()[0]
         key = getattr(cause, "full_key", None)
-        return f"{key}: {message}" if key else (message if cause is error else f"{head}: {message}")
+        if key:
+            return f"{key}: {type_message(message, getattr(cause, 'value', None)) or message}"
+        return message if cause is error else f"{head}: {message}"
     return head
+
+
+def unreadable_value(typed: str) -> str:
+    """KEY=VALUE whose value holds a character Hydra's grammar reads only in quotes (~, &, a quote, ...)."""
+    key, _, value = typed.partition("=")
+    home = f" (or write $HOME{value[1:]}, which the shell expands)" if value.startswith("~") else ""
+    return f"{typed}: Hydra reads this value only in quotes: type '{key}=\"{value}\"'{home}"
+
+
+NOT_CONVERTED = re.compile(r"Value '.*' of type '\w+' could not be converted to (?P<kind>\w+)$")
+NOT_A_BOOL = re.compile(r"Value '.*' is not a valid bool")
+NOT_AN_OPTION = re.compile(r"Invalid value '.*', expected one of \[(?P<options>.*)\]$")
+NOT_OPTIONAL = re.compile(r"field '.*' is not Optional$|Non optional field cannot be assigned None")
+KINDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string", "Path": "a path"}
+
+
+def type_message(message: str, value: Any) -> str | None:
+    """OmegaConf's words for a value of the wrong type, for every typed key (an int, a float, a bool, a choice, a
+    value that may not be null), in ours: what the key takes and what it got (None: another message)."""
+    got = f"{value!r} ({type(value).__name__})"
+    if match := NOT_CONVERTED.match(message):
+        takes = KINDS.get(match.group("kind"), match.group("kind"))
+        whole = isinstance(value, float) and value.is_integer() and match.group("kind") == "Integer"
+        return f"expected {takes}, got {got}" + (f": write {int(value)}" if whole else "")
+    if NOT_A_BOOL.match(message):
+        return f"expected true or false, got {got}"
+    if match := NOT_AN_OPTION.match(message):
+        return f"expected one of {match.group('options')}, got {value!r}"
+    if NOT_OPTIONAL.search(message):
+        return "expected a value, got null (this key has no null)"
+    return None
 
 
 OVERRIDE = "override"
@@ -94,8 +129,6 @@ def takes_list(key: str) -> bool | None:
     import dataclasses
     import typing
 
-    from tinker_exp.config.schema import Config
-
     parts = key.lstrip("+~").split(".")
     if parts[0] == OVERRIDE:
         from tinker_exp.optim.schedules import PARAMS
@@ -104,19 +137,30 @@ def takes_list(key: str) -> bool | None:
             return parts[1] == "betas"
         lengths = {name for params in PARAMS.values() for name, param in params.items() if param.kind == "lengths"}
         return parts[-1] in lengths  # a schedule parameter: milestones takes a list
+    node = schema_type(".".join(parts))
+    if node is None or node is Any or dataclasses.is_dataclass(node):
+        return None
+    return typing.get_origin(node) in (list, tuple)
+
+
+def schema_type(key: str) -> Any:
+    """A config key's type in the schema (Optional[X]: X); None where the schema has no such key."""
+    import dataclasses
+    import typing
+
+    from tinker_exp.config.schema import Config
+
     node: Any = Config
-    for part in parts:
+    for part in key.split("."):
         if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
             return None
         hints = typing.get_type_hints(node)
         if part not in hints:
             return None
         node = hints[part]
-    while typing.get_origin(node) is typing.Union:  # Optional[X]
-        node = next(arg for arg in typing.get_args(node) if arg is not type(None))
-    if node is Any or (isinstance(node, type) and dataclasses.is_dataclass(node)):
-        return None
-    return typing.get_origin(node) in (list, tuple)
+        while typing.get_origin(node) is typing.Union:  # Optional[X]
+            node = next(arg for arg in typing.get_args(node) if arg is not type(None))
+    return node
 
 
 def twice_message(argv: list[str]) -> str:
@@ -171,13 +215,52 @@ def new_key_message(cause: OmegaConfBaseException, key: str, typed: str) -> str:
     return no_such_key(key, name, [k for k in siblings if k != "hydra"])
 
 
-OPEN_MAPPINGS = ("pruner_args", "wrapped_args")
-"""Mappings (hydra.sweeper.pruner_args, ...) that start empty: every key in them is added with +."""
+OPEN_MAPPINGS = ("pruner_args", "wrapped_args", "sampler_args")
+"""Mappings (hydra.sweeper.pruner_args, sampler_args, ...) that start empty: every key in them is added with +."""
 
 
 def no_such_key(key: str, name: str, known: list[str]) -> str:
     owner = key.rpartition(".")[0] or "the config"
+    in_groups = keys_named(name) if owner == "the config" else []
+    if in_groups:  # steps=10 means trainer.steps, not plan_steps (the closest top-level name)
+        return f"{key}: {owner} has no key {name}; did you mean {' or '.join(in_groups)}?"
     return f"{key}: {owner} has no key {name}" + suggest(name, known, f"{owner}'s keys:")
+
+
+def keys_named(name: str) -> list[str]:
+    """The config's keys called `name`, at the top or in a group: steps -> trainer.steps, lr -> optimizer.lr."""
+    import dataclasses
+    import typing
+
+    from tinker_exp.config.schema import Config
+
+    found = []
+    for field, hint in typing.get_type_hints(Config).items():
+        if field == name:
+            found.append(name)
+        group = next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), hint)  # Optional[Group]
+        if dataclasses.is_dataclass(group) and name in {f.name for f in dataclasses.fields(group)}:
+            found.append(f"{field}.{name}")
+    return found
+
+
+def refuse_unknown_flags(argv: list[str]) -> None:
+    """A flag Hydra's parser does not know (`--dry-run`, `--steps 10`): one line that says how a key is set
+    (argparse prints its usage and exits 2, naming the program __main__.py)."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    _, unknown = parser.parse_known_args(argv)
+    flag = next((arg for arg in unknown if arg.startswith("-")), None)
+    if flag is None:
+        return
+    name, _, value = flag.lstrip("-").partition("=")
+    keys = [name] if "." in name else keys_named(name.replace("-", "_"))  # --trainer.steps=3, --dry-run
+    if keys:
+        typed = f"{keys[0]}={value or ('true' if schema_type(keys[0]) is bool else 'VALUE')}"  # --dry-run: dry_run=true
+        raise ConfigError(f"{flag}: not a flag: a key is set as KEY=VALUE, as in {typed}")
+    flags = [max(action.option_strings, key=len) for action in parser._actions if action.option_strings]
+    raise ConfigError(f"{flag}: not a flag" + suggest(flag, flags, "flags:") + "; keys are set as KEY=VALUE")
 
 
 def unknown_key(node: Any, where: str = "") -> str | None:
@@ -220,6 +303,22 @@ def schedule_parameter_message(kind: str, key: str, name: str, typed: str) -> st
     return f"{key}: {kind} has no parameter {name}" + suggest(name, takes, f"{kind} takes")
 
 
+def config_dir_message(argv: list[str]) -> str:
+    """--config-dir (-cd) DIR as typed, and why it is no config dir."""
+    from pathlib import Path
+
+    from tinker_exp.formats import not_a_folder
+
+    flag, given = "--config-dir", ""
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            flag, given = arg, argv[i + 1]
+        elif arg.startswith("--config-dir="):
+            given = arg.partition("=")[2]
+    where = "" if Path(given).is_absolute() else f" ({Path(given).absolute()})"
+    return f"{flag} {given}: {not_a_folder(Path(given)) or 'no such folder' + where}"
+
+
 def as_config_error(error: BaseException) -> ConfigError:
     return ConfigError(compose_message(error))
 
@@ -227,7 +326,7 @@ def as_config_error(error: BaseException) -> ConfigError:
 @contextmanager
 def one_line_compose_errors() -> Iterator[None]:
     from hydra._internal import utils as hydra_utils
-    from hydra.errors import InstantiationException
+    from hydra.errors import InstantiationException, SearchPathException
 
     original = hydra_utils.run_and_report
 
@@ -245,6 +344,8 @@ def one_line_compose_errors() -> Iterator[None]:
                 stop(e.__cause__)
             except (*COMPOSE_ERRORS, TinkerExpError) as e:  # ours too: a sweeper's config error (its search space)
                 stop(e if isinstance(e, TinkerExpError) else as_config_error(e))
+            except SearchPathException:  # the only one Hydra raises before composing: --config-dir is not a folder
+                stop(ConfigError(config_dir_message(sys.argv[1:])))
 
         return original(guarded)
 
@@ -253,5 +354,7 @@ def one_line_compose_errors() -> Iterator[None]:
         yield
     except COMPOSE_ERRORS as e:  # --help composes outside run_and_report
         stop(as_config_error(e))
+    except ConfigError as e:  # raised before Hydra runs: an unknown flag
+        stop(e)
     finally:
         hydra_utils.run_and_report = original

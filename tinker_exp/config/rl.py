@@ -23,6 +23,8 @@ class LossName(str, Enum):
     ppo = "ppo"  # -min(ratio * A, clip(ratio) * A).sum()
     cispo = "cispo"  # -(detach(clip(ratio)) * logp * A).sum()
     dro = "dro"  # -(logp * A - beta/2 * (logp - logp_sampler)^2).sum()
+    gspo = "gspo"  # ppo's clip on each sequence's geometric-mean ratio (GSPO-token), summed over tokens
+    stable_reinforce = "stable_reinforce"  # -(m * detach(min(ratio, cap)) * logp * A).sum(), m drops far-off sequences
 
 
 class Advantage(str, Enum):
@@ -43,6 +45,11 @@ LOSS_PARAMETERS: dict[str, dict[str, float]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},  # Tinker's ratio bounds (epsilon 0.2)
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},  # Tinker's: no lower bound, an upper cap
     "dro": {"beta": 0.05},  # Tinker documents no default (verl has none either): ours
+    # the GSPO paper's clip range (epsilon 3e-4 below, 4e-4 above): a sequence's ratio is a geometric mean, near 1
+    "gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
+    # Tinker publishes no formula nor parameters for stable_reinforce: ours (docs/rl-losses.md); 2.0 is verl's
+    # rollout_is_threshold (truncated importance sampling)
+    "stable_reinforce": {"ratio_cap": 2.0, "sequence_ratio_bound": 2.0},
 }
 """Each loss's parameters by Tinker's names, with the values a loss gets when the config leaves them null."""
 
@@ -54,14 +61,21 @@ class LossConfig:
     null takes the loss's default (LOSS_PARAMETERS); setting one the loss does not take is an error."""
 
     name: LossName = LossName.cross_entropy
-    """cross_entropy (SFT on the data set), or an RL loss (needs an env): importance_sampling, ppo, cispo, dro."""
+    """cross_entropy (SFT on the data set), or an RL loss (needs an env): importance_sampling, ppo, cispo, dro,
+    gspo, stable_reinforce."""
     clip_low_threshold: Optional[float] = None
-    """ppo, cispo: the importance ratio's lower bound (Tinker's name; a ratio, not an epsilon). null: ppo 0.8,
-    cispo 0.0."""
+    """ppo, cispo, gspo: the importance ratio's lower bound (Tinker's name; a ratio, not an epsilon; gspo's is the
+    sequence's geometric-mean ratio). null: ppo 0.8, cispo 0.0, gspo 0.9997."""
     clip_high_threshold: Optional[float] = None
-    """ppo, cispo: the importance ratio's upper bound. null: ppo 1.2, cispo 4.0."""
+    """ppo, cispo, gspo: the importance ratio's upper bound. null: ppo 1.2, cispo 4.0, gspo 1.0004."""
     beta: Optional[float] = None
     """dro: weight of the quadratic penalty on the log-ratio to the sampler (> 0). null: 0.05."""
+    ratio_cap: Optional[float] = None
+    """stable_reinforce: each token's importance ratio is truncated at this value (>= 1) before it weighs the
+    token's REINFORCE term. null: 2.0."""
+    sequence_ratio_bound: Optional[float] = None
+    """stable_reinforce: a sequence whose geometric-mean ratio to the sampler lies outside [1 / bound, bound] adds
+    nothing (> 1). null: 2.0."""
 
     @property
     def params(self) -> dict[str, float]:
@@ -94,6 +108,10 @@ class LossConfig:
                 )
         if "beta" in params and params["beta"] <= 0:
             raise ConfigError(f"loss.beta: {name} needs beta > 0, got {params['beta']!r}")
+        if "ratio_cap" in params and params["ratio_cap"] < 1:
+            raise ConfigError(f"loss.ratio_cap: {name} needs ratio_cap >= 1 (the ratio is 1 on-policy), got {params['ratio_cap']!r}")
+        if "sequence_ratio_bound" in params and params["sequence_ratio_bound"] <= 1:
+            raise ConfigError(f"loss.sequence_ratio_bound: {name} needs sequence_ratio_bound > 1, got {params['sequence_ratio_bound']!r}")
 
 
 @dataclass
@@ -167,6 +185,11 @@ class RLConfig:
     """Optimizer steps per sampled batch: a batch is sampled at every step that is a multiple of it and trained on by
     that many optimizer steps (each forward_backward + optimizer_step, the ratio against the sampler's log-probs).
     trainer.steps counts optimizer steps; one that is not a multiple leaves a last batch with fewer updates."""
+    max_steps_off_policy: int = 0
+    """0: synchronous (each batch sampled from the current weights, then trained on). k >= 1: the driver samples the
+    next batches while the workers train; step s's batch is sampled from the weights after optimizer step
+    max(s - k, first step), exactly k steps old once past the first k (train/staleness), so a run is as
+    deterministic as a synchronous one. Needs updates_per_batch 1."""
 
     @property
     def responses_per_step(self) -> int:
@@ -192,6 +215,13 @@ class RLConfig:
             raise ConfigError(f"rl.kl_estimator: {self.kl_estimator!r} is not one of verl's KL estimators: {', '.join(KL_ESTIMATORS)}")
         if self.updates_per_batch < 1:
             raise ConfigError(f"rl.updates_per_batch: must be >= 1 (optimizer steps per sampled batch), got {self.updates_per_batch}")
+        if self.max_steps_off_policy < 0:
+            raise ConfigError(f"rl.max_steps_off_policy: must be >= 0 (0: synchronous), got {self.max_steps_off_policy}")
+        if self.max_steps_off_policy and self.updates_per_batch > 1:
+            raise ConfigError(
+                f"rl.max_steps_off_policy={self.max_steps_off_policy} needs rl.updates_per_batch=1, got "
+                f"{self.updates_per_batch} (an off-policy run samples a batch for every optimizer step)"
+            )
 
 
 def check_rl(cfg: Any) -> None:

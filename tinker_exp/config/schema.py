@@ -84,6 +84,7 @@ class OptimizerName(str, Enum):
     RAdam = "RAdam"
     Adamax = "Adamax"
     Muon = "Muon"  # Muon on the blocks' 2-D weight matrices, AdamW on the rest (tinker_exp.runtime.muon)
+    AdamWScheduleFree = "AdamWScheduleFree"  # schedule-free AdamW (tinker_exp.runtime.schedule_free)
 
 
 class ObjectiveMode(str, Enum):
@@ -214,7 +215,7 @@ class OptimizerConfig:
     with the fields its entry in tinker_exp.optim.optimizers.OPTIMIZERS lists (built_with); the others are unused."""
 
     name: OptimizerName = OptimizerName.AdamW
-    """The optimizer verl builds: a torch.optim class, or Muon (Muon + AdamW)."""
+    """The optimizer verl builds: a torch.optim class, Muon (Muon + AdamW) or AdamWScheduleFree."""
     lr: float = 1e-3
     """Learning rate the optimizer is built with (an override replaces it per step). Muon: both sub-optimizers'."""
     betas: Tuple[float, float] = (0.9, 0.999)
@@ -252,6 +253,13 @@ class OptimizerConfig:
     adjust_lr_fn: str = "match_rms_adamw"
     """Muon: how its update is scaled; match_rms_adamw (Moonlight) gives it AdamW's RMS, so one lr serves both
     parts; "original" is Keller Jordan's scaling (then lr means something else for the two parts)."""
+    warmup_steps: int = 0
+    """AdamWScheduleFree: its own linear warmup, in steps (a step k uses lr * min(1, (k+1)/warmup_steps)); sent per
+    step as the override key warmup_steps. Not the lr override's warmup (override.lr.warmup_steps)."""
+    r: float = 0.0
+    """AdamWScheduleFree: the averaged weights' polynomial weighting power (step k weighs (k+1)^r)."""
+    weight_lr_power: float = 2.0
+    """AdamWScheduleFree: each step's weight in the average also scales as the largest lr so far to this power."""
     clip_grad: Optional[float] = 1.0
     """Gradient-norm clip: the total grad norm is scaled down to at most this (the engine's, from its build on; an
     override's grad_clip_norm replaces it step by step). 0 or null: no clipping, as Tinker's grad_clip_norm=0 and
@@ -348,8 +356,10 @@ class BackendConfig:
             )
         if self.nodes_timeout_s <= 0:
             raise ConfigError(f"backend.nodes_timeout_s: must be > 0, got {self.nodes_timeout_s!r}")
-        if not self.pool:
-            raise ConfigError("backend.pool: empty; auto, none or a pool's address")
+        if self.pool not in ("auto", "none") and not self.pool.startswith("${") and "/" not in self.pool and not self.pool.endswith(".sock"):
+            meant = f"; did you mean {self.pool.lower()}?" if self.pool.lower() in ("auto", "none") else ""
+            raise ConfigError(f"backend.pool={self.pool}: not one of auto, none or a pool's socket path (a path with a "
+                              f"'/' or ending in .sock){meant}")  # fmt: skip
         if self.pool not in ("auto", "none") and self.nodes > 1:
             raise ConfigError(f"backend.pool={self.pool}: a pool holds workers on its own machine; a run over backend.nodes={self.nodes} starts cold (backend.pool=auto or none)")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:

@@ -11,14 +11,16 @@ from omegaconf.errors import OmegaConfBaseException
 
 from tinker_exp.config.schema import Config
 from tinker_exp.errors import ConfigError
+from tinker_exp.formats import not_a_folder
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 """Where "builtin:NAME" data files live (shipped in the package)."""
 
 
 def data_path(path: str, key: str = "data.path") -> Path:
-    """A data file (`key` names it in errors): "builtin:NAME" is tinker_exp/assets/NAME; it must exist."""
-    resolved = ASSETS / path.removeprefix("builtin:") if path.startswith("builtin:") else Path(path)
+    """A data file (`key` names it in errors): "builtin:NAME" is tinker_exp/assets/NAME; ~ is the home dir (as in
+    model.path); it must exist."""
+    resolved = ASSETS / path.removeprefix("builtin:") if path.startswith("builtin:") else Path(path).expanduser()
     if resolved.is_dir():
         raise ConfigError(f"{key}: {path!r} is a directory, not a JSONL or Parquet file")
     if not resolved.is_file():
@@ -127,9 +129,16 @@ def check(cfg: Config) -> None:
             f"optimizer.name: Muon with lora.rank={cfg.lora.rank} is not supported (Muon splits the full model's "
             "weight matrices; LoRA trains adapters only): choose another optimizer with LoRA"
         )
+    if cfg.optimizer.name.value == "AdamWScheduleFree" and cfg.env.active:
+        raise ConfigError(
+            "optimizer.name: AdamWScheduleFree with an env (RL) is not supported yet (the driver's sampler would "
+            "sample the training point, not the averaged weights): use it for supervised runs"
+        )
     data_path(cfg.data.path)
     if cfg.model.path:
         resolve_model_path(cfg.model.path, download=False)
+    elif why := not_a_folder(Path(cfg.model.cache_dir).expanduser()):  # where the tiny model is built and kept
+        raise ConfigError(f"model.cache_dir={cfg.model.cache_dir}: {why} ($TINKER_EXP_CACHE sets it)")
     if cfg.data.val_path is not None:
         data_path(cfg.data.val_path, "data.val_path")
     for i, step in enumerate(cfg.plan_steps):

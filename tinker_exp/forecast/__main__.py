@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 
 from tinker_exp.errors import TinkerExpError, one_line
-from tinker_exp.formats import text_table
+from tinker_exp.formats import not_a_folder, text_table
 from tinker_exp.forecast.fit import Law, errors_of, fit_law, read_law, write_law
 from tinker_exp.forecast.laws import LAWS, features
 from tinker_exp.forecast.plans import FAMILIES, Candidate, describe_spec, family_specs, plan_lr, spec_lr, write_proposed
@@ -28,7 +28,17 @@ OUTPUTS = ("law.json", "fit.png", "check.json", "rank.json", "propose.json", "ov
 """What fit, check, rank and propose write into a law's dir: a new fit there makes all of them stale."""
 
 
+def out_folder(given: str, flag: str, *inside: str) -> Path:
+    """An output folder given (and the folders to be made in it), checked before anything is read or written: a file
+    where a folder is expected is one line, not mkdir's traceback."""
+    why = next((w for w in (not_a_folder(Path(given, *inside[:i])) for i in range(len(inside) + 1)) if w), None)
+    if why:
+        raise ForecastError(f"{flag}: {why}")
+    return Path(given)
+
+
 def cmd_fit(args: argparse.Namespace) -> None:
+    out_folder(args.out, "--out")
     if args.refits < 0:
         raise ForecastError(f"--refits: {args.refits}: a count of refits, 0 or more")
     if args.from_step < 0:
@@ -67,16 +77,25 @@ def refits_line(law: Law) -> str:
     return f"{len(law.refits)} of {asked} refits converged" + (f" ({failed} did not: left out of the intervals)" if failed else "")
 
 
+def warn_if_another_regime(law: Law, name: str, peak: float, settings: dict | None, plan: bool = False) -> None:
+    """A run checked or a `plan` ranked at another peak lr than the law's, or with another model, data set, batch
+    size or optimizer than the fitted runs' (their config.yaml): the forecast is an extrapolation, said in a warning
+    (a plan's says what to add to it)."""
+    if abs(peak - law.lr_scale) > 1e-9 * law.lr_scale:
+        warnings.warn(f"{name}: peak lr {peak:g}, the law was fitted at {law.lr_scale:g}: an extrapolation", stacklevel=1)
+    fitted = law.record.get("settings", {})
+    for key, value in shared_keys(settings or {}).items():
+        if key in fitted and fitted[key] != value:
+            add = f" (add {key}={fitted[key]} to the plan)" if plan else ""
+            warnings.warn(f"{name}: {key} is {value}, the fitted runs' {fitted[key]}: another regime than the law's{add}", stacklevel=1)
+
+
 def cmd_check(args: argparse.Namespace) -> None:
+    out = out_folder(args.out, "--out") if args.out else Path(args.law).parent
     law = read_law(Path(args.law))
     curves = read_curves(args.runs, law.metric)
     for curve in curves:
-        if abs(curve.peak - law.lr_scale) > 1e-9 * law.lr_scale:
-            warnings.warn(f"{curve.name}: peak lr {curve.peak:g}, the law was fitted at {law.lr_scale:g}: an extrapolation", stacklevel=1)
-        fitted = law.record.get("settings", {})
-        for key, value in shared_keys(curve.settings).items():
-            if key in fitted and fitted[key] != value:
-                warnings.warn(f"{curve.name}: {key} is {value}, the fitted runs' {fitted[key]}: another regime than the law's", stacklevel=1)
+        warn_if_another_regime(law, curve.name, curve.peak, curve.settings)
     unidentified = law.record.get("fit", {}).get("unidentified", [])
     for curve in curves:
         if unidentified and features(curve.lr / law.lr_scale, [len(curve.lr)]).decays:
@@ -89,7 +108,6 @@ def cmd_check(args: argparse.Namespace) -> None:
     rows = [[r["run"], str(r["final_step"]), f"{r['actual']:.4f}", f"{r['predicted']:.4f}", f"{r['final_error']:+.4f}",
              f"{100 * r['mean_rel_error']:.2f}%", f"{100 * r['worst_rel_error']:.2f}%"] for r in results]  # fmt: skip
     print(text_table(["run", "final step", "actual", "predicted", "error", "mean rel", "worst rel"], rows))
-    out = Path(args.out) if args.out else Path(args.law).parent
     out.mkdir(parents=True, exist_ok=True)
     (out / "check.json").write_text(json.dumps({"runs": results}, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {out / 'check.json'}")
@@ -125,11 +143,12 @@ def print_ranked(rows: list[dict], law: Law) -> None:
 
 
 def cmd_rank(args: argparse.Namespace) -> None:
+    if args.out:
+        out_folder(args.out, "--out")
     law = read_law(Path(args.law))
     candidates = [plan_lr(text, Path(args.config_dir) if args.config_dir else None) for text in args.plans]
     for c in candidates:
-        if abs(c.lr.max() - law.lr_scale) > 1e-9 * law.lr_scale:
-            warnings.warn(f"plan {c.name!r}: peak lr {c.lr.max():g}, the law was fitted at {law.lr_scale:g}: an extrapolation", stacklevel=1)
+        warn_if_another_regime(law, f"plan {c.name!r}", float(c.lr.max()), c.settings, plan=True)
     rows = ranked(law, candidates)
     print_ranked(rows, law)
     if args.out:
@@ -138,6 +157,7 @@ def cmd_rank(args: argparse.Namespace) -> None:
 
 
 def cmd_propose(args: argparse.Namespace) -> None:
+    out = out_folder(args.out, "--out", "override") if args.out else out_folder(str(Path(args.law).parent), "LAW", "override")
     if args.steps < 2:
         raise ForecastError(f"--steps: {args.steps}: a run of at least 2 steps")
     if args.top < 1:
@@ -155,7 +175,6 @@ def cmd_propose(args: argparse.Namespace) -> None:
     if len(rows) > 1 and len(rows) - 1 - len(tied) - unknown == 0 and not args.force:
         raise ForecastError(f"propose: none of the {len(rows) - 1} other candidates is separable from the best ({best['plan']}: {best['predicted']:.4f} "
                             f"in [{best['low']:.4f}, {best['high']:.4f}]; {others}): the law cannot choose; nothing written (--force writes it anyway)")  # fmt: skip
-    out = Path(args.out) if args.out else Path(args.law).parent
     header = [
         f"Proposed by {PROG} propose {args.law} --steps {args.steps} --family {args.family}" + (" --force" if args.force else ""),
         f"predicted final {law.metric} {best['predicted']:.4f} in [{best['low']:.4f}, {best['high']:.4f}] ({law.kind} law; {others})",
@@ -172,6 +191,7 @@ def cmd_propose(args: argparse.Namespace) -> None:
 def cmd_corpus(args: argparse.Namespace) -> None:
     from tinker_exp.forecast.corpus import write_corpus
 
+    out_folder(args.out, "OUT")
     for flag, value, least in (("--rows", args.rows, 1), ("--val-rows", args.val_rows, 1)):
         if value < least:
             raise ForecastError(f"{flag}: {value}: a count of rows, {least} or more")

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tinker_exp.forecast.runs import ForecastError
+from tinker_exp.forecast.runs import ForecastError, flat, run_settings
 
 CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"  # the repo's conf/, as tinker_exp.main uses
 
@@ -24,6 +24,7 @@ class Candidate:
     name: str
     lr: np.ndarray  # the lr of every update, raw
     spec: dict[str, Any] | None = None  # the lr override that makes it (propose's candidates)
+    settings: dict[str, Any] | None = None  # its run's config, flattened as runs.run_settings reads it (None: unknown)
 
 
 def compose_config(overrides: list[str], config_dir: Path | None = None) -> Any:
@@ -58,18 +59,23 @@ def plan_lr(text: str, config_dir: Path | None = None) -> Candidate:
                 plan = read_plan_file(path / PLAN_FILE)
             except (OSError, ValueError, KeyError) as e:
                 raise ForecastError(f"{path / PLAN_FILE}: {e}") from None
+            settings = run_settings(path) or run_settings(path / ".hydra") or None  # a dry run's: Hydra's record
         else:
+            import yaml
+            from omegaconf import OmegaConf
+
             from tinker_exp.optim import build_plan
 
             cfg = compose_config(shlex.split(text), config_dir)
             plan = build_plan(cfg.override, cfg.optimizer, cfg.trainer.steps)
+            settings = flat(yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(cfg))))  # as a run's config.yaml
     except ForecastError:
         raise
     except ConfigError as e:
         raise ForecastError(f"plan {text!r}: {e}") from None
     if "lr" not in plan.columns:
         raise ForecastError(f"plan {text!r}: sends no lr (give an lr schedule: +override=lr_cosine, +override.lr=...)")
-    return Candidate(text, np.asarray(plan.column("lr"), dtype=np.float64))
+    return Candidate(text, np.asarray(plan.column("lr"), dtype=np.float64), settings=settings)
 
 
 DECAY_FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7)

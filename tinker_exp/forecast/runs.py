@@ -64,14 +64,14 @@ class Curve:
         return float(self.lr.max())
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     """Nested mappings as dotted keys -> the value as written (lists whole): a proposed run repeats some."""
     if not isinstance(tree, dict):
         return {prefix: tree} if prefix else {}
-    flat: dict[str, Any] = {}
+    found: dict[str, Any] = {}
     for key, value in tree.items():
-        flat.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
+        found.update(flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return found
 
 
 def run_settings(run_dir: Path) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def run_settings(run_dir: Path) -> dict[str, Any]:
     import yaml
 
     try:
-        return _flat(yaml.safe_load(path.read_text(encoding="utf-8")))
+        return flat(yaml.safe_load(path.read_text(encoding="utf-8")))
     except (OSError, yaml.YAMLError):
         return {}
 

@@ -113,6 +113,9 @@ RANGES = {
     "initial_accumulator_value": Range(low=0.0),
     "momentum_decay": Range(low=0.0),
     "grad_clip_norm": Range(low=0.0),  # 0: no clipping
+    "warmup_steps": Range(low=0.0),  # AdamWScheduleFree's own warmup, in steps (0: none)
+    "r": Range(low=0.0),
+    "weight_lr_power": Range(low=0.0),
 }
 """Where each optimizer value must lie (verl would take any float; AdamW misbehaves outside these)."""
 

@@ -22,6 +22,7 @@ INT = "int"
 COEFFS = "tuple"  # Muon's ns_coefficients
 CHOICE = "str"  # Muon's adjust_lr_fn
 AUTO = "None"  # torch's "pick for me" (foreach, fused)
+STATE = "running state"  # schedule-free's weight_sum, lr_max, scheduled_lr: floats the optimizer updates itself
 
 SENDABLE_KINDS = (FLOAT, PAIR)
 
@@ -56,6 +57,9 @@ class OptimizerSpec:
     """The module verl imports the class from (FSDPOptimizerConfig.optimizer_impl)."""
     class_name: str = ""
     """The class verl builds (FSDPOptimizerConfig.optimizer); empty: `name`."""
+    averaged: bool = False
+    """Judged at averaged weights (schedule-free): the workers move the parameters there for an evaluation or an
+    export and back, bitwise, before the next step (tinker_exp.runtime.schedule_free)."""
 
     @property
     def sendable(self) -> tuple[str, ...]:
@@ -72,6 +76,8 @@ class OptimizerSpec:
         if not holding:
             return f"optimizer {self.name} has no param-group key {key}"
         kinds = {part.keys[key] for part in holding}
+        if STATE in kinds:
+            return f"optimizer {self.name} updates {key} itself at every step (its running state): it cannot be sent"
         if not kinds <= set(SENDABLE_KINDS):
             kind = " and ".join(sorted(kinds))
             return f"optimizer {self.name} holds {key} as a {kind}: only float keys can be sent per step"
@@ -147,6 +153,20 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             (*_ADAM_BUILT, "muon_momentum", "muon_nesterov", "muon_eps", "ns_steps", "adjust_lr_fn"),
             impl="tinker_exp.runtime.muon",
             class_name="MuonWithAdamW",
+        ),
+        OptimizerSpec(
+            "AdamWScheduleFree",
+            {
+                "AdamWScheduleFree": SubOptimizer(
+                    "schedulefree.AdamWScheduleFree",
+                    {"lr": FLOAT, "betas": PAIR, "eps": FLOAT, "r": FLOAT, "k": INT, "warmup_steps": FLOAT,
+                     "train_mode": FLAG, "weight_sum": STATE, "lr_max": STATE, "scheduled_lr": STATE,
+                     "weight_lr_power": FLOAT, "weight_decay": FLOAT, "foreach": FLAG},
+                )
+            },
+            (*_ADAM_BUILT, "warmup_steps", "r", "weight_lr_power"),
+            impl="tinker_exp.runtime.schedule_free",
+            averaged=True,
         ),
     )
 }

@@ -8,18 +8,23 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tinker_exp.errors import ConfigError, Terminated, TinkerExpError
+from tinker_exp.formats import masked
 from tinker_exp.pool import wire
 
 log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 30.0
 """After Ctrl-C or SIGTERM, how long the run waits for the pool to stop it and close its files."""
+HEARTBEAT_S = 2.0
+"""How often a run holding a pool says it is alive (the pool stops a run whose client says nothing for
+host.LEASE_TIMEOUT_S: a stopped or hung client does not hold the pool for ever)."""
 
 
 class PoolBusyError(TinkerExpError):
@@ -53,21 +58,33 @@ class Cold:
         pass
 
 
-def attach(setting: str) -> "Lease | Cold":
-    """The pool this run trains on, held for it, or a cold start. `setting`: backend.pool (none, auto or an address).
+def attach(cfg: Any) -> "Lease | Cold":
+    """The pool this run trains on, held for it, or a cold start. backend.pool: none, auto or an address.
     auto: a free pool of this sweep's, else this user's pool if up, else a cold start (said in one line, when the run
-    trains). A pool that is busy refuses the run (one line, exit 2, nothing written); one that runs older code is
-    skipped."""
+    trains). A pool that is busy refuses the run (one line, exit 2, nothing written); one that runs older code, or
+    that is not this user's alone (`wire.connect`), is skipped; so is every pool for a run that joins a Ray cluster
+    of its own (backend.ray_address)."""
+    setting = cfg.backend.pool
     if setting == "none" or (setting == "auto" and "SLURM_JOB_ID" in os.environ):  # a Slurm job: its own allocation
         return Cold()
     explicit = setting != "auto"
+    if cfg.backend.ray_address:
+        line = f"backend.ray_address={cfg.backend.ray_address}: the run joins that Ray cluster, and a pool runs its own"
+        if explicit:
+            raise ConfigError(f"backend.pool={setting}: {line} (backend.pool=none, or no backend.ray_address)")
+        return Cold(f"pool: {line}; starting cold")
     addresses = [Path(setting).expanduser()] if explicit else sweep_addresses() or [wire.address_of()]
     answers: list[tuple[Path, Any]] = []
     for address in addresses:
         try:
             sock = wire.connect(address)
-            wire.send(sock, ("lease", {"code": wire.code_fingerprint(), "pid": os.getpid(), "who": " ".join(sys.argv[1:])}))
+            wire.send(sock, ("lease", {"code": wire.code_fingerprint(), "pid": os.getpid(), "who": who()}))
             reply = wire.recv(sock)
+        except wire.UntrustedPool as e:
+            if explicit:
+                raise wire.UntrustedPool(f"backend.pool={setting}: {e}") from None
+            answers.append((address, ("untrusted", str(e))))
+            continue
         except (OSError, EOFError) as e:
             answers.append((address, ("none", str(e))))
             continue
@@ -80,10 +97,13 @@ def attach(setting: str) -> "Lease | Cold":
     if busy:
         address, holder = busy[0]
         raise PoolBusyError(
-            f"backend.pool={setting}: the pool at {address} is running another run ({holder['who'] or 'no overrides'}, "
+            f"backend.pool={setting}: the pool at {address} is running another run ({masked(holder['who']) or 'no overrides'}, "
             f"pid {holder['pid']}, since {time.strftime('%H:%M:%S', time.localtime(holder['since']))}); one run at a time "
             "on its workers: run again when it ends, or with backend.pool=none (a cold start)"
         )
+    untrusted = [reply[1] for _, reply in answers if reply[0] == "untrusted"]
+    if untrusted:
+        return Cold(f"pool: not trusted, nothing sent to it: {untrusted[0]}; starting cold")
     stale = [address for address, reply in answers if reply[0] == "stale"]
     if stale:
         line = f"the pool at {stale[0]} runs the code of before a change: python -m tinker_exp.pool down, then up again"
@@ -95,13 +115,35 @@ def attach(setting: str) -> "Lease | Cold":
     return Cold("pool: none is up, starting cold (python -m tinker_exp.pool up keeps workers warm between runs)")
 
 
-def run_payload(arguments: tuple) -> dict[str, Any]:
-    """What the pool needs besides the arguments to run as this process would: its environment, working dir, log
-    level and whether its terminal is one."""
+def who() -> str:
+    """This run's command line as the pool shows it (`status`, a busy line): masked as every output is."""
+    return masked(" ".join(sys.argv[1:]))
+
+
+def needed_secrets(cfg: Any) -> tuple[str, ...]:
+    """The secrets of the environment that the run itself uses: W&B's API key for an online W&B run, the Hub's
+    token for a model it may download. No other secret is sent to the pool."""
+    from tinker_exp.config.schema import LoggerName, WandbMode
+
+    needed: tuple[str, ...] = ()
+    if cfg.logger.name == LoggerName.wandb and cfg.logger.mode == WandbMode.online:
+        needed += ("WANDB_API_KEY",)
+    if cfg.model.path and not Path(cfg.model.path).expanduser().is_dir():
+        needed += ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+    return needed
+
+
+def run_payload(arguments: tuple, cfg: Any) -> dict[str, Any]:
+    """What the pool needs besides the arguments to run as this process would: the environment the run needs (not
+    the whole: `wire.sent_environment`), where its workers' part is the group's key; the working dir and sys.path it
+    imports user code from (env.reward); its log level and whether its terminal is one."""
+    environ = wire.sent_environment(dict(os.environ), needed_secrets(cfg))
     return {
         "arguments": arguments,
-        "environ": dict(os.environ),
+        "environ": environ,
+        "worker_env": wire.worker_environment(environ),
         "cwd": os.getcwd(),
+        "sys_path": list(sys.path),
         "log_level": logging.getLogger().getEffectiveLevel(),
         "isatty": sys.stderr.isatty(),
     }
@@ -122,6 +164,20 @@ class Lease:
 
     def __init__(self, sock: Any, address: Path, info: dict[str, Any]) -> None:
         self.sock, self.address, self.info = sock, address, info
+        self.sending = threading.Lock()
+        self.released = threading.Event()
+        threading.Thread(target=self._heartbeat, name="pool-heartbeat", daemon=True).start()
+
+    def send(self, message: Any) -> None:
+        with self.sending:
+            wire.send(self.sock, message)
+
+    def _heartbeat(self) -> None:
+        while not self.released.wait(HEARTBEAT_S):
+            try:
+                self.send(("alive",))
+            except OSError:
+                return
 
     def describe(self) -> str:
         return f"pool: training on the warm workers of {self.address} (pid {self.info['pid']})"
@@ -131,7 +187,7 @@ class Lease:
         """main.train_run, run by the pool; its result, or what it raised, here. The plan and the rows are made there
         again from the config (a plan holds compiled schedules, which do not travel)."""
         assert start_workers is None, "a pool runs verl's workers"
-        wire.send(self.sock, ("run", run_payload((cfg, start, run_dir, wandb_config, job_number))))
+        self.send(("run", run_payload((cfg, start, run_dir, wandb_config, job_number), cfg)))
         try:
             return self.follow()
         except (KeyboardInterrupt, Terminated) as stop:
@@ -166,13 +222,14 @@ class Lease:
         """Ctrl-C or SIGTERM here: the same reaches the run in the pool, which closes it as a cold run closes; its
         lines are shown until it has (bounded)."""
         try:
-            wire.send(self.sock, ("stop", signal_name))
+            self.send(("stop", signal_name))
             self.sock.settimeout(STOP_WAIT_S)
             self.follow()
         except BaseException:  # its stop (KeyboardInterrupt, Terminated), or a pool that does not answer in time
             pass
 
     def release(self) -> None:
+        self.released.set()
         try:
             self.sock.close()
         except OSError:

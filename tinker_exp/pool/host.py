@@ -10,6 +10,7 @@ frees its workers and ends.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import queue
@@ -27,6 +28,7 @@ from typing import Any, Iterator
 
 from tinker_exp.errors import STOPS, Terminated
 from tinker_exp.pool import wire
+from tinker_exp.train.rundir_lock import written_by_pool
 from tinker_exp.train.signals import SIGTERM_RECEIVED, sigterm_raises
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,10 @@ ENDING_WAIT_S = 60.0
 """How long a new run waits for a stopped or killed one to close its files and give the workers back."""
 STOP_SIGNAL = signal.SIGUSR1
 """What a client's SIGTERM becomes in this process, only while a run runs (a late one, after the run, is ignored)."""
+LEASE_TIMEOUT_S = 60.0
+"""A client that holds the pool and says nothing (not even its heartbeat, client.HEARTBEAT_S) for this long is taken
+for gone: its run is stopped as on SIGTERM and the pool is free again. TINKER_EXP_POOL_LEASE_TIMEOUT_S sets it."""
+LEASE_TIMEOUT_ENV = "TINKER_EXP_POOL_LEASE_TIMEOUT_S"
 
 
 @dataclass
@@ -69,6 +75,7 @@ class Host:
         self.started, self.last_used = time.time(), time.monotonic()
         self.stopping = threading.Event()
         self.main_thread = threading.main_thread().ident
+        self.lease_timeout_s = float(os.environ.get(LEASE_TIMEOUT_ENV) or LEASE_TIMEOUT_S)
 
     # -- the listener: one thread a connection -------------------------------------------------------------------
     def listen(self) -> socket.socket:
@@ -92,7 +99,8 @@ class Host:
     def _serve(self, sock: socket.socket) -> None:
         with sock:
             try:
-                if not same_user(sock):
+                uid = wire.peer_uid(sock)
+                if uid is not None and uid != os.getuid():  # only this user's processes (the folder is private too)
                     return
                 message = wire.recv(sock)
                 kind = message[0]
@@ -123,12 +131,16 @@ class Host:
             if kind == "prepare":
                 job = Job("prepare", request, sock)
             else:
-                message = wire.recv(sock)
+                sock.settimeout(self.lease_timeout_s)  # the client checks and records its run first; alive meanwhile
+                while (message := wire.recv(sock))[0] == "alive":
+                    pass
                 if message[0] != "run":
                     return
                 job = Job("run", message[1], sock)
             self.jobs.put(job)
             self._watch(sock, job)
+        except socket.timeout:
+            log.info(f"pool: the client (pid {request.get('pid')}) said nothing for {self.lease_timeout_s:g} s; its lease ended")
         except (EOFError, OSError):  # the client has gone (killed): its run stops as on SIGTERM
             if job is not None:
                 self._stop_job(job, STOP_SIGNAL)
@@ -141,13 +153,19 @@ class Host:
             self.last_used = time.monotonic()
 
     def _watch(self, sock: socket.socket, job: Job) -> None:
-        """Until the job is done: a stop from the client, or its end (killed), stops the run."""
+        """Until the job is done: a stop from the client, or its end (killed), stops the run; so does its silence for
+        lease_timeout_s (a stopped or hung client: its heartbeat stopped too)."""
         sock.settimeout(0.5)
+        heard = time.monotonic()
         while not job.done.is_set():
             try:
                 message = wire.recv(sock)
             except socket.timeout:
+                if time.monotonic() - heard > self.lease_timeout_s and not job.cancelled:
+                    log.info(f"pool: the client (pid {(self.holder or {}).get('pid')}) said nothing for {self.lease_timeout_s:g} s: its run is stopped")
+                    self._stop_job(job, STOP_SIGNAL)
                 continue
+            heard = time.monotonic()
             if message[0] == "stop":
                 self._stop_job(job, STOP_SIGNAL if message[1] == "SIGTERM" else signal.SIGINT)
 
@@ -208,8 +226,10 @@ class Host:
         from tinker_exp.main import checked_env, checked_rows, train_run, validate
 
         cfg, start, run_dir, wandb_config, job_number = payload["arguments"]
-        rows = checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # as the client read them (main.run)
-        return train_run(cfg, validate(cfg), rows, start, run_dir, wandb_config, self.group.lend, job_number)
+        self.group.worker_env = payload.get("worker_env", {})
+        with written_by_pool(run_dir, (self.holder or {}).get("pid")):  # a killed client's rerun waits for this run's end
+            rows = checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # as the client read them (main.run)
+            return train_run(cfg, validate(cfg), rows, start, run_dir, wandb_config, self.group.lend, job_number)
 
     def _prepare(self, payload: dict[str, Any]) -> str:
         from tinker_exp.runtime.inputs import model_dir
@@ -218,6 +238,7 @@ class Host:
         from tinker_exp.main import validate
 
         (cfg,) = payload["arguments"]
+        self.group.worker_env = payload.get("worker_env", {})
         self.group.prepare(cfg, validate(cfg), model_dir(cfg.model), wire.log_of(self.address).parent / f"{self.address.stem}-workers")
         return describe_key(self.group.key)
 
@@ -321,7 +342,8 @@ class ForwardedRecords(logging.Handler):
 def client_context(payload: dict[str, Any], out: Outbox) -> Iterator[None]:
     """For one run: the client's environment and working dir, its log level; what the run logs and prints goes to the
     client; SIGINT and the stop signal raise in this thread as Ctrl-C and SIGTERM do in a cold run."""
-    environ, cwd = dict(os.environ), os.getcwd()
+    environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
+    modules = set(sys.modules)
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     streams = sys.stdout, sys.stderr
@@ -330,6 +352,8 @@ def client_context(payload: dict[str, Any], out: Outbox) -> Iterator[None]:
     os.environ.update({k: v for k, v in environ.items() if k.startswith("RAY_")})  # this process's Ray session
     os.environ.update(payload.get("environ", {}))
     os.chdir(payload.get("cwd", cwd))
+    sys.path[:] = payload.get("sys_path", path)  # user code (env.reward) imported as the client would import it
+    importlib.invalidate_caches()  # a file made since the last run is found
     root.handlers = [forward]
     root.setLevel(payload.get("log_level", logging.INFO))
     sys.stdout = ForwardedStream(out, "stdout", False, streams[0])
@@ -353,9 +377,32 @@ def client_context(payload: dict[str, Any], out: Outbox) -> Iterator[None]:
             signal.signal(sig, handler)
         sys.stdout, sys.stderr = streams
         root.handlers, root.level = handlers, level
+        forget_user_modules(set(sys.modules) - modules)
+        sys.path[:] = path
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(environ)
+
+
+def forget_user_modules(names: set[str]) -> None:
+    """The run's own modules (its reward, what that imports from the user's folders) forgotten once it ends: the
+    next run imports them again as they are then. What the run imported of tinker_exp, hydra_plugins or the
+    installed packages stays imported (the pool's point), as does a module without a file."""
+    for name in names:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file and is_user_file(Path(file)):
+            del sys.modules[name]
+
+
+def is_user_file(file: Path) -> bool:
+    """A module file neither of this checkout's packages nor of the interpreter's (stdlib, site-packages)."""
+    import site
+    import sysconfig
+
+    installed = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(), *sysconfig.get_paths().values()}
+    ours = {str(Path(__file__).resolve().parents[2] / package) for package in wire.PACKAGES}
+    resolved = file.resolve()
+    return not any(resolved.is_relative_to(folder) for folder in installed | ours if folder)
 
 
 def reset_warning_registries() -> None:
@@ -363,18 +410,6 @@ def reset_warning_registries() -> None:
         registry = getattr(module, "__dict__", {}).get("__warningregistry__")  # no getattr: lazy modules import on it
         if isinstance(registry, dict):
             registry.clear()
-
-
-def same_user(sock: socket.socket) -> bool:
-    """Only this user's processes may hand the pool a run (the folder is private too)."""
-    import struct
-
-    try:
-        credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except (AttributeError, OSError):
-        return True  # no SO_PEERCRED here: the 0700 folder alone guards it
-    _, uid, _ = struct.unpack("3i", credentials)
-    return uid == os.getuid()
 
 
 def rss_mb(pid: int | None) -> float | None:
@@ -389,26 +424,76 @@ def rss_mb(pid: int | None) -> float | None:
 
 
 def serve(address: Path, idle_s: float, parent_pid: int | None) -> None:
-    """The pool's process, until it is asked down, idles out or (a sweep's) its sweep ends."""
+    """The pool's process, until it is asked down, idles out or (a sweep's) its sweep ends. One process an address:
+    it holds the address's lock file (flock) from its start to its end, and names itself there (`down` finds a pool
+    that does not listen yet by it)."""
+    import faulthandler
+
     from tinker_exp.main import one_line_warning
 
+    stops: list[str] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stops.append("SIGTERM"))  # a `down` while it starts: kept
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", stream=sys.stderr)
+    faulthandler.enable(sys.stderr)  # a crash in native code: its traceback in pool.log
+    lock = wire.hold_address(address)
+    if lock is None:
+        log.info(f"pool: another pool process holds {address}; this one (pid {os.getpid()}) ends")
+        sys.exit(wire.ALREADY_EXIT)
     warnings.formatwarning = one_line_warning
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a client's stop is for its run only: see Host._stop_job
     signal.signal(STOP_SIGNAL, signal.SIG_IGN)
     warm_imports()
     host = Host(address, idle_s, parent_pid)
     signal.signal(signal.SIGTERM, lambda signum, frame: host.stop("SIGTERM"))
+    if stops:
+        host.stop(f"{stops[0]} while it started")
     server = host.listen()
     log.info(f"pool: listening at {address} (pid {os.getpid()}, idles out after {idle_s / 60:g} min)")
     try:
         host.run_forever()
+    except BaseException as e:
+        log.error(f"pool: ended by an error: {''.join(traceback.format_exception(e)).rstrip()}")
+        raise
     finally:
         server.close()
         if address.exists():
             address.unlink()
+        descendants = descendant_pids(os.getpid())
         host.group.close()
+        ended_all(descendants)  # Ray's agents end with the pool, not minutes later
         log.info("pool: down")
+        lock.close()
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every process below `pid` (Linux's /proc; [] elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def ended_all(pids: list[int], grace_s: float = 5.0) -> None:
+    """Those of `pids` still running after `grace_s` (Ray's own shutdown had them end) are killed."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(wire.alive(pid) for pid in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        if wire.alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def warm_imports() -> None:

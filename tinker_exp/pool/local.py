@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -55,7 +56,9 @@ def wait_listening(process: subprocess.Popen, address: Path) -> None:
     log_path = wire.log_of(address)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not answers(address):
-        if process.poll() is not None:
+        if process.poll() == wire.ALREADY_EXIT and wire.holder_of(address) is not None:
+            pass  # another `up` started one at the same time: that one serves; wait for it to listen
+        elif process.poll() is not None:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
             raise PoolStartError(f"the pool's process ended (exit {process.returncode}) before it listened; {log_path}:\n{tail}")
         if time.monotonic() > deadline:
@@ -72,7 +75,12 @@ def end(address: Path, process: subprocess.Popen | None = None, wait_s: float = 
     try:
         _, pid = wire.ask(address, ("down",))
     except (OSError, EOFError):
-        pid = None
+        pid = wire.holder_of(address)  # a pool still starting (not listening yet): its SIGTERM stops it once it can
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pid = None
     if process is not None:
         try:
             process.wait(timeout=wait_s)
@@ -80,7 +88,7 @@ def end(address: Path, process: subprocess.Popen | None = None, wait_s: float = 
             process.kill()
         return pid
     deadline = time.monotonic() + wait_s
-    while pid is not None and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+    while pid is not None and wire.alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     return pid
 

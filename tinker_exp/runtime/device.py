@@ -143,6 +143,14 @@ def check_gpus(per_node: Sequence[float], num_workers: int, nodes: int) -> None:
     )
 
 
+def check_own_cluster(backend: BackendConfig, gpus: int) -> None:
+    """A cuda run that starts a Ray cluster of its own (no backend.ray_address, one node) gets the `gpus` this
+    machine shows its driver: more workers than that are refused before the run's record is written, as check_gpus
+    would refuse them once Ray reports the same GPUs (a cluster joined is checked then)."""
+    if not backend.ray_address and backend.nodes == 1:
+        check_gpus([gpus], backend.num_workers, 1)
+
+
 def check_placement(device: str, ranks: Sequence[dict], nodes: int = 1) -> str:
     """Each rank's report (TinkerExpWorker.device_info) against the device asked for: verl's platform, on cuda
     parameters on the rank's own current GPU, and the ranks spread over `nodes` Ray nodes. Returns a one-line
@@ -182,6 +190,13 @@ def resolve(backend: BackendConfig, build: TorchBuild | None = None) -> DeviceCh
     attention = choose_attention(device, precision, build.bf16, flash, requested)
     liger = choose_liger(backend.liger, device, device == "cuda" and backend.liger is not False and liger_usable())
     return DeviceChoice(device, precision, attention, liger)
+
+
+def check_cpu_settings(backend: BackendConfig) -> None:
+    """backend.device=cpu, resolved without torch (no build can change a CPU run's choice): a GPU-only setting asked
+    for with it (flash_attention_2) is refused by a dry run, and before a warm pool's run is recorded, as by a run."""
+    if backend.device.value == "cpu":
+        resolve(backend, TorchBuild(version="(not asked)", cuda=None))
 
 
 def probe() -> TorchBuild:

@@ -107,9 +107,12 @@ def start_ray(address: str | None, env: dict[str, str]) -> None:
 
     The daemons it starts ignore Slurm's USR1/USR2 (inherited SIG_IGN): submitit's time-limit USR2 reaches every
     process of the job, and would kill Ray's GCS and workers before the driver's handler could requeue the job."""
+    import logging
+
     import ray
 
-    with sigterm_handler_kept(), ignored_by_children():  # ray.init replaces SIGTERM's handler with a sys.exit
+    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    with sigterm_handler_kept(), ignored_by_children(), dropped(auth_log, DEFAULT_TOKEN_AUTH):
         ray.init(
             address=address or "local",
             runtime_env={"env_vars": env},
@@ -117,6 +120,25 @@ def start_ray(address: str | None, env: dict[str, str]) -> None:
             log_to_driver=True,  # worker output reaches the driver, which writes it to workers.log
             configure_logging=False,
         )
+
+
+DEFAULT_TOKEN_AUTH = "Token authentication is enabled for this Ray cluster."
+"""Ray's warning, on the terminal of every run that starts a local cluster, that it did what it does by default
+(a token of its own for the cluster): nothing for the user to do, so not said (a disabled token still is)."""
+
+
+@contextmanager
+def dropped(logger: "logging.Logger", start: str) -> Iterator[None]:
+    """The records of `logger` whose message starts with `start`, dropped while the block runs."""
+
+    def keep(record: "logging.LogRecord") -> bool:
+        return not record.getMessage().startswith(start)
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def run_on_allocation(driver: Callable[[], T], rendezvous: Path) -> T | None:

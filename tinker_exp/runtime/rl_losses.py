@@ -1,4 +1,4 @@
-"""Tinker's RL losses (importance_sampling, ppo, cispo, dro) as verl loss functions for ``worker.set_loss_fn``.
+"""Tinker's RL losses (importance_sampling, ppo, cispo, dro, gspo, stable_reinforce) as verl loss functions for ``worker.set_loss_fn``.
 
 Each loss is Tinker's token-level formula, summed over every response token of the batch with no normalisation
 (Tinker's ``loss:sum``). verl's engine (``forward_backward_batch``) calls the loss once per micro batch and runs
@@ -14,6 +14,7 @@ the model output; ``old_log_probs`` (the sampler's), ``advantages`` and ``respon
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, Callable
 
@@ -23,6 +24,8 @@ LOSS_PARAMS: dict[str, tuple[str, ...]] = {
     "ppo": ("clip_low_threshold", "clip_high_threshold"),
     "cispo": ("clip_low_threshold", "clip_high_threshold"),
     "dro": ("beta",),
+    "gspo": ("clip_low_threshold", "clip_high_threshold"),
+    "stable_reinforce": ("ratio_cap", "sequence_ratio_bound"),
 }
 
 # Metric names (verl's where verl has the metric). Every one is a batch-level figure once reduced (batch_metrics).
@@ -35,14 +38,14 @@ KL_REF = "actor/kl_ref"  # token mean of the KL estimator between the policy and
 KL_LOSS = "actor/kl_loss"  # the KL penalty's part of the loss: kl_coef x the estimator's token sum
 
 
-def importance_sampling_terms(log_prob, old_log_prob, advantages):
+def importance_sampling_terms(log_prob, old_log_prob, advantages, mask):
     """Tinker's importance_sampling per token: -(p/q) * A. No clipping."""
     import torch
 
     return -(torch.exp(log_prob - old_log_prob) * advantages), None
 
 
-def ppo_terms(log_prob, old_log_prob, advantages, *, clip_low_threshold: float, clip_high_threshold: float):
+def ppo_terms(log_prob, old_log_prob, advantages, mask, *, clip_low_threshold: float, clip_high_threshold: float):
     """Tinker's ppo per token: -min(r * A, clip(r, low, high) * A), r = p/q; clipped where the second term is smaller."""
     import torch
 
@@ -52,7 +55,7 @@ def ppo_terms(log_prob, old_log_prob, advantages, *, clip_low_threshold: float, 
     return -torch.min(unclipped, clipped), clipped < unclipped
 
 
-def cispo_terms(log_prob, old_log_prob, advantages, *, clip_low_threshold: float, clip_high_threshold: float):
+def cispo_terms(log_prob, old_log_prob, advantages, mask, *, clip_low_threshold: float, clip_high_threshold: float):
     """Tinker's cispo per token: -sg(clip(r, low, high)) * log p * A; clipped where r lies outside [low, high]."""
     import torch
 
@@ -61,9 +64,42 @@ def cispo_terms(log_prob, old_log_prob, advantages, *, clip_low_threshold: float
     return -(clipped_ratio.detach() * log_prob * advantages), clipped_ratio != ratio
 
 
-def dro_terms(log_prob, old_log_prob, advantages, *, beta: float):
+def dro_terms(log_prob, old_log_prob, advantages, mask, *, beta: float):
     """Tinker's dro per token: -(log p * A - beta/2 * (log p - log q)^2). No clipping."""
     return -(log_prob * advantages - 0.5 * beta * (log_prob - old_log_prob) ** 2), None
+
+
+def sequence_log_ratio(log_prob, old_log_prob, mask):
+    """Each sequence's mean of log p - log q over its response tokens (B, 1): the log of GSPO's geometric-mean
+    ratio s = (p(y) / q(y)) ^ (1 / |y|). No gradient flows through it."""
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)
+    return ((log_prob - old_log_prob).detach() * mask).sum(-1, keepdim=True) / lengths
+
+
+def gspo_terms(log_prob, old_log_prob, advantages, mask, *, clip_low_threshold: float, clip_high_threshold: float):
+    """GSPO-token per token (the GSPO paper's token form, verl's ``gspo``): -min(s_t * A, clip(s_t, low, high) * A)
+    with s_t = sg(s) * exp(log p - sg(log p)): its value is the sequence's ratio s, its gradient s * d log p. A
+    sequence is clipped whole (every token where the clipped term is smaller)."""
+    import torch
+
+    ratio = torch.exp(sequence_log_ratio(log_prob, old_log_prob, mask) + log_prob - log_prob.detach())
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, clip_low_threshold, clip_high_threshold) * advantages
+    return -torch.min(unclipped, clipped), clipped < unclipped
+
+
+def stable_reinforce_terms(log_prob, old_log_prob, advantages, mask, *, ratio_cap: float, sequence_ratio_bound: float):
+    """Our stable_reinforce per token (Tinker does not publish its formula; docs/rl-losses.md): REINFORCE weighted
+    by the truncated, detached importance ratio, -m * sg(min(r, ratio_cap)) * log p * A, where m drops a whole
+    sequence (0) whose geometric-mean ratio s lies outside [1 / sequence_ratio_bound, sequence_ratio_bound]. Counted
+    as clipped: a truncated token, and every token of a dropped sequence."""
+    import torch
+
+    ratio = torch.exp(log_prob - old_log_prob).detach()
+    log_bound = math.log(sequence_ratio_bound)
+    kept = (sequence_log_ratio(log_prob, old_log_prob, mask).abs() <= log_bound).to(log_prob.dtype).expand_as(log_prob)
+    weight = torch.clamp(ratio, max=ratio_cap) * kept
+    return -(weight * log_prob * advantages), (ratio > ratio_cap) | (kept == 0)
 
 
 TOKEN_TERMS: dict[str, Callable] = {
@@ -71,6 +107,8 @@ TOKEN_TERMS: dict[str, Callable] = {
     "ppo": ppo_terms,
     "cispo": cispo_terms,
     "dro": dro_terms,
+    "gspo": gspo_terms,
+    "stable_reinforce": stable_reinforce_terms,
 }
 
 
@@ -101,7 +139,7 @@ def tinker_rl_loss(model_output, data, dp_group=None, *, loss: str, kl_coef: flo
         raise ValueError("loss_mask must equal response_mask for an RL loss (the engine counts loss_mask tokens)")
     old_log_prob, advantages = fields["old_log_probs"], fields["advantages"]
 
-    per_token, clipped = TOKEN_TERMS[loss](log_prob, old_log_prob, advantages, **params)
+    per_token, clipped = TOKEN_TERMS[loss](log_prob, old_log_prob, advantages, mask.to(log_prob.dtype), **params)
     pg_loss = agg_loss(loss_mat=per_token, loss_mask=mask, loss_agg_mode="token-sum", dp_size=dp_size)
 
     def batch_share(values) -> Metric:  # this micro batch's part of a token mean over the whole batch

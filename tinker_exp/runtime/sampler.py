@@ -56,7 +56,10 @@ class HFSampler:
 
         torch.set_num_threads(DRIVER_THREADS)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+        from tinker_exp.runtime import no_progress_bars
+
+        with no_progress_bars():
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.reference = copy.deepcopy(self.model) if reference else None
         """The initial model, never loaded into (`load` changes self.model only)."""
         self._rng = torch.Generator().manual_seed(seed).get_state()

@@ -9,7 +9,7 @@ verl's model output is the log-prob of each next input token, so a datum is its 
 token, and ``target_tokens`` must be ``model_input`` shifted by one (what the SDK's helpers build); anything else is
 refused (tinker_exp/serve/wire.py).
 
-The RL losses (importance_sampling, ppo, cispo, dro) are runtime/rl_losses.py's, installed when a call asks for
+The RL losses (importance_sampling, ppo, cispo, dro, gspo, stable_reinforce) are runtime/rl_losses.py's, installed when a call asks for
 another loss than the one installed: each datum is laid out as an RL rollout whose "prompt" is its first token and
 whose "response" is every target position, masked by `weights` (positions of weight 0 add nothing).
 """
@@ -223,15 +223,42 @@ class ServeWorkers(TinkerWorkers):
         )
 
 
+def start_served_ray(ray_address: str | None, device: str) -> None:
+    """Ray for the server, from its main thread before it listens: a new local cluster (`ray_address` None) or the
+    one named. The worker groups join it (none owns it); stop_served_ray ends it when the server stops."""
+    from tinker_exp.runtime.ray_cluster import start_ray
+    from tinker_exp.runtime.workers import platform_env, use_platform
+
+    use_platform(device)
+    start_ray(ray_address, platform_env(device))
+
+
+def stop_served_ray() -> None:
+    """The daemons and agents the server's Ray started stop with it (a cluster it joined: disconnected)."""
+    import ray
+
+    ray.shutdown()
+
+
 def vocabulary_size(model_path: Path) -> int:
     """The model's embedding rows: token ids at or beyond it are refused before they reach a worker."""
+    return _model_setting(model_path, "vocab_size")
+
+
+def model_positions(model_path: Path) -> int:
+    """The model's positions (max_position_embeddings): a longer sequence is refused before it reaches a worker."""
+    return _model_setting(model_path, "max_position_embeddings")
+
+
+def _model_setting(model_path: Path, name: str) -> int:
+    """An integer of the model's config.json (transformers' AutoConfig where the file does not say)."""
     import json
 
     config = Path(model_path) / "config.json"
     if config.is_file():
-        size = json.loads(config.read_text()).get("vocab_size")
-        if isinstance(size, int):
-            return size
+        value = json.loads(config.read_text()).get(name)
+        if isinstance(value, int):
+            return value
     from transformers import AutoConfig
 
-    return int(AutoConfig.from_pretrained(model_path).vocab_size)
+    return int(getattr(AutoConfig.from_pretrained(model_path), name))

@@ -95,7 +95,10 @@ def _build(model_cfg: dict[str, Any], out: Path) -> None:
         tie_word_embeddings=True,
     )
     torch.manual_seed(model_cfg["init_seed"])
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out)
+    from tinker_exp.runtime import no_progress_bars
+
+    with no_progress_bars():
+        LlamaForCausalLM(config).to(torch.float32).save_pretrained(out)
 
 
 def cache_dir(value: str) -> Path:

@@ -2,8 +2,10 @@
 lent to starts from exactly the state a cold build of its command leaves (runtime/workers.py `fresh_engine`).
 
 What needs a new group is what the workers are built with, less what a run sends: its optimizer values and seed
-(`group_key`). A run whose key differs frees the group and builds one for its own; a group whose workers died is
-built again, said in one line.
+(`group_key`): the config's worker settings, the model's files as they are now, and the environment that reaches
+the workers. A run whose key differs frees the group and builds one for its own (on a new Ray cluster when the
+workers' environment differs: Ray's processes keep the one they started with); a group whose workers died is built
+again; each said in one line.
 """
 
 from __future__ import annotations
@@ -28,20 +30,35 @@ PER_RUN_BACKEND = ("pool", "nodes_timeout_s", "ray_address")
 """backend keys that do not shape the workers (the group's Ray cluster is the pool's)."""
 
 
-def group_key(cfg: Config, model_path: Path, choice: Any) -> dict[str, Any]:
+def group_key(cfg: Config, model_path: Path, choice: Any, worker_env: dict[str, str]) -> dict[str, Any]:
     """What the workers of a run like `cfg` are built with (runtime/workers.py `worker_config`), less what a fresh
-    state sets per run (optimizer values, seed, steps, gradient clip): two runs with the same key share a group."""
+    state sets per run (optimizer values, seed, steps, gradient clip): two runs with the same key share a group.
+    `worker_env`: the run's environment that reaches the workers (pool/wire.py `worker_environment`)."""
     backend = {k: v for k, v in dataclasses.asdict(cfg.backend).items() if k not in PER_RUN_BACKEND}
     rl = cfg.rl
     return {
         "worker": "TinkerActorRolloutRefWorker" if cfg.env.active else "TinkerTrainingWorker",
         "model": str(model_path),
+        "model_files": model_fingerprint(model_path),
+        "worker_env": dict(worker_env),
         "device": choice.describe(),
         "backend": {k: getattr(v, "value", v) for k, v in backend.items()},
         "lora": dataclasses.asdict(cfg.lora) if cfg.lora.rank > 0 else None,
         "optimizer": cfg.optimizer.name.value,
         "rl_batch": (rl.prompts_per_step, rl.group_size) if cfg.env.active else None,
     }
+
+
+def model_fingerprint(model_path: Path) -> str:
+    """The model dir's files as they are now (each file's name, size and change time; cheap, no read): weights
+    replaced at the same path are not the ones the kept workers loaded."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(model_path).rglob("*") if p.is_file()):
+        info = path.stat()
+        digest.update(f"{path.relative_to(model_path)}:{info.st_size}:{info.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 def key_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -93,6 +110,10 @@ class WarmGroup:
         self.pids: list[int] = []
         """Each rank's process (the pool's status shows their memory)."""
         self.runs = 0
+        self.worker_env: dict[str, str] = {}
+        """The environment of the run being served that reaches the workers (set by the pool for each run)."""
+        self.cluster_env: dict[str, str] | None = None
+        """The worker environment the pool's Ray cluster was started with (None: no cluster yet)."""
 
     def lend(self, cfg: Config, plan: Any, model_path: Path, run_dir: Path) -> Lent:
         """The group for this run, in the state a cold start of it leaves: the kept one when its key matches, else a
@@ -121,13 +142,16 @@ class WarmGroup:
         from tinker_exp.runtime.device import resolve
 
         choice = resolve(cfg.backend)
-        key = group_key(cfg, model_path, choice)
+        key = group_key(cfg, model_path, choice, self.worker_env)
         if self.workers is not None and key != self.key:
             log.info(f"pool: a new group for this run ({key_difference(self.key, key)}); the old one freed")
             self.free()
+        if self.cluster_env is not None and self.cluster_env != key["worker_env"]:
+            self.stop_cluster()  # Ray's processes keep the environment they started with: a new cluster for this one
         if self.workers is None:
             started = time.monotonic()
             start_own_cluster(choice.device)
+            self.cluster_env = key["worker_env"]
             workers = self.build(cfg, plan, model_path, out_dir, choice)
             workers.owns_ray = False  # the pool's cluster outlives its groups: freeing one frees its actors only
             try:
@@ -148,11 +172,15 @@ class WarmGroup:
 
     def close(self) -> None:
         """The pool's Ray cluster stopped, and with it the group (no actor freed one by one: they end with it)."""
-        import ray
-
         if self.workers is not None and self.workers.output is not None:
             self.workers.output.stop()
-        self.workers = self.key = None
+        self.stop_cluster()
+
+    def stop_cluster(self) -> None:
+        import ray
+
+        self.workers = self.key = self.cluster_env = None
+        self.pids = []
         ray.shutdown()
 
 

@@ -15,6 +15,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 RAY_PRINTER = "ray_print_logs"  # the name Ray gives its own handler
+RAY_OWN = ("autoscaler",)
+"""The `pid` Ray gives batches of its own monitor's output (the cluster's status, repeated while it idles): kept out
+of workers.log (with verbose=true Ray's own handler still prints them)."""
 
 
 def _prefix(batch: dict[str, Any]) -> str:
@@ -58,6 +61,8 @@ class WorkerOutput:
             previous.close()
 
     def _write(self, batch: dict[str, Any]) -> None:
+        if batch.get("pid") in RAY_OWN:  # Ray's autoscaler status, every few seconds while idle: not the workers'
+            return
         prefix = _prefix(batch)
         with self._lock:
             if self._file is not None:

@@ -18,14 +18,15 @@ import os
 import shutil
 import threading
 import warnings
+from contextlib import contextmanager
 from functools import partial
 from platform import node as platform_node
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from tinker_exp.config import BackendConfig, LoraConfig, OptimizerConfig, TrainerConfig
 from tinker_exp.optim.convert import OVERRIDE_KEYS
-from tinker_exp.optim.optimizers import verl_optimizer_fields
+from tinker_exp.optim.optimizers import spec_of, verl_optimizer_fields
 from tinker_exp.runtime import lora as lora_adapters
 from tinker_exp.runtime.device import DeviceChoice, check_gpus, check_placement
 from tinker_exp.runtime.ray_cluster import start_ray, wait_for_nodes
@@ -277,6 +278,11 @@ def _worker_class():
         def export_adapter(self, folder: str) -> int | None:
             return lora_adapters.export_adapter(self.engine.module, folder)
 
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def averaged_weights(self, on: bool) -> None:
+            """Schedule-free's averaged weights in the parameters (on), or its training point back, bitwise (off)."""
+            self.engine.optimizer.to_averaged() if on else self.engine.optimizer.to_training()
+
     return TinkerExpWorker
 
 
@@ -388,6 +394,7 @@ class TinkerWorkers:
         self.nodes = backend.nodes
         self.lora = lora if lora is not None and lora.rank > 0 else None
         self.output = output
+        self.averaged = spec_of(optimizer.name.value).averaged  # evaluations and exports at averaged weights
         self.pending: list = []  # reset and set_loss_fn, under way until ready()
         env = platform_env(self.device)
         use_platform(self.device)  # the driver's verl too: it sizes the placement groups' bundles
@@ -512,7 +519,8 @@ class TinkerWorkers:
             self.output = output
             output.start()
         config = self._worker_config(self.backend, optimizer, trainer, self.model_path, optimizer_values)
-        ray.get(self._fresh_state(config, trainer.seed))
+        ray.get(self._fresh_state(config, trainer.seed))  # a new optimizer: schedule-free's in train mode
+        self.averaged = spec_of(optimizer.name.value).averaged
 
     def _fresh_state(self, worker_config: Any, seed: int) -> list:
         return self.group.execute_all_async("fresh_state", worker_config.optimizer_config, seed)
@@ -544,7 +552,8 @@ class TinkerWorkers:
         partial = folder.with_name(f".{folder.name}.partial")
         if partial.exists():
             shutil.rmtree(partial)
-        parameters = self.group.export_adapter(str(partial))[0]  # returns when every rank is done
+        with self.averaged_weights():
+            parameters = self.group.export_adapter(str(partial))[0]  # returns when every rank is done
         if folder.exists():  # a resumed run that had finished exports again
             shutil.rmtree(folder)
         partial.rename(folder)
@@ -560,8 +569,23 @@ class TinkerWorkers:
         return StepResult(loss=loss, grad_norm=grad_norm, applied=[r["param_groups"] for r in per_rank])
 
     def evaluate(self, examples: list) -> float:
-        """verl's forward-only path (eval mode, no_grad): the batch's loss, token-weighted (verl's sft_loss)."""
-        return _loss(self.group.infer_batch(self._batch(examples)).get())
+        """verl's forward-only path (eval mode, no_grad): the batch's loss, token-weighted (verl's sft_loss); a
+        schedule-free optimizer's at its averaged weights."""
+        with self.averaged_weights():
+            return _loss(self.group.infer_batch(self._batch(examples)).get())
+
+    @contextmanager
+    def averaged_weights(self) -> Iterator[None]:
+        """With a schedule-free optimizer: the averaged weights in the parameters inside, the training point
+        restored bitwise after (an error too); with any other optimizer, nothing."""
+        if not self.averaged:
+            yield
+            return
+        self.group.averaged_weights(True)
+        try:
+            yield
+        finally:
+            self.group.averaged_weights(False)
 
     def _batch(self, examples: list):
         import torch

@@ -20,6 +20,7 @@ API_KEY_ENV = "TINKER_EXP_API_KEY"
 """The environment variable the key is read from when serve.api_key is not given (the safer way: a command line is
 visible to every user of the machine in `ps`)."""
 KEY_PREFIX, KEY_MIN_CHARS = "tml-", 16
+MIN_BODY_BYTES = 4096
 RUN_DIR_MARKS = ("job.json", "plan.json", "metrics.jsonl", "summary.jsonl")
 """Files a training run's dir (or a sweep's) holds at its top and a served run dir never does: serve.run_dir there
 would write served rows and checkpoints into that run's files."""
@@ -35,7 +36,13 @@ class ServeConfig:
     """Where each model's metrics.jsonl, workers.log and checkpoints go; empty: outputs/serve/<date>/<time>."""
     max_chunk_datums: int = 1024
     """The most datums the SDK sends in one forward_backward request (its `fwdbwd_max_chunk_len`; 1024 is its own
-    default): a larger batch comes in chunks, each one pass of the workers, so this bounds a pass's memory."""
+    default): a larger batch comes in chunks, each one pass of the workers, so this bounds a pass's memory. A
+    request with more is refused (400)."""
+    max_num_samples: int = 128
+    """The most responses one sample request may ask for (num_samples); more: refused (400)."""
+    max_body_bytes: int = 32 << 20
+    """The largest request body taken, in bytes; a larger one is refused (400) before it is read. The SDK is told to
+    keep its forward_backward chunks under half of it (its fwdbwd_max_chunk_bytes_count, 5 MB at most, its own)."""
     api_key: str = field(default="", repr=False)
     """The key every request must carry (the SDK's TINKER_API_KEY, sent as X-API-Key); empty: $TINKER_EXP_API_KEY,
     else none (loopback only: any tml- key is taken). Never written anywhere: not in W&B's config, not in a log."""
@@ -43,8 +50,12 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port: {self.port!r} is not a port (0 .. 65535)")
-        if not isinstance(self.max_chunk_datums, int) or self.max_chunk_datums < 1:
-            raise ConfigError(f"serve.max_chunk_datums: {self.max_chunk_datums!r} is not a count (an integer >= 1)")
+        for name in ("max_chunk_datums", "max_num_samples"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"serve.{name}: {getattr(self, name)!r} is not a count (an integer >= 1)")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < MIN_BODY_BYTES:
+            raise ConfigError(f"serve.max_body_bytes: {self.max_body_bytes!r} is not a size in bytes of at least "
+                              f"{MIN_BODY_BYTES} (the SDK's start-up requests must fit)")
         if self.api_key and (not self.api_key.startswith(KEY_PREFIX) or len(self.api_key) < len(KEY_PREFIX) + KEY_MIN_CHARS
                              or not self.api_key.isprintable() or " " in self.api_key):
             # the value is a secret: never in a message
@@ -114,7 +125,15 @@ def check_access(serve: ServeConfig) -> None:
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """serve.run_dir must not be a training run's (or a sweep's) dir: served rows would land in its files."""
+    """serve.run_dir must be a folder (or become one: no file on its way) and not a training run's (or a sweep's)
+    dir: served rows would land in its files."""
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists() or folder.is_symlink():
+            if not folder.is_dir():
+                where = "" if folder == run_dir else f": {str(folder)!r}"
+                raise ConfigError(f"serve.run_dir: {str(run_dir)!r}{where} is a file, not a folder; give a folder "
+                                  "(it is made if it does not exist)")
+            break
     marks = [name for name in RUN_DIR_MARKS if (run_dir / name).exists()]
     if marks:
         raise ConfigError(f"serve.run_dir: {str(run_dir)!r} is a training run's dir (it holds {marks[0]}): the served "
@@ -168,6 +187,10 @@ def main(args: list[str]) -> None:
     config.check(cfg)
     if cfg.env.active:
         raise ConfigError("env: the server takes its data from its client; serve without env=")
+    from tinker_exp.optim.optimizers import spec_of
+
+    if spec_of(cfg.optimizer.name.value).averaged:  # its forward, sampling and saved weights would be the training point
+        raise ConfigError(f"optimizer.name: {cfg.optimizer.name.value} is not served yet (its averaged weights are not what the server samples); choose another optimizer")
     from tinker_exp.optim import build_plan
     from tinker_exp.optim.plan import plan_for
 
@@ -178,7 +201,7 @@ def main(args: list[str]) -> None:
     from tinker_exp.runtime.inputs import model_dir
     from tinker_exp.runtime.worker_output import WorkerOutput
     from tinker_exp.serve.app import Server, build_app
-    from tinker_exp.runtime.serve_workers import ServeWorkers, vocabulary_size
+    from tinker_exp.runtime.serve_workers import ServeWorkers, model_positions, vocabulary_size
     from tinker_exp.train.loop import check_applied
     from tinker_exp.train.sinks import JsonlSink, Sinks
 
@@ -220,25 +243,36 @@ def main(args: list[str]) -> None:
         return Sinks([JsonlSink(folder / "metrics.jsonl", first_step), wandb and KeptOpen(wandb)])
 
     server = Server(model_name, build_workers, optim_params, open_rows, check_applied, run_dir, make_sampler,
-                    serve.max_chunk_datums, vocab_size=vocabulary_size(model_path), tokenizer_id=str(model_path.resolve()))
+                    serve.max_chunk_datums, vocab_size=vocabulary_size(model_path), tokenizer_id=str(model_path.resolve()),
+                    positions=model_positions(model_path), max_num_samples=serve.max_num_samples,
+                    max_body_bytes=serve.max_body_bytes)
     import uvicorn
 
-    host, port = listener.getsockname()[:2]
-    access = "requests must carry its key" if serve.api_key else "no key: any local user can reach it"
-    print(f"tinker_exp.serve: serving {model_name} on http://{host}:{port} (run dir {run_dir}; {access})", flush=True)
-    Stopped.watch()
-    stopped = None
+    from tinker_exp.runtime.serve_workers import start_served_ray, stop_served_ray
+
+    Stopped.watch()  # from here SIGTERM is Stopped: Ray's daemons, once started, are stopped below
+    stopped = held = None
     try:
+        # Ray from this (the main) thread, once: the worker groups join it, and it is shut down here when the server
+        # stops. Started by the first model's build (the work thread), its signal handling was not set up (SIGTERM:
+        # exit 134 or no stopped line) and its agents outlived the server.
+        start_served_ray(cfg.backend.ray_address, choice.device)
+        host, port = listener.getsockname()[:2]
+        access = "requests must carry its key" if serve.api_key else "no key: any local user can reach it"
+        print(f"tinker_exp.serve: serving {model_name} on http://{host}:{port} (run dir {run_dir}; {access})", flush=True)
         uvicorn.Server(uvicorn.Config(build_app(server, serve.api_key), log_level="warning",
                                       timeout_graceful_shutdown=1)).run(sockets=[listener])
     except (KeyboardInterrupt, Stopped) as e:
         stopped = e
     finally:
-        held = server.close()  # the held model's workers given back, then freed with the kept ones
-        while kept:
-            kept.pop().shutdown()
-        if wandb is not None:  # the server stopped (Ctrl-C, SIGTERM): its W&B run ends
-            wandb.close()
+        try:
+            held = server.close()  # the held model's workers given back, then freed with the kept ones
+            while kept:
+                kept.pop().shutdown()
+            if wandb is not None:  # the server stopped (Ctrl-C, SIGTERM): its W&B run ends
+                wandb.close()
+        finally:
+            stop_served_ray()
     if stopped is not None:
         why, code = ("Ctrl-C", 130) if isinstance(stopped, KeyboardInterrupt) else ("SIGTERM", 143)
         print(f"tinker_exp.serve: stopped ({why}); " + (f"model {held}'s workers freed" if held else "no model held"),

@@ -12,6 +12,7 @@ workers are freed for the next client. Each model's rows go to its own metrics.j
 """
 
 
+import hashlib
 import hmac
 import json
 import math
@@ -49,19 +50,32 @@ STATE, SAMPLER = "weights", "sampler_weights"
 optimizer state), tinker://<model_id>/sampler_weights/<name> (save_weights_for_sampler). On disk:
 <run dir>/checkpoints/<model_id, colons as _>/<kind>/<name>/ (on_disk)."""
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")
-"""A model id as the SDK's paths carry it (session_id:train:model_seq_id); on disk its colons are '_' (on_disk())."""
+"""A checkpoint name as it may go into a path: one folder name, no '/', not '.' or '..'."""
+MODEL_ID = re.compile(r"[0-9a-f-]+:train:[0-9]+")
+"""A model id as the server makes it (the SDK's scheme: session_id, a uuid4 of ours, :train:model_seq_id, an integer);
+on disk its colons are '_' (on_disk()). Anything else in a tinker:// path is refused before it reaches a path."""
 ERRORS_LOG = "serve_errors.log"
 """In the run dir: the traceback of each request that failed for a reason of the server's own (its terminal line
 names this file)."""
 UNCACHED = {"/api/v1/retrieve_future", "/api/v1/session_heartbeat", "/api/v1/telemetry"}
 """Routes answered afresh on every call, whatever their idempotency key (a result that was pending may be ready)."""
+FWDBWD_CHUNK_BYTES = 5_000_000
+"""The SDK's own bound on a forward_backward chunk's estimated bytes (fwdbwd_max_chunk_bytes_count), told to it as is
+unless half of serve.max_body_bytes is less."""
 SNAPSHOTS_KEPT = 4
 """Unnamed sampler weights (save_weights_and_get_sampling_client) kept in memory; older ones are dropped."""
 SEQ_GAP_TIMEOUT_S = 120.0
 """How long a model's request that arrived early waits for a missing predecessor (its seq_id) before it fails."""
 SESSION_TIMEOUT_S = 120.0
 """A session without a heartbeat for this long has ended (the SDK beats every 10 s and warns its user after 120 s)."""
+RESULTS_KEPT_S = 900.0
+"""How long a finished request's result (its future) and a request's reply by idempotency key are kept after it was
+done: the SDK fetches a result at once and retries a lost reply within seconds; kept forever, they would fill memory."""
+SEQ_IDS_KEPT = 1024
+"""Per model, how many of its latest seq_ids remember their request (a repeat of one gets its result): older ones are
+only known to be past."""
+SAMPLING_SESSIONS_KEPT = 1024
+"""Sampling sessions kept (the oldest dropped first); a client session's own end drops its sampling sessions."""
 
 
 @dataclass
@@ -75,6 +89,8 @@ class Future:
     label: str = ""
     """The request's line on the terminal: its method, model and seq_id."""
     start: float = field(default_factory=time.monotonic)
+    ended: float = 0.0
+    """When it was done (time.monotonic): it is pruned RESULTS_KEPT_S later."""
     kept: bool = False
     """Whether its failure's traceback went to the run dir's serve_errors.log."""
 
@@ -95,6 +111,12 @@ class Model:
     """The seq_id whose turn it is (the SDK numbers a training client's requests from 1)."""
     waiting: dict[int, tuple[Future, Callable[[], Any]] | None] = field(default_factory=dict)
     """seq_id -> a request that came before its turn (None: one that was refused, whose turn just passes)."""
+    sent: dict[int, tuple[str, str, bool]] = field(default_factory=dict)
+    """seq_id -> what its request was (a digest of its method and body) and what it got: (digest, request_id, False)
+    or (digest, the refusal's line, True); a request sent again (the SDK re-sends one whose reply it lost, with a new
+    idempotency key) gets that again. The latest SEQ_IDS_KEPT."""
+    created: str = ""
+    """The request_id of the create_model (or load_weights) that made it: the same call again gets it."""
     rows: Any = None
     """Its own metrics.jsonl (open_rows), opened at its first row: no other model's rows are ever touched."""
 
@@ -115,13 +137,17 @@ class Server:
                  run_dir: Path, make_sampler: Callable[[], Any], max_chunk_datums: int = 1024,
                  seq_gap_timeout_s: float = SEQ_GAP_TIMEOUT_S, session_timeout_s: float = SESSION_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic, vocab_size: int | None = None,
-                 tokenizer_id: str | None = None, say: Callable[[str], None] | None = None):
+                 tokenizer_id: str | None = None, say: Callable[[str], None] | None = None,
+                 positions: int | None = None, max_num_samples: int = 128, max_body_bytes: int = 32 << 20,
+                 results_kept_s: float = RESULTS_KEPT_S):
         """`open_rows(folder, first_step)`: a model's metrics sink in its folder (a JsonlSink: its rows of first_step
         and later are replaced); `run_dir`: where models/<model>/ and checkpoints/<model>/ go; `make_sampler()`: the
         driver's sampler (runtime/serve_sampler.py); `max_chunk_datums`: the most datums the SDK is asked to send in
         one forward_backward (serve.max_chunk_datums); `clock`: the time sessions' heartbeats are kept in;
         `vocab_size`: token ids at or beyond it are refused; `tokenizer_id`: get_info's (what the SDK's
-        get_tokenizer loads: the model's local dir); `say(line)`: a line on the terminal, one per request."""
+        get_tokenizer loads: the model's local dir); `say(line)`: a line on the terminal, one per request;
+        `positions`: the model's positions (a longer datum in forward_backward is refused); `max_num_samples`,
+        `max_body_bytes`: serve.max_num_samples, serve.max_body_bytes (__main__.ServeConfig)."""
         self.model_name = model_name
         self.build_workers, self.optim_params, self.open_rows, self.check_applied = (
             build_workers, optim_params, open_rows, check_applied)
@@ -129,13 +155,17 @@ class Server:
         self.max_chunk_datums, self.vocab_size, self.tokenizer_id = max_chunk_datums, vocab_size, tokenizer_id or model_name
         self.say = say or (lambda line: print(line, flush=True))
         self.seq_gap_timeout_s, self.session_timeout_s, self.clock = seq_gap_timeout_s, session_timeout_s, clock
+        self.positions, self.max_num_samples, self.max_body_bytes = positions, max_num_samples, max_body_bytes
         self.sampler: Any = None
         self.sampling_sessions: dict[str, dict[str, Any]] = {}
-        """sampling_session_id -> its base model, model_path (None: the base model's weights), and where its weights
-        are: a sampler checkpoint's folder, or tensors in memory (an unnamed save)."""
+        """sampling_session_id -> its base model, model_path (None: the base model's weights), where its weights
+        are (a sampler checkpoint's folder, or tensors in memory: an unnamed save) and its client's session (owner).
+        In creation order: the oldest beyond SAMPLING_SESSIONS_KEPT are dropped."""
         self.snapshots: list[str] = []
-        self.replies: dict[str, tuple] = {}
-        """X-Idempotency-Key -> the answer it got (body, status, headers, media type)."""
+        self.replies: dict[tuple[str, str, str], tuple] = {}
+        """(route, X-Idempotency-Key, the body's digest) -> the answer it got (body, status, headers, media type) and
+        when (pruned RESULTS_KEPT_S later): a key sent again with another body or route is another request."""
+        self.results_kept_s, self.pruned_at = results_kept_s, time.monotonic()
         self.sessions: dict[str, float] = {}
         """session_id -> the time of its last heartbeat (or its start)."""
         self.model: Model | None = None
@@ -169,6 +199,7 @@ class Server:
         """A request is over: its future is set, and its line said (ok, or failed with its error)."""
         if error is not None:
             future.error = error
+        future.ended = time.monotonic()
         future.done.set()
         if future.label:
             ms = (time.monotonic() - future.start) * 1e3
@@ -177,9 +208,32 @@ class Server:
                      + (f" (traceback in {self.run_dir / ERRORS_LOG})" if future.kept else ""))
 
     def _future(self, protobuf: bool, label: str = "") -> tuple[str, Future]:
+        self.prune()
         request_id = str(uuid.uuid4())
         future = self.futures[request_id] = Future(protobuf=protobuf, label=label)
         return request_id, future
+
+    def prune(self, now: bool = False) -> None:
+        """Forget what no client will ask for again (at most once a second, unless `now`): results and replies done
+        more than results_kept_s ago, sessions past their heartbeat timeout (their models released)."""
+        if not now and time.monotonic() - self.pruned_at < 1.0:
+            return
+        self.pruned_at = time.monotonic()
+        old = self.pruned_at - self.results_kept_s
+        with self.lock:
+            for request_id in [r for r, f in self.futures.items() if f.done.is_set() and f.ended < old]:
+                del self.futures[request_id]
+            for key in [k for k, reply in self.replies.items() if reply[-1] < old]:
+                del self.replies[key]
+            for session_id in list(self.sessions):
+                self.live_session(session_id)  # one past its timeout ends here
+
+    def reply(self, route: str, key: str, body: bytes) -> tuple | None:
+        """The answer a request with this idempotency key, route and body got (None: it is new)."""
+        return self.replies.get((route, key, hashlib.sha256(body).hexdigest()))
+
+    def keep_reply(self, route: str, key: str, body: bytes, answer: tuple) -> None:
+        self.replies[(route, key, hashlib.sha256(body).hexdigest())] = (*answer, time.monotonic())
 
     def submit(self, work: Callable[[], Any], protobuf: bool = False, label: str = "") -> str:
         """Queue `work` now (a request outside any model's sequence); `label`: its line on the terminal."""
@@ -188,27 +242,45 @@ class Server:
         return request_id
 
     def in_turn(self, model: Model, seq_id: Any, check: Callable[[], Callable[[], Any]], protobuf: bool = False,
-                method: str = "") -> str:
+                method: str = "", body: Any = None) -> str:
         """A model's request: `check()` refuses it (BadRequest) or gives its work, which is queued in the model's
         seq_id order: one that comes early waits for its predecessors (SEQ_GAP_TIMEOUT_S at most). Without a seq_id
-        (not the SDK), the work is queued at once. A refused request's turn passes: its successors need not wait."""
+        (not the SDK), the work is queued at once. A refused request's turn passes: its successors need not wait.
+        `body` (a JSON dict or protobuf bytes): the request as sent; the same method and body sent again with its
+        seq_id gets what the first got (its future, or its refusal), never a second run; another body, a 400."""
         label = f"{method} model {model.model_id} seq {seq_id}" if method else ""
         if seq_id is None:
             return self.submit(check(), protobuf, label)
         if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
             raise BadRequest(f"seq_id: {seq_id!r} is not a sequence number (an integer >= 1)")
+        digest = hashlib.sha256(method.encode() + b"\0" + (
+            body if isinstance(body, bytes) else json.dumps(body, sort_keys=True).encode())).hexdigest()
         with self.lock:
+            if seq_id in model.sent and model.sent[seq_id][0] == digest:  # sent again: the first one's answer
+                _, answer, refused = model.sent[seq_id]
+                if refused:
+                    raise BadRequest(answer)
+                return answer
             if seq_id < model.next_seq or model.waiting.get(seq_id) is not None:
-                raise BadRequest(f"seq_id: {seq_id} of model {model.model_id} was sent before (its turn is "
-                                 f"{'past' if seq_id < model.next_seq else 'taken'}; the next is {model.next_seq})")
+                raise BadRequest(f"seq_id: {seq_id} of model {model.model_id} was sent before with another request "
+                                 f"(its turn is {'past' if seq_id < model.next_seq else 'taken'}; the next is "
+                                 f"{model.next_seq})")
             try:
                 work = check()
-            except BadRequest:
+            except BadRequest as refusal:
+                self._sent(model, seq_id, (digest, str(refusal), True))
                 self._take_turn(model, seq_id, None)
                 raise
             request_id, future = self._future(protobuf, label)
+            self._sent(model, seq_id, (digest, request_id, False))
             self._take_turn(model, seq_id, (future, work))
         return request_id
+
+    @staticmethod
+    def _sent(model: Model, seq_id: int, what: tuple[str, str, bool]) -> None:
+        model.sent[seq_id] = what
+        while len(model.sent) > SEQ_IDS_KEPT:
+            del model.sent[next(iter(model.sent))]  # the earliest sent
 
     def _take_turn(self, model: Model, seq_id: int, request: tuple[Future, Callable[[], Any]] | None) -> None:
         """Place a request at its seq_id, then queue every request whose turn has come."""
@@ -271,6 +343,8 @@ class Server:
         released: its waiting requests fail, its workers are freed once its queued work is done."""
         with self.lock:
             self.sessions.pop(session_id, None)
+            for dropped in [s for s, held in self.sampling_sessions.items() if held["owner"] == session_id]:
+                del self.sampling_sessions[dropped]
             model = self.model
             if model is None or model.session_id != session_id:
                 return
@@ -320,18 +394,28 @@ class Server:
             if lora.get(flag, True) is not True:
                 raise BadRequest(f"lora_config.{flag}: {lora[flag]!r}: only true is served (adapters on every linear layer)")
         model = self._claim("create_model", body, base_model, rank)
+        if isinstance(model, str):
+            return model
 
         def build() -> dict:
             self._build(model)
             return {"model_id": model.model_id, "type": "create_model"}
 
-        return self.submit(build, label=f"create_model model {model.model_id} rank {rank}")
+        model.created = self.submit(build, label=f"create_model model {model.model_id} rank {rank}")
+        return model.created
 
-    def _claim(self, route: str, body: dict, base_model: str, rank: int) -> Model:
+    def _claim(self, route: str, body: dict, base_model: str, rank: int) -> Model | str:
         """The one model, for this client's session (the SDK's id: session_id:train:model_seq_id); while another
-        live session holds it, refused."""
-        session_id = body.get("session_id")
+        live session holds it, refused. The same call sent again (the SDK re-sends one whose reply it lost): the
+        request_id the first one got."""
+        session_id, seq = body.get("session_id"), body.get("model_seq_id", 0)
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:  # it goes into the model's folder names
+            raise BadRequest(f"model_seq_id: {seq!r} is not a model_seq_id (an integer >= 0: the SDK's count of "
+                             "its training clients)")
         with self.lock:
+            held = self.model
+            if held is not None and held.model_id == f"{session_id}:train:{seq}" and held.created:
+                return held.created
             # a holder whose heartbeats stopped ends here (live_session), and its model with it
             if self.model is not None and self.live_session(self.model.session_id):
                 left = self.session_timeout_s - (self.clock() - self.sessions[self.model.session_id])
@@ -341,7 +425,7 @@ class Server:
                                  f"{max(left, 0):.0f} s at most if it has stopped)")
             if not self.live_session(session_id):
                 raise BadRequest(f"session_id: {session_id!r} is not a session of this server (create_session first)")
-            self.model = Model(f"{session_id}:train:{body.get('model_seq_id', 0)}", base_model, rank, session_id)
+            self.model = Model(f"{session_id}:train:{seq}", base_model, rank, session_id)
             return self.model
 
     def _build(self, model: Model) -> None:
@@ -358,7 +442,15 @@ class Server:
         model = self.served_model(request.model_id)
 
         def check() -> Callable[[], bytes]:
+            if len(request.data) > self.max_chunk_datums:
+                raise BadRequest(f"data: {len(request.data)} datums exceed serve.max_chunk_datums="
+                                 f"{self.max_chunk_datums} (the most in one request; the SDK splits a batch into "
+                                 "chunks of that many)")
             data, params = forward_backward_data(request, self.vocab_size), loss_params(request)
+            longest = max(range(len(data)), key=lambda i: len(data[i].tokens))
+            if self.positions is not None and len(data[longest].tokens) > self.positions:
+                raise BadRequest(f"data[{longest}]: {len(data[longest].tokens) - 1} tokens and the last target exceed "
+                                 f"the model's {self.positions} positions (max_position_embeddings)")
 
             def run() -> bytes:
                 model.workers.use_loss(request.loss_fn, params)
@@ -372,7 +464,8 @@ class Server:
 
         # seq_id 0: none (the proto's default; the SDK numbers from 1)
         method = "forward" if request.forward_only else "forward_backward"
-        return self.in_turn(model, request.seq_id or None, check, True, method), model.model_id
+        return self.in_turn(model, request.seq_id or None, check, True, method,
+                            request.SerializeToString(deterministic=True)), model.model_id
 
     def optim_step(self, body: dict) -> tuple[str, str]:
         model = self.served_model(body.get("model_id"))
@@ -408,16 +501,23 @@ class Server:
 
             return run
 
-        return self.in_turn(model, body.get("seq_id"), check, method="optim_step"), model.model_id
+        return self.in_turn(model, body.get("seq_id"), check, method="optim_step", body=body), model.model_id
 
     def _rows(self, model: Model) -> Any:
         """The model's own metrics sink, opened at its served step (a rewound model's later rows are replaced)."""
         if model.rows is None:
-            model.rows = self.open_rows(self.run_dir / "models" / on_disk(model.model_id), model.step)
+            model.rows = self.open_rows(self.inside(self.run_dir / "models" / on_disk(model.model_id)), model.step)
         return model.rows
 
     def _folder(self, model_id: str, kind: str, name: str) -> Path:
-        return self.checkpoints / on_disk(model_id) / kind / name
+        return self.inside(self.checkpoints / on_disk(model_id) / kind / name)
+
+    def inside(self, path: Path) -> Path:
+        """`path`, which must be inside the run dir once resolved (the ids and names in it were checked: this is
+        the last guard against a client's name leading elsewhere)."""
+        if not path.resolve().is_relative_to(self.run_dir.resolve()):
+            raise BadRequest(f"path: {str(path)!r} is outside the server's run dir")
+        return path
 
     @staticmethod
     def _name(name: Any) -> str:
@@ -465,7 +565,7 @@ class Server:
 
             return run
 
-        return self.in_turn(model, body.get("seq_id"), check, method="save_state"), model.model_id
+        return self.in_turn(model, body.get("seq_id"), check, method="save_state", body=body), model.model_id
 
     def load_state(self, body: dict) -> tuple[str, str]:
         """load_state (weights, a fresh optimizer) or load_state_with_optimizer (`optimizer`: true), onto the
@@ -497,14 +597,17 @@ class Server:
 
         if body.get("model_id") is not None:  # the client's own model (TrainingClient.load_state): in its turn
             model = self.served_model(body["model_id"])
-            return (self.in_turn(model, body.get("seq_id"), lambda: load(model, *checked(model)), method="load_state"),
-                    model.model_id)
+            return (self.in_turn(model, body.get("seq_id"), lambda: load(model, *checked(model)), method="load_state",
+                                 body=body), model.model_id)
         folder, meta = checked(None)  # a new model (ServiceClient.create_training_client_from_state)
         base_model = body.get("base_model") or meta["base_model"]
         if base_model != self.model_name:
             raise BadRequest(f"base_model: {base_model!r} is not served (this server serves {self.model_name!r})")
         model = self._claim("load_weights", body, base_model, meta["lora_rank"])
-        return self.submit(load(model, folder, meta), label=f"load_state model {model.model_id} (new)"), model.model_id
+        if isinstance(model, str):
+            return model, self.model.model_id
+        model.created = self.submit(load(model, folder, meta), label=f"load_state model {model.model_id} (new)")
+        return model.created, model.model_id
 
     def _sampler(self):
         if self.sampler is None:
@@ -516,7 +619,7 @@ class Server:
         without a name (save_weights_and_get_sampling_client): a sampling session on these weights, in memory."""
         model = self.served_model(body.get("model_id"))
         return (self.in_turn(model, body.get("seq_id"), lambda: self._sampler_save(model, body),
-                             method="save_weights_for_sampler"), model.model_id)
+                             method="save_weights_for_sampler", body=body), model.model_id)
 
     def _sampler_save(self, model: Model, body: dict) -> Callable[[], dict]:
         name = body.get("path")
@@ -537,17 +640,23 @@ class Server:
             with tempfile.TemporaryDirectory(dir=self.checkpoints.parent) as tmp:
                 self._sampler().write(model.workers, Path(tmp), model.lora_rank)
                 tensors = self._sampler().weights(Path(tmp))
-            self._open_sampling_session(session_id, model.base_model, None, tensors)
+            self._open_sampling_session(session_id, model.base_model, None, tensors, model.session_id)
             self.snapshots.append(session_id)
-            for dropped in self.snapshots[:-SNAPSHOTS_KEPT]:
-                self.sampling_sessions[dropped]["weights"] = None
+            for dropped in self.snapshots[:-SNAPSHOTS_KEPT]:  # a sample already queued holds its own reference
+                if dropped in self.sampling_sessions:
+                    self.sampling_sessions[dropped]["weights"] = None
             del self.snapshots[:-SNAPSHOTS_KEPT]
             return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
 
         return snapshot
 
-    def _open_sampling_session(self, session_id: str, base_model: str, model_path: str | None, weights: Any) -> None:
-        self.sampling_sessions[session_id] = {"base_model": base_model, "model_path": model_path, "weights": weights}
+    def _open_sampling_session(self, session_id: str, base_model: str, model_path: str | None, weights: Any,
+                               owner: Any) -> None:
+        with self.lock:
+            self.sampling_sessions[session_id] = {"base_model": base_model, "model_path": model_path,
+                                                  "weights": weights, "owner": owner}
+            while len(self.sampling_sessions) > SAMPLING_SESSIONS_KEPT:
+                del self.sampling_sessions[next(iter(self.sampling_sessions))]  # the oldest
 
     def create_sampling_session(self, body: dict) -> str:
         """A sampling session on a sampler checkpoint (model_path) or on the base model."""
@@ -560,7 +669,7 @@ class Server:
         else:
             weights = "base"
         session_id = f"{body.get('session_id')}:sample:{body.get('sampling_session_seq_id')}:{uuid.uuid4().hex[:8]}"
-        self._open_sampling_session(session_id, base_model, model_path, weights)
+        self._open_sampling_session(session_id, base_model, model_path, weights, body.get("session_id"))
         return session_id
 
     def sampling_session(self, session_id: Any) -> dict:
@@ -574,13 +683,16 @@ class Server:
         temperature (> 0), seed, stop (strings or token ids), top_k and top_p, and the prompt's log-probs."""
         session_id = body.get("sampling_session_id")
         session = self.sampling_session(session_id)
-        if session["weights"] is None:
+        weights = session["weights"]  # held from here: a save queued before this sample may drop the session's
+        if weights is None:
             raise BadRequest(f"sampling_session_id: {session_id!r}: its weights were dropped (the server keeps the "
                              f"last {SNAPSHOTS_KEPT} unnamed snapshots; save_weights_for_sampler(name) keeps them)")
         prompt = prompt_tokens(body.get("prompt"), vocab_size=self.vocab_size)
         n = body.get("num_samples", 1)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise BadRequest(f"num_samples: {n!r} is not a count (an integer >= 1)")
+        if n > self.max_num_samples:
+            raise BadRequest(f"num_samples: {n} exceeds serve.max_num_samples={self.max_num_samples}")
         params = body.get("sampling_params") or {}
         max_tokens, temperature, seed = params.get("max_tokens"), params.get("temperature", 1.0), params.get("seed")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -603,7 +715,6 @@ class Server:
             if len(prompt) + max_tokens > sampler.positions:
                 raise BadRequest(f"sampling_params.max_tokens: the prompt's {len(prompt)} tokens + {max_tokens} exceed "
                                  f"the model's {sampler.positions} positions")
-            weights = session["weights"]
             if weights == "base":
                 sampler.use("base", sampler.base)
             elif isinstance(weights, Path):
@@ -624,6 +735,41 @@ class Server:
         return future
 
 
+class LimitedBody:
+    """ASGI middleware: a request body read past `limit` bytes is a BadRequest (a body with a Content-Length over
+    the limit is refused before it is read, in build_app's key check): no request fills the server's memory."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise BadRequest(f"the request's body exceeds serve.max_body_bytes={self.limit}")
+            return message
+
+        return await self.app(scope, counted, send)
+
+
+def bad_request_in(error: BaseException, kind: type = BadRequest) -> BaseException | None:
+    """The BadRequest (or `kind`) `error` is or holds (Starlette's middleware raises what its receive raised in an
+    ExceptionGroup)."""
+    if isinstance(error, kind):
+        return error
+    for inner in getattr(error, "exceptions", ()):
+        found = bad_request_in(inner, kind)
+        if found is not None:
+            return found
+    return None
+
+
 def build_app(server: Server, api_key: str = ""):
     """The FastAPI app over `server`: each route parses, checks, and answers (a future, or the value itself).
     `api_key`: the key every request must carry as X-API-Key (compared in constant time); empty: any tml- key."""
@@ -631,6 +777,7 @@ def build_app(server: Server, api_key: str = ""):
 
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
+    from starlette.requests import ClientDisconnect
 
     app = FastAPI()
     expected = api_key.encode()
@@ -655,12 +802,15 @@ def build_app(server: Server, api_key: str = ""):
         key = request.headers.get("x-idempotency-key")
         if request.method != "POST" or not key or request.url.path in UNCACHED:
             return await call_next(request)
-        if key in server.replies:
-            return Response(*server.replies[key])
+        server.prune()
+        sent = await request.body()  # the key with its route and body: the same key on another request is another
+        answered = server.reply(request.url.path, key, sent)
+        if answered is not None:
+            return Response(*answered[:4])
         response = await call_next(request)
         body = b"".join([chunk async for chunk in response.body_iterator])
         if response.status_code in (200, 400):  # a refused request is refused again, in the same words
-            server.replies[key] = (body, response.status_code, None, response.media_type)
+            server.keep_reply(request.url.path, key, sent, (body, response.status_code, None, response.media_type))
         return Response(body, response.status_code, None, response.media_type)
 
     @app.middleware("http")
@@ -677,14 +827,27 @@ def build_app(server: Server, api_key: str = ""):
             if not expected and not given.startswith("tml-"):
                 said_refused(request, 401, "X-API-Key: a key starting with tml- is required")
                 return refused("X-API-Key: a key starting with tml- is required", 401)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > server.max_body_bytes:  # refused before it is read
+            message = f"the request's body ({int(length)} bytes) exceeds serve.max_body_bytes={server.max_body_bytes}"
+            said_refused(request, 400, message)
+            return refused(message)
         try:
             return await call_next(request)
         except Exception as error:  # a fault of the server's own: one line each to the client and the terminal
+            too_large = bad_request_in(error)
+            if too_large is not None:  # a body past the limit without a Content-Length (LimitedBody)
+                said_refused(request, 400, str(too_large))
+                return refused(str(too_large))
+            if bad_request_in(error, ClientDisconnect) is not None:  # the client went away: no one to answer
+                return Response(status_code=499)
             server.keep_traceback(request.url.path)  # the traceback: into the run dir
             message = [line for line in f"{type(error).__name__}: {error}".splitlines() if line.strip()][-1]
             server.say(f"tinker_exp.serve: {request.url.path.removeprefix('/api/v1/')}: failed: {message} (traceback "
                        f"in {server.run_dir / ERRORS_LOG})")
             return refused(message, 500)
+
+    app.add_middleware(LimitedBody, limit=server.max_body_bytes)  # the outermost: it counts what is received
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, error: BadRequest):
@@ -708,7 +871,9 @@ def build_app(server: Server, api_key: str = ""):
     async def client_config(request: Request):
         # parallel chunks: they arrive at once, the first last, and run in their seq_id order
         return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
-                "parallel_fwdbwd_chunks": True, "fwdbwd_max_chunk_len": server.max_chunk_datums}
+                "parallel_fwdbwd_chunks": True, "fwdbwd_max_chunk_len": server.max_chunk_datums,
+                # the SDK's estimate of a chunk's bytes: half the limit leaves room for its error
+                "fwdbwd_max_chunk_bytes_count": min(FWDBWD_CHUNK_BYTES, server.max_body_bytes // 2)}
 
     @app.post("/api/v1/create_session")
     async def create_session(request: Request):

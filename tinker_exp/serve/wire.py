@@ -15,9 +15,14 @@ LOSS_INPUTS = {
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
     "dro": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
+    "stable_reinforce": ("target_tokens", "logprobs", "advantages"),
 }
 """The loss functions forward_backward takes, each with the loss_fn_inputs it needs (Tinker's names). The RL losses
-take `weights` too, optionally: a position of weight 0 adds nothing (a prompt's positions); none sent: every one 1."""
+take `weights` too, optionally: a position of weight 0 adds nothing (a prompt's positions); none sent: every one 1.
+gspo's `sequence_ratio_mask` (the positions its sequence ratio is taken over) is its weights: with both sent, their
+zeros must agree. stable_reinforce's provenance spans (the sampled sequences' ids) are not read: our
+stable_reinforce needs only the datum's `logprobs` (docs/rl-losses.md)."""
 
 
 class BadRequest(ValueError):
@@ -86,6 +91,12 @@ def forward_backward_data(request: Any, vocab_size: int | None = None) -> list[D
             raise BadRequest(f"{where}.loss_fn_inputs: {missing[0]} is missing ({request.loss_fn} takes {', '.join(needs)})")
         inputs = {name: _array(datum.loss_fn_inputs[name], f"{where}.loss_fn_inputs.{name}")
                   for name in (*needs, "weights") if name in datum.loss_fn_inputs}
+        if "sequence_ratio_mask" in inputs:
+            ratio_mask = inputs.pop("sequence_ratio_mask")
+            if "weights" in inputs and not np.array_equal(inputs["weights"] != 0, ratio_mask != 0):
+                raise BadRequest(f"{where}.loss_fn_inputs.sequence_ratio_mask: its zeros differ from weights' (gspo "
+                                 "takes the ratio over the positions the loss counts)")
+            inputs["weights"] = ratio_mask
         inputs.setdefault("weights", np.ones(len(tokens), dtype=np.float32))
         targets = inputs.pop("target_tokens").tolist()
         check_vocabulary(tokens, vocab_size, f"{where}.model_input")

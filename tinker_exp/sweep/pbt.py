@@ -38,7 +38,9 @@ if TYPE_CHECKING:
 POPULATION_ENV = "TINKER_EXP_POPULATION"
 """What a member's job is told of its population, as JSON (set by the pbt sweeper; tests set it themselves):
 board, population, interval, quantile, perturb, resample_probability, seed, space {key: Optuna distribution JSON},
-force_exploit (test-only: {member, step, donor} or null)."""
+explore (perturb or pb2), force_exploit (test-only: {member, step, donor} or null)."""
+EXPLORES = ("perturb", "pb2")
+"""How an exploiting member explores: perturb (PBT: factors and resampling), pb2 (a GP bandit, tinker_exp/sweep/pb2.py)."""
 POPULATION_FILE = "population.jsonl"
 REALIZED = "realized"
 """The realized schedule's override name: <run dir>/override/realized.yaml, selected with +override=realized."""
@@ -69,6 +71,8 @@ class Population:
     """key (override.lr.value, ...) -> Optuna distribution."""
     force_exploit: Mapping[str, int] | None = None
     """Test-only: {member, step, donor}: that member exploits that donor at that step whatever the ranks."""
+    explore: str = "perturb"
+    """perturb (PBT's) or pb2 (the numeric keys proposed by a GP bandit over the members' improvements)."""
 
     def __post_init__(self) -> None:
         where = POPULATION_ENV
@@ -84,6 +88,8 @@ class Population:
             raise ConfigError(f"{where}: resample_probability={self.resample_probability} must be in [0, 1]")
         if not self.space:
             raise ConfigError(f"{where}: space is empty: nothing to explore")
+        if self.explore not in EXPLORES:
+            raise ConfigError(f"{where}: explore={self.explore!r} must be one of {', '.join(EXPLORES)}")
 
     @classmethod
     def from_json(cls, text: str) -> "Population":
@@ -98,6 +104,7 @@ class Population:
                 quantile=float(told.get("quantile", 0.25)), perturb=tuple(float(f) for f in told.get("perturb", (0.8, 1.2))),
                 resample_probability=float(told.get("resample_probability", 0.25)), seed=int(told.get("seed", 0)),
                 space=space, force_exploit=None if force is None else {k: int(force[k]) for k in ("member", "step", "donor")},
+                explore=str(told.get("explore", "perturb")),
             )  # fmt: skip
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"{POPULATION_ENV}: not a population ({type(e).__name__}: {e})") from None
@@ -121,11 +128,15 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def post(board: Path, member: int, step: int, score: float, checkpoint: Path, values: Mapping[str, Any], sign: int = 1) -> Path:
+def post(board: Path, member: int, step: int, score: float, checkpoint: Path, values: Mapping[str, Any], sign: int = 1,
+         start: Mapping[str, int] | None = None) -> Path:  # fmt: skip
     """The member's score at a boundary, with its checkpoint there and the values it trained the steps before with;
-    `sign` -1: a higher score is better (trainer.objective_mode=max)."""
+    `sign` -1: a higher score is better (trainer.objective_mode=max); `start`: the post {member, step} whose
+    checkpoint those steps trained from (its own previous one, or a donor's), None for the first boundary: PB2's
+    improvement over the interval is measured from its score."""
     path = board / str(member) / f"{step}.json"
-    doc = {"member": member, "step": step, "score": score, "sign": sign, "checkpoint": str(Path(checkpoint).resolve()), "values": dict(values), "time": time.time()}
+    doc = {"member": member, "step": step, "score": score, "sign": sign, "checkpoint": str(Path(checkpoint).resolve()),
+           "values": dict(values), "time": time.time(), "start": None if start is None else dict(start)}  # fmt: skip
     write_atomically(path, json.dumps(doc) + "\n")
     return path
 
@@ -239,7 +250,7 @@ def explored(
     """The donor's values explored: each key resampled from the space with resample_probability, else multiplied by a
     factor from `perturb` (a categorical moves to a neighbouring choice); then clipped to the space's bounds (ints
     rounded, onto the step grid) and to the key's valid range. Seeded by (seed, member, step)."""
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+    from optuna.distributions import CategoricalDistribution
 
     rng = rng_for(population, member, step, "explore")
     out = dict(values)
@@ -260,21 +271,90 @@ def explored(
             new = math.exp(rng.uniform(math.log(low), math.log(high))) if dist.log else rng.uniform(low, high)
         else:
             new = float(values[key]) * factor
-        new = _clip(_on_grid(new, low, high, dist.step), low, high)
-        rule, most = valid_range(key, override, total_steps)
-        if rule is not None:
-            new = _clip(new, rule.low, rule.high, rule.low_open, rule.high_open)
-        if isinstance(dist, IntDistribution):
-            new = int(round(new))
-            new = min(max(new, dist.low), dist.high)
-            if most is not None:
-                new = min(new, most)
-        elif isinstance(dist, FloatDistribution):
-            new = float(new)
-            if most is not None:  # a float length is a fraction of the schedule
-                new = min(max(new, 0.0), 1.0)
-        out[key] = new
+        out[key] = into_space(key, dist, new, override, total_steps)
     return out
+
+
+def into_space(key: str, dist: Any, new: float, override: Mapping[str, Any], total_steps: int) -> float | int:
+    """A proposed value of a numeric key clipped to the space's bounds (ints rounded, onto the step grid) and to the
+    key's valid range (a length at most the schedule's)."""
+    from optuna.distributions import IntDistribution
+
+    low, high = dist.low, dist.high
+    new = _clip(_on_grid(new, low, high, dist.step), low, high)
+    rule, most = valid_range(key, override, total_steps)
+    if rule is not None:
+        new = _clip(new, rule.low, rule.high, rule.low_open, rule.high_open)
+    if isinstance(dist, IntDistribution):
+        new = min(max(int(round(new)), dist.low), dist.high)
+        return min(new, most) if most is not None else new
+    new = float(new)
+    return min(max(new, 0.0), 1.0) if most is not None else new  # a float length is a fraction of the schedule
+
+
+def numeric_keys(space: Mapping[str, Any]) -> list[str]:
+    """The keys PB2's GP models (float and int dimensions; a choice is explored as PBT does)."""
+    from optuna.distributions import CategoricalDistribution
+
+    return [key for key, dist in space.items() if not isinstance(dist, CategoricalDistribution)]
+
+
+def to_unit(dist: Any, value: float) -> float:
+    """A numeric key's value on [0, 1] within the space's bounds (a log key in log space)."""
+    if dist.log:
+        return (math.log(value) - math.log(dist.low)) / (math.log(dist.high) - math.log(dist.low))
+    return (value - dist.low) / (dist.high - dist.low)
+
+
+def from_unit(dist: Any, unit: float) -> float:
+    if dist.log:
+        return math.exp(math.log(dist.low) + unit * (math.log(dist.high) - math.log(dist.low)))
+    return dist.low + unit * (dist.high - dist.low)
+
+
+def improvements(board: Path, step: int, population: Population) -> list[tuple[list[float], float, float]]:
+    """PB2's data, from the board's posts up to `step`: (the numeric values a member trained an interval with on
+    [0, 1], the interval's end as a boundary index, its improvement: start score - score, sign applied), for every
+    post whose start is known and both scores finite."""
+    keys = numeric_keys(population.space)
+    posts = [read_json(path) for path in sorted(board.glob("*/*.json"))] if board.is_dir() else []
+    by_key = {(int(p["member"]), int(p["step"])): p for p in posts if isinstance(p, dict)}
+    data = []
+    for (member, at), doc in sorted(by_key.items()):
+        start = doc.get("start")
+        begin = by_key.get((int(start["member"]), int(start["step"]))) if start else None
+        if at > step or begin is None or not all(math.isfinite(float(d["score"])) for d in (doc, begin)):
+            continue
+        if any(key not in doc["values"] for key in keys):
+            continue
+        x = [to_unit(population.space[key], float(doc["values"][key])) for key in keys]
+        data.append((x, at / population.interval, doc.get("sign", 1) * (float(begin["score"]) - float(doc["score"]))))
+    return data
+
+
+def pb2_explored(
+    values: Mapping[str, Any], population: Population, member: int, step: int, override: Mapping[str, Any], total_steps: int
+) -> tuple[dict[str, Any], str]:
+    """The donor's values explored by PB2: the numeric keys proposed by the GP bandit over the improvements posted so
+    far (tinker_exp/sweep/pb2.py), at the next boundary's time, then fitted into the space as `explored` does; a
+    choice explored as PBT does. With fewer than 2 improvements known (the first boundary): PBT's explore. Seeded by
+    (seed, member, step). Returns the values and a note for the log."""
+    import numpy as np
+
+    from tinker_exp.sweep.pb2 import propose
+
+    out = explored(values, population, member, step, override, total_steps)
+    data = improvements(population.board, step, population)
+    if len(data) < 2:
+        return out, f"pb2: {len(data)} improvement(s) known, explored as perturb"
+    keys = numeric_keys(population.space)
+    x, t, y = (np.array(column, dtype=float) for column in zip(*data))
+    rng = np.random.default_rng(rng_for(population, member, step, "pb2").getrandbits(63))
+    point = propose(x, t, y, step / population.interval + 1, rng)
+    for key, unit in zip(keys, point):
+        dist = population.space[key]
+        out[key] = into_space(key, dist, from_unit(dist, float(unit)), override, total_steps)
+    return out, f"pb2: proposed from {len(data)} improvements"
 
 
 # --- values in an override tree --------------------------------------------------------------------------
@@ -476,21 +556,27 @@ class Member(Judge):
         """At a boundary: post the score with the checkpoint saved at this step, decide, and on an exploit explore the
         donor's values into a new plan; records the row of population.jsonl and override/realized.yaml. One log line."""
         score = float(row[self.metric])
-        post(self.population.board, self.number, steps_done, score, checkpoint, self.values, self.sign)
+        earlier = [r for r in population_rows(self.run_dir) if r["step"] < steps_done]
+        start = None if not earlier else (  # what these steps trained from: the donor's post, or its own previous one
+            {"member": earlier[-1]["exploit"]["member"], "step": earlier[-1]["exploit"]["step"]} if earlier[-1].get("exploit")
+            else {"member": self.number, "step": earlier[-1]["step"]}
+        )  # fmt: skip
+        post(self.population.board, self.number, steps_done, score, checkpoint, self.values, self.sign, start)
         decision = decide(self.population, self.number, steps_done, posts_at(self.population.board, steps_done))
         previous, exploit, turn = self.values, None, continue_from(self.plan)
         said = "carries on"
         if decision.donor is not None:
             donor = decision.donor
-            self.values, self.plan = self.valid(donor["values"], explored(donor["values"], self.population, self.number,
-                                                                           steps_done, self.override, self.total_steps))  # fmt: skip
+            explore = pb2_explored if self.population.explore == "pb2" else lambda *args: (explored(*args), "")
+            proposed, note = explore(donor["values"], self.population, self.number, steps_done, self.override, self.total_steps)
+            self.values, self.plan = self.valid(donor["values"], proposed)
             exploit = {"member": int(donor["member"]), "step": int(donor["step"]), "checkpoint": donor["checkpoint"]}
             loop_state = read_json(Path(donor["checkpoint"]) / "loop.json") or {}
             turn = continue_from(self.plan, Path(donor["checkpoint"]), loop_state.get("nonfinite_steps"))
             changes = ", ".join(
                 f"{key.removeprefix('override.')} {_short(donor['values'][key])} -> {_short(self.values[key])}" for key in self.values
             )
-            said = f"exploit member {exploit['member']} at step {exploit['step']}, {changes}"
+            said = f"exploit member {exploit['member']} at step {exploit['step']}, {changes}" + (f" ({note})" if note else "")
         record = {"step": steps_done, "score": score, "rank": decision.rank, "of": decision.of, "exploit": exploit,
                   "values": self.values, "previous": previous}  # fmt: skip
         rows = [r for r in population_rows(self.run_dir) if r["step"] < steps_done] + [record]

@@ -1,5 +1,5 @@
 """report.png: look rather than read. Every run's training and validation loss overlaid (an RL run's train/reward
-and eval/reward instead, its policy-gradient loss in a small panel below them), and every optimizer value
+and eval/reward instead, its policy-gradient loss in a small panel below them, with its KL penalty dotted), and every optimizer value
 that changes over a run or differs between runs, one panel each, drawn from what each run applied (applied/KEY)
 up to where it stopped (a log axis where the values span more than a decade). One run, a sweep (the best job by its objective drawn thick and named
 in the legend), a study (the same, and study.png: the objective against each searched parameter), or any runs
@@ -35,6 +35,7 @@ STUDY_REPORT = "study.png"  # a study's objective against each searched paramete
 IDENTITY_KEYS = ("logger.run_name", "logger.group")
 LINE_WIDTH, BEST_LINE_WIDTH = 1.0, 2.8
 REWARD_KEYS = ("train/reward", "eval/reward")  # an RL run's: its main panel, the policy loss below it
+POLICY_LOSS, KL_PENALTY = "train/pg_loss", "train/kl_loss"  # an RL run's train/loss is their sum (rl.kl_coef > 0)
 LEGEND_BESIDE = 60  # labels up to this many characters: the legend beside the plot, longer ones below it
 
 
@@ -413,7 +414,7 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
                Line2D([], [], color="0.3", linewidth=1.6, linestyle="--", marker="o", markersize=3, label=kinds[1])]  # fmt: skip
     for trunk in trunks:
         rows = trunk.rows()
-        loss_ax.plot(*_series(rows, "train/loss"), color=TRUNK_COLOR, linewidth=TRUNK_WIDTH, zorder=1, gid=trunk.label)
+        _draw_loss(loss_ax, rows, rewarded, color=TRUNK_COLOR, linewidth=TRUNK_WIDTH, zorder=1, gid=trunk.label)
         steps, values = _series(rows, "val/loss")
         if steps:
             loss_ax.plot(steps, values, color=TRUNK_COLOR, linewidth=TRUNK_WIDTH + 0.4, linestyle="--", marker="o",
@@ -429,7 +430,7 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
         width = BEST_LINE_WIDTH if is_best else LINE_WIDTH
         alpha = 1.0 if is_best or not bests else 0.6
         z = 3 if is_best else 2
-        loss_ax.plot(*_series(run.rows, "train/loss"), color=color, linewidth=width, alpha=alpha, zorder=z, gid=run.label)
+        _draw_loss(loss_ax, run.rows, rewarded, color=color, linewidth=width, alpha=alpha, zorder=z, gid=run.label)
         steps, values = _series(run.rows, "val/loss")
         if steps:
             loss_ax.plot(steps, values, color=color, linewidth=width + 0.6, linestyle="--", marker="o",
@@ -445,7 +446,10 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
         if is_best:
             label = f"best: {label}" if len(groups) == 1 else f"best at step {run.first}: {label}"
         handles.append(Line2D([], [], color=color, linewidth=4 if is_best else 2, label=label))
-    loss_ax.set_ylabel("policy loss" if rewarded else "loss")  # an RL run's train/loss: the loss's token sum
+    penalised = rewarded and any(KL_PENALTY in row for run in [*runs, *(t.run for t in trunks)] for row in run.rows)
+    if penalised:
+        handles.insert(2, Line2D([], [], color="0.3", linewidth=1.0, linestyle=":", label="KL penalty (in the loss)"))
+    loss_ax.set_ylabel(("policy loss, KL penalty" if penalised else "policy loss") if rewarded else "loss")
     loss_ax.grid(alpha=0.3)
     if reward_ax is not None:
         reward_ax.set_ylabel("reward")
@@ -473,6 +477,18 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     _fitted_title(fig, lines, 110 + int(12 * legend_width))
     fig.tight_layout()
     return fig
+
+
+def _draw_loss(ax: Any, rows: list[dict[str, Any]], rewarded: bool, **style: Any) -> None:
+    """A run's train/loss; an RL run's policy loss (train/pg_loss: train/loss less the KL penalty) and, with
+    rl.kl_coef, its KL penalty (train/kl_loss, dotted: the same units, a token sum)."""
+    if not rewarded:
+        ax.plot(*_series(rows, "train/loss"), **style)
+        return
+    ax.plot(*_series(rows, POLICY_LOSS if any(POLICY_LOSS in row for row in rows) else "train/loss"), **style)
+    steps, values = _series(rows, KL_PENALTY)
+    if steps:
+        ax.plot(steps, values, **style, linestyle=":")
 
 
 def _draw_reward(ax: Any, rows: list[dict[str, Any]], **style: Any) -> None:

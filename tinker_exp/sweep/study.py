@@ -158,6 +158,119 @@ def make_pruner(name: str, args: Mapping[str, Any], where: str = PRUNER_ARGS) ->
         raise ConfigError(f"{where} ({given}) for pruner {name}: {e}") from None
 
 
+SAMPLERS = {
+    "tpe": "TPESampler",
+    "gp": "GPSampler",
+    "cmaes": "CmaEsSampler",
+    "random": "RandomSampler",
+    "grid": "GridSampler",
+}
+SAMPLER_ARGS = "hydra.sweeper.sampler_args"
+# Given by the sweeper, not sampler_args: the seed (hydra.sweeper.seed), the startup trials (hydra.sweeper.
+# n_startup_trials), grid's points (the search space); the others take Python callables or objects.
+SWEEPER_GIVES = {"seed", "n_startup_trials", "search_space", "independent_sampler", "constraints_func", "gamma", "weights", "source_trials"}
+
+
+def sampler_arguments(name: str) -> dict[str, Any]:
+    """The keyword arguments sampler `name` takes from hydra.sweeper.sampler_args (its Optuna class's, less those the
+    sweeper gives), each with its default."""
+    import inspect
+
+    params = inspect.signature(getattr(optuna.samplers, SAMPLERS[name])).parameters
+    return {p.name: p.default for p in params.values() if p.name not in SWEEPER_GIVES}
+
+
+def wrong_type(value: Any, default: Any) -> str | None:
+    """What `value` must be where the argument's default is a bool or a number (Optuna checks few types before it
+    samples: a string would fail mid-study), or None."""
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    if isinstance(default, int):
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an int"
+    if isinstance(default, float):
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    return None
+
+
+def space_error(name: str, space: Mapping[str, BaseDistribution]) -> str | None:
+    """Why sampler `name` cannot serve this search space, or None. Optuna would fall back to independent random
+    sampling with a warning (cmaes) or sample off its grid: the study would not be the one asked for."""
+    if name == "cmaes":
+        if choices := [k for k, d in space.items() if isinstance(d, CategoricalDistribution)]:
+            return f"hydra.sweeper.sampler=cmaes: {choices[0]} is a choice; CMA-ES searches numbers only (use tpe or gp)"
+        if len(space) < 2:
+            return f"hydra.sweeper.sampler=cmaes: CMA-ES needs 2 or more searched keys, the space has {len(space)} (use tpe or gp)"
+    if name == "grid":
+        if ranges := [k for k, d in space.items() if isinstance(d, FloatDistribution)]:
+            return (
+                f"hydra.sweeper.sampler=grid: {ranges[0]} is a float interval, which has no grid; give its points with "
+                f"choice(...) (or int bounds)"
+            )
+    return None
+
+
+def grid_points(space: Mapping[str, BaseDistribution]) -> dict[str, list[Any]]:
+    """Every value of each (enumerable) dimension: GridSampler's search space."""
+    points: dict[str, list[Any]] = {}
+    for key, dist in space.items():
+        if isinstance(dist, CategoricalDistribution):
+            points[key] = list(dist.choices)
+        else:  # an IntDistribution: space_error refused floats
+            points[key] = list(range(dist.low, dist.high + 1, dist.step))
+    return points
+
+
+def grid_size(space: Mapping[str, BaseDistribution]) -> int:
+    return math.prod(len(values) for values in grid_points(space).values())
+
+
+class GridToItsEnd(optuna.samplers.GridSampler):
+    """Optuna's GridSampler without its study.stop() once every point has been asked, which raises outside
+    study.optimize (the sweeper asks and tells); the sweeper runs at most the grid's points instead."""
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None) -> None:
+        pass
+
+
+def make_sampler(
+    name: str, args: Mapping[str, Any], space: Mapping[str, BaseDistribution], seed: int, n_startup_trials: int
+) -> optuna.samplers.BaseSampler:
+    """Optuna's sampler of that name (hydra.sweeper.sampler) for this search space, seeded; hydra.sweeper.
+    n_startup_trials for those that start with random trials (tpe, gp, cmaes), the grid's points from the space, and
+    sampler_args its other keyword arguments. A name, argument or space it cannot serve: a ConfigError."""
+    from tinker_exp.errors import suggest
+
+    if name not in SAMPLERS:
+        raise ConfigError(f"hydra.sweeper.sampler: {name} is not a sampler" + suggest(str(name), SAMPLERS, "samplers:"))
+    takes = sampler_arguments(name)
+    for key in args:
+        if key in SWEEPER_GIVES:
+            given = {"seed": "hydra.sweeper.seed", "n_startup_trials": "hydra.sweeper.n_startup_trials"}.get(key, "the search space")
+            raise ConfigError(f"{SAMPLER_ARGS}.{key}: set by {given}, not here")
+        if key not in takes:
+            known = suggest(str(key), takes, f"{name} takes") if takes else f"; {name} takes none but the seed"
+            raise ConfigError(f"{SAMPLER_ARGS}.{key}: sampler {name} has no argument {key}{known}")
+        if (must := wrong_type(args[key], takes[key])) is not None:
+            raise ConfigError(f"{SAMPLER_ARGS}.{key}: {args[key]!r} must be {must}")
+    if why := space_error(name, space):
+        raise ConfigError(why)
+    kwargs: dict[str, Any] = {"seed": seed, **args}
+    if name in ("tpe", "gp", "cmaes"):
+        kwargs["n_startup_trials"] = n_startup_trials
+    if name == "grid":
+        kwargs["search_space"] = grid_points(space)
+    given = ", ".join(f"{key}={value}" for key, value in args.items()) or "none given"
+    try:
+        with warnings.catch_warnings():  # experimental arguments (cmaes's, gp's) warn on every study
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            warnings.simplefilter("error", FutureWarning)  # an argument Optuna 5 deprecated: said, not half-used
+            return (GridToItsEnd if name == "grid" else getattr(optuna.samplers, SAMPLERS[name]))(**kwargs)
+    except FutureWarning as e:
+        raise ConfigError(f"{SAMPLER_ARGS} ({given}) for sampler {name}: {str(e).split(' See ')[0]}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{SAMPLER_ARGS} ({given}) for sampler {name}: {e}") from None
+
+
 def distribution(override: Override) -> BaseDistribution:
     """One search dimension: `interval(a, b)` (float; int when both ends are ints, e.g. `int(interval(0, 5))`),
     `tag(log, interval(...))` (log scale), `range(a, b[, step])` (ints, b excluded as in Python), and

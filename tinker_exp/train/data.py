@@ -271,3 +271,6 @@ class DataFileBatches:
 
     def restore(self, state: Mapping[str, Any]) -> None:
         pass
+
+    def close(self) -> None:
+        pass

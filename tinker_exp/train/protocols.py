@@ -86,3 +86,7 @@ class BatchSource(Protocol):
     def restore(self, state: Mapping[str, Any]) -> None:
         """Before the first step of a resumed or branched run: what `state` gave at its checkpoint ({} at step 0)."""
         ...
+
+    def close(self) -> None:
+        """However the run ends: stop what the source runs beside the loop (an off-policy RL run's sampling thread)."""
+        ...

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -102,12 +103,15 @@ class Weights:
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
         self.workers: Exporting | None = None
-        self.loaded_version: int | None = None
+        self.loaded: Any = None
+        """What the sampler holds: ("workers", their weights_version) after `refresh`, ("step", s) after `load_step`."""
         self.export_time_s = self.load_time_s = 0.0
+        self.lock = threading.RLock()
+        """Held while the sampler is used: an off-policy run's sampling thread and the evaluation share it."""
 
     def refresh(self) -> None:
         assert self.workers is not None, "attach the workers first"
-        if self.loaded_version == self.workers.weights_version:
+        if self.loaded == ("workers", self.workers.weights_version):
             self.export_time_s = self.load_time_s = 0.0
             return
         start = time.perf_counter()
@@ -115,7 +119,17 @@ class Weights:
         exported = time.perf_counter()
         self.sampler.load(tensors)
         self.export_time_s, self.load_time_s = exported - start, time.perf_counter() - exported
-        self.loaded_version = self.workers.weights_version
+        self.loaded = ("workers", self.workers.weights_version)
+
+    def load_step(self, step: int, tensors: Any) -> float:
+        """The weights the workers had at the start of optimizer step `step` (exported then) into the sampler,
+        unless it holds them; the load's time."""
+        if self.loaded == ("step", step):
+            return 0.0
+        start = time.perf_counter()
+        self.sampler.load(tensors)
+        self.loaded = ("step", step)
+        return time.perf_counter() - start
 
 
 def sample_groups(
@@ -145,6 +159,17 @@ def sample_groups(
         "sampling_s": time.perf_counter() - start,
     }
     return rollouts, samples, measured
+
+
+def sampled_row(measured: Mapping[str, Any]) -> dict[str, Any]:
+    """What sampling a batch measured, under the row's names."""
+    return {
+        "train/reward": measured["reward"],
+        "train/reward_std": measured["reward_std"],
+        "train/degenerate_groups": measured["degenerate_groups"],
+        "train/zero_advantage_step": int(measured["all_degenerate"]),
+        "train/response_length": measured["response_length"],
+    }
 
 
 def with_reference(sampler: Sampler, rollouts: list[Rollout], temperature: float) -> list[Rollout]:
@@ -218,13 +243,7 @@ class RLBatches:
         prompts = [self._prompt(self.cursor + i) for i in range(self.rl.prompts_per_step)]
         self.cursor += len(prompts)
         rollouts, _, measured = sample_groups(self.weights, prompts, self.reward, self.rl, self.max_new_tokens)
-        row = {
-            "train/reward": measured["reward"],
-            "train/reward_std": measured["reward_std"],
-            "train/degenerate_groups": measured["degenerate_groups"],
-            "train/zero_advantage_step": int(measured["all_degenerate"]),
-            "train/response_length": measured["response_length"],
-        }
+        row = sampled_row(measured)
         times = {"perf/sampling_s": measured["sampling_s"], "perf/weight_export_s": self.weights.export_time_s,
                  "perf/sampler_load_s": self.weights.load_time_s}  # fmt: skip
         if self.rl.uses_reference:
@@ -249,6 +268,154 @@ class RLBatches:
             self.weights.sampler.set_rng_state(state["sampler_rng"])
         self.current = SampledBatch.from_json(state["batch"]) if state.get("batch") else None
 
+    def close(self) -> None:
+        pass
+
+
+class OffPolicyBatches(RLBatches):
+    """The BatchSource of an off-policy run (rl.max_steps_off_policy = k >= 1): a sampling thread in the driver
+    samples the next batches while the workers train on the current one.
+
+    Step s's batch is sampled from the weights the workers had at the start of step v(s) = max(s - k, first), where
+    `first` is the step the run (or a resume without batches in flight) started at: past its first k steps every
+    batch is exactly k steps old (train/staleness = s - v(s)). The driver exports the workers' weights at the start
+    of every step (before training on it) and hands them to the thread, which samples batch t as soon as the weights
+    of step v(t) are there: up to k batches ahead. The staleness is a function of the step, not of timing, so a run
+    is as deterministic as a synchronous one: the thread takes prompts and random draws in step order.
+
+    A checkpoint after step s - 1 holds the batches in flight, s .. s + k - 1 (every one sampled from weights before
+    the checkpoint's, which are not in it), with the prompt cursor and the sampler's random state after them; the
+    save waits for the thread to have sampled them. A run resumed or branched there trains on those batches and
+    samples batch s + k from the checkpoint's weights, as the uninterrupted run did."""
+
+    def __init__(self, *args: Any, total_steps: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.k, self.total_steps = self.rl.max_steps_off_policy, total_steps
+        self._changed = threading.Condition()
+        self._exported: dict[int, Any] = {}
+        """The workers' weights at the start of each step a batch still to sample is sampled from."""
+        self._ready: dict[int, tuple[SampledBatch, dict[str, Any]]] = {}
+        """Sampled batches by step, with what sampling them measured."""
+        self._next: int | None = None
+        """The next step whose batch the thread samples (None: not started)."""
+        self._first = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+
+    def _version(self, step: int) -> int:
+        return max(step - self.k, self._first)
+
+    def batch(self, step: int) -> Batch:
+        self.next_step = step + 1
+        if self._next is None:
+            self._next, self._first = step, step
+        export_s = 0.0
+        if step + self.k < self.total_steps or step == self._first:  # wanted by batch step + k (the first: by step's)
+            start = time.perf_counter()
+            tensors = self.weights.workers.export_weights()  # type: ignore[union-attr]
+            export_s = time.perf_counter() - start
+            with self._changed:
+                self._exported[step] = tensors
+                self._changed.notify_all()
+        self._start_thread()
+        start = time.perf_counter()
+        with self._changed:
+            while step not in self._ready and self._error is None:
+                self._changed.wait()
+            if self._error is not None:
+                raise self._error
+            sampled, times = self._ready.pop(step)
+        self.current = sampled
+        return Batch(sampled.rollouts, {**sampled.measured, **times, "perf/weight_export_s": export_s,
+                                        "perf/sample_wait_s": time.perf_counter() - start,
+                                        "train/staleness": step - sampled.first_step})  # fmt: skip
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._sample_ahead, name="rl-sampling", daemon=True)
+            self._thread.start()
+
+    def _sample_ahead(self) -> None:
+        try:
+            while True:
+                with self._changed:
+                    while not self._stopping and self._next < self.total_steps and self._version(self._next) not in self._exported:
+                        self._changed.wait()
+                    if self._stopping or self._next >= self.total_steps:
+                        return
+                    step, version = self._next, self._version(self._next)
+                    tensors = self._exported[version]
+                sampled, times = self._sample(version, tensors)
+                with self._changed:
+                    self._ready[step] = (sampled, times)
+                    self._next = step + 1
+                    for old in [v for v in self._exported if v < self._version(self._next)]:
+                        del self._exported[old]
+                    self._changed.notify_all()
+        except BaseException as e:  # a reward's error, a sampler's: raised in the loop's thread at its next batch
+            with self._changed:
+                self._error = e
+                self._changed.notify_all()
+
+    def _sample(self, version: int, tensors: Any) -> tuple[SampledBatch, dict[str, Any]]:
+        with self.weights.lock:
+            load_s = self.weights.load_step(version, tensors)
+            prompts = [self._prompt(self.cursor + i) for i in range(self.rl.prompts_per_step)]
+            self.cursor += len(prompts)
+            rollouts, _, measured = sample_groups(self.weights, prompts, self.reward, self.rl, self.max_new_tokens)
+            times = {"perf/sampling_s": measured["sampling_s"], "perf/sampler_load_s": load_s}
+            if self.rl.uses_reference:
+                start = time.perf_counter()
+                rollouts = with_reference(self.weights.sampler, rollouts, self.rl.temperature)
+                times["perf/reference_s"] = time.perf_counter() - start
+        row = sampled_row(measured)
+        return SampledBatch(version, rollouts, row), times
+
+    def _in_flight_through(self, last: int) -> None:
+        """Wait until the thread has sampled every batch up to step `last` (or the run's last)."""
+        with self._changed:
+            while self._next is not None and self._next <= min(last, self.total_steps - 1) and self._error is None:
+                self._changed.wait()
+            if self._error is not None:
+                raise self._error
+
+    def state(self) -> dict[str, Any]:
+        """The prompt cursor and the sampler's random state after the batches in flight, and those batches (each
+        with the step of the weights it was sampled from); what sampling them measured is kept with them."""
+        self._in_flight_through(self.next_step + self.k - 1)
+        with self._changed, self.weights.lock:
+            in_flight = [{"step": step, "batch": sampled.to_json(), "times": times}
+                         for step, (sampled, times) in sorted(self._ready.items())]  # fmt: skip
+            return {"prompt_cursor": self.cursor, "sampler_rng": self.weights.sampler.rng_state(), "in_flight": in_flight}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """A checkpoint's state ({} at step 0): the thread stops (what it sampled is dropped) and starts again at the
+        next batch, after the batches in flight."""
+        self._stop_thread()
+        self._exported, self._ready, self._next, self._error = {}, {}, None, None
+        if state:
+            self.cursor = int(state["prompt_cursor"])
+            self.weights.sampler.set_rng_state(state["sampler_rng"])
+            for entry in state.get("in_flight", []):
+                self._ready[int(entry["step"])] = (SampledBatch.from_json(entry["batch"]), dict(entry["times"]))
+            if self._ready:
+                self._first, self._next = min(self._ready), max(self._ready) + 1
+
+    def close(self) -> None:
+        """The thread stops (a run stopped early, or failed, leaves it waiting for weights that never come)."""
+        self._stop_thread()
+        self._exported, self._ready = {}, {}
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            with self._changed:
+                self._stopping = True
+                self._changed.notify_all()
+            self._thread.join()
+            self._thread = None
+
 
 class RLEvaluation:
     """Held-out prompts sampled every trainer.eval_every steps (and after the last): eval/reward, their mean reward.
@@ -270,13 +437,14 @@ class RLEvaluation:
     def run(self, workers: Any, steps_done: int) -> dict[str, Any]:
         start = time.perf_counter()
         sampler = self.weights.sampler
-        self.weights.refresh()
-        training_rng = sampler.rng_state()
-        sampler.set_rng_state(sampler.state_for(self.seed))
-        try:
-            rollouts, samples, measured = sample_groups(self.weights, self.prompts, self.reward, self.rl, self.max_new_tokens)
-        finally:
-            sampler.set_rng_state(training_rng)
+        with self.weights.lock:  # an off-policy run's sampling thread waits (and reloads its weights after)
+            self.weights.refresh()
+            training_rng = sampler.rng_state()
+            sampler.set_rng_state(sampler.state_for(self.seed))
+            try:
+                rollouts, samples, measured = sample_groups(self.weights, self.prompts, self.reward, self.rl, self.max_new_tokens)
+            finally:
+                sampler.set_rng_state(training_rng)
         shown = zip(samples[: self.TABLE_ROWS], rollouts)
         self.table += [[steps_done, prompt.row.prompt, sample.text, rollout.reward] for (prompt, sample), rollout in shown]
         if self.sink is not None:

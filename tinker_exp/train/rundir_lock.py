@@ -17,15 +17,19 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from tinker_exp.errors import ConfigError
 
 LOCK_FILE = "tinker_exp.lock"
 """In the run dir while a run (or a dry run) holds it; removed when it ends, however it ends (but SIGKILL)."""
+POOL_RELEASE_WAIT_S = 90.0
+"""A run whose dir's holder is gone while a warm pool still trains its run there (its client was killed) waits this
+long for the pool to stop that run and release the dir, then is refused."""
 HEARTBEAT_S = 10.0
 """How often the holder refreshes the lock file's mtime."""
 STALE_AFTER_S = 120.0
@@ -58,6 +62,10 @@ class Holder:
     """SLURM_JOB_ID, when it runs under Slurm."""
     slurm_restarts: int = 0
     """SLURM_RESTART_COUNT: how often Slurm requeued that job (0: never)."""
+    pool_pid: int | None = None
+    """The warm pool's process (on `host`) that trains this holder's run and writes into the dir, while it does."""
+    pool_started: int | None = None
+    """That process's start time (as `started`)."""
 
     @classmethod
     def me(cls, environ: Mapping[str, str] = os.environ) -> "Holder":
@@ -75,7 +83,12 @@ class Holder:
         slurm = ""
         if self.slurm_job_id:
             slurm = f", Slurm job {self.slurm_job_id}" + (f" (restart {self.slurm_restarts})" if self.slurm_restarts else "")
-        return f"host {self.host}, pid {self.pid}{slurm}, since {self.since}"
+        pool = f", trained by the warm pool (pid {self.pool_pid})" if self.pool_pid else ""
+        return f"host {self.host}, pid {self.pid}{slurm}{pool}, since {self.since}"
+
+    def pool_writes(self, started: Callable[[int], int | None]) -> bool:
+        """Whether a warm pool of this host still trains this holder's run (whatever became of the holder)."""
+        return self.pool_pid is not None and self.host == socket.gethostname() and started(self.pool_pid) == self.pool_started
 
 
 def process_started(pid: int) -> int | None:
@@ -109,6 +122,8 @@ def takeover_reason(holder: Holder, me: Holder, heartbeat_age_s: float, started:
     - the same Slurm job, requeued since (a higher restart count; the old start may still be dying, anywhere);
     - this host, and the pid is gone, or now another process (another start time);
     - another host, and the heartbeat is older than STALE_AFTER_S."""
+    if holder.pool_writes(started):
+        return None  # its client may be gone; the pool still writes into the dir until it releases it
     same_job = holder.slurm_job_id is not None and holder.slurm_job_id == me.slurm_job_id
     if same_job and me.slurm_restarts > holder.slurm_restarts:
         return f"Slurm requeued job {me.slurm_job_id} (restart {holder.slurm_restarts} -> {me.slurm_restarts})"
@@ -176,12 +191,29 @@ class RunDirLock:
                 reason = f"unreadable, no heartbeat for {age:.0f} s"
             else:
                 reason = takeover_reason(holder, self.me, age, process_started)
+                if reason is None and holder.pool_writes(process_started) and process_started(holder.pid) is None:
+                    self._wait_for_pool(holder)  # its client was killed: the pool stops the run and releases the dir
+                    continue
                 if reason is None:
                     where, who = self.path.parent, holder.describe()
                     raise RunDirInUse(f"{where} is held by {who}: wait for it to end, or use another run dir")
             if self._remove_stale(holder):
                 log.warning(f"run dir lock of {holder.describe() if holder else 'an unknown holder'} taken over: {reason}")
         raise RunDirInUse(f"{self.path.parent}: its lock kept changing hands; try again")
+
+    def _wait_for_pool(self, holder: Holder) -> None:
+        """Until the pool training `holder`'s run (whose process is gone) has released the dir; RunDirInUse after
+        POOL_RELEASE_WAIT_S."""
+        log.info(f"{self.path.parent}: its run (pid {holder.pid}) is gone, and the warm pool (pid {holder.pool_pid}) still "
+                 "stops it there: waiting for the pool to release the dir")  # fmt: skip
+        deadline = time.monotonic() + POOL_RELEASE_WAIT_S
+        while time.monotonic() < deadline:
+            found = read_holder(self.path)
+            if found is None or found[0] is None or found[0].token != holder.token or not found[0].pool_writes(process_started):
+                return
+            time.sleep(0.2)
+        raise RunDirInUse(f"{self.path.parent}: the warm pool (pid {holder.pool_pid}) still writes into it after "
+                          f"{POOL_RELEASE_WAIT_S:.0f} s; wait for it (python -m tinker_exp.pool status), or use another run dir")  # fmt: skip
 
     def _create(self) -> bool:
         try:
@@ -233,5 +265,38 @@ class RunDirLock:
         if self._heartbeat is not None:
             self._heartbeat.join()
             self._heartbeat = None
-        if self.holds():
-            self.path.unlink(missing_ok=True)
+        found = read_holder(self.path)
+        holder = found[0] if found else None
+        if holder is not None and holder.token == self.me.token and not holder.pool_writes(process_started):
+            self.path.unlink(missing_ok=True)  # (a pool still stopping this run removes it when it has: written_by_pool)
+
+
+@contextmanager
+def written_by_pool(run_dir: Path, client_pid: int | None) -> Iterator[None]:
+    """A warm pool's hold on a run dir its client locked: the lock says the pool (this process) writes into it, so a
+    rerun after a killed client waits for the pool instead of taking the dir over; at the end the pool's mark goes
+    (and the lock with it when the client is gone: no one else would remove it)."""
+    path = run_dir / LOCK_FILE
+    found = read_holder(path)
+    holder = found[0] if found else None
+    if holder is None or holder.pid != client_pid or holder.host != socket.gethostname():
+        yield  # not locked by that client here (a test's own run): nothing to mark
+        return
+    marked = replace(holder, pool_pid=os.getpid(), pool_started=process_started(os.getpid()))
+    _rewrite(path, marked)
+    try:
+        yield
+    finally:
+        found = read_holder(path)
+        if found is not None and found[0] is not None and found[0].token == holder.token:
+            if process_started(holder.pid) is None:
+                path.unlink(missing_ok=True)
+            else:
+                _rewrite(path, holder)
+
+
+def _rewrite(path: Path, holder: Holder) -> None:
+    """The lock's content replaced at once (its holder's heartbeat and release see the same token)."""
+    tmp = path.with_name(f"{LOCK_FILE}.{holder.token}.tmp")
+    tmp.write_text(json.dumps(asdict(holder)) + "\n", encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,114 @@
+"""tinker-cookbook 0.6.1's own loops against `python -m tinker_exp.serve` (the tiny model, 2 CPU workers on the
+suite's Ray cluster), with only the glue a user writes: a tokenizer registered for the served model's name (the hub
+is out of reach), a local conversation file, and the cookbook's arithmetic env with its generic `role_colon`
+renderer. Its supervised loop (`supervised.train`), its RL loop synchronous, and asynchronous with its `AsyncConfig`
+default loss `stable_reinforce`, each run as a user runs it (a script, `asyncio.run(main(config))`).
+
+The cookbook is installed with `pip install --no-deps tinker-cookbook==0.6.1` (Makefile): its requirement
+`tml-renderers>=0.4.1` is not in our registry and is imported only for Inkling and Kimi models (docs/serve.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, environment, read_jsonl
+from test_serve import API_KEY, free_port, model_rows, start_server
+
+pytest.importorskip("tinker_cookbook", reason="make install puts tinker-cookbook 0.6.1 in (pip --no-deps)")
+
+GLUE = '''
+import asyncio, json, sys, time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+from tinker_cookbook.tokenizer_utils import register_tokenizer
+
+from tinker_exp.config.schema import ModelConfig
+from tinker_exp.runtime.inputs import model_dir
+
+local = str(model_dir(ModelConfig()))
+register_tokenizer("tiny-llama", lambda: AutoTokenizer.from_pretrained(local))  # the served name: not on the hub
+
+base_url, out, loop = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+start = time.perf_counter()
+if loop == "supervised":
+    from tinker_cookbook.supervised import train
+    from tinker_cookbook.supervised.data import FromConversationFileBuilder
+    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+    conversations = out.parent / "conversations.jsonl"
+    conversations.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {a} + {a}?"},
+                                                              {"role": "assistant", "content": str(2 * a)}]}) + "\\n"
+                                     for a in range(16)))
+    common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer="tiny-llama", renderer_name="role_colon",
+                                            max_length=64, batch_size=4)
+    config = train.Config(log_path=str(out), model_name="tiny-llama", recipe_name="sft", renderer_name="role_colon",
+                          dataset_builder=FromConversationFileBuilder(file_path=str(conversations), common_config=common),
+                          learning_rate=1e-3, lora_rank=8, base_url=base_url, save_every=2, eval_every=0, max_steps=4)
+else:
+    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
+    from tinker_cookbook.rl import train
+
+    builder = ArithmeticDatasetBuilder(batch_size=2, model_name_for_tokenizer="tiny-llama", renderer_name="role_colon",
+                                       n_batches=4, group_size=4, include_fewshot=False)
+    off_policy = {"async_config": train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2)} if loop == "async" else {}
+    config = train.Config(learning_rate=1e-3, dataset_builder=builder, model_name="tiny-llama", recipe_name="rl",
+                          max_tokens=8, log_path=str(out), renderer_name="role_colon", lora_rank=8, base_url=base_url,
+                          eval_every=0, save_every=2, **off_policy)
+asyncio.run(train.main(config))
+print(f"wall {time.perf_counter() - start:.2f}")
+'''
+
+
+@pytest.fixture(scope="module")
+def served(ray_address, tmp_path_factory):
+    run_dir, port = tmp_path_factory.mktemp("serve_cookbook"), free_port()
+    terminal = start_server(ray_address, run_dir, port)
+    yield {"url": f"http://127.0.0.1:{port}", "run_dir": run_dir}
+    terminal.process.terminate()
+    terminal.process.wait(60)
+
+
+def run_loop(served, tmp_path, loop: str) -> tuple:
+    """The user's script for `loop`; (its log dir, its metrics rows, the served model's own rows)."""
+    script, out = tmp_path / "glue.py", tmp_path / loop
+    script.write_text(GLUE)
+    done = subprocess.run([sys.executable, str(script), served["url"], str(out), loop], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env=environment({"TINKER_API_KEY": API_KEY, "TINKER_TELEMETRY": "0"}))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [row for row in read_jsonl(out / "metrics.jsonl")]
+    checkpoints = read_jsonl(out / "checkpoints.jsonl")
+    model_id = checkpoints[-1]["state_path"].removeprefix("tinker://").split("/")[0]
+    return out, rows, model_rows(served, model_id), checkpoints
+
+
+def test_the_cookbooks_supervised_loop_trains_on_a_local_conversation_file(served, tmp_path):
+    out, rows, served_rows, checkpoints = run_loop(served, tmp_path, "supervised")
+    losses = [row["train_mean_nll"] for row in rows if "train_mean_nll" in row]
+    assert len(losses) == 4 and all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert [c["name"] for c in checkpoints] == ["000002", "final"]  # save_every=2, then the last
+    assert checkpoints[-1]["sampler_path"].endswith("/sampler_weights/final")
+    # every step's lr (the cookbook's linear decay) reached the workers as sent
+    assert [row["applied/lr"] for row in served_rows] == [row["requested/lr"] for row in served_rows]
+    assert [row["requested/lr"] for row in served_rows] == pytest.approx([row["learning_rate"] for row in rows if "learning_rate" in row])
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_the_cookbooks_rl_loop_on_its_arithmetic_env(served, tmp_path, loop):
+    """4 batches of 2 groups x 4 samples. The async loop trains with its default loss, stable_reinforce (refused by
+    the server before: `loss_fn: 'stable_reinforce' is not served`), on groups sampled up to a step behind. The tiny
+    random model never answers, so every group's rewards are equal (-0.1, the format penalty): the steps run with
+    zero advantages. The cookbook's own sampler/trainer KL (from the log-probs forward_backward returns) is ~1e-7."""
+    out, rows, served_rows, checkpoints = run_loop(served, tmp_path, loop)
+    trained = [row for row in rows if "optim/kl_sample_train_v1" in row]
+    assert len(trained) == 4 and all(abs(row["optim/kl_sample_train_v1"]) < 1e-5 for row in trained)
+    assert len(served_rows) == 4 and [row["applied/lr"] for row in served_rows] == [row["requested/lr"] for row in served_rows]
+    names = [c["name"] for c in checkpoints]  # every 2 batches (the async loop also saves its start), then the last
+    assert names[-3:] == ["000002", "000004", "final"] and set(names[:-3]) <= {"000000"}
+    config = json.loads((out / "config.json").read_text())
+    assert (config["async_config"] or {}).get("loss_fn") == ("stable_reinforce" if loop == "async" else None)
