@@ -300,6 +300,18 @@ def kernels(ray_address):
             results[name, kernel, index == len(runs)] = {
                 "steps": steps, "evaluations": evaluations, "digests": digests, "gathered": workers.group.gathered_parameters(),
             }
+        schedule_free = config.load(compose("optimizer=adamw_schedulefree", f"trainer.steps={KERNEL_STEPS}"))
+        plan = validate(schedule_free)
+        for evaluated in (True, False):  # its evaluations move the parameters to its averaged weights and back
+            workers.backend = schedule_free.backend
+            workers.start_fresh(schedule_free.optimizer, schedule_free.trainer, plan.optimizer_values, workers.output)
+            steps = []
+            for step in range(KERNEL_STEPS):
+                result = workers.train_step(examples, plan[step])
+                steps.append((result.loss, result.grad_norm))
+                if evaluated:
+                    workers.evaluate(examples)
+            results["schedule-free", evaluated] = steps
     finally:
         workers.shutdown()
     return results
@@ -323,13 +335,19 @@ def test_foreach_steps_bitwise_as_the_for_loop_for_the_families_auto_gives_it_on
     assert exact == set(CPU_FOREACH_EXACT)
 
 
+def test_schedule_free_trains_bitwise_with_evaluations_between_its_steps(kernels):
+    """Its evaluation writes its averaged weights into the shards and its training point back after: a step after an
+    evaluation must see the training point, not what the evaluation's forward left gathered."""
+    assert kernels["schedule-free", True] == kernels["schedule-free", False]
+
+
 def test_a_fresh_start_after_an_evaluation_is_the_first_start(kernels):
     """verl's forward-only path leaves the parameters gathered (reshard_after_forward off), which a pool's fresh
     start could not copy the kept shards into (`aten.copy_.default got mixed torch.Tensor and DTensor`): our
     evaluation reshards after it, and a fresh start after an evaluation restores the group's start exactly (the
     first run, done again last, is bitwise the first: losses, grad norms, evaluations, parameters); the runs
     between trained (the loss falls)."""
-    runs = {key: result for key, result in kernels.items() if key != "bare forward"}
+    runs = {key: result for key, result in kernels.items() if len(key) == 3}
     first = next(key for key in runs if not key[2])
     again = (*first[:2], True)
     assert kernels["bare forward"] == [20, 20]  # verl's forward-only path leaves every parameter of both ranks gathered
