@@ -56,7 +56,7 @@ FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD")
 CPU_FOREACH_EXACT = ("AdamW", "Adam", "SGD", "RMSprop", "Adagrad", "Adamax")
 """optimizer.name values whose foreach kernel steps bitwise as their for loop on CPU workers (FSDP2's DTensors;
 tests/test_optimizers_ray.py): backend.optimizer_kernel=auto takes foreach for them on cpu. NAdam and RAdam's foreach
-kernels round differently (1e-7), an optimizer not named here is new to the check: both keep the for loop."""
+kernels round differently (1e-7), an optimizer not named here is new to the check: both keep their default."""
 AUTO_MICRO_BATCH_TOKENS = 16384
 """backend.micro_batch_tokens=null on cuda: at most this many tokens a micro batch."""
 
@@ -335,9 +335,9 @@ class BackendConfig:
     reshard_after_forward: Optional[bool] = None
     """FSDP2's reshard_after_forward: true frees each layer's gathered parameters after its forward and gathers
     them again for its backward (less memory: verl's default); false keeps them to the backward (one all-gather
-    fewer per layer and micro batch; after a forward-only evaluation they stay gathered until the next step). Moves
-    data only: losses are bitwise the same. None: false on cpu (faster), true on cuda (memory). SFT runs (RL's
-    actor keeps verl's default)."""
+    fewer per layer and micro batch; the workers reshard after a forward-only evaluation). Moves data only: losses
+    are bitwise the same. None: false on cpu (faster), true on cuda (memory). SFT runs (RL's actor keeps verl's
+    default)."""
     liger: Optional[bool] = None
     """Liger's fused Triton kernels (RMSNorm, SwiGLU, RoPE) patched into the model by verl (use_liger; its fused
     cross-entropy stays off, as verl sets it). None: on for cuda when liger_kernel imports, off on cpu (Triton is
