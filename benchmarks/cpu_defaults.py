@@ -33,7 +33,7 @@ def one_run(settings: list[str], args: argparse.Namespace, figures: Path) -> dic
                "--json", str(figures)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "TINKER_EXP_POOL": "none"})
     if done.returncode != 0:
-        sys.exit(f"benchmarks/gpu.py failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        sys.exit(f"benchmarks/gpu.py failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     result = json.loads(figures.read_text())["tinker_exp"]
     return {**result, "load": (load, os.getloadavg()[0])}
 
