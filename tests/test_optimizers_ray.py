@@ -4,6 +4,10 @@ resumes restore sharded optimizer state; 1 for SGD and RMSprop), sharing one Ray
 Each optimizer trains 6 steps with a scheduled value (applied == requested in every group of every sub-optimizer, at
 every step: the loop checks it and stops otherwise), then resumes from its step-3 checkpoint bitwise. Before the
 workers are freed, every rank reports each sub-optimizer's param-group keys and value types, held to the table.
+
+The CPU defaults' exactness (docs/devices.md#throughput-knobs): one 2-rank group lent, as a pool lends it, to every
+torch family with foreach and with the for loop (bitwise where CPU_FOREACH_EXACT says so), and to schedule-free AdamW
+with and without evaluations between its steps; every fresh start but the first follows an evaluation.
 """
 
 from __future__ import annotations
@@ -95,8 +99,8 @@ def muon(ray_address, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adamw(ray_address, tmp_path_factory):
-    # an evaluation at step 3, right before the step-3 checkpoint the resume starts from: on CPU the parameters are
-    # kept gathered after a forward (backend.reshard_after_forward's default), so they are when that one is saved
+    # an evaluation at step 3, right before the step-3 checkpoint the resume starts from (on CPU a forward keeps the
+    # parameters gathered: backend.reshard_after_forward's default; the workers reshard after an evaluation)
     return whole_and_resumed(
         tmp_path_factory, "adamw", "+override=[lr_cosine,beta2_warmup]", "override.lr.warmup_steps=2", "logger=none",
         "trainer.eval_every=3",
@@ -177,8 +181,8 @@ def test_adamw_groups_match_the_table(adamw):
 
 
 def test_a_checkpoint_saved_right_after_an_evaluation_resumes_bitwise(adamw):
-    """2 ranks, the CPU defaults (parameters left gathered by the evaluation's forward): the step-3 checkpoint
-    follows step 3's evaluation, and the run resumed from it logs every value of the whole run, bitwise."""
+    """2 ranks, the CPU defaults (reshard_after_forward off): the step-3 checkpoint follows step 3's evaluation, and
+    the run resumed from it logs every value of the whole run, bitwise."""
     rows, resumed = adamw["rows"], adamw["resumed"]
     assert [row["train/step"] for row in rows if "val/loss" in row] == [2, 5]  # evaluated after steps 3 and 6
     keys = (*KEYS, "val/loss", "applied/lr", "applied/beta2")
@@ -199,7 +203,8 @@ class Tokens:
 
 def digest_probed():
     """TinkerWorkers whose ranks also report a digest of their parameter shards (read through state_dict, whose
-    FSDP2 hook reshards what an evaluation left gathered)."""
+    FSDP2 hook reshards gathered parameters), how many parameters are gathered, and what verl's own forward-only
+    path leaves gathered."""
     from tinker_exp.runtime.workers import TinkerWorkers
 
     class DigestWorkers(TinkerWorkers):
@@ -295,7 +300,7 @@ def kernels(ray_address):
                 steps.append((result.loss, result.grad_norm))
                 if step == 0:
                     evaluations.append(workers.evaluate(examples))
-            digests = workers.group.parameter_digest()  # before the last evaluation: state_dict reshards
+            digests = workers.group.parameter_digest()  # before the last evaluation: "gathered" is what that one leaves
             evaluations.append(workers.evaluate(examples))
             results[name, kernel, index == len(runs)] = {
                 "steps": steps, "evaluations": evaluations, "digests": digests, "gathered": workers.group.gathered_parameters(),
