@@ -321,7 +321,11 @@ def main() -> int:
         tokens = statistics.median(facts["tokens"])
         from tinker_exp.runtime.device import throughput
 
-        knobs = throughput(_backend(overrides), choice.device, spec["optimizer"], choice.attention)
+        composed = _config(overrides)
+        knobs = throughput(composed.backend, choice.device, spec["optimizer"], choice.attention)
+        # LoRA: the frozen base has no weight gradients, so a token costs 4 x N (forward 2, activations' gradients 2)
+        figures["flops_per_token_basis"] = "4 x N (LoRA: no weight gradients of the frozen base)" if composed.lora.rank else "6 x N"
+        figures["lora_rank"] = composed.lora.rank
         figures.update(tokens_per_step=tokens, device=choice.describe(), throughput=knobs.describe())
         say(f"config: {choice.describe()}; {knobs.describe()}; {rows} x {seq} tokens = {tokens:,.0f} tokens a step")
 
@@ -407,7 +411,8 @@ def main() -> int:
         gpu_name = torch.cuda.get_device_name(0) if choice.device == "cuda" and torch.cuda.is_available() else None
         peak_tflops, peak_basis = spec_peak(gpu_name, args.peak_tflops)
         figures.update(gpu=gpu_name, spec_peak_tflops=peak_tflops, spec_peak_basis=peak_basis)
-        mfu = 6 * n_params * tokens / step / (peak_tflops * 1e12) if peak_tflops else None
+        per_token = 4 if figures["flops_per_token_basis"].startswith("4") else 6
+        mfu = per_token * n_params * tokens / step / (peak_tflops * 1e12) if peak_tflops else None
         peak = figures["peak_memory_gib"]
         say(f"tinker_exp: {step * 1e3:.1f} ms a step (median), {tokens / step:,.0f} tokens/s, MFU "
             f"{'-' if mfu is None else f'{mfu * 100:.1f} %'} ({peak_basis}), peak memory {'-' if peak is None else f'{peak:.1f} GiB'}")  # fmt: skip
@@ -446,7 +451,7 @@ def main() -> int:
     # --- the report ---
     s = figures["tinker_exp"]
     step = s["step_s"]
-    flops = 6 * n_params * tokens
+    flops = (4 if figures["flops_per_token_basis"].startswith("4") else 6) * n_params * tokens
     shape = TINY if tiny else QWEN25_15B
     attention = 3 * 2 * 2 * shape["num_hidden_layers"] * shape["hidden_size"] * (seq / 2) * tokens
     bases = {"spec_peak": figures["spec_peak_tflops"], "measured_matmul": figures["matmul_tflops"]}
@@ -456,7 +461,8 @@ def main() -> int:
         figures[f"mfu_{basis}_with_attention"] = (flops + attention) / step / (tflops * 1e12) if tflops else None
     print()
     print(f"GPU benchmark: {choice.describe()}; {knobs.describe()}")
-    print(f"model: {n_params / 1e9:.3f} B parameters; {rows} x {seq} = {tokens:,.0f} tokens a step; {s['steps']} timed steps "
+    lora = f", LoRA rank {figures['lora_rank']} (the base frozen)" if figures["lora_rank"] else ""
+    print(f"model: {n_params / 1e9:.3f} B parameters{lora}; {rows} x {seq} = {tokens:,.0f} tokens a step; {s['steps']} timed steps "
           f"after {args.warmup} warm-up; workers: {placement}")  # fmt: skip
     st = startup
     print(f"start-up:  imports {st['imports_s']:.1f} s, Ray {st['ray_s']:.1f} s, worker group {st['worker_group_s']:.1f} s, "
@@ -471,7 +477,7 @@ def main() -> int:
         mfu, with_attention, tflops = figures[f"mfu_{basis}"], figures[f"mfu_{basis}_with_attention"], bases[basis]
         percent = lambda x: "-" if x is None else f"{x * 100:.1f} %"  # noqa: E731
         print(f"MFU:       {percent(mfu)} on the {basis.replace('_', ' ')} ({'-' if tflops is None else f'{tflops:.4g} TFLOP/s'}: "
-              f"{label}; 6 x N x tokens / step time, N = {n_params:,} parameters, each once; with attention "
+              f"{label}; {figures['flops_per_token_basis']} x tokens / step time, N = {n_params:,} parameters, each once; with attention "
               f"{percent(with_attention)})")  # fmt: skip
     peak = figures["peak_memory_gib"]
     print(f"memory:    peak {'-' if peak is None else f'{peak:.1f} GiB'} (torch.cuda.max_memory_allocated, rank 0)")
@@ -487,7 +493,7 @@ def main() -> int:
     print(f"total:     {time.monotonic() - BEGAN:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1, default=str))
-    print("GPU_BENCH " + json.dumps({k: figures.get(k) for k in ("mfu_spec_peak", "mfu_measured_matmul", "spec_peak_tflops", "spec_peak_basis",
+    print("GPU_BENCH " + json.dumps({k: figures.get(k) for k in ("mfu_spec_peak", "mfu_measured_matmul", "flops_per_token_basis", "spec_peak_tflops", "spec_peak_basis",
                                                                  "matmul_tflops", "gpu", "tokens_per_s", "ratio_to_bare", "peak_memory_gib",
                                                                  "startup", "device", "throughput")}, default=str))  # fmt: skip
     if failures:
@@ -497,14 +503,14 @@ def main() -> int:
     return 0
 
 
-def _backend(overrides: list[str]):
+def _config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     from tinker_exp import config
 
     config.register()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
-        return config.load(compose("config", overrides=overrides)).backend
+        return config.load(compose("config", overrides=overrides))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,11 @@
 #   e  benchmarks/pool.py start: the tiny model's cold run and a run on a warm pool, process start to step 1 (140 s)
 #   f  a's batch and knobs but backend.liger=false, tinker_exp's loop only: Liger's kernels (on in a when
 #      liger_kernel imports: the bundle has it) measured off; figures not measured on a GPU yet            (80 s)
+#   g  a's batch with LoRA rank 16 (alpha 32), tinker_exp's loop only: tokens/s, MFU on the 4 x N basis  (80 s)
+#   h  the same with LoRA rank 64 (alpha 128)                                                          (80 s)
 #   d  a's batch and knobs but padding-free on (with sdpa the default pads), tinker_exp's loop only: what sdpa
 #      makes of a packed row                                                        (70 s, or what is left: >= 45 s)
+# Every stage needs about 620 s: GPU_BUDGET_S=700 (the default 400 s skips the last ones, saying so).
 # Switches: GPU_STAGES="a b" (a subset); GPU_EMU=1 (no GPU: backend=cpu, tiny settings, longer timeouts: how this
 # script is tested on CPU); GPU_BUNDLE (default .gpu_bundle); GPU_SITE=none (use the Python environment as it is:
 # PYTHON's, which needs tinker_exp's dependencies and, on a GPU, a CUDA build of torch), or a folder to install the
@@ -34,7 +37,7 @@ ROOT=$(pwd)
 HERE="$ROOT/scripts/gpu_check"
 BUNDLE=${GPU_BUNDLE:-$ROOT/.gpu_bundle}
 EMU=${GPU_EMU:-0}
-STAGES=" ${GPU_STAGES:-a b c e f d} "
+STAGES=" ${GPU_STAGES:-a b c e f g h d} "
 # Never a fixed shared folder it deletes: a fresh one of its own (or GPU_WORK, made if need be), and in it a fresh
 # logs folder
 WORK=${GPU_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/tinker-gpu-check.XXXXXX")}
@@ -153,6 +156,8 @@ if [ "$EMU" = 1 ]; then
   stage c c_lora_end run 300 60 "$R/c_lora" -- $PY -m tinker_exp lora=r8 "${CPU[@]}" trainer.steps=4 trainer.eval_every=2 checkpoint.every_steps=2 hydra.run.dir="$R/c_lora"
   stage e e_pool_start text 400 60 "" -- env TINKER_EXP_POOL=auto $PY benchmarks/pool.py start --pairs 1 --no-bare --set backend=cpu --set backend.num_workers=1 --set logger=none
   stage f f_bench_no_liger bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 3 --warmup 1 --set backend.liger=false --json "$LOGS/f_bench_no_liger.log.json"
+  stage g g_bench_lora16 bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 3 --warmup 1 --set lora=r8 --set lora.rank=16 --set lora.alpha=32 --json "$LOGS/g_bench_lora16.log.json"
+  stage h h_bench_lora64 bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 3 --warmup 1 --set lora=r8 --set lora.rank=64 --set lora.alpha=128 --json "$LOGS/h_bench_lora64.log.json"
   stage d d_bench_packed bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 3 --warmup 1 --set backend.padding_free=true --json "$LOGS/d_bench_packed.log.json"
 else
   stage a a_bench bench 140 80 "" -- $PY benchmarks/gpu.py --steps 5 "${PEAK[@]}" --json "$LOGS/a_bench.log.json"
@@ -160,6 +165,8 @@ else
   stage c c_lora_end run 80 40 "$R/c_lora" -- $PY -m tinker_exp lora=r8 trainer.steps=10 backend.num_workers=1 logger=none hydra.run.dir="$R/c_lora"
   stage e e_pool_start text 140 90 "" -- env TINKER_EXP_POOL=auto $PY benchmarks/pool.py start --pairs 1 --no-bare --set backend.num_workers=1 --set logger=none
   stage f f_bench_no_liger bench 80 45 "" -- $PY benchmarks/gpu.py --no-bare --steps 3 --warmup 1 --set backend.liger=false "${PEAK[@]}" --json "$LOGS/f_bench_no_liger.log.json"
+  stage g g_bench_lora16 bench 80 50 "" -- $PY benchmarks/gpu.py --no-bare --steps 4 --warmup 1 --set lora=r8 --set lora.rank=16 --set lora.alpha=32 "${PEAK[@]}" --json "$LOGS/g_bench_lora16.log.json"
+  stage h h_bench_lora64 bench 80 50 "" -- $PY benchmarks/gpu.py --no-bare --steps 4 --warmup 1 --set lora=r8 --set lora.rank=64 --set lora.alpha=128 "${PEAK[@]}" --json "$LOGS/h_bench_lora64.log.json"
   stage d d_bench_packed bench 70 45 "" -- $PY benchmarks/gpu.py --no-bare --steps 3 --warmup 1 --set backend.padding_free=true "${PEAK[@]}" --json "$LOGS/d_bench_packed.log.json"
 fi
 
@@ -169,5 +176,5 @@ $PY "$HERE/record.py" "$FIG" summary summary 0 "$(( $(date +%s) - START ))" -
 tar -czf "$OUT/logs.tar.gz" --exclude='checkpoints' --exclude='adapter' --exclude='*.png' --exclude='wandb' \
   --exclude='*.safetensors' -C "$LOGS" . -C "$R" . 2>/dev/null
 say "SUMMARY: ${SUMMARY[*]}; total $(( $(date +%s) - START )) s; figures in $FIG"
-grep -h -A9 "^GPU benchmark: " "$LOGS"/a_bench.log "$LOGS"/b_bench_before.log "$LOGS"/f_bench_no_liger.log "$LOGS"/d_bench_packed.log 2>/dev/null
+grep -h -A10 "^GPU benchmark: " "$LOGS"/{a_bench,b_bench_before,f_bench_no_liger,g_bench_lora16,h_bench_lora64,d_bench_packed}.log 2>/dev/null
 sleep 1  # let tee write the last lines
