@@ -11,12 +11,15 @@ forward_backward + optimizer_step and nothing else) on the same model and batche
   it and as the worker spends it (device synchronised on cuda), the difference being the Ray round trip
   (dispatch, pickling, the batch's transfer); the driver's own work between steps (checks, sinks, next batch);
 - tokens/s, MFU = 6 x N x tokens / step time / peak (N every parameter once, the tied embedding/lm_head once; the
-  attention's own score/value matmuls left out, shown apart as `with attention`; peak 790 TFLOP/s, H200 dense
-  bf16 as measured), peak GPU memory (torch.cuda.max_memory_allocated on the worker);
+  attention's own score/value matmuls left out, shown apart as `with attention`) on two bases: the GPU's spec dense
+  bf16 peak (SPEC_PEAK_TFLOPS, found from the device's name, or --peak-tflops; what published MFU figures divide
+  by) and the matmul rate measured on this GPU once the loops are done (8192^3 bf16 products; on CPU, 1024^3 fp32
+  ones); peak GPU memory (torch.cuda.max_memory_allocated on the worker);
 - the ratio of tinker_exp's median step to the bare loop's, and whether their losses agree.
 
     python benchmarks/gpu.py                               # one GPU: Qwen2.5-1.5B's shape, 16 x 2048 = 32,768 tokens a step
     python benchmarks/gpu.py --set backend.micro_batch_tokens=0 --set backend.micro_batch_size=4   # another config
+    python benchmarks/gpu.py --peak-tflops 312              # a GPU the table does not know (A100: 312 TFLOP/s bf16)
     python benchmarks/gpu.py --tiny --device cpu            # CI (tests/test_benchmarks.py): tiny shapes on CPU
 
 The model (random weights, seed 0, tinker_exp's byte-level tokenizer) is built once and cached under
@@ -44,8 +47,46 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0)  # fmt: skip
 """Qwen2.5-1.5B's shape (tied embeddings): 1.54 B parameters."""
-PEAK_FLOPS = 790e12
-"""H200 dense bf16 matmul, as measured on the machine (8192^3 products: 769..798 TFLOP/s)."""
+SPEC_PEAK_TFLOPS = (
+    ("H100 NVL", 835), ("H100 PCIe", 756), ("H100", 989), ("H200 NVL", 835), ("H200", 989), ("H20", 148),
+    ("GH200", 989), ("B200", 2250), ("A100", 312), ("A800", 312), ("L40S", 362), ("L40", 181), ("L4", 121),
+    ("A10", 125), ("RTX 4090", 165), ("RTX 6000 Ada", 365),
+)
+"""Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from NVIDIA's data sheets, by a part of the name torch gives
+the device (`NVIDIA H100 80GB HBM3` is the SXM part); the first match counts, so the specific names come first."""
+
+
+def spec_peak(gpu_name: str | None, asked: float | None) -> tuple[float | None, str]:
+    """(TFLOP/s, where it comes from) of the spec basis: --peak-tflops, else the table's entry for the device's name,
+    else None (MFU on this basis not stated)."""
+    if asked:
+        return asked, f"--peak-tflops {asked:g}"
+    for part, tflops in SPEC_PEAK_TFLOPS:
+        if gpu_name and part in gpu_name:
+            return float(tflops), f"{part} spec, dense bf16"
+    return None, f"no spec peak known for {gpu_name or 'this device'} (pass --peak-tflops)"
+
+
+def measured_matmul_tflops(device: str) -> float:
+    """The dense matmul rate this device reaches (the median of 5 timed products after 2 warm-up ones): 8192^3 in
+    bf16 on cuda, 1024^3 in fp32 on cpu."""
+    import torch
+
+    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (1024, torch.float32)
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    times = []
+    for i in range(7):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    del a, b
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * n**3 / statistics.median(times[2:]) / 1e12
 
 BEGAN = time.monotonic()
 from overhead import TINY_QWEN2 as TINY  # noqa: E402  (benchmarks/overhead.py: the CI shapes)
@@ -226,6 +267,7 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (both loops)")
     parser.add_argument("--no-bare", action="store_true", help="tinker_exp's loop only")
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak in TFLOP/s (default: from its name)")
     args = parser.parse_args()
     tiny = args.tiny
     seq, rows = args.seq or (64 if tiny else 2048), args.rows or (4 if tiny else 16)
@@ -279,7 +321,11 @@ def main() -> int:
         tokens = statistics.median(facts["tokens"])
         from tinker_exp.runtime.device import throughput
 
-        knobs = throughput(_backend(overrides), choice.device, spec["optimizer"], choice.attention)
+        composed = _config(overrides)
+        knobs = throughput(composed.backend, choice.device, spec["optimizer"], choice.attention)
+        # LoRA: the frozen base has no weight gradients, so a token costs 4 x N (forward 2, activations' gradients 2)
+        figures["flops_per_token_basis"] = "4 x N (LoRA: no weight gradients of the frozen base)" if composed.lora.rank else "6 x N"
+        figures["lora_rank"] = composed.lora.rank
         figures.update(tokens_per_step=tokens, device=choice.describe(), throughput=knobs.describe())
         say(f"config: {choice.describe()}; {knobs.describe()}; {rows} x {seq} tokens = {tokens:,.0f} tokens a step")
 
@@ -362,11 +408,15 @@ def main() -> int:
             f"{startup['run_end_after_last_step_s']:.1f} s after its last step")  # fmt: skip
 
         step = split["step_s"]
-        mfu = 6 * n_params * tokens / step / PEAK_FLOPS
+        gpu_name = torch.cuda.get_device_name(0) if choice.device == "cuda" and torch.cuda.is_available() else None
+        peak_tflops, peak_basis = spec_peak(gpu_name, args.peak_tflops)
+        figures.update(gpu=gpu_name, spec_peak_tflops=peak_tflops, spec_peak_basis=peak_basis)
+        per_token = 4 if figures["flops_per_token_basis"].startswith("4") else 6
+        mfu = per_token * n_params * tokens / step / (peak_tflops * 1e12) if peak_tflops else None
         peak = figures["peak_memory_gib"]
-        say(f"tinker_exp: {step * 1e3:.1f} ms a step (median), {tokens / step:,.0f} tokens/s, MFU {mfu * 100:.1f} %, "
-            f"peak memory {'-' if peak is None else f'{peak:.1f} GiB'}")  # fmt: skip
-        print("GPU_BENCH_PARTIAL " + json.dumps({"mfu": mfu, "tokens_per_s": tokens / step, "step_s": step, "split": split,
+        say(f"tinker_exp: {step * 1e3:.1f} ms a step (median), {tokens / step:,.0f} tokens/s, MFU "
+            f"{'-' if mfu is None else f'{mfu * 100:.1f} %'} ({peak_basis}), peak memory {'-' if peak is None else f'{peak:.1f} GiB'}")  # fmt: skip
+        print("GPU_BENCH_PARTIAL " + json.dumps({"mfu_spec_peak": mfu, "spec_peak_basis": peak_basis, "tokens_per_s": tokens / step, "step_s": step, "split": split,
                                                  "peak_memory_gib": peak, "startup": startup, "device": choice.describe(),
                                                  "throughput": knobs.describe()}, default=str), flush=True)  # fmt: skip
 
@@ -395,18 +445,24 @@ def main() -> int:
             if not all(math.isfinite(x) for x in bare_losses):
                 failures.append(f"bare: losses not finite: {bare_losses}")
     ray.shutdown()
+    say("the matmul rate of this device (the workers are gone)")
+    figures["matmul_tflops"] = measured_matmul_tflops(choice.device)
 
     # --- the report ---
     s = figures["tinker_exp"]
     step = s["step_s"]
-    flops = 6 * n_params * tokens
+    flops = (4 if figures["flops_per_token_basis"].startswith("4") else 6) * n_params * tokens
     shape = TINY if tiny else QWEN25_15B
     attention = 3 * 2 * 2 * shape["num_hidden_layers"] * shape["hidden_size"] * (seq / 2) * tokens
-    figures.update(tokens_per_s=tokens / step, model_tflops_per_s=flops / step / 1e12, mfu=flops / step / PEAK_FLOPS,
-                   mfu_with_attention=(flops + attention) / step / PEAK_FLOPS)  # fmt: skip
+    bases = {"spec_peak": figures["spec_peak_tflops"], "measured_matmul": figures["matmul_tflops"]}
+    figures.update(tokens_per_s=tokens / step, model_tflops_per_s=flops / step / 1e12)
+    for basis, tflops in bases.items():
+        figures[f"mfu_{basis}"] = flops / step / (tflops * 1e12) if tflops else None
+        figures[f"mfu_{basis}_with_attention"] = (flops + attention) / step / (tflops * 1e12) if tflops else None
     print()
     print(f"GPU benchmark: {choice.describe()}; {knobs.describe()}")
-    print(f"model: {n_params / 1e9:.3f} B parameters; {rows} x {seq} = {tokens:,.0f} tokens a step; {s['steps']} timed steps "
+    lora = f", LoRA rank {figures['lora_rank']} (the base frozen)" if figures["lora_rank"] else ""
+    print(f"model: {n_params / 1e9:.3f} B parameters{lora}; {rows} x {seq} = {tokens:,.0f} tokens a step; {s['steps']} timed steps "
           f"after {args.warmup} warm-up; workers: {placement}")  # fmt: skip
     st = startup
     print(f"start-up:  imports {st['imports_s']:.1f} s, Ray {st['ray_s']:.1f} s, worker group {st['worker_group_s']:.1f} s, "
@@ -417,8 +473,12 @@ def main() -> int:
           f"(worker {ms(s['worker_optimizer_step_s'])}, Ray round trip {ms(s.get('optimizer_step_round_trip_s'))}); "
           f"driver's own work {ms(s['driver_s'])}")  # fmt: skip
     print(f"tokens/s:  {figures['tokens_per_s']:,.0f}; {figures['model_tflops_per_s']:.1f} TFLOP/s")
-    print(f"MFU:       {figures['mfu'] * 100:.1f} % (6 x N x tokens / step time / {PEAK_FLOPS / 1e12:.0f} TFLOP/s; "
-          f"N = {n_params:,} parameters, each once; with attention {figures['mfu_with_attention'] * 100:.1f} %)")  # fmt: skip
+    for basis, label in (("spec_peak", figures["spec_peak_basis"]), ("measured_matmul", "measured matmul rate")):
+        mfu, with_attention, tflops = figures[f"mfu_{basis}"], figures[f"mfu_{basis}_with_attention"], bases[basis]
+        percent = lambda x: "-" if x is None else f"{x * 100:.1f} %"  # noqa: E731
+        print(f"MFU:       {percent(mfu)} on the {basis.replace('_', ' ')} ({'-' if tflops is None else f'{tflops:.4g} TFLOP/s'}: "
+              f"{label}; {figures['flops_per_token_basis']} x tokens / step time, N = {n_params:,} parameters, each once; with attention "
+              f"{percent(with_attention)})")  # fmt: skip
     peak = figures["peak_memory_gib"]
     print(f"memory:    peak {'-' if peak is None else f'{peak:.1f} GiB'} (torch.cuda.max_memory_allocated, rank 0)")
     print(f"run end:   {st['run_end_after_last_step_s']:.1f} s from the last step to run() returning")
@@ -433,7 +493,8 @@ def main() -> int:
     print(f"total:     {time.monotonic() - BEGAN:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1, default=str))
-    print("GPU_BENCH " + json.dumps({k: figures.get(k) for k in ("mfu", "tokens_per_s", "ratio_to_bare", "peak_memory_gib",
+    print("GPU_BENCH " + json.dumps({k: figures.get(k) for k in ("mfu_spec_peak", "mfu_measured_matmul", "flops_per_token_basis", "spec_peak_tflops", "spec_peak_basis",
+                                                                 "matmul_tflops", "gpu", "tokens_per_s", "ratio_to_bare", "peak_memory_gib",
                                                                  "startup", "device", "throughput")}, default=str))  # fmt: skip
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
@@ -442,14 +503,14 @@ def main() -> int:
     return 0
 
 
-def _backend(overrides: list[str]):
+def _config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     from tinker_exp import config
 
     config.register()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
-        return config.load(compose("config", overrides=overrides)).backend
+        return config.load(compose("config", overrides=overrides))
 
 
 if __name__ == "__main__":

@@ -200,6 +200,7 @@ def bare_worker_config(spec: dict):
         model_config=HFModelConfig(path=spec["model_path"], override_config={"attn_implementation": spec["attention"]},
                                    enable_gradient_checkpointing=knobs["gradient_checkpointing"],
                                    use_remove_padding=knobs["padding_free"], use_fused_kernels=knobs["fused_lm_head"],
+                                   use_liger=spec["liger"],
                                    fused_kernel_options={"impl_backend": "torch"} if knobs["fused_lm_head"] else {}),  # fmt: skip
         engine_config=FSDPEngineConfig(
             strategy=spec["strategy"], use_dynamic_bsz=tokens is not None, max_token_len_per_gpu=tokens,
@@ -291,7 +292,7 @@ def prepare(overrides: list[str], tmp: Path) -> tuple[dict, dict]:
     batches = [batch_for_step(examples, step, t.batch_size, t.seed, cfg.data.shuffle) for step in range(t.steps)]
     spec = {
         "env": {k: v for k, v in platform_env(choice.device).items() if k not in ("TMPDIR",)},
-        "device": choice.device, "precision": choice.precision, "attention": choice.attention,
+        "device": choice.device, "precision": choice.precision, "attention": choice.attention, "liger": choice.liger,
         "model_path": str(model_path), "num_workers": cfg.backend.num_workers, "strategy": cfg.backend.strategy,
         "micro_batch_size": cfg.backend.micro_batch_size, "seed": t.seed, "steps": t.steps,
         "optimizer": cfg.optimizer.name.value, "clip_grad": cfg.optimizer.max_grad_norm,

@@ -99,18 +99,36 @@ def test_the_gpu_benchmark_runs_on_cpu_with_tiny_shapes_and_the_throughput_knobs
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert "checks passed: losses finite, applied == requested, every rank on its device" in out
     assert ("GPU benchmark: cpu, fp32, attention sdpa; micro batches <= 128 tokens, padding-free off, activation "
-            "checkpointing on, torch.compile off, fused lm head on, reshard after forward on, optimizer kernel "
+            "checkpointing on, torch.compile off, fused lm head on, reshard after forward off, optimizer kernel "
             "fused=True") in out  # fmt: skip
     for pattern in (r"\[ *[0-9.]+ s\] tinker_exp's workers ready", r"\[ *[0-9.]+ s\]   step 3: ",
                     r"start-up: +imports [0-9.]+ s, Ray [0-9.]+ s, worker group [0-9.]+ s, workers up [0-9.]+ s, model load [0-9.]+ s, first step [0-9.]+ s",
                     r"step: +[0-9.]+ ms \(median\); forward_backward +[0-9.]+ ms \(worker +[0-9.]+ ms, Ray round trip +-?[0-9.]+ ms\); "
                     r"optimizer_step +[0-9.]+ ms \(worker +[0-9.]+ ms, Ray round trip +-?[0-9.]+ ms\); driver's own work +[0-9.]+ ms",
-                    r"tokens/s: +[0-9,]+", r"MFU: +[0-9.]+ % \(6 x N x tokens / step time / 790 TFLOP/s; N = 139,840 parameters",
+                    r"tokens/s: +[0-9,]+",
+                    r"MFU: +- on the spec peak \(-: no spec peak known for this device \(pass --peak-tflops\); 6 x N x tokens / step time, N = 139,840 parameters",
+                    r"MFU: +[0-9.]+ % on the measured matmul \([0-9.]+ TFLOP/s: measured matmul rate; 6 x N x tokens / step time, N = 139,840 parameters",
                     r"bare loop: +[0-9.]+ ms a step \(median\), ready in [0-9.]+ s; tinker_exp / bare = [0-9.]+; losses bitwise equal"):  # fmt: skip
         assert re.search(pattern, out), (pattern, out[-3000:])
     saved = json.loads(figures.read_text())
     assert saved["tokens_per_step"] == 4 * 64 and len(saved["tinker_exp"]["losses"]) == 4
+    assert saved["spec_peak_tflops"] is None and saved["mfu_spec_peak"] is None  # a CPU has no spec bf16 peak here
+    assert saved["matmul_tflops"] > 0 and saved["mfu_measured_matmul"] == pytest.approx(
+        6 * saved["n_params"] * 4 * 64 / saved["tinker_exp"]["step_s"] / (saved["matmul_tflops"] * 1e12))
     assert saved["tinker_exp"]["losses"] == saved["bare"]["losses"]
+
+
+def test_the_gpu_benchmark_takes_the_spec_peak_from_the_device_s_name_or_the_flag():
+    spec = importlib.util.spec_from_file_location("gpu_bench", GPU_BENCH)
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    assert gpu.spec_peak("NVIDIA H100 80GB HBM3", None) == (989, "H100 spec, dense bf16")  # the SXM part
+    assert gpu.spec_peak("NVIDIA H200", None) == (989, "H200 spec, dense bf16")
+    assert gpu.spec_peak("NVIDIA H100 PCIe", None) == (756, "H100 PCIe spec, dense bf16")
+    assert gpu.spec_peak("NVIDIA A100-SXM4-80GB", None)[0] == 312
+    assert gpu.spec_peak("NVIDIA L40S", None)[0] == 362 and gpu.spec_peak("NVIDIA L4", None)[0] == 121
+    assert gpu.spec_peak("NVIDIA H200", 900.0) == (900.0, "--peak-tflops 900")  # the flag wins
+    assert gpu.spec_peak("Tesla T4", None) == (None, "no spec peak known for Tesla T4 (pass --peak-tflops)")
 
 
 PRUNING = REPO / "benchmarks" / "pruning.py"

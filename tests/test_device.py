@@ -14,6 +14,7 @@ import pytest
 
 from helpers import compose, read_jsonl, run_cli, run_script
 from tinker_exp import config
+from tinker_exp.config.schema import CPU_FOREACH_EXACT
 from tinker_exp.errors import ConfigError
 from tinker_exp.runtime.device import (
     FLASH,
@@ -25,6 +26,7 @@ from tinker_exp.runtime.device import (
     check_placement,
     choose_attention,
     choose_device,
+    choose_liger,
     choose_precision,
     needs_flash_probe,
     probe,
@@ -164,12 +166,17 @@ def test_resolve_refuses_flash_attention_on_this_machine_before_any_worker():
 
 
 # --- throughput knobs -------------------------------------------------------------------------------------------
-def test_throughput_defaults_leave_cpu_runs_as_they_were_and_choose_throughput_on_cuda():
+def test_throughput_defaults_keep_cpu_runs_exact_and_choose_throughput_on_cuda():
     cpu, cuda = throughput(backend(), "cpu", "AdamW"), throughput(backend(), "cuda", "AdamW")
     fields = ("micro_batch_tokens", "padding_free", "gradient_checkpointing", "torch_compile", "fused_lm_head",
               "reshard_after_forward", "optimizer_kernel")  # fmt: skip
-    # on cpu what every CPU run used before the knobs: the CPU suite's losses stay bitwise
-    assert [getattr(cpu, f) for f in fields] == [0, True, False, False, False, True, {}]
+    # on cpu what every CPU run used before the knobs, but parameters kept gathered to the backward and foreach where
+    # it steps bitwise as the for loop (tests/test_optimizers_ray.py): the CPU suite's losses stay bitwise
+    assert [getattr(cpu, f) for f in fields] == [0, True, False, False, False, False, {"foreach": True}]
+    for name in CPU_FOREACH_EXACT:
+        assert throughput(backend(), "cpu", name).optimizer_kernel == {"foreach": True}
+    for name in ("NAdam", "RAdam", "Muon", "an optimizer added later"):  # foreach not exact, or not checked
+        assert throughput(backend(), "cpu", name).optimizer_kernel == {}
     assert [getattr(cuda, f) for f in fields] == [16384, False, False, True, True, True, {"fused": True}]  # sdpa: padded
     assert throughput(backend(), "cuda", "AdamW", FLASH).padding_free  # flash-attn's variable-length kernel
     assert throughput(backend(), "cuda", "Muon").optimizer_kernel == {}  # no fused kernel: torch's default
@@ -192,9 +199,10 @@ def test_throughput_defaults_leave_cpu_runs_as_they_were_and_choose_throughput_o
         ({"torch_compile": "true"}, "cpu", "torch_compile", True),
         ({"fused_lm_head": "true"}, "cpu", "fused_lm_head", True),
         ({"fused_lm_head": "false"}, "cuda", "fused_lm_head", False),
-        ({"reshard_after_forward": "false"}, "cpu", "reshard_after_forward", False),
+        ({"reshard_after_forward": "true"}, "cpu", "reshard_after_forward", True),
         ({"reshard_after_forward": "false"}, "cuda", "reshard_after_forward", False),
         ({"optimizer_kernel": "fused"}, "cpu", "optimizer_kernel", {"fused": True}),
+        ({"optimizer_kernel": "for_loop"}, "cpu", "optimizer_kernel", {"foreach": False}),
         ({"optimizer_kernel": "foreach"}, "cuda", "optimizer_kernel", {"foreach": True}),
         ({"optimizer_kernel": "for_loop"}, "cuda", "optimizer_kernel", {"foreach": False}),
     ],
@@ -211,21 +219,22 @@ def test_the_knobs_reach_verl_s_worker_config():
     from tinker_exp.runtime.workers import worker_config
 
     cfg = config.load(compose("backend.micro_batch_tokens=2048", "backend.gradient_checkpointing=true",
-                              "backend.padding_free=false", "backend.optimizer_kernel=foreach", "backend.fused_lm_head=true",
-                              "backend.reshard_after_forward=false"))  # fmt: skip
+                              "backend.padding_free=false", "backend.optimizer_kernel=for_loop", "backend.fused_lm_head=true",
+                              "backend.reshard_after_forward=true"))  # fmt: skip
     values = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     built = worker_config(cfg.backend, cfg.optimizer, cfg.trainer, str(model_dir(cfg.model)), values,
                           DeviceChoice("cpu", "fp32", SDPA), cfg.lora)  # fmt: skip
     engine, model = built.engine_config, built.model_config
     assert (engine.use_dynamic_bsz, engine.max_token_len_per_gpu, engine.infer_max_token_len_per_gpu) == (True, 2048, 2048)
     assert (model.use_remove_padding, model.enable_gradient_checkpointing, engine.use_torch_compile) == (False, True, False)
-    assert engine.reshard_after_forward is False
+    assert engine.reshard_after_forward is True
     assert (model.use_fused_kernels, model.fused_kernel_options) == (True, {"impl_backend": "torch"})
-    assert built.optimizer_config.override_optimizer_config == {"eps": 1e-8, "foreach": True}
+    assert built.optimizer_config.override_optimizer_config == {"eps": 1e-8, "foreach": False}
     default = worker_config(cfg.backend.__class__(), OptimizerConfig(), TrainerConfig(), str(model_dir(cfg.model)), values,
                             DeviceChoice("cpu", "fp32", SDPA), LoraConfig())  # fmt: skip
     assert (default.engine_config.use_dynamic_bsz, default.engine_config.max_token_len_per_gpu) == (False, None)
-    assert default.optimizer_config.override_optimizer_config == {"eps": 1e-8}
+    assert default.engine_config.reshard_after_forward is False  # cpu's default
+    assert default.optimizer_config.override_optimizer_config == {"eps": 1e-8, "foreach": True}
 
 
 def backend(**values):
@@ -243,6 +252,42 @@ def test_resolve_puts_the_choices_together():
         resolve(backend(precision="bf16"), V100)
     with pytest.warns(UserWarning, match=r"backend.device=auto: this machine has NVIDIA GPUs"):
         assert resolve(backend(), CPU_BUILD_ON_GPU_MACHINE) == DeviceChoice("cpu", "fp32", SDPA)
+
+
+@pytest.mark.parametrize(
+    "requested, device, importable, expected",
+    [
+        (None, "cuda", True, True), (None, "cuda", False, False), (None, "cpu", True, False), (False, "cuda", True, False),
+        (True, "cuda", True, True), (False, "cpu", False, False),
+        (True, "cpu", True, "backend.liger=true: its kernels are Triton, for GPUs only (this run: cpu); use null (auto) or false"),
+        (True, "cuda", False, "backend.liger=true: liger_kernel does not import here (pip install liger-kernel); use null (auto) or false"),
+    ],
+)  # fmt: skip
+def test_liger_is_on_where_it_can_run_and_refused_where_asked_for_and_it_cannot(requested, device, importable, expected):
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError) as refused:
+            choose_liger(requested, device, importable)
+        assert str(refused.value) == expected
+    else:
+        assert choose_liger(requested, device, importable) is expected
+
+
+def test_liger_on_cpu_is_refused_before_ray_and_auto_leaves_it_off_here():
+    """This machine: a CPU run (liger_kernel or not, Triton needs a GPU); the worker config says what was chosen."""
+    from tinker_exp.runtime.inputs import model_dir
+    from tinker_exp.runtime.workers import worker_config
+
+    with pytest.raises(ConfigError, match=r"^backend.liger=true: its kernels are Triton, for GPUs only \(this run: cpu\)"):
+        resolve(backend(liger="true"), CPU_BUILD)
+    choice = resolve(backend(), CPU_BUILD)
+    assert choice.liger is False and choice.describe() == "cpu, fp32, attention sdpa"
+    assert DeviceChoice("cuda", "bf16", SDPA, liger=True).describe() == "cuda, bf16, attention sdpa, Liger kernels"
+    cfg = config.load(compose())
+    values = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    for liger in (False, True):
+        built = worker_config(cfg.backend, cfg.optimizer, cfg.trainer, str(model_dir(cfg.model)), values,
+                              DeviceChoice("cuda", "bf16", SDPA, liger), cfg.lora)  # fmt: skip
+        assert built.model_config.use_liger is liger
 
 
 # --- the real probe, this machine -----------------------------------------------------------------------------

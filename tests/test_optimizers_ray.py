@@ -4,17 +4,23 @@ resumes restore sharded optimizer state; 1 for SGD and RMSprop), sharing one Ray
 Each optimizer trains 6 steps with a scheduled value (applied == requested in every group of every sub-optimizer, at
 every step: the loop checks it and stops otherwise), then resumes from its step-3 checkpoint bitwise. Before the
 workers are freed, every rank reports each sub-optimizer's param-group keys and value types, held to the table.
+
+The CPU defaults' exactness (docs/devices.md#throughput-knobs): one 2-rank group lent, as a pool lends it, to every
+torch family with foreach and with the for loop (bitwise where CPU_FOREACH_EXACT says so), and to schedule-free AdamW
+with and without evaluations between its steps; every fresh start but the first follows an evaluation.
 """
 
 from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from helpers import compose, planned, read_jsonl, wandb_finished_records, wandb_history
+from tinker_exp.config.schema import CPU_FOREACH_EXACT
 from tinker_exp.main import run
 from tinker_exp.optim.optimizers import AUTO, CHOICE, COEFFS, FLAG, FLOAT, INT, OPTIMIZERS, PAIR, STATE
 
@@ -93,8 +99,11 @@ def muon(ray_address, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adamw(ray_address, tmp_path_factory):
+    # an evaluation at step 3, right before the step-3 checkpoint the resume starts from (on CPU a forward keeps the
+    # parameters gathered: backend.reshard_after_forward's default; the workers reshard after an evaluation)
     return whole_and_resumed(
-        tmp_path_factory, "adamw", "+override=[lr_cosine,beta2_warmup]", "override.lr.warmup_steps=2", "logger=none"
+        tmp_path_factory, "adamw", "+override=[lr_cosine,beta2_warmup]", "override.lr.warmup_steps=2", "logger=none",
+        "trainer.eval_every=3",
     )
 
 
@@ -128,9 +137,15 @@ def assert_resumes_bitwise(result: dict) -> None:
 
 
 def assert_groups_match_the_table(result: dict, name: str) -> None:
-    """Every rank's groups hold exactly the table's keys and types, sub-optimizer by sub-optimizer."""
+    """Every rank's groups hold exactly the table's keys and types, sub-optimizer by sub-optimizer (an AUTO key the
+    run's optimizer kernel sets, foreach on cpu: a bool)."""
+    from tinker_exp.config import BackendConfig
+    from tinker_exp.runtime.device import throughput
+
     spec = OPTIMIZERS[name]
-    expected = {part: {key: KIND_TYPES[kind] for key, kind in sub.keys.items()} for part, sub in spec.parts.items()}
+    kernel = throughput(BackendConfig(), "cpu", name).optimizer_kernel
+    expected = {part: {key: "bool" if key in kernel else KIND_TYPES[kind] for key, kind in sub.keys.items()}
+                for part, sub in spec.parts.items()}  # fmt: skip
     if len(spec.parts) == 1:  # a plain optimizer reports its class name
         expected = {name: next(iter(expected.values()))}
     for rank in result["types"]:
@@ -163,6 +178,188 @@ def test_muon_and_adamw_with_a_scheduled_lr(muon):
 def test_adamw_groups_match_the_table(adamw):
     assert_groups_match_the_table(adamw, "AdamW")
     assert_resumes_bitwise(adamw)
+
+
+def test_a_checkpoint_saved_right_after_an_evaluation_resumes_bitwise(adamw):
+    """2 ranks, the CPU defaults (reshard_after_forward off): the step-3 checkpoint follows step 3's evaluation, and
+    the run resumed from it logs every value of the whole run, bitwise."""
+    rows, resumed = adamw["rows"], adamw["resumed"]
+    assert [row["train/step"] for row in rows if "val/loss" in row] == [2, 5]  # evaluated after steps 3 and 6
+    keys = (*KEYS, "val/loss", "applied/lr", "applied/beta2")
+    assert [[row.get(k) for k in keys] for row in resumed] == [[row.get(k) for k in keys] for row in rows]
+
+
+# --- the CPU defaults' exactness: foreach against the for loop, a fresh start after an evaluation -------------------
+KERNEL_STEPS = 3
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A training example as the loop hands it to the workers (tinker_exp.train.data.Example's two fields)."""
+
+    input_ids: list
+    loss_mask: list
+
+
+def digest_probed():
+    """TinkerWorkers whose ranks also report a digest of their parameter shards (read through state_dict, whose
+    FSDP2 hook reshards gathered parameters), how many parameters are gathered, and what verl's own forward-only
+    path leaves gathered."""
+    from tinker_exp.runtime.workers import TinkerWorkers
+
+    class DigestWorkers(TinkerWorkers):
+        def worker_class(self):
+            base = super().worker_class()
+            from verl.single_controller.base.decorator import Dispatch, register
+
+            class Digest(base):  # a local class: Ray ships it to the workers by value
+                @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+                def parameter_digest(self) -> str:
+                    import hashlib
+
+                    import torch
+
+                    digest = hashlib.sha256()
+                    for name, tensor in self.engine.module.state_dict().items():
+                        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                        digest.update(name.encode() + local.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                    return digest.hexdigest()
+
+                @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+                def gathered_parameters(self) -> int:
+                    """Parameters registered unsharded (whole tensors, not DTensor shards)."""
+                    return sum(not hasattr(p, "to_local") for p in self.engine.module.parameters())
+
+                @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+                def gathered_by_a_bare_forward(self, data) -> int:
+                    """What verl's own forward-only path (no reshard after it) leaves gathered; then resharded."""
+                    from verl.workers.engine_workers_tinker import TinkerTrainingWorker
+
+                    from tinker_exp.runtime.workers import reshard
+
+                    TinkerTrainingWorker.infer_batch(self, data)  # verl's, not ours
+                    gathered = sum(not hasattr(p, "to_local") for p in self.engine.module.parameters())
+                    reshard(self.engine.module)
+                    return gathered
+
+            return Digest
+
+    return DigestWorkers
+
+
+def families_with_foreach() -> dict[str, str]:
+    """optimizer.name -> its conf/optimizer option, for every torch optimizer whose foreach is a choice."""
+    from omegaconf import OmegaConf
+
+    from helpers import CONF_DIR
+
+    names = {OmegaConf.load(path).name: path.stem for path in sorted((CONF_DIR / "optimizer").glob("*.yaml"))}
+    return {name: option for name, option in names.items()
+            if OPTIMIZERS[name].impl == "torch.optim" and all("foreach" in part.keys for part in OPTIMIZERS[name].parts.values())}
+
+
+@pytest.fixture(scope="module")
+def kernels(ray_address):
+    """One worker group of 2 ranks with the CPU defaults (parameters kept gathered from each forward to its backward)
+    lent, as a pool lends its group, to every optimizer family whose foreach is a choice, with foreach and then the
+    for loop: each from the group's fresh start (fresh_state), KERNEL_STEPS steps of a cosine lr with an evaluation
+    after the first and after the last. So every fresh start but the first follows an evaluation; the first runs
+    once more at the end. Per run: losses, grad norms, evaluation losses, every rank's parameter digest, and the
+    parameters left gathered after the last evaluation; and once, what verl's own forward-only path leaves."""
+    import random
+
+    from tinker_exp import config
+    from tinker_exp.main import validate
+    from tinker_exp.runtime.inputs import model_dir
+
+    tokens = random.Random(0)
+    examples = [Tokens([tokens.randrange(3, 200) for _ in range(24)], [0] * 8 + [1] * 16) for _ in range(4)]
+    options = families_with_foreach()
+    runs = [(name, kernel) for name in options for kernel in ("foreach", "for_loop")]
+    configs = {
+        (name, kernel): config.load(compose(f"optimizer={options[name]}", f"backend.optimizer_kernel={kernel}",
+                                            f"trainer.steps={KERNEL_STEPS}", "+override=lr_cosine", "override.lr.warmup_steps=1"))
+        for name, kernel in runs
+    }  # fmt: skip
+    first = configs[runs[0]]
+    workers = digest_probed()(first.backend, first.optimizer, first.trainer, str(model_dir(first.model)),
+                              validate(first).optimizer_values, "cpu")  # fmt: skip
+    results = {}
+    try:
+        workers.ready()
+        workers.keep_initial_state()
+        results["bare forward"] = workers.group.gathered_by_a_bare_forward(workers._batch(examples))
+        for index, (name, kernel) in enumerate([*runs, runs[0]]):
+            cfg = configs[name, kernel]
+            plan = validate(cfg)
+            workers.backend = cfg.backend  # the kernel: a per-run choice in this test (a pool keys its group by it)
+            workers.start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, workers.output)
+            steps, evaluations = [], []
+            for step in range(KERNEL_STEPS):
+                result = workers.train_step(examples, plan[step])
+                steps.append((result.loss, result.grad_norm))
+                if step == 0:
+                    evaluations.append(workers.evaluate(examples))
+            digests = workers.group.parameter_digest()  # before the last evaluation: "gathered" is what that one leaves
+            evaluations.append(workers.evaluate(examples))
+            results[name, kernel, index == len(runs)] = {
+                "steps": steps, "evaluations": evaluations, "digests": digests, "gathered": workers.group.gathered_parameters(),
+            }
+        schedule_free = config.load(compose("optimizer=adamw_schedulefree", f"trainer.steps={KERNEL_STEPS}"))
+        plan = validate(schedule_free)
+        for evaluated in (True, False):  # its evaluations move the parameters to its averaged weights and back
+            workers.backend = schedule_free.backend
+            workers.start_fresh(schedule_free.optimizer, schedule_free.trainer, plan.optimizer_values, workers.output)
+            steps = []
+            for step in range(KERNEL_STEPS):
+                result = workers.train_step(examples, plan[step])
+                steps.append((result.loss, result.grad_norm))
+                if evaluated:
+                    workers.evaluate(examples)
+            results["schedule-free", evaluated] = steps
+    finally:
+        workers.shutdown()
+    return results
+
+
+def test_foreach_steps_bitwise_as_the_for_loop_for_the_families_auto_gives_it_on_cpu(kernels):
+    """CPU_FOREACH_EXACT is what the workers show: foreach's losses, grad norms, evaluations and parameters are the for
+    loop's, bitwise, for exactly those families; for the others (NAdam, RAdam) the parameters differ (float rounding:
+    the losses agree within 1e-5)."""
+    exact, rounding = set(), {}
+    for name in families_with_foreach():
+        foreach, for_loop = kernels[name, "foreach", False], kernels[name, "for_loop", False]
+        assert len(foreach["steps"]) == KERNEL_STEPS and len(set(foreach["digests"])) == 2  # two ranks, two shards
+        if foreach == for_loop:
+            exact.add(name)
+            continue
+        losses = [a for a, _ in foreach["steps"]], [b for b, _ in for_loop["steps"]]
+        rounding[name] = max(abs(a / b - 1) for a, b in zip(*losses))
+        assert rounding[name] < 1e-5, (name, foreach, for_loop)
+    print(f"foreach bitwise for {sorted(exact)}; not for the others (largest relative loss difference): {rounding}")
+    assert exact == set(CPU_FOREACH_EXACT)
+
+
+def test_schedule_free_trains_bitwise_with_evaluations_between_its_steps(kernels):
+    """Its evaluation writes its averaged weights into the shards and its training point back after: a step after an
+    evaluation must see the training point, not what the evaluation's forward left gathered."""
+    assert kernels["schedule-free", True] == kernels["schedule-free", False]
+
+
+def test_a_fresh_start_after_an_evaluation_is_the_first_start(kernels):
+    """verl's forward-only path leaves the parameters gathered (reshard_after_forward off), which a pool's fresh
+    start could not copy the kept shards into (`aten.copy_.default got mixed torch.Tensor and DTensor`): our
+    evaluation reshards after it, and a fresh start after an evaluation restores the group's start exactly (the
+    first run, done again last, is bitwise the first: losses, grad norms, evaluations, parameters); the runs
+    between trained (the loss falls)."""
+    runs = {key: result for key, result in kernels.items() if len(key) == 3}
+    first = next(key for key in runs if not key[2])
+    again = (*first[:2], True)
+    assert kernels["bare forward"] == [20, 20]  # verl's forward-only path leaves every parameter of both ranks gathered
+    assert all(result["gathered"] == [0, 0] for result in runs.values())  # ours reshards: a fresh start writes shards
+    assert runs[again] == runs[first]
+    for result in runs.values():
+        assert result["steps"][-1][0] < result["steps"][0][0]
 
 
 def test_adamw_follows_the_plan_on_lr_and_betas(adamw):

@@ -13,7 +13,7 @@ mkdir -p "$DIR/whl"
 WHEELS=(
   annotated_types==0.8.0 codetiming==1.4.0 colorlog==6.12.0 datasets==5.2.0 dill==0.4.1 distro==1.9.0
   fastapi==0.165.0 h2==4.4.1 hpack==4.2.0 hydra_core==1.3.8 hydra_submitit_launcher==1.2.0 hyperframe==6.1.0
-  jsonschema==4.26.0 jsonschema_specifications==2025.9.1 multiprocess==0.70.19 omegaconf==2.3.1
+  jsonschema==4.26.0 jsonschema_specifications==2025.9.1 liger_kernel==0.8.5 multiprocess==0.70.19 omegaconf==2.3.1
   opentelemetry_api==1.45.2 optuna==4.9.0 orjson==3.13.0 pydantic==2.14.4 pydantic_core==2.50.5 pyvers==0.1.0
   referencing==0.37.0 rpds_py==2026.9.1 sniffio==1.3.1 starlette==1.10.0 tensordict==0.10.0 tinker==0.38.0
   typing_inspection==0.4.5 uvicorn==0.55.0 verl==0.9.1 zstandard==0.25.0

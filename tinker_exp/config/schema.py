@@ -45,7 +45,7 @@ class Attention(str, Enum):
 
 
 class OptimizerKernel(str, Enum):
-    auto = "auto"  # fused on cuda for the optimizers torch has a fused kernel of (adam, adamw, sgd); else torch's own choice
+    auto = "auto"  # cuda: fused where torch has it (adam, adamw, sgd); cpu: foreach where it is exact (CPU_FOREACH_EXACT)
     fused = "fused"
     foreach = "foreach"
     for_loop = "for_loop"
@@ -53,6 +53,10 @@ class OptimizerKernel(str, Enum):
 
 FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD")
 """optimizer.name values whose torch class has a fused kernel (fused=True), on CUDA and CPU."""
+CPU_FOREACH_EXACT = ("AdamW", "Adam", "SGD", "RMSprop", "Adagrad", "Adamax")
+"""optimizer.name values whose foreach kernel steps bitwise as their for loop on CPU workers (FSDP2's DTensors;
+tests/test_optimizers_ray.py): backend.optimizer_kernel=auto takes foreach for them on cpu. NAdam and RAdam's foreach
+kernels round differently (1e-7), an optimizer not named here is new to the check: both keep their default."""
 AUTO_MICRO_BATCH_TOKENS = 16384
 """backend.micro_batch_tokens=null on cuda: at most this many tokens a micro batch."""
 
@@ -328,15 +332,21 @@ class BackendConfig:
     from the last hidden states, never the whole logits tensor. Without it, and without flash-attn's cross-entropy,
     verl 0.9.1 computes a padding-free batch's log-probs one token at a time in a Python loop. None: on for cuda,
     off for cpu (the same values up to float rounding)."""
-    reshard_after_forward: bool = True
-    """FSDP2's reshard_after_forward (verl's default: true): true frees each layer's gathered parameters after its
-    forward and gathers them again for its backward (less memory); false keeps them to the backward (one
-    all-gather fewer per layer and micro batch; after a forward-only evaluation they stay gathered). Moves data
-    only: losses are the same."""
+    reshard_after_forward: Optional[bool] = None
+    """FSDP2's reshard_after_forward: true frees each layer's gathered parameters after its forward and gathers
+    them again for its backward (less memory: verl's default); false keeps them to the backward (one all-gather
+    fewer per layer and micro batch; the workers reshard after a forward-only evaluation). Moves data only: losses
+    are bitwise the same. None: false on cpu (faster), true on cuda (memory). SFT runs (RL's actor keeps verl's
+    default)."""
+    liger: Optional[bool] = None
+    """Liger's fused Triton kernels (RMSNorm, SwiGLU, RoPE) patched into the model by verl (use_liger; its fused
+    cross-entropy stays off, as verl sets it). None: on for cuda when liger_kernel imports, off on cpu (Triton is
+    for GPUs); true where it cannot run is refused before any worker starts. SFT runs."""
     optimizer_kernel: OptimizerKernel = OptimizerKernel.auto
     """The torch optimizer's implementation: fused (one kernel for all parameters; adam, adamw, sgd), foreach
-    (batched per op; every torch optimizer, not muon), for_loop (per parameter). auto: fused on cuda where the
-    optimizer has it, else torch's own default (foreach on cuda, for_loop on cpu)."""
+    (batched per op; every torch optimizer, not muon), for_loop (per parameter). auto: on cuda fused where the
+    optimizer has it, else torch's own default (foreach); on cpu foreach where it steps bitwise as the for loop
+    (CPU_FOREACH_EXACT), else the for loop."""
 
     def __post_init__(self) -> None:
         if min(self.num_workers, self.nodes, self.micro_batch_size) < 1:

@@ -52,9 +52,10 @@ class DeviceChoice:
     device: str  # cpu | cuda
     precision: str  # fp32 | bf16
     attention: str  # sdpa | flash_attention_2
+    liger: bool = False  # Liger's kernels patched in (backend.liger)
 
     def describe(self) -> str:
-        return f"{self.device}, {self.precision}, attention {self.attention}"
+        return f"{self.device}, {self.precision}, attention {self.attention}" + (", Liger kernels" if self.liger else "")
 
 
 def choose_device(requested: str, build: TorchBuild) -> tuple[str, str | None]:
@@ -105,6 +106,18 @@ def choose_attention(device: str, precision: str, bf16: bool | None, flash_attn:
             else f"it runs only for bf16 on a GPU with bf16 (this run: {device}, {precision})"
         )
         raise ConfigError(f"backend.attention=flash_attention_2: {why}; use auto or sdpa")
+    return requested
+
+
+def choose_liger(requested: bool | None, device: str, importable: bool) -> bool:
+    """backend.liger -> whether verl patches Liger's kernels in. None: on cuda when liger_kernel imports; true where
+    it cannot run is refused (its kernels are Triton: a CPU run would fail in every worker's model build)."""
+    if requested is None:
+        return device == "cuda" and importable
+    if requested and not (device == "cuda" and importable):
+        why = ("liger_kernel does not import here (pip install liger-kernel)" if device == "cuda"
+               else f"its kernels are Triton, for GPUs only (this run: {device})")  # fmt: skip
+        raise ConfigError(f"backend.liger=true: {why}; use null (auto) or false")
     return requested
 
 
@@ -174,7 +187,9 @@ def resolve(backend: BackendConfig, build: TorchBuild | None = None) -> DeviceCh
     precision = choose_precision(backend.precision.value, device, build.bf16, gpu)
     requested = backend.attention.value
     flash = needs_flash_probe(device, precision, build.bf16, requested) and flash_attn_usable()
-    return DeviceChoice(device, precision, choose_attention(device, precision, build.bf16, flash, requested))
+    attention = choose_attention(device, precision, build.bf16, flash, requested)
+    liger = choose_liger(backend.liger, device, device == "cuda" and backend.liger is not False and liger_usable())
+    return DeviceChoice(device, precision, attention, liger)
 
 
 def check_cpu_settings(backend: BackendConfig) -> None:
@@ -216,6 +231,15 @@ def flash_attn_usable() -> bool:
     return True
 
 
+def liger_usable() -> bool:
+    """Whether Liger's kernels import here (liger_kernel and the Triton it runs on)."""
+    try:
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance  # noqa: F401  (what verl calls)
+    except Exception:  # not installed, or no Triton for this torch
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Throughput:
     """The throughput knobs of a run (backend.micro_batch_tokens, ...), resolved for its device: what
@@ -243,14 +267,17 @@ class Throughput:
 
 def throughput(backend: BackendConfig, device: str, optimizer_name: str, attention: str = SDPA) -> Throughput:
     """backend's throughput knobs for `device` (cpu, cuda), optimizer.name and the attention chosen: auto values
-    resolved. On cpu every
-    default is what the CPU runs used before these knobs (by sequences, padding-free, no checkpointing, no
-    compile, torch's default kernel), so their losses stay bitwise."""
-    from tinker_exp.config.schema import FUSED_OPTIMIZERS, OptimizerKernel
+    resolved. On cpu every default steps bitwise as the CPU runs did before these knobs (by sequences,
+    padding-free, no checkpointing, no compile, the for loop, resharded after forward): the two that are faster
+    there, parameters kept gathered to the backward and foreach where it is exact (CPU_FOREACH_EXACT), move data
+    or batch the same operations only (tests/test_optimizers_ray.py checks both bitwise)."""
+    from tinker_exp.config.schema import CPU_FOREACH_EXACT, FUSED_OPTIMIZERS, OptimizerKernel
 
     kernel = backend.optimizer_kernel
-    if kernel is OptimizerKernel.auto:
-        kwargs = {"fused": True} if device == "cuda" and optimizer_name in FUSED_OPTIMIZERS else {}
+    if kernel is OptimizerKernel.auto and device == "cuda":
+        kwargs = {"fused": True} if optimizer_name in FUSED_OPTIMIZERS else {}
+    elif kernel is OptimizerKernel.auto:  # cpu: torch's own default there is the for loop
+        kwargs = {"foreach": True} if optimizer_name in CPU_FOREACH_EXACT else {}
     elif kernel is OptimizerKernel.fused:
         kwargs = {"fused": True}
     elif kernel is OptimizerKernel.foreach:
@@ -264,6 +291,6 @@ def throughput(backend: BackendConfig, device: str, optimizer_name: str, attenti
         gradient_checkpointing=backend.gradient_checkpointing,
         torch_compile=compile_,
         fused_lm_head=device == "cuda" if backend.fused_lm_head is None else backend.fused_lm_head,
-        reshard_after_forward=backend.reshard_after_forward,
+        reshard_after_forward=device == "cuda" if backend.reshard_after_forward is None else backend.reshard_after_forward,
         optimizer_kernel=kwargs,
     )

@@ -150,6 +150,19 @@ def engine_tensors(engine: Any) -> list:
     return [*engine.module.parameters(), *engine.module.buffers()]
 
 
+def reshard(module: Any) -> None:
+    """Every FSDP2 module of `module` back to its shards. With backend.reshard_after_forward off (the CPU default)
+    FSDP2 keeps a layer's gathered parameters from its forward to its backward; a forward with no backward (an
+    evaluation) leaves them gathered, registered in place of the shards: what writes the shards then (a pool's fresh
+    start, schedule-free's move to its averaged weights and back) would not reach the next forward, which reuses
+    them. Values are unchanged: the gathered copies are freed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in module.modules():
+        if isinstance(part, FSDPModule):
+            part.reshard()  # not recursive: hence every module
+
+
 def keep_initial_state(engine: Any, seed: int) -> dict[str, Any]:
     """What a cold build with `seed` leaves on this rank: a copy of its weights (on their device) and torch's RNG, so
     that a later run starts from exactly there without building again (`restore_initial_state`)."""
@@ -237,6 +250,13 @@ def _worker_class():
                 return None
             return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": output.get_non_tensor("metrics")})
 
+        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
+        def infer_batch(self, data):
+            # between calls the parameters are always the shards (`reshard`), evaluations included
+            output = TinkerTrainingWorker.infer_batch(self, data)
+            reshard(self.engine.module)
+            return output
+
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def device_info(self) -> dict[str, Any]:
             return engine_device_info(self.engine)
@@ -304,6 +324,7 @@ def worker_config(
             override_config={"attn_implementation": choice.attention},
             enable_gradient_checkpointing=knobs.gradient_checkpointing,
             use_remove_padding=knobs.padding_free,
+            use_liger=choice.liger,  # its fused cross-entropy off (verl's own choice)
             use_fused_kernels=knobs.fused_lm_head,  # its torch backend: log-probs 512 tokens at a time
             fused_kernel_options={"impl_backend": "torch"} if knobs.fused_lm_head else {},
             **lora_adapters.model_config_fields(lora),
