@@ -1,6 +1,6 @@
 """Where a run's time goes on a GPU (or, with --tiny --device cpu, the same code on CPU): start-up, a step, MFU.
 
-One process, one Ray: tinker_exp's real loop (`tinker_exp.main.run`, every check and sink) on its worker group, then
+One process, one Ray: tinker_exp's real loop (`tinker_exp.run.run`, every check and sink) on its worker group, then
 the bare verl loop (benchmarks/overhead.py's: verl's TinkerTrainingWorker built with the same config, driven with
 forward_backward + optimizer_step and nothing else) on the same model and batches. Progress lines as it goes
 (`[  12.3 s] ...`), then:
@@ -292,7 +292,9 @@ def main() -> int:
     use_platform(device)
     import verl.workers.engine_workers_tinker  # noqa: F401
 
-    from tinker_exp.main import run
+    from tinker_exp.place import GivenWorkers
+
+    from tinker_exp.run import run
 
     figures["import_verl_tinker_exp_s"] = time.monotonic() - t1
     figures["imports_s"] = time.monotonic() - t
@@ -373,7 +375,7 @@ def main() -> int:
             dcfg = compose("config", overrides=overrides)
         say("tinker_exp's loop: starting its workers")
         run_start = time.time()
-        row = run(dcfg, tmp / "run", start_workers=start_workers)
+        row = run(dcfg, tmp / "run", place=GivenWorkers(start_workers))
         run_end = time.time()
         workers = holder["workers"]
         metrics = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]

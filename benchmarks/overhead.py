@@ -156,7 +156,8 @@ def interleaved(overrides: list[str], spec: dict, tmp: Path) -> tuple[list[float
 
     from tinker_exp import config
     from tinker_exp.assemble import verl_workers
-    from tinker_exp.main import run
+    from tinker_exp.place import GivenWorkers
+    from tinker_exp.run import run
 
     ray.init(address="local", num_cpus=2 * spec["num_workers"], runtime_env={"env_vars": spec["env"]},
              include_dashboard=False, configure_logging=False)  # fmt: skip
@@ -182,7 +183,7 @@ def interleaved(overrides: list[str], spec: dict, tmp: Path) -> tuple[list[float
     config.register()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
         dcfg = compose("config", overrides=overrides)
-    run(dcfg, tmp / "interleaved", start_workers=lambda *args: Alternating(verl_workers(*args)))
+    run(dcfg, tmp / "interleaved", place=GivenWorkers(lambda *args: Alternating(verl_workers(*args))))
     ray.shutdown()
     return [e - s for s, e in zip(starts, ends)][:-1], [s - e for e, s in zip(ends, starts[1:])]
 
@@ -273,7 +274,7 @@ def prepare(overrides: list[str], tmp: Path) -> tuple[dict, dict]:
     from hydra import compose, initialize_config_dir
 
     from tinker_exp import config
-    from tinker_exp.main import validate
+    from tinker_exp.run import validate
     from dataclasses import asdict
 
     from tinker_exp.runtime.device import resolve, throughput

@@ -96,7 +96,7 @@ class FakeWorkers:
 
 
 def fake_workers(**kwargs: Any):
-    """A `start_workers` for tinker_exp.main.run that builds FakeWorkers (and keeps them for the test to inspect)."""
+    """A start for `GivenWorkers` (tinker_exp.run.run's place) that builds FakeWorkers (and keeps them for the test to inspect)."""
     started: list[FakeWorkers] = []
 
     def start(cfg, plan, model_path, run_dir, choice=None) -> FakeWorkers:

@@ -32,7 +32,7 @@ def test_the_bare_loop_builds_verl_s_worker_exactly_as_tinker_exp_does(gpu_varia
     from hydra import compose, initialize_config_dir
 
     from tinker_exp import config
-    from tinker_exp.main import validate
+    from tinker_exp.run import validate
     from tinker_exp.runtime.device import resolve
     from tinker_exp.runtime.inputs import model_dir
     from tinker_exp.runtime.workers import worker_config

@@ -15,7 +15,8 @@ import pytest
 from fakes import fake_workers
 from helpers import compose, job_json, metrics_rows, planned, run_cli
 from tinker_exp.errors import ConfigError
-from tinker_exp.main import objective, run
+from tinker_exp.place import GivenWorkers
+from tinker_exp.run import objective, run
 from tinker_exp import config
 from tinker_exp.train.start import differing
 
@@ -31,13 +32,13 @@ def files(run_dir: Path) -> dict[Path, bytes]:
 @pytest.fixture(scope="module")
 def trunk(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("trunk")
-    run(compose(*TRUNK), run_dir, start_workers=fake_workers())
+    run(compose(*TRUNK), run_dir, place=GivenWorkers(fake_workers()))
     return run_dir
 
 
 def branch(trunk: Path, run_dir: Path, *extra: str, plan: str = "lr_cosine", start=None):
     start = start or fake_workers()
-    run(compose(f"+override={plan}", *BASE, f"branch.from={trunk}", *extra), run_dir, start_workers=start)
+    run(compose(f"+override={plan}", *BASE, f"branch.from={trunk}", *extra), run_dir, place=GivenWorkers(start))
     return start
 
 
@@ -108,7 +109,7 @@ def test_branch_from_a_dir_that_is_no_run_or_its_own_dir_or_without_checkpoints(
     with pytest.raises(ConfigError, match=f"branch.from={tmp_path / 'nowhere'}: not a tinker_exp run dir"):
         branch(tmp_path / "nowhere", tmp_path / "b1")
     with pytest.raises(ConfigError, match="that is this run's own dir"):
-        run(compose(*TRUNK, f"branch.from={tmp_path / 'self'}"), tmp_path / "self", start_workers=fake_workers())
+        run(compose(*TRUNK, f"branch.from={tmp_path / 'self'}"), tmp_path / "self", place=GivenWorkers(fake_workers()))
     bare = tmp_path / "bare"
     shutil.copytree(trunk, bare, ignore=shutil.ignore_patterns("checkpoints"))
     with pytest.raises(ConfigError, match="the run has no checkpoint to branch from"):
@@ -134,14 +135,14 @@ def test_a_resume_with_another_plan_is_refused_naming_each_key(trunk, tmp_path):
     shutil.rmtree(run_dir / "checkpoints" / "step_00000008")
     before, start = files(run_dir), fake_workers()
     with pytest.raises(ConfigError) as caught:
-        run(compose("+override=lr_wsd", *BASE, "trainer.seed=3"), run_dir, start_workers=start)
+        run(compose("+override=lr_wsd", *BASE, "trainer.seed=3"), run_dir, place=GivenWorkers(start))
     message = str(caught.value)
     assert message.startswith(f"{run_dir} holds a run of another config (override.lr.")
     assert "override.lr.schedule: cosine -> wsd" in message and "trainer.seed: 0 -> 3" in message
     assert message.endswith(f"start a new run dir with branch.from={run_dir}")
     assert start.started == [] and files(run_dir) == before  # job.json aside: nothing written
     # what changes nothing trained may change
-    run(compose(*TRUNK, "checkpoint.every_steps=3", "trainer.eval_every=1", "logger=none", "verbose=true"), run_dir, start_workers=start)
+    run(compose(*TRUNK, "checkpoint.every_steps=3", "trainer.eval_every=1", "logger=none", "verbose=true"), run_dir, place=GivenWorkers(start))
     assert [row["train/step"] for row in metrics_rows(run_dir)] == list(range(STEPS))
 
 
@@ -150,14 +151,14 @@ def test_a_complete_run_rerun_says_so_and_starts_no_worker(trunk, tmp_path, capl
     shutil.copytree(trunk, run_dir)
     before, start = files(run_dir), fake_workers()
     with caplog.at_level("INFO", logger="tinker_exp"):
-        last = run(compose(*TRUNK), run_dir, start_workers=start)
+        last = run(compose(*TRUNK), run_dir, place=GivenWorkers(start))
     assert start.started == [] and last == metrics_rows(trunk)[-1]
     assert f"run complete: {run_dir} is done at step {STEPS}" in caplog.text
     assert {p: b for p, b in files(run_dir).items() if p.name != "job.json"} == {p: b for p, b in before.items() if p.name != "job.json"}
 
 
 def test_keep_every_spares_branch_points_from_the_rotation(tmp_path):
-    run(compose(*TRUNK, "checkpoint.every_steps=1", "checkpoint.keep_last=2", "checkpoint.keep_every=3"), tmp_path, start_workers=fake_workers())
+    run(compose(*TRUNK, "checkpoint.every_steps=1", "checkpoint.keep_last=2", "checkpoint.keep_every=3"), tmp_path, place=GivenWorkers(fake_workers()))
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [
         "step_00000003", "step_00000006", "step_00000007", "step_00000008",
     ]  # fmt: skip
@@ -170,7 +171,7 @@ def test_keep_best_keeps_the_best_evaluated_checkpoint_and_objective_json_names_
         "checkpoint.keep_best=true", "trainer.objective_mode=min", "logger=none",
         "+override.lr={schedule:keyframes,points:{0:0.1,3:0.1,4:2.0,7:2.0}}",
     ]  # fmt: skip
-    run(compose(*args), tmp_path, start_workers=fake_workers())
+    run(compose(*args), tmp_path, place=GivenWorkers(fake_workers()))
     val = {row["train/step"] + 1: row["val/loss"] for row in metrics_rows(tmp_path) if "val/loss" in row}
     best_step = min(val, key=val.get)
     assert best_step != max(val)  # not the newest, which the rotation keeps anyway
@@ -188,14 +189,14 @@ def test_early_stop_ends_the_run_with_a_checkpoint_at_that_step(tmp_path, caplog
             "trainer.early_stop.patience=2", "trainer.early_stop.min_delta=10"]  # fmt: skip
     start = fake_workers()
     with caplog.at_level("INFO", logger="tinker_exp"):
-        run(compose(*args), tmp_path, start_workers=start)
+        run(compose(*args), tmp_path, place=GivenWorkers(start))
     rows = metrics_rows(tmp_path)
     assert [row["train/step"] for row in rows] == list(range(6))
     assert rows[1]["val/loss"] - rows[5]["val/loss"] < 10
     assert f"early stop at step 6: best val/loss {rows[5]['val/loss']:.6g} at step 6" in caplog.text
     assert (tmp_path / "checkpoints" / "step_00000006" / "MANIFEST.json").exists()
     again = fake_workers()
-    run(compose(*args), tmp_path, start_workers=again)  # rerun: it is complete
+    run(compose(*args), tmp_path, place=GivenWorkers(again))  # rerun: it is complete
     assert again.started == []
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tinker_exp import report as command
-from tinker_exp.main import write_plan
+from tinker_exp.run import write_plan
 from tinker_exp.optim.plan import plan_for
 from tinker_exp.optim.preview import draw_plan, history, plot_plan, read_plan_file
 from tinker_exp.sweep.jobs import job_info, read_outcome, summary_table, write_job_info, write_summary

@@ -12,7 +12,7 @@ from omegaconf.errors import ValidationError
 
 from helpers import CONF_DIR, compose, optimizer_for, planned, run_cli
 from tinker_exp.config import TrainerConfig
-from tinker_exp.main import validate
+from tinker_exp.run import validate
 from tinker_exp.errors import ConfigError
 
 GROUPS = ["model", "lora", "data", "optimizer", "backend", "logger", "trainer"]
@@ -138,7 +138,7 @@ def test_a_config_error_starts_no_worker_and_imports_no_ray():
     code = (
         "import sys\n"
         "from helpers import compose\n"
-        "from tinker_exp.main import run\n"
+        "from tinker_exp.run import run\n"
         "from tinker_exp.errors import ConfigError\n"
         "from pathlib import Path\n"
         "try:\n"

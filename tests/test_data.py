@@ -24,7 +24,8 @@ from tinker_exp import config
 from tinker_exp.config import DataConfig, data_path
 from tinker_exp.config.schema import DataFormat, Truncation
 from tinker_exp.errors import ConfigError
-from tinker_exp.main import run
+from tinker_exp.place import GivenWorkers
+from tinker_exp.run import run
 from tinker_exp.runtime.inputs import model_dir
 from tinker_exp.train.chat import chat_tokens, special_ids
 from tinker_exp.train.data import Row, dataset_rows, read_rows, tokenize
@@ -346,7 +347,7 @@ def test_the_shipped_chat_set_is_what_its_script_writes():
 def test_a_run_on_the_chat_set_reports_truncation_at_its_start(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="tinker_exp")
     start = fake_workers()
-    run(compose("data=tiny_chat", "trainer.steps=2", "logger=none"), tmp_path, start_workers=start)
+    run(compose("data=tiny_chat", "trainer.steps=2", "logger=none"), tmp_path, place=GivenWorkers(start))
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
     match = re.fullmatch(
         r"data: training (\d+) rows: (\d) cut to 128 tokens \(right\), 0 dropped; validation (\d+) rows: (\d) cut to 128 "

@@ -439,7 +439,7 @@ def test_workers_asking_for_more_gpus_than_ray_has_fail_before_any_placement_gro
 
     from tinker_exp.runtime.workers import TinkerWorkers
 
-    from tinker_exp.main import validate
+    from tinker_exp.run import validate
     from tinker_exp.runtime.inputs import model_dir
 
     cfg = config.load(compose("trainer.steps=2", "logger=none"))
@@ -452,7 +452,7 @@ def test_workers_asking_for_more_gpus_than_ray_has_fail_before_any_placement_gro
 
     assert get_platform().device_name == "cuda"  # what that cuda attempt's bundles would have asked for
 
-    from tinker_exp.main import run
+    from tinker_exp.run import run
 
     run(compose("trainer.steps=2", "logger=none", "checkpoint.at_end=false", "data.val_fraction=null", "backend.num_workers=1"), tmp_path)
     assert get_platform().device_name == "cpu"

@@ -12,7 +12,8 @@ from fakes import fake_workers
 from helpers import compose, metrics_rows, run_cli
 from tinker_exp import config
 from tinker_exp.errors import ConfigError
-from tinker_exp.main import objective, run, validate
+from tinker_exp.place import GivenWorkers
+from tinker_exp.run import objective, run, validate
 from tinker_exp.sweep.jobs import JobOutcome, summary_table
 from tinker_exp.train.data import Example, dataset_rows, eval_batches
 from tinker_exp.train.objective import objective_value
@@ -79,7 +80,7 @@ def test_validation_batches_split_like_training_batches_and_fillers_carry_no_tok
 
 def test_evaluation_rows_every_n_steps_and_after_the_last(tmp_path):
     start = fake_workers()
-    run(compose("trainer.steps=7", "trainer.eval_every=3", "logger=none"), tmp_path, start_workers=start)
+    run(compose("trainer.steps=7", "trainer.eval_every=3", "logger=none"), tmp_path, place=GivenWorkers(start))
     rows = metrics_rows(tmp_path)
     assert [row["train/step"] for row in rows if "val/loss" in row] == [2, 5, 6]  # after 3 and 6 steps, and the last
     _, val = dataset_rows(typed().data)
@@ -90,14 +91,14 @@ def test_evaluation_rows_every_n_steps_and_after_the_last(tmp_path):
 
 def test_no_validation_data_means_no_evaluation_and_train_loss_as_objective(tmp_path):
     start = fake_workers()
-    run(compose("trainer.steps=4", "data.val_fraction=null", "logger=none"), tmp_path, start_workers=start)
+    run(compose("trainer.steps=4", "data.val_fraction=null", "logger=none"), tmp_path, place=GivenWorkers(start))
     assert start.started[0].evaluations == 0 and not any("val/loss" in row for row in metrics_rows(tmp_path))
     cfg = typed("trainer.steps=4", "data.val_fraction=null")
     assert objective(cfg, tmp_path) == metrics_rows(tmp_path)[-1]["train/loss"]
 
 
 def test_the_objective_is_the_last_or_lowest_value_of_its_metric(tmp_path):
-    run(compose("trainer.steps=6", "trainer.eval_every=2", "logger=none"), tmp_path, start_workers=fake_workers())
+    run(compose("trainer.steps=6", "trainer.eval_every=2", "logger=none"), tmp_path, place=GivenWorkers(fake_workers()))
     vals = [row["val/loss"] for row in metrics_rows(tmp_path) if "val/loss" in row]
     assert len(vals) == 3
     assert objective(typed(), tmp_path) == vals[-1]
@@ -109,9 +110,9 @@ def test_the_objective_is_the_last_or_lowest_value_of_its_metric(tmp_path):
 
 def test_a_resumed_run_has_every_evaluation_row_once(tmp_path):
     common = ["trainer.steps=8", "trainer.eval_every=2", "checkpoint.every_steps=4", "logger=none"]
-    run(compose(*common), tmp_path, start_workers=fake_workers())
+    run(compose(*common), tmp_path, place=GivenWorkers(fake_workers()))
     (tmp_path / "checkpoints" / "step_00000008").rename(tmp_path / "elsewhere")  # as if killed before saving step 8
-    run(compose(*common), tmp_path, start_workers=fake_workers())
+    run(compose(*common), tmp_path, place=GivenWorkers(fake_workers()))
     rows = metrics_rows(tmp_path)
     assert [row["train/step"] for row in rows] == list(range(8))
     assert [row["train/step"] for row in rows if "val/loss" in row] == [1, 3, 5, 7]
@@ -139,7 +140,7 @@ def test_a_run_and_a_sweep_get_a_report_picture(tmp_path):
     from tinker_exp.sweep.report import write_report
 
     for name, override in (("cosine", "+override=lr_cosine"), ("wsd", "+override=lr_wsd")):
-        run(compose(override, "trainer.steps=12", "trainer.eval_every=4", "logger=none"), tmp_path / name, start_workers=fake_workers())
+        run(compose(override, "trainer.steps=12", "trainer.eval_every=4", "logger=none"), tmp_path / name, place=GivenWorkers(fake_workers()))
         assert (tmp_path / name / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # every run gets one
     sweep = write_report([("cosine", tmp_path / "cosine"), ("wsd", tmp_path / "wsd")], tmp_path / "report.png", "sweep")
     assert sweep == tmp_path / "report.png" and sweep.stat().st_size > 10_000
@@ -149,7 +150,7 @@ def test_a_run_and_a_sweep_get_a_report_picture(tmp_path):
 def test_a_report_whose_plan_cannot_be_rebuilt_says_so_and_draws_the_losses(tmp_path):
     from tinker_exp.sweep import report
 
-    run(compose("+override=lr_cosine", "trainer.steps=6", "logger=none"), tmp_path, start_workers=fake_workers())
+    run(compose("+override=lr_cosine", "trainer.steps=6", "logger=none"), tmp_path, place=GivenWorkers(fake_workers()))
     assert set(report._plan(tmp_path).columns) == {"lr"}  # the plan's panels come from plan.json
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(plan_file.read_text().replace('"min_ratio": 0.1', '"min_ratio": 0.5'))  # not the run's plan

@@ -12,7 +12,7 @@ from helpers import REPO
 PACKAGE = REPO / "tinker_exp"
 HEAVY = ("torch", "verl", "ray", "transformers", "tokenizers", "peft")
 PURE = ["tinker_exp.config", "tinker_exp.optim", "tinker_exp.train", "tinker_exp.sweep", "tinker_exp.errors",
-        "tinker_exp.formats", "tinker_exp.rl", "tinker_exp.main", "tinker_exp.forecast", "tinker_exp.pool", "hydra_plugins.tinker_exp_plugins"]  # fmt: skip
+        "tinker_exp.formats", "tinker_exp.rl", "tinker_exp.main", "tinker_exp.run", "tinker_exp.place", "tinker_exp.forecast", "tinker_exp.pool", "hydra_plugins.tinker_exp_plugins"]  # fmt: skip
 
 
 def modules(package: str) -> list[str]:
@@ -67,10 +67,22 @@ LAYERS = [
     ("tinker_exp.config",),  # schema, validation, compose errors, --help (shows the plan's keys and kinds)
     ("tinker_exp.train", "tinker_exp.rl"),  # the loop and its protocols, sinks, checkpoints, data, start point; RL envs
     ("tinker_exp.runtime", "tinker_exp.sweep", "tinker_exp.forecast"),  # verl/Ray wiring; sweeps' member and trial sides, reports
-    ("tinker_exp.main", "tinker_exp.__main__", "tinker_exp.multinode", "tinker_exp.report", "tinker_exp.assemble",
-     "tinker_exp.serve", "tinker_exp.pool"),  # entry points (serve: the Tinker API server; pool: warm workers)
+    ("tinker_exp.assemble", "tinker_exp.place", "tinker_exp.pool"),
+    # what a run is put together from; where it trains (the seam); a run's side of a pool (client, wire, local)
+    ("tinker_exp.run",),  # the run's steps: validate, check its inputs, hold its place, record, train, its objective
+    ("tinker_exp.report", "tinker_exp.serve", "tinker_exp.pool.host", "tinker_exp.pool.__main__"),
+    # entry points: reports, the Tinker API server, the pool's process
+    ("tinker_exp.main", "tinker_exp.__main__", "tinker_exp.multinode"),  # the CLI: Hydra's entry, its errors and run dirs
     ("hydra_plugins",),  # Hydra's launchers and sweepers, around the entry point
 ]
+ENTRY_POINTS = {
+    "the CLI": ("tinker_exp.main", "tinker_exp.__main__", "tinker_exp.multinode"),
+    "the pool's process": ("tinker_exp.pool.host", "tinker_exp.pool.__main__"),
+    "the server": ("tinker_exp.serve",),
+    "the sweeps": ("hydra_plugins",),
+}
+"""Each asks the run module (and the place seam) and none imports another: a run's side of a pool is the seam's
+(tinker_exp/place.py finds the pool; the sweeps start theirs with pool/local.py), not the CLI's."""
 
 
 def layer_of(module: str) -> int:
@@ -134,10 +146,50 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circles_and_no_upward_imports():
     graph = import_graph()
-    assert len(graph) > 50 and graph["tinker_exp.main"] >= {"tinker_exp.train.loop", "tinker_exp.config"}  # it looks
+    assert len(graph) > 50 and graph["tinker_exp.run"] >= {"tinker_exp.train.loop", "tinker_exp.config"}  # it looks
     assert circles(graph) == []
     upward = sorted(f"{name} -> {other}" for name, found in graph.items() for other in found if layer_of(other) > layer_of(name))
     assert upward == []
+
+
+def entry_point_of(module: str) -> str | None:
+    return next((name for name, prefixes in ENTRY_POINTS.items() for prefix in prefixes
+                 if module == prefix or module.startswith(prefix + ".")), None)  # fmt: skip
+
+
+def crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from one entry point into another, and imports of the pool from outside it but for POOL_IMPORTS."""
+    found = [f"{name} -> {other}" for name, imports in graph.items() for other in imports
+             if entry_point_of(name) and entry_point_of(other) and entry_point_of(name) != entry_point_of(other)]  # fmt: skip
+    found += [f"{name} -> {other}" for name, imports in graph.items() for other in imports
+              if other.startswith("tinker_exp.pool") and not name.startswith("tinker_exp.pool")
+              and (name, other) not in POOL_IMPORTS]  # fmt: skip
+    return sorted(found)
+
+
+POOL_IMPORTS = {("tinker_exp.place", "tinker_exp.pool.client"), ("tinker_exp.place", "tinker_exp.pool"),
+                ("hydra_plugins.tinker_exp_plugins.launchers", "tinker_exp.pool.local"),
+                ("hydra_plugins.tinker_exp_plugins.launchers", "tinker_exp.pool")}  # fmt: skip
+"""Who may import the pool from outside it: the seam finds the user's pool for a run (its client); a sweep starts the
+pools its jobs train on (pool/local.py). The CLI and the run module reach a pool only through the seam."""
+
+
+def test_the_entry_points_ask_the_run_and_the_seam_and_not_each_other():
+    graph = import_graph()
+    assert {"tinker_exp.run", "tinker_exp.place"} <= graph["tinker_exp.pool.host"] | graph["tinker_exp.main"]  # it looks
+    assert crossings(graph) == []
+
+
+def test_the_old_arrangement_fails_the_layer_checks():
+    """main.py as the library of run steps (it imported pool/client.py; pool/host.py ran `main.train_run`), and the
+    run module importing the pool's client itself: each found."""
+    old = {"tinker_exp.main": {"tinker_exp.pool.client", "tinker_exp.train.loop"},
+           "tinker_exp.pool.host": {"tinker_exp.main", "tinker_exp.pool.wire"},
+           "tinker_exp.run": {"tinker_exp.pool.client"}}  # fmt: skip
+    assert crossings(old) == ["tinker_exp.main -> tinker_exp.pool.client", "tinker_exp.pool.host -> tinker_exp.main",
+                              "tinker_exp.run -> tinker_exp.pool.client"]  # fmt: skip
+    assert layer_of("tinker_exp.main") > layer_of("tinker_exp.pool.host")  # the host's import of main is upward
+    assert layer_of("tinker_exp.run") > layer_of("tinker_exp.place") > layer_of("tinker_exp.runtime.warm")
 
 
 def test_the_import_check_finds_a_circle_and_an_upward_import():

@@ -16,7 +16,8 @@ from fakes import FakeWorkers, fake_workers
 from helpers import compose, metrics_rows, planned, read_jsonl, run_fake_cli, start_fake_cli, wait_until, wandb_finished_records, wandb_history
 from tinker_exp import assemble, config
 from tinker_exp.errors import ConfigError, NonFiniteError
-from tinker_exp.main import run, validate
+from tinker_exp.place import GivenWorkers
+from tinker_exp.run import run, validate
 from tinker_exp.train.data import DataFileBatches
 from tinker_exp.train.judges import GO_ON, Judge, stop
 from tinker_exp.train.objective import objective_metric
@@ -29,7 +30,7 @@ OPTIMIZER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_deca
 def test_every_step_sends_the_converted_override_and_logs_requested_and_applied(tmp_path):
     start = fake_workers()
     overrides = ["+override=constant", "override.lr=5e-4", "override.weight_decay=0", "override.betas=[0.9,0.95]"]
-    last = run(compose(*overrides, "trainer.steps=6", "logger=none"), tmp_path, start_workers=start)
+    last = run(compose(*overrides, "trainer.steps=6", "logger=none"), tmp_path, place=GivenWorkers(start))
     (workers,) = start.started
     sent = {"lr": 5e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
     assert workers.calls == [sent] * 6
@@ -44,7 +45,7 @@ def test_every_step_sends_the_converted_override_and_logs_requested_and_applied(
 
 def test_no_override_sends_nothing_and_every_row_shows_the_optimizer_values(tmp_path):
     start = fake_workers()
-    run(compose("trainer.steps=5", "logger=none"), tmp_path, start_workers=start)
+    run(compose("trainer.steps=5", "logger=none"), tmp_path, place=GivenWorkers(start))
     assert start.started[0].calls == [{}] * 5  # an empty override: the worker group sends verl None
     rows = metrics_rows(tmp_path)
     assert len(rows) == 5
@@ -55,7 +56,7 @@ def test_no_override_sends_nothing_and_every_row_shows_the_optimizer_values(tmp_
 
 def test_a_schedule_sends_each_steps_value_of_the_plan(tmp_path):
     start = fake_workers()
-    run(compose("+override=[lr_cosine,beta2_warmup]", "trainer.steps=12", "logger=none"), tmp_path, start_workers=start)
+    run(compose("+override=[lr_cosine,beta2_warmup]", "trainer.steps=12", "logger=none"), tmp_path, place=GivenWorkers(start))
     calls = start.started[0].calls
     assert [call["lr"] for call in calls] == planned(tmp_path, "lr")
     assert [call["betas"] for call in calls] == list(zip(planned(tmp_path, "beta1"), planned(tmp_path, "beta2")))
@@ -76,7 +77,7 @@ def test_an_applied_value_that_differs_stops_the_cli_with_exit_3_naming_rank_and
 def test_a_non_finite_step_stops_the_run_before_it_saves_again(tmp_path):
     start = fake_workers(nonfinite_at=[5])
     with pytest.raises(NonFiniteError, match=r"step 5: loss=nan, grad_norm=nan; 1 non-finite step\(s\), trainer.max_nonfinite_steps=0"):
-        run(compose("trainer.steps=10", "checkpoint.every_steps=2", "checkpoint.keep_last=0", "logger=none"), tmp_path, start_workers=start)
+        run(compose("trainer.steps=10", "checkpoint.every_steps=2", "checkpoint.keep_last=0", "logger=none"), tmp_path, place=GivenWorkers(start))
     assert [row["train/nonfinite_steps"] for row in metrics_rows(tmp_path)] == [0, 0, 0, 0, 0, 1]
     assert start.started[0].saved == [2, 4]
     state = json.loads((tmp_path / "checkpoints" / "step_00000004" / "loop.json").read_text())
@@ -86,12 +87,12 @@ def test_a_non_finite_step_stops_the_run_before_it_saves_again(tmp_path):
 def test_non_finite_steps_up_to_the_limit_are_counted_and_tolerated(tmp_path):
     start = fake_workers(nonfinite_at=[3, 7])
     common = ["trainer.steps=10", "checkpoint.every_steps=5", "logger=none"]
-    run(compose(*common, "trainer.max_nonfinite_steps=2"), tmp_path / "two", start_workers=start)
+    run(compose(*common, "trainer.max_nonfinite_steps=2"), tmp_path / "two", place=GivenWorkers(start))
     rows = metrics_rows(tmp_path / "two")
     assert [row["train/nonfinite_steps"] for row in rows] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
     assert json.loads((tmp_path / "two" / "checkpoints" / "step_00000010" / "loop.json").read_text())["nonfinite_steps"] == 2
     with pytest.raises(NonFiniteError, match=r"step 7: .*2 non-finite step\(s\), trainer.max_nonfinite_steps=1"):
-        run(compose(*common, "trainer.max_nonfinite_steps=1"), tmp_path / "one", start_workers=fake_workers(nonfinite_at=[3, 7]))
+        run(compose(*common, "trainer.max_nonfinite_steps=1"), tmp_path / "one", place=GivenWorkers(fake_workers(nonfinite_at=[3, 7])))
 
 
 class CrashesAt(FakeWorkers):
@@ -105,14 +106,14 @@ class CrashesAt(FakeWorkers):
 
 def test_a_resumed_run_logs_every_step_once_and_continues_the_plan(tmp_path):
     common = ["+override=lr_cosine", "trainer.steps=10", "checkpoint.every_steps=4", "logger=none"]
-    run(compose(*common), tmp_path / "whole", start_workers=fake_workers())
+    run(compose(*common), tmp_path / "whole", place=GivenWorkers(fake_workers()))
     whole = metrics_rows(tmp_path / "whole")
 
     with pytest.raises(RuntimeError, match="killed"):  # steps 4 and 5 are logged after the checkpoint at 4
-        run(compose(*common), tmp_path / "run", start_workers=lambda cfg, plan, *_: CrashesAt(plan.optimizer_values))
+        run(compose(*common), tmp_path / "run", place=GivenWorkers(lambda cfg, plan, *_: CrashesAt(plan.optimizer_values)))
     assert [row["train/step"] for row in metrics_rows(tmp_path / "run")] == list(range(6))
     start = fake_workers()
-    run(compose(*common), tmp_path / "run", start_workers=start)
+    run(compose(*common), tmp_path / "run", place=GivenWorkers(start))
     assert start.started[0].calls[0]["lr"] == planned(tmp_path / "run", "lr")[4]
     rows = metrics_rows(tmp_path / "run")
     assert [row["train/step"] for row in rows] == list(range(10))  # 4 and 5 once, from the resumed run
@@ -123,14 +124,14 @@ def test_a_resumed_run_logs_every_step_once_and_continues_the_plan(tmp_path):
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_and_says_so(tmp_path):
     common = ["+override=lr_cosine", "trainer.steps=12", "checkpoint.every_steps=4", "checkpoint.keep_last=0", "logger=none"]
-    run(compose(*common), tmp_path, start_workers=fake_workers())
+    run(compose(*common), tmp_path, place=GivenWorkers(fake_workers()))
     shutil.rmtree(tmp_path / "checkpoints" / "step_00000012")  # as if killed before saving step 12
     shard = tmp_path / "checkpoints" / "step_00000008" / "workers" / "fake_rank_1.json"
     shard.write_bytes(shard.read_bytes()[:100])
     start = fake_workers()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run(compose(*common), tmp_path, start_workers=start)
+        run(compose(*common), tmp_path, place=GivenWorkers(start))
     (message,) = [str(w.message) for w in caught if "broken checkpoint" in str(w.message)]
     assert message.startswith(f"not resuming from a broken checkpoint: {shard}: 100 bytes, the manifest says")
     assert message.endswith("falling back to step_00000004")
@@ -154,21 +155,21 @@ def test_a_judge_of_ones_own_stops_the_run_at_the_evaluation_that_reaches_its_ta
     """Registered with one line (assemble.JUDGES); the loop stops after the checkpoint at that step, whose loop state
     records the judge's stop, and the same command again finds the run complete."""
     common = ["trainer.steps=10", "trainer.eval_every=2", "checkpoint.every_steps=4", "checkpoint.keep_last=0", "logger=none"]
-    run(compose(*common), tmp_path / "whole", start_workers=fake_workers())
+    run(compose(*common), tmp_path / "whole", place=GivenWorkers(fake_workers()))
     val = {row["train/step"] + 1: row["val/loss"] for row in metrics_rows(tmp_path / "whole") if "val/loss" in row}
     assert list(val) == [2, 4, 6, 8, 10] and sorted(val.values(), reverse=True) == list(val.values())  # falling
     target = (val[4] + val[6]) / 2  # first reached at step 6
     monkeypatch.setattr(assemble, "JUDGES", [*assemble.JUDGES, lambda cfg, *_: ObjectiveReaches(objective_metric(cfg), target)])
     caplog.set_level("INFO", logger="tinker_exp")
     run_dir, start = tmp_path / "judged", fake_workers()
-    run(compose(*common), run_dir, start_workers=start)
+    run(compose(*common), run_dir, place=GivenWorkers(start))
     assert [row["train/step"] for row in metrics_rows(run_dir)] == list(range(6))
     assert start.started[0].saved == [4, 6]
     state = json.loads((run_dir / "checkpoints" / "step_00000006" / "loop.json").read_text())
     assert state == {"step": 6, "seed": 0, "device": "cpu", "nonfinite_steps": 0, "early_stopped": True, "target_reached": True}
     assert f"val/loss reached {target} at step 6" in caplog.messages
     again = fake_workers()
-    run(compose(*common), run_dir, start_workers=again)
+    run(compose(*common), run_dir, place=GivenWorkers(again))
     assert again.started == [] and f"run complete: {run_dir} is done at step 6 (it stopped early;" in caplog.text
 
 
@@ -200,8 +201,8 @@ def test_a_batch_sources_values_join_the_rows_and_its_state_is_in_every_checkpoi
     monkeypatch.setattr(MeasuredBatches, "restored", [])
     common = ["trainer.steps=10", "checkpoint.every_steps=4", "checkpoint.keep_last=0", "logger=none"]
     with pytest.raises(RuntimeError, match="killed"):
-        run(compose(*common), tmp_path, start_workers=lambda cfg, plan, *_: CrashesAt(plan.optimizer_values))
-    run(compose(*common), tmp_path, start_workers=fake_workers())
+        run(compose(*common), tmp_path, place=GivenWorkers(lambda cfg, plan, *_: CrashesAt(plan.optimizer_values)))
+    run(compose(*common), tmp_path, place=GivenWorkers(fake_workers()))
     assert MeasuredBatches.restored == [{}, {"served": 4}]
     assert [row["batch/served"] for row in metrics_rows(tmp_path)] == list(range(1, 11))  # steps 4, 5 again: counted on
     loop_state = lambda step: json.loads((tmp_path / "checkpoints" / f"step_{step:08d}" / "loop.json").read_text())  # noqa: E731
@@ -209,10 +210,10 @@ def test_a_batch_sources_values_join_the_rows_and_its_state_is_in_every_checkpoi
 
 
 def test_resume_never_refuses_a_run_dir_with_checkpoints_and_overwrites_nothing(tmp_path):
-    run(compose("trainer.steps=4", "logger=none"), tmp_path, start_workers=fake_workers())
+    run(compose("trainer.steps=4", "logger=none"), tmp_path, place=GivenWorkers(fake_workers()))
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     with pytest.raises(ConfigError, match="resume=never, but .* holds checkpoints"):
-        run(compose("trainer.steps=4", "logger=none", "resume=never"), tmp_path, start_workers=fake_workers())
+        run(compose("trainer.steps=4", "logger=none", "resume=never"), tmp_path, place=GivenWorkers(fake_workers()))
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != "job.json"}
     assert after == {p: b for p, b in before.items() if p.name != "job.json"}
 
@@ -223,7 +224,7 @@ def test_wandb_that_cannot_start_leaves_training_and_metrics_jsonl_alone(tmp_pat
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run(compose("trainer.steps=3", "logger.mode=online", "logger.init_timeout_s=5"), tmp_path, start_workers=fake_workers())
+        run(compose("trainer.steps=3", "logger.mode=online", "logger.init_timeout_s=5"), tmp_path, place=GivenWorkers(fake_workers()))
     assert [str(w.message) for w in caught if "W&B could not start" in str(w.message)]
     assert [row["train/step"] for row in metrics_rows(tmp_path)] == [0, 1, 2]
     assert not list((tmp_path / "wandb").glob("*run-*"))
@@ -414,7 +415,7 @@ def test_the_plot_and_wandb_start_while_the_workers_start_and_no_step_waits_for_
         started.append(HoldingWandb(run_dir, plan.optimizer_values))
         return started[0]
 
-    run(compose("trainer.steps=4", "+override=lr_cosine"), tmp_path, start_workers=start)  # a plan to plot
+    run(compose("trainer.steps=4", "+override=lr_cosine"), tmp_path, place=GivenWorkers(start))  # a plan to plot
     (workers,) = started
     assert workers.at_start == {"plan.json": True, "plan.png": False, "wandb_run_id": False}
     assert workers.at_second_step["wandb_run_id"] is False  # two steps done before W&B's run existed

@@ -16,7 +16,8 @@ import pytest
 
 from helpers import compose, read_jsonl, run_cli
 from tinker_exp import config
-from tinker_exp.main import ADAPTER, run
+from tinker_exp.place import GivenWorkers
+from tinker_exp.run import ADAPTER, run
 from tinker_exp.train.data import dataset_rows
 
 STEPS = 4
@@ -36,7 +37,7 @@ def base_name(name: str) -> str:
 
 
 def probed(fixed: list, seen: dict):
-    """start_workers for run(): verl's workers, read at start-up (after reset, before any checkpoint is loaded)
+    """A start for run()'s `GivenWorkers`: verl's workers, read at start-up (after reset, before any checkpoint is loaded)
     and, once the adapter is exported, before they are freed: every weight's digest, log-probs on `fixed`."""
     from tinker_exp.runtime.workers import TinkerWorkers
 
@@ -88,7 +89,7 @@ def lora_run(ray_address, tmp_path_factory):
     fixed = load_examples(cfg.data, model_path, dataset_rows(cfg.data)[0], [])[0].examples[:FIXED]
     seen: dict = {}
     run_dir = tmp_path_factory.mktemp("lora_run")
-    last = run(compose(*COMMON), run_dir, start_workers=probed(fixed, seen))
+    last = run(compose(*COMMON), run_dir, place=GivenWorkers(probed(fixed, seen)))
     seen["returned"] = time.time()
     return run_dir, last, model_path, fixed, seen
 
@@ -187,7 +188,7 @@ def test_a_resumed_lora_run_continues_bitwise(lora_run, tmp_path):
     assert shards and all(shard and all("lora_" in name for name in shard) for shard in shards)  # adapters only
 
     again: dict = {}
-    run(compose(*COMMON), resumed, start_workers=probed(fixed, again))
+    run(compose(*COMMON), resumed, place=GivenWorkers(probed(fixed, again)))
     assert again["start"] == seen["start"]  # the adapters' random init is seeded (trainer.seed): runs reproduce
     keys = ("train/step", "train/loss", "train/grad_norm", "applied/lr", "val/loss")
     want = [[row.get(k) for k in keys] for row in read_jsonl(run_dir / "metrics.jsonl")]

@@ -21,7 +21,8 @@ import pytest
 
 from helpers import compose, planned, read_jsonl, wandb_finished_records, wandb_history
 from tinker_exp.config.schema import CPU_FOREACH_EXACT
-from tinker_exp.main import run
+from tinker_exp.place import GivenWorkers
+from tinker_exp.run import run
 from tinker_exp.optim.optimizers import AUTO, CHOICE, COEFFS, FLAG, FLOAT, INT, OPTIMIZERS, PAIR, STATE
 
 KIND_TYPES = {FLOAT: "float", PAIR: "tuple", FLAG: "bool", INT: "int", COEFFS: "tuple", CHOICE: "str", AUTO: "NoneType", STATE: "float"}
@@ -30,7 +31,7 @@ KEYS = ("train/step", "train/loss", "train/grad_norm")
 
 
 def group_types_probed(seen: dict):
-    """start_workers for run(): verl's workers that, before they are freed, report every rank's param groups per
+    """A start for run()'s `GivenWorkers`: verl's workers that, before they are freed, report every rank's param groups per
     sub-optimizer as {key: type name} (the groups verl's own _iter_optimizer_param_groups flattens)."""
     from tinker_exp.runtime.workers import TinkerWorkers
 
@@ -67,7 +68,7 @@ def whole_and_resumed(tmp_path_factory, name: str, *overrides: str) -> dict:
     """A 6-step run, then a copy of it resumed from its step-3 checkpoint (as if killed before its last save)."""
     whole = tmp_path_factory.mktemp(name)
     seen: dict = {}
-    run(compose(*COMMON, *overrides), whole, start_workers=group_types_probed(seen))
+    run(compose(*COMMON, *overrides), whole, place=GivenWorkers(group_types_probed(seen)))
     resumed = whole.with_name(whole.name + "-resumed")
     shutil.copytree(whole, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000006")
@@ -269,7 +270,7 @@ def kernels(ray_address):
     import random
 
     from tinker_exp import config
-    from tinker_exp.main import validate
+    from tinker_exp.run import validate
     from tinker_exp.runtime.inputs import model_dir
 
     tokens = random.Random(0)
@@ -422,7 +423,7 @@ def test_clip_grad_0_is_no_clipping_and_the_model_trains(ray_address, tmp_path: 
 
 
 def fed_norms_probed(seen: dict):
-    """start_workers for run(): verl's workers that record, on every rank, the norm of the gradients the optimizer
+    """A start for run()'s `GivenWorkers`: verl's workers that record, on every rank, the norm of the gradients the optimizer
     steps with (after the engine's clip), and report them before they are freed."""
     from tinker_exp.runtime.workers import TinkerWorkers
 
@@ -476,7 +477,7 @@ def test_grad_clip_norm_sent_per_step_is_the_clip_of_that_step(ray_address, tmp_
     seen: dict = {}
     overrides = ["trainer.steps=3", "trainer.eval_every=0", "logger=none", "checkpoint.every_steps=0", "optimizer.clip_grad=1e-3",
                  "checkpoint.at_end=false", "+override.grad_clip_norm={schedule: keyframes, points: {0: 0.0, 1: 0.01, 2: 1e9}}"]
-    run(compose(*overrides), tmp_path, start_workers=fed_norms_probed(seen))
+    run(compose(*overrides), tmp_path, place=GivenWorkers(fed_norms_probed(seen)))
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [row["requested/grad_clip_norm"] for row in rows] == clips == [row["applied/grad_clip_norm"] for row in rows]
     norms = [row["train/grad_norm"] for row in rows]

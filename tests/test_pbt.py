@@ -17,7 +17,8 @@ from fakes import fake_workers
 from helpers import compose, metrics_rows, read_jsonl
 from tinker_exp import config
 from tinker_exp.errors import ConfigError
-from tinker_exp.main import run
+from tinker_exp.place import GivenWorkers
+from tinker_exp.run import run
 from tinker_exp.optim import build_plan
 from tinker_exp.sweep.jobs import job_info
 from tinker_exp.sweep.pbt import (
@@ -345,7 +346,7 @@ def run_member(tmp_path: Path, monkeypatch, number: int, lr: float, **told) -> t
     monkeypatch.setenv(POPULATION_ENV, json.dumps(pop))
     run_dir = tmp_path / str(number)
     start = fake_workers()
-    run(compose(*MEMBER, f"override.lr.value={lr!r}"), run_dir, job=job_info(number, []), start_workers=start)
+    run(compose(*MEMBER, f"override.lr.value={lr!r}"), run_dir, job=job_info(number, []), place=GivenWorkers(start))
     return run_dir, start
 
 
@@ -422,13 +423,13 @@ def test_a_member_whose_config_lacks_a_key_of_the_space_stops_before_any_worker(
                                                    "space": {"override.weight_decay": distribution_to_json(FloatDistribution(0.0, 0.1))}}))  # fmt: skip
     start = fake_workers()
     with pytest.raises(ConfigError, match=r"^override.weight_decay: a member's config must set every key of the space"):
-        run(compose(*MEMBER), tmp_path / "run", job=job_info(0, []), start_workers=start)
+        run(compose(*MEMBER), tmp_path / "run", job=job_info(0, []), place=GivenWorkers(start))
     assert start.started == []
 
 
 def test_without_the_environment_a_sweep_job_is_an_ordinary_run(tmp_path, monkeypatch):
     monkeypatch.delenv(POPULATION_ENV, raising=False)
-    run(compose(*MEMBER), tmp_path, job=job_info(0, []), start_workers=fake_workers())
+    run(compose(*MEMBER), tmp_path, job=job_info(0, []), place=GivenWorkers(fake_workers()))
     assert not (tmp_path / POPULATION_FILE).exists() and not (tmp_path / "override").exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000008"]
 
@@ -439,7 +440,7 @@ def test_a_member_whose_boundaries_are_not_evaluations_stops_before_any_worker(t
                                                    "space": {"override.lr.value": distribution_to_json(LR)}}))  # fmt: skip
     start = fake_workers()
     with pytest.raises(ConfigError, match=r"a member's boundaries \(every 2 steps, at least one before the last step\) must be evaluation steps"):
-        run(compose(*MEMBER, "override.lr.value=1e-3", change), tmp_path / "run", job=job_info(0, []), start_workers=start)
+        run(compose(*MEMBER, "override.lr.value=1e-3", change), tmp_path / "run", job=job_info(0, []), place=GivenWorkers(start))
     assert start.started == []
 
 

@@ -31,7 +31,8 @@ from helpers import (
     wandb_records,
 )
 from tinker_exp.errors import CheckpointError, NonFiniteError
-from tinker_exp.main import run
+from tinker_exp.place import GivenWorkers
+from tinker_exp.run import run
 
 STEPS = 12
 # lr follows a cosine schedule, so a resumed run must continue the plan at the right step, not restart it.
@@ -167,7 +168,7 @@ ROUND_TRIPS = ["trainer.steps=6", "checkpoint.every_steps=3", "trainer.eval_ever
 
 
 def grad_probed(seen: dict, explicit_zero_grad: bool = False):
-    """start_workers for run(): verl's workers that count, on every rank, the parameters holding a gradient as each
+    """A start for run()'s `GivenWorkers`: verl's workers that count, on every rank, the parameters holding a gradient as each
     forward_backward begins; `explicit_zero_grad`: the loop as it was (optimizer_zero_grad first, a third round
     trip). Before they are freed: those counts, and what one more forward_backward hands the driver."""
     from tinker_exp.runtime.workers import TinkerWorkers
@@ -221,20 +222,20 @@ def test_every_step_starts_from_no_gradient_without_zero_grad_and_trains_bitwise
         return [[row.get(k) for k in keys] for row in read_jsonl(run_dir / "metrics.jsonl")]
 
     whole: dict = {}
-    run(compose(*ROUND_TRIPS), tmp_path / "whole", start_workers=grad_probed(whole))
+    run(compose(*ROUND_TRIPS), tmp_path / "whole", place=GivenWorkers(grad_probed(whole)))
     assert whole["held"] == [[0] * 6]  # per rank (one here), per step: no parameter held a gradient
     returned = whole["returned"]
     assert list(returned.keys()) == ["metrics"] and returned.get_non_tensor("metrics")["loss"]  # no log_probs
     print(f"forward_backward's reply to the driver: {len(pickle.dumps(returned))} bytes")
 
     with_zero_grad: dict = {}
-    run(compose(*ROUND_TRIPS), tmp_path / "zero_grad", start_workers=grad_probed(with_zero_grad, explicit_zero_grad=True))
+    run(compose(*ROUND_TRIPS), tmp_path / "zero_grad", place=GivenWorkers(grad_probed(with_zero_grad, explicit_zero_grad=True)))
     assert rows(tmp_path / "zero_grad") == rows(tmp_path / "whole")  # losses, grad norms, val losses: bitwise
 
     resumed = tmp_path / "resumed"  # as if killed after step 5, before its last save: continues from step 3
     shutil.copytree(tmp_path / "whole", resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000006")
     again: dict = {}
-    run(compose(*ROUND_TRIPS), resumed, start_workers=grad_probed(again))
+    run(compose(*ROUND_TRIPS), resumed, place=GivenWorkers(grad_probed(again)))
     assert again["held"] == [[0] * 3]  # steps 3, 4, 5 on freshly loaded workers
     assert rows(resumed) == rows(tmp_path / "whole")

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from helpers import CONF_DIR, REPO, compose, run_main
 from tinker_exp.config.rl import LOSS_PARAMETERS, RL_LOSSES, LossConfig, LossName, check_rl
 from tinker_exp.errors import ConfigError
-from tinker_exp.main import validate
+from tinker_exp.run import validate
 
 
 def options(group: str) -> list[str]:

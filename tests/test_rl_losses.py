@@ -338,7 +338,7 @@ def test_one_step_gradient_through_verls_engine_is_the_batch_token_sum(ray_addre
     from verl.utils import tensordict_utils as tu
 
     from tinker_exp import config
-    from tinker_exp.main import validate
+    from tinker_exp.run import validate
     from tinker_exp.runtime.inputs import model_dir
     from tinker_exp.runtime.workers import TinkerWorkers
 

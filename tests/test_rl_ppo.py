@@ -34,7 +34,7 @@ def test_on_one_sampled_batch_the_losses_agree_on_policy_and_part_once_the_ratio
     on-policy: the ratio is 1 up to the sampler/trainer mismatch and every loss has the same gradient. From update 1
     the ratio leaves 1, ppo clips, and the four losses' updates and weights differ."""
     from tinker_exp import config
-    from tinker_exp.main import validate
+    from tinker_exp.run import validate
     from tinker_exp.rl.env import load_env
     from tinker_exp.runtime.inputs import model_dir
     from tinker_exp.runtime.rl_workers import RLWorkers, rl_loss_fn

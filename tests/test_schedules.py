@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from verl.utils.torch_functional import get_cosine_schedule_with_warmup as verl_cosine
 
 from helpers import CONF_DIR, compose, optimizer_for, planned, run_cli, run_module
-from tinker_exp.main import run, validate
+from tinker_exp.run import run, validate
 from tinker_exp.errors import ConfigError
 from tinker_exp.optim.plan import build_plan
 from tinker_exp.optim.preview import PLAN_FILE, plot_steps, read_plan_file, write_plan_file

@@ -21,7 +21,8 @@ from helpers import (
 )
 from tinker_exp.errors import AppliedMismatchError
 from tinker_exp.train.loop import check_applied
-from tinker_exp.main import run
+from tinker_exp.place import GivenWorkers
+from tinker_exp.run import run
 
 SECRET = "tinker-exp-test-secret-0123456789abcdef"
 STEPS = 8
@@ -217,7 +218,7 @@ def test_a_group_that_does_not_hold_what_was_sent_stops_the_run_with_exit_3(ray_
         return DriftingWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values, "cpu")
 
     with pytest.raises(Mismatch, match=r"^step 2: rank 1 param group \d+ holds lr=0.0007, but 0.0005 was requested$") as info:
-        run(compose("+override.lr=5e-4", "trainer.steps=5", "logger=none"), tmp_path, start_workers=start)
+        run(compose("+override.lr=5e-4", "trainer.steps=5", "logger=none"), tmp_path, place=GivenWorkers(start))
     assert info.value.exit_code == 3  # what the CLI exits with (tinker_exp.errors; one line, as every stop)
     assert [row["train/step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]
 

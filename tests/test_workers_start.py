@@ -30,7 +30,7 @@ def workers_with_ports_taken(monkeypatch, port: int, taken: set[int]):
     import verl.single_controller.ray.base as verl_ray
 
     from tinker_exp import config
-    from tinker_exp.main import validate
+    from tinker_exp.run import validate
     from tinker_exp.runtime.inputs import model_dir
     from tinker_exp.runtime.workers import TinkerWorkers
 

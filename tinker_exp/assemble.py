@@ -1,5 +1,5 @@
 """What a run is put together from: its judges, inputs (device, model, data), batch source, sinks, workers and
-checkpointer, each built from the config (and the job's environment). `main.train_run` calls these in order, so
+checkpointer, each built from the config (and the job's environment). `run.train_run` calls these in order, so
 neither it nor the loop names a judge, a sink or a batch source.
 
 torch, verl and ray (tinker_exp/runtime/) are imported inside the functions that start them.
@@ -33,10 +33,6 @@ if TYPE_CHECKING:
 WORKERS_LOG = "workers.log"
 """In the run dir: everything the workers print (verl, torch, Ray), complete."""
 log = logging.getLogger(__name__)
-
-StartWorkers = Callable[[Config, "Plan", Path, Path], Workers]
-"""(config, plan, model dir, run dir) -> the worker group, starting (its `ready()` waits for it)."""
-
 
 JUDGES: list[Callable[[Config, Path, "int | None", dict[str, Any]], "Judge | None"]] = [
     TrialReport.for_run,  # a pruning study's trial: its prune is the stop that counts (early stop is not asked then)
@@ -168,13 +164,6 @@ def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choic
 
         return RLWorkers(*arguments, loss_fn=rl_loss_fn(cfg.loss, cfg.rl), rl=cfg.rl)
     return TinkerWorkers(*arguments)
-
-
-def workers(cfg: Config, plan: Plan, given: Inputs, run_dir: Path, start_workers: StartWorkers | None) -> Workers:
-    """The worker group, starting: verl's (None) or what a test starts instead."""
-    if start_workers is None:
-        return verl_workers(cfg, plan, given.model_path, run_dir, given.choice)
-    return start_workers(cfg, plan, given.model_path, run_dir)
 
 
 def start_wandb(into: Sinks, cfg: Config, plan: Plan, run_dir: Path, wandb_config: dict[str, Any]) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import difflib
 import signal
+import warnings
+from pathlib import Path
 from typing import Iterable
 
 
@@ -96,3 +98,14 @@ def suggest(name: str, known: Iterable[str], label: str) -> str:
     known = list(known)
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.65)  # warmup -> warmup_steps; not nonexistent -> constant
     return (f"; did you mean {close[0]}?" if close else "") + f" ({label} {', '.join(known)})"
+
+
+def one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:
+    """Our own warnings (a broken checkpoint skipped, a leftover schedule parameter) as one line, as our errors
+    are; a library's keep Python's form, with its file and line."""
+    if Path(filename).resolve().is_relative_to(Path(__file__).resolve().parent):
+        return f"tinker_exp: warning: {message}\n"
+    return _python_format_warning(message, category, filename, lineno, line)
+
+
+_python_format_warning = warnings.formatwarning

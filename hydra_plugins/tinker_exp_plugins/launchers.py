@@ -71,9 +71,9 @@ def point_error(
     hydra_context: Any, config: DictConfig, overrides: Sequence[str], data_checked: set[str] | None = None
 ) -> tuple[Any, str | None]:
     """(the point's typed config, None), or (None, why its job would stop before any worker starts): composed
-    as its job is, then the pure checks `tinker_exp.main.run` makes first (config, plan, data rows, chat template).
+    as its job is, then the pure checks `tinker_exp.run.run` makes first (config, plan, data rows, chat template).
     `data_checked`: the data settings already found good in this sweep (a data set is read once, not per point)."""
-    from tinker_exp.main import checked_env, checked_rows, validate  # the entry's own checks: no verl or ray
+    from tinker_exp.run import checked_env, checked_rows, validate  # the run's own checks: no verl or ray
 
     try:
         job_cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))

@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from tinker_exp.config import CONF_DIR
 from tinker_exp.forecast.runs import ForecastError, flat, run_settings
-
-CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"  # the repo's conf/, as tinker_exp.main uses
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ def compose_config(overrides: list[str], config_dir: Path | None = None) -> Any:
     extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="forecast"):
+        with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR, job_name="forecast"):
             dcfg = compose("config", overrides=[*overrides, *extra])
         return load(dcfg)
     except COMPOSE_ERRORS as e:

@@ -131,8 +131,9 @@ def checked_config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     from tinker_exp import config
+    from tinker_exp.config import CONF_DIR
     from tinker_exp.config.compose_errors import one_line_compose_errors
-    from tinker_exp.main import CONF_DIR, validate
+    from tinker_exp.run import validate
 
     config.register()
     with one_line_compose_errors(), initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

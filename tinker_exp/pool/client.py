@@ -49,7 +49,7 @@ class Cold:
     """A cold start: the run starts its own workers; `why`, when not empty, is its one line saying so."""
 
     why: str = ""
-    train_run = None  # main.train_run, in this process
+    train_run = None  # run.train_run, in this process
 
     def describe(self) -> str:
         return self.why
@@ -183,10 +183,10 @@ class Lease:
         return f"pool: training on the warm workers of {self.address} (pid {self.info['pid']})"
 
     def train_run(self, cfg: Any, plan: Any, rows: Any, start: Any, run_dir: Path, wandb_config: dict[str, Any],
-                  start_workers: Any, job_number: int | None) -> dict[str, Any]:  # fmt: skip
-        """main.train_run, run by the pool; its result, or what it raised, here. The plan and the rows are made there
-        again from the config (a plan holds compiled schedules, which do not travel)."""
-        assert start_workers is None, "a pool runs verl's workers"
+                  place: Any, job_number: int | None) -> dict[str, Any]:  # fmt: skip
+        """run.train_run, run by the pool on its workers (`place` is this lease); its result, or what it raised,
+        here. The plan and the rows are made there again from the config (a plan holds compiled schedules, which do
+        not travel)."""
         self.send(("run", run_payload((cfg, start, run_dir, wandb_config, job_number), cfg)))
         try:
             return self.follow()

@@ -1,5 +1,5 @@
 """The pool's process: torch, verl and Ray imported once, a Ray cluster and a warm worker group (runtime/warm.py)
-held across runs, and each run a client hands it trained here by `main.train_run`, the very code a cold run runs,
+held across runs, and each run a client hands it trained here by `run.train_run`, the very code a cold run runs,
 with its log records, progress bar and errors sent back to the client's terminal.
 
 One run at a time (a second client is refused while one holds the pool). The run executes in this process's main
@@ -223,19 +223,20 @@ class Host:
             job.running, self.current = False, None
 
     def _train(self, payload: dict[str, Any]) -> dict[str, Any]:
-        from tinker_exp.main import checked_env, checked_rows, train_run, validate
+        from tinker_exp.place import GivenWorkers
+        from tinker_exp.run import checked_env, checked_rows, train_run, validate
 
         cfg, start, run_dir, wandb_config, job_number = payload["arguments"]
         self.group.worker_env = payload.get("worker_env", {})
         with written_by_pool(run_dir, (self.holder or {}).get("pid")):  # a killed client's rerun waits for this run's end
-            rows = checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # as the client read them (main.run)
-            return train_run(cfg, validate(cfg), rows, start, run_dir, wandb_config, self.group.lend, job_number)
+            rows = checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # as the client read them (run.run)
+            return train_run(cfg, validate(cfg), rows, start, run_dir, wandb_config, GivenWorkers(self.group.lend), job_number)
 
     def _prepare(self, payload: dict[str, Any]) -> str:
         from tinker_exp.runtime.inputs import model_dir
         from tinker_exp.runtime.warm import describe_key
 
-        from tinker_exp.main import validate
+        from tinker_exp.run import validate
 
         (cfg,) = payload["arguments"]
         self.group.worker_env = payload.get("worker_env", {})
@@ -429,7 +430,7 @@ def serve(address: Path, idle_s: float, parent_pid: int | None) -> None:
     that does not listen yet by it)."""
     import faulthandler
 
-    from tinker_exp.main import one_line_warning
+    from tinker_exp.errors import one_line_warning
 
     stops: list[str] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stops.append("SIGTERM"))  # a `down` while it starts: kept

@@ -164,7 +164,7 @@ def main(args: list[str]) -> None:
     from hydra import compose, initialize_config_dir
 
     from tinker_exp import config
-    from tinker_exp.main import CONF_DIR
+    from tinker_exp.config import CONF_DIR
 
     serve, overrides = serve_config(args)
     scrub_key(serve)  # from here the key is in `serve` alone: not in sys.argv, nor in the workers' environment

@@ -1,0 +1,95 @@
+"""Where a run trains: the one seam a run asks for its workers. A cold group it starts for itself (the default), the
+user's warm pool (found per backend.pool), or workers another part starts for it: a pool's group lent to the run in
+the pool's process, a benchmark's wrapped group, a test's fakes (later: a slot of a packed group).
+
+The entry points (the CLI, the pool's process, the sweeps, the server) hand a run a place, or let `where_to_train`
+find one from the config; they do not import each other. Pure Python: torch, verl and ray are imported by the cold
+group's start (tinker_exp/assemble.py), the pool's client speaks to the pool over a socket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from tinker_exp.config import Config
+from tinker_exp.train.protocols import Workers
+
+if TYPE_CHECKING:
+    from tinker_exp.optim import Plan
+
+StartWorkers = Callable[[Config, "Plan", Path, Path], Workers]
+"""(config, plan, model dir, run dir) -> the worker group, starting (its `ready()` waits for it)."""
+
+
+class Place(Protocol):
+    """Where a run trains, held for it from before its record is written until it ends."""
+
+    train_run: Callable[..., dict[str, Any]] | None
+    """A place that trains the run in its own process (a warm pool): the run's `train_run`, called here and run
+    there; None: this process trains it, on `start_workers`'s group."""
+
+    def describe(self) -> str:
+        """The one line the run says about where it trains, as it starts training ("" says nothing)."""
+        ...
+
+    def start_workers(self, cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choice: Any) -> Workers:
+        """The run's worker group, starting. `choice`: the resolved device (runtime.device.DeviceChoice)."""
+        ...
+
+    def release(self) -> None:
+        """The run has ended: the place is free for another."""
+        ...
+
+
+@dataclass(frozen=True)
+class ColdGroup:
+    """verl's workers on Ray, started by this run for itself and freed at its end."""
+
+    why: str = ""
+    """Why the run starts cold when it could have taken a pool (its one line); "" says nothing."""
+    train_run = None
+
+    def describe(self) -> str:
+        return self.why
+
+    def start_workers(self, cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choice: Any) -> Workers:
+        from tinker_exp.assemble import verl_workers
+
+        return verl_workers(cfg, plan, model_path, run_dir, choice)
+
+    def release(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class GivenWorkers:
+    """Workers another part starts for the run, in this process: a warm pool's group lent to it (pool/host.py), a
+    benchmark's wrapped verl group, a test's fakes."""
+
+    start: StartWorkers
+    why: str = ""
+    """The run's one line about them; "" says nothing."""
+    train_run = None
+
+    def describe(self) -> str:
+        return self.why
+
+    def start_workers(self, cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choice: Any) -> Workers:
+        return self.start(cfg, plan, model_path, run_dir)
+
+    def release(self) -> None:
+        pass
+
+
+def where_to_train(cfg: Config) -> Place:
+    """The place the config asks for (backend.pool: none, auto or an address), held for the run: the user's pool, or
+    a cold group (a run over several nodes starts its own). A busy or untrusted pool is refused in one line by
+    pool/client.py's `attach`, before the run writes anything."""
+    if cfg.backend.nodes > 1:
+        return ColdGroup()
+    from tinker_exp.pool.client import attach
+
+    found = attach(cfg)
+    return found if found.train_run is not None else ColdGroup(found.describe())
