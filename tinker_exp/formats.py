@@ -1,13 +1,14 @@
-"""Plain-text formats shared by runs and sweeps: JSON files, JSONL rows, right-aligned tables and run dirs' names.
-Pure Python."""
+"""Plain-text formats shared by runs and sweeps: JSON files, JSONL rows (ours, and a user's data and prompt files),
+right-aligned tables and run dirs' names. Pure Python."""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+from tinker_exp.errors import ConfigError
 
 # user:password@ wherever it stands, in a URL that parses or not (postgresql//bob:pw@host, a quoted repr): the user
 # part starts after a space, quote, '=', ':' or '/' (or at the start); the password (never "//...", a scheme's) runs
@@ -41,6 +42,27 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return rows
+
+
+def jsonl_records(path: Path, key: str) -> Iterator[tuple[str, Any]]:
+    """A user's JSONL file (a data set, an env's prompts), record by record: ("FILE:LINE", its JSON value). Text that
+    is not UTF-8, or a line that is not JSON, is a ConfigError naming `key` (the setting that names the file)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines(): JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{lineno}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{key}: {path}:{lineno}: not valid JSON ({e.msg})") from None
+
+
+def kind_of(value: Any) -> str:
+    """A JSON value's kind as an error names it: null, str, int, list, dict ..."""
+    return "null" if value is None else type(value).__name__
 
 
 def read_json(path: Path) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 from tinker_exp.config import data_path
 from tinker_exp.config.rl import EnvConfig
 from tinker_exp.errors import ConfigError
-from tinker_exp.train.data import _jsonl_records, _kind
+from tinker_exp.formats import jsonl_records, kind_of
 
 PROMPT_KEY = "prompt"
 """The field of a row that holds the prompt text (the other fields are the reward's)."""
@@ -40,13 +40,13 @@ def read_prompt_rows(path: str, key: str) -> list[PromptRow]:
     if resolved.stat().st_size == 0:
         raise ConfigError(f"{key}: {resolved} is empty")
     rows = []
-    for where, record in _jsonl_records(resolved, key):
+    for where, record in jsonl_records(resolved, key):
         where = f"{key}: {where}"
         if not isinstance(record, dict):
-            raise ConfigError(f"{where}: expected a JSON object with a {PROMPT_KEY!r} string, got {_kind(record)}")
+            raise ConfigError(f"{where}: expected a JSON object with a {PROMPT_KEY!r} string, got {kind_of(record)}")
         prompt = record.get(PROMPT_KEY)
         if not isinstance(prompt, str) or not prompt.strip():
-            got = "no such field" if PROMPT_KEY not in record else f"{_kind(prompt)} {prompt!r}"[:60]
+            got = "no such field" if PROMPT_KEY not in record else f"{kind_of(prompt)} {prompt!r}"[:60]
             raise ConfigError(f"{where}: {PROMPT_KEY!r} must be a non-empty string, got {got} (fields: {sorted(record)})")
         rows.append(PromptRow(where, prompt, json.dumps(copy.deepcopy(record))))
     if not rows:

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping
 
 from tinker_exp.config import DataConfig, data_path
 from tinker_exp.errors import ConfigError
+from tinker_exp.formats import jsonl_records, kind_of
 from tinker_exp.train.chat import chat_tokens, check_chat_tokenizer, special_ids
 from tinker_exp.train.protocols import Batch
 
@@ -45,24 +46,6 @@ class Row:
         if self.messages is None:  # the same key as a plain {"prompt", "response"} JSON row always had
             return json.dumps({"prompt": self.prompt, "response": self.response}, sort_keys=True)
         return json.dumps({"messages": self.messages})
-
-
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _jsonl_records(path: Path, key: str) -> Iterator[tuple[str, Any]]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{key}: {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines(): JSON strings may hold U+2028
-        if not line.strip():
-            continue
-        try:
-            yield f"{path}:{lineno}", json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{key}: {path}:{lineno}: not valid JSON ({e.msg})") from None
 
 
 def _parquet_records(path: Path, data: DataConfig, key: str) -> Iterator[tuple[str, Any]]:
@@ -103,19 +86,19 @@ def _prompt_response_row(record: dict[str, Any], data: DataConfig, where: str, o
 def _messages_row(record: dict[str, Any], data: DataConfig, where: str, origin: str) -> Row:
     messages, name = record.get(data.messages_key), data.messages_key
     if not isinstance(messages, list) or not messages:
-        got = "an empty list" if messages == [] else _kind(messages)
+        got = "an empty list" if messages == [] else kind_of(messages)
         raise ConfigError(f"{where}: {name!r} must be a non-empty list of {{role, content}} turns, got {got}")
     turns = []
     for i, message in enumerate(messages):
         at = f"{where}: {name}[{i}]"
         if not isinstance(message, dict):
-            raise ConfigError(f"{at}: expected an object with role and content, got {_kind(message)}")
+            raise ConfigError(f"{at}: expected an object with role and content, got {kind_of(message)}")
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             what = "no role" if "role" not in message else f"unknown role {role!r}"
             raise ConfigError(f"{at}: {what} (known: {', '.join(ROLES)})")
         if not isinstance(content, str):
-            got = "nothing" if "content" not in message else _kind(content)
+            got = "nothing" if "content" not in message else kind_of(content)
             raise ConfigError(f"{at}: content must be a string, got {got}")
         turns.append((role, content))
     if not any(role == "assistant" for role, _ in turns):
@@ -128,12 +111,12 @@ def read_rows(path: Path, data: DataConfig, key: str = "data.path") -> list[Row]
     if path.stat().st_size == 0:
         raise ConfigError(f"{key}: {path} is empty")
     parquet = path.suffix.lower() in PARQUET_SUFFIXES
-    records = _parquet_records(path, data, key) if parquet else _jsonl_records(path, key)
+    records = _parquet_records(path, data, key) if parquet else jsonl_records(path, key)
     origin, row_format, rows = f"{key}: {path}", None, []
     for where, record in records:
         where = f"{key}: {where}"
         if not isinstance(record, dict):
-            raise ConfigError(f"{where}: expected a JSON object, got {_kind(record)}")
+            raise ConfigError(f"{where}: expected a JSON object, got {kind_of(record)}")
         row_format = row_format or _row_format(record, data, where)
         read = _messages_row if row_format == "messages" else _prompt_response_row
         rows.append(read(record, data, where, origin))
