@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import COSINE_TRUNK, REPO, environment, metrics_rows, run_cli, run_module, wait_until
+from tinker_exp.config.rl import RLConfig
 
 NOBODY = 65534
 """Another local user (this machine's `nobody`): the planted pool's."""
@@ -134,17 +135,35 @@ def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_pa
         assert (tmp_path / "warm" / adapter).read_bytes() == (tmp_path / "cold" / adapter).read_bytes()
 
 
-def test_a_warm_run_uses_the_reward_file_as_it_is_now(pool, tmp_path):
+def test_a_warm_run_uses_the_reward_file_as_it_is_now_and_checks_its_inputs_once(pool, tmp_path):
     """The user's reward, imported from the client's folder at each run: edited between two warm runs (0.0 -> 1.0),
-    the second run's reward is the new one (the RL group of the test above is kept: no new build)."""
+    the second run's reward is the new one (the RL group of the test above is kept: no new build). Its inputs are
+    checked once, by the client: the reward is tried there on every prompt row, and the pool calls it only on the
+    responses it samples (training and the evaluation after the last step)."""
     rl = ["env=digits", "loss=importance_sampling", "trainer.steps=1", "logger=none", "env.reward=my_pool_reward:reward"]
+    prompts = {name: sum(1 for line in (REPO / f"tinker_exp/assets/digits_{name}.jsonl").read_text().splitlines() if line.strip())
+               for name in ("train", "eval")}  # fmt: skip
+    group = RLConfig()
+    sampled = group.responses_per_step * 1 + prompts["eval"] * group.group_size
     rewards = []
     for value in (0.0, 1.0):
-        (tmp_path / "my_pool_reward.py").write_text(f"def reward(row, response):\n    return {value}\n")
+        calls = tmp_path / f"calls_{value}.txt"
+        (tmp_path / "my_pool_reward.py").write_text(
+            f"import os\ndef reward(row, response):\n    with open({str(calls)!r}, 'a') as f:\n"
+            f"        f.write(f'{{os.getpid()}} {{response == \"\"}}\\n')\n    return {value}\n"
+        )
         run_dir = tmp_path / f"run_{value}"
         result = run_cli(*rl, f"hydra.run.dir={run_dir}", env=pool, cwd=tmp_path)
         assert result.returncode == 0 and "pool: training on the warm workers of" in result.stdout, result.stderr[-3000:]
         rewards.append(metrics_rows(run_dir)[0]["train/reward"])
+        pool_pid = re.search(r"pool: training on the warm workers of \S+ \(pid (\d+)\)", result.stdout)[1]
+        by_pid: dict[str, list[str]] = {}
+        for line in calls.read_text().splitlines():
+            pid, empty = line.split()
+            by_pid.setdefault(pid, []).append(empty)
+        assert len(by_pid.pop(pool_pid)) == sampled
+        assert [len(called) for called in by_pid.values()] == [prompts["train"] + prompts["eval"]]  # the client's check
+        assert set(*by_pid.values()) == {"True"}  # each with an empty response
     assert rewards == [0.0, 1.0]
 
 

@@ -191,6 +191,23 @@ def test_before_any_worker_starts_the_reward_is_tried_on_every_row(tmp_path, mon
     check_reward(load_reward("my_rewards:exact"), read_prompt_rows(train, "env.prompts"))  # the good rows pass
 
 
+def test_a_checked_env_travels_to_a_pool_as_its_rows_and_its_rewards_spec(tmp_path, monkeypatch):
+    """What a warm pool gets (pool/client.py pickles the checked env): the rows as read, the reward imported again by
+    its spec (a `module:name` bound to a lambda too, which pickle cannot send by reference), not tried on the rows."""
+    import pickle
+
+    a_module(tmp_path, monkeypatch, "my_lambda_reward", "calls = []\nreward = lambda row, response: calls.append(row) or 0.5\n")
+    env = load_env(EnvConfig(prompts=rows_file(tmp_path, {"prompt": "a"}, {"prompt": "b"}), reward="my_lambda_reward:reward"))
+    module = sys.modules["my_lambda_reward"]
+    assert len(module.calls) == 2  # load_env tried it on each row
+    monkeypatch.delitem(sys.modules, "my_lambda_reward")  # as the pool forgets a run's modules: imported again on arrival
+    arrived = pickle.loads(pickle.dumps(env))
+    again = sys.modules["my_lambda_reward"]
+    assert again is not module and again.calls == []  # imported, not tried on the rows
+    assert arrived.train == env.train and arrived.reward.spec == "my_lambda_reward:reward"
+    assert arrived.reward(arrived.train[0], "x") == 0.5 and len(again.calls) == 1
+
+
 # ---- the shipped rewards ----
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
@@ -185,9 +186,11 @@ class Lease:
     def train_run(self, cfg: Any, plan: Any, rows: Any, start: Any, run_dir: Path, wandb_config: dict[str, Any],
                   place: Any, job_number: int | None) -> dict[str, Any]:  # fmt: skip
         """run.train_run, run by the pool on its workers (`place` is this lease); its result, or what it raised,
-        here. The plan and the rows are made there again from the config (a plan holds compiled schedules, which do
-        not travel)."""
-        self.send(("run", run_payload((cfg, start, run_dir, wandb_config, job_number), cfg)))
+        here. The rows (an env: its prompt rows and its reward's spec) go as this process read and checked them,
+        packed: unpacked in the run's context there, where the reward imports from the client's folder. The plan is
+        built there again from the config (a plan holds compiled schedules, which do not travel)."""
+        checked = pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
+        self.send(("run", run_payload((cfg, start, run_dir, wandb_config, job_number, checked), cfg)))
         try:
             return self.follow()
         except (KeyboardInterrupt, Terminated) as stop:

@@ -223,13 +223,15 @@ class Host:
             job.running, self.current = False, None
 
     def _train(self, payload: dict[str, Any]) -> dict[str, Any]:
-        from tinker_exp.place import GivenWorkers
-        from tinker_exp.run import checked_env, checked_rows, train_run, validate
+        import pickle
 
-        cfg, start, run_dir, wandb_config, job_number = payload["arguments"]
+        from tinker_exp.place import GivenWorkers
+        from tinker_exp.run import train_run, validate
+
+        cfg, start, run_dir, wandb_config, job_number, checked = payload["arguments"]
         self.group.worker_env = payload.get("worker_env", {})
         with written_by_pool(run_dir, (self.holder or {}).get("pid")):  # a killed client's rerun waits for this run's end
-            rows = checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # as the client read them (run.run)
+            rows = pickle.loads(checked)  # as the client read and checked them (run.run): not read or tried again
             return train_run(cfg, validate(cfg), rows, start, run_dir, wandb_config, GivenWorkers(self.group.lend), job_number)
 
     def _prepare(self, payload: dict[str, Any]) -> str:

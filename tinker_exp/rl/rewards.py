@@ -44,6 +44,11 @@ class Reward:
     fn: Callable[[dict[str, Any], str], Any]
     key: str = "env.reward"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Sent to another process (a warm pool) as its spec, imported there as here: a function is pickled by
+        its module and name, which a `module:name` bound to a lambda or an instance does not have."""
+        return (load_reward, (self.spec, self.key))
+
     def __call__(self, row: PromptRow, response: str) -> float:
         at = f"{self.key}={self.spec}"
         try:
