@@ -26,7 +26,7 @@ from tinker_exp.config import CONF_DIR
 from tinker_exp.config.compose_errors import one_line_compose_errors, refuse_unknown_flags
 from tinker_exp.errors import STOPS, ConfigError, TinkerExpError, one_line, one_line_warning
 from tinker_exp.formats import masked, not_a_folder
-from tinker_exp.run import HYDRA_FILES, objective, run, write_hydra_files
+from tinker_exp.run import HYDRA_FILES, objective, run
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
 from tinker_exp.train.checkpoints import resume_point
 from tinker_exp.train.rundir_lock import RunDirLock

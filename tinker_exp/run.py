@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tinker_exp import config
 from tinker_exp.config import Config
+from tinker_exp.errors import Terminated
 from tinker_exp.formats import read_jsonl
 from tinker_exp.place import ColdGroup, Place, where_to_train
 from tinker_exp.sweep.jobs import job_info, write_job_info
@@ -26,7 +27,6 @@ from tinker_exp.train.early_stop import check_early_stop
 from tinker_exp.train.objective import came_to, objective_metric, objective_value, write_objective
 from tinker_exp.train.signals import as_stop
 from tinker_exp.train.start import SAVED_CONFIG, StartPoint, start_point
-from tinker_exp.errors import Terminated
 
 if TYPE_CHECKING:  # the plan (numpy) is imported once a plan is built: --help, --cfg, compose errors stay at Hydra's cost
     from tinker_exp.optim import Plan
