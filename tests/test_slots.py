@@ -168,7 +168,7 @@ def test_a_slot_copied_onto_another_trains_on_as_the_source(trained, tmp_path):
     from tinker_exp.train.data import dataset_rows
 
     group = trained["shared"].slots
-    cfg = config.load(compose(*LORA, *TRIALS["A"]))
+    cfg = config.load(compose(*LORA, *TRIALS["B"]))  # 4 planned steps
     plan = validate(cfg)
     examples = load_examples(cfg.data, model_dir(cfg.model), dataset_rows(cfg.data)[0], [])[0].examples[:8]
     source = group.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values)
