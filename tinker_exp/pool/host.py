@@ -56,15 +56,17 @@ class Job:
 
 
 class Host:
-    def __init__(self, address: Path, idle_s: float, parent_pid: int | None = None) -> None:
+    def __init__(self, address: Path, idle_s: float, parent_pid: int | None = None, max_groups: int | None = None,
+                 memory_mb: float | None = None) -> None:  # fmt: skip
+        """`max_groups`, `memory_mb`: the kept groups' bounds (runtime/warm.py KeptGroups; None: the defaults)."""
         from tinker_exp import assemble
-        from tinker_exp.runtime.warm import WarmGroup
+        from tinker_exp.runtime.warm import MAX_GROUPS, WarmGroups
 
         def build(cfg, plan, model_path, run_dir, choice):
             return assemble.verl_workers(cfg, plan, model_path, run_dir, choice)
 
         self.address, self.idle_s, self.parent_pid = address, idle_s, parent_pid
-        self.group = WarmGroup(build, assemble.WORKERS_LOG)
+        self.group = WarmGroups(build, assemble.WORKERS_LOG, max_groups or MAX_GROUPS, memory_mb, where=str(address))
         self.code = wire.code_fingerprint()
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.lock = threading.RLock()
@@ -109,6 +111,8 @@ class Host:
                 elif kind == "down":
                     wire.send(sock, ("ok", os.getpid()))
                     self.stop("asked (pool down)")
+                elif kind == "fits":  # a sweep's job choosing among its pools (client.attach)
+                    wire.send(sock, self.fits(message[1]))
                 elif kind in ("lease", "prepare"):
                     self._lend(sock, kind, message[1])
             except (EOFError, OSError):
@@ -137,6 +141,7 @@ class Host:
                 if message[0] != "run":
                     return
                 job = Job("run", message[1], sock)
+                self.holder["run_dir"] = str(message[1]["arguments"][2])  # what a run refused as busy is told
             self.jobs.put(job)
             self._watch(sock, job)
         except socket.timeout:
@@ -239,14 +244,21 @@ class Host:
 
         (cfg,) = payload["arguments"]
         self.group.worker_env = payload.get("worker_env", {})
-        self.group.prepare(cfg, validate(cfg), model_dir(cfg.model), wire.log_of(self.address).parent / f"{self.address.stem}-workers")
-        return describe_key(self.group.key)
+        kept, _ = self.group.prepare(cfg, validate(cfg), model_dir(cfg.model), wire.log_of(self.address).parent / f"{self.address.stem}-workers")
+        return describe_key(kept.key)
+
+    def fits(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Whether this pool is free and keeps a group for the run in `request` (its config and worker environment),
+        and how many groups it keeps."""
+        try:
+            fits = request.get("code") == self.code and self.group.has_group_for(request["config"], request.get("worker_env", {}))
+        except Exception:  # a config this pool cannot judge (a model it cannot find): the run's own checks say why
+            fits = False
+        return {"free": self.holder is None and not self.stopping.is_set(), "fits": fits, "groups": len(self.group.kept.groups)}
 
     # -- status and the end -----------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        from tinker_exp.runtime.warm import describe_key
-
-        group = self.group
+        groups = self.group
         return {
             "pid": os.getpid(),
             "address": str(self.address),
@@ -254,15 +266,12 @@ class Host:
             "idle_s": self.idle_s,
             "idle_for_s": 0.0 if self.holder else time.monotonic() - self.last_used,
             "holder": self.holder,
-            "group": describe_key(group.key) if group.key else None,
-            "group_built_at": group.built_at,
-            "runs": group.runs,
-            "memory_mb": {"pool": rss_mb(os.getpid()), "workers": [rss_mb(pid) for pid in self.worker_pids()]},
-            "worker_pids": self.worker_pids(),
+            "groups": [{**group, "memory_mb": [rss_mb(pid) for pid in group["pids"]]} for group in groups.describe()],
+            "max_groups": groups.kept.max_groups,
+            "memory_budget_mb": groups.kept.memory_budget_mb,
+            "runs": groups.runs,
+            "memory_mb": {"pool": rss_mb(os.getpid())},
         }
-
-    def worker_pids(self) -> list[int]:
-        return list(self.group.pids)
 
     def stop(self, why: str) -> None:
         if not self.stopping.is_set():
@@ -423,7 +432,7 @@ def rss_mb(pid: int | None) -> float | None:
     return None
 
 
-def serve(address: Path, idle_s: float, parent_pid: int | None) -> None:
+def serve(address: Path, idle_s: float, parent_pid: int | None, max_groups: int | None = None, memory_mb: float | None = None) -> None:
     """The pool's process, until it is asked down, idles out or (a sweep's) its sweep ends. One process an address:
     it holds the address's lock file (flock) from its start to its end, and names itself there (`down` finds a pool
     that does not listen yet by it)."""
@@ -443,7 +452,7 @@ def serve(address: Path, idle_s: float, parent_pid: int | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a client's stop is for its run only: see Host._stop_job
     signal.signal(STOP_SIGNAL, signal.SIG_IGN)
     warm_imports()
-    host = Host(address, idle_s, parent_pid)
+    host = Host(address, idle_s, parent_pid, max_groups, memory_mb)
     signal.signal(signal.SIGTERM, lambda signum, frame: host.stop("SIGTERM"))
     if stops:
         host.stop(f"{stops[0]} while it started")
