@@ -125,12 +125,14 @@ def run(
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     start = start_point(cfg, resolved, run_dir)  # resume or branch: checked against its config, before any worker
     with warm_pool(cfg, start, start_workers) as pool:  # refused (busy) before anything is written
-        trains = pool.train_run  # a warm pool runs train_run itself, on its workers (and checks its inputs there)
+        trains = pool.train_run  # a warm pool runs train_run itself, on its workers
         if trains is None:  # a cold run: its device, model, LoRA targets and tokenized data checked before the record
             from tinker_exp import assemble
 
             given = None if cfg.dry_run or start.complete else assemble.inputs(cfg, rows, start)
             trains = functools.partial(train_run, given=given)
+        else:
+            pool.check(cfg, start)  # the same checks, by the pool, before the record
         return accepted_run(cfg, plan, rows, start, run_dir, resolved, choices, job, start_workers, hydra_files, pool, trains)
 
 

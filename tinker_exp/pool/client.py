@@ -210,6 +210,16 @@ class Lease:
     def describe(self) -> str:
         return ""  # the pool says where the run trains, once it knows (runtime/warm.py WarmGroups.lend)
 
+    def check(self, cfg: Any, start: Any) -> None:
+        """The run's inputs checked by the pool as a cold run checks them here (its device, model, LoRA targets,
+        data), before the run's record is written: a refusal is one line and writes nothing."""
+        self.send(("check", run_payload((cfg, start), cfg)))
+        try:
+            self.follow()
+        except (KeyboardInterrupt, Terminated) as stop:
+            self._stop("SIGINT" if isinstance(stop, KeyboardInterrupt) else "SIGTERM")
+            raise
+
     def train_run(self, cfg: Any, plan: Any, rows: Any, start: Any, run_dir: Path, wandb_config: dict[str, Any],
                   start_workers: Any, job_number: int | None) -> dict[str, Any]:  # fmt: skip
         """main.train_run, run by the pool; its result, or what it raised, here. The plan and the rows are made there

@@ -45,7 +45,8 @@ LEASE_TIMEOUT_ENV = "TINKER_EXP_POOL_LEASE_TIMEOUT_S"
 
 @dataclass
 class Job:
-    """A request for the main thread: a run (`kind` "run"), or a group built ahead of runs ("prepare", from `up`)."""
+    """A request for the main thread: a run (`kind` "run"), its inputs checked before the client records it
+    ("check"), or a group built ahead of runs ("prepare", from `up`)."""
 
     kind: str
     payload: dict[str, Any]
@@ -74,6 +75,8 @@ class Host:
         """Notified when the pool's holder lets go."""
         self.holder: dict[str, Any] | None = None  # who holds the pool: {"who", "pid", "since"}
         self.current: Job | None = None
+        self.checked: Any = None
+        """The inputs of the run whose check passed last (assemble.inputs), for its training."""
         self.started, self.last_used = time.time(), time.monotonic()
         self.stopping = threading.Event()
         self.main_thread = threading.main_thread().ident
@@ -136,8 +139,13 @@ class Host:
                 job = Job("prepare", request, sock)
             else:
                 sock.settimeout(self.lease_timeout_s)  # the client checks and records its run first; alive meanwhile
-                while (message := wire.recv(sock))[0] == "alive":
-                    pass
+                while (message := wire.recv(sock))[0] in ("alive", "check"):
+                    if message[0] == "check":  # its inputs, checked here before the client writes its record
+                        job = Job("check", message[1], sock)
+                        self.jobs.put(job)
+                        self._watch(sock, job)
+                        job = None
+                        sock.settimeout(self.lease_timeout_s)
                 if message[0] != "run":
                     return
                 job = Job("run", message[1], sock)
@@ -215,7 +223,7 @@ class Host:
         try:
             with client_context(job.payload, out):
                 try:
-                    answer = ("done", self._prepare(job.payload) if job.kind == "prepare" else self._train(job.payload))
+                    answer = ("done", self.KINDS[job.kind](self, job.payload))
                 finally:
                     self._ended(job)
         except BaseException as e:  # what the run raised; a stop that arrived as it was ending is not its answer
@@ -227,14 +235,26 @@ class Host:
         with self.lock:
             job.running, self.current = False, None
 
+    def _check(self, payload: dict[str, Any]) -> None:
+        """A run's inputs (device, start checkpoint's device, model, LoRA targets, tokenized data: assemble.inputs),
+        checked as a cold run checks them before its record is written; kept for its training (`_train`)."""
+        from tinker_exp import assemble
+        from tinker_exp.main import checked_env, checked_rows
+
+        cfg, start = payload["arguments"]
+        self.checked = None
+        rows = checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # as the client read them (main.run)
+        self.checked = assemble.inputs(cfg, rows, start)
+
     def _train(self, payload: dict[str, Any]) -> dict[str, Any]:
         from tinker_exp.main import checked_env, checked_rows, train_run, validate
 
         cfg, start, run_dir, wandb_config, job_number = payload["arguments"]
         self.group.worker_env = payload.get("worker_env", {})
+        given, self.checked = self.checked, None  # its inputs, as its check left them
         with written_by_pool(run_dir, (self.holder or {}).get("pid")):  # a killed client's rerun waits for this run's end
-            rows = checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # as the client read them (main.run)
-            return train_run(cfg, validate(cfg), rows, start, run_dir, wandb_config, self.group.lend, job_number)
+            rows = None if given else checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # as the client read them
+            return train_run(cfg, validate(cfg), rows, start, run_dir, wandb_config, self.group.lend, job_number, given=given)
 
     def _prepare(self, payload: dict[str, Any]) -> str:
         from tinker_exp.runtime.inputs import model_dir
@@ -255,6 +275,9 @@ class Host:
         except Exception:  # a config this pool cannot judge (a model it cannot find): the run's own checks say why
             fits = False
         return {"free": self.holder is None and not self.stopping.is_set(), "fits": fits, "groups": len(self.group.kept.groups)}
+
+    KINDS = {"run": _train, "check": _check, "prepare": _prepare}
+    """What the main thread does for each kind of job."""
 
     # -- status and the end -----------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
