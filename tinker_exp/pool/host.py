@@ -139,13 +139,16 @@ class Host:
                 job = Job("prepare", request, sock)
             else:
                 sock.settimeout(self.lease_timeout_s)  # the client checks and records its run first; alive meanwhile
-                while (message := wire.recv(sock))[0] in ("alive", "check"):
+                message = wire.recv(sock)
+                while message[0] in ("alive", "check"):
+                    after = None
                     if message[0] == "check":  # its inputs, checked here before the client writes its record
                         job = Job("check", message[1], sock)
                         self.jobs.put(job)
-                        self._watch(sock, job)
+                        after = self._watch(sock, job)  # the client's next message may come before the check's end
                         job = None
                         sock.settimeout(self.lease_timeout_s)
+                    message = after or wire.recv(sock)
                 if message[0] != "run":
                     return
                 job = Job("run", message[1], sock)
@@ -165,11 +168,12 @@ class Host:
                 self.free.notify_all()
             self.last_used = time.monotonic()
 
-    def _watch(self, sock: socket.socket, job: Job) -> None:
+    def _watch(self, sock: socket.socket, job: Job) -> Any:
         """Until the job is done: a stop from the client, or its end (killed), stops the run; so does its silence for
-        lease_timeout_s (a stopped or hung client: its heartbeat stopped too)."""
+        lease_timeout_s (a stopped or hung client: its heartbeat stopped too). Returns the client's message that is
+        neither (None if none came): after a check, its run may come before the check's job is done."""
         sock.settimeout(0.5)
-        heard = time.monotonic()
+        heard, pending = time.monotonic(), None
         while not job.done.is_set():
             try:
                 message = wire.recv(sock)
@@ -181,6 +185,9 @@ class Host:
             heard = time.monotonic()
             if message[0] == "stop":
                 self._stop_job(job, STOP_SIGNAL if message[1] == "SIGTERM" else signal.SIGINT)
+            elif message[0] != "alive":
+                pending = message
+        return pending
 
     def _stop_job(self, job: Job, signum: int) -> None:
         with self.lock:
@@ -281,6 +288,8 @@ class Host:
 
     # -- status and the end -----------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
+        from tinker_exp.runtime.warm import rss_mb
+
         groups = self.group
         return {
             "pid": os.getpid(),
@@ -442,17 +451,6 @@ def reset_warning_registries() -> None:
         registry = getattr(module, "__dict__", {}).get("__warningregistry__")  # no getattr: lazy modules import on it
         if isinstance(registry, dict):
             registry.clear()
-
-
-def rss_mb(pid: int | None) -> float | None:
-    """A process's resident memory in MiB (Linux's /proc), None if unknown."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
 
 
 def serve(address: Path, idle_s: float, parent_pid: int | None, max_groups: int | None = None, memory_mb: float | None = None) -> None:

@@ -87,7 +87,7 @@ def describe_key(key: dict[str, Any]) -> str:
 
 class Lent:
     """The group as one run sees it: the worker group's calls, but `shutdown` gives it back instead of freeing it.
-    `built`: whether the group was built for this run (its `ready` line says which)."""
+    `built`: whether the group was built for this run."""
 
     def __init__(self, workers: TinkerWorkers, built: bool) -> None:
         self._workers, self._built = workers, built
@@ -96,8 +96,8 @@ class Lent:
         return getattr(self._workers, name)
 
     def ready(self) -> None:
-        how = "built for this run and kept by the pool for later ones" if self._built else "kept warm by the pool, in the state a cold build leaves"
-        log.info(f"workers: {self._workers.placement} ({how})")
+        if not self._built:  # a group built for this run said where its workers are as it was built
+            log.info(f"workers: {self._workers.placement} (kept warm by the pool, in the state a cold build leaves)")
 
     def shutdown(self) -> None:
         if self._workers.output is not None:
@@ -210,16 +210,19 @@ def default_memory_budget_mb() -> float:
 
 
 def resident_mb(pids: list[int]) -> float:
-    """The processes' resident memory together, in MiB (Linux's /proc; 0 for one not found)."""
-    total = 0.0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) / 1024
-        except OSError:
-            pass
-    return total
+    """The processes' resident memory together, in MiB (0 for one not found)."""
+    return sum(rss_mb(pid) or 0.0 for pid in pids)
+
+
+def rss_mb(pid: int | None) -> float | None:
+    """A process's resident memory in MiB (Linux's /proc), None if unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 class WarmGroups:
@@ -266,7 +269,8 @@ class WarmGroups:
             where = f"the workers just built on {self.where}"
         else:
             built_at = time.strftime("%H:%M:%S", time.localtime(kept.built_at))
-            where = f"the warm workers of {self.where}: a kept group (built {built_at}, {kept.runs - 1} runs before)"
+            before = kept.runs - 1
+            where = f"the warm workers of {self.where}: a kept group (built {built_at}, {before} run{'s' * (before != 1)} before)"
         log.info(f"pool: training on {where}; {groups} group{'s' * (groups != 1)} kept")
         return Lent(kept.workers, built)
 
