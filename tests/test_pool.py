@@ -462,6 +462,11 @@ def test_pool_commands_mistakes_and_a_closed_pipe_are_one_line(tmp_path):
         assert run.returncode == 2 and run.stderr == (f"tinker_exp: config error: backend.pool={value}: not one of auto, none or a pool's "
                                                       f"socket path (a path with a '/' or ending in .sock){meant}\n")  # fmt: skip
         assert not (tmp_path / value).exists()
+    for args, line in ((["--max-groups", "0"], "--max-groups=0: must be >= 1"), (["--memory-mb=lots"], "--memory-mb=lots: not a number of MiB"),
+                       (["--idle-min", "-1"], "--idle-min=-1: must be > 0")):  # fmt: skip
+        up = run_module("tinker_exp.pool", "up", *args, env=env)
+        assert up.returncode == 2 and up.stderr == f"tinker_exp: config error: {line}\n", up.stderr
+    assert not (tmp_path / "pools").exists()  # refused before anything was made
 
 
 def test_a_rerun_waits_for_the_pool_that_still_writes_into_its_run_dir(tmp_path):

@@ -22,7 +22,6 @@ from tinker_exp.errors import STOPS, ConfigError, one_line, suggest
 from tinker_exp.formats import masked
 from tinker_exp.pool import wire
 from tinker_exp.pool.local import answers, end, start_host
-from tinker_exp.runtime.warm import MAX_GROUPS
 
 IDLE_MIN = 60.0
 """A pool with no run for this long frees its workers and ends (`up --idle-min`)."""
@@ -74,22 +73,22 @@ class UpOptions:
 
     idle_min: float = IDLE_MIN
     """--idle-min: a pool with no run for this long frees its workers and ends."""
-    max_groups: int = MAX_GROUPS
-    """--max-groups: how many worker groups it keeps at most."""
+    max_groups: int | None = None
+    """--max-groups: how many worker groups it keeps at most (None: runtime/warm.py's MAX_GROUPS)."""
     memory_mb: float | None = None
     """--memory-mb: the kept groups' memory budget (None: runtime/warm.py's default, from the memory available)."""
 
     def __post_init__(self) -> None:
         if not self.idle_min > 0:
             raise ConfigError(f"--idle-min={self.idle_min:g}: must be > 0")
-        if self.max_groups < 1:
+        if self.max_groups is not None and self.max_groups < 1:
             raise ConfigError(f"--max-groups={self.max_groups}: must be >= 1")
         if self.memory_mb is not None and not self.memory_mb > 0:
             raise ConfigError(f"--memory-mb={self.memory_mb:g}: must be > 0")
 
     def host_args(self) -> list[str]:
         """What the pool's process is started with besides its address (pool/local.py start_host)."""
-        return [str(self.max_groups), str(self.memory_mb or 0)]
+        return [str(self.max_groups or 0), str(self.memory_mb or 0)]  # 0: the default
 
 
 def up_options(args: list[str]) -> tuple[UpOptions, list[str]]:
