@@ -171,7 +171,7 @@ def test_a_then_b_then_a_trains_a_on_its_kept_group_without_a_rebuild(pool, cosi
     (A's group has the same worker pids and build time as before B, and is now the most recently used), and by its
     rows: bitwise the cold run of its command."""
     before = {what: (built, pids) for what, built, pids in kept_groups(pool)}
-    full = next(what for what in before if "full fine-tuning" in what)
+    full = next(what for what in before if "TinkerTrainingWorker" in what and "full fine-tuning" in what)
     b = warm(pool, "lora=r8", "trainer.steps=1", "logger=none", "checkpoint.at_end=false", f"hydra.run.dir={tmp_path / 'b'}")
     assert "LoRA rank 8" in kept_groups(pool)[0][0], b.stdout
     a = warm(pool, *COSINE_TRUNK, f"hydra.run.dir={tmp_path / 'a'}")
@@ -186,7 +186,7 @@ def test_a_then_b_then_a_trains_a_on_its_kept_group_without_a_rebuild(pool, cosi
 def test_a_sweep_job_tries_first_the_free_pool_that_keeps_its_group(pool, monkeypatch):
     """A sweep's pools, as its job ranks them (client.best_first): the module's pool (it keeps the default group and
     a LoRA rank 8 one) and a pool that keeps none. A job of a kept shape tries the module's pool first; a job of a
-    shape neither keeps (LoRA rank 4) tries the empty pool first, so the module's groups stay as they are; a pool
+    shape neither keeps (LoRA rank 32) tries the empty pool first, so the module's groups stay as they are; a pool
     that does not answer comes last."""
     from tinker_exp.pool import wire
     from tinker_exp.pool.__main__ import checked_config
@@ -201,7 +201,7 @@ def test_a_sweep_job_tries_first_the_free_pool_that_keeps_its_group(pool, monkey
     try:
         assert best_first([gone, empty, kept], checked_config(["trainer.steps=2"])) == [kept, empty, gone]
         assert best_first([gone, kept, empty], checked_config(["lora=r8"])) == [kept, empty, gone]
-        assert best_first([gone, kept, empty], checked_config(["lora=r4"])) == [empty, kept, gone]
+        assert best_first([gone, kept, empty], checked_config(["lora=r32"])) == [empty, kept, gone]
     finally:
         end(empty, process)
 
