@@ -135,7 +135,9 @@ def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_pa
     cold(ray_address, *command, f"hydra.run.dir={tmp_path / 'cold'}")
     first = warm(pool, *command, f"hydra.run.dir={tmp_path / 'warm'}")
     again = warm(pool, *command, f"hydra.run.dir={tmp_path / 'again'}")  # the kept group, fresh state
-    assert "pool: training on the workers just built" in first.stdout and "pool: group built in" in first.stdout
+    said = ("pool: no kept group fits this run", "pool: group built in", "pool: training on the workers just built on")
+    assert all(line in first.stdout for line in said), first.stdout[-3000:]
+    assert sorted(said, key=first.stdout.index) == list(said)  # what happened, in order
     assert "pool: training on the warm workers of" in again.stdout and "group built" not in again.stdout
     rows = without_timings(metrics_rows(tmp_path / "cold"))
     assert len(rows) == int(command[-1].split("=")[1])
