@@ -39,7 +39,7 @@ def pool(ray_address, tmp_path_factory):
 
     folder = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp"))
     env = {"TINKER_EXP_POOL_DIR": str(folder), "TINKER_EXP_POOL": "auto", "RAY_ADDRESS": None}
-    up = run_module("tinker_exp.pool", "up", "--idle-min", "15", env=env, timeout=400)
+    up = run_module("tinker_exp.pool", "up", "--idle-min", "15", "--max-groups", "3", env=env, timeout=400)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:] + (folder / "pool.log").read_text()[-3000:]
     assert "pool up at" in up.stdout and "2 x TinkerTrainingWorker on cpu" in up.stdout
     yield env
@@ -51,7 +51,7 @@ def pool(ray_address, tmp_path_factory):
 def warm(pool: dict, *args: str, **kwargs) -> subprocess.CompletedProcess:
     result = run_cli(*args, env=pool, **kwargs)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "pool: training on the warm workers of" in result.stdout
+    assert "pool: training on the warm workers of" in result.stdout or "pool: training on the workers just built" in result.stdout
     return result
 
 
@@ -62,23 +62,32 @@ def cold(ray_address: str, *args: str) -> subprocess.CompletedProcess:
     return result
 
 
-def test_a_killed_run_leaves_the_pool_usable_a_second_run_is_refused_and_a_warm_run_is_the_cold_run(pool, cosine_trunk, tmp_path):
+def test_a_killed_run_leaves_the_pool_usable_a_second_run_trains_cold_or_is_refused_and_a_warm_run_is_the_cold_run(pool, cosine_trunk, tmp_path):
+    """While a run holds the pool, a second one with backend.pool=auto trains cold (one line says so), and one that
+    names the pool's address is refused (one line, exit 2, nothing written)."""
     long_run = subprocess.Popen(
         [sys.executable, "-m", "tinker_exp", "trainer.steps=400", "checkpoint.every_steps=0", f"hydra.run.dir={tmp_path / 'killed'}"],
         cwd=REPO, env=environment(pool), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         wait_until(lambda: len(metrics_rows(tmp_path / "killed")) >= 3, 240, "the warm run never logged 3 steps", long_run)
-        refused = run_cli("trainer.steps=2", f"hydra.run.dir={tmp_path / 'refused'}", env=pool)
+        address = f"backend.pool={pool['TINKER_EXP_POOL_DIR']}/pool.sock"
+        refused = run_cli("trainer.steps=2", address, f"hydra.run.dir={tmp_path / 'refused'}", env=pool)
         status = run_module("tinker_exp.pool", "status", env=pool)
+        beside = ["trainer.steps=1", "backend.num_workers=1", "logger=none", "checkpoint.at_end=false", "checkpoint.every_steps=0"]
+        cold_beside = run_cli(*beside, f"hydra.run.dir={tmp_path / 'beside'}", env=pool)
         long_run.send_signal(signal.SIGKILL)  # mid-run: between two steps or inside one
         long_run.wait(timeout=30)
     finally:
         long_run.kill()
     assert refused.returncode == 2
     [line] = refused.stderr.strip().splitlines()
-    assert line.startswith("tinker_exp: pool busy: backend.pool=auto: the pool at") and "one run at a time" in line
+    assert line.startswith(f"tinker_exp: pool busy: {address}: the pool at") and "one run at a time" in line
+    assert f"({tmp_path / 'killed'}, pid {long_run.pid}," in line  # the busy run named by its run dir
     assert not (tmp_path / "refused").exists()  # refused before anything was written
+    assert cold_beside.returncode == 0, cold_beside.stderr[-3000:]
+    assert f"pool: busy with {tmp_path / 'killed'} (pid {long_run.pid}, since" in cold_beside.stdout and "starting cold" in cold_beside.stdout
+    assert "pool: training on" not in cold_beside.stdout and len(metrics_rows(tmp_path / "beside")) == 1
     assert "now running a run since" in status.stdout and "trainer.steps=400" in status.stdout
 
     # The next run waits for the killed one to end, then trains exactly as the suite's cold run of its command.
@@ -108,8 +117,9 @@ def test_resume_and_a_branch_on_the_pool_are_bitwise_cold_ones(pool, cosine_trun
 
 def test_a_worker_that_died_is_replaced_and_the_next_run_is_the_cold_run(pool, cosine_trunk, tmp_path):
     status = run_module("tinker_exp.pool", "status", env=pool).stdout
-    pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", status.split("memory", 1)[1])]
-    assert len(pids) == 2, status
+    pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", status.split("memory (resident", 1)[1])]
+    assert len(pids) >= 2, status
+    pids = pids[:2]  # the default SFT group's (the most recently used: listed first)
     os.kill(pids[1], signal.SIGKILL)  # a rank lost (out of memory, say) between two runs
     result = warm(pool, *COSINE_TRUNK, f"hydra.run.dir={tmp_path}")
     assert "pool: a worker had died" in result.stdout and "building the group again" in result.stdout
@@ -126,7 +136,10 @@ def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_pa
     cold(ray_address, *command, f"hydra.run.dir={tmp_path / 'cold'}")
     first = warm(pool, *command, f"hydra.run.dir={tmp_path / 'warm'}")
     again = warm(pool, *command, f"hydra.run.dir={tmp_path / 'again'}")  # the kept group, fresh state
-    assert "pool: a new group for this run" in first.stdout and "a new group" not in again.stdout
+    said = ("pool: no kept group fits this run", "pool: group built in", "pool: training on the workers just built on")
+    assert all(line in first.stdout for line in said), first.stdout[-3000:]
+    assert sorted(said, key=first.stdout.index) == list(said)  # what happened, in order
+    assert "pool: training on the warm workers of" in again.stdout and "group built" not in again.stdout
     rows = without_timings(metrics_rows(tmp_path / "cold"))
     assert len(rows) == int(command[-1].split("=")[1])
     assert without_timings(metrics_rows(tmp_path / "warm")) == rows == without_timings(metrics_rows(tmp_path / "again"))
@@ -165,6 +178,94 @@ def test_a_warm_run_uses_the_reward_file_as_it_is_now_and_checks_its_inputs_once
         assert [len(called) for called in by_pid.values()] == [prompts["train"] + prompts["eval"]]  # the client's check
         assert set(*by_pid.values()) == {"True"}  # each with an empty response
     assert rewards == [0.0, 1.0]
+
+
+def kept_groups(pool: dict) -> list[tuple[str, str, str]]:
+    """`pool status`'s kept groups, the most recently used first: (what it trains, when it was built, its pids)."""
+    status = run_module("tinker_exp.pool", "status", env=pool).stdout
+    return re.findall(r"^    \d+\. (.*); built (\S+) .*; workers' pids ([\d, ]+)$", status, re.MULTILINE)
+
+
+def test_a_then_b_then_a_trains_a_on_its_kept_group_without_a_rebuild(pool, cosine_trunk, tmp_path):
+    """A (the default full fine-tuning group, built by `up`), B (LoRA rank 8: a group of its own, kept beside A's),
+    then A again: A's group, not rebuilt. Told by the run's lines (a kept group; no `group built`), by `pool status`
+    (A's group has the same worker pids and build time as before B, and is now the most recently used), and by its
+    rows: bitwise the cold run of its command."""
+    before = {what: (built, pids) for what, built, pids in kept_groups(pool)}
+    full = next(what for what in before if "TinkerTrainingWorker" in what and "full fine-tuning" in what)
+    b = warm(pool, "lora=r8", "trainer.steps=1", "logger=none", "checkpoint.at_end=false", f"hydra.run.dir={tmp_path / 'b'}")
+    assert "LoRA rank 8" in kept_groups(pool)[0][0], b.stdout
+    a = warm(pool, *COSINE_TRUNK, f"hydra.run.dir={tmp_path / 'a'}")
+    assert "pool: training on the warm workers of" in a.stdout and "a kept group" in a.stdout
+    assert "group built" not in a.stdout and "no kept group fits" not in a.stdout and "freed a group" not in a.stdout
+    after = kept_groups(pool)
+    assert after[0][0] == full and (after[0][1], after[0][2]) == before[full]
+    assert any("LoRA rank 8" in what for what, _, _ in after[1:])  # B's group still kept
+    assert without_timings(metrics_rows(tmp_path / "a")) == without_timings(metrics_rows(cosine_trunk[0]))
+
+
+def test_a_sweep_job_tries_first_the_free_pool_that_keeps_its_group(pool, monkeypatch):
+    """A sweep's pools, as its job ranks them (client.best_first): the module's pool (it keeps the default group and
+    a LoRA rank 8 one) and a pool that keeps none. A job of a kept shape tries the module's pool first; a job of a
+    shape neither keeps (LoRA rank 32) tries the empty pool first, so the module's groups stay as they are; a pool
+    that does not answer comes last."""
+    from tinker_exp.pool import wire
+    from tinker_exp.pool.__main__ import checked_config
+    from tinker_exp.pool.client import best_first
+    from tinker_exp.pool.local import end, start_host
+
+    monkeypatch.setenv("TINKER_EXP_POOL_DIR", pool["TINKER_EXP_POOL_DIR"])
+    kept = wire.address_of()
+    empty = Path(pool["TINKER_EXP_POOL_DIR"]) / "empty.sock"
+    gone = Path(pool["TINKER_EXP_POOL_DIR"]) / "gone.sock"
+    process = start_host(empty, idle_s=600.0)
+    try:
+        assert best_first([gone, empty, kept], checked_config(["trainer.steps=2"])) == [kept, empty, gone]
+        assert best_first([gone, kept, empty], checked_config(["lora=r8"])) == [kept, empty, gone]
+        assert best_first([gone, kept, empty], checked_config(["lora=r32"])) == [empty, kept, gone]
+    finally:
+        end(empty, process)
+
+
+class FakeWorkers:
+    """Bookkeeping only: a kept group's workers, freed or not."""
+
+    def __init__(self) -> None:
+        self.freed = False
+
+    def shutdown(self) -> None:
+        self.freed = True
+
+
+def test_kept_groups_free_the_least_recently_used_when_a_new_one_would_not_fit():
+    """The count, the memory budget and the cluster's workers each bound the kept groups; the least recently used is
+    freed first, and each freeing is said with why."""
+    from tinker_exp.runtime.warm import Kept, KeptGroups
+
+    said: list[str] = []
+    key = lambda name: {"worker": "W", "model": name, "device": "cpu", "backend": {"num_workers": 2, "nodes": 1},
+                        "lora": None, "optimizer": "adamw"}  # fmt: skip
+    groups = KeptGroups(max_groups=2, memory_budget_mb=1000.0, say=said.append)
+    a, b = (Kept(key(name), FakeWorkers(), 0.0, [1], 300.0, 2) for name in "ab")
+    groups.add(a), groups.add(b)
+    groups.use(a)  # b is now the least recently used
+    groups.make_room(key("c"), 2)
+    assert b.workers.freed and not a.workers.freed and list(groups.groups.values()) == [a]
+    assert said == ["freed a group, the least recently used (2 groups kept, --max-groups 2): 2 x W on cpu; model b; full fine-tuning; adamw"]
+
+    groups.max_groups = 5
+    c = Kept(key("c"), FakeWorkers(), 0.0, [2], 600.0, 2)
+    groups.add(c)
+    groups.make_room(key("d"), 2)  # 300 + 600 kept + about 600 new > 1000: a goes; 600 + 600 > 1000: c too
+    assert a.workers.freed and c.workers.freed and groups.groups == {}
+    assert "MiB kept + about 600 MiB for the new one > the budget of 1000 MiB" in said[1]
+
+    groups.memory_budget_mb, groups.capacity = float("inf"), 4.0
+    e, f = (Kept(key(name), FakeWorkers(), 0.0, [3], 10.0, 2) for name in "ef")
+    groups.add(e), groups.add(f)
+    groups.make_room(key("g"), 2)  # 4 workers kept + 2 > 4: e (least recently used) goes
+    assert e.workers.freed and not f.workers.freed and "4 workers kept + 2 new > the cluster's 4" in said[-1]
+    assert groups.find(key("f")) is f and groups.find(key("e")) is None
 
 
 @pytest.mark.real  # a pool process (torch, verl and Ray imported; no workers)
@@ -382,6 +483,11 @@ def test_pool_commands_mistakes_and_a_closed_pipe_are_one_line(tmp_path):
         assert run.returncode == 2 and run.stderr == (f"tinker_exp: config error: backend.pool={value}: not one of auto, none or a pool's "
                                                       f"socket path (a path with a '/' or ending in .sock){meant}\n")  # fmt: skip
         assert not (tmp_path / value).exists()
+    for args, line in ((["--max-groups", "0"], "--max-groups=0: must be >= 1"), (["--memory-mb=lots"], "--memory-mb=lots: not a number of MiB"),
+                       (["--idle-min", "-1"], "--idle-min=-1: must be > 0")):  # fmt: skip
+        up = run_module("tinker_exp.pool", "up", *args, env=env)
+        assert up.returncode == 2 and up.stderr == f"tinker_exp: config error: {line}\n", up.stderr
+    assert not (tmp_path / "pools").exists()  # refused before anything was made
 
 
 def test_a_rerun_waits_for_the_pool_that_still_writes_into_its_run_dir(tmp_path):

@@ -1,8 +1,8 @@
 """Slots (runtime/slots.py) on real verl workers: one LoRA group (2 Ray CPU gloo ranks, FSDP2) for the module.
 
-First each trial trains alone through main.run on that group before it holds slots: trial A cold (the group's build),
+First each trial trains alone through run.run on that group before it holds slots: trial A cold (the group's build),
 the others on the pool's fresh start (a rebuild with their seed: bitwise a cold run, tests/test_pool.py). Then the
-group holds 3 slots and the trials train through main.run again, each run in its own driver thread on a `Slot`, at
+group holds 3 slots and the trials train through run.run again, each run in its own driver thread on a `Slot`, at
 once: with different seeds, lr schedules, lrs and gradient clips (B evaluating every 2 steps), every logged row and
 the exported adapter are bitwise the trial's alone. A slot freed (A finished) takes trial D while B is held mid-run and C trains on; a trial's
 run resumed on a slot from its checkpoint continues bitwise; one slot's state copied onto another (a PBT exploit)
@@ -35,7 +35,7 @@ def without_timings(rows: list[dict]) -> list[dict]:
 
 
 class Shared:
-    """The module's one LoRA group: the TinkerWorkers main.run trains on (its shutdown left to the module), then the
+    """The module's one LoRA group: the TinkerWorkers run.run trains on (its shutdown left to the module), then the
     SlotGroup over them."""
 
     def __init__(self):
@@ -65,9 +65,10 @@ class Shared:
 
 
 def run_trial(name: str, run_dir, start_workers, *extra: str):
-    from tinker_exp.main import run
+    from tinker_exp.place import GivenWorkers
+    from tinker_exp.run import run
 
-    run(compose(*LORA, *TRIALS[name], *extra), run_dir, start_workers=start_workers)
+    run(compose(*LORA, *TRIALS[name], *extra), run_dir, place=GivenWorkers(start_workers))
     return run_dir
 
 
@@ -164,7 +165,7 @@ def test_a_trial_resumed_on_a_slot_continues_bitwise(trained, tmp_path):
 def test_a_slot_copied_onto_another_trains_on_as_the_source(trained, tmp_path):
     """A PBT exploit in place: the target's adapter, optimizer state and RNG become the source's."""
     from tinker_exp import config
-    from tinker_exp.main import validate
+    from tinker_exp.run import validate
     from tinker_exp.runtime.inputs import load_examples, model_dir
     from tinker_exp.train.data import dataset_rows
 

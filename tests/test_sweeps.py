@@ -470,7 +470,7 @@ def test_ctrl_c_in_a_local_sweep_stops_the_running_point_and_starts_no_other(ray
     assert not (tmp_path / "1").exists()
     # The sweep's own warm pool (docs/pool.md): started before its first job, trained it, ended after the Ctrl-C.
     assert "pool: 1 warm pool(s) for this sweep's jobs" in output and "pool: the sweep's 1 pool(s) ended" in output
-    assert "pool: training on the warm workers of" in (tmp_path / "0" / "tinker_exp.log").read_text()
+    assert "pool: training on the workers just built on" in (tmp_path / "0" / "tinker_exp.log").read_text()  # its first job
     assert not list(Path(os.environ["TINKER_EXP_POOL_DIR"]).glob(f"sweep-{driver.pid}-*.sock"))
 
     def ended() -> bool:  # gone, or a zombie nobody reaps (on this machine PID 1 is no init system)

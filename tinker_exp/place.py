@@ -28,7 +28,8 @@ class Place(Protocol):
 
     train_run: Callable[..., dict[str, Any]] | None
     """A place that trains the run in its own process (a warm pool): the run's `train_run`, called here and run
-    there; None: this process trains it, on `start_workers`'s group."""
+    there; None: this process trains it, on `start_workers`'s group. Such a place also checks the run's inputs
+    there before its record is written (`check(cfg, rows, start)`: a refusal raises), and keeps them for the run."""
 
     def describe(self) -> str:
         """The one line the run says about where it trains, as it starts training ("" says nothing)."""

@@ -121,12 +121,14 @@ def run(
     idle = cfg.dry_run or start.complete
     held = ColdGroup() if idle else place or where_to_train(cfg)  # a busy pool is refused before anything is written
     try:
-        trains = held.train_run  # a warm pool runs train_run itself, on its workers (and checks its inputs there)
+        trains = held.train_run  # a warm pool runs train_run itself, on its workers
         if trains is None:  # in this process: its device, model, LoRA targets and tokenized data checked before the record
             from tinker_exp import assemble
 
             given = None if idle else assemble.inputs(cfg, rows, start)
             trains = functools.partial(train_run, given=given)
+        else:
+            held.check(cfg, rows, start)  # the same checks, by the pool, before the record (it keeps what it checked)
         return accepted_run(cfg, plan, rows, start, run_dir, resolved, choices, job, hydra_files, held, trains)
     finally:
         held.release()

@@ -1,8 +1,11 @@
 """`python -m tinker_exp.pool up|status|down`: warm workers that runs reuse (docs/pool.md).
 
-  up [--idle-min N] [OVERRIDES...]   start this user's pool (or keep the one that is up) with a worker group built
-                                     for runs like `python -m tinker_exp OVERRIDES`; returns once it is ready
-  status                             what the pool holds, its memory, since when, what runs on it now
+  up [--idle-min N] [--max-groups N] [--memory-mb N] [OVERRIDES...]
+                                     start this user's pool (or keep the one that is up) with a worker group built
+                                     for runs like `python -m tinker_exp OVERRIDES`; returns once it is ready.
+                                     --max-groups (default 4) and --memory-mb (default: half the memory available
+                                     at its start) bound the groups it keeps (the least recently used freed first)
+  status                             what the pool holds (each group), its memory, since when, what runs on it now
   down                               free its workers and end it
 """
 
@@ -12,6 +15,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tinker_exp.errors import STOPS, ConfigError, one_line, suggest
@@ -51,7 +55,8 @@ def command(argv: list[str]) -> int:
         if name == "_host":  # the pool's own process, started by `up` or a sweep
             from tinker_exp.pool.host import serve
 
-            serve(Path(rest[0]), float(rest[1]), int(rest[2]) if len(rest) > 2 else None)
+            address, idle_s, parent, max_groups, memory_mb = rest
+            serve(Path(address), float(idle_s), int(parent) or None, int(max_groups) or None, float(memory_mb) or None)
             return 0
         raise ConfigError(f"{name}: not a pool command" + suggest(name, COMMANDS, "its commands:"))
     except STOPS as e:
@@ -62,21 +67,47 @@ def command(argv: list[str]) -> int:
         return 130
 
 
-def idle_minutes(args: list[str]) -> tuple[float, list[str]]:
-    """--idle-min N (or --idle-min=N) out of `args`; the rest are a run's overrides."""
-    idle, rest, items = IDLE_MIN, [], iter(args)
+@dataclass(frozen=True)
+class UpOptions:
+    """`up`'s own options (the rest of its arguments are a run's overrides)."""
+
+    idle_min: float = IDLE_MIN
+    """--idle-min: a pool with no run for this long frees its workers and ends."""
+    max_groups: int | None = None
+    """--max-groups: how many worker groups it keeps at most (None: runtime/warm.py's MAX_GROUPS)."""
+    memory_mb: float | None = None
+    """--memory-mb: the kept groups' memory budget (None: runtime/warm.py's default, from the memory available)."""
+
+    def __post_init__(self) -> None:
+        if not self.idle_min > 0:
+            raise ConfigError(f"--idle-min={self.idle_min:g}: must be > 0")
+        if self.max_groups is not None and self.max_groups < 1:
+            raise ConfigError(f"--max-groups={self.max_groups}: must be >= 1")
+        if self.memory_mb is not None and not self.memory_mb > 0:
+            raise ConfigError(f"--memory-mb={self.memory_mb:g}: must be > 0")
+
+    def host_args(self) -> list[str]:
+        """What the pool's process is started with besides its address (pool/local.py start_host)."""
+        return [str(self.max_groups or 0), str(self.memory_mb or 0)]  # 0: the default
+
+
+def up_options(args: list[str]) -> tuple[UpOptions, list[str]]:
+    """--idle-min N, --max-groups N, --memory-mb N (or --name=N) out of `args`; the rest are a run's overrides."""
+    flags = {"--idle-min": ("idle_min", float, "a number of minutes"), "--max-groups": ("max_groups", int, "a whole number"),
+             "--memory-mb": ("memory_mb", float, "a number of MiB")}  # fmt: skip
+    values, rest, items = {}, [], iter(args)
     for arg in items:
-        if arg == "--idle-min" or arg.startswith("--idle-min="):
-            value = arg.partition("=")[2] or next(items, "")
-            try:
-                idle = float(value)
-            except ValueError:
-                raise ConfigError(f"--idle-min={value}: not a number of minutes") from None
-            if not idle > 0:
-                raise ConfigError(f"--idle-min={value}: must be > 0")
-        else:
+        flag, equals, value = arg.partition("=")
+        if flag not in flags:
             rest.append(arg)
-    return idle, rest
+            continue
+        value = value if equals else next(items, "")
+        name, kind, what = flags[flag]
+        try:
+            values[name] = kind(value)
+        except ValueError:
+            raise ConfigError(f"{flag}={value}: not {what}") from None
+    return UpOptions(**values), rest
 
 
 def up(args: list[str]) -> int:
@@ -85,7 +116,8 @@ def up(args: list[str]) -> int:
     from tinker_exp.pool.client import Lease, run_payload
     from tinker_exp.pool.local import START_TIMEOUT_S
 
-    idle, overrides = idle_minutes(args)
+    options, overrides = up_options(args)
+    idle = options.idle_min
     cfg = checked_config(overrides)
     address = wire.address_of()
     wire.make_private(address.parent)  # one line when the folder is not this user's alone
@@ -93,7 +125,7 @@ def up(args: list[str]) -> int:
     while True:
         was_up = answers(address)
         if not was_up:
-            started = start_host(address, idle * 60)
+            started = start_host(address, idle * 60, host_args=options.host_args())
             if started.returncode == wire.ALREADY_EXIT:  # another `up`'s pool serves: not this one's to end
                 started = None
         sock = wire.connect(address, None)
@@ -154,19 +186,29 @@ def status(address: Path) -> int:
 
 
 def describe_status(info: dict) -> str:
+    def clock(at: float) -> str:
+        return time.strftime("%H:%M:%S", time.localtime(at))
+
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["since"]))
-    memory = info["memory_mb"]
-    workers = ", ".join(f"{mb or 0:.0f} (pid {pid})" for mb, pid in zip(memory["workers"], info["worker_pids"])) or "-"
+    groups = info["groups"]
+    workers = [f"{mb or 0:.0f} (pid {pid})" for group in groups for mb, pid in zip(group["memory_mb"], group["pids"])]
     holder = info["holder"]
+    budget = info["memory_budget_mb"]
+    kept = [f"  groups kept: {len(groups)} (at most {info['max_groups']}, within {budget:.0f} MiB; the least recently used is freed first)"]
+    kept += [
+        f"    {i}. {group['group']}; built {clock(group['built_at'])} ({group['size_mb']:.0f} MiB), "
+        f"last used {clock(group['last_used'])}, {group['runs']} run{'s' * (group['runs'] != 1)}; workers' pids {', '.join(map(str, group['pids']))}"
+        for i, group in enumerate(groups, 1)
+    ] or ["    none yet (the next run builds one)"]
     now = (
         f"running a run since {time.strftime('%H:%M:%S', time.localtime(holder['since']))} (pid {holder['pid']}: {masked(holder['who']) or 'no overrides'})"
         if holder else f"idle for {info['idle_for_s'] / 60:.1f} min (ends after {info['idle_s'] / 60:g} min idle)"
     )  # fmt: skip
     return "\n".join([
         f"pool at {info['address']}: pid {info['pid']}, up since {since}",
-        f"  workers: {info['group'] or 'none yet (the next run builds them)'}",
+        *kept,
         f"  runs served: {info['runs']}; now {now}",
-        f"  memory (resident, MiB): pool {memory['pool'] or 0:.0f}; workers {workers}",
+        f"  memory (resident, MiB): pool {info['memory_mb']['pool'] or 0:.0f}; workers {', '.join(workers) or '-'}",
     ])  # fmt: skip
 
 

@@ -62,9 +62,9 @@ class Cold:
 def attach(cfg: Any) -> "Lease | Cold":
     """The pool this run trains on, held for it, or a cold start. backend.pool: none, auto or an address.
     auto: a free pool of this sweep's, else this user's pool if up, else a cold start (said in one line, when the run
-    trains). A pool that is busy refuses the run (one line, exit 2, nothing written); one that runs older code, or
-    that is not this user's alone (`wire.connect`), is skipped; so is every pool for a run that joins a Ray cluster
-    of its own (backend.ray_address)."""
+    trains). A pool that is busy, runs older code, or is not this user's alone (`wire.connect`) is skipped (auto:
+    the run starts cold, said in one line; an address: refused, one line, exit 2, nothing written); so is every pool
+    for a run that joins a Ray cluster of its own (backend.ray_address)."""
     setting = cfg.backend.pool
     if setting == "none" or (setting == "auto" and "SLURM_JOB_ID" in os.environ):  # a Slurm job: its own allocation
         return Cold()
@@ -74,7 +74,7 @@ def attach(cfg: Any) -> "Lease | Cold":
         if explicit:
             raise ConfigError(f"backend.pool={setting}: {line} (backend.pool=none, or no backend.ray_address)")
         return Cold(f"pool: {line}; starting cold")
-    addresses = [Path(setting).expanduser()] if explicit else sweep_addresses() or [wire.address_of()]
+    addresses = [Path(setting).expanduser()] if explicit else best_first(sweep_addresses(), cfg) or [wire.address_of()]
     answers: list[tuple[Path, Any]] = []
     for address in addresses:
         try:
@@ -97,11 +97,14 @@ def attach(cfg: Any) -> "Lease | Cold":
     busy = [(address, reply[1]) for address, reply in answers if reply[0] == "busy"]
     if busy:
         address, holder = busy[0]
-        raise PoolBusyError(
-            f"backend.pool={setting}: the pool at {address} is running another run ({masked(holder['who']) or 'no overrides'}, "
-            f"pid {holder['pid']}, since {time.strftime('%H:%M:%S', time.localtime(holder['since']))}); one run at a time "
-            "on its workers: run again when it ends, or with backend.pool=none (a cold start)"
-        )
+        since = time.strftime("%H:%M:%S", time.localtime(holder["since"]))
+        if explicit:
+            raise PoolBusyError(
+                f"backend.pool={setting}: the pool at {address} is running another run ({holder_of(holder)}, pid "
+                f"{holder['pid']}, since {since}); one run at a time on its workers: run again when it ends, or with "
+                "backend.pool=none (a cold start)"
+            )
+        return Cold(f"pool: busy with {holder_of(holder)} (pid {holder['pid']}, since {since}), starting cold")
     untrusted = [reply[1] for _, reply in answers if reply[0] == "untrusted"]
     if untrusted:
         return Cold(f"pool: not trusted, nothing sent to it: {untrusted[0]}; starting cold")
@@ -114,6 +117,31 @@ def attach(cfg: Any) -> "Lease | Cold":
     if explicit:
         raise ConfigError(f"backend.pool={setting}: no pool answers there (python -m tinker_exp.pool up starts one)")
     return Cold("pool: none is up, starting cold (python -m tinker_exp.pool up keeps workers warm between runs)")
+
+
+def holder_of(holder: dict[str, Any]) -> str:
+    """The run a busy pool trains, as a refused run is told: its run dir, else its command line."""
+    return holder.get("run_dir") or masked(holder["who"]) or "a run without overrides"
+
+
+def best_first(addresses: list[Path], cfg: Any) -> list[Path]:
+    """A sweep's pools in the order its job tries them: free ones that keep a group for it first, then free ones that
+    keep none, then the others (a pool that does not answer last); so jobs that mix LoRA ranks, say, each go to
+    the pool that has their group instead of building it again on the first free one."""
+    if len(addresses) < 2:
+        return addresses
+    request = {"code": wire.code_fingerprint(), "config": cfg, "worker_env": wire.worker_environment(dict(os.environ))}
+
+    def rank(address: Path) -> int:
+        try:
+            answer = wire.ask(address, ("fits", request), timeout_s=10.0)
+        except (OSError, EOFError, wire.UntrustedPool):
+            return 4
+        if not answer["free"]:
+            return 3
+        return 0 if answer["fits"] else 1 if answer["groups"] == 0 else 2
+
+    return sorted(addresses, key=rank)
 
 
 def who() -> str:
@@ -181,16 +209,28 @@ class Lease:
                 return
 
     def describe(self) -> str:
-        return f"pool: training on the warm workers of {self.address} (pid {self.info['pid']})"
+        return ""  # the pool says where the run trains, once it knows (runtime/warm.py WarmGroups.lend)
+
+    def check(self, cfg: Any, rows: Any, start: Any) -> None:
+        """The run's inputs checked by the pool as a cold run checks them here (its device, model, LoRA targets,
+        tokenized data), before the run's record is written: a refusal is one line and writes nothing. The rows (an
+        env: its prompt rows and its reward's spec) go as this process read and checked them, packed: unpacked in the
+        run's context there, where the reward imports from the client's folder; the pool keeps what it checked for the
+        run's training."""
+        checked = pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
+        self.send(("check", run_payload((cfg, start, checked), cfg)))
+        try:
+            self.follow()
+        except (KeyboardInterrupt, Terminated) as stop:
+            self._stop("SIGINT" if isinstance(stop, KeyboardInterrupt) else "SIGTERM")
+            raise
 
     def train_run(self, cfg: Any, plan: Any, rows: Any, start: Any, run_dir: Path, wandb_config: dict[str, Any],
                   place: Any, job_number: int | None) -> dict[str, Any]:  # fmt: skip
-        """run.train_run, run by the pool on its workers (`place` is this lease); its result, or what it raised,
-        here. The rows (an env: its prompt rows and its reward's spec) go as this process read and checked them,
-        packed: unpacked in the run's context there, where the reward imports from the client's folder. The plan is
-        built there again from the config (a plan holds compiled schedules, which do not travel)."""
-        checked = pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
-        self.send(("run", run_payload((cfg, start, run_dir, wandb_config, job_number, checked), cfg)))
+        """run.train_run, run by the pool on its workers (`place` is this lease) with the inputs its `check` kept;
+        its result, or what it raised, here. The plan is built there again from the config (a plan holds compiled
+        schedules, which do not travel)."""
+        self.send(("run", run_payload((cfg, start, run_dir, wandb_config, job_number), cfg)))
         try:
             return self.follow()
         except (KeyboardInterrupt, Terminated) as stop:

@@ -45,7 +45,8 @@ LEASE_TIMEOUT_ENV = "TINKER_EXP_POOL_LEASE_TIMEOUT_S"
 
 @dataclass
 class Job:
-    """A request for the main thread: a run (`kind` "run"), or a group built ahead of runs ("prepare", from `up`)."""
+    """A request for the main thread: a run (`kind` "run"), its inputs checked before the client records it
+    ("check"), or a group built ahead of runs ("prepare", from `up`)."""
 
     kind: str
     payload: dict[str, Any]
@@ -56,15 +57,17 @@ class Job:
 
 
 class Host:
-    def __init__(self, address: Path, idle_s: float, parent_pid: int | None = None) -> None:
+    def __init__(self, address: Path, idle_s: float, parent_pid: int | None = None, max_groups: int | None = None,
+                 memory_mb: float | None = None) -> None:  # fmt: skip
+        """`max_groups`, `memory_mb`: the kept groups' bounds (runtime/warm.py KeptGroups; None: the defaults)."""
         from tinker_exp import assemble
-        from tinker_exp.runtime.warm import WarmGroup
+        from tinker_exp.runtime.warm import MAX_GROUPS, WarmGroups
 
         def build(cfg, plan, model_path, run_dir, choice):
             return assemble.verl_workers(cfg, plan, model_path, run_dir, choice)
 
         self.address, self.idle_s, self.parent_pid = address, idle_s, parent_pid
-        self.group = WarmGroup(build, assemble.WORKERS_LOG)
+        self.group = WarmGroups(build, assemble.WORKERS_LOG, max_groups or MAX_GROUPS, memory_mb, where=str(address))
         self.code = wire.code_fingerprint()
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.lock = threading.RLock()
@@ -72,6 +75,8 @@ class Host:
         """Notified when the pool's holder lets go."""
         self.holder: dict[str, Any] | None = None  # who holds the pool: {"who", "pid", "since"}
         self.current: Job | None = None
+        self.checked: Any = None
+        """The inputs of the run whose check passed last (assemble.inputs), for its training."""
         self.started, self.last_used = time.time(), time.monotonic()
         self.stopping = threading.Event()
         self.main_thread = threading.main_thread().ident
@@ -109,6 +114,8 @@ class Host:
                 elif kind == "down":
                     wire.send(sock, ("ok", os.getpid()))
                     self.stop("asked (pool down)")
+                elif kind == "fits":  # a sweep's job choosing among its pools (client.attach)
+                    wire.send(sock, self.fits(message[1]))
                 elif kind in ("lease", "prepare"):
                     self._lend(sock, kind, message[1])
             except (EOFError, OSError):
@@ -132,11 +139,20 @@ class Host:
                 job = Job("prepare", request, sock)
             else:
                 sock.settimeout(self.lease_timeout_s)  # the client checks and records its run first; alive meanwhile
-                while (message := wire.recv(sock))[0] == "alive":
-                    pass
+                message = wire.recv(sock)
+                while message[0] in ("alive", "check"):
+                    after = None
+                    if message[0] == "check":  # its inputs, checked here before the client writes its record
+                        job = Job("check", message[1], sock)
+                        self.jobs.put(job)
+                        after = self._watch(sock, job)  # the client's next message may come before the check's end
+                        job = None
+                        sock.settimeout(self.lease_timeout_s)
+                    message = after or wire.recv(sock)
                 if message[0] != "run":
                     return
                 job = Job("run", message[1], sock)
+                self.holder["run_dir"] = str(message[1]["arguments"][2])  # what a run refused as busy is told
             self.jobs.put(job)
             self._watch(sock, job)
         except socket.timeout:
@@ -152,11 +168,12 @@ class Host:
                 self.free.notify_all()
             self.last_used = time.monotonic()
 
-    def _watch(self, sock: socket.socket, job: Job) -> None:
+    def _watch(self, sock: socket.socket, job: Job) -> Any:
         """Until the job is done: a stop from the client, or its end (killed), stops the run; so does its silence for
-        lease_timeout_s (a stopped or hung client: its heartbeat stopped too)."""
+        lease_timeout_s (a stopped or hung client: its heartbeat stopped too). Returns the client's message that is
+        neither (None if none came): after a check, its run may come before the check's job is done."""
         sock.settimeout(0.5)
-        heard = time.monotonic()
+        heard, pending = time.monotonic(), None
         while not job.done.is_set():
             try:
                 message = wire.recv(sock)
@@ -168,6 +185,9 @@ class Host:
             heard = time.monotonic()
             if message[0] == "stop":
                 self._stop_job(job, STOP_SIGNAL if message[1] == "SIGTERM" else signal.SIGINT)
+            elif message[0] != "alive":
+                pending = message
+        return pending
 
     def _stop_job(self, job: Job, signum: int) -> None:
         with self.lock:
@@ -210,7 +230,7 @@ class Host:
         try:
             with client_context(job.payload, out):
                 try:
-                    answer = ("done", self._prepare(job.payload) if job.kind == "prepare" else self._train(job.payload))
+                    answer = ("done", self.KINDS[job.kind](self, job.payload))
                 finally:
                     self._ended(job)
         except BaseException as e:  # what the run raised; a stop that arrived as it was ending is not its answer
@@ -222,17 +242,27 @@ class Host:
         with self.lock:
             job.running, self.current = False, None
 
-    def _train(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def _check(self, payload: dict[str, Any]) -> None:
+        """A run's inputs (device, start checkpoint's device, model, LoRA targets, tokenized data: assemble.inputs),
+        checked as a cold run checks them before its record is written; kept for its training (`_train`)."""
         import pickle
 
+        from tinker_exp import assemble
+
+        cfg, start, checked = payload["arguments"]
+        self.checked = None
+        rows = pickle.loads(checked)  # as the client read and checked them (run.run): not read or tried again
+        self.checked = assemble.inputs(cfg, rows, start)
+
+    def _train(self, payload: dict[str, Any]) -> dict[str, Any]:
         from tinker_exp.place import GivenWorkers
         from tinker_exp.run import train_run, validate
 
-        cfg, start, run_dir, wandb_config, job_number, checked = payload["arguments"]
+        cfg, start, run_dir, wandb_config, job_number = payload["arguments"]
         self.group.worker_env = payload.get("worker_env", {})
+        given, self.checked = self.checked, None  # its inputs, as its check left them
         with written_by_pool(run_dir, (self.holder or {}).get("pid")):  # a killed client's rerun waits for this run's end
-            rows = pickle.loads(checked)  # as the client read and checked them (run.run): not read or tried again
-            return train_run(cfg, validate(cfg), rows, start, run_dir, wandb_config, GivenWorkers(self.group.lend), job_number)
+            return train_run(cfg, validate(cfg), None, start, run_dir, wandb_config, GivenWorkers(self.group.lend), job_number, given=given)
 
     def _prepare(self, payload: dict[str, Any]) -> str:
         from tinker_exp.runtime.inputs import model_dir
@@ -242,14 +272,26 @@ class Host:
 
         (cfg,) = payload["arguments"]
         self.group.worker_env = payload.get("worker_env", {})
-        self.group.prepare(cfg, validate(cfg), model_dir(cfg.model), wire.log_of(self.address).parent / f"{self.address.stem}-workers")
-        return describe_key(self.group.key)
+        kept, _ = self.group.prepare(cfg, validate(cfg), model_dir(cfg.model), wire.log_of(self.address).parent / f"{self.address.stem}-workers")
+        return describe_key(kept.key)
+
+    def fits(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Whether this pool is free and keeps a group for the run in `request` (its config and worker environment),
+        and how many groups it keeps."""
+        try:
+            fits = request.get("code") == self.code and self.group.has_group_for(request["config"], request.get("worker_env", {}))
+        except Exception:  # a config this pool cannot judge (a model it cannot find): the run's own checks say why
+            fits = False
+        return {"free": self.holder is None and not self.stopping.is_set(), "fits": fits, "groups": len(self.group.kept.groups)}
+
+    KINDS = {"run": _train, "check": _check, "prepare": _prepare}
+    """What the main thread does for each kind of job."""
 
     # -- status and the end -----------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        from tinker_exp.runtime.warm import describe_key
+        from tinker_exp.runtime.warm import rss_mb
 
-        group = self.group
+        groups = self.group
         return {
             "pid": os.getpid(),
             "address": str(self.address),
@@ -257,15 +299,12 @@ class Host:
             "idle_s": self.idle_s,
             "idle_for_s": 0.0 if self.holder else time.monotonic() - self.last_used,
             "holder": self.holder,
-            "group": describe_key(group.key) if group.key else None,
-            "group_built_at": group.built_at,
-            "runs": group.runs,
-            "memory_mb": {"pool": rss_mb(os.getpid()), "workers": [rss_mb(pid) for pid in self.worker_pids()]},
-            "worker_pids": self.worker_pids(),
+            "groups": [{**group, "memory_mb": [rss_mb(pid) for pid in group["pids"]]} for group in groups.describe()],
+            "max_groups": groups.kept.max_groups,
+            "memory_budget_mb": groups.kept.memory_budget_mb,
+            "runs": groups.runs,
+            "memory_mb": {"pool": rss_mb(os.getpid())},
         }
-
-    def worker_pids(self) -> list[int]:
-        return list(self.group.pids)
 
     def stop(self, why: str) -> None:
         if not self.stopping.is_set():
@@ -415,18 +454,7 @@ def reset_warning_registries() -> None:
             registry.clear()
 
 
-def rss_mb(pid: int | None) -> float | None:
-    """A process's resident memory in MiB (Linux's /proc), None if unknown."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def serve(address: Path, idle_s: float, parent_pid: int | None) -> None:
+def serve(address: Path, idle_s: float, parent_pid: int | None, max_groups: int | None = None, memory_mb: float | None = None) -> None:
     """The pool's process, until it is asked down, idles out or (a sweep's) its sweep ends. One process an address:
     it holds the address's lock file (flock) from its start to its end, and names itself there (`down` finds a pool
     that does not listen yet by it)."""
@@ -446,7 +474,7 @@ def serve(address: Path, idle_s: float, parent_pid: int | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a client's stop is for its run only: see Host._stop_job
     signal.signal(STOP_SIGNAL, signal.SIG_IGN)
     warm_imports()
-    host = Host(address, idle_s, parent_pid)
+    host = Host(address, idle_s, parent_pid, max_groups, memory_mb)
     signal.signal(signal.SIGTERM, lambda signum, frame: host.stop("SIGTERM"))
     if stops:
         host.stop(f"{stops[0]} while it started")

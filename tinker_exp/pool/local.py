@@ -36,15 +36,17 @@ def answers(address: Path) -> bool:
         return False
 
 
-def start_host(address: Path, idle_s: float, parent_pid: int | None = None, wait: bool = True) -> subprocess.Popen:
+def start_host(address: Path, idle_s: float, parent_pid: int | None = None, wait: bool = True,
+               host_args: Sequence[str] = ()) -> subprocess.Popen:  # fmt: skip
     """The pool's process, in a session of its own (a terminal's Ctrl-C is for runs, not for it); returns once it
-    listens (`wait`). Its output goes to its log beside the socket. `parent_pid`: it ends when that process has."""
+    listens (`wait`). Its output goes to its log beside the socket. `parent_pid`: it ends when that process has;
+    `host_args`: the bounds of the groups it keeps (pool/__main__.py UpOptions.host_args; none: the defaults)."""
     wire.make_private(address.parent)
     log_path = wire.log_of(address)
     with open(log_path, "ab") as log_file:
-        command = [sys.executable, "-m", "tinker_exp.pool", "_host", str(address), str(idle_s)]
+        command = [sys.executable, "-m", "tinker_exp.pool", "_host", str(address), str(idle_s), str(parent_pid or 0)]
         process = subprocess.Popen(
-            command + ([str(parent_pid)] if parent_pid else []),
+            command + list(host_args or ("0", "0")),
             stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
         )  # fmt: skip
     if wait:

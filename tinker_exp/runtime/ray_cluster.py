@@ -102,8 +102,9 @@ def wait_for_nodes(nodes: int, timeout_s: float) -> None:
         time.sleep(1.0)
 
 
-def start_ray(address: str | None, env: dict[str, str]) -> None:
-    """ray.init: a new local cluster (address None), never one found through /tmp/ray/ray_current_cluster.
+def start_ray(address: str | None, env: dict[str, str], num_cpus: int | None = None) -> None:
+    """ray.init: a new local cluster (address None), never one found through /tmp/ray/ray_current_cluster;
+    `num_cpus`: the CPUs it counts (None: the machine's; a pool counts more, for the groups it keeps idle).
 
     The daemons it starts ignore Slurm's USR1/USR2 (inherited SIG_IGN): submitit's time-limit USR2 reaches every
     process of the job, and would kill Ray's GCS and workers before the driver's handler could requeue the job."""
@@ -115,6 +116,7 @@ def start_ray(address: str | None, env: dict[str, str]) -> None:
     with sigterm_handler_kept(), ignored_by_children(), dropped(auth_log, DEFAULT_TOKEN_AUTH):
         ray.init(
             address=address or "local",
+            num_cpus=num_cpus,
             runtime_env={"env_vars": env},
             include_dashboard=False,
             log_to_driver=True,  # worker output reaches the driver, which writes it to workers.log

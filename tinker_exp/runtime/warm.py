@@ -3,16 +3,19 @@ lent to starts from exactly the state a cold build of its command leaves (runtim
 
 What needs a new group is what the workers are built with, less what a run sends: its optimizer values and seed
 (`group_key`): the config's worker settings, the model's files as they are now, and the environment that reaches
-the workers. A run whose key differs frees the group and builds one for its own (on a new Ray cluster when the
-workers' environment differs: Ray's processes keep the one they started with); a group whose workers died is built
-again; each said in one line.
+the workers. Several groups are kept, one a key (`KeptGroups`): a run whose key no kept group has gets one built
+for it, the least recently used freed first when it would not fit (a count, a memory budget, the cluster's
+workers); on a new Ray cluster, without the others, when the workers' environment differs (Ray's processes keep
+the one they started with); a group whose workers died is built again; each said in one line, in order.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,14 +33,15 @@ PER_RUN_BACKEND = ("pool", "nodes_timeout_s", "ray_address")
 """backend keys that do not shape the workers (the group's Ray cluster is the pool's)."""
 
 
-def group_key(cfg: Config, model_path: Path, choice: Any, worker_env: dict[str, str]) -> dict[str, Any]:
+def group_key(cfg: Config, model_path: Path, choice: Any, worker_env: dict[str, str], worker: str | None = None) -> dict[str, Any]:
     """What the workers of a run like `cfg` are built with (runtime/workers.py `worker_config`), less what a fresh
     state sets per run (optimizer values, seed, steps, gradient clip): two runs with the same key share a group.
-    `worker_env`: the run's environment that reaches the workers (pool/wire.py `worker_environment`)."""
+    `worker_env`: the run's environment that reaches the workers (pool/wire.py `worker_environment`); `worker`: the
+    worker class's name where it is not a run's (the server's)."""
     backend = {k: v for k, v in dataclasses.asdict(cfg.backend).items() if k not in PER_RUN_BACKEND}
     rl = cfg.rl
     return {
-        "worker": "TinkerActorRolloutRefWorker" if cfg.env.active else "TinkerTrainingWorker",
+        "worker": worker or ("TinkerActorRolloutRefWorker" if cfg.env.active else "TinkerTrainingWorker"),
         "model": str(model_path),
         "model_files": model_fingerprint(model_path),
         "worker_env": dict(worker_env),
@@ -82,33 +86,155 @@ def describe_key(key: dict[str, Any]) -> str:
 
 
 class Lent:
-    """The group as one run sees it: the worker group's calls, but `shutdown` gives it back instead of freeing it."""
+    """The group as one run sees it: the worker group's calls, but `shutdown` gives it back instead of freeing it.
+    `built`: whether the group was built for this run."""
 
-    def __init__(self, workers: TinkerWorkers) -> None:
-        self._workers = workers
+    def __init__(self, workers: TinkerWorkers, built: bool) -> None:
+        self._workers, self._built = workers, built
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._workers, name)
 
     def ready(self) -> None:
-        log.info(f"workers: {self._workers.placement} (warm: the pool's, from the start a cold build leaves)")
+        if not self._built:  # a group built for this run said where its workers are as it was built
+            log.info(f"workers: {self._workers.placement} (kept warm by the pool, in the state a cold build leaves)")
 
     def shutdown(self) -> None:
         if self._workers.output is not None:
             self._workers.output.stop()
 
 
-class WarmGroup:
-    """The pool's worker group: built at the first run (or `prepare`), lent to one run at a time."""
+MAX_GROUPS = 4
+"""How many worker groups a pool keeps at most (`pool up --max-groups`); the least recently used is freed first."""
+MEMORY_SHARE = 0.5
+"""The default memory budget of a pool's groups: this share of the memory available when the pool starts
+(`pool up --memory-mb` sets it)."""
 
-    def __init__(self, build: BuildWorkers, workers_log: str) -> None:
-        """`build`: a cold run's worker group; `workers_log`: the file in a run dir that gets what the workers print."""
-        self.build, self.workers_log = build, workers_log
-        self.workers: TinkerWorkers | None = None
-        self.key: dict[str, Any] | None = None
-        self.built_at: float | None = None
-        self.pids: list[int] = []
-        """Each rank's process (the pool's status shows their memory)."""
+
+@dataclass
+class Kept:
+    """A worker group kept for its key."""
+
+    key: dict[str, Any]
+    workers: Any
+    """The worker group (runtime/workers.py TinkerWorkers, or the server's ServeWorkers)."""
+    built_at: float
+    pids: list[int]
+    """Each rank's process."""
+    size_mb: float
+    """Its workers' resident memory, measured right after its build (weights, their kept copy, optimizer)."""
+    slots: float
+    """What it holds of the Ray cluster: its workers (one CPU, or one GPU, each)."""
+    runs: int = 0
+    last_used: float = field(default_factory=time.time)
+
+
+class KeptGroups:
+    """Worker groups kept by key while they fit, the least recently used freed first: at most `max_groups`, their
+    measured memory within `memory_budget_mb`, their workers within the Ray cluster's `capacity` (CPUs on a CPU
+    machine, GPUs on a GPU one). What is freed and why is said in one line. Used by the pool (`WarmGroups`) and by
+    the Tinker server (serve/__main__.py)."""
+
+    def __init__(self, max_groups: int, memory_budget_mb: float | None, say: Callable[[str], None]) -> None:
+        """`say`: how a line is said (the pool's log, the server's stderr)."""
+        self.max_groups = max_groups
+        self.memory_budget_mb = memory_budget_mb if memory_budget_mb is not None else default_memory_budget_mb()
+        self.say = say
+        self.groups: dict[str, Kept] = {}  # least recently used first
+        self.capacity: float | None = None
+        """The Ray cluster's workers at most (None: not bounded here)."""
+
+    @staticmethod
+    def name(key: dict[str, Any]) -> str:
+        return json.dumps(key, sort_keys=True, default=str)
+
+    def find(self, key: dict[str, Any]) -> Kept | None:
+        return self.groups.get(self.name(key))
+
+    def use(self, kept: Kept) -> None:
+        """`kept` is the most recently used now."""
+        self.groups[self.name(kept.key)] = self.groups.pop(self.name(kept.key))
+        kept.runs += 1
+        kept.last_used = time.time()
+
+    def make_room(self, key: dict[str, Any], slots: float) -> None:
+        """Before a group for `key` is built: the least recently used freed while the new one would not fit (its
+        memory estimated as the largest kept group's)."""
+        estimate = max((kept.size_mb for kept in self.groups.values()), default=0.0)
+        while self.groups:
+            held = sum(kept.size_mb for kept in self.groups.values())
+            workers = sum(kept.slots for kept in self.groups.values())
+            if len(self.groups) >= self.max_groups:
+                why = f"{len(self.groups)} groups kept, --max-groups {self.max_groups}"
+            elif held + estimate > self.memory_budget_mb:
+                why = f"{held:.0f} MiB kept + about {estimate:.0f} MiB for the new one > the budget of {self.memory_budget_mb:.0f} MiB"
+            elif self.capacity is not None and workers + slots > self.capacity:
+                why = f"{workers:g} workers kept + {slots:g} new > the cluster's {self.capacity:g}"
+            else:
+                return
+            oldest = next(iter(self.groups.values()))
+            self.free(oldest, f"the least recently used ({why})")
+
+    def add(self, kept: Kept) -> None:
+        """`kept` kept, the most recently used."""
+        self.groups[self.name(kept.key)] = kept
+        kept.last_used = time.time()
+
+    def take(self, kept: Kept) -> Any:
+        """`kept`'s workers, out of the kept groups while someone holds them (the server's client: `add` gives them
+        back, the most recently used)."""
+        self.groups.pop(self.name(kept.key), None)
+        kept.runs += 1
+        return kept.workers
+
+    def free(self, kept: Kept, why: str) -> None:
+        self.groups.pop(self.name(kept.key), None)
+        self.say(f"freed a group, {why}: {describe_key(kept.key)}")
+        kept.workers.shutdown()
+
+    def forget_all(self) -> list[Kept]:
+        """Every group, out of the books (the caller frees them, or their cluster ends with them)."""
+        groups, self.groups = list(self.groups.values()), {}
+        return groups
+
+
+def default_memory_budget_mb() -> float:
+    """MEMORY_SHARE of the memory available now (Linux's MemAvailable; unbounded where unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024 * MEMORY_SHARE
+    except OSError:
+        pass
+    return float("inf")
+
+
+def resident_mb(pids: list[int]) -> float:
+    """The processes' resident memory together, in MiB (0 for one not found)."""
+    return sum(rss_mb(pid) or 0.0 for pid in pids)
+
+
+def rss_mb(pid: int | None) -> float | None:
+    """A process's resident memory in MiB (Linux's /proc), None if unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+class WarmGroups:
+    """The pool's worker groups, kept by key (`KeptGroups`): each run is lent the group of its key, built for it if
+    none is kept (the least recently used freed first when the new one would not fit), one run at a time."""
+
+    def __init__(self, build: BuildWorkers, workers_log: str, max_groups: int = MAX_GROUPS,
+                 memory_budget_mb: float | None = None, where: str = "the pool") -> None:  # fmt: skip
+        """`build`: a cold run's worker group; `workers_log`: the file in a run dir that gets what the workers print;
+        `where`: the pool, as a run's line names it."""
+        self.build, self.workers_log, self.where = build, workers_log, where
+        self.kept = KeptGroups(max_groups, memory_budget_mb, say=lambda line: log.info(f"pool: {line}"))
         self.runs = 0
         self.worker_env: dict[str, str] = {}
         """The environment of the run being served that reaches the workers (set by the pool for each run)."""
@@ -116,84 +242,134 @@ class WarmGroup:
         """The worker environment the pool's Ray cluster was started with (None: no cluster yet)."""
 
     def lend(self, cfg: Config, plan: Any, model_path: Path, run_dir: Path) -> Lent:
-        """The group for this run, in the state a cold start of it leaves: the kept one when its key matches, else a
-        new one (the old freed first); what the workers print goes to the run dir from now on."""
+        """The group for this run, in the state a cold start of it leaves: the kept one of its key, else a new one;
+        what the workers print goes to the run dir from now on."""
         output = WorkerOutput(run_dir / self.workers_log, echo=cfg.verbose)
 
-        def start_fresh() -> None:
-            workers = self.prepare(cfg, plan, model_path, run_dir)
-            workers.for_run(cfg)  # an RL run's own loss, not the first run's
-            workers.start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, output)
+        def start_fresh() -> tuple[Kept, bool]:
+            kept, built = self.prepare(cfg, plan, model_path, run_dir)
+            kept.workers.for_run(cfg)  # an RL run's own loss, not the first run's
+            kept.workers.start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, output)
+            return kept, built
 
         try:
-            start_fresh()
+            kept, built = start_fresh()
         except Exception as e:
             if not is_dead_worker(e):
                 raise
             log.info(f"pool: a worker had died ({type(e).__name__}); building the group again")
-            self.free()
-            start_fresh()
+            dead = self.kept.find(group_key(cfg, model_path, self.choice(cfg), self.worker_env))
+            if dead is not None:
+                self.kept.free(dead, "its worker died")
+            kept, built = start_fresh()
+        self.kept.use(kept)
         self.runs += 1
-        return Lent(self.workers)
+        groups = len(self.kept.groups)
+        if built:
+            where = f"the workers just built on {self.where}"
+        else:
+            built_at = time.strftime("%H:%M:%S", time.localtime(kept.built_at))
+            before = kept.runs - 1
+            where = f"the warm workers of {self.where}: a kept group (built {built_at}, {before} run{'s' * (before != 1)} before)"
+        log.info(f"pool: training on {where}; {groups} group{'s' * (groups != 1)} kept")
+        return Lent(kept.workers, built)
 
-    def prepare(self, cfg: Config, plan: Any, model_path: Path, out_dir: Path) -> TinkerWorkers:
-        """The group for runs like `cfg`, built now (what it prints into `out_dir`) if the kept one's key differs or
-        there is none."""
+    def has_group_for(self, cfg: Config, worker_env: dict[str, str]) -> bool:
+        """Whether a group for runs like `cfg` (whose environment that reaches the workers is `worker_env`) is kept:
+        a sweep's job asks before it picks a pool. A model not on this machine yet (a hub id not downloaded) has
+        none."""
+        from tinker_exp.config.validate import resolve_model_path
+        from tinker_exp.runtime.inputs import model_dir
+
+        model_path = resolve_model_path(cfg.model.path, download=False) if cfg.model.path else model_dir(cfg.model)
+        return model_path is not None and self.kept.find(group_key(cfg, model_path, self.choice(cfg), worker_env)) is not None
+
+    @staticmethod
+    def choice(cfg: Config) -> Any:
         from tinker_exp.runtime.device import resolve
 
-        choice = resolve(cfg.backend)
-        key = group_key(cfg, model_path, choice, self.worker_env)
-        if self.workers is not None and key != self.key:
-            log.info(f"pool: a new group for this run ({key_difference(self.key, key)}); the old one freed")
-            self.free()
-        if self.cluster_env is not None and self.cluster_env != key["worker_env"]:
-            self.stop_cluster()  # Ray's processes keep the environment they started with: a new cluster for this one
-        if self.workers is None:
-            started = time.monotonic()
-            start_own_cluster(choice.device)
-            self.cluster_env = key["worker_env"]
-            workers = self.build(cfg, plan, model_path, out_dir, choice)
-            workers.owns_ray = False  # the pool's cluster outlives its groups: freeing one frees its actors only
-            try:
-                workers.ready()
-                workers.keep_initial_state()
-            except BaseException:
-                workers.shutdown()
-                raise
-            self.workers, self.key, self.built_at = workers, key, time.time()
-            self.pids = [info["pid"] for info in workers.group.device_info()]
-            log.info(f"pool: group built in {time.monotonic() - started:.1f} s: {describe_key(key)}")
-        return self.workers
+        return resolve(cfg.backend)
 
-    def free(self) -> None:
-        if self.workers is not None:
-            workers, self.workers, self.key, self.pids = self.workers, None, None, []
+    def prepare(self, cfg: Config, plan: Any, model_path: Path, out_dir: Path) -> tuple[Kept, bool]:
+        """The group for runs like `cfg` (and whether it was built now): the kept one of its key, else one built now
+        (what it prints into `out_dir`)."""
+        choice = self.choice(cfg)
+        key = group_key(cfg, model_path, choice, self.worker_env)
+        kept = self.kept.find(key)
+        if kept is not None:
+            return kept, False
+        closest = next(reversed(self.kept.groups.values()), None)
+        log.info(f"pool: no kept group fits this run" + (f" (the last used: {key_difference(closest.key, key)})" if closest else "")
+                 + "; building one")  # fmt: skip
+        if self.cluster_env is not None and self.cluster_env != key["worker_env"]:
+            # Ray's processes keep the environment they started with: a new cluster for this one, without the groups
+            log.info(f"pool: the workers' environment differs ({key_difference(self.cluster_env, key['worker_env'])}): "
+                     f"{len(self.kept.groups)} group(s) freed with the pool's Ray cluster")  # fmt: skip
+            self.stop_cluster()
+        workers_each = cfg.backend.num_workers * cfg.backend.nodes
+        self.kept.make_room(key, workers_each)
+        started = time.monotonic()
+        start_own_cluster(choice.device, self.kept.max_groups)
+        self.kept.capacity = cluster_capacity(choice.device)
+        self.cluster_env = key["worker_env"]
+        workers = self.build(cfg, plan, model_path, out_dir, choice)
+        workers.owns_ray = False  # the pool's cluster outlives its groups: freeing one frees its actors only
+        try:
+            workers.ready()
+            workers.keep_initial_state()
+        except BaseException:
             workers.shutdown()
+            raise
+        pids = [info["pid"] for info in workers.group.device_info()]
+        kept = Kept(key, workers, time.time(), pids, resident_mb(pids), workers_each)
+        self.kept.add(kept)
+        log.info(f"pool: group built in {time.monotonic() - started:.1f} s ({kept.size_mb:.0f} MiB): {describe_key(key)}")
+        return kept, True
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each kept group, the most recently used first (`pool status`)."""
+        return [
+            {"group": describe_key(kept.key), "built_at": kept.built_at, "last_used": kept.last_used, "runs": kept.runs,
+             "pids": list(kept.pids), "size_mb": kept.size_mb}  # fmt: skip
+            for kept in reversed(self.kept.groups.values())
+        ]
 
     def close(self) -> None:
-        """The pool's Ray cluster stopped, and with it the group (no actor freed one by one: they end with it)."""
-        if self.workers is not None and self.workers.output is not None:
-            self.workers.output.stop()
+        """The pool's Ray cluster stopped, and with it the groups (no actor freed one by one: they end with it)."""
+        for kept in self.kept.groups.values():
+            if kept.workers.output is not None:
+                kept.workers.output.stop()
         self.stop_cluster()
 
     def stop_cluster(self) -> None:
         import ray
 
-        self.workers = self.key = self.cluster_env = None
-        self.pids = []
+        self.kept.forget_all()
+        self.cluster_env = None
         ray.shutdown()
 
 
-def start_own_cluster(device: str) -> None:
+def start_own_cluster(device: str, groups: int) -> None:
     """The pool's own local Ray cluster, started once: never a run's RAY_ADDRESS, whose resources the pool's
-    groups would then hold between runs."""
+    groups would then hold between runs. On a CPU machine it counts `groups` times its cores, so that that many kept
+    groups (idle but for the one that trains) each hold a CPU a worker, as a cold run's do."""
+    import os
+
     import ray
 
     from tinker_exp.runtime.ray_cluster import start_ray
     from tinker_exp.runtime.workers import platform_env
 
     if not ray.is_initialized():
-        start_ray(None, platform_env(device))
+        start_ray(None, platform_env(device), num_cpus=(os.cpu_count() or 1) * groups if device == "cpu" else None)
+
+
+def cluster_capacity(device: str) -> float:
+    """How many workers the pool's Ray cluster holds at once: its GPUs on a GPU machine, else its CPUs."""
+    import ray
+
+    resources = ray.cluster_resources()
+    return float(resources.get("GPU" if device == "cuda" else "CPU", 0))
 
 
 def is_dead_worker(error: BaseException) -> bool:

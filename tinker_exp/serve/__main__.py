@@ -10,6 +10,7 @@ workers.log, as a run's, and checkpoints/ (save_state, save_weights_for_sampler)
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -199,6 +200,7 @@ def main(args: list[str]) -> None:
 
     from tinker_exp.runtime.device import resolve
     from tinker_exp.runtime.inputs import model_dir
+    from tinker_exp.runtime.warm import MAX_GROUPS, Kept, KeptGroups, cluster_capacity, group_key, resident_mb
     from tinker_exp.runtime.worker_output import WorkerOutput
     from tinker_exp.serve.app import Server, build_app
     from tinker_exp.runtime.serve_workers import ServeWorkers, model_positions, vocabulary_size
@@ -210,23 +212,29 @@ def main(args: list[str]) -> None:
     model_path = model_dir(cfg.model)
     model_name = cfg.model.path or cfg.model.name
 
-    kept: list[ServeWorkers] = []  # the last client's group, kept warm for the next client's model (docs/pool.md)
+    # The groups of clients' models whose sessions ended, kept warm by key for the next clients' (docs/pool.md).
+    kept = KeptGroups(MAX_GROUPS, None, say=lambda line: print(f"tinker_exp.serve: {line}", file=sys.stderr, flush=True))
 
     def build_workers(rank: int) -> KeptWarm:
-        """A client's model: the kept group in a fresh state (exactly a new build's) when its LoRA rank is the kept
-        one's, else a new group (the kept one freed first)."""
-        if kept and kept[0].lora_rank == rank:
-            workers = kept.pop()
+        """A client's model: the kept group of its key (the server's workers with this LoRA rank) in a fresh state,
+        exactly a new build's; else a new group, the least recently used kept ones freed first if it would not fit."""
+        model_cfg = replace(cfg, lora=replace(cfg.lora, rank=rank))
+        key = group_key(model_cfg, model_path, choice, {}, worker=ServeWorkers.__name__)
+        found = kept.find(key)
+        if found is not None:
+            workers = kept.take(found)
             workers.start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, workers.output)
             print("tinker_exp.serve: the new model trains on the kept workers (fresh state)", file=sys.stderr, flush=True)
-            return KeptWarm(workers, kept)
-        while kept:
-            kept.pop().shutdown()
+            return KeptWarm(found, kept)
+        workers_each = cfg.backend.num_workers * cfg.backend.nodes
+        kept.capacity = cluster_capacity(choice.device)
+        kept.make_room(key, workers_each)
         workers = ServeWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values, choice,
-                               WorkerOutput(run_dir / "workers.log"), replace(cfg.lora, rank=rank))
+                               WorkerOutput(run_dir / "workers.log"), model_cfg.lora)
         workers.ready()
         workers.keep_initial_state()
-        return KeptWarm(workers, kept)
+        pids = [info["pid"] for info in workers.group.device_info()]
+        return KeptWarm(Kept(key, workers, time.time(), pids, resident_mb(pids), workers_each), kept)
 
     def optim_params(adam: dict) -> dict:
         return plan_for(adam, plan.optimizer_values, 1, plan.optimizer, float(cfg.optimizer.clip_grad or 0.0))[0]
@@ -267,8 +275,8 @@ def main(args: list[str]) -> None:
     finally:
         try:
             held = server.close()  # the held model's workers given back, then freed with the kept ones
-            while kept:
-                kept.pop().shutdown()
+            for group in kept.forget_all():
+                group.workers.shutdown()
             if wandb is not None:  # the server stopped (Ctrl-C, SIGTERM): its W&B run ends
                 wandb.close()
         finally:
@@ -281,16 +289,17 @@ def main(args: list[str]) -> None:
 
 
 class KeptWarm:
-    """A client's model's workers: freeing them (its session ended) keeps them for the next client's model."""
+    """A client's model's workers: freeing them (its session ended) keeps them for a later client's model of the
+    same key (runtime/warm.py KeptGroups)."""
 
-    def __init__(self, workers: ServeWorkers, kept: list) -> None:
-        self._workers, self._kept = workers, kept
+    def __init__(self, group: Kept, kept: KeptGroups) -> None:
+        self._group, self._kept = group, kept
 
     def __getattr__(self, name: str):
-        return getattr(self._workers, name)
+        return getattr(self._group.workers, name)
 
     def shutdown(self) -> None:
-        self._kept.append(self._workers)
+        self._kept.add(self._group)
 
 
 class Stopped(Exception):
