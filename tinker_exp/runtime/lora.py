@@ -97,6 +97,44 @@ def export_adapter(module, folder: str) -> int | None:
 
 
 
+def init_adapters(module, seed: int) -> None:
+    """A trial's initial adapters, the one rule for every path (a cold build, a pool's fresh start, a slot's fill):
+    drawn from a generator seeded with the trial's `seed`, in the module's parameter order, as peft draws them
+    (lora_A: kaiming-uniform with a = sqrt(5); lora_B: zeros; an embedding's A zeros and B normal), not from torch's
+    global RNG as peft does, so that K slots on one built model each start as their own cold run would: a global
+    draw depends on everything the build drew before it. Every rank draws the full tensors and keeps its own shards
+    (no communication). Full fine-tuning (no adapters): nothing."""
+    import math
+
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if "lora_" not in name:
+                continue
+            full = torch.zeros(parameter.shape, dtype=torch.float32)
+            if "lora_A" in name:
+                torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+            elif "lora_embedding_B" in name:
+                torch.nn.init.normal_(full, generator=generator)
+            full = full.to(device=parameter.device, dtype=parameter.dtype)
+            if isinstance(parameter, DTensor):
+                full = distribute_tensor(full, parameter.device_mesh, parameter.placements, src_data_rank=None)
+            parameter.copy_(full)
+
+
+
+def start_trial(module, seed: int) -> None:
+    """A trial's start on a built model: its initial adapters (`init_adapters`, the one rule) and torch's RNG seeded
+    with `seed`. A cold build, a pool's rebuild for another seed and a slot's fill all end here, so each starts
+    bitwise where the others do."""
+    import torch
+
+    init_adapters(module, seed)
+    torch.manual_seed(seed)
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."

@@ -17,17 +17,8 @@ import time
 from importlib.resources import files
 from typing import Any, Sequence
 
-from tinker_exp.runtime.workers import (
-    TinkerWorkers,
-    _loss,
-    engine_device_info,
-    fresh_engine,
-    keep_initial_state,
-    optimizer_step_with_clip,
-    param_group_values,
-    start_process_group,
-    worker_config,
-)
+from tinker_exp.runtime import lora as lora_adapters
+from tinker_exp.runtime.workers import TinkerWorkers, _loss, fresh_engine, worker_config, worker_extras
 from tinker_exp.train.protocols import StepResult
 
 log = logging.getLogger(__name__)
@@ -50,17 +41,22 @@ LOSS_METRICS = {
 
 def _rl_worker_class():
     import torch
-    from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
-    from verl.utils import tensordict_utils as tu
+    from verl.single_controller.base.decorator import Dispatch, register
     from verl.workers.engine_workers_tinker import TinkerActorRolloutRefWorker
 
-    class TinkerExpActorWorker(TinkerActorRolloutRefWorker):
-        """verl's RL worker, plus gloo start-up on CPU, the param groups' read-back, metrics-only forward_backward
-        results and the weight export for the driver's sampler."""
+    class TinkerExpActorWorker(worker_extras("actor"), TinkerActorRolloutRefWorker):
+        """verl's RL worker with this project's extras (runtime/workers.py `worker_extras`: the weight export for
+        the driver's sampler among them), its loss installed at the build."""
 
-        def __init__(self, config, role):
-            start_process_group()
-            super().__init__(config=config, role=role)
+        def _trained_engine(self) -> Any:
+            return self.actor.engine
+
+        def _build_seed(self) -> int:
+            return self.config.actor.fsdp_config.seed
+
+        def _verl_forward_backward(self, data):
+            # every token's log-prob stays on the worker (not verl's copy to the CPU): the driver needs the metrics
+            return self.actor.forward_backward(data=data)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def init_model_with_loss(self, loss_fn):
@@ -68,12 +64,8 @@ def _rl_worker_class():
             Ray actor (its update_weights is a coroutine), which does not run two calls in the order they were sent."""
             torch.manual_seed(self.config.actor.fsdp_config.seed)  # as the SFT worker's reset: the same start
             TinkerActorRolloutRefWorker.init_model(self)
+            lora_adapters.start_trial(self.actor.engine.module, self.config.actor.fsdp_config.seed)
             self.actor.set_loss_fn(loss_fn=loss_fn)
-
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def keep_initial_state(self) -> None:
-            """On a pool's group, right after its build: the start every later run restores (`fresh_state`)."""
-            self.kept = keep_initial_state(self.actor.engine, self.config.actor.fsdp_config.seed)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def fresh_state(self, config, loss_fn, seed: int) -> None:
@@ -82,30 +74,9 @@ def _rl_worker_class():
             from verl.utils.config import omega_conf_to_dataclass
 
             optimizer_config = omega_conf_to_dataclass(config.actor).optim
-            self.kept = fresh_engine(self.actor.engine, getattr(self, "kept", None), optimizer_config, seed)
+            self.kept = fresh_engine(self.actor.engine, self.kept, optimizer_config, seed)
             self.actor.optimizer_config = optimizer_config
             self.actor.set_loss_fn(loss_fn=loss_fn)
-
-        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"), blocking=False)
-        def forward_backward(self, data):
-            # every token's log-prob stays here: the driver needs only the metrics
-            output = self.actor.forward_backward(data=data)
-            if output is None:
-                return None
-            return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": output.get_non_tensor("metrics")})
-
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def device_info(self) -> dict[str, Any]:
-            return engine_device_info(self.actor.engine)
-
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def param_group_values(self) -> list[dict[str, Any]]:
-            return param_group_values(self.actor.engine)
-
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def optimizer_step(self, optim_step_params=None) -> dict:
-            step = lambda params: TinkerActorRolloutRefWorker.optimizer_step(self, optim_step_params=params)  # noqa: E731
-            return optimizer_step_with_clip(step, self.actor.engine, optim_step_params)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def installed(self) -> str:
@@ -113,13 +84,6 @@ def _rl_worker_class():
             fn = self.actor.loss_fn
             name = getattr(fn, "keywords", {}).get("loss") or getattr(getattr(fn, "func", fn), "__name__", repr(fn))
             return f"{TinkerActorRolloutRefWorker.__name__} (role {self.role}), loss {name}"
-
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def export_weights(self) -> dict[str, Any] | None:
-            """The full tensors (every rank joins the all-gathers); rank 0 returns them, the others None."""
-            generator, _ = self.actor.engine.get_per_tensor_param()
-            full = {name: tensor.detach().to("cpu").clone() for name, tensor in generator}
-            return full if self.rank == 0 else None
 
     return TinkerExpActorWorker
 

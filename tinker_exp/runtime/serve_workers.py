@@ -101,13 +101,6 @@ def _serve_worker_class():
             if not optimizer:
                 self.engine.optimizer.state.clear()  # torch's optimizers build a parameter's state at its first step
 
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def export_weights(self):
-            """Full fine-tuning: the full tensors by name (every rank joins the all-gathers); rank 0's, None elsewhere."""
-            generator, _ = self.engine.get_per_tensor_param()
-            full = {name: tensor.detach().to("cpu").clone() for name, tensor in generator}
-            return full if self.rank == 0 else None
-
     return ServeWorker
 
 

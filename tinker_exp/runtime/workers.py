@@ -205,64 +205,58 @@ def fresh_engine(engine: Any, kept: dict[str, Any] | None, optimizer_config: Any
     engine.optimizer_config = optimizer_config
     torch.manual_seed(seed)  # as a cold worker's reset
     engine.initialize()
+    lora_adapters.start_trial(engine.module, seed)
     return keep_initial_state(engine, seed)
 
 
-def _worker_class():
-    import torch
+def worker_extras(mesh: str):
+    """What every worker class of this project adds to its verl base, in one place (`mesh`: the dispatch mesh of
+    the base's forward_backward, "train" or "actor"): gloo start-up on CPU, the kept initial state of a pool's group,
+    metrics-only forward_backward results, the optimizer step at the step's clip with the param groups read back,
+    the device report, the LoRA and full-weight exports, schedule-free's averaged weights, and the slots
+    (runtime/slots.py). A class puts it first among its bases and says where its engine is (`_trained_engine`),
+    its build seed (`_build_seed`) and how verl runs a forward_backward (`_verl_forward_backward`)."""
     from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
     from verl.utils import tensordict_utils as tu
-    from verl.workers.engine_workers_tinker import TinkerTrainingWorker
 
-    class TinkerExpWorker(TinkerTrainingWorker):
-        """verl's worker, plus gloo start-up on CPU, a read-back of the param groups, no log-probs sent back and
-        the LoRA export."""
+    from tinker_exp.runtime.slots import WorkerSlots
 
-        def __init__(self, config):
+    class WorkerExtras:
+        def __init__(self, *args, **kwargs):
             start_process_group()
-            super().__init__(config)
+            super().__init__(*args, **kwargs)
             self.kept = None  # a pool's group: the start every run restores (keep_initial_state)
+            self.slots: WorkerSlots | None = None  # a slot group's trials (enable_slots)
 
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def reset(self):
-            # Ray's workers start with a random torch seed, and verl seeds only under full_determinism: without
-            # this, LoRA's A matrices (drawn here; FSDP2 keeps rank 0's) differ from run to run.
-            torch.manual_seed(self.engine_config.seed)
-            return TinkerTrainingWorker.reset(self)
+        def _trained_engine(self) -> Any:
+            raise NotImplementedError
+
+        def _build_seed(self) -> int:
+            raise NotImplementedError
+
+        def _verl_forward_backward(self, data):
+            raise NotImplementedError
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def keep_initial_state(self) -> None:
             """On a pool's group, right after its build: the start every later run restores (`fresh_state`)."""
-            self.kept = keep_initial_state(self.engine, self.engine_config.seed)
+            self.kept = keep_initial_state(self._trained_engine(), self._build_seed())
 
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def fresh_state(self, optimizer_config, seed: int) -> None:
-            """A pool's run starts here: the engine as a cold build with `seed` leaves it, a new optimizer."""
-            self.kept = fresh_engine(self.engine, self.kept, optimizer_config, seed)
-            self.optimizer_config = optimizer_config
-
-        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
+        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name=mesh), blocking=False)
         def forward_backward(self, data):
             # verl keeps and returns every token's log-prob (its Tinker API hands them to the client); the loop
             # uses only the metrics, so only they travel back to the driver.
-            output = TinkerTrainingWorker.forward_backward(self, data)
+            output = self._verl_forward_backward(data)
             if output is None:
                 return None
             return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": output.get_non_tensor("metrics")})
 
-        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
-        def infer_batch(self, data):
-            # between calls the parameters are always the shards (`reshard`), evaluations included
-            output = TinkerTrainingWorker.infer_batch(self, data)
-            reshard(self.engine.module)
-            return output
-
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def device_info(self) -> dict[str, Any]:
-            return engine_device_info(self.engine)
+            return engine_device_info(self._trained_engine())
 
         def _param_group_values(self) -> list[dict[str, Any]]:
-            return param_group_values(self.engine)
+            return param_group_values(self._trained_engine())
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def param_group_values(self) -> list[dict[str, Any]]:
@@ -271,17 +265,98 @@ def _worker_class():
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def optimizer_step(self, optim_step_params=None) -> dict:
             # verl's step at this step's clip, then the values the groups hold: one round trip gives both.
-            step = lambda params: TinkerTrainingWorker.optimizer_step(self, optim_step_params=params)  # noqa: E731
-            return optimizer_step_with_clip(step, self.engine, optim_step_params)
+            verl_step = super().optimizer_step
+            step = lambda params: verl_step(optim_step_params=params)  # noqa: E731
+            return optimizer_step_with_clip(step, self._trained_engine(), optim_step_params)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def export_adapter(self, folder: str) -> int | None:
-            return lora_adapters.export_adapter(self.engine.module, folder)
+            return lora_adapters.export_adapter(self._trained_engine().module, folder)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def export_weights(self) -> dict[str, Any] | None:
+            """The full tensors (every rank joins the all-gathers); rank 0 returns them, the others None."""
+            generator, _ = self._trained_engine().get_per_tensor_param()
+            full = {name: tensor.detach().to("cpu").clone() for name, tensor in generator}
+            return full if self.rank == 0 else None
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def averaged_weights(self, on: bool) -> None:
             """Schedule-free's averaged weights in the parameters (on), or its training point back, bitwise (off)."""
-            self.engine.optimizer.to_averaged() if on else self.engine.optimizer.to_training()
+            optimizer = self._trained_engine().optimizer
+            optimizer.to_averaged() if on else optimizer.to_training()
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def enable_slots(self) -> None:
+            """This rank holds slots from now on (runtime/slots.py): none filled yet."""
+            self.slots = WorkerSlots(self._trained_engine())
+
+        def _swapping(self) -> WorkerSlots:
+            reshard(self._trained_engine().module)  # the shards are what a swap reads and writes
+            return self.slots
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def slot_fill(self, index: int, optimizer_config, seed: int) -> None:
+            self._swapping().fill(index, optimizer_config, seed)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def slot_load(self, index: int) -> None:
+            self._swapping().load(index)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def slot_free(self, index: int) -> None:
+            self.slots.free(index)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def slot_copy(self, source: int, target: int) -> None:
+            self._swapping().copy(source, target)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def slot_memory(self) -> dict[int, int]:
+            return self.slots.memory()
+
+    return WorkerExtras
+
+
+def _worker_class():
+    import torch
+    from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+    from verl.workers.engine_workers_tinker import TinkerTrainingWorker
+
+    class TinkerExpWorker(worker_extras("train"), TinkerTrainingWorker):
+        """verl's worker with this project's extras (`worker_extras`), its seeded reset and the evaluation's
+        forward pass."""
+
+        def _trained_engine(self) -> Any:
+            return self.engine
+
+        def _build_seed(self) -> int:
+            return self.engine_config.seed
+
+        def _verl_forward_backward(self, data):
+            return TinkerTrainingWorker.forward_backward(self, data)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def reset(self):
+            # Ray's workers start with a random torch seed, and verl seeds only under full_determinism: the build's
+            # own draws (peft's, replaced by start_trial's) agree from run to run.
+            torch.manual_seed(self.engine_config.seed)
+            built = TinkerTrainingWorker.reset(self)
+            lora_adapters.start_trial(self.engine.module, self.engine_config.seed)
+            return built
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def fresh_state(self, optimizer_config, seed: int) -> None:
+            """A pool's run starts here: the engine as a cold build with `seed` leaves it, a new optimizer."""
+            self.kept = fresh_engine(self.engine, self.kept, optimizer_config, seed)
+            self.optimizer_config = optimizer_config
+
+        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
+        def infer_batch(self, data):
+            # between calls the parameters are always the shards (`reshard`), evaluations included
+            output = TinkerTrainingWorker.infer_batch(self, data)
+            reshard(self.engine.module)
+            return output
 
     return TinkerExpWorker
 

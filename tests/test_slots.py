@@ -1,0 +1,191 @@
+"""Slots (runtime/slots.py) on real verl workers: one LoRA group (2 Ray CPU gloo ranks, FSDP2) for the module.
+
+First each trial trains alone through main.run on that group before it holds slots: trial A cold (the group's build),
+the others on the pool's fresh start (a rebuild with their seed: bitwise a cold run, tests/test_pool.py). Then the
+group holds 3 slots and the trials train through main.run again, each run in its own driver thread on a `Slot`, at
+once: with different seeds, lr schedules, lrs and gradient clips, every logged row and the exported adapter are
+bitwise the trial's alone. A slot freed (A finished) takes trial D while B is held mid-run and C trains on; a trial's
+run resumed on a slot from its checkpoint continues bitwise; one slot's state copied onto another (a PBT exploit)
+trains on as the source does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+
+from helpers import compose, read_jsonl
+
+LORA = ["lora=r8", "logger=none", "trainer.eval_every=0", "checkpoint.every_steps=2"]
+TRIALS = {
+    "A": ["trainer.seed=1", "trainer.steps=2", "+override.lr=5e-3"],
+    "B": ["trainer.seed=2", "trainer.steps=4", "+override=lr_cosine", "optimizer.lr=4e-3"],
+    "C": ["trainer.seed=3", "trainer.steps=3", "+override.lr=2e-3", "optimizer.clip_grad=0.05"],
+    "D": ["trainer.seed=4", "trainer.steps=2", "+override.lr=1e-2"],
+}
+TIMINGS = ("time", "perf/")
+ADAPTER = "adapter/adapter_model.safetensors"
+WAIT_S = 300  # a margin, never a pace: events end every wait
+
+
+def without_timings(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(TIMINGS)} for row in rows]
+
+
+class Shared:
+    """The module's one LoRA group: the TinkerWorkers main.run trains on (its shutdown left to the module), then the
+    SlotGroup over them."""
+
+    def __init__(self):
+        self.workers = None
+        self.slots = None
+
+    def alone(self, cfg, plan, model_path, run_dir):
+        """start_workers for a trial alone: the group built (cold) for the first, a fresh start for each next."""
+        from tinker_exp.runtime.workers import TinkerWorkers
+
+        if self.workers is None:
+            class Kept(TinkerWorkers):
+                def shutdown(self, timeout_s: float = 10.0) -> None:
+                    """The run's end leaves the group to the module."""
+
+                def free(self) -> None:
+                    TinkerWorkers.shutdown(self)
+
+            self.workers = Kept(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values, "cpu", lora=cfg.lora)
+            return self.workers
+        self.workers.start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, self.workers.output)
+        return self.workers
+
+    def slot(self, cfg, plan, model_path, run_dir, index: int | None = None):
+        """start_workers for a trial on a slot: the lowest free one, or `index`."""
+        return self.slots.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values, index)
+
+
+def run_trial(name: str, run_dir, start_workers, *extra: str):
+    from tinker_exp.main import run
+
+    run(compose(*LORA, *TRIALS[name], *extra), run_dir, start_workers=start_workers)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def trained(ray_address, tmp_path_factory):
+    from tinker_exp.runtime.slots import SlotGroup
+
+    shared = Shared()
+    root = tmp_path_factory.mktemp("slots")
+    try:
+        alone = {name: run_trial(name, root / f"alone_{name}", shared.alone) for name in TRIALS}
+        shared.slots = SlotGroup(shared.workers, 3)
+
+        d_filled, b_held, errors = threading.Event(), threading.Event(), []
+        slot_of: dict[str, int] = {}
+
+        def on_slot(name: str):
+            def start(cfg, plan, model_path, run_dir):
+                slot = shared.slot(cfg, plan, model_path, run_dir, slot_of["A"] if name == "D" else None)
+                slot_of[name] = slot.index
+                if name == "D":
+                    slot_of["D while"] = sorted(shared.slots.slots)  # the slots holding a trial as D takes its own
+                    d_filled.set()
+                if name == "B":  # held after its second step until D holds a slot: D fills while B is mid-run
+                    step, train_step = [0], slot.train_step
+
+                    def held(examples, params):
+                        if step[0] == 2:
+                            b_held.set()
+                            assert d_filled.wait(WAIT_S), "trial D never took a slot"
+                        step[0] += 1
+                        return train_step(examples, params)
+
+                    slot.train_step = held
+                return slot
+
+            return start
+
+        def trial(name: str, then: str | None = None):
+            try:
+                run_trial(name, root / f"slot_{name}", on_slot(name))
+                if then is not None:  # A's slot, freed as its run ended, takes the next trial
+                    run_trial(then, root / f"slot_{then}", on_slot(then))
+            except BaseException as e:  # noqa: BLE001  (raised in the test's thread below)
+                errors.append(e)
+                d_filled.set()
+
+        threads = [threading.Thread(target=trial, args=args) for args in (("A", "D"), ("B",), ("C",))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT_S)
+        assert not errors, errors
+        assert not any(thread.is_alive() for thread in threads)
+        yield {"root": root, "alone": alone, "slot_of": slot_of, "b_held": b_held.is_set(), "shared": shared}
+    finally:
+        if shared.workers is not None:
+            shared.workers.free()
+
+
+def test_trials_on_slots_at_once_are_bitwise_each_trained_alone(trained):
+    root, alone = trained["root"], trained["alone"]
+    for name in "ABC":
+        rows = without_timings(read_jsonl(root / f"slot_{name}" / "metrics.jsonl"))
+        assert rows == without_timings(read_jsonl(alone[name] / "metrics.jsonl")), name
+        assert (root / f"slot_{name}" / ADAPTER).read_bytes() == (alone[name] / ADAPTER).read_bytes(), name
+    assert {trained["slot_of"][name] for name in "ABC"} == {0, 1, 2}
+    losses = [read_jsonl(alone[name] / "metrics.jsonl")[1]["train/loss"] for name in "ABC"]
+    assert len(set(losses)) == 3  # different trials: the equality above is each trial's own
+
+
+def test_a_freed_slot_takes_a_new_trial_while_the_others_train(trained):
+    root, slot_of = trained["root"], trained["slot_of"]
+    assert slot_of["D"] == slot_of["A"] and trained["b_held"]
+    assert slot_of["B"] in slot_of["D while"]  # B mid-run (held there) as D took A's slot
+    rows = without_timings(read_jsonl(root / "slot_D" / "metrics.jsonl"))
+    assert rows == without_timings(read_jsonl(trained["alone"]["D"] / "metrics.jsonl"))
+    assert (root / "slot_D" / ADAPTER).read_bytes() == (trained["alone"]["D"] / ADAPTER).read_bytes()
+
+
+def test_a_trial_resumed_on_a_slot_continues_bitwise(trained, tmp_path):
+    whole = trained["root"] / "slot_B"
+    resumed = tmp_path / "resumed_B"
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004")  # as if stopped before its last save
+    run_trial("B", resumed, trained["shared"].slot)
+    rows = read_jsonl(resumed / "metrics.jsonl")
+    assert [row["train/step"] for row in rows] == [0, 1, 2, 3]
+    assert without_timings(rows) == without_timings(read_jsonl(whole / "metrics.jsonl"))
+    assert (resumed / ADAPTER).read_bytes() == (whole / ADAPTER).read_bytes()
+
+
+def test_a_slot_copied_onto_another_trains_on_as_the_source(trained, tmp_path):
+    """A PBT exploit in place: the target's adapter, optimizer state and RNG become the source's."""
+    from tinker_exp import config
+    from tinker_exp.main import validate
+    from tinker_exp.runtime.inputs import load_examples, model_dir
+    from tinker_exp.train.data import dataset_rows
+
+    group = trained["shared"].slots
+    cfg = config.load(compose(*LORA, *TRIALS["B"]))  # 4 planned steps
+    plan = validate(cfg)
+    examples = load_examples(cfg.data, model_dir(cfg.model), dataset_rows(cfg.data)[0], [])[0].examples[:8]
+    source = group.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values)
+    other = config.load(compose(*LORA, *TRIALS["C"]))
+    target = group.fill(other.optimizer, other.trainer, validate(other).optimizer_values)
+    try:
+        for step in range(2):
+            source.train_step(examples, plan[step])
+            target.train_step(examples[::-1], plan[step])
+        group.copy(source, target)
+        after = [slot.train_step(examples, plan[2]) for slot in (source, target)]
+        assert after[0].loss == after[1].loss and after[0].grad_norm == after[1].grad_norm
+        for slot in (source, target):
+            slot.export_adapter(tmp_path / f"adapter_{slot.index}")
+        read = lambda slot: (tmp_path / f"adapter_{slot.index}" / "adapter_model.safetensors").read_bytes()  # noqa: E731
+        assert read(source) == read(target)
+        assert group.memory()[source.index] == group.memory()[target.index] > 0
+    finally:
+        source.shutdown()
+        target.shutdown()
