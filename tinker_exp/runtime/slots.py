@@ -252,11 +252,6 @@ class Slot:
             self.group._use(self)
             return self.group.workers.evaluate(examples)
 
-    def param_group_values(self) -> list[list[dict[str, Any]]]:
-        with self.group.lock:
-            self.group._use(self)
-            return self.group.workers.param_group_values()
-
     def save_checkpoint(self, folder: Path, step: int) -> None:
         """The trial's checkpoint, as a run alone writes it (its adapters, optimizer, lr scheduler, RNG)."""
         with self.group.lock:
