@@ -54,11 +54,7 @@ def main() -> None:
 
     import ray
 
-<<<<<<< HEAD
     from tinker_exp.run import validate
-=======
-    from tinker_exp.main import validate
->>>>>>> slots
     from tinker_exp.runtime.inputs import load_examples, model_dir
     from tinker_exp.runtime.slots import SlotGroup
     from tinker_exp.runtime.workers import TinkerWorkers
