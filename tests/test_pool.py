@@ -169,7 +169,7 @@ def test_a_warm_run_uses_the_reward_file_as_it_is_now_and_checks_its_inputs_once
         result = run_cli(*rl, f"hydra.run.dir={run_dir}", env=pool, cwd=tmp_path)
         assert result.returncode == 0 and "pool: training on the warm workers of" in result.stdout, result.stderr[-3000:]
         rewards.append(metrics_rows(run_dir)[0]["train/reward"])
-        pool_pid = re.search(r"pool: training on the warm workers of \S+ \(pid (\d+)\)", result.stdout)[1]
+        pool_pid = re.search(r"^pool at \S+: pid (\d+),", run_module("tinker_exp.pool", "status", env=pool).stdout, re.M)[1]
         by_pid: dict[str, list[str]] = {}
         for line in calls.read_text().splitlines():
             pid, empty = line.split()
