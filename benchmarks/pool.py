@@ -211,8 +211,10 @@ def memory(args: argparse.Namespace, tmp: Path) -> None:
             sampler = threading.Thread(target=sample)
             sampler.start()
             try:
-                subprocess.run([PYTHON, "-m", "tinker_exp", *overrides, f"trainer.seed={run}", f"hydra.run.dir={tmp / f'run_{run}'}"],
-                               cwd=REPO, capture_output=True, check=True)  # fmt: skip
+                done_run = subprocess.run([PYTHON, "-m", "tinker_exp", *overrides, f"trainer.seed={run}", f"hydra.run.dir={tmp / f'run_{run}'}"],
+                                          cwd=REPO, capture_output=True, text=True, check=True)  # fmt: skip
+                if "pool: training on the warm workers" not in done_run.stdout:  # a stale or ended pool: a cold run
+                    sys.exit(f"run {run} did not train on the pool:\n{done_run.stdout[-2000:]}")
             finally:
                 done.set()
                 sampler.join()
