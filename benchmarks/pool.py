@@ -10,12 +10,12 @@
 - pbt: a population (hparams_search=pbt_lr_cosine, 4 members), cold then warm: wall time.
 - memory: a pool's resident memory (its process and all below it: Ray's daemons, the workers) at rest, then after
   and during each of --runs short runs on it, each with its own seed (a rebuild of the engine each); the growth
-  (first vs last, the least-squares slope) and the peak.
+  (first vs last, the least-squares slope) and the peak. --one-seed: every run seed 0 (the kept state restored).
 
     .venv/bin/python benchmarks/pool.py start [--pairs 3] [--steps 3] [--no-bare] [--set KEY=VALUE ...]
     .venv/bin/python benchmarks/pool.py study [--trials 8] [--steps 20]
     .venv/bin/python benchmarks/pool.py pbt
-    .venv/bin/python benchmarks/pool.py memory [--runs 50]
+    .venv/bin/python benchmarks/pool.py memory [--runs 50] [--one-seed]
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def memory(args: argparse.Namespace, tmp: Path) -> None:
             sampler = threading.Thread(target=sample)
             sampler.start()
             try:
-                done_run = subprocess.run([PYTHON, "-m", "tinker_exp", *overrides, f"trainer.seed={run}", f"hydra.run.dir={tmp / f'run_{run}'}"],
+                done_run = subprocess.run([PYTHON, "-m", "tinker_exp", *overrides, f"trainer.seed={0 if args.one_seed else run}", f"hydra.run.dir={tmp / f'run_{run}'}"],
                                           cwd=REPO, capture_output=True, text=True, check=True)  # fmt: skip
                 if "pool: training on the warm workers" not in done_run.stdout:  # a stale or ended pool: a cold run
                     sys.exit(f"run {run} did not train on the pool:\n{done_run.stdout[-2000:]}")
@@ -221,13 +221,13 @@ def memory(args: argparse.Namespace, tmp: Path) -> None:
             now = tree_memory(pid)
             status = wire.ask(wire.address_of(), ("status",))
             after.append(now["rss"]), peaks.append(sampled[0]), bounds.append(now["hwm"])
-            print(f"run {run} (seed {run}): the tree {now['rss']:.0f} MiB after, peak {sampled[0]:.0f} (sampled; per-process "
+            print(f"run {run} (seed {0 if args.one_seed else run}): the tree {now['rss']:.0f} MiB after, peak {sampled[0]:.0f} (sampled; per-process "
                   f"peaks summed {now['hwm']:.0f}); pool {status['memory_mb']['pool']:.0f}, workers "
                   f"{', '.join(f'{mb:.0f}' for mb in status['memory_mb']['workers'])}", flush=True)  # fmt: skip
     finally:
         pool_command("down")
     half = after[len(after) // 2 :]
-    print(f"the pool's tree over {len(after)} runs, each its own seed (MiB): after run 1 {after[0]:.0f}, after run {len(after)} "
+    print(f"the pool's tree over {len(after)} runs, {'all seed 0' if args.one_seed else 'each its own seed'} (MiB): after run 1 {after[0]:.0f}, after run {len(after)} "
           f"{after[-1]:.0f} (+{after[-1] - after[0]:.0f}); slope {slope(after):+.2f} MiB a run over all, {slope(half):+.2f} over the "
           f"last {len(half)}; peak during a run: max {max(peaks):.0f} (sampled), {max(bounds):.0f} (per-process peaks summed)")  # fmt: skip
 
@@ -239,6 +239,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--one-seed", action="store_true", help="memory: every run seed 0 (the kept state restored, no rebuild)")
     parser.add_argument("--no-bare", action="store_true", help="start: without the bare verl loop")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="start: a config override (a GPU: backend.num_workers=1)")
     args = parser.parse_args()
