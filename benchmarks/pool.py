@@ -8,13 +8,14 @@
   (the sweep's own pool): wall time against the sum of its trials' training time (first step's start to last row),
   and whether both studies found the same objective values and best trial.
 - pbt: a population (hparams_search=pbt_lr_cosine, 4 members), cold then warm: wall time.
-- memory: a pool's resident memory (the pool's process and each worker's) at rest, then after every 5 of --runs
-  short runs on it.
+- memory: a pool's resident memory (its process and all below it: Ray's daemons, the workers) at rest, then after
+  and during each of --runs short runs on it, each with its own seed (a rebuild of the engine each); the growth
+  (first vs last, the least-squares slope) and the peak. --one-seed: every run seed 0 (the kept state restored).
 
     .venv/bin/python benchmarks/pool.py start [--pairs 3] [--steps 3] [--no-bare] [--set KEY=VALUE ...]
     .venv/bin/python benchmarks/pool.py study [--trials 8] [--steps 20]
     .venv/bin/python benchmarks/pool.py pbt
-    .venv/bin/python benchmarks/pool.py memory [--runs 20]
+    .venv/bin/python benchmarks/pool.py memory [--runs 50] [--one-seed]
 """
 
 from __future__ import annotations
@@ -148,23 +149,87 @@ def pbt(args: argparse.Namespace, tmp: Path) -> None:
     compare_sweeps("pbt", ["-m", "hparams_search=pbt_lr_cosine", "logger=none"], tmp)
 
 
+def tree_memory(pid: int) -> dict[str, float]:
+    """The resident memory (MiB, /proc) of a pool's process and everything below it (Ray's daemons, the workers):
+    `rss` now, summed; `hwm` each process's peak since its last reset (`reset_peaks`), summed (a bound on the tree's
+    peak: the processes' peaks need not fall at one moment)."""
+    from tinker_exp.pool.host import descendant_pids
+
+    total = {"rss": 0.0, "hwm": 0.0}
+    for each in [pid, *descendant_pids(pid)]:
+        try:
+            for line in Path(f"/proc/{each}/status").read_text().splitlines():
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    total["rss" if line.startswith("VmRSS") else "hwm"] += int(line.split()[1]) / 1024
+        except OSError:  # ended meanwhile
+            pass
+    return total
+
+
+def reset_peaks(pid: int) -> None:
+    """Each process's peak resident memory (VmHWM) set back to its current (Linux: clear_refs 5)."""
+    from tinker_exp.pool.host import descendant_pids
+
+    for each in [pid, *descendant_pids(pid)]:
+        try:
+            Path(f"/proc/{each}/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def slope(values: list[float]) -> float:
+    """Least squares MiB a run."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, statistics.fmean(values)
+    return sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / sum((x - mean_x) ** 2 for x in range(n))
+
+
 def memory(args: argparse.Namespace, tmp: Path) -> None:
+    """--runs short runs, each with its own seed (trainer.seed=N: each rebuilds the engine from the model dir, the
+    costliest start a kept group has): the pool's tree's memory after each, and its peak during each (sampled every
+    50 ms, and each process's own peak)."""
+    import threading
+
+    from tinker_exp.pool import wire
+
     overrides = ["trainer.steps=2", "checkpoint.every_steps=0", "checkpoint.at_end=false", "logger=none"]
     pool_command("up", *overrides)
-
-    def figures_now() -> str:
-        line = [l for l in pool_command("status").stdout.splitlines() if "memory" in l][0]
-        return line.split(": ", 1)[1]
-
+    status = wire.ask(wire.address_of(), ("status",))
+    pid = status["pid"]
+    print(f"at rest: the tree {tree_memory(pid)['rss']:.0f} MiB; pool {status['memory_mb']['pool']:.0f}, "
+          f"workers {', '.join(f'{mb:.0f}' for mb in status['memory_mb']['workers'])}")  # fmt: skip
+    after, peaks, bounds = [], [], []
     try:
-        print(f"at rest: {figures_now()}")
         for run in range(1, args.runs + 1):
-            subprocess.run([PYTHON, "-m", "tinker_exp", *overrides, f"hydra.run.dir={tmp / f'run_{run}'}"], cwd=REPO,
-                           capture_output=True, check=True)  # fmt: skip
-            if run % 5 == 0:
-                print(f"after {run} runs: {figures_now()}")
+            reset_peaks(pid)
+            done, sampled = threading.Event(), [0.0]
+
+            def sample() -> None:
+                while not done.wait(0.05):
+                    sampled[0] = max(sampled[0], tree_memory(pid)["rss"])
+
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            try:
+                done_run = subprocess.run([PYTHON, "-m", "tinker_exp", *overrides, f"trainer.seed={0 if args.one_seed else run}", f"hydra.run.dir={tmp / f'run_{run}'}"],
+                                          cwd=REPO, capture_output=True, text=True, check=True)  # fmt: skip
+                if "pool: training on the warm workers" not in done_run.stdout:  # a stale or ended pool: a cold run
+                    sys.exit(f"run {run} did not train on the pool:\n{done_run.stdout[-2000:]}")
+            finally:
+                done.set()
+                sampler.join()
+            now = tree_memory(pid)
+            status = wire.ask(wire.address_of(), ("status",))
+            after.append(now["rss"]), peaks.append(sampled[0]), bounds.append(now["hwm"])
+            print(f"run {run} (seed {0 if args.one_seed else run}): the tree {now['rss']:.0f} MiB after, peak {sampled[0]:.0f} (sampled; per-process "
+                  f"peaks summed {now['hwm']:.0f}); pool {status['memory_mb']['pool']:.0f}, workers "
+                  f"{', '.join(f'{mb:.0f}' for mb in status['memory_mb']['workers'])}", flush=True)  # fmt: skip
     finally:
         pool_command("down")
+    half = after[len(after) // 2 :]
+    print(f"the pool's tree over {len(after)} runs, {'all seed 0' if args.one_seed else 'each its own seed'} (MiB): after run 1 {after[0]:.0f}, after run {len(after)} "
+          f"{after[-1]:.0f} (+{after[-1] - after[0]:.0f}); slope {slope(after):+.2f} MiB a run over all, {slope(half):+.2f} over the "
+          f"last {len(half)}; peak during a run: max {max(peaks):.0f} (sampled), {max(bounds):.0f} (per-process peaks summed)")  # fmt: skip
 
 
 def main() -> None:
@@ -173,7 +238,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--trials", type=int, default=8)
-    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--one-seed", action="store_true", help="memory: every run seed 0 (the kept state restored, no rebuild)")
     parser.add_argument("--no-bare", action="store_true", help="start: without the bare verl loop")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="start: a config override (a GPU: backend.num_workers=1)")
     args = parser.parse_args()

@@ -222,14 +222,16 @@ class Host:
 
     def _execute(self, job: Job) -> None:
         out = Outbox(job.sock)
-        with self.lock:
-            if job.cancelled:
-                return
-            job.running, self.current = True, job
         answer: Any = None
         try:
             with client_context(job.payload, out):
                 try:
+                    # Running only once a stop raises here (client_context's handlers): a stop sent before then (a
+                    # client killed right after sending its run) would be ignored, and its run train to its end.
+                    with self.lock:
+                        if job.cancelled:
+                            return
+                        job.running, self.current = True, job
                     answer = ("done", self.KINDS[job.kind](self, job.payload))
                 finally:
                     self._ended(job)
