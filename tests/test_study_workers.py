@@ -169,3 +169,35 @@ def test_a_study_on_two_worker_jobs_completes_when_one_is_killed_mid_trial(slurm
     assert "group built" in logs[survivor[0]]
     assert all("group built" not in logs[n] and "(warm: the pool's" in logs[n] for n in survivor[1:])
     assert not squeue(slurm_env).strip()  # both workers gone: the killed one, and the other at the study's end
+
+
+def test_ctrl_c_on_a_study_on_workers_cancels_every_worker_job_at_once_and_leaves_no_trial_running(slurm_env, postgres_url, tmp_path):
+    """A study on 2 workers with its storage on the suite's PostgreSQL server: Ctrl-C once a trial trains cancels both
+    worker jobs with one scancel (one line naming both), leaves none in the queue, records the running trials failed
+    (none left RUNNING or WAITING in the storage), exits 130 with the command that continues it; the server's password
+    is in nothing printed or written."""
+    name = f"workers-{tmp_path.name}-{os.getpid()}"  # one server, many studies
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
+        "hydra.launcher.workers=2", f"hydra.sweeper.storage={postgres_url}", f"hydra.sweeper.study_name={name}",
+        "hydra.sweeper.n_trials=4", "override.lr=tag(log,interval(1e-5,1e-2))", *TRIAL[1:], "trainer.steps=400",
+    ]  # fmt: skip
+    driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        training = lambda: any((tmp_path / str(n) / "metrics.jsonl").exists() for n in (0, 1))  # noqa: E731
+        wait_until(training, 600, "no trial trained", driver)
+        workers = sorted({job_json(tmp_path / str(n))["slurm"]["array_job_id"] for n in (0, 1) if (tmp_path / str(n) / "job.json").exists()})
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 130, output[-3000:]
+    (cancelled,) = [line for line in output.splitlines() if "interrupted: cancelled" in line]
+    assert cancelled.endswith(f"interrupted: cancelled {workers[0]}_0, {workers[0]}_1"), cancelled
+    assert "continue it with: python -m tinker_exp" in output and "Traceback" not in output
+    wait_until(lambda: not squeue(slurm_env).strip(), 120, "worker jobs left in the queue", poll=1)
+    trials = optuna.load_study(study_name=name, storage=postgres_url).trials
+    assert trials and all(t.state in (TrialState.FAIL, TrialState.COMPLETE) for t in trials), [t.state for t in trials]
+    password = postgres_url.split(":")[2].split("@")[0]
+    written = [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".md", ".log")]
+    assert password not in output and not any(password in text for text in written)
