@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 from helpers import REPO, environment, job_json, read_jsonl, run_cli, squeue, wait_until
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.study import finished, open_storage
-from tinker_exp.sweep.workers import RETRY_OF, SEEN_ATTR, WORKER_ATTR, lose, lost, retries_before, settled, take
+from tinker_exp.sweep.workers import RETRY_OF, SEEN_ATTR, WORKER_ATTR, lose, lost, resumed, retries_before, settled, take
 
 SPACE = {"x": CategoricalDistribution([1, 2, 3, 4])}
 
@@ -85,6 +85,21 @@ def test_a_trial_not_seen_is_lost_its_retries_are_bounded_and_a_worker_that_tell
     assert lose(study, frozen, "late", tmp_path) == f"trial {told.number}: told by its worker after all"
     assert study.trials[told.number].state == TrialState.COMPLETE and len(study.trials) == told.number + 1
     del trial
+
+
+def test_a_requeued_worker_takes_back_its_own_running_trial_and_no_other(tmp_path):
+    """A worker job that Slurm requeued starts again with its job id: the trial it ran (still RUNNING under that id) is
+    handed back to it, marked seen at once, so that it resumes in its run dir; another worker's running trial, or
+    one the sweep failed meanwhile, is not."""
+    study = journal_study(tmp_path)
+    ask = lambda: study.ask(SPACE)  # noqa: E731
+    mine, other, failed = (take(study, 5, ask, worker, tmp_path) for worker in ("9_0", "9_1", "9_0"))
+    lose(study, study.trials[failed.number], "gone", tmp_path)
+    before = study.trials[mine.number].system_attrs[SEEN_ATTR]
+    (back,) = resumed(study, "9_0")
+    assert back.number == mine.number and back.params == mine.params
+    assert study.trials[mine.number].system_attrs[SEEN_ATTR] >= before and resumed(study, "9_2") == []
+    assert [t.number for t in resumed(study, "9_1")] == [other.number]
 
 
 @pytest.mark.parametrize(

@@ -427,7 +427,7 @@ class StudyWorker:
 
         from tinker_exp.pool.local import SweepPools
         from tinker_exp.sweep.study import make_sampler, open_storage, trial_overrides
-        from tinker_exp.sweep.workers import work
+        from tinker_exp.sweep.workers import Heartbeat, resumed, work
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         worker = submitit.JobEnvironment().job_id
@@ -456,11 +456,23 @@ class StudyWorker:
                 log.warning(f"study worker {worker}: trial {trial.number} was failed by the sweep meanwhile (retried)")
 
         try:
-            ran = work(study, self.n_trials, ask, run, worker, sweep_dir)
+            ran = 0
+            for trial in resumed(study, worker):  # this job requeued (time limit, preemption): its trial goes on
+                log.info(f"study worker {worker}: requeued; trial {trial.number} resumes in its run dir")
+                with Heartbeat(trial):
+                    run(trial)
+                ran += 1
+            ran += work(study, self.n_trials, ask, run, worker, sweep_dir)
         finally:
             pools.close()
         log.info(f"study worker {worker}: the study has its {self.n_trials} trials; this worker ran {ran}")
         return ran
+
+    def checkpoint(self, index: int) -> Any:
+        """submitit's hook at the time-limit signal: requeue this worker as it was (its trial resumes, `resumed`)."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, index)
 
     def _on_pool(self, pools: Any, overrides: list[str]) -> list[str]:
         """The override that puts a trial on this worker's pool (started here at the first such trial): none for a

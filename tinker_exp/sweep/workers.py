@@ -145,6 +145,17 @@ def work(
         ran += 1
 
 
+def resumed(study: optuna.Study, worker: str) -> list[optuna.Trial]:
+    """The trials still RUNNING under this worker's job id: the job was requeued (a time limit, a preemption) while
+    it ran them. Each is marked seen now and run again in its own run dir, which resumes from its checkpoint. One the
+    sweep has meanwhile taken for lost (not seen for STALE_S while the job waited in the queue) is failed and
+    retried by then, and not among these."""
+    mine = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if t.system_attrs.get(WORKER_ATTR) == worker]
+    for trial in mine:
+        study._storage.set_trial_system_attr(trial._trial_id, SEEN_ATTR, time.time())
+    return [optuna.trial.Trial(study, t._trial_id) for t in mine]
+
+
 def lost(running: Sequence[FrozenTrial], ended_workers: dict[str, str], now: float, stale_s: float = STALE_S) -> list[tuple[FrozenTrial, str]]:
     """Running trials whose worker is gone, each with why: its job ended (`ended_workers`: job id -> Slurm's end
     state), or it was not seen for `stale_s`."""
