@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 
 from helpers import REPO, environment, job_json, read_jsonl, run_cli, squeue, wait_until
 from tinker_exp.formats import read_json
-from tinker_exp.sweep.study import finished, open_storage
+from tinker_exp.sweep.study import finished, open_storage, recover
 from tinker_exp.sweep.workers import RETRY_OF, SEEN_ATTR, WORKER_ATTR, lose, lost, resumed, retries_before, settled, take
 
 SPACE = {"x": CategoricalDistribution([1, 2, 3, 4])}
@@ -100,6 +100,19 @@ def test_a_requeued_worker_takes_back_its_own_running_trial_and_no_other(tmp_pat
     assert back.number == mine.number and back.params == mine.params
     assert study.trials[mine.number].system_attrs[SEEN_ATTR] >= before and resumed(study, "9_2") == []
     assert [t.number for t in resumed(study, "9_1")] == [other.number]
+
+
+def test_a_continued_study_keeps_a_waiting_retry_for_its_workers_and_fails_it_for_a_job_per_trial_sweep(tmp_path):
+    """The sweep stopped (Ctrl-C, every worker gone) after a lost trial's retry was enqueued: the same command on
+    workers leaves the retry for them to run first; on a job per trial (which asks only new trials) it is failed, with
+    why, so that no trial is left WAITING."""
+    study = journal_study(tmp_path)
+    take(study, 5, lambda: study.ask(SPACE), "9_0", tmp_path)
+    lose(study, study.trials[0], "gone", tmp_path)
+    assert recover(study, keep_waiting=True) == ["trial 1: waiting (a retry); the study's workers run it first"]
+    assert study.trials[1].state == TrialState.WAITING
+    assert recover(study) == ["trial 1: a retry not run when the study stopped: failed"]
+    assert study.trials[1].state == TrialState.FAIL and study.trials[1].user_attrs["error"] == "a retry not run when the study stopped"
 
 
 @pytest.mark.parametrize(

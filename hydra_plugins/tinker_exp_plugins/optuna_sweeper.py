@@ -163,7 +163,7 @@ class OptunaSweeper(Sweeper):
             self.n_trials = grid_size(space)
         if study.trials:
             self._stop_cut_off_jobs(study)
-            for line in recover(study):
+            for line in recover(study, keep_waiting=bool(self._workers())):
                 log.info(line)
             log.info(f"continuing study {self.study_name!r} ({shown}): {len(finished(study))} of {self.n_trials} trials done")
         else:
