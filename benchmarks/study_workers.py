@@ -6,8 +6,8 @@ Slurm cluster (launchers/local_slurm).
 
 Both studies are the same seeded grid (`override.lr` over `--trials` points, so trial k gets the same point in both),
 `hydra.sweeper.n_jobs` = `--workers` trials at a time, backend.pool=auto. Prints, for each: the sweep's wall time
-(from the command to its exit: queue waits and cold starts counted), the cold starts (runs that built their workers;
-a warm run's log says `(warm: the pool's ...)`), the training time summed over trials (first to last row of each
+(from the command to its exit: queue waits and cold starts counted), the cold starts (runs that built their workers:
+a pool's first run says `group built`, a cold run does not say `(warm: the pool's ...)`), the training time summed over trials (first to last row of each
 run), and each trial's objective; then whether every trial's point and objective are the same in both (bitwise).
 """
 
@@ -42,7 +42,8 @@ def study(sweep_dir: Path, trials: int, steps: int, workers: int, per_trial: boo
     cold, training, objectives = 0, 0.0, {}
     for row in rows:
         run_dir = Path(row["run_dir"])
-        cold += "(warm: the pool's" not in (run_dir / "tinker_exp.log").read_text()
+        run_log = (run_dir / "tinker_exp.log").read_text()
+        cold += "group built" in run_log or "(warm: the pool's" not in run_log  # a pool's first run builds its group
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         training += metrics[-1]["time"] - metrics[0]["time"]
         overrides = json.loads((run_dir / "job.json").read_text())["overrides"]
