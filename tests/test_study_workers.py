@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from helpers import REPO, environment, job_json, read_jsonl, run_cli, squeue, wait_until
+from helpers import REPO, environment, job_json, job_processes, read_jsonl, run_cli, squeue, wait_until
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.study import finished, open_storage, recover
 from tinker_exp.sweep.workers import RETRY_OF, SEEN_ATTR, WORKER_ATTR, lose, lost, resumed, retries_before, settled, take
@@ -199,33 +199,52 @@ def test_a_study_on_two_worker_jobs_completes_when_one_is_killed_mid_trial(slurm
     assert not squeue(slurm_env).strip()  # both workers gone: the killed one, and the other at the study's end
 
 
-def test_ctrl_c_on_a_study_on_workers_cancels_every_worker_job_at_once_and_leaves_no_trial_running(slurm_env, postgres_url, tmp_path):
-    """A study on 2 workers with its storage on the suite's PostgreSQL server: Ctrl-C once a trial trains cancels both
-    worker jobs with one scancel (one line naming both), leaves none in the queue, records the running trials failed
-    (none left RUNNING or WAITING in the storage), exits 130 with the command that continues it; the server's password
-    is in nothing printed or written."""
+def test_a_requeued_worker_resumes_its_trial_and_ctrl_c_cancels_every_worker_at_once(slurm_env, postgres_url, tmp_path):
+    """A study on 2 workers with its storage on the suite's PostgreSQL server. The worker running trial 0 gets the
+    time-limit signal (USR2) once the trial saved a checkpoint: submitit requeues the job, which takes its trial back
+    and resumes it from that checkpoint in its run dir (each row once, the trial not taken for lost, no retry). Then
+    Ctrl-C cancels both worker jobs with one scancel (one line naming both), leaves none in the queue, records the
+    running trials failed (none left RUNNING or WAITING in the storage), exits 130 with the command that continues it;
+    the server's password is in nothing printed or written."""
     name = f"workers-{tmp_path.name}-{os.getpid()}"  # one server, many studies
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
         "hydra.launcher.workers=2", f"hydra.sweeper.storage={postgres_url}", f"hydra.sweeper.study_name={name}",
-        "hydra.sweeper.n_trials=4", "override.lr=tag(log,interval(1e-5,1e-2))", *TRIAL[1:], "trainer.steps=400",
+        "hydra.sweeper.n_trials=4", "override.lr=tag(log,interval(1e-5,1e-2))", *TRIAL[1:], "trainer.steps=400", "checkpoint.every_steps=4",
     ]  # fmt: skip
-    driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    slurm, run_0 = environment(slurm_env), tmp_path / "0"
+    driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        training = lambda: any((tmp_path / str(n) / "metrics.jsonl").exists() for n in (0, 1))  # noqa: E731
-        wait_until(training, 600, "no trial trained", driver)
-        workers = sorted({job_json(tmp_path / str(n))["slurm"]["array_job_id"] for n in (0, 1) if (tmp_path / str(n) / "job.json").exists()})
+        saved = lambda: (run_0 / "checkpoints" / "step_00000004" / "MANIFEST.json").exists()  # noqa: E731
+        wait_until(saved, 600, "trial 0 saved no checkpoint", driver)
+        job = job_json(run_0)["slurm"]
+        worker = f"{job['array_job_id']}_{job['array_task_id']}"
+        subprocess.run(["scancel", "--signal=USR2", worker], env=slurm, check=True)  # submitit requeues it
+        # As in test_study's requeue: released sooner than Slurm's hold, once its first start has left the node.
+        wait_until(lambda: f"{worker} PENDING" in squeue(slurm_env).splitlines(), 240, "the worker was not requeued")
+        wait_until(lambda: not job_processes([job["job_id"]]), 240, "the first start did not end")
+        subprocess.run(["scontrol", "update", f"JobId={worker}", "StartTime=now+2"], env=slurm, check=True)
+        resumed = lambda: "resuming from" in (run_0 / "tinker_exp.log").read_text()  # noqa: E731
+        wait_until(resumed, 300, "trial 0 did not resume", driver)
+        wait_until(lambda: len(read_jsonl(run_0 / "metrics.jsonl")) > 8, 300, "trial 0 trained no further", driver)
         driver.send_signal(signal.SIGINT)
         output, _ = driver.communicate(timeout=300)
     finally:
         driver.kill()
     assert driver.returncode == 130, output[-3000:]
     (cancelled,) = [line for line in output.splitlines() if "interrupted: cancelled" in line]
-    assert cancelled.endswith(f"interrupted: cancelled {workers[0]}_0, {workers[0]}_1"), cancelled
-    assert "continue it with: python -m tinker_exp" in output and "Traceback" not in output
+    assert cancelled.endswith(f"interrupted: cancelled {job['array_job_id']}_0, {job['array_job_id']}_1"), cancelled
+    assert "continue it with: python -m tinker_exp" in output and "Traceback" not in output and "lost" not in output
     wait_until(lambda: not squeue(slurm_env).strip(), 120, "worker jobs left in the queue", poll=1)
     trials = optuna.load_study(study_name=name, storage=postgres_url).trials
     assert trials and all(t.state in (TrialState.FAIL, TrialState.COMPLETE) for t in trials), [t.state for t in trials]
+    assert not [t for t in trials if RETRY_OF in t.user_attrs] and "error" not in trials[0].user_attrs  # cut off, not lost
+    rows = read_jsonl(run_0 / "metrics.jsonl")
+    steps = [row["train/step"] for row in rows]
+    assert steps == list(range(len(steps))) and job_json(run_0)["slurm"]["restart_count"] == "1"  # each row once
+    log = (run_0 / "tinker_exp.log").read_text()
+    resumed_at = int(log.split("resuming from")[1].split(" at step ")[1].split()[0])
+    assert resumed_at >= 4 and resumed_at % 4 == 0  # a checkpoint's step, not step 0
     password = postgres_url.split(":")[2].split("@")[0]
     written = [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".md", ".log")]
     assert password not in output and not any(password in text for text in written)

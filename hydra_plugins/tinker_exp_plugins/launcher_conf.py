@@ -41,9 +41,9 @@ class SlurmLauncherConf(SlurmQueueConf):
     _target_: str = "hydra_plugins.tinker_exp_plugins.launchers.SlurmSweepLauncher"
     workers: int = 0
     """An Optuna study's worker jobs: each starts its workers once (a warm pool in its allocation) and runs trials from
-    the study's storage one after another until the study has its n_trials. 0: one job per trial, each resumed from
-    its checkpoint when Slurm requeues it (a requeued worker does not resume its trial yet). Grids and PBT: a job per
-    point whatever this says."""
+    the study's storage one after another until the study has its n_trials. 0 (default): one job per trial, each with
+    one trial's time limit (a worker's timeout_min must hold its share of the trials). Grids and PBT: a job per point
+    whatever this says."""
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="tinker_exp_slurm", node=SlurmLauncherConf, provider="tinker_exp")
