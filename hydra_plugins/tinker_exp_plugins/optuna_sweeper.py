@@ -403,6 +403,19 @@ def finished_line(study: Any, trial: Any) -> None:
         log.warning(f"trial {trial.number} failed: {trial_error(trial)}")
 
 
+def worker_log() -> logging.Logger:
+    """A study worker's own lines, to its job's log (stderr) only: Hydra configures logging anew for each trial and
+    leaves the trial's log file as a handler of the root logger, which the next lines must not reach."""
+    said = logging.getLogger("tinker_exp.study_worker")
+    if not said.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        said.addHandler(handler)
+        said.setLevel(logging.INFO)
+        said.propagate = False
+    return said
+
+
 class StudyWorker:
     """A study worker job's work (submitit pickles it to each job; job i calls it with i): warm workers started once
     in its allocation (a pool, when the trials' backend.pool is auto), then trials taken from the study's storage and
@@ -430,6 +443,7 @@ class StudyWorker:
         from tinker_exp.sweep.workers import Heartbeat, resumed, work
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        said = worker_log()
         worker = submitit.JobEnvironment().job_id
         sweep_dir = Path(str(self.launcher.config.hydra.sweep.dir))
         study = optuna.load_study(study_name=self.study_name, storage=open_storage(self.storage))
@@ -448,24 +462,24 @@ class StudyWorker:
             trial.set_user_attr("overrides", overrides)
             trial.set_user_attr("run_dir", str(job_run_dir(self.launcher.hydra_context, self.launcher.config, overrides, trial.number)))
             trial.set_user_attr("job_id", worker)
-            log.info(f"study worker {worker}: trial {trial.number}: {' '.join(overrides)}")
+            said.info(f"study worker {worker}: trial {trial.number}: {' '.join(overrides)}")
             ret = self.launcher([*overrides, *self._on_pool(pools, overrides)], "hydra.sweep.dir", trial.number, f"job_id_for_{trial.number}", self.singleton_state)
             try:
                 tell(study, trial, ret)
             except optuna.exceptions.UpdateFinishedTrialError:  # the sweep took this worker for lost meanwhile
-                log.warning(f"study worker {worker}: trial {trial.number} was failed by the sweep meanwhile (retried)")
+                said.warning(f"study worker {worker}: trial {trial.number} was failed by the sweep meanwhile (retried)")
 
         try:
             ran = 0
             for trial in resumed(study, worker):  # this job requeued (time limit, preemption): its trial goes on
-                log.info(f"study worker {worker}: requeued; trial {trial.number} resumes in its run dir")
+                said.info(f"study worker {worker}: requeued; trial {trial.number} resumes in its run dir")
                 with Heartbeat(trial):
                     run(trial)
                 ran += 1
             ran += work(study, self.n_trials, ask, run, worker, sweep_dir)
         finally:
             pools.close()
-        log.info(f"study worker {worker}: the study has its {self.n_trials} trials; this worker ran {ran}")
+        said.info(f"study worker {worker}: the study has its {self.n_trials} trials; this worker ran {ran}")
         return ran
 
     def checkpoint(self, index: int) -> Any:
@@ -479,11 +493,16 @@ class StudyWorker:
         trial whose backend.pool is not auto (none: cold, as asked), or that spans nodes."""
         from hydra_plugins.tinker_exp_plugins.launchers import point_error
         from tinker_exp.pool.local import wanted
+        from tinker_exp.pool.wire import code_fingerprint
 
+        if pools.processes and code_fingerprint() != self.pool_code:  # tinker_exp edited: trials run the code as it is now
+            worker_log().info("study worker: the code changed since its pool started; a new pool for the next trials")
+            pools.close()
         if not pools.processes:
             cfg, _ = point_error(self.launcher.hydra_context, self.launcher.config, overrides)
             if not wanted([cfg]):
                 return []
+            self.pool_code = code_fingerprint()
             pools.start(1)
         # By its address: `auto` in a Slurm job means a cold start (the job's own allocation).
         return [f"backend.pool={pools.processes[0][0]}"]
