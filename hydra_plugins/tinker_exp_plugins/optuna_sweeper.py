@@ -463,7 +463,8 @@ class StudyWorker:
             trial.set_user_attr("run_dir", str(job_run_dir(self.launcher.hydra_context, self.launcher.config, overrides, trial.number)))
             trial.set_user_attr("job_id", worker)
             said.info(f"study worker {worker}: trial {trial.number}: {' '.join(overrides)}")
-            ret = self.launcher([*overrides, *self._on_pool(pools, overrides)], "hydra.sweep.dir", trial.number, f"job_id_for_{trial.number}", self.singleton_state)
+            self._keep_pool(pools, overrides)
+            ret = self.launcher(overrides, "hydra.sweep.dir", trial.number, f"job_id_for_{trial.number}", self.singleton_state)
             try:
                 tell(study, trial, ret)
             except optuna.exceptions.UpdateFinishedTrialError:  # the sweep took this worker for lost meanwhile
@@ -488,22 +489,21 @@ class StudyWorker:
 
         return submitit.helpers.DelayedSubmission(self, index)
 
-    def _on_pool(self, pools: Any, overrides: list[str]) -> list[str]:
-        """The override that puts a trial on this worker's pool (started here at the first such trial): none for a
-        trial whose backend.pool is not auto (none: cold, as asked), or that spans nodes."""
+    def _keep_pool(self, pools: Any, overrides: list[str]) -> None:
+        """This worker's pool, started at its first trial that trains on one (backend.pool auto, one node; a trial
+        with backend.pool=none starts cold, as asked), and started anew when tinker_exp's code changed since (its
+        trials run the code as it is now). The trial takes it as `auto` takes a sweep's pool (SWEEP_POOLS_ENV), so
+        its overrides, config and W&B name are those a job of its own would have."""
         from hydra_plugins.tinker_exp_plugins.launchers import point_error
         from tinker_exp.pool.local import wanted
         from tinker_exp.pool.wire import code_fingerprint
 
-        if pools.processes and code_fingerprint() != self.pool_code:  # tinker_exp edited: trials run the code as it is now
+        if pools.processes and code_fingerprint() != self.pool_code:
             worker_log().info("study worker: the code changed since its pool started; a new pool for the next trials")
             pools.close()
         if not pools.processes:
             cfg, _ = point_error(self.launcher.hydra_context, self.launcher.config, overrides)
-            if not wanted([cfg]):
-                return []
-            self.pool_code = code_fingerprint()
-            pools.start(1)
-        # By its address: `auto` in a Slurm job means a cold start (the job's own allocation).
-        return [f"backend.pool={pools.processes[0][0]}"]
+            if wanted([cfg]):
+                self.pool_code = code_fingerprint()
+                pools.start(1)
 
