@@ -191,6 +191,7 @@ def test_a_study_on_two_worker_jobs_completes_when_one_is_killed_mid_trial(slurm
         run_dir = tmp_path / str(trial.number)
         assert [row["train/step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))  # each row once
         assert trial.value == read_json(run_dir / "objective.json")["value"] and trial.user_attrs["job_id"] != worker
+        assert job_json(run_dir)["overrides"] == trial.user_attrs["overrides"]  # a job's own: no pool address added
     # One cold start a worker: the surviving job built one group; its later trials trained warm on it.
     survivor = sorted(t.number for t in trials[1:])
     logs = {n: (tmp_path / str(n) / "tinker_exp.log").read_text() for n in survivor}
