@@ -115,6 +115,21 @@ def test_a_continued_study_keeps_a_waiting_retry_for_its_workers_and_fails_it_fo
     assert study.trials[1].state == TrialState.FAIL and study.trials[1].user_attrs["error"] == "a retry not run when the study stopped"
 
 
+def test_in_a_slurm_job_auto_trains_cold_unless_the_job_holds_a_pool_of_its_own(monkeypatch, tmp_path):
+    """backend.pool=auto in a Slurm job: cold at once (its own allocation), without looking for the user's pool; with a
+    study worker's pool in its environment (SWEEP_POOLS_ENV), that pool is asked (none answering here: cold, said)."""
+    from helpers import compose
+    from tinker_exp.config import load
+    from tinker_exp.pool import client, wire
+
+    cfg = load(compose("backend.pool=auto"))
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.delenv(wire.SWEEP_POOLS_ENV, raising=False)
+    assert client.attach(cfg) == client.Cold()
+    monkeypatch.setenv(wire.SWEEP_POOLS_ENV, str(tmp_path / "sweep-1-0.sock"))
+    assert client.attach(cfg).why.startswith("pool: none is up, starting cold")
+
+
 @pytest.mark.parametrize(
     "launcher, error",
     [
