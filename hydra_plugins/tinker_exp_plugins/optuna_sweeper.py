@@ -249,7 +249,8 @@ class OptunaSweeper(Sweeper):
             self._workers_ended(jobs)
         except BaseException as e:
             cancel(jobs)
-            for trial in running(study):  # Ctrl-C: cut off, retries not run yet too (the same command runs them again)
+            # Cut off: failed. A retry not started stays WAITING: the same command's workers run it first.
+            for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
                 try:
                     study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL)
                 except optuna.exceptions.UpdateFinishedTrialError:
@@ -261,7 +262,7 @@ class OptunaSweeper(Sweeper):
     def _workers_ended(self, jobs: list[Any], wait_s: float = 60.0) -> None:
         """Wait (bounded) for the worker jobs to end on their own once the study has its trials; any still in the
         queue after `wait_s` is cancelled, so that a sweep leaves nothing behind."""
-        from hydra_plugins.tinker_exp_plugins.launchers import POLL_S, cancel
+        from hydra_plugins.tinker_exp_plugins.launchers import POLL_S
         from tinker_exp.sweep.slurm import ACTIVE_STATES, slurm_states
 
         deadline = time.monotonic() + wait_s
@@ -271,7 +272,9 @@ class OptunaSweeper(Sweeper):
             if not left:
                 return
             if time.monotonic() > deadline:
-                cancel(left)
+                ids = [job.job_id for job in left]
+                done = cancel_slurm_jobs(ids)
+                log.warning(f"study workers {', '.join(ids)} still in the queue {wait_s:.0f} s after the study ended: " + ("cancelled" if done else "scancel did not answer; check squeue"))
                 return
             time.sleep(POLL_S)
 
