@@ -15,7 +15,7 @@ from typing import Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeperConf
 from hydra.core.config_store import ConfigStore
-from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf
+from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 
 
 @dataclass
@@ -32,6 +32,21 @@ class LocalLauncherConf(LocalQueueConf):
 
 ConfigStore.instance().store(group="hydra/launcher", name="tinker_exp_local", node=LocalLauncherConf, provider="tinker_exp")
 ConfigStore.instance().store(group="hydra/launcher", name="basic", node=LocalLauncherConf, provider="tinker_exp")
+
+
+@dataclass
+class SlurmLauncherConf(SlurmQueueConf):
+    """submitit_slurm's keys (sbatch options), and ours."""
+
+    _target_: str = "hydra_plugins.tinker_exp_plugins.launchers.SlurmSweepLauncher"
+    workers: int = 0
+    """An Optuna study's worker jobs: each starts its workers once (a warm pool in its allocation) and runs trials from
+    the study's storage one after another until the study has its n_trials. 0 (default): one job per trial, each with
+    one trial's time limit (a worker's timeout_min must hold its share of the trials). Grids and PBT: a job per point
+    whatever this says."""
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="tinker_exp_slurm", node=SlurmLauncherConf, provider="tinker_exp")
 
 
 @dataclass

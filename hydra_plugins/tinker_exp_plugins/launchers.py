@@ -149,6 +149,14 @@ class SweepLauncher(BaseSubmititLauncher):
                 f"hydra.launcher.nodes={params['nodes']}: the local launcher runs each job on this machine; "
                 "a point spans nodes with hydra/launcher=slurm"
             )
+        workers = params.get("workers", 0)
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+            raise ConfigError(f"hydra.launcher.workers={workers}: must be an int >= 0 (0: a job per trial)")
+        if workers and (params.get("nodes") or 1) > 1:
+            raise ConfigError(
+                f"hydra.launcher.workers={workers} with hydra.launcher.nodes={params['nodes']}: study workers span one node "
+                "each (not yet several); hydra.launcher.workers=0 runs each trial as a job over its nodes"
+            )
         max_parallel = params.get("max_parallel")
         if max_parallel is not None and (not isinstance(max_parallel, int) or isinstance(max_parallel, bool) or max_parallel < 1):
             raise ConfigError(f"hydra.launcher.max_parallel={max_parallel}: must be an int >= 1, or null (as many as the CPUs hold)")
@@ -176,7 +184,7 @@ class SweepLauncher(BaseSubmititLauncher):
         """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it)."""
         import submitit
 
-        init_keys, ours = {"max_num_timeout", "python"}, {"max_parallel"}
+        init_keys, ours = {"max_num_timeout", "python"}, {"max_parallel", "workers"}
         init = {f"{self._EXECUTOR}_{k}": v for k, v in self.params.items() if k in init_keys}
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=self.params["submitit_folder"], **init)
         common = set(OmegaConf.structured(BaseQueueConf).keys())
@@ -416,6 +424,21 @@ class SweepLauncher(BaseSubmititLauncher):
         objective = ret.return_value if status == "COMPLETED" else None  # what the task function returned
         job_id = None if job is None else job.job_id
         return ret, read_outcome(num, filter_overrides(overrides), status, run_dir, error, job_id, objective)
+
+    def workers(self) -> int:
+        """Study worker jobs to submit (hydra.launcher.workers, Slurm only); 0: a job per trial."""
+        return int(self.params.get("workers") or 0) if self._EXECUTOR == "slurm" else 0
+
+    def submit_workers(self, worker: Callable[[int], Any], count: int) -> list[Any]:
+        """`count` study worker jobs, one Slurm job array (one sbatch): job i runs `worker(i)`. Returns at once."""
+        if self.stream_executor is None:
+            self.stream_executor = self._executor()
+        with sigint_deferred() as interrupted:  # as in `_submit`: job ids we would never learn
+            jobs = self.stream_executor.map_array(worker, list(range(count)))
+        if interrupted():
+            cancel(jobs)
+            raise KeyboardInterrupt
+        return jobs
 
     def _submit(self, executor: Any, args: Sequence[tuple]) -> list[Any]:
         """Every job at once (a Slurm job array): the scheduler decides when each runs."""

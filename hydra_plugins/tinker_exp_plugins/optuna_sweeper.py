@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -162,14 +163,18 @@ class OptunaSweeper(Sweeper):
             self.n_trials = grid_size(space)
         if study.trials:
             self._stop_cut_off_jobs(study)
-            for line in recover(study):
+            for line in recover(study, keep_waiting=bool(self._workers())):
                 log.info(line)
             log.info(f"continuing study {self.study_name!r} ({shown}): {len(finished(study))} of {self.n_trials} trials done")
         else:
-            log.info(f"study {self.study_name!r} ({shown}): {self.n_trials} trials, {self._at_once()} at a time, sampler {self.sampler}")
+            at_once = f"on {self._workers()} worker jobs" if self._workers() else f"{self._at_once()} at a time"
+            log.info(f"study {self.study_name!r} ({shown}): {self.n_trials} trials, {at_once}, sampler {self.sampler}")
         log.info("search space: " + ", ".join(f"{k}: {d}" for k, d in space.items()))
 
-        self._run_trials(study, space, fixed, shown)
+        if self._workers():
+            self._run_workers(study, StudyWorker(self.launcher, self, storage, space, fixed, len(study.trials)), sweep_dir)
+        else:
+            self._run_trials(study, space, fixed, shown)
         if self.dry_run:
             return self._end_dry_run(study, sweep_dir)
         summary = results(study, shown)
@@ -197,6 +202,81 @@ class OptunaSweeper(Sweeper):
             raise StudyFailedError(f"dry run: {len(failed)} of {len(study.trials)} trials failed their checks; nothing trained")
         log.info(f"dry run: {len(study.trials)} trials planned in {sweep_dir}; nothing trained")
         return {}
+
+    def _workers(self) -> int:
+        """Study worker jobs (hydra.launcher.workers on Slurm); 0: a job per trial. A dry run keeps a job per trial:
+        its study is in memory, where no worker can ask it."""
+        return 0 if self.dry_run or not isinstance(self.launcher, SweepLauncher) else self.launcher.workers()
+
+    def _run_workers(self, study: Any, worker: "StudyWorker", sweep_dir: Path) -> None:
+        """Submit the worker jobs (one sbatch) and wait, saying each trial's end as the storage shows it, until the
+        study has its n_trials. A trial whose worker is gone (its job ended, or not seen for STALE_S) is failed and
+        retried here (tinker_exp.sweep.workers.lose). Every worker ended: the study stops where it is (the same
+        command continues it). Ctrl-C (or any error): every worker job cancelled (one scancel), their trials failed."""
+        import optuna
+
+        from hydra_plugins.tinker_exp_plugins.launchers import POLL_S, cancel
+        from tinker_exp.sweep.slurm import ACTIVE_STATES, Settling, slurm_states
+        from tinker_exp.sweep.study import finished, running
+        from tinker_exp.sweep.workers import lose, lost, settled
+
+        count = self._workers()
+        jobs = self.launcher.submit_workers(worker, count)
+        ids = [job.job_id for job in jobs]
+        log.info(f"study workers: {count} Slurm jobs ({', '.join(ids)}), each runs trials one after another on warm workers")
+        said = {t.number for t in finished(study)}
+        settling = {job_id: Settling() for job_id in ids}
+        try:
+            while True:
+                states = slurm_states(ids)
+                over = {job.job_id for job in jobs if states[job.job_id] not in ACTIVE_STATES and job.paths.result_pickle.exists()}
+                ended = {i: v for i in ids if i not in over and (v := settling[i].verdict(states[i])) is not None}
+                for trial, why in lost(running(study), ended, time.time()):
+                    log.warning(lose(study, trial, why, sweep_dir))
+                for trial in finished(study):
+                    if trial.number not in said:
+                        said.add(trial.number)
+                        finished_line(study, trial)
+                if len(settled(study)) >= self.n_trials and not running(study):
+                    break
+                if len(over) + len(ended) == len(ids):
+                    log.warning(
+                        f"study workers: all {count} ended with {len(settled(study))} of {self.n_trials} trials done "
+                        f"({', '.join(f'{i} {states[i]}' for i in ids)}); {continue_line(sweep_dir)}"
+                    )
+                    break
+                time.sleep(POLL_S)
+            self._workers_ended(jobs)
+        except BaseException as e:
+            cancel(jobs)
+            # Cut off: failed. A retry not started stays WAITING: the same command's workers run it first.
+            for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+                try:
+                    study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL)
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    pass  # told by its worker just now
+            if isinstance(e, KeyboardInterrupt) and not str(e):
+                raise KeyboardInterrupt(continue_line(str(sweep_dir))) from None
+            raise
+
+    def _workers_ended(self, jobs: list[Any], wait_s: float = 60.0) -> None:
+        """Wait (bounded) for the worker jobs to end on their own once the study has its trials; any still in the
+        queue after `wait_s` is cancelled, so that a sweep leaves nothing behind."""
+        from hydra_plugins.tinker_exp_plugins.launchers import POLL_S
+        from tinker_exp.sweep.slurm import ACTIVE_STATES, slurm_states
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            states = slurm_states([job.job_id for job in jobs])
+            left = [job for job in jobs if states[job.job_id] in ACTIVE_STATES]
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                ids = [job.job_id for job in left]
+                done = cancel_slurm_jobs(ids)
+                log.warning(f"study workers {', '.join(ids)} still in the queue {wait_s:.0f} s after the study ended: " + ("cancelled" if done else "scancel did not answer; check squeue"))
+                return
+            time.sleep(POLL_S)
 
     def _at_once(self) -> int:
         """Trials kept running: n_jobs, or fewer where the launcher runs fewer at once (local: max_parallel)."""
@@ -252,19 +332,8 @@ class OptunaSweeper(Sweeper):
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             log.info(f"trial {trial.number}: planned; {trial.user_attrs['run_dir']}")
             return
-        value, error = job_objective(ret)
-        pruned_at = read_run_end(Path(trial.user_attrs["run_dir"])).get("pruned_at_step")
-        if error is None and pruned_at is not None:
-            study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # its value: the last one it reported
-            log.info(f"trial {trial.number}: pruned at step {pruned_at}: {value:.6g}; {trial.user_attrs['run_dir']}")
-        elif error is None:
-            study.tell(trial, value)
-            best = study.best_trial
-            log.info(f"trial {trial.number}: {value:.6g} (best: trial {best.number}, {best.value:.6g}); {trial.user_attrs['run_dir']}")
-        else:
-            trial.set_user_attr("error", error)
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            log.warning(f"trial {trial.number} failed: {error}")
+        tell(study, trial, ret)
+        finished_line(study, study._storage.get_trial(trial._trial_id))
 
     def _stop_cut_off_jobs(self, study: Any) -> None:
         """Slurm jobs of trials a killed study left running, not completed, are cancelled: those trials are
@@ -300,4 +369,144 @@ class OptunaSweeper(Sweeper):
         report = write_report(runs, sweep_dir / REPORT, f"study {display_name(sweep_dir)}")
         slices = write_study_report(study, sweep_dir / STUDY_REPORT, f"study {display_name(sweep_dir)}")
         log.info(f"study summary ({', '.join(str(p) for p in (summary, report, slices) if p)}):\n{summary_table(outcomes)}")
+
+
+
+def tell(study: Any, trial: Any, ret: JobReturn) -> None:
+    """The study learns what the trial's run came to (in its job, or in a study worker): its objective, PRUNED
+    (its value: the last one it reported), or FAIL with why."""
+    import optuna
+
+    value, error = job_objective(ret)
+    pruned_at = read_run_end(Path(trial.user_attrs["run_dir"])).get("pruned_at_step")
+    if error is None and pruned_at is not None:
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    elif error is None:
+        study.tell(trial, value)
+    else:
+        trial.set_user_attr("error", error)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def finished_line(study: Any, trial: Any) -> None:
+    """One log line for a trial the study has been told of: its value and the best so far, where it was pruned, or
+    why it failed."""
+    from optuna.trial import TrialState
+
+    from tinker_exp.sweep.study import trial_error
+
+    run_dir = trial.user_attrs.get("run_dir")
+    if trial.state == TrialState.PRUNED:
+        pruned_at = read_run_end(Path(run_dir)).get("pruned_at_step") if run_dir else None
+        log.info(f"trial {trial.number}: pruned at step {pruned_at}: {trial.value:.6g}; {run_dir}")
+    elif trial.state == TrialState.COMPLETE:
+        best = study.best_trial
+        log.info(f"trial {trial.number}: {trial.value:.6g} (best: trial {best.number}, {best.value:.6g}); {run_dir}")
+    else:
+        log.warning(f"trial {trial.number} failed: {trial_error(trial)}")
+
+
+def worker_log() -> logging.Logger:
+    """A study worker's own lines, to its job's log (stderr) only: Hydra configures logging anew for each trial and
+    leaves the trial's log file as a handler of the root logger, which the next lines must not reach."""
+    said = logging.getLogger("tinker_exp.study_worker")
+    if not said.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        said.addHandler(handler)
+        said.setLevel(logging.INFO)
+        said.propagate = False
+    return said
+
+
+class StudyWorker:
+    """A study worker job's work (submitit pickles it to each job; job i calls it with i): warm workers started once
+    in its allocation (a pool, when the trials' backend.pool is auto), then trials taken from the study's storage and
+    run one after another, each as its own job would run it (`SweepLauncher.__call__`: its run dir, job number =
+    trial number, its files), until the study has its n_trials (tinker_exp.sweep.workers)."""
+
+    def __init__(
+        self, launcher: SweepLauncher, sweeper: "OptunaSweeper", storage: str, space: dict[str, Any], fixed: list[str], seed_offset: int
+    ) -> None:
+        from hydra.core.singleton import Singleton
+
+        self.launcher, self.storage, self.space, self.fixed = launcher, storage, space, fixed
+        self.study_name, self.n_trials = sweeper.study_name, sweeper.n_trials
+        self.sampler, self.sampler_args, self.n_startup_trials = sweeper.sampler, sweeper.sampler_args, sweeper.n_startup_trials
+        # As the sweeper seeds its sampler: by the trials so far (a continued study does not replay earlier points).
+        self.seed = sweeper.seed + seed_offset
+        self.singleton_state = Singleton.get_state()  # Hydra's state, as each job of the launcher gets it
+
+    def __call__(self, index: int) -> int:
+        import optuna
+        import submitit
+
+        from tinker_exp.pool.local import SweepPools
+        from tinker_exp.sweep.study import make_sampler, open_storage, trial_overrides
+        from tinker_exp.sweep.workers import Heartbeat, resumed, work
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        said = worker_log()
+        worker = submitit.JobEnvironment().job_id
+        sweep_dir = Path(str(self.launcher.config.hydra.sweep.dir))
+        study = optuna.load_study(study_name=self.study_name, storage=open_storage(self.storage))
+        pools = SweepPools()  # this allocation's warm workers: started at the first trial that trains on a pool
+
+        def ask() -> Any:
+            # Seeded by the trial's number (asked under the workers' lock): which worker asks does not change what
+            # a random (or a sampler's startup) trial gets, and no two workers draw from the same seed. A grid keeps
+            # the sweep's seed (its order of points; trial k gets point k, as a job-per-trial study's trial k does).
+            seed = self.seed if self.sampler == "grid" else self.seed + len(study.trials)
+            study.sampler = make_sampler(self.sampler, self.sampler_args, self.space, seed, self.n_startup_trials)
+            return study.ask(self.space)
+
+        def run(trial: Any) -> None:
+            overrides = trial_overrides(self.fixed, trial.params)
+            trial.set_user_attr("overrides", overrides)
+            trial.set_user_attr("run_dir", str(job_run_dir(self.launcher.hydra_context, self.launcher.config, overrides, trial.number)))
+            trial.set_user_attr("job_id", worker)
+            said.info(f"study worker {worker}: trial {trial.number}: {' '.join(overrides)}")
+            self._keep_pool(pools, overrides)
+            ret = self.launcher(overrides, "hydra.sweep.dir", trial.number, f"job_id_for_{trial.number}", self.singleton_state)
+            try:
+                tell(study, trial, ret)
+            except optuna.exceptions.UpdateFinishedTrialError:  # the sweep took this worker for lost meanwhile
+                said.warning(f"study worker {worker}: trial {trial.number} was failed by the sweep meanwhile (retried)")
+
+        try:
+            ran = 0
+            for trial in resumed(study, worker):  # this job requeued (time limit, preemption): its trial goes on
+                said.info(f"study worker {worker}: requeued; trial {trial.number} resumes in its run dir")
+                with Heartbeat(trial):
+                    run(trial)
+                ran += 1
+            ran += work(study, self.n_trials, ask, run, worker, sweep_dir)
+        finally:
+            pools.close()
+        said.info(f"study worker {worker}: the study has its {self.n_trials} trials; this worker ran {ran}")
+        return ran
+
+    def checkpoint(self, index: int) -> Any:
+        """submitit's hook at the time-limit signal: requeue this worker as it was (its trial resumes, `resumed`)."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, index)
+
+    def _keep_pool(self, pools: Any, overrides: list[str]) -> None:
+        """This worker's pool, started at its first trial that trains on one (backend.pool auto, one node; a trial
+        with backend.pool=none starts cold, as asked), and started anew when tinker_exp's code changed since (its
+        trials run the code as it is now). The trial takes it as `auto` takes a sweep's pool (SWEEP_POOLS_ENV), so
+        its overrides, config and W&B name are those a job of its own would have."""
+        from hydra_plugins.tinker_exp_plugins.launchers import point_error
+        from tinker_exp.pool.local import wanted
+        from tinker_exp.pool.wire import code_fingerprint
+
+        if pools.processes and code_fingerprint() != self.pool_code:
+            worker_log().info("study worker: the code changed since its pool started; a new pool for the next trials")
+            pools.close()
+        if not pools.processes:
+            cfg, _ = point_error(self.launcher.hydra_context, self.launcher.config, overrides)
+            if wanted([cfg]):
+                self.pool_code = code_fingerprint()
+                pools.start(1)
 

@@ -66,7 +66,8 @@ def attach(cfg: Any) -> "Lease | Cold":
     the run starts cold, said in one line; an address: refused, one line, exit 2, nothing written); so is every pool
     for a run that joins a Ray cluster of its own (backend.ray_address)."""
     setting = cfg.backend.pool
-    if setting == "none" or (setting == "auto" and "SLURM_JOB_ID" in os.environ):  # a Slurm job: its own allocation
+    # A Slurm job trains in its own allocation: cold, unless it holds a pool of its own there (a study worker's).
+    if setting == "none" or (setting == "auto" and "SLURM_JOB_ID" in os.environ and not sweep_addresses()):
         return Cold()
     explicit = setting != "auto"
     if cfg.backend.ray_address:

@@ -348,11 +348,20 @@ def trial_error(trial: FrozenTrial) -> str | None:
     return None if trial.state in (TrialState.COMPLETE, TrialState.PRUNED) else trial.user_attrs.get("error", CUT_OFF)
 
 
-def recover(study: optuna.Study) -> list[str]:
+def recover(study: optuna.Study, keep_waiting: bool = False) -> list[str]:
     """Trials a killed study left RUNNING: recorded from their run dirs when the run completed meanwhile,
-    failed otherwise (cut off). Returns one line per trial, for the log. None is run again."""
+    failed otherwise (cut off). Returns one line per trial, for the log. None is run again. Trials left WAITING (a
+    lost trial's retry, enqueued by study workers and not run yet): kept for the study's workers to run first
+    (`keep_waiting`), else failed (a job-per-trial study asks new trials only)."""
     lines = []
-    for trial in running(study):
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        if keep_waiting:
+            lines.append(f"trial {trial.number}: waiting (a retry); the study's workers run it first")
+        else:
+            study._storage.set_trial_user_attr(trial._trial_id, "error", "a retry not run when the study stopped")
+            study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+            lines.append(f"trial {trial.number}: a retry not run when the study stopped: failed")
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         run_dir = trial_run_dir(trial)
         value = None if run_dir is None else read_objective(run_dir)
         pruned_at = None if run_dir is None else read_run_end(run_dir).get("pruned_at_step")

@@ -1,0 +1,266 @@
+"""Study workers (hydra.launcher.workers=W): W Slurm jobs that each keep warm workers and run an Optuna study's trials
+one after another, asked from the study's storage. The bookkeeping on a real journal file (pure, fast); the whole
+thing on the suite's Slurm cluster: a worker killed with kill -9 mid-trial (journal), Ctrl-C (PostgreSQL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from omegaconf import OmegaConf
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState
+
+from helpers import REPO, environment, job_json, job_processes, read_jsonl, run_cli, squeue, wait_until
+from tinker_exp.formats import read_json
+from tinker_exp.sweep.study import finished, open_storage, recover
+from tinker_exp.sweep.workers import RETRY_OF, SEEN_ATTR, WORKER_ATTR, lose, lost, resumed, retries_before, settled, take
+
+SPACE = {"x": CategoricalDistribution([1, 2, 3, 4])}
+
+
+def journal_study(tmp_path: Path) -> optuna.Study:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(study_name="s", storage=open_storage(f"journal://{tmp_path / 'optuna.journal'}"))
+
+
+# --- pure: what a worker asks, and what the sweep does with a trial whose worker is gone --------------------------------
+
+
+def test_workers_ask_no_more_than_n_trials_a_lost_trial_is_retried_first_and_counted_once(tmp_path):
+    """Two workers ask 3 trials: the third ask finds every wanted trial running (False, look again), none is asked
+    past n_trials. Worker a's trial is lost (its job ended): failed with why, and its values enqueued as a new trial
+    that the next ask takes before any new one; the lost trial does not count towards n_trials, its retry does. When
+    the 3 have ended, a worker is told the study is done (None)."""
+    study = journal_study(tmp_path)
+    ask = lambda: study.ask(SPACE)  # noqa: E731
+    first, second = take(study, 2, ask, "7_0", tmp_path), take(study, 2, ask, "7_1", tmp_path)
+    assert take(study, 2, ask, "7_1", tmp_path) is False and len(study.trials) == 2
+    frozen = {t.number: t for t in study.trials}
+    assert frozen[0].system_attrs[WORKER_ATTR] == "7_0" and frozen[1].system_attrs[WORKER_ATTR] == "7_1"
+    assert abs(frozen[0].system_attrs[SEEN_ATTR] - time.time()) < 60
+
+    ((trial, why),) = lost(study.get_trials(states=(TrialState.RUNNING,)), {"7_0": "FAILED"}, time.time())
+    assert trial.number == first.number and why == "its worker job 7_0 ended (FAILED) while it ran"
+    assert lose(study, trial, why, tmp_path) == f"trial 0 failed: {why}; retried as trial 2"
+    study.tell(second, 1.0)
+    retry = take(study, 2, ask, "7_1", tmp_path)
+    assert retry.number == 2 and retry.params == first.params and retry.user_attrs[RETRY_OF] == 0
+    assert study.trials[0].state == TrialState.FAIL and study.trials[0].user_attrs["error"] == f"lost: {why}"
+    assert [t.number for t in settled(study)] == [1] and len(finished(study)) == 2  # the lost one not counted
+    study.tell(retry, 2.0)
+    assert take(study, 2, ask, "7_1", tmp_path) is None and [t.number for t in settled(study)] == [1, 2]
+
+
+def test_a_trial_not_seen_is_lost_its_retries_are_bounded_and_a_worker_that_tells_first_wins(tmp_path):
+    """No heartbeat for longer than stale_s: lost (a node gone while Slurm says RUNNING); a trial seen just now, or
+    asked by a job-per-trial sweep (no worker), is not. A retry of a retry is not retried past max_retries. A trial
+    its worker told before the sweep took it for lost stays as told, and nothing is retried."""
+    study = journal_study(tmp_path)
+    ask = lambda: study.ask(SPACE)  # noqa: E731
+    trial = take(study, 5, ask, "8_0", tmp_path)
+    running = study.get_trials(states=(TrialState.RUNNING,))
+    now = running[0].system_attrs[SEEN_ATTR]
+    assert lost(running, {}, now + 10, stale_s=60) == []
+    ((gone, why),) = lost(running, {}, now + 61, stale_s=60)
+    assert why == "its worker job 8_0 was not seen for 61 s (node lost?)"
+    study.ask(SPACE)  # a job-per-trial sweep's trial: no worker attribute, never judged here
+    assert [t.number for t, _ in lost(study.get_trials(states=(TrialState.RUNNING,)), {"8_0": "CANCELLED"}, now)] == [0]
+
+    assert lose(study, gone, why, tmp_path, max_retries=1).endswith("retried as trial 2")
+    retry = take(study, 5, ask, "8_1", tmp_path)
+    assert retry.number == 2 and retries_before(study.trials, study.trials[2]) == 1
+    line = lose(study, study.trials[2], "again", tmp_path, max_retries=1)
+    assert line == "trial 2 failed: again; its values ran 2 times, not retried" and len(study.trials) == 3
+
+    told = take(study, 5, ask, "8_1", tmp_path)
+    frozen = study.trials[told.number]
+    study.tell(told, 0.5)
+    assert lose(study, frozen, "late", tmp_path) == f"trial {told.number}: told by its worker after all"
+    assert study.trials[told.number].state == TrialState.COMPLETE and len(study.trials) == told.number + 1
+    del trial
+
+
+def test_a_requeued_worker_takes_back_its_own_running_trial_and_no_other(tmp_path):
+    """A worker job that Slurm requeued starts again with its job id: the trial it ran (still RUNNING under that id) is
+    handed back to it, marked seen at once, so that it resumes in its run dir; another worker's running trial, or
+    one the sweep failed meanwhile, is not."""
+    study = journal_study(tmp_path)
+    ask = lambda: study.ask(SPACE)  # noqa: E731
+    mine, other, failed = (take(study, 5, ask, worker, tmp_path) for worker in ("9_0", "9_1", "9_0"))
+    lose(study, study.trials[failed.number], "gone", tmp_path)
+    before = study.trials[mine.number].system_attrs[SEEN_ATTR]
+    (back,) = resumed(study, "9_0")
+    assert back.number == mine.number and back.params == mine.params
+    assert study.trials[mine.number].system_attrs[SEEN_ATTR] >= before and resumed(study, "9_2") == []
+    assert [t.number for t in resumed(study, "9_1")] == [other.number]
+
+
+def test_a_continued_study_keeps_a_waiting_retry_for_its_workers_and_fails_it_for_a_job_per_trial_sweep(tmp_path):
+    """The sweep stopped (Ctrl-C, every worker gone) after a lost trial's retry was enqueued: the same command on
+    workers leaves the retry for them to run first; on a job per trial (which asks only new trials) it is failed, with
+    why, so that no trial is left WAITING."""
+    study = journal_study(tmp_path)
+    take(study, 5, lambda: study.ask(SPACE), "9_0", tmp_path)
+    lose(study, study.trials[0], "gone", tmp_path)
+    assert recover(study, keep_waiting=True) == ["trial 1: waiting (a retry); the study's workers run it first"]
+    assert study.trials[1].state == TrialState.WAITING
+    assert recover(study) == ["trial 1: a retry not run when the study stopped: failed"]
+    assert study.trials[1].state == TrialState.FAIL and study.trials[1].user_attrs["error"] == "a retry not run when the study stopped"
+
+
+def test_in_a_slurm_job_auto_trains_cold_unless_the_job_holds_a_pool_of_its_own(monkeypatch, tmp_path):
+    """backend.pool=auto in a Slurm job: cold at once (its own allocation), without looking for the user's pool; with a
+    study worker's pool in its environment (SWEEP_POOLS_ENV), that pool is asked (none answering here: cold, said)."""
+    from helpers import compose
+    from tinker_exp.config import load
+    from tinker_exp.pool import client, wire
+
+    cfg = load(compose("backend.pool=auto"))
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.delenv(wire.SWEEP_POOLS_ENV, raising=False)
+    assert client.attach(cfg) == client.Cold()
+    monkeypatch.setenv(wire.SWEEP_POOLS_ENV, str(tmp_path / "sweep-1-0.sock"))
+    assert client.attach(cfg).why.startswith("pool: none is up, starting cold")
+
+
+@pytest.mark.parametrize(
+    "launcher, error",
+    [
+        (["hydra.launcher.workers=-1"], "hydra.launcher.workers=-1: must be an int >= 0 (0: a job per trial)"),
+        (["hydra.launcher.workers=2", "hydra.launcher.nodes=2"], "hydra.launcher.workers=2 with hydra.launcher.nodes=2: study workers span one node"),
+    ],
+)
+def test_bad_workers_settings_are_one_line_before_anything_is_written(tmp_path, launcher, error):
+    sweep = tmp_path / "sweep"
+    result = run_cli(
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={sweep}", "override.lr=interval(1e-4,1e-3)",
+        "+override=constant", *launcher,
+    )  # fmt: skip
+    assert result.returncode == 2 and error in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not sweep.exists()
+
+
+# --- real: the suite's Slurm cluster ---------------------------------------------------------------------------------
+
+TRIAL = ["trainer.steps=6", "logger=none", "backend.num_workers=1", "backend.pool=auto", "trainer.batch_size=4", "+override=constant"]
+"""Tiny trials on a warm pool (backend.pool=auto: the suite's default is none)."""
+
+
+def worker_python(job_id: str) -> int:
+    """The pid of a worker job's own Python (submitit's `_submit`, not its pool's or Ray's processes)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            command = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in environ and b"submitit.core._submit" in command:
+            return int(proc.name)
+    raise AssertionError(f"no worker process of job {job_id}")
+
+
+def test_a_study_on_two_worker_jobs_completes_when_one_is_killed_mid_trial(slurm_env, tmp_path):
+    """A 3-point grid on 2 worker jobs (journal file in the sweep dir). The worker running trial 0 is killed with
+    kill -9 once the trial has logged a step: the sweep sees its job end, fails trial 0 (why, in the log and the
+    summary) and enqueues its values as trial 3, which the other worker takes after its own trials. The study has
+    its 3 trials (1, 2, 3 completed, each row once), the same values as the grid's points, every trial in the
+    storage; each worker started its workers once (a pool in its allocation: one group built a job, later trials
+    warm); both jobs left the queue."""
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
+        "hydra.launcher.workers=2", "hydra.sweeper.sampler=grid", "override.lr=choice(1e-4,1e-3,1e-2)", *TRIAL,
+    ]  # fmt: skip
+    log, run_0 = tmp_path / "study.log", tmp_path / "0"
+    with open(log, "w") as out:
+        driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_until(lambda: (run_0 / "metrics.jsonl").exists() and (run_0 / "metrics.jsonl").read_text().strip(), 600, "trial 0 logged no step", driver)
+            killed = job_json(run_0)["slurm"]
+            os.kill(worker_python(killed["job_id"]), signal.SIGKILL)
+            driver.wait(timeout=600)
+        finally:
+            driver.kill()
+    output = log.read_text()
+    assert driver.returncode == 0, output[-3000:]
+    worker = f"{killed['array_job_id']}_{killed['array_task_id']}"  # submitit's (and squeue's) name for the array task
+    study = optuna.load_study(study_name="tinker_exp", storage=open_storage(f"journal://{tmp_path / 'optuna.journal'}"))
+    trials = study.trials
+    (retry,) = [t for t in trials if RETRY_OF in t.user_attrs]  # trial 2 or 3: when the loss was seen
+    assert trials[0].state == TrialState.FAIL and all(t.state == TrialState.COMPLETE for t in trials[1:]), output[-3000:]
+    assert len(trials) == 4 and retry.params == trials[0].params and retry.user_attrs[RETRY_OF] == 0
+    assert sorted(t.params["override.lr"] for t in trials[1:]) == [1e-4, 1e-3, 1e-2]  # every grid point once
+    why = f"its worker job {worker} ended (FAILED) while it ran"
+    assert f"trial 0 failed: {why}; retried as trial {retry.number}" in output and trials[0].user_attrs["error"] == f"lost: {why}"
+    summary = {row["num"]: row["status"] for row in read_jsonl(tmp_path / "summary.jsonl")}
+    assert summary == {0: "FAILED", 1: "COMPLETED", 2: "COMPLETED", 3: "COMPLETED"}
+    saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
+    assert [f.trial for f in saved.failed] == [0] and saved.n_complete == 3
+    for trial in trials[1:]:
+        run_dir = tmp_path / str(trial.number)
+        assert [row["train/step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))  # each row once
+        assert trial.value == read_json(run_dir / "objective.json")["value"] and trial.user_attrs["job_id"] != worker
+        assert job_json(run_dir)["overrides"] == trial.user_attrs["overrides"]  # a job's own: no pool address added
+    # One cold start a worker: the surviving job built one group; its later trials trained warm on it.
+    survivor = sorted(t.number for t in trials[1:])
+    logs = {n: (tmp_path / str(n) / "tinker_exp.log").read_text() for n in survivor}
+    assert "group built" in logs[survivor[0]]
+    assert all("group built" not in logs[n] and "(warm: the pool's" in logs[n] for n in survivor[1:])
+    assert not squeue(slurm_env).strip()  # both workers gone: the killed one, and the other at the study's end
+
+
+def test_a_requeued_worker_resumes_its_trial_and_ctrl_c_cancels_every_worker_at_once(slurm_env, postgres_url, tmp_path):
+    """A study on 2 workers with its storage on the suite's PostgreSQL server. The worker running trial 0 gets the
+    time-limit signal (USR2) once the trial saved a checkpoint: submitit requeues the job, which takes its trial back
+    and resumes it from that checkpoint in its run dir (each row once, the trial not taken for lost, no retry). Then
+    Ctrl-C cancels both worker jobs with one scancel (one line naming both), leaves none in the queue, records the
+    running trials failed (none left RUNNING or WAITING in the storage), exits 130 with the command that continues it;
+    the server's password is in nothing printed or written."""
+    name = f"workers-{tmp_path.name}-{os.getpid()}"  # one server, many studies
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
+        "hydra.launcher.workers=2", f"hydra.sweeper.storage={postgres_url}", f"hydra.sweeper.study_name={name}",
+        "hydra.sweeper.n_trials=4", "override.lr=tag(log,interval(1e-5,1e-2))", *TRIAL[1:], "trainer.steps=400", "checkpoint.every_steps=4",
+    ]  # fmt: skip
+    slurm, run_0 = environment(slurm_env), tmp_path / "0"
+    driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        saved = lambda: (run_0 / "checkpoints" / "step_00000004" / "MANIFEST.json").exists()  # noqa: E731
+        wait_until(saved, 600, "trial 0 saved no checkpoint", driver)
+        job = job_json(run_0)["slurm"]
+        worker = f"{job['array_job_id']}_{job['array_task_id']}"
+        subprocess.run(["scancel", "--signal=USR2", worker], env=slurm, check=True)  # submitit requeues it
+        # As in test_study's requeue: released sooner than Slurm's hold, once its first start has left the node.
+        wait_until(lambda: f"{worker} PENDING" in squeue(slurm_env).splitlines(), 240, "the worker was not requeued")
+        wait_until(lambda: not job_processes([job["job_id"]]), 240, "the first start did not end")
+        subprocess.run(["scontrol", "update", f"JobId={worker}", "StartTime=now+2"], env=slurm, check=True)
+        resumed = lambda: "resuming from" in (run_0 / "tinker_exp.log").read_text()  # noqa: E731
+        wait_until(resumed, 300, "trial 0 did not resume", driver)
+        wait_until(lambda: len(read_jsonl(run_0 / "metrics.jsonl")) > 8, 300, "trial 0 trained no further", driver)
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 130, output[-3000:]
+    (cancelled,) = [line for line in output.splitlines() if "interrupted: cancelled" in line]
+    assert cancelled.endswith(f"interrupted: cancelled {job['array_job_id']}_0, {job['array_job_id']}_1"), cancelled
+    assert "continue it with: python -m tinker_exp" in output and "Traceback" not in output and "lost" not in output
+    wait_until(lambda: not squeue(slurm_env).strip(), 120, "worker jobs left in the queue", poll=1)
+    trials = optuna.load_study(study_name=name, storage=postgres_url).trials
+    assert trials and all(t.state in (TrialState.FAIL, TrialState.COMPLETE) for t in trials), [t.state for t in trials]
+    assert not [t for t in trials if RETRY_OF in t.user_attrs] and "error" not in trials[0].user_attrs  # cut off, not lost
+    rows = read_jsonl(run_0 / "metrics.jsonl")
+    steps = [row["train/step"] for row in rows]
+    assert steps == list(range(len(steps))) and job_json(run_0)["slurm"]["restart_count"] == "1"  # each row once
+    log = (run_0 / "tinker_exp.log").read_text()
+    resumed_at = int(log.split("resuming from")[1].split(" at step ")[1].split()[0])
+    assert resumed_at >= 4 and resumed_at % 4 == 0  # a checkpoint's step, not step 0
+    password = postgres_url.split(":")[2].split("@")[0]
+    written = [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".md", ".log")]
+    assert password not in output and not any(password in text for text in written)

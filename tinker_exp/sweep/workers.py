@@ -1,0 +1,190 @@
+"""Study workers: long-lived jobs that run an Optuna study's trials one after another, each asked from the study's
+storage, as Optuna's own distributed model has it (many processes asking and telling through one journal or database).
+
+Pure Python (optuna; no torch, verl or ray). The Hydra side (optuna_sweeper.py) submits the worker jobs, runs each
+trial in a worker as its own job would run (same run dir, same files, job number = trial number), and waits.
+
+Who does what, so that nothing is run twice and nothing is lost:
+- a worker asks (`take`) under a lock file in the sweep dir: the check "is a trial still wanted" and the ask are one
+  step, so W workers never ask more than n_trials between them;
+- a worker tells its own trial (complete, pruned, failed) and says it is alive every HEARTBEAT_S (`Heartbeat`);
+- only the sweep's own process fails a trial whose worker is gone (`lose`): its job ended (scancel, kill -9, node
+  failure) or its heartbeat stopped; it enqueues a retry (a new trial number with the same values, run from step 0)
+  that the next free worker takes first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from tinker_exp.sweep.study import finished
+
+WORKER_ATTR = "worker"
+"""A running trial's system attribute: the Slurm job id of the worker that runs it."""
+SEEN_ATTR = "worker_seen"
+"""A running trial's system attribute: when its worker last said it is alive (time.time())."""
+RETRY_OF = "retry_of"
+"""A retry's user attribute: the number of the lost trial it runs again."""
+ASK_LOCK = "optuna.ask"
+"""In the sweep dir: the lock file (`<this>.lock`) that makes a worker's check-and-ask one step."""
+HEARTBEAT_S = 5.0
+"""How often a worker writes SEEN_ATTR while its trial runs: one small write to the storage."""
+STALE_S = 120.0
+"""A running trial whose worker has not been seen for this long is lost (a node gone while Slurm still says RUNNING);
+well above HEARTBEAT_S, as a loaded journal file or database can be slow to take a write."""
+MAX_RETRIES = 2
+"""Times a lost trial is run again: a trial that kills its worker each time (out of memory) stops after these."""
+WAIT_S = 2.0
+"""How often an idle worker looks again while the last trials run elsewhere (one of them may be lost and retried)."""
+
+
+def retried(trials: Sequence[FrozenTrial]) -> set[int]:
+    """Numbers of the lost trials that a retry runs again."""
+    return {t.user_attrs[RETRY_OF] for t in trials if RETRY_OF in t.user_attrs}
+
+
+def settled(study: optuna.Study) -> list[FrozenTrial]:
+    """Finished trials that count towards n_trials: complete, pruned, or failed and not retried."""
+    again = retried(study.get_trials(deepcopy=False))
+    return [t for t in finished(study) if t.number not in again]
+
+
+def retries_before(trials: Sequence[FrozenTrial], trial: FrozenTrial) -> int:
+    """How many times the values of `trial` have been run before it (the chain of RETRY_OF back to the first)."""
+    by_number = {t.number: t for t in trials}
+    count, current = 0, trial
+    while RETRY_OF in current.user_attrs and current.user_attrs[RETRY_OF] in by_number:
+        count, current = count + 1, by_number[current.user_attrs[RETRY_OF]]
+    return count
+
+
+@contextlib.contextmanager
+def ask_lock(sweep_dir: Path) -> Iterator[None]:
+    """Held while a worker checks what is wanted and asks: Optuna's own O_EXCL file lock (works on NFS; its grace
+    period frees a lock whose holder was killed)."""
+    from optuna.storages.journal import JournalFileOpenLock
+
+    lock = JournalFileOpenLock(str(sweep_dir / ASK_LOCK))
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def take(study: optuna.Study, n_trials: int, ask: Callable[[], optuna.Trial], worker: str, sweep_dir: Path) -> optuna.Trial | None | bool:
+    """The next trial for this worker (a retry waiting first, else a new one), marked as its; None when the study has
+    its n_trials (the worker may end); False when every trial still wanted runs elsewhere (look again later)."""
+    with ask_lock(sweep_dir):
+        trials = study.get_trials(deepcopy=False)
+        done, running = len(settled(study)), [t for t in trials if t.state == TrialState.RUNNING]
+        waiting = any(t.state == TrialState.WAITING for t in trials)
+        if done >= n_trials:
+            return None
+        if not waiting and done + len(running) >= n_trials:
+            return False
+        trial = ask()
+        trial.storage.set_trial_system_attr(trial._trial_id, WORKER_ATTR, worker)
+        trial.storage.set_trial_system_attr(trial._trial_id, SEEN_ATTR, time.time())
+        return trial
+
+
+class Heartbeat:
+    """Within: the worker's trial is marked seen every `every_s` (a thread), so the sweep can tell a live worker
+    from one whose node is gone."""
+
+    def __init__(self, trial: optuna.Trial, every_s: float = HEARTBEAT_S) -> None:
+        self.trial, self.every_s = trial, every_s
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="study-worker-heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            try:
+                self.trial.storage.set_trial_system_attr(self.trial._trial_id, SEEN_ATTR, time.time())
+            except Exception:  # told meanwhile (finished trials take no attributes), or the storage hiccuped
+                return
+
+    def __enter__(self) -> "Heartbeat":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+def work(
+    study: optuna.Study,
+    n_trials: int,
+    ask: Callable[[], optuna.Trial],
+    run: Callable[[optuna.Trial], None],
+    worker: str,
+    sweep_dir: Path,
+    wait_s: float = WAIT_S,
+) -> int:
+    """A worker's life: take a trial, run it (`run` tells the study what it came to), until the study has its
+    n_trials. Returns how many trials this worker ran."""
+    ran = 0
+    while True:
+        trial = take(study, n_trials, ask, worker, sweep_dir)
+        if trial is None:
+            return ran
+        if trial is False:
+            time.sleep(wait_s)
+            continue
+        with Heartbeat(trial):
+            run(trial)
+        ran += 1
+
+
+def resumed(study: optuna.Study, worker: str) -> list[optuna.Trial]:
+    """The trials still RUNNING under this worker's job id: the job was requeued (a time limit, a preemption) while
+    it ran them. Each is marked seen now and run again in its own run dir, which resumes from its checkpoint. One the
+    sweep has meanwhile taken for lost (not seen for STALE_S while the job waited in the queue) is failed and
+    retried by then, and not among these."""
+    mine = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if t.system_attrs.get(WORKER_ATTR) == worker]
+    for trial in mine:
+        study._storage.set_trial_system_attr(trial._trial_id, SEEN_ATTR, time.time())
+    return [optuna.trial.Trial(study, t._trial_id) for t in mine]
+
+
+def lost(running: Sequence[FrozenTrial], ended_workers: dict[str, str], now: float, stale_s: float = STALE_S) -> list[tuple[FrozenTrial, str]]:
+    """Running trials whose worker is gone, each with why: its job ended (`ended_workers`: job id -> Slurm's end
+    state), or it was not seen for `stale_s`."""
+    gone = []
+    for trial in running:
+        worker, seen = trial.system_attrs.get(WORKER_ATTR), trial.system_attrs.get(SEEN_ATTR)
+        if worker is None:
+            continue  # asked by a job-per-trial sweep: its own launcher follows it
+        if worker in ended_workers:
+            gone.append((trial, f"its worker job {worker} ended ({ended_workers[worker]}) while it ran"))
+        elif seen is not None and now - seen > stale_s:
+            gone.append((trial, f"its worker job {worker} was not seen for {now - seen:.0f} s (node lost?)"))
+    return gone
+
+
+def lose(study: optuna.Study, trial: FrozenTrial, why: str, sweep_dir: Path, max_retries: int = MAX_RETRIES) -> str:
+    """Fail a trial whose worker is gone and, unless its values ran `max_retries` times already, enqueue a retry (a
+    new trial of the same values, from step 0 in its own run dir). One line saying what was done. A worker that
+    tells the trial first wins (the storage keeps the first end of a trial); then nothing is retried."""
+    storage = study._storage  # the study's own storage object: the same calls a worker makes through its trial
+    with ask_lock(sweep_dir):  # the retry's number is the next one: no worker asks meanwhile
+        retry_count = retries_before(study.get_trials(deepcopy=False), trial)
+        try:
+            storage.set_trial_user_attr(trial._trial_id, "error", f"lost: {why}")
+            storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return f"trial {trial.number}: told by its worker after all"
+        if retry_count >= max_retries:
+            return f"trial {trial.number} failed: {why}; its values ran {retry_count + 1} times, not retried"
+        study.enqueue_trial(dict(trial.params), user_attrs={RETRY_OF: trial.number})
+        retry = max(t.number for t in study.get_trials(deepcopy=False))
+    return f"trial {trial.number} failed: {why}; retried as trial {retry}"
