@@ -169,9 +169,11 @@ def crossings(graph: dict[str, set[str]]) -> list[str]:
 
 POOL_IMPORTS = {("tinker_exp.place", "tinker_exp.pool.client"), ("tinker_exp.place", "tinker_exp.pool"),
                 ("hydra_plugins.tinker_exp_plugins.launchers", "tinker_exp.pool.local"),
-                ("hydra_plugins.tinker_exp_plugins.launchers", "tinker_exp.pool")}  # fmt: skip
-"""Who may import the pool from outside it: the seam finds the user's pool for a run (its client); a sweep starts the
-pools its jobs train on (pool/local.py). The CLI and the run module reach a pool only through the seam."""
+                ("hydra_plugins.tinker_exp_plugins.launchers", "tinker_exp.pool"),
+                ("hydra_plugins.tinker_exp_plugins.optuna_sweeper", "tinker_exp.pool.local"),
+                ("hydra_plugins.tinker_exp_plugins.optuna_sweeper", "tinker_exp.pool")}  # fmt: skip
+"""Who may import the pool from outside it: the seam finds the user's pool for a run (its client); a sweep (and a study
+worker) starts the pools its jobs train on (pool/local.py). The CLI and the run module reach a pool only through the seam."""
 
 
 def test_the_entry_points_ask_the_run_and_the_seam_and_not_each_other():

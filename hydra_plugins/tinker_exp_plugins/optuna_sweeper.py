@@ -499,14 +499,12 @@ class StudyWorker:
         its overrides, config and W&B name are those a job of its own would have."""
         from hydra_plugins.tinker_exp_plugins.launchers import point_error
         from tinker_exp.pool.local import wanted
-        from tinker_exp.pool.wire import code_fingerprint
 
-        if pools.processes and code_fingerprint() != self.pool_code:
+        if pools.stale():
             worker_log().info("study worker: the code changed since its pool started; a new pool for the next trials")
             pools.close()
         if not pools.processes:
             cfg, _ = point_error(self.launcher.hydra_context, self.launcher.config, overrides)
             if wanted([cfg]):
-                self.pool_code = code_fingerprint()
                 pools.start(1)
 

@@ -103,13 +103,20 @@ class SweepPools:
 
     def __init__(self) -> None:
         self.processes: list[tuple[Path, subprocess.Popen]] = []
+        self.code = ""
+        """tinker_exp's code when they started (wire.code_fingerprint)."""
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"processes": []}  # a copy (a job's pickled launcher) holds none: only the sweep ends its pools
+        return {"processes": [], "code": ""}  # a copy (a job's pickled launcher) holds none: only the sweep ends its pools
+
+    def stale(self) -> bool:
+        """Whether tinker_exp's code changed since the pools started (a run would skip them as stale)."""
+        return bool(self.processes) and wire.code_fingerprint() != self.code
 
     def start(self, count: int) -> None:
         if self.processes or count < 1:
             return
+        self.code = wire.code_fingerprint()
         folder = wire.pool_dir()
         wire.make_private(folder)
         addresses = [folder / f"sweep-{os.getpid()}-{i}.sock" for i in range(count)]
