@@ -211,7 +211,7 @@ def test_a_study_on_two_worker_jobs_completes_when_one_is_killed_mid_trial(slurm
     survivor = sorted(t.number for t in trials[1:])
     logs = {n: (tmp_path / str(n) / "tinker_exp.log").read_text() for n in survivor}
     assert "group built" in logs[survivor[0]]
-    assert all("group built" not in logs[n] and "(warm: the pool's" in logs[n] for n in survivor[1:])
+    assert all("group built" not in logs[n] and "pool: training on the warm workers of" in logs[n] and "a kept group" in logs[n] for n in survivor[1:])
     assert not squeue(slurm_env).strip()  # both workers gone: the killed one, and the other at the study's end
 
 
