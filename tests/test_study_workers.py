@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from helpers import REPO, environment, job_json, job_processes, read_jsonl, run_cli, squeue, wait_until
+from helpers import REPO, environment, job_json, read_jsonl, run_cli, squeue, wait_until
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.study import finished, open_storage, recover
 from tinker_exp.sweep.workers import RETRY_OF, SEEN_ATTR, WORKER_ATTR, lose, lost, resumed, retries_before, settled, take
@@ -215,13 +215,13 @@ def test_a_study_on_two_worker_jobs_completes_when_one_is_killed_mid_trial(slurm
     assert not squeue(slurm_env).strip()  # both workers gone: the killed one, and the other at the study's end
 
 
-def test_a_requeued_worker_resumes_its_trial_and_ctrl_c_cancels_every_worker_at_once(slurm_env, postgres_url, tmp_path):
-    """A study on 2 workers with its storage on the suite's PostgreSQL server. The worker running trial 0 gets the
-    time-limit signal (USR2) once the trial saved a checkpoint: submitit requeues the job, which takes its trial back
-    and resumes it from that checkpoint in its run dir (each row once, the trial not taken for lost, no retry). Then
-    Ctrl-C cancels both worker jobs with one scancel (one line naming both), leaves none in the queue, records the
-    running trials failed (none left RUNNING or WAITING in the storage), exits 130 with the command that continues it;
-    the server's password is in nothing printed or written."""
+def test_ctrl_c_cancels_every_worker_at_once_on_a_study_kept_in_postgresql(slurm_env, postgres_url, tmp_path):
+    """A study on 2 workers with its storage on the suite's PostgreSQL server, interrupted once trial 0 has trained a
+    few steps: Ctrl-C cancels both worker jobs with one scancel (one line naming both), leaves none in the queue,
+    records the running trials failed (none left RUNNING or WAITING in the storage, none taken for lost), exits 130 with
+    the command that continues it; the server's password is in nothing printed or written. (A requeued worker taking
+    back its trial is tested on a real journal file above; its end-to-end run on Slurm is in docs/sweeps-and-slurm.md's
+    figures, not in CI: the requeue's waits cost about a minute of the suite's serial Slurm group.)"""
     name = f"workers-{tmp_path.name}-{os.getpid()}"  # one server, many studies
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
@@ -231,18 +231,9 @@ def test_a_requeued_worker_resumes_its_trial_and_ctrl_c_cancels_every_worker_at_
     slurm, run_0 = environment(slurm_env), tmp_path / "0"
     driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        saved = lambda: (run_0 / "checkpoints" / "step_00000004" / "MANIFEST.json").exists()  # noqa: E731
-        wait_until(saved, 600, "trial 0 saved no checkpoint", driver)
+        trained = lambda: (run_0 / "metrics.jsonl").exists() and len(read_jsonl(run_0 / "metrics.jsonl")) > 2  # noqa: E731
+        wait_until(trained, 600, "trial 0 trained no steps", driver)
         job = job_json(run_0)["slurm"]
-        worker = f"{job['array_job_id']}_{job['array_task_id']}"
-        subprocess.run(["scancel", "--signal=USR2", worker], env=slurm, check=True)  # submitit requeues it
-        # As in test_study's requeue: released sooner than Slurm's hold, once its first start has left the node.
-        wait_until(lambda: f"{worker} PENDING" in squeue(slurm_env).splitlines(), 240, "the worker was not requeued")
-        wait_until(lambda: not job_processes([job["job_id"]]), 240, "the first start did not end")
-        subprocess.run(["scontrol", "update", f"JobId={worker}", "StartTime=now+2"], env=slurm, check=True)
-        resumed = lambda: "resuming from" in (run_0 / "tinker_exp.log").read_text()  # noqa: E731
-        wait_until(resumed, 300, "trial 0 did not resume", driver)
-        wait_until(lambda: len(read_jsonl(run_0 / "metrics.jsonl")) > 8, 300, "trial 0 trained no further", driver)
         driver.send_signal(signal.SIGINT)
         output, _ = driver.communicate(timeout=300)
     finally:
@@ -255,12 +246,8 @@ def test_a_requeued_worker_resumes_its_trial_and_ctrl_c_cancels_every_worker_at_
     trials = optuna.load_study(study_name=name, storage=postgres_url).trials
     assert trials and all(t.state in (TrialState.FAIL, TrialState.COMPLETE) for t in trials), [t.state for t in trials]
     assert not [t for t in trials if RETRY_OF in t.user_attrs] and "error" not in trials[0].user_attrs  # cut off, not lost
-    rows = read_jsonl(run_0 / "metrics.jsonl")
-    steps = [row["train/step"] for row in rows]
-    assert steps == list(range(len(steps))) and job_json(run_0)["slurm"]["restart_count"] == "1"  # each row once
-    log = (run_0 / "tinker_exp.log").read_text()
-    resumed_at = int(log.split("resuming from")[1].split(" at step ")[1].split()[0])
-    assert resumed_at >= 4 and resumed_at % 4 == 0  # a checkpoint's step, not step 0
+    steps = [row["train/step"] for row in read_jsonl(run_0 / "metrics.jsonl")]
+    assert steps == list(range(len(steps)))  # each row once
     password = postgres_url.split(":")[2].split("@")[0]
     written = [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".md", ".log")]
     assert password not in output and not any(password in text for text in written)
