@@ -12,28 +12,19 @@ alternating. Per run: the median step time (wall time between consecutive finish
 the time from process start to the end of the first step. Printed: every pair, the medians, their spread
 (min..max), and the per-pair ratios' median and spread.
 
-Then (not with --gpu) the step time without the drift between runs on a shared machine: one process, one Ray,
+Then the step time without the drift between runs on a shared machine: one process, one Ray,
 both worker groups, the two loops' step k back to back (the bare loop's, then tinker_exp's through its real
 `run()`, logging included); printed: both medians, the per-step ratio's median and quartiles.
 
     .venv/bin/python benchmarks/overhead.py [--pairs 5] [--steps 40] [--set KEY=VALUE ...] [--no-interleaved]
 
-`--gpu`, the GPU variant (and a first smoke check of a GPU machine): device cuda, bf16, one worker, a Qwen2 of
-Qwen2.5-0.5B's shape (494M parameters) built offline from its config (random weights, cached), 16 sequences of
-512 tokens a step, no checkpoints or evaluation; prints the attention kind, step time and tokens/s of both loops
-and their ratio, and fails unless the loss is finite and falls in both, applied == requested at every step, and
-every worker's model is on its own current CUDA device (tinker_exp checks that itself at start-up; the bare loop's
-workers are asked here). It is meant to finish within 5 minutes (the first run also builds the model, ~1 GB):
-
-    .venv/bin/python benchmarks/overhead.py --gpu                                 # a GPU machine
-    .venv/bin/python benchmarks/overhead.py --gpu --tiny --device cpu --pairs 1   # the same code on CPU (CI)
+The GPU machine's benchmark is benchmarks/gpu.py (docs/devices.md); this script's earlier `--gpu` variant is retired.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -45,11 +36,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, rope_theta=1000000.0)  # fmt: skip
-"""Qwen2.5-0.5B's shape (tied embeddings): 494M parameters."""
 TINY_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1024, max_position_embeddings=256)  # fmt: skip
+"""benchmarks/gpu.py's tiny shapes (CI, on CPU)."""
 
 
 # --- the bare loop ----------------------------------------------------------------------------------------------
@@ -141,7 +130,7 @@ def bare_loop(spec_path: Path, out: Path) -> None:
             loss = group.step(ids, masks)
             f.write(json.dumps({"step": step, "time": time.time(), "loss": loss}) + "\n")
             f.flush()
-        f.write(json.dumps({"workers": group.placement()}) + "\n")  # after the loop, untimed: for the smoke check
+        f.write(json.dumps({"workers": group.placement()}) + "\n")  # after the loop, untimed: where the ranks ran (the last line)
     ray.shutdown()
 
 
@@ -219,7 +208,7 @@ def bare_worker_config(spec: dict):
     )
 
 
-# --- the GPU variant's model and data, built offline --------------------------------------------------------------
+# --- benchmarks/gpu.py's model and data, built offline --------------------------------------------------------------
 def bench_model(shape: dict, cache: Path, dtype: str, device: str = "cpu") -> Path:
     """A Qwen2 of `shape`, random weights (seed 0), with tinker_exp's tiny byte-level tokenizer; cached. Built on
     `device` (cuda: seconds for 1.5B parameters, but this process then holds a CUDA context)."""
@@ -330,14 +319,9 @@ def quartiles(values: list[float], fmt: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pairs", type=int, help="paired runs (default 5; 1 with --gpu)")
-    parser.add_argument("--steps", type=int, help="steps per run (default 40; 30 with --gpu, 6 with --tiny)")
+    parser.add_argument("--pairs", type=int, default=5, help="paired runs")
+    parser.add_argument("--steps", type=int, default=40, help="steps per run")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, both loops")
-    parser.add_argument("--gpu", action="store_true", help="the GPU variant: cuda, bf16, a ~0.5B model")
-    parser.add_argument("--tiny", action="store_true", help="with --gpu: tiny shapes (CI, on CPU)")
-    parser.add_argument("--device", default="cuda", help="with --gpu: backend.device (cpu for CI)")
-    parser.add_argument("--precision", default="bf16", help="with --gpu: backend.precision")
-    parser.add_argument("--workers", type=int, default=1, help="with --gpu: workers (GPUs)")
     parser.add_argument("--no-interleaved", action="store_true", help="skip the one-process step measurement")
     parser.add_argument("--bare", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--interleaved-run", nargs=3, metavar=("SPEC", "OVERRIDES", "OUT"), help=argparse.SUPPRESS)
@@ -351,23 +335,11 @@ def main() -> None:
 
     began = time.monotonic()
     os.environ.setdefault("WANDB_MODE", "offline")
-    pairs = args.pairs or (1 if args.gpu else 5)
+    pairs = args.pairs
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        if args.gpu:
-            cache = Path(os.path.expanduser(os.environ.get("TINKER_EXP_CACHE", "~/.cache/tinker_exp")))
-            model = bench_model(TINY_QWEN2 if args.tiny else QWEN2_05B, cache, "float32" if args.tiny else "bfloat16")
-            steps = args.steps or (6 if args.tiny else 30)
-            length, batch, micro = (64, 4, 2) if args.tiny else (512, 16, 2)
-            overrides = [
-                f"model.path={model}", f"data.path={bench_data(cache)}", f"data.max_length={length}", "data.val_fraction=null",
-                f"backend.device={args.device}", f"backend.precision={args.precision}", f"backend.num_workers={args.workers}",
-                f"backend.micro_batch_size={micro}", f"trainer.batch_size={batch}", "checkpoint.every_steps=0",
-                "checkpoint.at_end=false",
-            ]  # fmt: skip
-        else:
-            steps, overrides = args.steps or 40, []
-        overrides += ["+override=constant", f"trainer.steps={steps}", *args.set]
+        steps = args.steps
+        overrides = ["+override=constant", f"trainer.steps={steps}", *args.set]
         spec, facts = prepare(overrides, tmp)
         (tmp / "spec.json").write_text(json.dumps(spec))
         runs: list[dict] = []
@@ -378,20 +350,18 @@ def main() -> None:
                     out = tmp / f"bare_{pair}.jsonl"
                     start, rows = timed([sys.executable, __file__, "--bare", str(tmp / "spec.json"), str(out)],
                                         lambda: [json.loads(line) for line in out.read_text().splitlines()])  # fmt: skip
-                    run["bare_workers"] = rows[-1]["workers"]
                     rows = rows[:-1]
                     run["bare"] = (*figures(start, [r["time"] for r in rows]), [r["loss"] for r in rows])
                 else:
                     run_dir = tmp / f"run_{pair}"
                     start, rows = timed([sys.executable, "-m", "tinker_exp", *overrides, f"hydra.run.dir={run_dir}"],
                                         lambda: [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])  # fmt: skip
-                    run["rows"], run["log"] = rows, (run_dir / "tinker_exp.log").read_text()
                     run["tinker_exp"] = (*figures(start, [r["time"] for r in rows]), [r["train/loss"] for r in rows])
                 run.setdefault("first", side)
             runs.append(run)
             print(f"pair {pair + 1}/{pairs} done ({time.monotonic() - began:.0f} s)", file=sys.stderr)
         steps_interleaved = None
-        if not args.gpu and not args.no_interleaved:  # (on GPUs both groups would need their own GPUs)
+        if not args.no_interleaved:
             (tmp / "overrides.json").write_text(json.dumps(overrides))
             out = tmp / "interleaved.json"
             timed([sys.executable, __file__, "--interleaved-run", str(tmp / "spec.json"), str(tmp / "overrides.json"), str(out)],
@@ -427,35 +397,6 @@ def main() -> None:
               f"ratio of medians {statistics.median(our_steps) / statistics.median(bare_steps):.3f}")  # fmt: skip
     print(f"({pairs} pairs of {steps} steps; {spec['num_workers']} worker(s), {choice.describe()}; "
           f"{spec['model_path']}; tinker_exp with W&B offline + JSONL{'; ' + ' '.join(args.set) if args.set else ''})")
-    if args.gpu:
-        smoke(runs, choice, time.monotonic() - began)
-
-
-def smoke(runs: list[dict], choice, elapsed: float) -> None:
-    """The GPU variant's checks: a first run on a GPU machine that says what works."""
-    failures = []
-    for run in runs:
-        for side in ("bare", "tinker_exp"):
-            losses = run[side][2]
-            if not all(math.isfinite(x) for x in losses) or not losses[-1] < losses[0]:
-                failures.append(f"{side}: loss not finite and falling: {losses}")
-        for row in run["rows"]:
-            for key in (k.split("/", 1)[1] for k in row if k.startswith("requested/")):
-                if row[f"applied/{key}"] != row[f"requested/{key}"]:
-                    failures.append(f"tinker_exp step {row['train/step']}: applied {key} != requested")
-        placement = next((line.split("workers: ", 1)[1] for line in run["log"].splitlines() if "] - workers: " in line), None)
-        if placement is None:
-            failures.append("tinker_exp: no `workers:` line (its own placement check) in tinker_exp.log")
-        for rank, info in enumerate(run["bare_workers"]):
-            want = f"cuda:{info.get('cuda_device')}" if choice.device == "cuda" else "cpu"
-            if info["parameters"] != want:
-                failures.append(f"bare rank {rank}: parameters on {info['parameters']}, expected {want}")
-    print(f"workers (tinker_exp): {placement}")
-    print(f"workers (bare): {runs[-1]['bare_workers']}")
-    print(f"attention: {choice.attention}; {elapsed:.0f} s in all" + (" (over 5 minutes)" if elapsed > 300 else ""))
-    if failures:
-        sys.exit("smoke check FAILED:\n  " + "\n  ".join(failures))
-    print("smoke check passed: loss finite and falling in both loops, applied == requested, every rank on its device")
 
 
 if __name__ == "__main__":

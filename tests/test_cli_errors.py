@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CONF_DIR, run_cli, run_main, wait_until
+from helpers import CONF_DIR, run_cli, run_main
 from tinker_exp.config import Config, LoraConfig, TrainerConfig
 from tinker_exp.main import main
 from tinker_exp.optim.convert import OVERRIDE_KEYS
@@ -351,40 +351,6 @@ def test_a_refused_command_writes_nothing_anywhere(tmp_path):
         assert said.startswith(f"tinker_exp: {line}"), (what, said)
         assert "Traceback" not in result.stdout + result.stderr, what
         assert sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*")) == [], what
-
-
-POOL_CHECKS = ("a GPU-only setting on cpu", "a LoRA target the model lacks", "a row too long")
-"""The refusals of refused_on_the_run_path that a warm pool's check makes (assemble.inputs, in the pool's process)."""
-
-
-@pytest.mark.real  # a pool process (torch, verl and Ray imported; no workers: its checks need none)
-def test_a_command_refused_by_the_pool_writes_nothing_anywhere(tmp_path):
-    """With a pool up (backend.pool=auto finds it), the refusals that the pool checks (the device, the model, its LoRA
-    targets, the data as tokenized) come before the run's record, as a cold run's: exit 2, one line, nothing made
-    below the folder; and the pool is free again after each."""
-    from tinker_exp.pool import wire
-    from tinker_exp.pool.local import end, start_host
-
-    given, cwd, folder = tmp_path / "given", tmp_path / "cwd", tmp_path / "pools"
-    given.mkdir(), cwd.mkdir()
-    folder.mkdir(mode=0o700)
-    address = folder / "pool.sock"
-    process = start_host(address, idle_s=600.0)
-    refusals = {**{what: refused_on_the_run_path(given)[what] for what in POOL_CHECKS},
-                "a device this machine lacks": (["backend.device=cuda"], "config error: backend.device=cuda: torch ")}  # fmt: skip
-    try:
-        for what, (args, line) in refusals.items():
-            result = run_cli(*args, "logger=wandb", cwd=cwd, env={"TINKER_EXP_POOL": "auto", "TINKER_EXP_POOL_DIR": str(folder), "RAY_ADDRESS": None})
-            assert result.returncode == 2, (what, result.stderr[-3000:])
-            (said,) = result.stderr.splitlines()
-            assert said.startswith(f"tinker_exp: {line}"), (what, said)
-            assert "Traceback" not in result.stdout + result.stderr, what
-            assert sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*")) == [], what
-            wait_until(lambda: wire.ask(address, ("status",))["holder"] is None, 60, f"{what}: the pool is still held")
-            status = wire.ask(address, ("status",))
-            assert status["runs"] == 0 and status["groups"] == [], (what, status)  # refused before any worker
-    finally:
-        end(address, process)
 
 
 def test_a_config_dir_that_is_no_folder_is_one_line(monkeypatch, capsys, tmp_path):

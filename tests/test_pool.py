@@ -1,8 +1,10 @@
-"""Warm workers (tinker_exp/pool/): real pools of verl workers on Ray, and real CLI runs on them compared bitwise with
-cold runs of the same commands (every metrics.jsonl value but timings): SFT, LoRA, RL, resume and a branch; a run
-killed mid-step, then a good run; a second run refused while one runs; up, status and down. Without workers: a
-pool planted by another user gets nothing; what a run sends; a pool process's lease timeout, one process an address
-and a down while it starts; a run dir a pool still writes into."""
+"""Warm workers (tinker_exp/pool/): one real pool of verl workers on Ray for the module, and real CLI runs on it
+compared bitwise with cold runs of the same commands (every metrics.jsonl value but timings): SFT, LoRA, RL (after a
+warm run SIGKILLed mid-run), resume and a branch; a run killed mid-step, then a good run; a client killed right after
+handing its run over; a second run beside a busy pool; a user's reward file edited between runs; refusals the pool
+checks; kept groups; Ray's dashboard off; a local sweep's jobs on the sweep's own pool, a seed change there. Without
+workers: a pool planted by another user gets nothing; what a run sends; a pool process's lease timeout, one process
+an address and a down while it starts; a run dir a pool still writes into."""
 
 from __future__ import annotations
 
@@ -60,6 +62,22 @@ def cold(ray_address: str, *args: str) -> subprocess.CompletedProcess:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warm workers" not in result.stdout
     return result
+
+
+LONG_RUN = ["trainer.steps=2000", "checkpoint.every_steps=0", "checkpoint.at_end=false", "logger=none"]
+"""A run that trains for minutes (0.1-0.3 s a step here) unless it is stopped."""
+
+
+def kill_a_warm_run_mid_run(pool: dict, run_dir: Path) -> None:
+    """A warm run of LONG_RUN, SIGKILLed once it has logged 2 steps."""
+    killed = subprocess.Popen([sys.executable, "-m", "tinker_exp", *LONG_RUN, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                              env=environment(pool), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_until(lambda: len(metrics_rows(run_dir)) >= 2, 300, "the warm run never logged 2 steps", killed)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+    finally:
+        killed.kill()
 
 
 def test_a_killed_run_leaves_the_pool_usable_a_second_run_trains_cold_or_is_refused_and_a_warm_run_is_the_cold_run(pool, cosine_trunk, tmp_path):
@@ -133,7 +151,12 @@ def test_a_worker_that_died_is_replaced_and_the_next_run_is_the_cold_run(pool, c
     ids=["lora", "rl"],
 )
 def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_path, command):
+    """Each builds a group of its own beside the default one, and trains exactly as its cold run, twice (the second
+    time on the kept group, from fresh state). The RL run comes right after a warm SFT run SIGKILLed between its
+    steps (or inside one): it waits for that run's end first."""
     cold(ray_address, *command, f"hydra.run.dir={tmp_path / 'cold'}")
+    if command[0].startswith("env="):
+        kill_a_warm_run_mid_run(pool, tmp_path / "killed")
     first = warm(pool, *command, f"hydra.run.dir={tmp_path / 'warm'}")
     again = warm(pool, *command, f"hydra.run.dir={tmp_path / 'again'}")  # the kept group, fresh state
     said = ("pool: no kept group fits this run", "pool: group built in", "pool: training on the workers just built on")
@@ -178,6 +201,131 @@ def test_a_warm_run_uses_the_reward_file_as_it_is_now_and_checks_its_inputs_once
         assert [len(called) for called in by_pid.values()] == [prompts["train"] + prompts["eval"]]  # the client's check
         assert set(*by_pid.values()) == {"True"}  # each with an empty response
     assert rewards == [0.0, 1.0]
+
+
+def pool_status(pool: dict) -> dict:
+    from tinker_exp.pool import wire
+
+    return wire.ask(Path(pool["TINKER_EXP_POOL_DIR"]) / "pool.sock", ("status",))
+
+
+def pool_tree(pid: int) -> list[int]:
+    from tinker_exp.pool.host import descendant_pids
+
+    return [pid, *descendant_pids(pid)]
+
+
+KILLED_AFTER_SENDING = """
+import os, runpy, signal
+from tinker_exp.pool import client
+sent = client.Lease.train_run
+
+
+def train_run(self, *args, **kwargs):  # its check answered and its record written: dies as soon as its run is sent
+    self.follow = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    return sent(self, *args, **kwargs)
+
+
+client.Lease.train_run = train_run
+runpy.run_module("tinker_exp", run_name="__main__", alter_sys=True)
+"""
+"""The real CLI (its run dir's lock, its record, its lease, its run sent), SIGKILLed right after `Lease.train_run`
+sent the run: before anything comes back, before the pool marks the run dir's lock as its own."""
+
+
+def test_a_client_killed_right_after_sending_its_run_leaves_the_pool_free_and_the_next_run_served(pool, cosine_trunk, tmp_path):
+    """The pool sees the connection go while it takes the run up (queued, or starting it): the run is ended before
+    it trains (or stopped as on SIGTERM), the lease is freed, nothing writes into the run dir any more (a rerun may
+    take it at once), and the next run trains exactly as the cold run of its command."""
+    from tinker_exp.train.rundir_lock import RunDirLock
+
+    killed_dir = tmp_path / "killed"
+    client = subprocess.run([sys.executable, "-c", KILLED_AFTER_SENDING, *LONG_RUN, f"hydra.run.dir={killed_dir}"], cwd=REPO,
+                            env=environment(pool), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert client.returncode == -signal.SIGKILL, client.stderr[-3000:]
+    assert (killed_dir / "tinker_exp.log").exists()  # its record written (the check passed) before its run was sent
+    # 2000 steps take minutes: the pool is free well before unless the killed client's run went on training.
+    wait_until(lambda: pool_status(pool)["holder"] is None, 120, "the pool still lends its workers to the killed client")
+    assert len(metrics_rows(killed_dir)) < 2000
+    with RunDirLock(killed_dir):  # no one writes there any more: a rerun takes the dir at once
+        pass
+
+    run_dir = tmp_path / "next"
+    warm(pool, *COSINE_TRUNK, f"hydra.run.dir={run_dir}")
+    assert without_timings(metrics_rows(run_dir)) == without_timings(metrics_rows(cosine_trunk[0]))
+
+
+DASHBOARD_PORT = 8265
+"""Ray's dashboard (its HTTP server and job-submission API) listens here when it runs."""
+
+
+def listening_ports(pids: list[int]) -> set[int]:
+    """The TCP ports that these processes listen on (Linux's /proc: their sockets' inodes in /proc/net/tcp*)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = fd.readlink().name
+            except OSError:  # closed meanwhile
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # ended meanwhile
+        return ""
+
+
+def test_the_pools_ray_runs_no_dashboard(pool):
+    """Ray's dashboard (a job-submission API any local user can reach) is off: no process of the pool's tree listens
+    on its port, and Ray's dashboard process, which include_dashboard=False still starts (its usage stats only,
+    `--modules-to-load=UsageStatsHead`), listens on nothing; the check sees the ports the pool's Ray does listen on."""
+    tree = pool_tree(pool_status(pool)["pid"])
+    commands = {pid: command_line(pid) for pid in tree}
+    assert any("raylet" in command for command in commands.values()), commands
+    ports = listening_ports(tree)
+    assert ports and DASHBOARD_PORT not in ports, ports
+    for pid, command in commands.items():
+        if "dashboard/dashboard.py" in command:
+            assert "--modules-to-load=UsageStatsHead" in command and listening_ports([pid]) == set(), command
+
+
+POOL_CHECKS = ("a GPU-only setting on cpu", "a LoRA target the model lacks", "a row too long")
+"""The refusals of test_cli_errors.refused_on_the_run_path that a warm pool's check makes (assemble.inputs, in the
+pool's process)."""
+
+
+def test_a_command_refused_by_the_pool_writes_nothing_anywhere(pool, tmp_path):
+    """With the pool up (backend.pool=auto finds it), the refusals that the pool checks (the device, the model, its
+    LoRA targets, the data as tokenized) come before the run's record, as a cold run's: exit 2, one line, nothing made
+    below the folder; and the pool is free again after each, with no run served and no group built."""
+    from test_cli_errors import refused_on_the_run_path
+
+    given, cwd = tmp_path / "given", tmp_path / "cwd"
+    given.mkdir(), cwd.mkdir()
+    refusals = {**{what: refused_on_the_run_path(given)[what] for what in POOL_CHECKS},
+                "a device this machine lacks": (["backend.device=cuda"], "config error: backend.device=cuda: torch ")}  # fmt: skip
+    before = pool_status(pool)
+    for what, (args, line) in refusals.items():
+        result = run_cli(*args, "logger=wandb", cwd=cwd, env=pool)
+        assert result.returncode == 2, (what, result.stderr[-3000:])
+        (said,) = result.stderr.splitlines()
+        assert said.startswith(f"tinker_exp: {line}"), (what, said)
+        assert "Traceback" not in result.stdout + result.stderr, what
+        assert sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*")) == [], what
+        wait_until(lambda: pool_status(pool)["holder"] is None, 60, f"{what}: the pool is still held")
+        status = pool_status(pool)
+        assert (status["runs"], status["groups"]) == (before["runs"], before["groups"]), (what, status)  # refused before any worker
 
 
 def kept_groups(pool: dict) -> list[tuple[str, str, str]]:
@@ -225,6 +373,33 @@ def test_a_sweep_job_tries_first_the_free_pool_that_keeps_its_group(pool, monkey
         assert best_first([gone, kept, empty], checked_config(["lora=r32"])) == [empty, kept, gone]
     finally:
         end(empty, process)
+
+
+SEED_SWEEP = ["-m", "hydra/launcher=local", "hydra.launcher.max_parallel=1", "lora=r8", "trainer.steps=3", "logger=none", "trainer.seed=0,7"]
+"""Two points, one at a time: on the sweep's own pool the second job (seed 7) is a seed change on a warm group, which
+builds its engine again from the model dir (the seed draws LoRA's initial matrices)."""
+
+
+@pytest.mark.real  # a sweep with its own pool (its own Ray cluster and workers)
+def test_a_local_sweeps_second_job_on_its_pool_is_its_cold_point_and_a_seed_change_rebuilds_exactly(ray_address, tmp_path):
+    """The same 2-point sweep cold (backend.pool=none) and on the sweep's pool: each point's rows and LoRA adapter are
+    the cold point's, to the bit; the second job ran on the warm pool with another seed than the group's build."""
+    cold_sweep = run_cli(*SEED_SWEEP, "backend.pool=none", f"hydra.sweep.dir={tmp_path / 'cold'}", env={"RAY_ADDRESS": ray_address}, timeout=600)
+    assert cold_sweep.returncode == 0, cold_sweep.stderr[-3000:]
+    warm_sweep = run_cli(*SEED_SWEEP, f"hydra.sweep.dir={tmp_path / 'warm'}", env={"TINKER_EXP_POOL": "auto", "RAY_ADDRESS": None}, timeout=600)
+    assert warm_sweep.returncode == 0, warm_sweep.stdout[-2000:] + warm_sweep.stderr[-3000:]
+    output = warm_sweep.stdout + warm_sweep.stderr
+    assert "pool: 1 warm pool(s) for this sweep's jobs" in output and "pool: the sweep's 1 pool(s) ended" in output, output[-3000:]
+    for point in ("0", "1"):
+        said = (tmp_path / "warm" / point / "tinker_exp.log").read_text()
+        assert "pool: training on the warm workers of" in said or "pool: training on the workers just built" in said, said
+        assert "warm workers" not in (tmp_path / "cold" / point / "tinker_exp.log").read_text()
+        cold_rows, warm_rows = (without_timings(metrics_rows(tmp_path / side / point)) for side in ("cold", "warm"))
+        assert len(cold_rows) == 3 and warm_rows == cold_rows, point
+        adapter = "adapter/adapter_model.safetensors"
+        assert (tmp_path / "warm" / point / adapter).read_bytes() == (tmp_path / "cold" / point / adapter).read_bytes(), point
+    # The seed draws LoRA's matrices (the two points' adapters differ): a warm job that kept the first seed's would differ.
+    assert (tmp_path / "cold" / "0" / adapter).read_bytes() != (tmp_path / "cold" / "1" / adapter).read_bytes()
 
 
 class FakeWorkers:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, environment, read_jsonl
+from helpers import REPO, environment, read_jsonl, wait_until
 
 tinker = pytest.importorskip("tinker")  # the test extra: pip install -e .[test]
 
@@ -200,8 +200,10 @@ def test_the_key_is_required_and_written_nowhere(server, trained):
                          ({"X-API-Key": API_KEY[:-1]}, "X-API-Key: not this server's key")]:
         response = httpx.post(f"{server['url']}/api/v1/get_info", json={"model_id": trained["model_id"]}, headers=headers)
         assert response.status_code == 401 and response.json()["error"].startswith(why), response.text
+    refused = lambda: sum("get_info" in line and ": refused (401, " in line for line in server["terminal"].out[out_before:])  # noqa: E731
+    wait_until(lambda: refused() >= 3, 60, "the server printed fewer than 3 refused lines")  # its reader thread may lag the reply
     lines = server["terminal"].out[out_before:]
-    assert sum("get_info" in line and ": refused (401, " in line for line in lines) == 3, lines
+    assert refused() == 3, lines
     assert post(server, "get_info", {"model_id": trained["model_id"]}).status_code == 200
     secret = API_KEY.encode()
     holding = [path for path in server["run_dir"].rglob("*") if path.is_file() and secret in path.read_bytes()]
@@ -344,10 +346,13 @@ def test_bad_requests_are_one_line_http_errors_and_the_server_goes_on(server, tr
     unknown_loss = client.forward_backward(trained["data"], "nope")
     with pytest.raises(Exception, match="loss_fn: 'nope' is not served"):
         unknown_loss.result()
+    expected = len(cases) + 1 + len(sdk_cases) + 1
+    refused_now = lambda: [line for line in server["terminal"].out[out_before:] if ": refused (400, " in line]  # noqa: E731
+    wait_until(lambda: len(refused_now()) >= expected, 60, "the server printed fewer refused lines than requests refused")
     lines = server["terminal"].out[out_before:]
-    refused_lines = [line for line in lines if ": refused (400, " in line]
+    refused_lines = refused_now()
     # one line each (the SDK's NaN, sent as null, and the nope loss included), none for the SDK's retries
-    assert len(refused_lines) == len(cases) + 1 + len(sdk_cases) + 1, lines
+    assert len(refused_lines) == expected, lines
     for message in [m for *_, m in cases] + [m for _, m in sdk_cases]:
         assert any(message in line for line in refused_lines), (message, lines)
     assert sum(line.startswith(f"tinker_exp.serve: optim_step model {model_id} seq ") and "adam_params.learning_rate: null"
