@@ -145,17 +145,29 @@ def test_a_worker_that_died_is_replaced_and_the_next_run_is_the_cold_run(pool, c
     assert str(pids[1]) not in run_module("tinker_exp.pool", "status", env=pool).stdout
 
 
-@pytest.mark.parametrize(
-    "command",
-    [["lora=r8", "trainer.steps=3"], ["env=digits", "loss=importance_sampling", "trainer.steps=2"]],
-    ids=["lora", "rl"],
-)
-def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_path, command):
+LORA = ["lora=r8", "logger=none", "trainer.steps=3"]
+"""A LoRA run of rank 8: a group of its own."""
+
+
+@pytest.fixture(scope="module")
+def cold_lora(ray_address, tmp_path_factory) -> Path:
+    """The cold run of LORA (the seed's default, 0): what its warm runs and a sweep's first point on a pool must be."""
+    run_dir = tmp_path_factory.mktemp("cold_lora")
+    cold(ray_address, *LORA, f"hydra.run.dir={run_dir}")
+    return run_dir
+
+
+@pytest.mark.parametrize("command", [LORA, ["env=digits", "loss=importance_sampling", "trainer.steps=2"]], ids=["lora", "rl"])
+def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_path, command, request):
     """Each builds a group of its own beside the default one, and trains exactly as its cold run, twice (the second
     time on the kept group, from fresh state). The RL run comes right after a warm SFT run SIGKILLed between its
     steps (or inside one): it waits for that run's end first."""
-    cold(ray_address, *command, f"hydra.run.dir={tmp_path / 'cold'}")
-    if command[0].startswith("env="):
+    if command == LORA:
+        cold_dir = request.getfixturevalue("cold_lora")
+    else:
+        cold_dir = tmp_path / "cold"
+        cold(ray_address, *command, f"hydra.run.dir={cold_dir}")
+    if command != LORA:
         kill_a_warm_run_mid_run(pool, tmp_path / "killed")
     first = warm(pool, *command, f"hydra.run.dir={tmp_path / 'warm'}")
     again = warm(pool, *command, f"hydra.run.dir={tmp_path / 'again'}")  # the kept group, fresh state
@@ -163,12 +175,12 @@ def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_pa
     assert all(line in first.stdout for line in said), first.stdout[-3000:]
     assert sorted(said, key=first.stdout.index) == list(said)  # what happened, in order
     assert "pool: training on the warm workers of" in again.stdout and "group built" not in again.stdout
-    rows = without_timings(metrics_rows(tmp_path / "cold"))
+    rows = without_timings(metrics_rows(cold_dir))
     assert len(rows) == int(command[-1].split("=")[1])
     assert without_timings(metrics_rows(tmp_path / "warm")) == rows == without_timings(metrics_rows(tmp_path / "again"))
-    if command[0] == "lora=r8":
+    if command == LORA:
         adapter = "adapter/adapter_model.safetensors"
-        assert (tmp_path / "warm" / adapter).read_bytes() == (tmp_path / "cold" / adapter).read_bytes()
+        assert (tmp_path / "warm" / adapter).read_bytes() == (cold_dir / adapter).read_bytes()
 
 
 def test_a_warm_run_uses_the_reward_file_as_it_is_now_and_checks_its_inputs_once(pool, tmp_path):
@@ -375,31 +387,31 @@ def test_a_sweep_job_tries_first_the_free_pool_that_keeps_its_group(pool, monkey
         end(empty, process)
 
 
-SEED_SWEEP = ["-m", "hydra/launcher=local", "hydra.launcher.max_parallel=1", "lora=r8", "trainer.steps=3", "logger=none", "trainer.seed=0,7"]
+SEED_SWEEP = ["-m", "hydra/launcher=local", "hydra.launcher.max_parallel=1", *LORA, "trainer.seed=0,7"]
 """Two points, one at a time: on the sweep's own pool the second job (seed 7) is a seed change on a warm group, which
 builds its engine again from the model dir (the seed draws LoRA's initial matrices)."""
 
 
 @pytest.mark.real  # a sweep with its own pool (its own Ray cluster and workers)
-def test_a_local_sweeps_second_job_on_its_pool_is_its_cold_point_and_a_seed_change_rebuilds_exactly(ray_address, tmp_path):
-    """The same 2-point sweep cold (backend.pool=none) and on the sweep's pool: each point's rows and LoRA adapter are
-    the cold point's, to the bit; the second job ran on the warm pool with another seed than the group's build."""
-    cold_sweep = run_cli(*SEED_SWEEP, "backend.pool=none", f"hydra.sweep.dir={tmp_path / 'cold'}", env={"RAY_ADDRESS": ray_address}, timeout=600)
-    assert cold_sweep.returncode == 0, cold_sweep.stderr[-3000:]
+def test_a_local_sweeps_second_job_on_its_pool_is_its_cold_point_and_a_seed_change_rebuilds_exactly(cold_lora, ray_address, tmp_path):
+    """A 2-point sweep on the sweep's pool: each point's rows and LoRA adapter are the cold run's of its command, to
+    the bit (seed 0: the module's cold LoRA run; seed 7: its own); the second job ran on the warm pool with another
+    seed than the group's build."""
+    cold_runs = {"0": cold_lora, "1": tmp_path / "cold_seed_7"}
+    cold(ray_address, *LORA, "trainer.seed=7", f"hydra.run.dir={cold_runs['1']}")
     warm_sweep = run_cli(*SEED_SWEEP, f"hydra.sweep.dir={tmp_path / 'warm'}", env={"TINKER_EXP_POOL": "auto", "RAY_ADDRESS": None}, timeout=600)
     assert warm_sweep.returncode == 0, warm_sweep.stdout[-2000:] + warm_sweep.stderr[-3000:]
     output = warm_sweep.stdout + warm_sweep.stderr
     assert "pool: 1 warm pool(s) for this sweep's jobs" in output and "pool: the sweep's 1 pool(s) ended" in output, output[-3000:]
-    for point in ("0", "1"):
+    adapter = "adapter/adapter_model.safetensors"
+    for point, cold_dir in cold_runs.items():
         said = (tmp_path / "warm" / point / "tinker_exp.log").read_text()
         assert "pool: training on the warm workers of" in said or "pool: training on the workers just built" in said, said
-        assert "warm workers" not in (tmp_path / "cold" / point / "tinker_exp.log").read_text()
-        cold_rows, warm_rows = (without_timings(metrics_rows(tmp_path / side / point)) for side in ("cold", "warm"))
+        cold_rows, warm_rows = (without_timings(metrics_rows(run_dir)) for run_dir in (cold_dir, tmp_path / "warm" / point))
         assert len(cold_rows) == 3 and warm_rows == cold_rows, point
-        adapter = "adapter/adapter_model.safetensors"
-        assert (tmp_path / "warm" / point / adapter).read_bytes() == (tmp_path / "cold" / point / adapter).read_bytes(), point
+        assert (tmp_path / "warm" / point / adapter).read_bytes() == (cold_dir / adapter).read_bytes(), point
     # The seed draws LoRA's matrices (the two points' adapters differ): a warm job that kept the first seed's would differ.
-    assert (tmp_path / "cold" / "0" / adapter).read_bytes() != (tmp_path / "cold" / "1" / adapter).read_bytes()
+    assert (cold_runs["0"] / adapter).read_bytes() != (cold_runs["1"] / adapter).read_bytes()
 
 
 class FakeWorkers:

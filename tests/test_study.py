@@ -626,7 +626,7 @@ def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_an
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
         f"trainer.steps={steps}", "trainer.eval_every=2", "checkpoint.every_steps=2", "trainer.batch_size=4", "logger=none",
-        "trainer.objective=requested/lr", "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))",
+        "backend.num_workers=1", "trainer.objective=requested/lr", "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))",
         "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}",
     ]  # fmt: skip
     slurm, log, run_0 = environment(slurm_env), tmp_path / "study.log", tmp_path / "0"

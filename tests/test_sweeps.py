@@ -322,13 +322,13 @@ def test_sweep_with_a_point_failing_in_its_job_fails_that_job_and_completes_the_
     """resume=must passes the checks before the sweep (it depends on the run dir) and fails in its job."""
     result = run_cli(
         "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}", "trainer.steps=2", "logger=none",
-        "resume=auto,must",
+        "backend.num_workers=1", "resume=auto,must",
         env=slurm_env, timeout=600,
     )  # fmt: skip
     assert result.returncode == 1
     assert "HYDRA_FULL_ERROR" not in result.stderr
     report = result.stderr.split("1 of 2 sweep jobs did not complete")[1]
-    assert "job 1 [trainer.steps=2 logger=none resume=must] FAILED: config error: resume=must" in report
+    assert "job 1 [trainer.steps=2 logger=none backend.num_workers=1 resume=must] FAILED: config error: resume=must" in report
     assert f"run dir {tmp_path}/1" in report and "job 0" not in report
     summary = read_jsonl(tmp_path / "summary.jsonl")
     assert [(row["status"], row["steps"]) for row in summary] == [("COMPLETED", 2), ("FAILED", 0)]
@@ -411,7 +411,7 @@ def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
 
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
-        "trainer.steps=1000", "logger=none", "optimizer.lr=1e-3,3e-4",
+        "trainer.steps=1000", "logger=none", "backend.num_workers=1", "optimizer.lr=1e-3,3e-4",
     ]  # fmt: skip
     # Ctrl-C as a terminal delivers it: SIGINT at its default in the driver. A suite started in the background by a
     # non-interactive shell (CI behind `&`) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
@@ -447,7 +447,7 @@ def test_ctrl_c_in_a_local_sweep_stops_the_running_point_and_starts_no_other(ray
 
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=local", "hydra.launcher.max_parallel=1",
-        f"hydra.sweep.dir={tmp_path}", "trainer.steps=1000", "logger=none", "optimizer.lr=1e-3,3e-4",
+        f"hydra.sweep.dir={tmp_path}", "trainer.steps=1000", "logger=none", "backend.num_workers=1", "optimizer.lr=1e-3,3e-4",
     ]  # fmt: skip
     driver = subprocess.Popen(  # its jobs on the sweep's own warm pool (the suite's default is a cold start)
         command, cwd=REPO, env=environment({"TINKER_EXP_POOL": "auto"}), stdout=subprocess.PIPE,
