@@ -229,7 +229,9 @@ def test_ctrl_c_cancels_every_worker_at_once_on_a_study_kept_in_postgresql(slurm
         "hydra.sweeper.n_trials=4", "override.lr=tag(log,interval(1e-5,1e-2))", *TRIAL[1:], "trainer.steps=400", "checkpoint.every_steps=4",
     ]  # fmt: skip
     slurm, run_0 = environment(slurm_env), tmp_path / "0"
-    driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Ctrl-C as a terminal delivers it: SIGINT at its default in the driver (a suite run under `&` inherits it ignored).
+    driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         trained = lambda: (run_0 / "metrics.jsonl").exists() and len(read_jsonl(run_0 / "metrics.jsonl")) > 2  # noqa: E731
         wait_until(trained, 600, "trial 0 trained no steps", driver)
