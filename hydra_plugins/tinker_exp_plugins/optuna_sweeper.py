@@ -215,7 +215,7 @@ class OptunaSweeper(Sweeper):
         command continues it). Ctrl-C (or any error): every worker job cancelled (one scancel), their trials failed."""
         import optuna
 
-        from hydra_plugins.tinker_exp_plugins.launchers import POLL_S, cancel
+        from hydra_plugins.tinker_exp_plugins.launchers import POLL_S, cancel, sigint_deferred
         from tinker_exp.sweep.slurm import ACTIVE_STATES, Settling, slurm_states
         from tinker_exp.sweep.study import finished, running
         from tinker_exp.sweep.workers import lose, lost, settled
@@ -226,38 +226,43 @@ class OptunaSweeper(Sweeper):
         log.info(f"study workers: {count} Slurm jobs ({', '.join(ids)}), each runs trials one after another on warm workers")
         said = {t.number for t in finished(study)}
         settling = {job_id: Settling() for job_id in ids}
-        try:
-            while True:
-                states = slurm_states(ids)
-                over = {job.job_id for job in jobs if states[job.job_id] not in ACTIVE_STATES and job.paths.result_pickle.exists()}
-                ended = {i: v for i in ids if i not in over and (v := settling[i].verdict(states[i])) is not None}
-                for trial, why in lost(running(study), ended, time.time()):
-                    log.warning(lose(study, trial, why, sweep_dir))
-                for trial in finished(study):
-                    if trial.number not in said:
-                        said.add(trial.number)
-                        finished_line(study, trial)
-                if len(settled(study)) >= self.n_trials and not running(study):
-                    break
-                if len(over) + len(ended) == len(ids):
-                    log.warning(
-                        f"study workers: all {count} ended with {len(settled(study))} of {self.n_trials} trials done "
-                        f"({', '.join(f'{i} {states[i]}' for i in ids)}); {continue_line(sweep_dir)}"
-                    )
-                    break
-                time.sleep(POLL_S)
-            self._workers_ended(jobs)
-        except BaseException as e:
-            cancel(jobs)
-            # Cut off: failed. A retry not started stays WAITING: the same command's workers run it first.
-            for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-                try:
-                    study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL)
-                except optuna.exceptions.UpdateFinishedTrialError:
-                    pass  # told by its worker just now
-            if isinstance(e, KeyboardInterrupt) and not str(e):
-                raise KeyboardInterrupt(continue_line(str(sweep_dir))) from None
-            raise
+        # Ctrl-C noted, and raised at the top of a pass: a KeyboardInterrupt raised wherever the signal lands can fall
+        # in a weakref callback or a __del__, where Python prints it and goes on (seen: the study then ran to its end).
+        with sigint_deferred() as interrupted:
+            try:
+                while True:
+                    if interrupted():
+                        raise KeyboardInterrupt
+                    states = slurm_states(ids)
+                    over = {job.job_id for job in jobs if states[job.job_id] not in ACTIVE_STATES and job.paths.result_pickle.exists()}
+                    ended = {i: v for i in ids if i not in over and (v := settling[i].verdict(states[i])) is not None}
+                    for trial, why in lost(running(study), ended, time.time()):
+                        log.warning(lose(study, trial, why, sweep_dir))
+                    for trial in finished(study):
+                        if trial.number not in said:
+                            said.add(trial.number)
+                            finished_line(study, trial)
+                    if len(settled(study)) >= self.n_trials and not running(study):
+                        break
+                    if len(over) + len(ended) == len(ids):
+                        log.warning(
+                            f"study workers: all {count} ended with {len(settled(study))} of {self.n_trials} trials done "
+                            f"({', '.join(f'{i} {states[i]}' for i in ids)}); {continue_line(sweep_dir)}"
+                        )
+                        break
+                    time.sleep(POLL_S)
+                self._workers_ended(jobs)
+            except BaseException as e:
+                cancel(jobs)
+                # Cut off: failed. A retry not started stays WAITING: the same command's workers run it first.
+                for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+                    try:
+                        study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL)
+                    except optuna.exceptions.UpdateFinishedTrialError:
+                        pass  # told by its worker just now
+                if isinstance(e, KeyboardInterrupt) and not str(e):
+                    raise KeyboardInterrupt(continue_line(str(sweep_dir))) from None
+                raise
 
     def _workers_ended(self, jobs: list[Any], wait_s: float = 60.0) -> None:
         """Wait (bounded) for the worker jobs to end on their own once the study has its trials; any still in the
