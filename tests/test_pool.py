@@ -167,7 +167,6 @@ def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_pa
     else:
         cold_dir = tmp_path / "cold"
         cold(ray_address, *command, f"hydra.run.dir={cold_dir}")
-    if command != LORA:
         kill_a_warm_run_mid_run(pool, tmp_path / "killed")
     first = warm(pool, *command, f"hydra.run.dir={tmp_path / 'warm'}")
     again = warm(pool, *command, f"hydra.run.dir={tmp_path / 'again'}")  # the kept group, fresh state
