@@ -7,7 +7,6 @@ Config errors and dry runs import no torch, verl or ray (see tinker_exp/run.py).
 from __future__ import annotations
 
 import atexit
-import copy
 import functools
 import gc
 import logging
@@ -19,34 +18,17 @@ from typing import Any
 
 import hydra
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, read_write
+from omegaconf import DictConfig
 
 from tinker_exp import config
 from tinker_exp.config import CONF_DIR
 from tinker_exp.config.compose_errors import one_line_compose_errors, refuse_unknown_flags
 from tinker_exp.errors import STOPS, ConfigError, TinkerExpError, one_line, one_line_warning
-from tinker_exp.formats import masked, not_a_folder
-from tinker_exp.run import HYDRA_FILES, objective, run
-from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
+from tinker_exp.formats import not_a_folder
+from tinker_exp.run import hydra_output_files, name_sweep_job, run_and_score, sweep_job
+from tinker_exp.sweep.jobs import job_info
 from tinker_exp.train.checkpoints import resume_point
-from tinker_exp.train.rundir_lock import RunDirLock
-from tinker_exp.train.signals import sigterm_raises
 
-
-
-def hydra_output_files(task_cfg: DictConfig, hydra_cfg: Any) -> dict[str, str]:
-    """What Hydra's run_job would have written into HYDRA_FILES, as Hydra writes it (hydra.yaml names HYDRA_FILES as
-    its output_subdir). Taken before the task changes its config (a sweep job's W&B group and name)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    whole = copy.deepcopy(HydraConfig.instance().cfg)  # the `hydra` node, as Hydra's run_job saves it
-    with read_write(whole.hydra):
-        whole.hydra.output_subdir = HYDRA_FILES
-    return {
-        "config.yaml": OmegaConf.to_yaml(task_cfg),
-        "hydra.yaml": masked(OmegaConf.to_yaml(whole)),  # a study's database URL: its password not written
-        "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
-    }
 
 
 def where_a_rerun_starts(dcfg: DictConfig, run_dir: Path) -> str:
@@ -136,27 +118,23 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
     hydra_files = hydra_output_files(dcfg, hydra_cfg) if hydra_cfg.output_subdir is None else {}
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
     task_overrides = list(hydra_cfg.overrides.task)
-    if in_sweep:  # one W&B group per sweep; each job named by its overrides
-        dcfg.logger.group = dcfg.logger.group or sweep_group(hydra_cfg.sweep.dir)
-        dcfg.logger.run_name = dcfg.logger.run_name or run_name(task_overrides, run_dir.name)
+    if in_sweep:
+        name_sweep_job(dcfg, str(hydra_cfg.sweep.dir), task_overrides, run_dir)
     if dcfg.get("verbose"):  # libraries' log records on the terminal too (the run dir's log has them anyway)
         ours = logging.getLogger("tinker_exp")
         logging.getLogger().handlers += ours.handlers
         ours.handlers = []
     job = job_info(hydra_cfg.job.get("num") if in_sweep else None, task_overrides)
     made_now = made_for_this_command(run_dir) if in_sweep else HYDRA_MADE is not None and run_dir.absolute().is_relative_to(HYDRA_MADE)
+    choices = dict(hydra_cfg.runtime.choices)
     try:
-        # From the start: Slurm may stop a job while it is still starting up. The lock before anything is written.
-        with sigterm_raises(), RunDirLock(run_dir):
-            run(dcfg, run_dir, dict(hydra_cfg.runtime.choices), job, hydra_files=hydra_files)
-            return objective(config.load(dcfg), run_dir)  # what any Hydra sweeper optimises (lower is better)
-    except STOPS as e:
-        print(f"tinker_exp: {one_line(e)}", file=sys.stderr)
         if in_sweep:
-            if made_now:  # the sweep was accepted: its fresh job dir keeps who ran the job (job.json), nothing else
-                write_job_info(run_dir, job)
-            raise  # the sweep's launcher reports it with the job's overrides and run dir
-        sys.exit(e.exit_code)
+            return sweep_job(dcfg, run_dir, choices, job, hydra_files, made_now)
+        try:
+            return run_and_score(dcfg, run_dir, choices, job, hydra_files)
+        except STOPS as e:
+            print(f"tinker_exp: {one_line(e)}", file=sys.stderr)
+            sys.exit(e.exit_code)
     except KeyboardInterrupt as e:
         if in_sweep:
             raise

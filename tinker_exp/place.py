@@ -9,6 +9,7 @@ group's start (tinker_exp/assemble.py), the pool's client speaks to the pool ove
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -18,6 +19,8 @@ from tinker_exp.train.protocols import Workers
 
 if TYPE_CHECKING:
     from tinker_exp.optim import Plan
+
+log = logging.getLogger(__name__)
 
 StartWorkers = Callable[[Config, "Plan", Path, Path], Workers]
 """(config, plan, model dir, run dir) -> the worker group, starting (its `ready()` waits for it)."""
@@ -79,6 +82,31 @@ class GivenWorkers:
 
     def start_workers(self, cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choice: Any) -> Workers:
         return self.start(cfg, plan, model_path, run_dir)
+
+    def release(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class OnSlot:
+    """A slot of a group this process keeps (runtime/warm.py `SlotGroups`): a sweep's LoRA trials, K at once on one
+    loaded base model, each trial's run in its own thread. The run says which slot it took as its workers start."""
+
+    groups: Any
+    """The process's `SlotGroups`."""
+    stop: Any
+    """A threading.Event: set, the trial is cancelled (its next step raises KeyboardInterrupt)."""
+    workers_log: Path
+    """Where the group's workers print (every slot's trial shares them)."""
+    train_run = None
+
+    def describe(self) -> str:
+        return ""
+
+    def start_workers(self, cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choice: Any) -> Workers:
+        slot, line = self.groups.take(cfg, plan, model_path, choice, self.stop)
+        log.info(line)
+        return slot
 
     def release(self) -> None:
         pass

@@ -8,24 +8,27 @@ loads the model's tokenizer and config with transformers, to check its prompts' 
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from tinker_exp import config
 from tinker_exp.config import Config
-from tinker_exp.errors import Terminated
-from tinker_exp.formats import read_jsonl
+from tinker_exp.errors import STOPS, Terminated, one_line
+from tinker_exp.formats import masked, read_jsonl
 from tinker_exp.place import ColdGroup, Place, where_to_train
-from tinker_exp.sweep.jobs import job_info, write_job_info
+from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
 from tinker_exp.train.checkpoints import resume_point
 from tinker_exp.train.data import Row, dataset_rows
 from tinker_exp.train.early_stop import check_early_stop
 from tinker_exp.train.objective import came_to, objective_metric, objective_value, write_objective
-from tinker_exp.train.signals import as_stop
+from tinker_exp.train.rundir_lock import RunDirLock
+from tinker_exp.train.signals import as_stop, sigterm_raises
 from tinker_exp.train.start import SAVED_CONFIG, StartPoint, start_point
 
 if TYPE_CHECKING:  # the plan (numpy) is imported once a plan is built: --help, --cfg, compose errors stay at Hydra's cost
@@ -158,7 +161,8 @@ def accepted_run(
     if not cfg.dry_run:
         from tinker_exp.assemble import WORKERS_LOG
 
-        log.info(f"worker output: {run_dir / WORKERS_LOG}" + ("" if cfg.verbose else " (verbose=true shows it here too)"))
+        output = getattr(place, "workers_log", None) or run_dir / WORKERS_LOG  # a slot's group prints into its sweep's
+        log.info(f"worker output: {output}" + ("" if cfg.verbose else " (verbose=true shows it here too)"))
     log.info(describe(plan, cfg.plan_steps, cfg.rl.updates_per_batch if cfg.env.active else 1))
     plan_file = write_plan(plan, run_dir, cfg.plan_steps, start.lineage)
     if cfg.dry_run:
@@ -269,3 +273,51 @@ def write_hydra_files(run_dir: Path, files: dict[str, str]) -> None:
         (run_dir / HYDRA_FILES).mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         (run_dir / HYDRA_FILES / name).write_text(text, encoding="utf-8")
+
+
+def hydra_output_files(task_cfg: DictConfig, hydra_cfg: Any, whole: DictConfig | None = None) -> dict[str, str]:
+    """What Hydra's run_job would have written into HYDRA_FILES, as Hydra writes it (hydra.yaml names HYDRA_FILES as
+    its output_subdir). Taken before the task changes its config (a sweep job's W&B group and name). `whole`: the
+    config with its `hydra` node (None: Hydra's, of the job this process runs)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    whole = copy.deepcopy(HydraConfig.instance().cfg if whole is None else whole)  # the `hydra` node, as run_job saves it
+    with read_write(whole.hydra):
+        whole.hydra.output_subdir = HYDRA_FILES
+    return {
+        "config.yaml": OmegaConf.to_yaml(task_cfg),
+        "hydra.yaml": masked(OmegaConf.to_yaml(whole)),  # a study's database URL: its password not written
+        "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
+    }
+
+
+def name_sweep_job(dcfg: DictConfig, sweep_dir: str, task_overrides: list[str], run_dir: Path) -> None:
+    """One W&B group per sweep; each job named by its overrides (unless the config names them)."""
+    dcfg.logger.group = dcfg.logger.group or sweep_group(sweep_dir)
+    dcfg.logger.run_name = dcfg.logger.run_name or run_name(task_overrides, run_dir.name)
+
+
+def run_and_score(
+    dcfg: DictConfig, run_dir: Path, choices: dict[str, Any], job: dict[str, Any], hydra_files: dict[str, str], place: Any = None
+) -> float | None:
+    """The run, holding its run dir, and what any Hydra sweeper optimises (lower is better). `place`: where it
+    trains (tinker_exp/place.py; None: where its config says)."""
+    # From the start: Slurm may stop a job while it is still starting up. The lock before anything is written.
+    with sigterm_raises(), RunDirLock(run_dir):
+        run(dcfg, run_dir, choices, job, place=place, hydra_files=hydra_files)
+        return objective(config.load(dcfg), run_dir)
+
+
+def sweep_job(
+    dcfg: DictConfig, run_dir: Path, choices: dict[str, Any], job: dict[str, Any], hydra_files: dict[str, str], made_now: bool,
+    place: Any = None,
+) -> float | None:
+    """A sweep's job (in its own process, or a thread of the sweep's on a slot): what stops it is said in one line
+    on its stderr and raised, for the sweep's launcher to report with the job's overrides and run dir."""
+    try:
+        return run_and_score(dcfg, run_dir, choices, job, hydra_files, place)
+    except STOPS as e:
+        print(f"tinker_exp: {one_line(e)}", file=sys.stderr)
+        if made_now:  # the sweep was accepted: its fresh job dir keeps who ran the job (job.json), nothing else
+            write_job_info(run_dir, job)
+        raise

@@ -25,6 +25,12 @@ class LocalLauncherConf(LocalQueueConf):
     max_parallel: Optional[int] = None
     """Points run at once (the rest start as earlier ones end); null: as many as the CPUs hold at one CPU a worker
     (tinker_exp.sweep.jobs.points_at_once)."""
+    slots: int = 1
+    """LoRA trials trained at once on one loaded base model (docs/slots.md): K > 1 runs every job as a thread of the
+    sweep's own process, each on a slot of one worker group it keeps (one group, built at the first job), K jobs
+    at a time (and no more than max_parallel, when that is set); an Optuna study keeps K trials running whatever its
+    n_jobs. 1 (default): a process a job, on a pool or cold, as before. Every point must train LoRA (lora.rank > 0),
+    SFT, on one node."""
     python: Optional[str] = "${oc.env:TINKER_EXP_JOB_PYTHON,null}"
     """The command that starts each job's Python (submitit's `python`, e.g. a wrapper that enters a container);
     null: this interpreter. Its default comes from TINKER_EXP_JOB_PYTHON when that is set."""

@@ -67,8 +67,21 @@ class BadPointsError(ConfigError):
     """Sweep points that would stop their jobs before any worker starts: every one named, nothing launched."""
 
 
+def slot_error(cfg: Any, slots: int) -> str | None:
+    """Why a point cannot train on a slot (hydra.launcher.slots > 1), or None."""
+    if slots <= 1:
+        return None
+    why = (
+        "lora.rank=0: full fine-tuning keeps one trial per group" if cfg.lora.rank == 0
+        else "an RL run (env): its sampler takes one model, so RL trials keep one per group" if cfg.env.active
+        else f"backend.nodes={cfg.backend.nodes}: slots hold trials on one node" if cfg.backend.nodes > 1
+        else None
+    )  # fmt: skip
+    return None if why is None else f"hydra.launcher.slots={slots}: {why}; slots hold LoRA SFT trials (1: a process a job)"
+
+
 def point_error(
-    hydra_context: Any, config: DictConfig, overrides: Sequence[str], data_checked: set[str] | None = None
+    hydra_context: Any, config: DictConfig, overrides: Sequence[str], data_checked: set[str] | None = None, slots: int = 1
 ) -> tuple[Any, str | None]:
     """(the point's typed config, None), or (None, why its job would stop before any worker starts): composed
     as its job is, then the pure checks `tinker_exp.run.run` makes first (config, plan, data rows, chat template).
@@ -81,6 +94,8 @@ def point_error(
             del job_cfg["hydra"]  # what the task function gets (Hydra's run_job)
         cfg = tinker_config.load(job_cfg)
         validate(cfg)
+        if why := slot_error(cfg, slots):
+            return None, why
         data_key = repr((cfg.env, cfg.model.path) if cfg.env.active else (cfg.data, cfg.model.path))
         if data_checked is None or data_key not in data_checked:
             checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # an env's prompts replace the data set, as in run
@@ -93,10 +108,11 @@ def point_error(
     return cfg, None
 
 
-def check_points(hydra_context: Any, config: DictConfig, points: Sequence[Sequence[str]], first: int) -> list[Any]:
-    """Every point's typed config (numbered from `first`); raises BadPointsError naming every bad point."""
+def check_points(hydra_context: Any, config: DictConfig, points: Sequence[Sequence[str]], first: int, slots: int = 1) -> list[Any]:
+    """Every point's typed config (numbered from `first`); raises BadPointsError naming every bad point. `slots`:
+    the launcher's (a point that cannot train on a slot is bad)."""
     data_checked: set[str] = set()
-    checked = [point_error(hydra_context, config, overrides, data_checked) for overrides in points]
+    checked = [point_error(hydra_context, config, overrides, data_checked, slots) for overrides in points]
     bad = {first + i: (filter_overrides(o), error) for i, (o, (_, error)) in enumerate(zip(points, checked)) if error}
     if bad:
         raise BadPointsError(bad_points_report(bad, len(points)))
@@ -160,6 +176,9 @@ class SweepLauncher(BaseSubmititLauncher):
         max_parallel = params.get("max_parallel")
         if max_parallel is not None and (not isinstance(max_parallel, int) or isinstance(max_parallel, bool) or max_parallel < 1):
             raise ConfigError(f"hydra.launcher.max_parallel={max_parallel}: must be an int >= 1, or null (as many as the CPUs hold)")
+        slots = params.get("slots", 1)
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            raise ConfigError(f"hydra.launcher.slots={slots}: must be an int >= 1 (1: a process a job)")
         python = params.get("python")
         if python is not None:
             import shlex
@@ -179,12 +198,24 @@ class SweepLauncher(BaseSubmititLauncher):
         self.data_checked: set[str] = set()  # the data settings `start` found good (a data set is read once)
         self.stream_executor: Any = None
         self.pools = SweepPools()  # a streaming sweep's (a study's) warm pools: started at its first local job
+        self.slot_jobs: Any = None  # with slots: the executor running jobs as threads on slots (slot_jobs.py)
+
+    def slots(self) -> int:
+        """LoRA trials a group trains at once (hydra.launcher.slots, local only); 1: a process a job."""
+        return int(self.params.get("slots") or 1) if self._EXECUTOR == "local" else 1
 
     def _executor(self) -> Any:
-        """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it)."""
+        """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it); with slots, the one
+        that runs jobs as threads of this process on one group's slots (kept until `end_slots`)."""
+        if self.slots() > 1:
+            if self.slot_jobs is None:
+                from hydra_plugins.tinker_exp_plugins.slot_jobs import SlotExecutor
+
+                self.slot_jobs = SlotExecutor(self, self.slots())
+            return self.slot_jobs
         import submitit
 
-        init_keys, ours = {"max_num_timeout", "python"}, {"max_parallel", "workers"}
+        init_keys, ours = {"max_num_timeout", "python"}, {"max_parallel", "workers", "slots"}
         init = {f"{self._EXECUTOR}_{k}": v for k, v in self.params.items() if k in init_keys}
         executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=self.params["submitit_folder"], **init)
         common = set(OmegaConf.structured(BaseQueueConf).keys())
@@ -231,11 +262,11 @@ class SweepLauncher(BaseSubmititLauncher):
         job_overrides = self.job_points(job_overrides)
         nums = [initial_job_idx + i for i in range(len(job_overrides))]
         if self.refuse_bad_points:  # before anything is written or submitted
-            configs = check_points(self.hydra_context, self.config, job_overrides, initial_job_idx)
+            configs = check_points(self.hydra_context, self.config, job_overrides, initial_job_idx, self.slots())
             refused: dict[int, str] = {}
         else:
             data_checked: set[str] = set()
-            checked = [point_error(self.hydra_context, self.config, o, data_checked) for o in job_overrides]
+            checked = [point_error(self.hydra_context, self.config, o, data_checked, self.slots()) for o in job_overrides]
             configs = [cfg for cfg, _ in checked]
             refused = {num: error for num, (_, error) in zip(nums, checked) if error}
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
@@ -258,9 +289,12 @@ class SweepLauncher(BaseSubmititLauncher):
         try:
             if self._EXECUTOR == "local":
                 workers = max((cfg.backend.num_workers for cfg in configs if cfg is not None), default=1)
-                at_once = points_at_once(os.cpu_count(), workers, self.params.get("max_parallel"))
-                log.info(f"{len(args)} local jobs, at most {at_once} at a time (hydra.launcher.max_parallel)")
-                if wanted(configs):
+                at_once = self._at_once(workers)
+                if self.slots() > 1:
+                    log.info(f"{len(args)} local jobs, {at_once} at a time on the slots of one group (hydra.launcher.slots)")
+                else:
+                    log.info(f"{len(args)} local jobs, at most {at_once} at a time (hydra.launcher.max_parallel)")
+                if wanted(configs) and self.slots() == 1:
                     pools.start(min(at_once, len(args)))
                 ended = self._run_local(executor, args, at_once, jobs)
             started = iter(jobs)
@@ -276,9 +310,11 @@ class SweepLauncher(BaseSubmititLauncher):
         except KeyboardInterrupt:
             cancel(jobs)  # first, before anything that could be slow on a loaded machine (the pools' end too)
             pools.close()
+            self.end_slots()
             raise KeyboardInterrupt(continue_line(sweep_dir)) from None
         finally:
             pools.close()
+            self.end_slots()
 
         self.outcomes.update((o.num, o) for o in outcomes)
         if self.summarize:
@@ -300,7 +336,8 @@ class SweepLauncher(BaseSubmititLauncher):
                     job = executor.submit(self, *arg)
                 jobs.append(job)
                 running[job] = arg
-                log.info(f"job {arg[2]} started (process {job.job_id}): {' '.join(filter_overrides(arg[0])) or '-'}")
+                where = getattr(job, "where", f"process {job.job_id}")
+                log.info(f"job {arg[2]} started ({where}): {' '.join(filter_overrides(arg[0])) or '-'}")
             done = [job for job in running if job.done()]
             for job in done:
                 overrides, _, num = running.pop(job)[:3]
@@ -311,15 +348,32 @@ class SweepLauncher(BaseSubmititLauncher):
         return ended
 
     def controllers_log(self) -> Path | None:
-        """Local jobs: where submitit's job controllers write (None on Slurm, where sbatch starts the jobs)."""
-        return Path(str(self.config.hydra.sweep.dir)) / ".submitit" / CONTROLLERS_LOG if self._EXECUTOR == "local" else None
+        """Local jobs: where submitit's job controllers write (None on Slurm, where sbatch starts the jobs, and with
+        slots, where no process is started)."""
+        if self._EXECUTOR != "local" or self.slots() > 1:
+            return None
+        return Path(str(self.config.hydra.sweep.dir)) / ".submitit" / CONTROLLERS_LOG
+
+    def _at_once(self, workers: int) -> int:
+        """Local jobs at once: the slots (no more than max_parallel when set); else max_parallel, or as many as the
+        CPUs hold at one CPU a worker."""
+        max_parallel = self.params.get("max_parallel")
+        if self.slots() > 1:
+            return min(self.slots(), max_parallel or self.slots())
+        return points_at_once(os.cpu_count(), workers, max_parallel)
 
     def capacity(self, config: DictConfig) -> int | None:
-        """How many jobs of points like `config` may run at once: the local launcher's `max_parallel` (else as many
-        as the CPUs hold); None on Slurm, where the scheduler decides."""
+        """How many jobs of points like `config` may run at once: the local launcher's slots or `max_parallel` (else
+        as many as the CPUs hold); None on Slurm, where the scheduler decides."""
         if self._EXECUTOR != "local":
             return None
-        return points_at_once(os.cpu_count(), config.backend.num_workers, self.params.get("max_parallel"))
+        return self._at_once(config.backend.num_workers)
+
+    def end_slots(self) -> None:
+        """With slots: every job's thread stopped and waited for, the group freed (the sweep's end, or its stop)."""
+        if self.slot_jobs is not None:
+            self.slot_jobs.close()
+            self.slot_jobs = None
 
     def start(self, overrides: Sequence[str], num: int) -> StartedJob:
         """Check the point and start its job as job `num` (its run dir and number, as `launch` gives them): a local
@@ -328,18 +382,18 @@ class SweepLauncher(BaseSubmititLauncher):
         assert self.config is not None
         overrides = self.job_points([overrides])[0]
         if self.refuse_bad_points:
-            check_points(self.hydra_context, self.config, [overrides], num)
+            check_points(self.hydra_context, self.config, [overrides], num, self.slots())
             refused = None
         else:
-            _, refused = point_error(self.hydra_context, self.config, overrides, self.data_checked)
+            _, refused = point_error(self.hydra_context, self.config, overrides, self.data_checked, self.slots())
         handle = StartedJob(num, overrides, refused=refused)
         if refused is None:
             Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-            if self._EXECUTOR == "local":  # warm workers for this streaming sweep's jobs, till it ends (at exit)
+            if self._EXECUTOR == "local" and self.slots() == 1:  # warm workers for this streaming sweep's jobs, till it ends (at exit)
                 cfg = point_error(self.hydra_context, self.config, overrides, self.data_checked)[0]
                 if wanted([cfg]):
                     self.pools.start(self.capacity(self.config) or 1)
-            if self.stream_executor is None:
+            if self.stream_executor is None or self.slots() > 1:
                 self.stream_executor = self._executor()
             arg = (list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state())
             # As in `_submit`: a Ctrl-C inside sbatch would leave a job we never learn the id of.
@@ -349,7 +403,7 @@ class SweepLauncher(BaseSubmititLauncher):
             if interrupted():
                 self.cancel_running()
                 raise KeyboardInterrupt
-        started = f"not started: {refused}" if refused else f"job {handle.job.job_id}"
+        started = f"not started: {refused}" if refused else getattr(handle.job, "where", f"job {handle.job.job_id}")
         log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))} ({started})")
         return handle
 
@@ -401,6 +455,7 @@ class SweepLauncher(BaseSubmititLauncher):
         if jobs:
             cancel(jobs)
         self.pools.close()
+        self.end_slots()
 
     def _outcome(
         self, num: int, overrides: Sequence[str], job: Any, refused: str | None, ended_by: str | None = None, wait: bool = False
@@ -624,6 +679,9 @@ class OneAtATime:
     def cancel_running(self) -> None:
         """Nothing runs between the calls."""
 
+    def end_slots(self) -> None:
+        """No slots: jobs run in Hydra's way."""
+
 
 class SlurmSweepLauncher(SweepLauncher):
     _EXECUTOR = "slurm"
@@ -650,7 +708,8 @@ class GridSweeper(BasicSweeper):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         self.overrides = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), self.max_batch_size)
         points = [point for batch in self.overrides for point in batch]
-        check_points(self.hydra_context, self.config, self.launcher.job_points(points) if self.ours else points, 0)
+        check_points(self.hydra_context, self.config, self.launcher.job_points(points) if self.ours else points, 0,
+                     self.launcher.slots() if self.ours else 1)  # fmt: skip
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         save_multirun(self.config, sweep_dir)

@@ -175,6 +175,7 @@ class OptunaSweeper(Sweeper):
             self._run_workers(study, StudyWorker(self.launcher, self, storage, space, fixed, len(study.trials)), sweep_dir)
         else:
             self._run_trials(study, space, fixed, shown)
+            self.jobs.end_slots()
         if self.dry_run:
             return self._end_dry_run(study, sweep_dir)
         summary = results(study, shown)
@@ -284,7 +285,10 @@ class OptunaSweeper(Sweeper):
             time.sleep(POLL_S)
 
     def _at_once(self) -> int:
-        """Trials kept running: n_jobs, or fewer where the launcher runs fewer at once (local: max_parallel)."""
+        """Trials kept running: n_jobs, or fewer where the launcher runs fewer at once (local: max_parallel); with
+        slots, as many as the slots (the launcher's capacity)."""
+        if isinstance(self.launcher, SweepLauncher) and self.launcher.slots() > 1:
+            return self.launcher.capacity(self.config) or 1
         return min(self.n_jobs, self.jobs.capacity(self.config) or self.n_jobs)
 
     def _run_trials(self, study: Any, space: dict[str, Any], fixed: list[str], shown: str) -> None:

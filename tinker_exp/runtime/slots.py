@@ -23,7 +23,7 @@ import copy
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tinker_exp.config import OptimizerConfig, TrainerConfig
 from tinker_exp.errors import ConfigError
@@ -161,8 +161,9 @@ class SlotGroup:
     `Slot`. Every call of every slot goes through `lock`, which also keeps the loaded slot: a slot's call swaps it
     in (one round trip) only when another slot's trial is there."""
 
-    def __init__(self, workers: Any, capacity: int):
-        """`workers`: a ready LoRA group, owned by this group from now on (`shutdown` frees it); `capacity`: K."""
+    def __init__(self, workers: Any, capacity: int, on_free: Callable[[], None] | None = None):
+        """`workers`: a ready LoRA group, owned by this group from now on (`shutdown` frees it); `capacity`: K;
+        `on_free`: called once a slot is freed (a waiting trial may take it)."""
         if workers.lora is None:
             raise ConfigError("slots: lora.rank=0 (full fine-tuning) keeps one trial per group; slots need lora.rank > 0")
         if capacity < 1:
@@ -172,11 +173,16 @@ class SlotGroup:
         self.slots: dict[int, Slot] = {}
         self.loaded: int | None = None
         self.built_averaged = workers.averaged
+        self.on_free = on_free
         workers.group.enable_slots()
 
-    def fill(self, optimizer: OptimizerConfig, trainer: TrainerConfig, optimizer_values: dict[str, Any], index: int | None = None) -> "Slot":
+    def fill(
+        self, optimizer: OptimizerConfig, trainer: TrainerConfig, optimizer_values: dict[str, Any], index: int | None = None,
+        stop: threading.Event | None = None,
+    ) -> "Slot":
         """A new trial (its optimizer, its seed trainer.seed) on a free slot (the lowest, or `index`) while the others
-        train; it starts as a cold run of the same config does."""
+        train; it starts as a cold run of the same config does. `stop`: once set, the slot's next step or evaluation
+        raises KeyboardInterrupt in its trial (a cancelled trial stops as a Ctrl-C'd run stops)."""
         from tinker_exp.optim.optimizers import spec_of
 
         with self.lock:
@@ -189,7 +195,7 @@ class SlotGroup:
             config = self.workers._worker_config(self.workers.backend, optimizer, trainer, self.workers.model_path, optimizer_values)
             self.workers.group.slot_fill(index, config.optimizer_config, trainer.seed)
             self.loaded = index
-            slot = Slot(self, index, spec_of(optimizer.name.value).averaged)
+            slot = Slot(self, index, spec_of(optimizer.name.value).averaged, stop)
             self.slots[index] = slot
             return slot
 
@@ -222,6 +228,8 @@ class SlotGroup:
                 del self.slots[slot.index]
                 if self.loaded == slot.index:
                     self.loaded = None
+        if self.on_free is not None:
+            self.on_free()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Every slot's trial ends with the workers."""
@@ -234,20 +242,28 @@ class Slot:
     """One trial on a `SlotGroup`: the calls the loop makes on a whole group (train/protocols.py `Workers`), each
     on this slot's adapters, optimizer and RNG alone. `shutdown` frees the slot, not the group."""
 
-    def __init__(self, group: SlotGroup, index: int, averaged: bool):
+    def __init__(self, group: SlotGroup, index: int, averaged: bool, stop: threading.Event | None = None):
         self.group, self.index = group, index
         self.averaged = averaged
         """Schedule-free: evaluations and exports at the averaged weights (as runtime/workers.py's)."""
+        self.stop = stop or threading.Event()
+        """Set: the trial is cancelled; its next step or evaluation raises KeyboardInterrupt."""
+
+    def _stopped(self) -> None:
+        if self.stop.is_set():
+            raise KeyboardInterrupt
 
     def ready(self) -> None:
         """A slot is filled on a ready group."""
 
     def train_step(self, examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult:
+        self._stopped()
         with self.group.lock:
             self.group._use(self)
             return self.group.workers.train_step(examples, optim_step_params)
 
     def evaluate(self, examples: Sequence[Any]) -> float:
+        self._stopped()
         with self.group.lock:
             self.group._use(self)
             return self.group.workers.evaluate(examples)
@@ -272,3 +288,4 @@ class Slot:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """The trial ends: its slot is free for the next (the group and the other slots go on)."""
         self.group._free(self)
+

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any, Callable
 
 from tinker_exp.config import Config
 from tinker_exp.runtime.worker_output import WorkerOutput
+from tinker_exp.runtime.slots import Slot, SlotGroup
 from tinker_exp.runtime.workers import TinkerWorkers
 
 log = logging.getLogger(__name__)
@@ -377,3 +379,81 @@ def is_dead_worker(error: BaseException) -> bool:
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
     return isinstance(error, (ActorDiedError, ActorUnavailableError, RayActorError))
+
+
+class SlotGroups:
+    """The slot groups of one process (a sweep's trials on slots): one group at a time, K slots, keyed as the pool
+    keys its groups (runtime/warm.py `group_key`: what the workers are built with, less what a trial sets: its
+    optimizer values, seed, steps, clip). A trial takes a free slot of its key's group (`take`); the group is built
+    at the first trial of its key, and a trial of another key waits until the group holds no trial, which is then
+    freed and the new key's built. `close` frees the group."""
+
+    def __init__(self, capacity: int, build: Callable[..., Any], out_dir: Path):
+        """`build`: a cold run's worker group (config, plan, model dir, out dir, device choice); `out_dir`: where
+        what the workers print goes (its workers.log)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.capacity, self.build, self.out_dir = capacity, build, out_dir
+        # Groups are built in one thread that lives as long as this holder: the Ray cluster a build starts has its
+        # daemons die with the thread that started them (PR_SET_PDEATHSIG), and a trial's thread ends with its trial.
+        self.builder = ThreadPoolExecutor(1, thread_name_prefix="slot-group-build")
+        self.changed = threading.Condition()
+        self.group: SlotGroup | None = None
+        self.key: dict[str, Any] | None = None
+        self.building = False
+        self.closed = False
+        self.builds = 0
+
+    def take(self, cfg: Any, plan: Any, model_path: Path, choice: Any, stop: threading.Event) -> tuple["Slot", str]:
+        """A slot for a trial like `cfg` (the one line that says where it trains, with it): waits while the group is
+        full, being built, or of another key in use. `stop` set meanwhile: KeyboardInterrupt (the trial cancelled)."""
+        key = group_key(cfg, model_path, choice, {})
+        with self.changed:
+            while True:
+                if stop.is_set() or self.closed:
+                    raise KeyboardInterrupt
+                group = self.group
+                if not self.building and group is not None and self.key == key and len(group.slots) < self.capacity:
+                    slot = group.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values, stop=stop)
+                    return slot, self._line(slot, f"a kept group (build {self.builds})")
+                if not self.building and (group is None or not group.slots):
+                    self.group, self.key, self.building = None, None, True
+                    break
+                self.changed.wait(timeout=1.0)
+        try:
+            if group is not None:
+                group.shutdown()
+            built = self.builder.submit(self._built, cfg, plan, model_path, choice).result()
+        except BaseException:
+            with self.changed:
+                self.building = False
+                self.changed.notify_all()
+            raise
+        with self.changed:
+            self.group, self.key, self.building = built, key, False
+            self.builds += 1
+            slot = built.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values, stop=stop)
+            self.changed.notify_all()
+        return slot, self._line(slot, f"built for this trial ({describe_key(key)})")
+
+    def _built(self, cfg: Any, plan: Any, model_path: Path, choice: Any) -> SlotGroup:
+        workers = self.build(cfg, plan, model_path, self.out_dir, choice)
+        workers.ready()
+        return SlotGroup(workers, self.capacity, on_free=self._freed)
+
+    def _line(self, slot: "Slot", group: str) -> str:
+        return f"slot {slot.index + 1} of {self.capacity} on this process's group: {group}"
+
+    def _freed(self) -> None:
+        with self.changed:
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        """The group freed (its trials have ended or been stopped); a waiting trial is cancelled."""
+        with self.changed:
+            self.closed = True
+            group, self.group = self.group, None
+            self.changed.notify_all()
+        if group is not None:
+            group.shutdown()
+        self.builder.shutdown()

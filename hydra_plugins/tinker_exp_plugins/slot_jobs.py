@@ -1,0 +1,261 @@
+"""A local sweep's trials on slots (hydra.launcher.slots=K): each job a thread of the sweep's own process, its run on
+a slot of one LoRA group that process keeps (runtime/warm.py `SlotGroups`), instead of a process and a group each.
+
+`SlotExecutor.submit` looks like submitit's to the launcher (a job with `done`, `results`, `cancel`, `wait`,
+`state`, `paths`), so the grid's and the study's loops are the same. A job runs what a job's own process runs
+(main.py `sweep_job`: its run dir, its record, its run, its objective), with Hydra's per-job globals left alone: its
+config composed in the sweep's thread (`prepare`), its log records in its run dir's log (and not on the sweep's
+terminal), what it prints (its progress bar, a warning) in its job log `.slots/<num>.log` of the sweep dir.
+Cancelled (Ctrl-C, a failed study): its slot's next step raises KeyboardInterrupt, as a Ctrl-C'd run stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence, TextIO
+
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+JOB_LOGS = ".slots"
+"""In the sweep dir: each slot job's stdout and stderr (`<num>.log`), and what the group's workers print."""
+
+
+class ByThread:
+    """Routes what a trial's thread logs or prints to its own files; every other thread's goes where it went."""
+
+    def __init__(self) -> None:
+        self.files: dict[int, TextIO] = {}
+        self.records: dict[int, logging.Handler] = {}
+        self.lock = threading.Lock()
+
+    def add(self, stream: TextIO, record_file: Path) -> None:
+        """The calling thread's output from now on: what it prints into `stream`, its log records into `record_file`
+        (the format of the run dir's log, conf/hydra/job_logging)."""
+        handler = logging.FileHandler(record_file, delay=True)
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        with self.lock:
+            self.files[threading.get_ident()] = stream
+            self.records[threading.get_ident()] = handler
+
+    def remove(self) -> None:
+        with self.lock:
+            stream = self.files.pop(threading.get_ident(), None)
+            handler = self.records.pop(threading.get_ident(), None)
+        if handler is not None:
+            handler.close()
+        if stream is not None:
+            stream.close()
+
+
+class RoutedStream:
+    """sys.stdout or sys.stderr while trials run in threads: a trial thread's text to its job log."""
+
+    def __init__(self, routes: ByThread, underlying: TextIO) -> None:
+        self.routes, self.underlying = routes, underlying
+
+    def write(self, text: str) -> int:
+        stream = self.routes.files.get(threading.get_ident())
+        (stream or self.underlying).write(text)
+        if stream is not None:
+            stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.underlying.flush()
+
+    def isatty(self) -> bool:
+        return threading.get_ident() not in self.routes.files and self.underlying.isatty()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.underlying, name)
+
+
+class TrialRecords(logging.Handler):
+    """On the root logger: a trial thread's records to its run dir's log."""
+
+    def __init__(self, routes: ByThread) -> None:
+        super().__init__()
+        self.routes = routes
+
+    def emit(self, record: logging.LogRecord) -> None:
+        handler = self.routes.records.get(record.thread or 0)
+        if handler is not None:
+            handler.handle(record)
+
+
+class NotFromTrials(logging.Filter):
+    """On the sweep's own handlers (its terminal, its log): a trial thread's records are not theirs."""
+
+    def __init__(self, routes: ByThread) -> None:
+        super().__init__()
+        self.routes = routes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread not in self.routes.records
+
+
+class Written:
+    """submitit's `paths.result_pickle`, as the launcher asks it: whether the job returned."""
+
+    def __init__(self, job: "SlotJob") -> None:
+        self.job = job
+
+    def exists(self) -> bool:
+        return self.job.ret is not None
+
+
+class Paths:
+    """submitit's `paths`, as the launcher asks them: its result, and its log (what the job printed)."""
+
+    def __init__(self, result_pickle: Written, stderr: Path) -> None:
+        self.result_pickle, self.stderr = result_pickle, stderr
+
+
+class SlotJob:
+    """One job (a trial, a grid point) as a thread of the sweep's process: submitit's job calls."""
+
+    def __init__(self, num: int, log: Path) -> None:
+        self.num, self.job_id = num, f"slot-job-{num}"
+        self.where = "a thread of this process, on a slot"
+        self.stop = threading.Event()
+        self.ended = threading.Event()
+        self.ret: JobReturn | None = None
+        self.state = "RUNNING"
+        self.paths = Paths(Written(self), log)
+        self.thread: threading.Thread | None = None
+
+    def done(self) -> bool:
+        return self.ended.is_set()
+
+    def wait(self) -> None:
+        self.ended.wait()
+
+    def results(self) -> list[JobReturn]:
+        assert self.ret is not None
+        return [self.ret]
+
+    def cancel(self, check: bool = False) -> None:
+        self.stop.set()
+
+
+class SlotExecutor:
+    """submitit's executor as the local launcher uses it, for trials on slots: `submit(launcher, *args)` starts the
+    job's thread and returns it; `close` waits for every job (bounded), then frees the group."""
+
+    def __init__(self, launcher: Any, capacity: int) -> None:
+        from tinker_exp.assemble import verl_workers
+        from tinker_exp.runtime.warm import SlotGroups
+
+        self.launcher = launcher
+        self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+        self.logs = self.sweep_dir / JOB_LOGS
+        self.groups = SlotGroups(capacity, verl_workers, self.logs)
+        self.jobs: list[SlotJob] = []
+        self.routes = ByThread()
+        self.installed: tuple[Any, ...] | None = None
+
+    def submit(self, launcher: Any, overrides: Sequence[str], dir_key: str, num: int, *rest: Any) -> SlotJob:
+        self._install()
+        self.logs.mkdir(parents=True, exist_ok=True)
+        job = SlotJob(num, self.logs / f"{num}.log")
+        prepared = prepare(launcher.hydra_context, launcher.config, overrides, num)
+        job.thread = threading.Thread(target=self._run, args=(job, prepared), name=f"slot-job-{num}", daemon=True)
+        self.jobs.append(job)
+        job.thread.start()
+        return job
+
+    def _run(self, job: SlotJob, prepared: "Prepared") -> None:
+        from tinker_exp.assemble import WORKERS_LOG
+        from tinker_exp.run import sweep_job
+        from tinker_exp.place import OnSlot
+
+        self.routes.add(open(job.paths.stderr, "a", encoding="utf-8"), prepared.run_dir / "tinker_exp.log")
+        try:
+            value = sweep_job(
+                prepared.task, prepared.run_dir, prepared.choices, prepared.job, prepared.hydra_files, prepared.made_now,
+                OnSlot(self.groups, job.stop, self.logs / WORKERS_LOG),
+            )  # fmt: skip
+            job.ret = JobReturn(overrides=list(prepared.overrides), status=JobStatus.COMPLETED, _return_value=value)
+            job.state = "COMPLETED"
+        except Exception as e:  # what the job raised, as its process returns it: the launcher says it with its run dir
+            job.ret = JobReturn(overrides=list(prepared.overrides), status=JobStatus.FAILED, _return_value=e)
+            job.state = "COMPLETED"
+        except BaseException:  # stopped (cancelled): no result, as a process killed leaves none
+            job.state = "CANCELLED" if job.stop.is_set() else "FAILED"
+        finally:
+            self.routes.remove()
+            job.ended.set()
+
+    def _install(self) -> None:
+        """The routes, at the first job: the sweep's handlers leave trial records out, sys.stdout/stderr route."""
+        if self.installed is not None:
+            return
+        root = logging.getLogger()
+        ours = logging.getLogger("tinker_exp")
+        handlers = [*root.handlers, *ours.handlers]
+        keep_out = NotFromTrials(self.routes)
+        for handler in handlers:
+            handler.addFilter(keep_out)
+        trial_records = TrialRecords(self.routes)
+        root.addHandler(trial_records)
+        self.installed = (handlers, keep_out, trial_records, sys.stdout, sys.stderr)
+        sys.stdout, sys.stderr = RoutedStream(self.routes, sys.stdout), RoutedStream(self.routes, sys.stderr)
+
+    def close(self, wait_s: float = 120.0) -> None:
+        """Every job stopped at its next step (those not ended yet) and waited for (at most `wait_s` each), then the
+        group freed and the routes taken down."""
+        for job in self.jobs:
+            if not job.done():
+                job.cancel()
+        for job in self.jobs:
+            job.ended.wait(wait_s)
+        self.groups.close()
+        if self.installed is not None:
+            handlers, keep_out, trial_records, stdout, stderr = self.installed
+            for handler in handlers:
+                handler.removeFilter(keep_out)
+            logging.getLogger().removeHandler(trial_records)
+            sys.stdout, sys.stderr = stdout, stderr
+            self.installed = None
+
+
+class Prepared(NamedTuple):
+    """A job's config and files, composed in the sweep's thread (Hydra's config loader is not the job thread's)."""
+
+    overrides: list
+    task: Any
+    run_dir: Path
+    choices: dict
+    job: dict
+    hydra_files: dict
+    made_now: bool
+
+
+def prepare(hydra_context: Any, config: DictConfig, overrides: Sequence[str], num: int) -> Prepared:
+    """What Hydra's run_job gives a job's task, without its globals: the job's config (its `hydra` node as job `num`
+    of the sweep), its run dir made, its W&B group and name, its record's files."""
+    from tinker_exp.run import hydra_output_files, name_sweep_job
+    from tinker_exp.sweep.jobs import job_info
+
+    whole = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+    with open_dict(whole.hydra.job), read_write(whole.hydra):
+        whole.hydra.job.num = num
+        whole.hydra.job.id = f"slot-job-{num}"
+    run_dir = Path(str(whole.hydra.sweep.dir)) / str(whole.hydra.sweep.subdir)
+    with read_write(whole.hydra.runtime), open_dict(whole.hydra.runtime):
+        whole.hydra.runtime.output_dir = str(run_dir.absolute())
+    hydra_node = OmegaConf.create({"hydra": OmegaConf.to_container(whole.hydra, resolve=False)})
+    task = whole.copy()
+    with read_write(task), open_dict(task):
+        del task["hydra"]
+    task_overrides = list(whole.hydra.overrides.task)
+    hydra_files = hydra_output_files(task, whole.hydra, hydra_node)
+    made_now = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    name_sweep_job(task, str(whole.hydra.sweep.dir), task_overrides, run_dir)
+    choices = dict(whole.hydra.runtime.choices)
+    return Prepared(list(overrides), task, run_dir, choices, job_info(num, task_overrides), hydra_files, made_now)
