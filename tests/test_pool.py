@@ -391,13 +391,20 @@ SEED_SWEEP = ["-m", "hydra/launcher=local", "hydra.launcher.max_parallel=1", *LO
 builds its engine again from the model dir (the seed draws LoRA's initial matrices)."""
 
 
+@pytest.fixture(scope="module")
+def cold_lora_seed_7(ray_address, tmp_path_factory) -> Path:
+    """The cold run of LORA with seed 7: another seed draws other LoRA matrices (and another data order)."""
+    run_dir = tmp_path_factory.mktemp("cold_lora_seed_7")
+    cold(ray_address, *LORA, "trainer.seed=7", f"hydra.run.dir={run_dir}")
+    return run_dir
+
+
 @pytest.mark.real  # a sweep with its own pool (its own Ray cluster and workers)
-def test_a_local_sweeps_second_job_on_its_pool_is_its_cold_point_and_a_seed_change_rebuilds_exactly(cold_lora, ray_address, tmp_path):
+def test_a_local_sweeps_second_job_on_its_pool_is_its_cold_point_and_a_seed_change_rebuilds_exactly(cold_lora, cold_lora_seed_7, tmp_path):
     """A 2-point sweep on the sweep's pool: each point's rows and LoRA adapter are the cold run's of its command, to
     the bit (seed 0: the module's cold LoRA run; seed 7: its own); the second job ran on the warm pool with another
     seed than the group's build."""
-    cold_runs = {"0": cold_lora, "1": tmp_path / "cold_seed_7"}
-    cold(ray_address, *LORA, "trainer.seed=7", f"hydra.run.dir={cold_runs['1']}")
+    cold_runs = {"0": cold_lora, "1": cold_lora_seed_7}
     warm_sweep = run_cli(*SEED_SWEEP, f"hydra.sweep.dir={tmp_path / 'warm'}", env={"TINKER_EXP_POOL": "auto", "RAY_ADDRESS": None}, timeout=600)
     assert warm_sweep.returncode == 0, warm_sweep.stdout[-2000:] + warm_sweep.stderr[-3000:]
     output = warm_sweep.stdout + warm_sweep.stderr
@@ -411,6 +418,45 @@ def test_a_local_sweeps_second_job_on_its_pool_is_its_cold_point_and_a_seed_chan
         assert (tmp_path / "warm" / point / adapter).read_bytes() == (cold_dir / adapter).read_bytes(), point
     # The seed draws LoRA's matrices (the two points' adapters differ): a warm job that kept the first seed's would differ.
     assert (cold_runs["0"] / adapter).read_bytes() != (cold_runs["1"] / adapter).read_bytes()
+
+
+SLOT_STUDY = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.sampler=grid", "hydra.sweeper.n_trials=3", "hydra.launcher.slots=2",
+              *LORA, "trainer.seed=choice(0,7,3)"]  # fmt: skip
+"""An Optuna study of 3 LoRA trials (a grid over the seed) on 2 slots of one group in the sweep's process: two trials
+train at once, the third takes the slot the first to end frees."""
+
+
+@pytest.mark.real  # a study whose trials train on slots of one group (on the session's Ray cluster)
+def test_a_studys_trials_on_slots_train_at_once_each_bitwise_its_cold_run(cold_lora, cold_lora_seed_7, ray_address, tmp_path):
+    """hydra.launcher.slots=2: the study's trials are threads of its process on 2 slots of one LoRA group, built once.
+    Each trial's rows and adapter are the cold run's of its point, to the bit (seeds 0 and 7: the module's cold runs);
+    the third trial takes a freed slot while the other trains. Each run dir says which slot its trial held and keeps
+    its own log records; the sweep's terminal says the trials' ends, not their lines."""
+    sweep = tmp_path / "study"
+    result = run_cli(*SLOT_STUDY, f"hydra.sweep.dir={sweep}", env={"RAY_ADDRESS": ray_address}, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "study 'tinker_exp' (" in output and "3 trials, 2 at a time" in output, output[-3000:]
+    assert "pool:" not in output and "optimizer built with" not in output  # no pool; no trial's own lines
+    import optuna
+
+    from tinker_exp.sweep.study import open_storage, sweep_storage
+
+    study = optuna.load_study(study_name="tinker_exp", storage=open_storage(sweep_storage(sweep)))
+    seeds = {t.params["trainer.seed"]: sweep / str(t.number) for t in study.trials}
+    assert sorted(seeds) == [0, 3, 7] and all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    said = {seed: (run_dir / "tinker_exp.log").read_text() for seed, run_dir in seeds.items()}
+    slots = {seed: re.search(r"slot (\d) of 2 on this process's group, built for (this|an earlier) trial", text).groups() for seed, text in said.items()}
+    assert sorted(built for _, built in slots.values()) == ["an earlier", "an earlier", "this"]  # one build: the first trial's
+    assert {index for index, _ in slots.values()} == {"1", "2"}
+    for seed, text in said.items():  # each log holds its own trial's records only
+        assert f"trainer.seed={seed}" in (seeds[seed] / ".hydra" / "overrides.yaml").read_text().replace("- ", "")
+        assert text.count("optimizer built with") == 1 and f"{seeds[seed]}/metrics.jsonl" in text, text[-2000:]
+    adapter = "adapter/adapter_model.safetensors"
+    for seed, cold_dir in ((0, cold_lora), (7, cold_lora_seed_7)):
+        assert without_timings(metrics_rows(seeds[seed])) == without_timings(metrics_rows(cold_dir)), seed
+        assert (seeds[seed] / adapter).read_bytes() == (cold_dir / adapter).read_bytes(), seed
+    assert len(metrics_rows(seeds[3])) == 3 and (seeds[3] / adapter).read_bytes() != (cold_lora / adapter).read_bytes()
 
 
 class FakeWorkers:

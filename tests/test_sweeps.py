@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import (
     COSINE_TRUNK,
     REPO,
@@ -187,6 +189,24 @@ def test_max_parallel_is_checked_before_anything_runs(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("tinker_exp: config error: hydra.launcher.max_parallel=0: must be an int >= 1")
     assert not (tmp_path / "s" / ".submitit").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["hydra.launcher.slots=0"], "hydra.launcher.slots=0: must be an int >= 1 (1: a process a job)"),
+        (["hydra.launcher.slots=2", "trainer.seed=0,1"],
+         "hydra.launcher.slots=2: lora.rank=0: full fine-tuning keeps one trial per group; slots hold LoRA SFT trials (1: a process a job)"),
+    ],
+    ids=["zero", "full-fine-tuning"],
+)  # fmt: skip
+def test_slots_are_refused_for_points_that_cannot_share_a_group_before_anything_runs(tmp_path, args, message):
+    """hydra.launcher.slots > 1 holds LoRA SFT trials only: a grid or a study of other points is refused in one line
+    (every bad point named), exit 2, nothing written."""
+    result = run_cli("-m", "hydra/launcher=local", *args, f"hydra.sweep.dir={tmp_path / 's'}")
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "s").exists()
 
 
 def test_a_job_python_that_is_no_command_is_refused_before_anything_runs(tmp_path):

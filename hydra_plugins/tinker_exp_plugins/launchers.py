@@ -72,8 +72,7 @@ def slot_error(cfg: Any, slots: int) -> str | None:
     if slots <= 1:
         return None
     why = (
-        "lora.rank=0: full fine-tuning keeps one trial per group" if cfg.lora.rank == 0
-        else "an RL run (env): its sampler takes one model, so RL trials keep one per group" if cfg.env.active
+        "lora.rank=0: full fine-tuning keeps one trial per group" if cfg.lora.rank == 0  # RL takes no LoRA yet
         else f"backend.nodes={cfg.backend.nodes}: slots hold trials on one node" if cfg.backend.nodes > 1
         else None
     )  # fmt: skip

@@ -402,7 +402,6 @@ class SlotGroups:
         self.key: dict[str, Any] | None = None
         self.building = False
         self.closed = False
-        self.builds = 0
 
     def take(self, cfg: Any, plan: Any, model_path: Path, choice: Any, stop: threading.Event) -> tuple["Slot", str]:
         """A slot for a trial like `cfg` (the one line that says where it trains, with it): waits while the group is
@@ -415,7 +414,7 @@ class SlotGroups:
                 group = self.group
                 if not self.building and group is not None and self.key == key and len(group.slots) < self.capacity:
                     slot = group.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values, stop=stop)
-                    return slot, self._line(slot, f"a kept group (build {self.builds})")
+                    return slot, self._line(slot, "built for an earlier trial")
                 if not self.building and (group is None or not group.slots):
                     self.group, self.key, self.building = None, None, True
                     break
@@ -431,10 +430,9 @@ class SlotGroups:
             raise
         with self.changed:
             self.group, self.key, self.building = built, key, False
-            self.builds += 1
             slot = built.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values, stop=stop)
             self.changed.notify_all()
-        return slot, self._line(slot, f"built for this trial ({describe_key(key)})")
+        return slot, self._line(slot, f"built for this trial: {describe_key(key)}")
 
     def _built(self, cfg: Any, plan: Any, model_path: Path, choice: Any) -> SlotGroup:
         workers = self.build(cfg, plan, model_path, self.out_dir, choice)
@@ -442,7 +440,7 @@ class SlotGroups:
         return SlotGroup(workers, self.capacity, on_free=self._freed)
 
     def _line(self, slot: "Slot", group: str) -> str:
-        return f"slot {slot.index + 1} of {self.capacity} on this process's group: {group}"
+        return f"slot {slot.index + 1} of {self.capacity} on this process's group, {group}"
 
     def _freed(self) -> None:
         with self.changed:
