@@ -7,6 +7,9 @@
 - study: an Optuna study (hparams_search=lr_cosine, seeded) of --trials trials of --steps steps, cold then warm
   (the sweep's own pool): wall time against the sum of its trials' training time (first step's start to last row),
   and whether both studies found the same objective values and best trial.
+- slots: an Optuna study of --trials LoRA trials (lora=r8) cold, warm (one trial at a time on the sweep's pool) and
+  packed (hydra.launcher.slots=--trials: every trial on a slot of one group, docs/slots.md), --pairs times in a
+  rotating order: wall medians, ratios, trials per hour, and the same objective values on every side.
 - pbt: a population (hparams_search=pbt_lr_cosine, 4 members), cold then warm: wall time.
 - memory: a pool's resident memory (its process and all below it: Ray's daemons, the workers) at rest, then after
   and during each of --runs short runs on it, each with its own seed (a rebuild of the engine each); the growth
@@ -14,6 +17,7 @@
 
     .venv/bin/python benchmarks/pool.py start [--pairs 3] [--steps 3] [--no-bare] [--set KEY=VALUE ...]
     .venv/bin/python benchmarks/pool.py study [--trials 8] [--steps 20]
+    .venv/bin/python benchmarks/pool.py slots [--trials 8] [--steps 20] [--pairs 1] [--no-cold]
     .venv/bin/python benchmarks/pool.py pbt
     .venv/bin/python benchmarks/pool.py memory [--runs 50] [--one-seed]
 """
@@ -145,6 +149,36 @@ def study(args: argparse.Namespace, tmp: Path) -> None:
                              f"trainer.steps={args.steps}", "logger=none"], tmp)  # fmt: skip
 
 
+def slots(args: argparse.Namespace, tmp: Path) -> None:
+    """An Optuna study of LoRA trials (lr_cosine, seeded) three ways, each --pairs times in a rotating order: cold
+    (a process and a group a trial), warm (the sweep's pool, one trial at a time) and packed (hydra.launcher.slots
+    = --trials: every trial a thread on a slot of one group). Wall medians, ratios, trials per hour; whether every
+    side found the same objective values, trial by trial, and the same best trial."""
+    command = ["-m", "hparams_search=lr_cosine", f"hydra.sweeper.n_trials={args.trials}", f"trainer.steps={args.steps}",
+               "logger=none", "lora=r8"]  # fmt: skip
+    sides = {"cold": ["backend.pool=none"], "warm": [], "packed": [f"hydra.launcher.slots={args.trials}"]}
+    if args.no_cold:
+        del sides["cold"]
+    walls: dict[str, list[float]] = {side: [] for side in sides}
+    found: dict[str, list] = {}
+    for pair in range(args.pairs):
+        order = list(sides)[pair % len(sides):] + list(sides)[: pair % len(sides)]
+        for side in order:
+            wall, jobs = sweep([*command, *sides[side]], tmp / f"{side}{pair}")
+            walls[side].append(wall)
+            trained = sum(training_time(job["rows"]) for job in jobs)
+            found.setdefault(side, [j["objective"] for j in jobs])
+            print(f"pair {pair} {side}: wall {wall:.1f} s, its trials' training {trained:.1f} s", file=sys.stderr)
+    median = {side: statistics.median(w) for side, w in walls.items()}
+    for side, wall in median.items():
+        print(f"{side}: wall {spread(walls[side], '.1f')} s; {args.trials * 3600 / wall:.0f} trials per hour")
+    for side in (s for s in ("cold", "warm") if s in median):
+        print(f"packed/{side}: {median['packed'] / median[side]:.3f}")
+    best = {side: min(range(len(v)), key=lambda i: float("inf") if v[i] is None else v[i]) for side, v in found.items()}
+    same = all(v == found["packed"] for v in found.values())
+    print(f"objective values the same on every side, trial by trial: {same}; best trial: {best}")
+
+
 def pbt(args: argparse.Namespace, tmp: Path) -> None:
     compare_sweeps("pbt", ["-m", "hparams_search=pbt_lr_cosine", "logger=none"], tmp)
 
@@ -234,19 +268,20 @@ def memory(args: argparse.Namespace, tmp: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("part", choices=["start", "study", "pbt", "memory"])
+    parser.add_argument("part", choices=["start", "study", "slots", "pbt", "memory"])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--one-seed", action="store_true", help="memory: every run seed 0 (the kept state restored, no rebuild)")
     parser.add_argument("--no-bare", action="store_true", help="start: without the bare verl loop")
+    parser.add_argument("--no-cold", action="store_true", help="slots: warm and packed only")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="start: a config override (a GPU: backend.num_workers=1)")
     args = parser.parse_args()
     args.steps = args.steps or (3 if args.part == "start" else 20)
     os.environ.setdefault("WANDB_MODE", "offline")
     with tempfile.TemporaryDirectory() as name:
-        {"start": start, "study": study, "pbt": pbt, "memory": memory}[args.part](args, Path(name))
+        {"start": start, "study": study, "slots": slots, "pbt": pbt, "memory": memory}[args.part](args, Path(name))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence, TextIO
+from typing import Any, Iterator, NamedTuple, Sequence, TextIO
 
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -40,6 +41,20 @@ class ByThread:
         with self.lock:
             self.files[threading.get_ident()] = stream
             self.records[threading.get_ident()] = handler
+
+    @contextmanager
+    def speaking_for(self, thread: int) -> Iterator[None]:
+        """Within: the calling thread's output goes where `thread`'s goes (a group built for that trial's run)."""
+        me = threading.get_ident()
+        with self.lock:
+            if thread in self.files:
+                self.files[me], self.records[me] = self.files[thread], self.records[thread]
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.files.pop(me, None)
+                self.records.pop(me, None)
 
     def remove(self) -> None:
         with self.lock:
@@ -153,9 +168,9 @@ class SlotExecutor:
         self.launcher = launcher
         self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
         self.logs = self.sweep_dir / JOB_LOGS
-        self.groups = SlotGroups(capacity, verl_workers, self.logs)
-        self.jobs: list[SlotJob] = []
         self.routes = ByThread()
+        self.groups = SlotGroups(capacity, verl_workers, self.logs, self.routes.speaking_for)
+        self.jobs: list[SlotJob] = []
         self.installed: tuple[Any, ...] | None = None
 
     def submit(self, launcher: Any, overrides: Sequence[str], dir_key: str, num: int, *rest: Any) -> SlotJob:

@@ -388,12 +388,13 @@ class SlotGroups:
     at the first trial of its key, and a trial of another key waits until the group holds no trial, which is then
     freed and the new key's built. `close` frees the group."""
 
-    def __init__(self, capacity: int, build: Callable[..., Any], out_dir: Path):
+    def __init__(self, capacity: int, build: Callable[..., Any], out_dir: Path, speaking_for: Callable[[int], Any] | None = None):
         """`build`: a cold run's worker group (config, plan, model dir, out dir, device choice); `out_dir`: where
-        what the workers print goes (its workers.log)."""
+        what the workers print goes (its workers.log); `speaking_for(thread id)`: a context in which the build's
+        thread logs and prints as the trial's thread that asked for it (the build's lines are its trial's)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        self.capacity, self.build, self.out_dir = capacity, build, out_dir
+        self.capacity, self.build, self.out_dir, self.speaking_for = capacity, build, out_dir, speaking_for
         # Groups are built in one thread that lives as long as this holder: the Ray cluster a build starts has its
         # daemons die with the thread that started them (PR_SET_PDEATHSIG), and a trial's thread ends with its trial.
         self.builder = ThreadPoolExecutor(1, thread_name_prefix="slot-group-build")
@@ -422,7 +423,7 @@ class SlotGroups:
         try:
             if group is not None:
                 group.shutdown()
-            built = self.builder.submit(self._built, cfg, plan, model_path, choice).result()
+            built = self.builder.submit(self._built, threading.get_ident(), cfg, plan, model_path, choice).result()
         except BaseException:
             with self.changed:
                 self.building = False
@@ -434,10 +435,13 @@ class SlotGroups:
             self.changed.notify_all()
         return slot, self._line(slot, f"built for this trial: {describe_key(key)}")
 
-    def _built(self, cfg: Any, plan: Any, model_path: Path, choice: Any) -> SlotGroup:
-        workers = self.build(cfg, plan, model_path, self.out_dir, choice)
-        workers.ready()
-        return SlotGroup(workers, self.capacity, on_free=self._freed)
+    def _built(self, trial_thread: int, cfg: Any, plan: Any, model_path: Path, choice: Any) -> SlotGroup:
+        from contextlib import nullcontext
+
+        with self.speaking_for(trial_thread) if self.speaking_for else nullcontext():
+            workers = self.build(cfg, plan, model_path, self.out_dir, choice)
+            workers.ready()
+            return SlotGroup(workers, self.capacity, on_free=self._freed)
 
     def _line(self, slot: "Slot", group: str) -> str:
         return f"slot {slot.index + 1} of {self.capacity} on this process's group, {group}"
