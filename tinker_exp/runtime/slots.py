@@ -174,6 +174,7 @@ class SlotGroup:
         self.loaded: int | None = None
         self.built_averaged = workers.averaged
         self.on_free = on_free
+        self.loading: list = []  # a swap asked and not yet checked (runtime/workers.py slot_load)
         workers.group.enable_slots()
 
     def fill(
@@ -217,9 +218,22 @@ class SlotGroup:
         if self.slots.get(slot.index) is not slot:
             raise RuntimeError(f"slot {slot.index} was freed: its trial has ended")
         if self.loaded != slot.index:
-            self.workers.group.slot_load(slot.index)
+            self.loading = self.workers.group.slot_load(slot.index)  # each rank's ref; the slot's call runs after it
             self.loaded = slot.index
         self.workers.averaged = slot.averaged
+
+    def _on(self, slot: "Slot", call: Callable[[], Any]) -> Any:
+        """`call` (a group call) on `slot`'s trial, under the lock; a swap it needed is checked after it."""
+        with self.lock:
+            self._use(slot)
+            try:
+                return call()
+            finally:
+                loading, self.loading = self.loading, []
+                if loading:
+                    import ray
+
+                    ray.get(loading)
 
     def _free(self, slot: "Slot") -> None:
         with self.lock:
@@ -258,32 +272,22 @@ class Slot:
 
     def train_step(self, examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult:
         self._stopped()
-        with self.group.lock:
-            self.group._use(self)
-            return self.group.workers.train_step(examples, optim_step_params)
+        return self.group._on(self, lambda: self.group.workers.train_step(examples, optim_step_params))
 
     def evaluate(self, examples: Sequence[Any]) -> float:
         self._stopped()
-        with self.group.lock:
-            self.group._use(self)
-            return self.group.workers.evaluate(examples)
+        return self.group._on(self, lambda: self.group.workers.evaluate(examples))
 
     def save_checkpoint(self, folder: Path, step: int) -> None:
         """The trial's checkpoint, as a run alone writes it (its adapters, optimizer, lr scheduler, RNG)."""
-        with self.group.lock:
-            self.group._use(self)
-            self.group.workers.save_checkpoint(folder, step)
+        self.group._on(self, lambda: self.group.workers.save_checkpoint(folder, step))
 
     def load_checkpoint(self, folder: Path) -> None:
         """A checkpoint (this trial's, another's, or a run's alone with the same LoRA shape) into this slot."""
-        with self.group.lock:
-            self.group._use(self)
-            self.group.workers.load_checkpoint(folder)
+        self.group._on(self, lambda: self.group.workers.load_checkpoint(folder))
 
     def export_adapter(self, folder: Path) -> int:
-        with self.group.lock:
-            self.group._use(self)
-            return self.group.workers.export_adapter(folder)
+        return self.group._on(self, lambda: self.group.workers.export_adapter(folder))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """The trial ends: its slot is free for the next (the group and the other slots go on)."""

@@ -299,7 +299,9 @@ def worker_extras(mesh: str):
         def slot_fill(self, index: int, optimizer_config, seed: int) -> None:
             self._swapping().fill(index, optimizer_config, seed)
 
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        # Not waited for: the slot's call that follows runs after it on each rank (an actor runs its calls in order),
+        # so a swap costs its copy and no round trip of its own; its result is checked after that call (SlotGroup).
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
         def slot_load(self, index: int) -> None:
             self._swapping().load(index)
 
