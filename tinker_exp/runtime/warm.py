@@ -430,9 +430,15 @@ class SlotGroups:
                 self.changed.notify_all()
             raise
         with self.changed:
-            self.group, self.key, self.building = built, key, False
-            slot = built.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values, stop=stop)
+            self.building = False
             self.changed.notify_all()
+            closed = self.closed
+            if not closed:
+                self.group, self.key = built, key
+                slot = built.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values, stop=stop)
+        if closed:  # closed while it was built (Ctrl-C): nobody else frees it
+            built.shutdown()
+            raise KeyboardInterrupt
         return slot, self._line(slot, f"built for this trial: {describe_key(key)}")
 
     def _built(self, trial_thread: int, cfg: Any, plan: Any, model_path: Path, choice: Any) -> SlotGroup:
