@@ -442,14 +442,15 @@ def wandb_history(records: list) -> list[dict]:
     return rows
 
 
-def wandb_finished_records(run_dir: Path, timeout: float = 60) -> list:
-    """The records of a run that finished in this process: W&B's service may write the exit record to
-    the file a moment after run.finish() returns (seen under load), so wait for it."""
+def wandb_finished_records(run: Path, timeout: float = 60) -> list:
+    """The records of a run that finished (`run`: its run dir, or one part's .wandb file of a resumed run): W&B's
+    service may write the exit record to the file a moment after run.finish() returns (seen under load), so wait for it."""
     import time
 
+    path = run if run.suffix == ".wandb" else wandb_run_file(run)
     deadline = time.monotonic() + timeout
     while True:
-        records = wandb_records(wandb_run_file(run_dir))
+        records = wandb_records(path)
         if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
             return records
         time.sleep(0.5)

@@ -1,6 +1,6 @@
 """One Ray cluster over a multi-node Slurm allocation: the pure parts (a task's allocation, each node's `ray start`,
 a sweep point's overrides, the placement check). The real runs on the 2-node local Slurm cluster are in
-tests/test_sweeps.py (the recipe, a sweep of 2-node points, a cancelled one) and tests/test_resume.py (a requeued one)."""
+tests/test_sweeps.py (the recipe; a sweep of 2-node points: one requeued that resumes, one cancelled)."""
 
 from __future__ import annotations
 

@@ -621,7 +621,7 @@ def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_an
     array), never more than 2 of the study's jobs in the queue. Trial 0 (not pruned) gets the time-limit signal
     (USR2, what Slurm sends `signal_delay_s` before the limit) once it has reported an evaluation and saved a
     checkpoint: submitit requeues the job, which resumes from that checkpoint and reports its later evaluations to
-    the same trial; the study records it once. (test_resume's requeue is the other kind: a preemption, on 2 nodes.)"""
+    the same trial; the study records it once. (test_sweeps' sweep of 2-node points holds the other kind: a preemption.)"""
     upper, steps = 2e-3, 24
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
@@ -642,7 +642,7 @@ def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_an
             job_id = job_json(run_0)["slurm"]["job_id"]
             subprocess.run(["scancel", "--signal=USR2", job_id], env=slurm, check=True)  # submitit requeues it
             requeued_at = time.time()
-            # As in test_resume: released sooner than Slurm's hold, once its first start has left the node.
+            # As test_sweeps' preempted 2-node point: released sooner than Slurm's hold, once its first start has left the node.
             wait_until(lambda: f"{job_id} PENDING" in squeue(slurm_env).splitlines(), 240, "the job was not requeued")
             wait_until(lambda: not job_processes([job_id]), 240, "the first start did not end")
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+5"], env=slurm, check=True)

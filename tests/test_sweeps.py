@@ -24,6 +24,7 @@ from helpers import (
     read_job_log,
     read_jsonl,
     run_cli,
+    squeue,
     wait_until,
     wandb_train_rows,
     wandb_finished_records,
@@ -270,52 +271,86 @@ def test_a_study_trial_whose_point_is_bad_fails_without_a_job_and_the_study_goes
 # --- real sweeps on the local Slurm cluster ----------------------------------------------------------
 
 
-def test_a_sweep_of_two_node_points_runs_each_as_a_slurm_job_and_a_cancelled_one_is_reported_and_stops_on_both_nodes(slurm_env, tmp_path):
+def test_a_sweep_of_two_node_points_runs_each_as_a_slurm_job_resumes_a_preempted_one_and_reports_a_cancelled_one(slurm_env, tmp_path):
     """hydra.launcher.nodes=2: each point one run over both nodes of its job (one after the other on this cluster),
-    one Slurm array, one W&B group. Point 0 completes: one run dir and one W&B run, nothing left of its job on either
-    node. Point 1 (1000 steps) is cancelled while it trains on both nodes: reported, never waited on, stopped on
-    SIGTERM by itself on both nodes; the sweep's summary, table and report.png hold both points."""
-    sweep = tmp_path / "lr_sweep"
+    one Slurm array, one W&B group. Point 0 (24 steps, a cosine lr, a checkpoint every 4) is preempted after its
+    step-8 checkpoint (scontrol requeue: Slurm signals the job and puts it back in the queue; its first start stops
+    by itself), resumes from its checkpoint with its Ray cluster formed again over both nodes, logs each step once
+    with the lr as planned, and completes: one run dir and one W&B run, nothing left of its job on either node.
+    Point 1 (1000 steps), which gets the nodes while point 0 waits in the queue, is cancelled while it trains on both
+    nodes: reported, never waited on, stopped on SIGTERM by itself on both nodes; the sweep's summary, table and
+    report.png hold both points. The other kind of requeue, submitit's own at the time-limit signal (USR2), is
+    test_study's Slurm study: its trial 0 gets the signal and reports on."""
+    sweep, slurm = tmp_path / "lr_sweep", environment(slurm_env)
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", "hydra.launcher.nodes=2", "backend.num_workers=1",
-        f"hydra.sweep.dir={sweep}", "trainer.steps=3,1000", "optimizer.lr=1e-3",
+        f"hydra.sweep.dir={sweep}", "trainer.steps=24,1000", "checkpoint.every_steps=4", "+override=lr_cosine",
     ]  # fmt: skip
-    driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = tmp_path / "driver.out", tmp_path / "driver.err"  # files, not pipes: nobody reads them until the end
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=stdout, stderr=stderr)
+    tasks = lambda n: "{array_job_id}_{array_task_id}".format(**job_json(sweep / str(n))["slurm"])  # noqa: E731  submitit's and squeue's name
     try:
+        checkpoint = sweep / "0" / "checkpoints" / "step_00000008" / "MANIFEST.json"
+        wait_until(checkpoint.exists, 300, "point 0 saved no checkpoint at step 8", driver)
+        subprocess.run(["scontrol", "requeue", tasks(0)], env=slurm, check=True)
+        wait_until(lambda: f"{tasks(0)} PENDING" in squeue(slurm_env).splitlines(), 240, "point 0 was not requeued", driver)
+        # Slurm holds a requeued batch job for a while (so that its new credential postdates the old one's
+        # revocation): point 1 gets both nodes meanwhile.
         wait_until(lambda: len(metrics_rows(sweep / "1")) >= 2, 300, "point 1 never started training", driver)
         wait_until(lambda: wandb_train_rows(sweep / "1"), 120, "W&B never wrote a step of point 1", driver)
         job_id = job_json(sweep / "1")["slurm"]["job_id"]
         running = job_processes([job_id])
         assert {"n1", "n2"} <= {process.split()[1] for process in running}, running  # the run spans both nodes
-        subprocess.run(["scancel", job_id], env=environment(slurm_env), check=True)
-        stdout, stderr = driver.communicate(timeout=180)  # reported, never waited on forever
+        # the array task, not its job id: the array's last task keeps the array's id, and `scancel <array id>` would
+        # cancel point 0, requeued and waiting in the queue, too
+        subprocess.run(["scancel", tasks(1)], env=slurm, check=True)
+        # Release point 0 sooner than Slurm's hold (unless the hold ended first): it starts once point 1 has left the
+        # nodes. Its first start left them before point 1 got them, long after its credential's revocation (a start
+        # in the same second as the revocation is killed by slurmd: "Job credential revoked").
+        released = subprocess.run(["scontrol", "update", f"JobId={tasks(0)}", "StartTime=now"], env=slurm, capture_output=True, text=True)
+        assert released.returncode == 0 or f"{tasks(0)} PENDING" not in squeue(slurm_env).splitlines(), released.stderr
+        driver.wait(timeout=300)  # point 1 reported, never waited on forever
     finally:
         driver.kill()
+    stdout, stderr = out.read_text(), err.read_text()
     assert driver.returncode == 1, stderr[-3000:]
-    assert "job 1 [backend.num_workers=1 trainer.steps=1000 optimizer.lr=0.001 backend.nodes=2] CANCELLED" in stderr, stderr
-    assert f"run dir {sweep}/1" in stderr
+    report = stderr.split("1 of 2 sweep jobs did not complete")[1]  # point 0, requeued, completed
+    assert "job 1 [backend.num_workers=1 trainer.steps=1000 checkpoint.every_steps=4 +override=lr_cosine backend.nodes=2] CANCELLED" in report, stderr
+    assert f"run dir {sweep}/1" in report and "job 0" not in report
     summary = sorted(read_jsonl(sweep / "summary.jsonl"), key=lambda row: row["num"])
     assert [(row["num"], row["status"]) for row in summary] == [(0, "COMPLETED"), (1, "CANCELLED")]
     assert "final loss" in (sweep / "summary.md").read_text() and "final loss" in stdout  # the table printed too
     assert (sweep / "report.png").read_bytes()[:4] == b"\x89PNG" and f"{sweep / 'report.png'}" in stderr + stdout
     jobs = [job_json(sweep / str(n))["slurm"] for n in (0, 1)]
     assert len({job["array_job_id"] for job in jobs}) == 1  # one Slurm array
-    # point 0: completed over both nodes
+    # point 0: preempted, resumed and completed over both nodes
     row, run_dir, job = summary[0], sweep / "0", jobs[0]
-    assert row["steps"] == 3 and job["job_id"].isdigit() and job["partition"] == "debug" and job["num_nodes"] == "2"
+    assert row["steps"] == 24 and job["job_id"].isdigit() and job["partition"] == "debug" and job["num_nodes"] == "2"
+    assert job["restart_count"] == "1"  # the second start
+    starts = [line for line in (run_dir / "tinker_exp.log").read_text().splitlines() if "workers: " in line]
+    assert len(starts) == 2 and all("Ray nodes: " in line for line in starts)  # both starts span the nodes
     assert_one_rank_per_node(run_dir)
     assert_nothing_left(slurm_env, job["job_id"])
     assert row["job_id"] == f"{job['array_job_id']}_{job['array_task_id']}"
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["train/step"] for m in metrics] == [0, 1, 2]
+    assert [m["train/step"] for m in metrics] == list(range(24))  # each step once across both starts
+    assert [m["applied/lr"] for m in metrics] == planned(run_dir, "lr")  # the plan continued
     assert row["final_loss"] == metrics[-1]["train/loss"] and row["objective"] == metrics[-1]["val/loss"]  # what the job returned
-    records = wandb_finished_records(run_dir)  # W&B's service may write the exit record a moment later
+    # One W&B run a point (task 0's), resumed: offline, a part per start, each of the run's id.
+    parts = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(parts) == 2 and all(part.name == f"run-{(run_dir / 'wandb_run_id').read_text()}.wandb" for part in parts), parts
+    records = wandb_finished_records(parts[1])  # W&B's service may write the exit record a moment later
     run = wandb_run_record(records)
-    assert run.run_group == "lr_sweep" and run.display_name == "backend.num_workers=1,trainer.steps=3,optimizer.lr=0.001,backend.nodes=2"
+    assert run.run_group == "lr_sweep" and run.display_name == "backend.num_workers=1,trainer.steps=24,checkpoint.every_steps=4,override=lr_cosine,backend.nodes=2"
     assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [0]
-    assert len(list(run_dir.glob("wandb/offline-run-*"))) == 1  # one W&B run a point (task 0's)
+    # Its first start stopped by itself (not killed at KillWait), leaving no result behind for the launcher. Slurm
+    # signals every process of the job at once. 143: our SIGTERM handler stopped the run; 1: Ray's raylet died first
+    # and Ray's core worker ended the driver (it does that on losing its raylet; a race we cannot win under load).
+    job_log = read_job_log(sweep, tasks(0))
+    assert re.search(r"task 0: Exited with exit code (143|1)$", job_log, re.M) and "Killed" not in job_log, job_log[-3000:]
     # point 1: stopped on SIGTERM by itself, well before Slurm's SIGKILL, and wrote no result of its own.
-    task = f"{jobs[1]['array_job_id']}_{jobs[1]['array_task_id']}"  # submitit's id of an array task: its folder
+    task = tasks(1)
     job_log = read_job_log(sweep, task)
     # It ended by itself, before Slurm's SIGKILL: through our SIGTERM handler (exit 143, its one line), through the
     # launcher when the other node's workers died first (exit 143, no result: docs/multi-node.md), or through Ray's
