@@ -188,7 +188,7 @@ class SlotExecutor:
         from tinker_exp.run import sweep_job
         from tinker_exp.place import OnSlot
 
-        self.routes.add(open(job.paths.stderr, "a", encoding="utf-8"), prepared.run_dir / "tinker_exp.log")
+        self.routes.add(open(job.paths.stderr, "a", encoding="utf-8"), prepared.log_file)
         try:
             value = sweep_job(
                 prepared.task, prepared.run_dir, prepared.choices, prepared.job, prepared.hydra_files, prepared.made_now,
@@ -248,6 +248,8 @@ class Prepared(NamedTuple):
     job: dict
     hydra_files: dict
     made_now: bool
+    log_file: Path
+    """The run dir's log (conf/hydra/job_logging: <run dir>/<hydra.job.name>.log)."""
 
 
 def prepare(hydra_context: Any, config: DictConfig, overrides: Sequence[str], num: int) -> Prepared:
@@ -273,4 +275,5 @@ def prepare(hydra_context: Any, config: DictConfig, overrides: Sequence[str], nu
     run_dir.mkdir(parents=True, exist_ok=True)
     name_sweep_job(task, str(whole.hydra.sweep.dir), task_overrides, run_dir)
     choices = dict(whole.hydra.runtime.choices)
-    return Prepared(list(overrides), task, run_dir, choices, job_info(num, task_overrides), hydra_files, made_now)
+    log_file = run_dir / f"{whole.hydra.job.name}.log"
+    return Prepared(list(overrides), task, run_dir, choices, job_info(num, task_overrides), hydra_files, made_now, log_file)
