@@ -191,3 +191,57 @@ def test_a_slot_copied_onto_another_trains_on_as_the_source(trained, tmp_path):
     finally:
         source.shutdown()
         target.shutdown()
+
+
+def test_a_checkpoint_its_saver_still_holds_loads_in_place_and_bitwise_as_from_disk(trained, tmp_path, caplog):
+    """A PBT exploit between trials of one group: the member's slot loads the donor's boundary checkpoint (written
+    aside and renamed into place, as the loop saves it). While the donor's slot has not been called since its save,
+    its state is copied in place (the checkpoint's files moved away meanwhile: none is read); after the donor's
+    next step the files are read. The two members, trained apart before, then train bitwise alike (each keeps its own
+    clip, as a load does: a checkpoint holds none)."""
+    from tinker_exp import config
+    from tinker_exp.run import validate
+    from tinker_exp.runtime.inputs import load_examples, model_dir
+    from tinker_exp.train.checkpoints import WORKERS, begin_save, commit_save
+    from tinker_exp.train.data import dataset_rows
+
+    group = trained["shared"].slots
+    member = [o if not o.startswith("trainer.steps=") else "trainer.steps=4" for o in TRIALS["C"]]  # 2 steps after the load
+    cfg, member_cfg = config.load(compose(*LORA, *TRIALS["B"])), config.load(compose(*LORA, *member))
+    plan, member_plan = validate(cfg), validate(member_cfg)
+    examples = load_examples(cfg.data, model_dir(cfg.model), dataset_rows(cfg.data)[0], [])[0].examples[:8]
+    donor = group.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values)
+    in_place, from_disk = (group.fill(member_cfg.optimizer, member_cfg.trainer, member_plan.optimizer_values) for _ in range(2))
+    try:
+        for step in range(2):
+            donor.train_step(examples, plan[step])
+            in_place.train_step(examples[::-1], member_plan[step])  # the members apart: each load must give all of their state
+            from_disk.train_step(examples[1:] + examples[:1], member_plan[step])
+        partial = begin_save(tmp_path / "checkpoints", 2)
+        donor.save_checkpoint(partial / WORKERS, 2)
+        saved = commit_save(partial, 2, {}) / WORKERS
+        aside = tmp_path / "aside"
+        aside.mkdir()
+        with caplog.at_level("INFO", logger="tinker_exp.runtime.slots"):
+            for path in list(saved.iterdir()):
+                path.rename(aside / path.name)  # the checkpoint's files away: an in-place load reads none
+            in_place.load_checkpoint(saved)
+            for path in list(aside.iterdir()):
+                path.rename(saved / path.name)
+            donor.train_step(examples, plan[2])  # the donor moves on: its slot no longer holds the checkpoint's state
+            from_disk.load_checkpoint(saved)
+        said = [r.getMessage() for r in caplog.records if r.name == "tinker_exp.runtime.slots"]
+        assert said[-2:] == [
+            f"checkpoint {saved.parent}: taken in place from slot {donor.index + 1}, whose trial saved it and has not changed since (nothing read from disk)",
+            f"checkpoint {saved.parent}: loaded from disk (no other slot of this group holds its state now)",
+        ]  # fmt: skip
+        for step in (2, 3):
+            a, b = (member.train_step(examples, member_plan[step]) for member in (in_place, from_disk))
+            assert (a.loss, a.grad_norm) == (b.loss, b.grad_norm), step
+        for member in (in_place, from_disk):
+            member.export_adapter(tmp_path / f"adapter_{member.index}")
+        read = lambda slot: (tmp_path / f"adapter_{slot.index}" / "adapter_model.safetensors").read_bytes()  # noqa: E731
+        assert read(in_place) == read(from_disk)
+    finally:
+        for slot in (donor, in_place, from_disk):
+            slot.shutdown()

@@ -11,7 +11,9 @@ The driver sees a slot as a `Slot`: the calls the loop makes on a whole group (t
 loop, the judges and the sinks do not know they share a model. Each trial's loop runs in its own driver thread;
 the group's lock orders their calls (one slot's forward_backward and optimizer_step never interleave with
 another's). A slot is freed (`Slot.shutdown`) and its index taken by the next trial (`SlotGroup.fill`) while the
-others train; `SlotGroup.copy` copies one slot's whole state onto another's (a PBT exploit) in place.
+others train; `SlotGroup.copy` copies one slot's whole state onto another's in place, and a slot told to load a
+checkpoint that another slot saved and has not changed since takes that slot's state in place instead of reading the
+files (`Slot.load_checkpoint`: a PBT exploit of a member on the same group that is still at its boundary).
 
 Worker side: `WorkerSlots` (held by every rank's worker, runtime/workers.py `worker_extras`). Driver side:
 `SlotGroup` and `Slot`. docs/slots.md says what is measured, and what is not wired yet.
@@ -20,6 +22,8 @@ Worker side: `WorkerSlots` (held by every rank's worker, runtime/workers.py `wor
 from __future__ import annotations
 
 import copy
+import logging
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +32,8 @@ from typing import Any, Callable, Sequence
 from tinker_exp.config import OptimizerConfig, TrainerConfig
 from tinker_exp.errors import ConfigError
 from tinker_exp.train.protocols import StepResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -118,18 +124,21 @@ class WorkerSlots:
             self.loaded = None
         self.states.pop(index, None)
 
-    def copy(self, source: int, target: int) -> None:
+    def copy(self, source: int, target: int, keep_config: bool = False) -> None:
         """Slot `target`'s trial becomes a copy of `source`'s: adapters, optimizer state and param groups, lr
-        scheduler, optimizer config, RNG (a PBT exploit, in place: nothing goes through the driver or a disk)."""
+        scheduler, optimizer config, RNG (a PBT exploit, in place: nothing goes through the driver or a disk).
+        `keep_config`: the target keeps its own optimizer config (its clip when none is sent), as a checkpoint's
+        load leaves it (a checkpoint holds none)."""
         self.park()
         src = self.states[source]
+        config = self.states[target].optimizer_config if keep_config else src.optimizer_config
         engine = self.engine
         optimizer = engine._build_optimizer(engine.module)
         optimizer.load_state_dict(copy.deepcopy(src.optimizer.state_dict()))  # deep: torch's load keeps aliases
         lr_scheduler = engine._build_lr_scheduler(optimizer)
         lr_scheduler.load_state_dict(copy.deepcopy(src.lr_scheduler.state_dict()))
         self.states[target] = SlotState(
-            src.seed, [t.clone() for t in src.adapters], optimizer, lr_scheduler, src.optimizer_config,
+            src.seed, [t.clone() for t in src.adapters], optimizer, lr_scheduler, config,
             src.rng.clone(), copy.deepcopy(src.cuda_rng),
         )
 
@@ -175,6 +184,9 @@ class SlotGroup:
         self.built_averaged = workers.averaged
         self.on_free = on_free
         self.loading: list = []  # a swap asked and not yet checked (runtime/workers.py slot_load)
+        self.holding: dict[int, tuple[int, int]] = {}
+        """Slot index -> the checkpoint folder (its identity, `folder_identity`) that slot saved last, while no call has
+        changed the slot since: the slot's state is that folder's, so a load of the folder copies the slot in place."""
         workers.group.enable_slots()
 
     def fill(
@@ -196,17 +208,43 @@ class SlotGroup:
             config = self.workers._worker_config(self.workers.backend, optimizer, trainer, self.workers.model_path, optimizer_values)
             self.workers.group.slot_fill(index, config.optimizer_config, trainer.seed)
             self.loaded = index
+            self.holding.pop(index, None)
             slot = Slot(self, index, spec_of(optimizer.name.value).averaged, stop)
             self.slots[index] = slot
             return slot
 
-    def copy(self, source: "Slot", target: "Slot") -> None:
+    def copy(self, source: "Slot", target: "Slot", keep_config: bool = False) -> None:
         """`target`'s trial becomes `source`'s state, in place on every rank (a PBT exploit): its next steps are
-        bitwise the ones `source` would take with the same batches and values."""
+        bitwise the ones `source` would take with the same batches and values. `keep_config`: the target keeps its
+        own optimizer config (its clip when none is sent), as a checkpoint's load does."""
         with self.lock:
-            self.workers.group.slot_copy(source.index, target.index)
+            self.workers.group.slot_copy(source.index, target.index, keep_config)
             self.loaded = None
+            self.holding.pop(target.index, None)
             target.averaged = source.averaged
+
+    def load(self, slot: "Slot", folder: Path) -> str:
+        """The checkpoint's worker state at `folder` into `slot`: copied in place from the slot that saved it when
+        that slot has not been called since (its state is still the folder's: a PBT donor still at its boundary),
+        else loaded from the files. Returns the line that says which."""
+        with self.lock:
+            found = folder_identity(folder)
+            holder = next((i for i, held in self.holding.items() if held == found and i != slot.index and i in self.slots), None)
+            if holder is not None:
+                self.copy(self.slots[holder], slot, keep_config=True)
+                return (f"{folder.parent}: taken in place from slot {holder + 1}, whose trial saved it and has not "
+                        "changed since (nothing read from disk)")  # fmt: skip
+            self._on(slot, lambda: self.workers.load_checkpoint(folder))
+            return f"{folder.parent}: loaded from disk (no other slot of this group holds its state now)"
+
+    def save(self, slot: "Slot", folder: Path, step: int) -> None:
+        """`slot`'s checkpoint into `folder`; the slot holds that folder's state until its next call."""
+
+        def save() -> None:
+            self.workers.save_checkpoint(folder, step)
+            self.holding[slot.index] = folder_identity(folder)
+
+        self._on(slot, save)
 
     def memory(self) -> dict[int, int]:
         """Bytes each slot holds on rank 0 (adapters and optimizer state)."""
@@ -221,6 +259,7 @@ class SlotGroup:
             self.loading = self.workers.group.slot_load(slot.index)  # each rank's ref; the slot's call runs after it
             self.loaded = slot.index
         self.workers.averaged = slot.averaged
+        self.holding.pop(slot.index, None)  # any call may change the slot's state (a save marks it again after)
 
     def _on(self, slot: "Slot", call: Callable[[], Any]) -> Any:
         """`call` (a group call) on `slot`'s trial, under the lock; a swap it needed is checked after it."""
@@ -240,6 +279,7 @@ class SlotGroup:
             if self.slots.get(slot.index) is slot:
                 self.workers.group.slot_free(slot.index)
                 del self.slots[slot.index]
+                self.holding.pop(slot.index, None)
                 if self.loaded == slot.index:
                     self.loaded = None
         if self.on_free is not None:
@@ -280,11 +320,13 @@ class Slot:
 
     def save_checkpoint(self, folder: Path, step: int) -> None:
         """The trial's checkpoint, as a run alone writes it (its adapters, optimizer, lr scheduler, RNG)."""
-        self.group._on(self, lambda: self.group.workers.save_checkpoint(folder, step))
+        self.group.save(self, folder, step)
 
     def load_checkpoint(self, folder: Path) -> None:
-        """A checkpoint (this trial's, another's, or a run's alone with the same LoRA shape) into this slot."""
-        self.group._on(self, lambda: self.group.workers.load_checkpoint(folder))
+        """A checkpoint (this trial's, another's, or a run's alone with the same LoRA shape) into this slot: in place
+        from the slot that saved it when that slot has not changed since, else from the files (`SlotGroup.load`;
+        either way the same state). One log line says which (a PBT exploit's line in the member's run log)."""
+        log.info(f"checkpoint {self.group.load(self, Path(folder))}")
 
     def export_adapter(self, folder: Path) -> int:
         return self.group._on(self, lambda: self.group.workers.export_adapter(folder))
@@ -293,3 +335,10 @@ class Slot:
         """The trial ends: its slot is free for the next (the group and the other slots go on)."""
         self.group._free(self)
 
+
+
+def folder_identity(folder: Path) -> tuple[int, int]:
+    """A folder's identity, kept through a rename (a checkpoint is written aside and renamed into place:
+    train/checkpoints.py): its device and inode."""
+    found = os.stat(folder)
+    return found.st_dev, found.st_ino

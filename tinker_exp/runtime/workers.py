@@ -310,8 +310,8 @@ def worker_extras(mesh: str):
             self.slots.free(index)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def slot_copy(self, source: int, target: int) -> None:
-            self._swapping().copy(source, target)
+        def slot_copy(self, source: int, target: int, keep_config: bool = False) -> None:
+            self._swapping().copy(source, target, keep_config)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def slot_memory(self) -> dict[int, int]:
