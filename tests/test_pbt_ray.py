@@ -1,9 +1,12 @@
-"""Real populations on verl's workers (2 Ray CPU gloo workers a member), through the PBT sweeper
-(`hydra/sweeper=pbt`): 4 members, boundaries at steps 2, 4 and 6 of 8, on the local launcher and on the local Slurm
-cluster. An exploit loads another member's checkpoint into the running workers; the printed replay command, and a
-plain run of any member's override/realized.yaml from step 0, give its lineage bitwise. One population on the local
-launcher serves every assertion about it (members run one at a time on 2 CPUs: it is the costly part), and its
-members' checkpoints are the donor's in the smoke test of benchmarks/pbt_boundary.py."""
+"""Real populations on verl's workers (2 Ray CPU gloo workers), through the PBT sweeper (`hydra/sweeper=pbt`): 4
+members, boundaries at steps 2, 4 and 6 of 8, on the local launcher's slots (LoRA: every member a thread of the
+sweep's process on a slot of one group) and on the local Slurm cluster (full fine-tuning, a process a member). An
+exploit loads another member's checkpoint into the running workers (its slot); the printed replay command, and a
+plain run of any member's override/realized.yaml from step 0 (a process of its own), give its lineage bitwise. One
+population on the local launcher serves every assertion about it (members one at a time: it is the costly part),
+and its members' checkpoints, written on slots, are the donor's in the smoke test of benchmarks/pbt_boundary.py (a
+process member that loads one). The in-place exploit (a donor still at its boundary on the same group) is
+tests/test_slots.py's."""
 
 from __future__ import annotations
 
@@ -33,14 +36,19 @@ def force(forced: dict) -> str:
     return "hydra.sweeper.force_exploit={" + ",".join(f"{k}:{v}" for k, v in forced.items()) + "}"
 
 
+ON_SLOTS = ["lora=r8", "hydra.launcher.slots=4", "hydra.launcher.max_parallel=1"]
+"""The local population's members on slots of one LoRA group in the sweep's process, one at a time: the order the
+assertions below rely on (each member ranks against the ones before it), and one group built for all."""
+
+
 @pytest.fixture(scope="module")
 def local_population(ray_address, tmp_path_factory) -> tuple[Path, str]:
-    """The population on the local launcher, W&B offline, explored by PB2 (the Slurm one perturbs): (its sweep dir,
-    what the sweeper printed)."""
+    """The population on the local launcher's slots, W&B offline, explored by PB2 (the Slurm one perturbs): (its
+    sweep dir, what the sweeper printed)."""
     sweep = tmp_path_factory.mktemp("pbt") / "sweep"
     result = run_cli_population(
-        *POPULATION, "logger=wandb", "hydra.sweeper.seed=1", force(LOCAL_FORCED), "hydra/launcher=local", "hydra.sweeper.explore=pb2",
-        f"hydra.sweep.dir={sweep}", env={"RAY_ADDRESS": ray_address},
+        *POPULATION, *ON_SLOTS, "logger=wandb", "hydra.sweeper.seed=1", force(LOCAL_FORCED), "hydra/launcher=local",
+        "hydra.sweeper.explore=pb2", f"hydra.sweep.dir={sweep}", env={"RAY_ADDRESS": ray_address},
     )  # fmt: skip
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
@@ -70,6 +78,21 @@ def test_every_member_decides_at_each_boundary_and_some_exploit_by_themselves(me
     # PB2 proposed the values of an exploit from the improvements of the members before it (the first perturbs).
     logs = "".join((run_dir / "tinker_exp.log").read_text() for run_dir in members)
     assert "explored by pb2" in local_population[1] and "(pb2: proposed from " in logs, logs[-3000:]
+
+
+def test_every_member_trains_on_a_slot_of_one_group_and_says_how_it_took_each_donors_state(members, local_population):
+    """One group built (for member 0), each later member on a slot of it; each exploit's line in the member's log says
+    the donor's checkpoint was read from disk: the donor, which ran before, had freed its slot."""
+    import re
+
+    logs = {run_dir: (run_dir / "tinker_exp.log").read_text() for run_dir in members}
+    built = [re.search(r"slot \d of 4 on this process's group, built for (this|an earlier) trial", text).group(1) for text in logs.values()]
+    assert built == ["this", "an earlier", "an earlier", "an earlier"]
+    assert "4 local jobs, 1 at a time on the slots of one group" in local_population[1]
+    for run_dir, text in logs.items():
+        said = re.findall(r"\] - (checkpoint \S+: (?:loaded from disk|taken in place).*)$", text, re.MULTILINE)
+        exploits = [row["exploit"] for row in read_jsonl(run_dir / POPULATION_FILE) if row["exploit"]]
+        assert said == [f"checkpoint {e['checkpoint']}: loaded from disk (no other slot of this group holds its state now)" for e in exploits]
 
 
 def test_an_exploit_continues_from_the_donors_state_in_the_same_job(members):
@@ -134,7 +157,7 @@ def test_the_pbt_boundary_benchmark_runs_tiny_on_a_members_checkpoints(members, 
     donor = next(m for m in members if (m / "checkpoints" / "step_00000002" / "MANIFEST.json").is_file())
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "pbt_boundary.py"), "--rounds", "1", "--steps", "4", "--interval", "2",
-         "--set", "trainer.batch_size=4", "--donor", str(donor), "--keep", str(tmp_path)],
+         "--set", "trainer.batch_size=4", "--set", "lora=r8", "--donor", str(donor), "--keep", str(tmp_path)],
         cwd=REPO, env=environment({"RAY_ADDRESS": ray_address, POPULATION_ENV: None}), capture_output=True, text=True,
         timeout=900,
     )  # fmt: skip
