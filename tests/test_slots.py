@@ -193,12 +193,14 @@ def test_a_slot_copied_onto_another_trains_on_as_the_source(trained, tmp_path):
         target.shutdown()
 
 
-def test_a_checkpoint_its_saver_still_holds_loads_in_place_and_bitwise_as_from_disk(trained, tmp_path, caplog):
+@pytest.mark.parametrize("keep_saved", [False, True], ids=["live", "kept"])
+def test_a_checkpoint_another_slot_saved_loads_in_place_and_bitwise_as_from_disk(trained, tmp_path, caplog, keep_saved):
     """A PBT exploit between trials of one group: the member's slot loads the donor's boundary checkpoint (written
-    aside and renamed into place, as the loop saves it). While the donor's slot has not been called since its save,
-    its state is copied in place (the checkpoint's files moved away meanwhile: none is read); after the donor's
-    next step the files are read. The two members, trained apart before, then train bitwise alike (each keeps its own
-    clip, as a load does: a checkpoint holds none)."""
+    aside and renamed into place, as the loop saves it). The donor's state as saved is at hand while its slot has not
+    been called since (live), or, in a group that keeps each slot's state at its last save (a population's), while it
+    trains on (kept): then it is copied in place (the checkpoint's files moved away meanwhile: none is read). Once
+    it is not (the donor's next step; kept: the donor freed), the files are read. The two members, trained apart
+    before, then train bitwise alike (each keeps its own clip, as a load does: a checkpoint holds none)."""
     from tinker_exp import config
     from tinker_exp.run import validate
     from tinker_exp.runtime.inputs import load_examples, model_dir
@@ -206,6 +208,7 @@ def test_a_checkpoint_its_saver_still_holds_loads_in_place_and_bitwise_as_from_d
     from tinker_exp.train.data import dataset_rows
 
     group = trained["shared"].slots
+    group.keep_saved = keep_saved
     member = [o if not o.startswith("trainer.steps=") else "trainer.steps=4" for o in TRIALS["C"]]  # 2 steps after the load
     cfg, member_cfg = config.load(compose(*LORA, *TRIALS["B"])), config.load(compose(*LORA, *member))
     plan, member_plan = validate(cfg), validate(member_cfg)
@@ -222,17 +225,20 @@ def test_a_checkpoint_its_saver_still_holds_loads_in_place_and_bitwise_as_from_d
         saved = commit_save(partial, 2, {}) / WORKERS
         aside = tmp_path / "aside"
         aside.mkdir()
+        moves_on = (donor.train_step, (examples, plan[2])) if not keep_saved else (donor.shutdown, ())  # its state as saved gone
         with caplog.at_level("INFO", logger="tinker_exp.runtime.slots"):
+            if keep_saved:
+                donor.train_step(examples, plan[2])  # kept: the donor trains on, its state as saved still at hand
             for path in list(saved.iterdir()):
                 path.rename(aside / path.name)  # the checkpoint's files away: an in-place load reads none
             in_place.load_checkpoint(saved)
             for path in list(aside.iterdir()):
                 path.rename(saved / path.name)
-            donor.train_step(examples, plan[2])  # the donor moves on: its slot no longer holds the checkpoint's state
+            moves_on[0](*moves_on[1])
             from_disk.load_checkpoint(saved)
         said = [r.getMessage() for r in caplog.records if r.name == "tinker_exp.runtime.slots"]
         assert said[-2:] == [
-            f"checkpoint {saved.parent}: taken in place from slot {donor.index + 1}, whose trial saved it and has not changed since (nothing read from disk)",
+            f"checkpoint {saved.parent}: taken in place from slot {donor.index + 1}, which saved it (nothing read from disk)",
             f"checkpoint {saved.parent}: loaded from disk (no other slot of this group holds its state now)",
         ]  # fmt: skip
         for step in (2, 3):
@@ -243,5 +249,6 @@ def test_a_checkpoint_its_saver_still_holds_loads_in_place_and_bitwise_as_from_d
         read = lambda slot: (tmp_path / f"adapter_{slot.index}" / "adapter_model.safetensors").read_bytes()  # noqa: E731
         assert read(in_place) == read(from_disk)
     finally:
+        group.keep_saved = False
         for slot in (donor, in_place, from_disk):
             slot.shutdown()

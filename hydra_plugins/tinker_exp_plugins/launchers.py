@@ -198,6 +198,9 @@ class SweepLauncher(BaseSubmititLauncher):
         self.stream_executor: Any = None
         self.pools = SweepPools()  # a streaming sweep's (a study's) warm pools: started at its first local job
         self.slot_jobs: Any = None  # with slots: the executor running jobs as threads on slots (slot_jobs.py)
+        # True (a population's sweeper sets it): with slots, each slot keeps its state at its last checkpoint, so
+        # that a member's exploit of another member on the group is an in-place copy (runtime/slots.py `SlotGroup`).
+        self.keep_saved_states = False
 
     def slots(self) -> int:
         """LoRA trials a group trains at once (hydra.launcher.slots, local only); 1: a process a job."""

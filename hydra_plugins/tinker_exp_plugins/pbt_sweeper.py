@@ -188,6 +188,8 @@ class PBTSweeper(Sweeper):
         self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context, task_function=task_function, config=config)
         if hasattr(self.launcher, "summarize"):  # ours: the population's table at its end, not the launcher's
             self.launcher.summarize = False
+        if hasattr(self.launcher, "keep_saved_states"):  # ours: members on slots exploit each other in place
+            self.launcher.keep_saved_states = True
 
     def sweep(self, arguments: list[str]) -> Any:
         from optuna.distributions import distribution_to_json

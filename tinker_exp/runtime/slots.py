@@ -12,8 +12,9 @@ loop, the judges and the sinks do not know they share a model. Each trial's loop
 the group's lock orders their calls (one slot's forward_backward and optimizer_step never interleave with
 another's). A slot is freed (`Slot.shutdown`) and its index taken by the next trial (`SlotGroup.fill`) while the
 others train; `SlotGroup.copy` copies one slot's whole state onto another's in place, and a slot told to load a
-checkpoint that another slot saved and has not changed since takes that slot's state in place instead of reading the
-files (`Slot.load_checkpoint`: a PBT exploit of a member on the same group that is still at its boundary).
+checkpoint another slot saved takes that slot's state as saved in place instead of reading the files, while that
+state is at hand (`SlotGroup.load`: a PBT exploit between members of one group; a population's group keeps each
+slot's state at its last save).
 
 Worker side: `WorkerSlots` (held by every rank's worker, runtime/workers.py `worker_extras`). Driver side:
 `SlotGroup` and `Slot`. docs/slots.md says what is measured, and what is not wired yet.
@@ -66,6 +67,7 @@ class WorkerSlots:
         if not self.trained or not any("lora_" in n for n, _ in engine.module.named_parameters()):
             raise ValueError("slots need a LoRA model (lora.rank > 0): full fine-tuning keeps one trial per group")
         self.states: dict[int, SlotState] = {}
+        self.kept: dict[int, SlotState] = {}  # a slot's state as it saved its last checkpoint (`keep`)
         self.loaded: int | None = None
 
     def fill(self, index: int, optimizer_config: Any, seed: int) -> None:
@@ -75,6 +77,7 @@ class WorkerSlots:
 
         self.park()
         self.states.pop(index, None)
+        self.kept.pop(index, None)
         engine = self.engine
         engine.optimizer_config = optimizer_config
         start_trial(engine.module, seed)
@@ -123,28 +126,38 @@ class WorkerSlots:
         if self.loaded == index:
             self.loaded = None
         self.states.pop(index, None)
+        self.kept.pop(index, None)
 
-    def copy(self, source: int, target: int, keep_config: bool = False) -> None:
+    def copy(self, source: int, target: int, keep_config: bool = False, kept: bool = False) -> None:
         """Slot `target`'s trial becomes a copy of `source`'s: adapters, optimizer state and param groups, lr
         scheduler, optimizer config, RNG (a PBT exploit, in place: nothing goes through the driver or a disk).
         `keep_config`: the target keeps its own optimizer config (its clip when none is sent), as a checkpoint's
-        load leaves it (a checkpoint holds none)."""
+        load leaves it (a checkpoint holds none); `kept`: from the state `source` kept at its last save."""
         self.park()
-        src = self.states[source]
-        config = self.states[target].optimizer_config if keep_config else src.optimizer_config
+        src = (self.kept if kept else self.states)[source]
+        self.states[target] = self._copied(src, self.states[target].optimizer_config if keep_config else src.optimizer_config)
+
+    def keep(self, index: int) -> None:
+        """Slot `index`'s state now (it has just saved a checkpoint) kept aside until its next save, while it trains
+        on: another slot's load of that checkpoint copies it in place (`copy(..., kept=True)`)."""
+        self.park()
+        self.kept[index] = self._copied(self.states[index], self.states[index].optimizer_config)
+
+    def _copied(self, src: SlotState, optimizer_config: Any) -> SlotState:
         engine = self.engine
         optimizer = engine._build_optimizer(engine.module)
         optimizer.load_state_dict(copy.deepcopy(src.optimizer.state_dict()))  # deep: torch's load keeps aliases
         lr_scheduler = engine._build_lr_scheduler(optimizer)
         lr_scheduler.load_state_dict(copy.deepcopy(src.lr_scheduler.state_dict()))
-        self.states[target] = SlotState(
-            src.seed, [t.clone() for t in src.adapters], optimizer, lr_scheduler, config,
+        return SlotState(
+            src.seed, [t.clone() for t in src.adapters], optimizer, lr_scheduler, optimizer_config,
             src.rng.clone(), copy.deepcopy(src.cuda_rng),
         )
 
     def memory(self) -> dict[str, int]:
-        """This rank's bytes per slot: its adapters' shards and its optimizer's state tensors (the base weights,
-        shared, are not counted); the loaded slot's adapters are the parameters themselves."""
+        """This rank's bytes per slot: its adapters' shards and its optimizer's state tensors, and those of its state
+        kept at its last save (the base weights, shared, are not counted); the loaded slot's adapters are the
+        parameters themselves."""
         import torch
 
         def size(tensors) -> int:
@@ -154,8 +167,9 @@ class WorkerSlots:
         sizes = {}
         for index, state in self.states.items():
             adapters = self.trained if index == self.loaded else state.adapters
-            optimizer_state = [v for per_param in state.optimizer.state.values() for v in per_param.values()]
-            sizes[index] = size(adapters) + size(optimizer_state)
+            held = [state] + ([self.kept[index]] if index in self.kept else [])  # its state, and as kept at its last save
+            optimizer_state = [v for each in held for per_param in each.optimizer.state.values() for v in per_param.values()]
+            sizes[index] = size(adapters) + sum(size(each.adapters) for each in held[1:]) + size(optimizer_state)
         return sizes
 
     def _install(self, state: SlotState) -> None:
@@ -170,9 +184,11 @@ class SlotGroup:
     `Slot`. Every call of every slot goes through `lock`, which also keeps the loaded slot: a slot's call swaps it
     in (one round trip) only when another slot's trial is there."""
 
-    def __init__(self, workers: Any, capacity: int, on_free: Callable[[], None] | None = None):
+    def __init__(self, workers: Any, capacity: int, on_free: Callable[[], None] | None = None, keep_saved: bool = False):
         """`workers`: a ready LoRA group, owned by this group from now on (`shutdown` frees it); `capacity`: K;
-        `on_free`: called once a slot is freed (a waiting trial may take it)."""
+        `on_free`: called once a slot is freed (a waiting trial may take it); `keep_saved`: each slot keeps its state
+        as it saved its last checkpoint (as much memory again as the slot's), so that another slot's load of that
+        checkpoint is an in-place copy whatever the saver did since (a population's members)."""
         if workers.lora is None:
             raise ConfigError("slots: lora.rank=0 (full fine-tuning) keeps one trial per group; slots need lora.rank > 0")
         if capacity < 1:
@@ -184,9 +200,11 @@ class SlotGroup:
         self.built_averaged = workers.averaged
         self.on_free = on_free
         self.loading: list = []  # a swap asked and not yet checked (runtime/workers.py slot_load)
+        self.keep_saved = keep_saved
         self.holding: dict[int, tuple[int, int]] = {}
-        """Slot index -> the checkpoint folder (its identity, `folder_identity`) that slot saved last, while no call has
-        changed the slot since: the slot's state is that folder's, so a load of the folder copies the slot in place."""
+        """Slot index -> the checkpoint folder (its identity, `folder_identity`) that slot saved last, while its state
+        as saved is at hand: kept (`keep_saved`), else while no call has changed the slot since. A load of the
+        folder copies that state in place."""
         workers.group.enable_slots()
 
     def fill(
@@ -213,27 +231,28 @@ class SlotGroup:
             self.slots[index] = slot
             return slot
 
-    def copy(self, source: "Slot", target: "Slot", keep_config: bool = False) -> None:
+    def copy(self, source: "Slot", target: "Slot", keep_config: bool = False, kept: bool = False) -> None:
         """`target`'s trial becomes `source`'s state, in place on every rank (a PBT exploit): its next steps are
         bitwise the ones `source` would take with the same batches and values. `keep_config`: the target keeps its
-        own optimizer config (its clip when none is sent), as a checkpoint's load does."""
+        own optimizer config (its clip when none is sent), as a checkpoint's load does; `kept`: `source`'s state as
+        it saved its last checkpoint (`keep_saved`)."""
         with self.lock:
-            self.workers.group.slot_copy(source.index, target.index, keep_config)
+            self.workers.group.slot_copy(source.index, target.index, keep_config, kept)
             self.loaded = None
-            self.holding.pop(target.index, None)
+            if not self.keep_saved:  # a kept state is the target's own last save's still
+                self.holding.pop(target.index, None)
             target.averaged = source.averaged
 
     def load(self, slot: "Slot", folder: Path) -> str:
         """The checkpoint's worker state at `folder` into `slot`: copied in place from the slot that saved it when
-        that slot has not been called since (its state is still the folder's: a PBT donor still at its boundary),
-        else loaded from the files. Returns the line that says which."""
+        that slot holds its state as saved (kept, or not changed since: a PBT donor on this group), else loaded from
+        the files. Returns the line that says which."""
         with self.lock:
             found = folder_identity(folder)
             holder = next((i for i, held in self.holding.items() if held == found and i != slot.index and i in self.slots), None)
             if holder is not None:
-                self.copy(self.slots[holder], slot, keep_config=True)
-                return (f"{folder.parent}: taken in place from slot {holder + 1}, whose trial saved it and has not "
-                        "changed since (nothing read from disk)")  # fmt: skip
+                self.copy(self.slots[holder], slot, keep_config=True, kept=self.keep_saved)
+                return f"{folder.parent}: taken in place from slot {holder + 1}, which saved it (nothing read from disk)"
             self._on(slot, lambda: self.workers.load_checkpoint(folder))
             return f"{folder.parent}: loaded from disk (no other slot of this group holds its state now)"
 
@@ -242,6 +261,9 @@ class SlotGroup:
 
         def save() -> None:
             self.workers.save_checkpoint(folder, step)
+            if self.keep_saved:
+                self.workers.group.slot_keep(slot.index)
+                self.loaded = None
             self.holding[slot.index] = folder_identity(folder)
 
         self._on(slot, save)
@@ -259,7 +281,8 @@ class SlotGroup:
             self.loading = self.workers.group.slot_load(slot.index)  # each rank's ref; the slot's call runs after it
             self.loaded = slot.index
         self.workers.averaged = slot.averaged
-        self.holding.pop(slot.index, None)  # any call may change the slot's state (a save marks it again after)
+        if not self.keep_saved:  # any call may change the slot's state (a save marks it again after)
+            self.holding.pop(slot.index, None)
 
     def _on(self, slot: "Slot", call: Callable[[], Any]) -> Any:
         """`call` (a group call) on `slot`'s trial, under the lock; a swap it needed is checked after it."""
@@ -324,7 +347,7 @@ class Slot:
 
     def load_checkpoint(self, folder: Path) -> None:
         """A checkpoint (this trial's, another's, or a run's alone with the same LoRA shape) into this slot: in place
-        from the slot that saved it when that slot has not changed since, else from the files (`SlotGroup.load`;
+        from the slot that saved it while its state as saved is at hand, else from the files (`SlotGroup.load`;
         either way the same state). One log line says which (a PBT exploit's line in the member's run log)."""
         log.info(f"checkpoint {self.group.load(self, Path(folder))}")
 

@@ -388,13 +388,16 @@ class SlotGroups:
     at the first trial of its key, and a trial of another key waits until the group holds no trial, which is then
     freed and the new key's built. `close` frees the group."""
 
-    def __init__(self, capacity: int, build: Callable[..., Any], out_dir: Path, speaking_for: Callable[[int], Any] | None = None):
+    def __init__(self, capacity: int, build: Callable[..., Any], out_dir: Path, speaking_for: Callable[[int], Any] | None = None,
+                 keep_saved: bool = False):  # fmt: skip
         """`build`: a cold run's worker group (config, plan, model dir, out dir, device choice); `out_dir`: where
         what the workers print goes (its workers.log); `speaking_for(thread id)`: a context in which the build's
-        thread logs and prints as the trial's thread that asked for it (the build's lines are its trial's)."""
+        thread logs and prints as the trial's thread that asked for it (the build's lines are its trial's);
+        `keep_saved`: each slot keeps its state at its last checkpoint (SlotGroup's: a population's members)."""
         from concurrent.futures import ThreadPoolExecutor
 
         self.capacity, self.build, self.out_dir, self.speaking_for = capacity, build, out_dir, speaking_for
+        self.keep_saved = keep_saved
         # Groups are built in one thread that lives as long as this holder: the Ray cluster a build starts has its
         # daemons die with the thread that started them (PR_SET_PDEATHSIG), and a trial's thread ends with its trial.
         self.builder = ThreadPoolExecutor(1, thread_name_prefix="slot-group-build")
@@ -447,7 +450,7 @@ class SlotGroups:
         with self.speaking_for(trial_thread) if self.speaking_for else nullcontext():
             workers = self.build(cfg, plan, model_path, self.out_dir, choice)
             workers.ready()
-            return SlotGroup(workers, self.capacity, on_free=self._freed)
+            return SlotGroup(workers, self.capacity, on_free=self._freed, keep_saved=self.keep_saved)
 
     def _line(self, slot: "Slot", group: str) -> str:
         return f"slot {slot.index + 1} of {self.capacity} on this process's group, {group}"

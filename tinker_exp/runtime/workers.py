@@ -310,8 +310,12 @@ def worker_extras(mesh: str):
             self.slots.free(index)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def slot_copy(self, source: int, target: int, keep_config: bool = False) -> None:
-            self._swapping().copy(source, target, keep_config)
+        def slot_copy(self, source: int, target: int, keep_config: bool = False, kept: bool = False) -> None:
+            self._swapping().copy(source, target, keep_config, kept)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def slot_keep(self, index: int) -> None:
+            self._swapping().keep(index)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def slot_memory(self) -> dict[int, int]:
