@@ -6,7 +6,8 @@ group holds 3 slots and the trials train through run.run again, each run in its 
 once: with different seeds, lr schedules, lrs and gradient clips (B evaluating every 2 steps), every logged row and
 the exported adapter are bitwise the trial's alone. A slot freed (A finished) takes trial D while B is held mid-run and C trains on; a trial's
 run resumed on a slot from its checkpoint continues bitwise; one slot's state copied onto another (a PBT exploit)
-trains on as the source does.
+trains on as the source does; a checkpoint another slot saved loads in place while its saver's state as saved is at
+hand (live, or kept in a population's group), bitwise as its load from disk.
 """
 
 from __future__ import annotations
