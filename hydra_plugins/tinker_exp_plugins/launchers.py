@@ -72,7 +72,8 @@ def slot_error(cfg: Any, slots: int) -> str | None:
     if slots <= 1:
         return None
     why = (
-        "lora.rank=0: full fine-tuning keeps one trial per group" if cfg.lora.rank == 0  # RL takes no LoRA yet
+        "lora.rank=0: full fine-tuning keeps one trial per group" if cfg.lora.rank == 0
+        else f"env.prompts={cfg.env.prompts}: an RL trial keeps its group (its sampler and loss are its own)" if cfg.env.active
         else f"backend.nodes={cfg.backend.nodes}: slots hold trials on one node" if cfg.backend.nodes > 1
         else None
     )  # fmt: skip
