@@ -269,11 +269,11 @@ def main(args: list[str]) -> None:
                 group.workers = SlotGroup(group.workers, serve.slots)
             on_slots[name] = group
         slot = group.workers.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values, kind=ServedSlot)
-        say(f"model {model_id} holds slot {slot.index} of {serve.slots} on the group of LoRA rank {model_cfg.lora.rank} "
+        say(f"model {model_id} holds slot {slot.index + 1} of {serve.slots} on the group of LoRA rank {model_cfg.lora.rank} "
             f"({how})")
 
         def freed() -> None:
-            say(f"model {model_id}'s slot {slot.index} is free")
+            say(f"model {model_id}'s slot {slot.index + 1} is free")
             if not group.workers.slots:  # the group's last model: kept warm for the next clients'
                 kept.add(on_slots.pop(name))
 
