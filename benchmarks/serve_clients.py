@@ -13,18 +13,14 @@ other), and whether each client's losses at once were bitwise its losses alone (
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import ADAM, RANK, REPO, batch_tokens, datum  # noqa: E402 (this folder's benchmark)
+from serve import ADAM, RANK, batch_tokens, datum, running_server  # noqa: E402 (this folder's benchmark)
 
 LRS = {"a": 1e-3, "b": 3e-4}
 
@@ -70,44 +66,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     tokens = batch_tokens()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "TINKER_BASE_URL": f"http://127.0.0.1:{port}", "TINKER_API_KEY": "tml-bench", "TINKER_TELEMETRY": "0"}
-    env.pop("RAY_ADDRESS", None)
-    with tempfile.TemporaryDirectory() as run_dir, open(Path(run_dir) / "server.stderr", "w+") as stderr:
-        process = subprocess.Popen([sys.executable, "-m", "tinker_exp.serve", f"serve.port={port}", "serve.slots=2",
-                                    f"serve.run_dir={run_dir}/run", "logger=none"], cwd=REPO, env=env,
-                                   stdout=subprocess.PIPE, stderr=stderr, text=True)
-        try:
-            if "serving" not in process.stdout.readline():
-                stderr.seek(0)
-                raise SystemExit(f"the server did not start:\n{stderr.read()[-4000:]}")
-            threading.Thread(target=process.stdout.read, daemon=True).start()  # its request lines: a full pipe blocks it
-            os.environ.update({k: env[k] for k in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_TELEMETRY")})
-            client_run("a", tokens, 1)  # the group built, then kept warm for the pairs
-            walls: dict[str, list[float]] = {"one after the other": [], "at once": []}
-            same = True
-            for pair in range(args.pairs):
-                ways = [False, True] if pair % 2 == 0 else [True, False]
-                got = {}
-                for at_once in ways:
-                    wall, losses = both(tokens, args.steps, at_once)
-                    got[at_once] = losses
-                    walls["at once" if at_once else "one after the other"].append(wall)
-                same = same and got[True] == got[False]
-                print(f"pair {pair}: one after the other {walls['one after the other'][-1]:.2f} s, at once "
-                      f"{walls['at once'][-1]:.2f} s, ratio {walls['at once'][-1] / walls['one after the other'][-1]:.3f}; "
-                      f"losses at once == alone: {got[True] == got[False]}")
-            for way, values in walls.items():
-                print(f"{way}: median {statistics.median(values):.2f} s ({min(values):.2f}..{max(values):.2f}), "
-                      f"{2 * args.steps / statistics.median(values):.2f} client steps/s")
-            ratios = [b / a for a, b in zip(walls["one after the other"], walls["at once"])]
-            print(f"at once / one after the other: median {statistics.median(ratios):.3f} ({min(ratios):.3f}.."
-                  f"{max(ratios):.3f}); every client's losses at once bitwise its losses alone: {same}")
-        finally:
-            process.terminate()
-            process.wait(60)
+    with running_server("serve.slots=2"):
+        client_run("a", tokens, 1)  # the group built, then kept warm for the pairs
+        walls: dict[str, list[float]] = {"one after the other": [], "at once": []}
+        same = True
+        for pair in range(args.pairs):
+            ways = [False, True] if pair % 2 == 0 else [True, False]
+            got = {}
+            for at_once in ways:
+                wall, losses = both(tokens, args.steps, at_once)
+                got[at_once] = losses
+                walls["at once" if at_once else "one after the other"].append(wall)
+            same = same and got[True] == got[False]
+            print(f"pair {pair}: one after the other {walls['one after the other'][-1]:.2f} s, at once "
+                  f"{walls['at once'][-1]:.2f} s, ratio {walls['at once'][-1] / walls['one after the other'][-1]:.3f}; "
+                  f"losses at once == alone: {got[True] == got[False]}")
+    for way, values in walls.items():
+        print(f"{way}: median {statistics.median(values):.2f} s ({min(values):.2f}..{max(values):.2f}), "
+              f"{2 * args.steps / statistics.median(values):.2f} client steps/s")
+    ratios = [b / a for a, b in zip(walls["one after the other"], walls["at once"])]
+    print(f"at once / one after the other: median {statistics.median(ratios):.3f} ({min(ratios):.3f}.."
+          f"{max(ratios):.3f}); every client's losses at once bitwise its losses alone: {same}")
 
 
 if __name__ == "__main__":
