@@ -22,7 +22,9 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -141,10 +143,10 @@ def direct_steps(tokens: list[list[int]], steps: int) -> list[float]:
     return times
 
 
-def server_steps(tokens: list[list[int]], steps: int) -> list[float]:
-    import tinker
-    from tinker import types
-
+@contextmanager
+def running_server(*args: str) -> Iterator[None]:
+    """`python -m tinker_exp.serve` from REPO on a free port (its own Ray cluster, no W&B) with `args`, this process
+    its SDK client (TINKER_BASE_URL and the key set) while within; stopped on the way out."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -153,7 +155,7 @@ def server_steps(tokens: list[list[int]], steps: int) -> list[float]:
     with tempfile.TemporaryDirectory() as run_dir, open(Path(run_dir) / "server.stderr", "w+") as stderr:
         # The server's workers log to its stderr: kept in a file so that the figures stand alone, shown if it fails.
         process = subprocess.Popen([sys.executable, "-m", "tinker_exp.serve", f"serve.port={port}",
-                                    f"serve.run_dir={run_dir}/run", "logger=none"], cwd=REPO, env=env,
+                                    f"serve.run_dir={run_dir}/run", "logger=none", *args], cwd=REPO, env=env,
                                    stdout=subprocess.PIPE, stderr=stderr, text=True)
         try:
             if "serving" not in process.stdout.readline():
@@ -162,20 +164,28 @@ def server_steps(tokens: list[list[int]], steps: int) -> list[float]:
             # its line per request: read as they come (a full pipe would stop the server)
             threading.Thread(target=process.stdout.read, daemon=True).start()
             os.environ.update({k: env[k] for k in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_TELEMETRY")})
-            service = tinker.ServiceClient()
-            client = service.create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
-            data = [datum(t) for t in tokens]
-            times = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                client.forward_backward(data, "cross_entropy").result()
-                client.optim_step(types.AdamParams(**ADAM)).result()
-                times.append(time.perf_counter() - start)
-            service.close("success").result(timeout=60)  # its heartbeats end with it, not 120 s after the server
-            return times
+            yield
         finally:
             process.terminate()
             process.wait(60)
+
+
+def server_steps(tokens: list[list[int]], steps: int) -> list[float]:
+    import tinker
+    from tinker import types
+
+    with running_server():
+        service = tinker.ServiceClient()
+        client = service.create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
+        data = [datum(t) for t in tokens]
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            client.forward_backward(data, "cross_entropy").result()
+            client.optim_step(types.AdamParams(**ADAM)).result()
+            times.append(time.perf_counter() - start)
+        service.close("success").result(timeout=60)  # its heartbeats end with it, not 120 s after the server
+        return times
 
 
 if __name__ == "__main__":

@@ -421,17 +421,21 @@ def test_a_local_sweeps_second_job_on_its_pool_is_its_cold_point_and_a_seed_chan
 
 
 SLOT_STUDY = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.sampler=grid", "hydra.sweeper.n_trials=3", "hydra.launcher.slots=2",
-              *LORA, "trainer.seed=choice(0,7,3)"]  # fmt: skip
-"""An Optuna study of 3 LoRA trials (a grid over the seed) on 2 slots of one group in the sweep's process: two trials
-train at once, the third takes the slot the first to end frees."""
+              *LORA, "trainer.seed=choice(3,7,0)", "trainer.eval_every=1", "hydra.sweeper.pruner=threshold",
+              "+hydra.sweeper.pruner_args.upper=5.9168", "+hydra.sweeper.pruner_args.interval_steps=100"]  # fmt: skip
+"""An Optuna study of 3 LoRA trials (a grid over the seed: trials 0, 1, 2 are seeds 0, 7, 3) on 2 slots of one group
+in the sweep's process: seeds 0 and 7 train at once; the threshold pruner, judging only each trial's first evaluation
+(interval_steps), prunes seed 7 there (val/loss 5.91701 > 5.9168; seed 0's is 5.91651) and seed 3 (5.91904); seed 3
+takes a slot freed by a prune (seed 7's, while seed 0 trains, or seed 0's if it ended first)."""
 
 
 @pytest.mark.real  # a study whose trials train on slots of one group (on the session's Ray cluster)
 def test_a_studys_trials_on_slots_train_at_once_each_bitwise_its_cold_run(cold_lora, cold_lora_seed_7, ray_address, tmp_path):
     """hydra.launcher.slots=2: the study's trials are threads of its process on 2 slots of one LoRA group, built once.
-    Each trial's rows and adapter are the cold run's of its point, to the bit (seeds 0 and 7: the module's cold runs);
-    the third trial takes a freed slot while the other trains. Each run dir says which slot its trial held and keeps
-    its own log records; the sweep's terminal says the trials' ends, not their lines."""
+    Each trial's training rows are the cold run's of its point, to the bit (seeds 0 and 7: the module's cold runs,
+    which evaluate only at their end), and seed 0's adapter too; seed 7 is pruned at its first evaluation and the
+    third trial takes the slot it freed. Each run dir says which slot its trial held and keeps its own log records;
+    the sweep's terminal says the trials' ends, not their lines."""
     sweep = tmp_path / "study"
     result = run_cli(*SLOT_STUDY, f"hydra.sweep.dir={sweep}", env={"RAY_ADDRESS": ray_address}, timeout=600)
     output = result.stdout + result.stderr
@@ -444,7 +448,8 @@ def test_a_studys_trials_on_slots_train_at_once_each_bitwise_its_cold_run(cold_l
 
     study = optuna.load_study(study_name="tinker_exp", storage=open_storage(sweep_storage(sweep)))
     seeds = {t.params["trainer.seed"]: sweep / str(t.number) for t in study.trials}
-    assert sorted(seeds) == [0, 3, 7] and all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    states = {t.params["trainer.seed"]: (t.number, t.state.name) for t in study.trials}
+    assert states == {0: (0, "COMPLETE"), 7: (1, "PRUNED"), 3: (2, "PRUNED")}, states
     said = {seed: (run_dir / "tinker_exp.log").read_text() for seed, run_dir in seeds.items()}
     slots = {seed: re.search(r"slot (\d) of 2 on this process's group, built for (this|an earlier) trial", text).groups() for seed, text in said.items()}
     assert sorted(built for _, built in slots.values()) == ["an earlier", "an earlier", "this"]  # one build: the first trial's
@@ -453,10 +458,16 @@ def test_a_studys_trials_on_slots_train_at_once_each_bitwise_its_cold_run(cold_l
         assert f"trainer.seed={seed}" in (seeds[seed] / ".hydra" / "overrides.yaml").read_text().replace("- ", "")
         assert text.count("optimizer built with") == 1 and f"{seeds[seed]}/metrics.jsonl" in text, text[-2000:]
     adapter = "adapter/adapter_model.safetensors"
-    for seed, cold_dir in ((0, cold_lora), (7, cold_lora_seed_7)):
-        assert without_timings(metrics_rows(seeds[seed])) == without_timings(metrics_rows(cold_dir)), seed
-        assert (seeds[seed] / adapter).read_bytes() == (cold_dir / adapter).read_bytes(), seed
-    assert len(metrics_rows(seeds[3])) == 3 and (seeds[3] / adapter).read_bytes() != (cold_lora / adapter).read_bytes()
+
+    def trained(rows: list[dict]) -> list[dict]:  # the training part of each row (the cold runs evaluate at their end only)
+        return [{k: v for k, v in row.items() if not k.startswith("val/")} for row in without_timings(rows)]
+
+    cold_rows = {seed: metrics_rows(cold_dir) for seed, cold_dir in ((0, cold_lora), (7, cold_lora_seed_7))}
+    assert trained(metrics_rows(seeds[0])) == trained(cold_rows[0])
+    assert metrics_rows(seeds[0])[-1]["val/loss"] == cold_rows[0][-1]["val/loss"]
+    assert (seeds[0] / adapter).read_bytes() == (cold_lora / adapter).read_bytes()
+    assert trained(metrics_rows(seeds[7])) == trained(cold_rows[7])[:1]  # pruned after its first step
+    assert [len(metrics_rows(seeds[seed])) for seed in (7, 3)] == [1, 1]
 
 
 class FakeWorkers:

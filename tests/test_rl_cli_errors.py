@@ -38,8 +38,6 @@ REFUSED = [
     ([*RL, "rl.prompts_per_step=3", "rl.group_size=3"], "config error: rl.prompts_per_step=3 x rl.group_size=3 = 9 responses "
      "per step do not split over backend.num_workers=2 x backend.micro_batch_size=2 = 4: make prompts_per_step x group_size "
      "a multiple of 4, or change backend.micro_batch_size"),
-    ([*RL, "lora=r8"], "config error: lora.rank=8: RL with LoRA is not supported yet (the driver's sampler loads the full "
-     "weights the workers export, and with LoRA they export the adapters only): use lora=none with an env"),
     ([*RL, "env.reward=nosuch.mod:f"], "config error: env.reward: cannot import 'nosuch.mod' (ModuleNotFoundError: No module "
      "named 'nosuch'); the module must be importable where the run starts (a file in the current directory or an "
      "installed package)"),

@@ -138,3 +138,19 @@ def test_a_branch_of_an_rl_run_starts_from_its_checkpoint_bitwise_then_applies_i
     assert [row["applied/lr"] for row in rows] == [row["requested/lr"] for row in rows] == planned(tmp_path, "lr")[at:]
     assert planned(tmp_path, "lr")[at] != planned(trunk, "lr")[at]
     assert rows[1]["train/loss"] != trunk_rows[at + 1]["train/loss"]
+
+
+def test_rl_with_lora_samples_from_the_base_model_with_each_steps_adapter_merged(ray_address, tmp_path):
+    """lora=r8 on digits: after each step the workers export the adapter and the driver's sampler merges it into the
+    base weights, so the sampler's log-probs are the trainer's (mismatch below 1e-5 at every step) while the policy
+    moves away from the initial model by orders of magnitude more (train/kl_ref, against the base model): a sampler
+    left on the base weights would differ from the trainer by that much. The run's adapter is rank 8."""
+    run_dir = tmp_path / "rl_lora"
+    result = run_cli(*RL_COMMAND[:2], "lora=r8", "trainer.steps=6", "rl.log_kl_ref=true", f"hydra.run.dir={run_dir}",
+                     env={"RAY_ADDRESS": ray_address}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_rows(run_dir)
+    assert [row["train/step"] for row in rows] == list(range(6))
+    assert max(abs(row["train/mismatch"]) for row in rows) < 1e-5, [row["train/mismatch"] for row in rows]
+    assert rows[0]["train/kl_ref"] < 1e-6 and rows[-1]["train/kl_ref"] > 1e-3, [row["train/kl_ref"] for row in rows]
+    assert json.loads((run_dir / "adapter" / "adapter_config.json").read_text())["r"] == 8

@@ -320,7 +320,7 @@ def test_bad_requests_are_one_line_http_errors_and_the_server_goes_on(server, tr
         ("optim_step", {"model_id": model_id, "adam_params": {**adam, "grad_clip_norm": -1.0}}, None, "adam_params.grad_clip_norm: must be >= 0, got -1.0"),
         ("optim_step", {"model_id": "nope:train:0", "adam_params": adam}, None, "model_id: 'nope:train:0' is not served here"),
         ("create_model", {"session_id": "s", "model_seq_id": 1, "base_model": "tiny-llama", "lora_config": {"rank": 8}}, None,
-         f"create_model: this server already serves model {model_id}; one client at a time may hold a model"),
+         f"create_model: this server already serves model {model_id}; a fully fine-tuned model (LoRA rank 0) trains alone"),
         ("create_model", {"base_model": "Qwen/Qwen3-8B"}, None, "base_model: 'Qwen/Qwen3-8B' is not served (this server serves 'tiny-llama')"),
     ]
     for route, body, content_type, message in cases:
@@ -648,7 +648,7 @@ def test_bad_checkpoint_and_sampling_requests_are_one_line_errors(server, traine
     try:
         with pytest.raises(tinker.BadRequestError) as refused:  # and when it frees itself
             second.create_lora_training_client(base_model="tiny-llama", rank=RANK).result()
-        assert (f"create_model: this server already serves model {model_id}; one client at a time may hold a model. "
+        assert (f"create_model: this server already serves model {model_id}; a fully fine-tuned model (LoRA rank 0) trains alone. "
                 "It is freed when its client closes its ServiceClient, or 120 s after that client's last heartbeat (in "
                 ) in str(refused.value), str(refused.value)
     finally:
@@ -659,7 +659,7 @@ def test_bad_checkpoint_and_sampling_requests_are_one_line_errors(server, traine
         ("load_weights", {"model_id": model_id, "path": "/tmp/elsewhere", "optimizer": False},
          "path: '/tmp/elsewhere' is not a checkpoint path (tinker://<model_id>/weights/<name>)"),
         ("load_weights", {"session_id": "s", "model_seq_id": 1, "path": trained["initial"], "optimizer": True},
-         f"load_weights: this server already serves model {model_id}; one client at a time may hold a model"),
+         f"load_weights: this server already serves model {model_id}; a fully fine-tuned model (LoRA rank 0) trains alone"),
         ("save_weights", {"model_id": model_id, "path": "../up"}, "path: '../up' is not a checkpoint name"),
         ("create_sampling_session", {"session_id": "s", "sampling_session_seq_id": 0, "model_path": trained["initial"]},
          f"model_path: {trained['initial']!r} is not a checkpoint path (tinker://<model_id>/sampler_weights/<name>)"),

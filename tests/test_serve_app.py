@@ -30,7 +30,7 @@ class Clock:
 def server(tmp_path, **kwargs) -> Server:
     built: list[FakeWorkers] = []
 
-    def build(rank: int) -> FakeWorkers:
+    def build(rank: int, model_id: str) -> FakeWorkers:
         built.append(FakeWorkers(rank))
         return built[-1]
 
@@ -39,12 +39,13 @@ def server(tmp_path, **kwargs) -> Server:
     return made
 
 
-def claimed(made: Server, session_id: str | None = None):
-    """A model for a fresh session (as create_model claims it), built."""
+def claimed(made: Server, session_id: str | None = None, rank: int = 0, seq: int = 0):
+    """A model of LoRA rank `rank` for a session (a fresh one if None), as create_model claims it, built."""
     session_id = session_id or made.start_session()
-    request_id = made.create_model({"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-llama"})
+    request_id = made.create_model({"session_id": session_id, "model_seq_id": seq, "base_model": "tiny-llama",
+                                    "lora_config": {"rank": rank}})
     assert made.retrieve(request_id).error is None
-    return made.model
+    return made.models[f"{session_id}:train:{seq}"]
 
 
 def result(made: Server, request_id: str):
@@ -131,7 +132,7 @@ def test_a_model_seq_id_that_is_not_an_integer_is_refused_before_any_path(tmp_pa
             call(body) if route == "create_model" else call(route, body, "tiny-llama", 0)
         assert str(refused.value) == (f"model_seq_id: {seq!r} is not a model_seq_id (an integer >= 0: the SDK's count "
                                       "of its training clients)")
-    assert made.model is None and not made.built
+    assert not made.models and not made.built
     with pytest.raises(BadRequest, match="is outside the server's run dir"):
         made.inside(tmp_path / "checkpoints" / ".." / ".." / "elsewhere")
 
@@ -175,7 +176,8 @@ def test_a_finished_session_releases_its_model_for_the_next_client(tmp_path):
     made = server(tmp_path)
     first = claimed(made)
     second_session = made.start_session()
-    with pytest.raises(BadRequest, match=f"^create_model: this server already serves model {first.model_id}; one client"):
+    with pytest.raises(BadRequest, match=f"^create_model: this server already serves model {first.model_id}; a fully "
+                       "fine-tuned model \\(LoRA rank 0\\) trains alone. It is freed when"):
         claimed(made, second_session)
     held = made.in_turn(first, 2, lambda: lambda: "never")  # waits for seq_id 1
     workers = first.workers
@@ -186,6 +188,38 @@ def test_a_finished_session_releases_its_model_for_the_next_client(tmp_path):
     assert not made.heartbeat(first.session_id)  # the SDK stops its heartbeats on the 410 this gives
     with pytest.raises(BadRequest, match="^model_id: .* is not served here"):
         made.served_model(first.model_id)
+
+
+def test_lora_models_of_one_rank_are_held_at_once_up_to_the_slots_and_a_full_one_alone(tmp_path):
+    """serve.slots=2: two sessions' rank-8 models are held at once; a third, a rank-4 one and a fully fine-tuned one
+    are each refused in one line saying why; a session's end frees each model it holds, and the next takes the room."""
+    made = server(tmp_path, slots=2)
+    a, b = claimed(made, rank=8), claimed(made, rank=8)
+    assert set(made.models) == {a.model_id, b.model_id} and not a.workers.stopped.is_set()
+    held = f"this server already serves models {a.model_id}, {b.model_id}; "
+    refusals = [(8, "all 2 slots \\(serve.slots\\) hold a model. One is freed when its client closes"),
+                (4, "its workers train LoRA rank 8 models; a rank 4 model waits until they are freed"),
+                (0, "a fully fine-tuned model \\(LoRA rank 0\\) trains alone")]
+    for rank, why in refusals:
+        with pytest.raises(BadRequest, match=f"^create_model: {held}{why}"):
+            claimed(made, rank=rank)
+    assert len(made.built) == 2
+    b_workers = b.workers
+    made.end_session(b.session_id)
+    c_session = made.start_session()
+    c, d = claimed(made, c_session, rank=8), None
+    with pytest.raises(BadRequest, match="all 2 slots"):
+        d = claimed(made, c_session, rank=8, seq=1)  # the session's second training client: no room
+    made.retrieve(made.submit(lambda: {})).done.wait(10)  # the frees queued before it are done
+    assert b_workers.stopped.is_set() and d is None and set(made.models) == {a.model_id, c.model_id}
+    assert made.served_model(c.model_id) is c
+    with pytest.raises(BadRequest, match=f"^model_id: {b.model_id!r} is not served here \\(served: "):
+        made.served_model(b.model_id)
+    made.end_session(a.session_id)
+    made.end_session(c_session)
+    made.retrieve(made.submit(lambda: {})).done.wait(10)  # the frees queued before it are done
+    assert all(w.stopped.is_set() for w in made.built) and not made.models
+    assert claimed(made, rank=0).lora_rank == 0
 
 
 def test_a_session_whose_heartbeats_stopped_releases_its_model(tmp_path):
@@ -203,7 +237,7 @@ def test_a_session_whose_heartbeats_stopped_releases_its_model(tmp_path):
     with pytest.raises(BadRequest, match=f"^session_id: '{other}' is not a session of this server"):
         claimed(made, other)
     second = claimed(made)
-    assert made.model is second and made.built[0].stopped.is_set()
+    assert list(made.models.values()) == [second] and made.built[0].stopped.is_set()
     assert not made.heartbeat(first.session_id)
 
 
@@ -242,7 +276,7 @@ def test_a_sample_accepted_before_saves_drop_its_snapshot_samples_its_weights(tm
     from tinker_exp.serve.app import SNAPSHOTS_KEPT
 
     sampler = FakeSampler()
-    made = Server("tiny-llama", lambda rank: FakeWorkers(rank), dict, lambda folder, first_step: None, lambda *a: {},
+    made = Server("tiny-llama", lambda rank, model_id: FakeWorkers(rank), dict, lambda folder, first_step: None, lambda *a: {},
                   tmp_path, lambda: sampler)
     model = claimed(made)
     model.workers.step = 0

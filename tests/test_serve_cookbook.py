@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from helpers import REPO, environment, read_jsonl
-from test_serve import API_KEY, free_port, model_rows, start_server
+from helpers import REPO, environment, read_jsonl, wait_until
+from test_serve import API_KEY, STEPS, free_port, logprobs_of, model_rows, same, start_server
 
 pytest.importorskip("tinker_cookbook", reason="make install puts tinker-cookbook 0.6.1 in (pip --no-deps)")
 
@@ -69,7 +69,7 @@ print(f"wall {time.perf_counter() - start:.2f}")
 def served(ray_address, tmp_path_factory):
     run_dir, port = tmp_path_factory.mktemp("serve_cookbook"), free_port()
     terminal = start_server(ray_address, run_dir, port)
-    yield {"url": f"http://127.0.0.1:{port}", "run_dir": run_dir}
+    yield {"url": f"http://127.0.0.1:{port}", "run_dir": run_dir, "terminal": terminal}
     terminal.process.terminate()
     terminal.process.wait(60)
 
@@ -112,3 +112,81 @@ def test_the_cookbooks_rl_loop_on_its_arithmetic_env(served, tmp_path, loop):
     assert names[-3:] == ["000002", "000004", "final"] and set(names[:-3]) <= {"000000"}
     config = json.loads((out / "config.json").read_text())
     assert (config["async_config"] or {}).get("loss_fn") == ("stable_reinforce" if loop == "async" else None)
+
+
+def test_two_sdk_clients_train_at_once_on_two_slots_each_exactly_as_it_trains_alone(served, monkeypatch):
+    """Two clients (each its own ServiceClient, rank-8 LoRA models, their own data and AdamParams), first each alone,
+    then both at once in two threads: each step's forward_backward of both comes before either's optim_step, so each
+    model's gradients wait on its slot while the other's are computed. Every loss, per-datum log-prob, grad norm and
+    the exported sampler adapter of each client at once is bitwise its run alone; the server's log says which model
+    holds which slot, and that a client's slot is freed when its session ends."""
+    import threading
+
+    import tinker
+    from tinker import types
+    from transformers import AutoTokenizer
+
+    from tinker_exp.config.schema import ModelConfig
+    from tinker_exp.runtime.inputs import model_dir
+    from test_serve import datum
+
+    monkeypatch.setenv("TINKER_BASE_URL", served["url"])
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir(ModelConfig()))
+    texts = {"a": ["The cat sat on the mat.", "Add 2 and 3: 5."], "b": ["Spell dog: d-o-g.", "Red and blue make purple.", "One, two."]}
+    plans = {"a": STEPS[:3], "b": STEPS[::-1][:3]}
+
+    def train(who: str, barrier: threading.Barrier | None = None) -> dict:
+        service = tinker.ServiceClient()
+        try:
+            client = service.create_lora_training_client(base_model="tiny-llama", rank=8).result()
+            data = [datum(tokenizer.encode(text)) for text in texts[who]]
+            steps = []
+            for params in plans[who]:
+                output = client.forward_backward(data, "cross_entropy").result()
+                if barrier is not None:  # both clients' gradients are pending now
+                    barrier.wait(timeout=300)
+                grad_norm = client.optim_step(types.AdamParams(**params)).result().metrics["grad_norm"]
+                steps.append((output.metrics["loss:sum"], logprobs_of(output), grad_norm))
+            after = logprobs_of(client.forward(data, "cross_entropy").result())
+            sampler_path = client.save_weights_for_sampler("final").result().path
+            model_id = client.get_info().model_id
+            folder = served["run_dir"] / "checkpoints" / model_id.replace(":", "_") / "sampler_weights" / "final" / "adapter"
+            adapter = {f.name: f.read_bytes() for f in folder.iterdir() if f.suffix == ".safetensors"}
+            return {"steps": steps, "after": after, "adapter": adapter, "model_id": model_id, "path": sampler_path}
+        finally:
+            service.close("success").result(timeout=60)
+
+    alone = {who: train(who) for who in ("a", "b")}
+    barrier, at_once, failed = threading.Barrier(2), {}, []
+
+    def in_thread(who: str) -> None:
+        try:
+            at_once[who] = train(who, barrier)
+        except BaseException as e:  # noqa: BLE001 (the main thread asserts on it)
+            failed.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=in_thread, args=(who,)) for who in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    assert not failed and set(at_once) == {"a", "b"}, failed
+    for who in ("a", "b"):
+        assert len(at_once[who]["steps"]) == 3 and at_once[who]["adapter"]
+        for (loss, logprobs, grad_norm), (want_loss, want_logprobs, want_grad_norm) in zip(at_once[who]["steps"], alone[who]["steps"]):
+            assert loss == want_loss and grad_norm == want_grad_norm, who
+            assert all(same(x, y) for x, y in zip(logprobs, want_logprobs, strict=True)), who
+        assert all(same(x, y) for x, y in zip(at_once[who]["after"], alone[who]["after"], strict=True)), who
+        assert at_once[who]["adapter"] == alone[who]["adapter"], who
+    assert alone["a"]["adapter"] != alone["b"]["adapter"]
+    # the server's log: which model holds which slot, and each slot freed as its client's session ended
+    log = served["terminal"].err
+    held = {who: [line for line in log if f"model {at_once[who]['model_id']} holds slot " in line] for who in ("a", "b")}
+    assert all(len(lines) == 1 and "of 4 on the group of LoRA rank 8 (" in lines[0] for lines in held.values()), log[-20:]
+    slot_of = {who: held[who][0].split(" holds slot ")[1].split(" ")[0] for who in ("a", "b")}
+    assert slot_of["a"] != slot_of["b"], held
+    freed = [f"tinker_exp.serve: model {at_once[who]['model_id']}'s slot {slot_of[who]} is free" for who in ("a", "b")]
+    wait_until(lambda: all(line in log for line in freed), 120, f"{freed} never said: {log[-20:]}")  # after close()

@@ -5,6 +5,7 @@ thing on the suite's Slurm cluster: a worker killed with kill -9 mid-trial (jour
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -135,6 +136,7 @@ def test_in_a_slurm_job_auto_trains_cold_unless_the_job_holds_a_pool_of_its_own(
     [
         (["hydra.launcher.workers=-1"], "hydra.launcher.workers=-1: must be an int >= 0 (0: a job per trial)"),
         (["hydra.launcher.workers=2", "hydra.launcher.nodes=2"], "hydra.launcher.workers=2 with hydra.launcher.nodes=2: study workers span one node"),
+        (["hydra.launcher.slots=2"], "hydra.launcher.slots=2: on Slurm, slots hold a study worker's trials; set hydra.launcher.workers"),
     ],
 )
 def test_bad_workers_settings_are_one_line_before_anything_is_written(tmp_path, launcher, error):
@@ -216,8 +218,9 @@ def test_a_study_on_two_worker_jobs_completes_when_one_is_killed_mid_trial(slurm
 
 
 def test_ctrl_c_cancels_every_worker_at_once_on_a_study_kept_in_postgresql(slurm_env, postgres_url, tmp_path):
-    """A study on 2 workers with its storage on the suite's PostgreSQL server, interrupted once trial 0 has trained a
-    few steps: Ctrl-C cancels both worker jobs with one scancel (one line naming both), leaves none in the queue,
+    """A study of LoRA trials on 2 workers of 2 slots each (hydra.launcher.slots=2) with its storage on the suite's
+    PostgreSQL server: its 4 trials train at once, two in each worker job, each on a slot of its worker's one group.
+    Interrupted once every trial has logged a step and trial 0 a few: Ctrl-C cancels both worker jobs with one scancel (one line naming both), leaves none in the queue,
     records the running trials failed (none left RUNNING or WAITING in the storage, none taken for lost), exits 130 with
     the command that continues it; the server's password is in nothing printed or written. (A requeued worker taking
     back its trial is tested on a real journal file above; its end-to-end run on Slurm is in docs/sweeps-and-slurm.md's
@@ -227,14 +230,16 @@ def test_ctrl_c_cancels_every_worker_at_once_on_a_study_kept_in_postgresql(slurm
         sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
         "hydra.launcher.workers=2", f"hydra.sweeper.storage={postgres_url}", f"hydra.sweeper.study_name={name}",
         "hydra.sweeper.n_trials=4", "override.lr=tag(log,interval(1e-5,1e-2))", *TRIAL[1:], "trainer.steps=400", "checkpoint.every_steps=4",
+        "lora=r8", "hydra.launcher.slots=2",
     ]  # fmt: skip
     slurm, run_0 = environment(slurm_env), tmp_path / "0"
     # Ctrl-C as a terminal delivers it: SIGINT at its default in the driver (a suite run under `&` inherits it ignored).
     driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
-        trained = lambda: (run_0 / "metrics.jsonl").exists() and len(read_jsonl(run_0 / "metrics.jsonl")) > 2  # noqa: E731
-        wait_until(trained, 600, "trial 0 trained no steps", driver)
+        rows = lambda n: read_jsonl(tmp_path / str(n) / "metrics.jsonl") if (tmp_path / str(n) / "metrics.jsonl").exists() else []  # noqa: E731
+        trained = lambda: len(rows(0)) > 2 and all(rows(n) for n in range(4))  # noqa: E731
+        wait_until(trained, 600, "the 4 trials did not all train at once", driver)
         job = job_json(run_0)["slurm"]
         driver.send_signal(signal.SIGINT)
         output, _ = driver.communicate(timeout=300)
@@ -250,6 +255,12 @@ def test_ctrl_c_cancels_every_worker_at_once_on_a_study_kept_in_postgresql(slurm
     assert not [t for t in trials if RETRY_OF in t.user_attrs] and "error" not in trials[0].user_attrs  # cut off, not lost
     steps = [row["train/step"] for row in read_jsonl(run_0 / "metrics.jsonl")]
     assert steps == list(range(len(steps)))  # each row once
+    # two trials a worker job, each on a slot of the one group its worker built (for the first of them)
+    jobs = [job_json(tmp_path / str(n))["slurm"]["array_task_id"] for n in range(4)]
+    assert sorted(jobs) == ["0", "0", "1", "1"], jobs
+    slot_lines = [re.search(r"slot (\d) of 2 on this process's group, built for (this|an earlier) trial",
+                            (tmp_path / str(n) / "tinker_exp.log").read_text()) for n in range(4)]
+    assert all(slot_lines) and sorted(line.group(2) for line in slot_lines) == ["an earlier", "an earlier", "this", "this"]
     password = postgres_url.split(":")[2].split("@")[0]
     written = [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".md", ".log")]
     assert password not in output and not any(password in text for text in written)

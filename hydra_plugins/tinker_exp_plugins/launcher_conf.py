@@ -50,6 +50,10 @@ class SlurmLauncherConf(SlurmQueueConf):
     the study's storage one after another until the study has its n_trials. 0 (default): one job per trial, each with
     one trial's time limit (a worker's timeout_min must hold its share of the trials). Grids and PBT: a job per point
     whatever this says."""
+    slots: int = 1
+    """With study workers (workers > 0): LoRA trials each worker trains at once on slots of one group it builds in its
+    allocation (docs/slots.md), each trial a thread of the worker's process; 1 (default): one trial after another on
+    its pool. Every trial must train LoRA (lora.rank > 0), SFT."""
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="tinker_exp_slurm", node=SlurmLauncherConf, provider="tinker_exp")

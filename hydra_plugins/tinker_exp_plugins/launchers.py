@@ -72,7 +72,8 @@ def slot_error(cfg: Any, slots: int) -> str | None:
     if slots <= 1:
         return None
     why = (
-        "lora.rank=0: full fine-tuning keeps one trial per group" if cfg.lora.rank == 0  # RL takes no LoRA yet
+        "lora.rank=0: full fine-tuning keeps one trial per group" if cfg.lora.rank == 0
+        else f"env.prompts={cfg.env.prompts}: an RL trial keeps its group (its sampler and loss are its own)" if cfg.env.active
         else f"backend.nodes={cfg.backend.nodes}: slots hold trials on one node" if cfg.backend.nodes > 1
         else None
     )  # fmt: skip
@@ -178,6 +179,9 @@ class SweepLauncher(BaseSubmititLauncher):
         slots = params.get("slots", 1)
         if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise ConfigError(f"hydra.launcher.slots={slots}: must be an int >= 1 (1: a process a job)")
+        if slots > 1 and self._EXECUTOR == "slurm" and not workers:
+            raise ConfigError(f"hydra.launcher.slots={slots}: on Slurm, slots hold a study worker's trials; set "
+                              "hydra.launcher.workers (0, the default, runs each trial as a job of its own)")
         python = params.get("python")
         if python is not None:
             import shlex
@@ -485,6 +489,11 @@ class SweepLauncher(BaseSubmititLauncher):
     def workers(self) -> int:
         """Study worker jobs to submit (hydra.launcher.workers, Slurm only); 0: a job per trial."""
         return int(self.params.get("workers") or 0) if self._EXECUTOR == "slurm" else 0
+
+    def worker_slots(self) -> int:
+        """LoRA trials each study worker trains at once on slots of its group (hydra.launcher.slots); 1: one after
+        another on its pool."""
+        return int(self.params.get("slots") or 1) if self.workers() else 1
 
     def submit_workers(self, worker: Callable[[int], Any], count: int) -> list[Any]:
         """`count` study worker jobs, one Slurm job array (one sbatch): job i runs `worker(i)`. Returns at once."""

@@ -20,9 +20,10 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
@@ -469,31 +470,62 @@ class StudyWorker:
             study.sampler = make_sampler(self.sampler, self.sampler_args, self.space, seed, self.n_startup_trials)
             return study.ask(self.space)
 
+        slots = self.launcher.worker_slots()
+        slot_jobs = self._slot_jobs(slots) if slots > 1 else None
+        composing = threading.Lock()  # with slots, trials start from several threads; Hydra's config loader is one
+
         def run(trial: Any) -> None:
-            overrides = trial_overrides(self.fixed, trial.params)
-            trial.set_user_attr("overrides", overrides)
-            trial.set_user_attr("run_dir", str(job_run_dir(self.launcher.hydra_context, self.launcher.config, overrides, trial.number)))
-            trial.set_user_attr("job_id", worker)
-            said.info(f"study worker {worker}: trial {trial.number}: {' '.join(overrides)}")
-            self._keep_pool(pools, overrides)
-            ret = self.launcher(overrides, "hydra.sweep.dir", trial.number, f"job_id_for_{trial.number}", self.singleton_state)
+            with composing:
+                overrides = trial_overrides(self.fixed, trial.params)
+                trial.set_user_attr("overrides", overrides)
+                trial.set_user_attr("run_dir", str(job_run_dir(self.launcher.hydra_context, self.launcher.config, overrides, trial.number)))
+                trial.set_user_attr("job_id", worker)
+                said.info(f"study worker {worker}: trial {trial.number}: {' '.join(overrides)}")
+                args = (overrides, "hydra.sweep.dir", trial.number, f"job_id_for_{trial.number}", self.singleton_state)
+                job = slot_jobs and slot_jobs.submit(self.launcher, *args)
+            if job is None:
+                self._keep_pool(pools, overrides)
+                ret = self.launcher(*args)
+            else:
+                job.wait()
+                ret = job.ret or JobReturn(overrides=overrides, status=JobStatus.FAILED,
+                                           _return_value=RuntimeError(f"stopped on its slot ({job.state})"))
             try:
                 tell(study, trial, ret)
             except optuna.exceptions.UpdateFinishedTrialError:  # the sweep took this worker for lost meanwhile
                 said.warning(f"study worker {worker}: trial {trial.number} was failed by the sweep meanwhile (retried)")
 
-        try:
-            ran = 0
-            for trial in resumed(study, worker):  # this job requeued (time limit, preemption): its trial goes on
-                said.info(f"study worker {worker}: requeued; trial {trial.number} resumes in its run dir")
+        def trials_of(taken_back: list[Any]) -> int:
+            """One loop of the worker: the trials taken back first, then the study's until it has its n_trials."""
+            for trial in taken_back:
                 with Heartbeat(trial):
                     run(trial)
-                ran += 1
-            ran += work(study, self.n_trials, ask, run, worker, sweep_dir)
+            return len(taken_back) + work(study, self.n_trials, ask, run, worker, sweep_dir)
+
+        try:
+            taken_back = resumed(study, worker)  # this job requeued (time limit, preemption): its trials go on
+            for trial in taken_back:
+                said.info(f"study worker {worker}: requeued; trial {trial.number} resumes in its run dir")
+            if slot_jobs is None:
+                ran = trials_of(taken_back)
+            else:  # a loop a slot, at once (the study's ask lock orders their asks)
+                ran = sum(at_once([lambda i=i: trials_of(taken_back[i::slots]) for i in range(slots)]))
         finally:
             pools.close()
+            if slot_jobs is not None:
+                slot_jobs.close()
         said.info(f"study worker {worker}: the study has its {self.n_trials} trials; this worker ran {ran}")
         return ran
+
+    def _slot_jobs(self, slots: int) -> Any:
+        """The worker's slot executor (slot_jobs.py): its trials threads of this process on slots of one group."""
+        from hydra.core.singleton import Singleton
+
+        from hydra_plugins.tinker_exp_plugins.slot_jobs import SlotExecutor
+
+        Singleton.set_state(self.singleton_state)  # the trials' configs are composed here, as a job's are
+        logging.getLogger().setLevel(logging.INFO)  # as Hydra's job logging sets it for a job (conf/hydra/job_logging)
+        return SlotExecutor(self.launcher, slots)
 
     def checkpoint(self, index: int) -> Any:
         """submitit's hook at the time-limit signal: requeue this worker as it was (its trial resumes, `resumed`)."""
@@ -517,3 +549,23 @@ class StudyWorker:
             if wanted([cfg]):
                 pools.start(1)
 
+
+def at_once(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Each call in a thread of its own, all at once; their results, in order (the first error raised, after all end)."""
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def call(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as e:  # raised in the caller's thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,), name=f"at-once-{i}") for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results

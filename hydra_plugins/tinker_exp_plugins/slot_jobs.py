@@ -169,7 +169,7 @@ class SlotExecutor:
         self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
         self.logs = self.sweep_dir / JOB_LOGS
         self.routes = ByThread()
-        self.groups = SlotGroups(capacity, verl_workers, self.logs, self.routes.speaking_for, launcher.keep_saved_states)
+        self.groups = SlotGroups(capacity, verl_workers, self.logs, self.routes.speaking_for, getattr(launcher, "keep_saved_states", False))
         self.jobs: list[SlotJob] = []
         self.installed: tuple[Any, ...] | None = None
 

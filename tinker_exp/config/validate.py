@@ -119,11 +119,6 @@ def check(cfg: Config) -> None:
             f"into micro batches of backend.micro_batch_size={backend.micro_batch_size}"
         )
     check_throughput(cfg)
-    if cfg.env.active and cfg.lora.rank > 0:
-        raise ConfigError(
-            f"lora.rank={cfg.lora.rank}: RL with LoRA is not supported yet (the driver's sampler loads the full "
-            "weights the workers export, and with LoRA they export the adapters only): use lora=none with an env"
-        )
     if cfg.optimizer.name.value == "Muon" and cfg.lora.rank > 0:
         raise ConfigError(
             f"optimizer.name: Muon with lora.rank={cfg.lora.rank} is not supported (Muon splits the full model's "

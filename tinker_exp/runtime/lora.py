@@ -140,22 +140,36 @@ ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """An adapter as export_adapter writes it (peft's format), read back: each adapted layer's (A, B) by the base
+    weight it adapts, and its scale (lora_alpha / r). What an RL run's workers export to the driver's sampler."""
+
+    layers: dict[str, tuple[Any, Any]]
+    """'<module>.weight' (the base model's name) -> (lora_A, lora_B)."""
+    scale: float
+
+    @classmethod
+    def read(cls, folder: Path) -> "Adapter":
+        import json
+
+        from safetensors.torch import load_file
+
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+        tensors = load_file(folder / ADAPTER_WEIGHTS)
+        layers = {
+            key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight": (a, tensors[key.replace(".lora_A.", ".lora_B.")])
+            for key, a in tensors.items() if key.endswith(".lora_A.weight")
+        }  # fmt: skip
+        return cls(layers, config["lora_alpha"] / config["r"])
+
+    def merged(self, base: dict[str, Any]) -> dict[str, Any]:
+        """The adapted layers' weights, merged in float32: W + (B @ A) * scale (`base` holds at least those)."""
+        return {name: (base[name].float() + (b.float() @ a.float()) * self.scale).to(base[name].dtype)
+                for name, (a, b) in self.layers.items()}
+
+
 def merge_adapter(base: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The model's tensors with the adapter in `folder` (peft's format, as export_adapter writes it) merged in float32:
     W + (B @ A) * lora_alpha / r for each adapted layer; `base` is left as it is."""
-    import json
-
-    from safetensors.torch import load_file
-
-    config = json.loads((folder / ADAPTER_CONFIG).read_text())
-    scale = config["lora_alpha"] / config["r"]
-    adapter = load_file(folder / ADAPTER_WEIGHTS)
-    merged = dict(base)
-    for key, a in adapter.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        stem = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
-        b = adapter[key.replace(".lora_A.", ".lora_B.")]
-        weight = base[f"{stem}.weight"]
-        merged[f"{stem}.weight"] = (weight.float() + (b.float() @ a.float()) * scale).to(weight.dtype)
-    return merged
+    return {**base, **Adapter.read(folder).merged(base)}

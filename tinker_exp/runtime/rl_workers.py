@@ -7,7 +7,8 @@ verl's ppo_loss), never swapped per step. Each step: forward_backward on the sam
 the "actor" mesh), then optimizer_step with the plan's values, read back from every param group as in SFT.
 
 The sampler lives in the driver (runtime/sampler.py): after every optimizer step the workers export the full
-tensors verl's `update_weights` would push into a rollout (`export_weights`).
+tensors verl's `update_weights` would push into a rollout (`export_weights`), or with LoRA the adapter, which the
+sampler merges into its copy of the base weights.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def actor_rollout_ref_config(sft_config: Any, backend: Any, batch_size: int, gro
     section.model.override_config = dict(model.override_config)
     section.model.enable_gradient_checkpointing = model.enable_gradient_checkpointing
     section.model.use_remove_padding = False
+    for name in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules"):  # LoRA, as the SFT run's model
+        section.model[name] = OmegaConf.create({"v": getattr(model, name)}).v
     actor = section.actor
     actor.strategy = backend.strategy
     for field in fields(optim):  # every value an SFT run's optimizer is built with
@@ -169,9 +172,17 @@ class RLWorkers(TinkerWorkers):
         self.weights_version += 1
         return self.group.execute_all_async("fresh_state", worker_config, self.loss_fn, seed)
 
-    def export_weights(self) -> dict[str, Any]:
-        """The full model's tensors by name, gathered from every rank (rank 0's copy)."""
-        return self.group.export_weights()[0]
+    def export_weights(self) -> "dict[str, Any] | lora_adapters.Adapter":
+        """The full model's tensors by name, gathered from every rank (rank 0's copy); with LoRA, the adapter (the
+        sampler merges it into its base weights: runtime/sampler.py)."""
+        if self.lora_rank == 0:
+            return self.group.export_weights()[0]
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory(prefix="tinker_exp-adapter-") as folder:
+            self.export_adapter(Path(folder) / "adapter")
+            return lora_adapters.Adapter.read(Path(folder) / "adapter")
 
     def train_step(self, examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult:
         """forward_backward on the sampled batch (`examples`: train.rl.Rollout), then optimizer_step(override);

@@ -17,7 +17,10 @@ import base64
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from tinker_exp.runtime.lora import Adapter
 
 DRIVER_THREADS = 1
 """torch threads in the driver: on a 2-core machine shared with the workers, more made sampling 30x slower."""
@@ -67,6 +70,8 @@ class HFSampler:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.positions = self.model.config.max_position_embeddings
         """The longest sequence the model takes: prompt + max new tokens must fit."""
+        self.base: dict[str, Any] | None = None
+        """A LoRA run's: the adapted layers' weights as the model dir has them, which each adapter is merged into."""
 
     def _im_end(self) -> int | None:
         token = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -75,9 +80,19 @@ class HFSampler:
     def prompt_ids(self, text: str) -> list[int]:
         return chat_prompt_ids(self.tokenizer, text)
 
-    def load(self, tensors: dict[str, Any]) -> None:
-        """The workers' exported tensors into the driver's model (rotary buffers are not parameters: not sent)."""
+    def load(self, tensors: "dict[str, Any] | Adapter") -> None:
+        """The workers' exported tensors into the driver's model (rotary buffers are not parameters: not sent); an
+        adapter (a LoRA run's export) merged into the base weights the model started with (runtime/lora.py)."""
+        from tinker_exp.runtime.lora import Adapter
+
         start = time.perf_counter()
+        if isinstance(tensors, Adapter):
+            if self.base is None:  # the first load of a LoRA run: the model still holds the model dir's weights
+                state = self.model.state_dict()
+                self.base = {name: state[name].detach().clone() for name in tensors.layers}
+            self.model.load_state_dict(tensors.merged(self.base), strict=False)
+            self.load_time_s = time.perf_counter() - start
+            return
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         if unexpected or any("rotary" not in name for name in missing):
             raise RuntimeError(f"exported weights do not fit the sampler's model: missing {missing}, unexpected {unexpected}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from tinker_exp.runtime.slots import Slot
 from tinker_exp.runtime.workers import TinkerWorkers, _worker_class
 
 LOSS_SUM = "loss:sum"
@@ -214,6 +215,29 @@ class ServeWorkers(TinkerWorkers):
             non_tensor_dict={"global_batch_size": len(data), "temperature": 1.0, "calculate_entropy": False,
                              "max_response_len": longest, "global_token_num": [len(t) for t in tokens]},
         )
+
+
+class ServedSlot(Slot):
+    """A served client's model on a slot of a ServeWorkers group (runtime/slots.py): the server's calls, each on this
+    slot's adapters, optimizer, pending gradients and RNG, so a client's results are those it gets alone."""
+
+    def use_loss(self, name: str, params: dict[str, float]) -> None:
+        self.group._on(self, lambda: self.group.workers.use_loss(name, params))
+
+    def forward_backward(self, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
+        return self.group._on(self, lambda: self.group.workers.forward_backward(data))
+
+    def forward(self, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
+        return self.group._on(self, lambda: self.group.workers.forward(data))
+
+    def optimizer_step(self, params: dict[str, Any]) -> tuple[float, list[list[dict[str, Any]]]]:
+        return self.group._on(self, lambda: self.group.workers.optimizer_step(params))
+
+    def save_state(self, folder: Path, step: int) -> None:
+        self.save_checkpoint(folder, step)
+
+    def load_state(self, folder: Path, optimizer: bool) -> None:
+        self.group._on(self, lambda: self.group.workers.load_state(folder, optimizer))
 
 
 def start_served_ray(ray_address: str | None, device: str) -> None:

@@ -54,6 +54,9 @@ class SlotState:
     rng: Any
     """torch's CPU RNG state of the trial (and `cuda_rng`, its GPUs'), as it left them."""
     cuda_rng: Any = None
+    grads: list | None = None
+    """Gradients a forward_backward left and no optimizer_step has taken yet (a served client's calls come one at
+    a time, another client's between them): the very tensors, put back when the slot is loaded again."""
 
 
 class WorkerSlots:
@@ -98,6 +101,10 @@ class WorkerSlots:
         with torch.no_grad():
             for parameter, kept in zip(self.trained, state.adapters, strict=True):
                 parameter.copy_(kept)
+        if state.grads is not None:
+            for parameter, grad in zip(self.trained, state.grads, strict=True):
+                parameter.grad = grad
+            state.grads = None
         torch.set_rng_state(state.rng)
         if state.cuda_rng is not None:
             torch.cuda.set_rng_state_all(state.cuda_rng)
@@ -105,15 +112,18 @@ class WorkerSlots:
         self.loaded = index
 
     def park(self) -> None:
-        """The loaded slot's adapters and RNG copied into its state; the engine holds no slot after."""
+        """The loaded slot's adapters, pending gradients and RNG moved into its state; the engine holds no slot
+        after."""
         if self.loaded is None:
             return
         import torch
 
-        if any(p.grad is not None for p in self.trained):
-            # a forward_backward whose optimizer_step has not come: its gradients belong to this trial alone
-            raise RuntimeError(f"slot {self.loaded} has gradients no optimizer_step has taken: it cannot be parked")
         state = self.states[self.loaded]
+        if any(p.grad is not None for p in self.trained):
+            # a forward_backward whose optimizer_step has not come: its gradients are this trial's alone
+            state.grads = [p.grad for p in self.trained]
+            for parameter in self.trained:
+                parameter.grad = None
         with torch.no_grad():
             state.adapters = [p.detach().clone() for p in self.trained]
         state.rng = torch.get_rng_state()
@@ -122,8 +132,10 @@ class WorkerSlots:
         self.loaded = None
 
     def free(self, index: int) -> None:
-        """Slot `index`'s trial dropped: its adapters and optimizer state freed."""
+        """Slot `index`'s trial dropped: its adapters, optimizer state and pending gradients freed."""
         if self.loaded == index:
+            for parameter in self.trained:  # the next slot loaded must not find them
+                parameter.grad = None
             self.loaded = None
         self.states.pop(index, None)
         self.kept.pop(index, None)
@@ -151,7 +163,7 @@ class WorkerSlots:
         lr_scheduler.load_state_dict(copy.deepcopy(src.lr_scheduler.state_dict()))
         return SlotState(
             src.seed, [t.clone() for t in src.adapters], optimizer, lr_scheduler, optimizer_config,
-            src.rng.clone(), copy.deepcopy(src.cuda_rng),
+            src.rng.clone(), copy.deepcopy(src.cuda_rng), None if src.grads is None else [g.clone() for g in src.grads],
         )
 
     def memory(self) -> dict[str, int]:
@@ -169,7 +181,7 @@ class WorkerSlots:
             adapters = self.trained if index == self.loaded else state.adapters
             held = [state] + ([self.kept[index]] if index in self.kept else [])  # its state, and as kept at its last save
             optimizer_state = [v for each in held for per_param in each.optimizer.state.values() for v in per_param.values()]
-            sizes[index] = size(adapters) + sum(size(each.adapters) for each in held[1:]) + size(optimizer_state)
+            sizes[index] = size(adapters) + sum(size(each.adapters) for each in held[1:]) + size(optimizer_state) + size(state.grads or [])
         return sizes
 
     def _install(self, state: SlotState) -> None:
@@ -209,11 +221,12 @@ class SlotGroup:
 
     def fill(
         self, optimizer: OptimizerConfig, trainer: TrainerConfig, optimizer_values: dict[str, Any], index: int | None = None,
-        stop: threading.Event | None = None,
+        stop: threading.Event | None = None, kind: type["Slot"] | None = None,
     ) -> "Slot":
         """A new trial (its optimizer, its seed trainer.seed) on a free slot (the lowest, or `index`) while the others
         train; it starts as a cold run of the same config does. `stop`: once set, the slot's next step or evaluation
-        raises KeyboardInterrupt in its trial (a cancelled trial stops as a Ctrl-C'd run stops)."""
+        raises KeyboardInterrupt in its trial (a cancelled trial stops as a Ctrl-C'd run stops). `kind`: the Slot
+        class (a served client's: runtime/serve_workers.py `ServedSlot`)."""
         from tinker_exp.optim.optimizers import spec_of
 
         with self.lock:
@@ -227,7 +240,7 @@ class SlotGroup:
             self.workers.group.slot_fill(index, config.optimizer_config, trainer.seed)
             self.loaded = index
             self.holding.pop(index, None)
-            slot = Slot(self, index, spec_of(optimizer.name.value).averaged, stop)
+            slot = (kind or Slot)(self, index, spec_of(optimizer.name.value).averaged, stop)
             self.slots[index] = slot
             return slot
 

@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Callable
 
 from tinker_exp.errors import ConfigError, TinkerExpError, one_line
 
@@ -44,6 +45,10 @@ class ServeConfig:
     max_body_bytes: int = 32 << 20
     """The largest request body taken, in bytes; a larger one is refused (400) before it is read. The SDK is told to
     keep its forward_backward chunks under half of it (its fwdbwd_max_chunk_bytes_count, 5 MB at most, its own)."""
+    slots: int = 4
+    """How many clients' LoRA models of one rank train at once, each on a slot of one worker group (the base model
+    loaded once; each model's calls give exactly what they give alone, docs/slots.md); 1: one client at a time. A
+    fully fine-tuned model (LoRA rank 0) always trains alone."""
     api_key: str = field(default="", repr=False)
     """The key every request must carry (the SDK's TINKER_API_KEY, sent as X-API-Key); empty: $TINKER_EXP_API_KEY,
     else none (loopback only: any tml- key is taken). Never written anywhere: not in W&B's config, not in a log."""
@@ -51,7 +56,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port: {self.port!r} is not a port (0 .. 65535)")
-        for name in ("max_chunk_datums", "max_num_samples"):
+        for name in ("max_chunk_datums", "max_num_samples", "slots"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"serve.{name}: {getattr(self, name)!r} is not a count (an integer >= 1)")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < MIN_BODY_BYTES:
@@ -203,7 +208,8 @@ def main(args: list[str]) -> None:
     from tinker_exp.runtime.warm import MAX_GROUPS, Kept, KeptGroups, cluster_capacity, group_key, resident_mb
     from tinker_exp.runtime.worker_output import WorkerOutput
     from tinker_exp.serve.app import Server, build_app
-    from tinker_exp.runtime.serve_workers import ServeWorkers, model_positions, vocabulary_size
+    from tinker_exp.runtime.serve_workers import ServedSlot, ServeWorkers, model_positions, vocabulary_size
+    from tinker_exp.runtime.slots import SlotGroup
     from tinker_exp.train.loop import check_applied
     from tinker_exp.train.sinks import JsonlSink, Sinks
 
@@ -212,29 +218,66 @@ def main(args: list[str]) -> None:
     model_path = model_dir(cfg.model)
     model_name = cfg.model.path or cfg.model.name
 
-    # The groups of clients' models whose sessions ended, kept warm by key for the next clients' (docs/pool.md).
-    kept = KeptGroups(MAX_GROUPS, None, say=lambda line: print(f"tinker_exp.serve: {line}", file=sys.stderr, flush=True))
+    def say(line: str) -> None:
+        print(f"tinker_exp.serve: {line}", file=sys.stderr, flush=True)
 
-    def build_workers(rank: int) -> KeptWarm:
-        """A client's model: the kept group of its key (the server's workers with this LoRA rank) in a fresh state,
-        exactly a new build's; else a new group, the least recently used kept ones freed first if it would not fit."""
-        model_cfg = replace(cfg, lora=replace(cfg.lora, rank=rank))
-        key = group_key(model_cfg, model_path, choice, {}, worker=ServeWorkers.__name__)
-        found = kept.find(key)
-        if found is not None:
-            workers = kept.take(found)
-            workers.start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, workers.output)
-            print("tinker_exp.serve: the new model trains on the kept workers (fresh state)", file=sys.stderr, flush=True)
-            return KeptWarm(found, kept)
+    # The groups of clients' models whose sessions ended, kept warm by key for the next clients' (docs/pool.md).
+    kept = KeptGroups(MAX_GROUPS, None, say=say)
+    on_slots: dict[str, Kept] = {}
+    """The LoRA groups holding models now, by key: each a SlotGroup (runtime/slots.py), kept warm once it holds none."""
+
+    def new_group(key: dict, model_cfg) -> Kept:
+        """A new group for `key`, the least recently used kept ones freed first if it would not fit."""
         workers_each = cfg.backend.num_workers * cfg.backend.nodes
         kept.capacity = cluster_capacity(choice.device)
         kept.make_room(key, workers_each)
         workers = ServeWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values, choice,
                                WorkerOutput(run_dir / "workers.log"), model_cfg.lora)
         workers.ready()
-        workers.keep_initial_state()
         pids = [info["pid"] for info in workers.group.device_info()]
-        return KeptWarm(Kept(key, workers, time.time(), pids, resident_mb(pids), workers_each), kept)
+        return Kept(key, workers, time.time(), pids, resident_mb(pids), workers_each)
+
+    def build_workers(rank: int, model_id: str) -> "KeptWarm | ClientSlot":
+        """A client's model: a LoRA model takes a slot of its key's group (held, kept or built); a fully fine-tuned
+        one the kept group of its key in a fresh state, exactly a new build's, else a new group."""
+        model_cfg = replace(cfg, lora=replace(cfg.lora, rank=rank))
+        key = group_key(model_cfg, model_path, choice, {}, worker=ServeWorkers.__name__)
+        if rank:
+            return on_slot(key, model_cfg, model_id)
+        found = kept.find(key)
+        if found is not None:
+            workers = kept.take(found)
+            workers.start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, workers.output)
+            say("the new model trains on the kept workers (fresh state)")
+            return KeptWarm(found, kept)
+        group = new_group(key, model_cfg)
+        group.workers.keep_initial_state()
+        return KeptWarm(group, kept)
+
+    def on_slot(key: dict, model_cfg, model_id: str) -> "ClientSlot":
+        """A slot of the key's group, filled as a new group's model starts (runtime/slots.py: the trainer's seed)."""
+        name = KeptGroups.name(key)
+        group = on_slots.get(name)
+        how = "beside the models it holds"
+        if group is None:
+            found = kept.find(key)
+            if found is not None:
+                group, how = found, "kept warm"
+                kept.take(found)
+            else:
+                group, how = new_group(key, model_cfg), "built for it"
+                group.workers = SlotGroup(group.workers, serve.slots)
+            on_slots[name] = group
+        slot = group.workers.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values, kind=ServedSlot)
+        say(f"model {model_id} holds slot {slot.index + 1} of {serve.slots} on the group of LoRA rank {model_cfg.lora.rank} "
+            f"({how})")
+
+        def freed() -> None:
+            say(f"model {model_id}'s slot {slot.index + 1} is free")
+            if not group.workers.slots:  # the group's last model: kept warm for the next clients'
+                kept.add(on_slots.pop(name))
+
+        return ClientSlot(slot, freed)
 
     def optim_params(adam: dict) -> dict:
         return plan_for(adam, plan.optimizer_values, 1, plan.optimizer, float(cfg.optimizer.clip_grad or 0.0))[0]
@@ -253,7 +296,7 @@ def main(args: list[str]) -> None:
     server = Server(model_name, build_workers, optim_params, open_rows, check_applied, run_dir, make_sampler,
                     serve.max_chunk_datums, vocab_size=vocabulary_size(model_path), tokenizer_id=str(model_path.resolve()),
                     positions=model_positions(model_path), max_num_samples=serve.max_num_samples,
-                    max_body_bytes=serve.max_body_bytes)
+                    max_body_bytes=serve.max_body_bytes, slots=serve.slots)
     import uvicorn
 
     from tinker_exp.runtime.serve_workers import start_served_ray, stop_served_ray
@@ -274,8 +317,8 @@ def main(args: list[str]) -> None:
         stopped = e
     finally:
         try:
-            held = server.close()  # the held model's workers given back, then freed with the kept ones
-            for group in kept.forget_all():
+            held = server.close()  # the held models' workers given back, then freed with the kept ones
+            for group in [*kept.forget_all(), *on_slots.values()]:
                 group.workers.shutdown()
             if wandb is not None:  # the server stopped (Ctrl-C, SIGTERM): its W&B run ends
                 wandb.close()
@@ -283,8 +326,9 @@ def main(args: list[str]) -> None:
             stop_served_ray()
     if stopped is not None:
         why, code = ("Ctrl-C", 130) if isinstance(stopped, KeyboardInterrupt) else ("SIGTERM", 143)
-        print(f"tinker_exp.serve: stopped ({why}); " + (f"model {held}'s workers freed" if held else "no model held"),
-              file=sys.stderr, flush=True)
+        freed = (f"model {held[0]}'s workers freed" if len(held) == 1 else
+                 f"models {', '.join(held)} freed with their workers" if held else "no model held")
+        print(f"tinker_exp.serve: stopped ({why}); {freed}", file=sys.stderr, flush=True)
         sys.exit(code)
 
 
@@ -300,6 +344,21 @@ class KeptWarm:
 
     def shutdown(self) -> None:
         self._kept.add(self._group)
+
+
+class ClientSlot:
+    """A client's LoRA model on a slot (runtime/serve_workers.py ServedSlot): freeing it (its session ended) frees the
+    slot, and `freed()` says so (and keeps the group warm once it holds no model)."""
+
+    def __init__(self, slot: Any, freed: Callable[[], None]) -> None:
+        self._slot, self._freed = slot, freed
+
+    def __getattr__(self, name: str):
+        return getattr(self._slot, name)
+
+    def shutdown(self) -> None:
+        self._slot.shutdown()
+        self._freed()
 
 
 class Stopped(Exception):

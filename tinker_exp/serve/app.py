@@ -1,14 +1,16 @@
-"""The HTTP app: the routes the tinker SDK 0.38 calls for training, checkpoints and sampling, on one served model
-(docs/serve.md).
+"""The HTTP app: the routes the tinker SDK 0.38 calls for training, checkpoints and sampling (docs/serve.md).
 
 Every training call returns a future (``request_id``) at once; the work runs on one thread, a model's calls in their
 ``seq_id`` order (one that arrives early waits for its predecessors), and ``retrieve_future`` hands back its result:
 protobuf for forward_backward, JSON otherwise. A request that is wrong (malformed protobuf or JSON, an unknown loss,
 non-finite or out-of-range AdamParams, a token id outside the vocabulary, a model id that is not served, a second
-model) is refused before it is queued: HTTP 400 with one line naming the field, the workers untouched. Each request
-is one line on the server's terminal (its method, model, seq_id, time and outcome), never a traceback. The model is
-its client's session's: when the session ends (``ServiceClient.close``, or no heartbeat for SESSION_TIMEOUT_S) its
-workers are freed for the next client. Each model's rows go to its own metrics.jsonl (<run dir>/models/<model>/).
+model that does not fit beside the held ones) is refused before it is queued: HTTP 400 with one line naming the
+field, the workers untouched. Each request is one line on the server's terminal (its method, model, seq_id, time and
+outcome), never a traceback. Several clients' LoRA models of one rank train at once, each on a slot of one worker
+group (runtime/slots.py: a model's calls give exactly what they give alone); a fully fine-tuned model trains alone. A
+model is its client's session's: when the session ends (``ServiceClient.close``, or no heartbeat for
+SESSION_TIMEOUT_S) its slot or workers are freed for the next client. Each model's rows go to its own metrics.jsonl
+(<run dir>/models/<model>/).
 """
 
 
@@ -127,10 +129,10 @@ def on_disk(model_id: str) -> str:
 
 
 class Server:
-    """The state behind the routes: sessions, the one model, futures, and the thread that runs the work in order.
+    """The state behind the routes: sessions, the held models, futures, and the thread that runs the work in order.
 
-    `build_workers(lora_rank)` starts the worker group (ready on return); `optim_params(adam_params)` converts and
-    checks AdamParams as an override is (ConfigError naming the key)."""
+    `build_workers(lora_rank, model_id)` gives a model its workers (ready on return: a LoRA model's slot, or a
+    group); `optim_params(adam_params)` converts and checks AdamParams as an override is (ConfigError naming the key)."""
 
     def __init__(self, model_name: str, build_workers: Callable[[int], Any], optim_params: Callable[[dict], dict],
                  open_rows: Callable[[Path, int], Any], check_applied: Callable[[int, dict, list], dict],
@@ -139,7 +141,7 @@ class Server:
                  clock: Callable[[], float] = time.monotonic, vocab_size: int | None = None,
                  tokenizer_id: str | None = None, say: Callable[[str], None] | None = None,
                  positions: int | None = None, max_num_samples: int = 128, max_body_bytes: int = 32 << 20,
-                 results_kept_s: float = RESULTS_KEPT_S):
+                 results_kept_s: float = RESULTS_KEPT_S, slots: int = 1):
         """`open_rows(folder, first_step)`: a model's metrics sink in its folder (a JsonlSink: its rows of first_step
         and later are replaced); `run_dir`: where models/<model>/ and checkpoints/<model>/ go; `make_sampler()`: the
         driver's sampler (runtime/serve_sampler.py); `max_chunk_datums`: the most datums the SDK is asked to send in
@@ -147,7 +149,8 @@ class Server:
         `vocab_size`: token ids at or beyond it are refused; `tokenizer_id`: get_info's (what the SDK's
         get_tokenizer loads: the model's local dir); `say(line)`: a line on the terminal, one per request;
         `positions`: the model's positions (a longer datum in forward_backward is refused); `max_num_samples`,
-        `max_body_bytes`: serve.max_num_samples, serve.max_body_bytes (__main__.ServeConfig)."""
+        `max_body_bytes`: serve.max_num_samples, serve.max_body_bytes (__main__.ServeConfig); `slots`: how many LoRA
+        models of one rank are held at once (serve.slots)."""
         self.model_name = model_name
         self.build_workers, self.optim_params, self.open_rows, self.check_applied = (
             build_workers, optim_params, open_rows, check_applied)
@@ -168,7 +171,10 @@ class Server:
         self.results_kept_s, self.pruned_at = results_kept_s, time.monotonic()
         self.sessions: dict[str, float] = {}
         """session_id -> the time of its last heartbeat (or its start)."""
-        self.model: Model | None = None
+        self.slots = slots
+        self.models: dict[str, Model] = {}
+        """model_id -> a model a live session holds: LoRA models of one rank, `slots` of them at most, or one fully
+        fine-tuned model alone."""
         self.futures: dict[str, Future] = {}
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.RLock()
@@ -310,10 +316,11 @@ class Server:
             model.next_seq = last + 1
 
     def served_model(self, model_id: Any) -> Model:
-        if self.model is None or model_id != self.model.model_id:
+        model = self.models.get(model_id) if isinstance(model_id, str) else None
+        if model is None:
             raise BadRequest(f"model_id: {model_id!r} is not served here"
-                             + (f" (the served model is {self.model.model_id})" if self.model else " (no model yet)"))
-        return self.model
+                             + (f" (served: {', '.join(self.models)})" if self.models else " (no model yet)"))
+        return model
 
     def start_session(self) -> str:
         session_id = str(uuid.uuid4())
@@ -339,26 +346,22 @@ class Server:
             return True
 
     def end_session(self, session_id: str) -> None:
-        """The session ends (finished by its client, or its heartbeats stopped): its model, if it holds it, is
-        released: its waiting requests fail, its workers are freed once its queued work is done."""
+        """The session ends (finished by its client, or its heartbeats stopped): the models it holds are released:
+        their waiting requests fail, their slots or workers are freed once their queued work is done."""
         with self.lock:
             self.sessions.pop(session_id, None)
             for dropped in [s for s, held in self.sampling_sessions.items() if held["owner"] == session_id]:
                 del self.sampling_sessions[dropped]
-            model = self.model
-            if model is None or model.session_id != session_id:
-                return
-            self.model = None
-            for request in model.waiting.values():
-                if request is not None:
-                    self._done(request[0], f"model_id: {model.model_id} was released (its session {session_id} ended)")
-            model.waiting.clear()
+            released = [model for model in self.models.values() if model.session_id == session_id]
+            for model in released:
+                del self.models[model.model_id]
+                for request in model.waiting.values():
+                    if request is not None:
+                        self._done(request[0], f"model_id: {model.model_id} was released (its session {session_id} ended)")
+                model.waiting.clear()
 
-        def free() -> dict:
-            self._free(model)
-            return {}
-
-        self.submit(free)
+        for model in released:
+            self.submit(lambda model=model: self._free(model) or {})
 
     @staticmethod
     def _free(model: Model) -> None:
@@ -369,18 +372,17 @@ class Server:
             model.workers.shutdown()
             model.workers = None
 
-    def close(self) -> str | None:
-        """The server stops (Ctrl-C, SIGTERM): the held model's workers are freed now; its id (None: none held)."""
+    def close(self) -> list[str]:
+        """The server stops (Ctrl-C, SIGTERM): the held models' workers are freed now; their ids."""
         with self.lock:
-            model, self.model = self.model, None
+            models, self.models = list(self.models.values()), {}
             for future in self.futures.values():  # no retrieve_future poll keeps the process from ending
                 if not future.done.is_set():
                     future.error = "the server stopped"
                     future.done.set()
-        if model is None:
-            return None
-        self._free(model)
-        return model.model_id
+        for model in models:
+            self._free(model)
+        return [model.model_id for model in models]
 
     def create_model(self, body: dict) -> str:
         base_model = body.get("base_model")
@@ -405,36 +407,55 @@ class Server:
         return model.created
 
     def _claim(self, route: str, body: dict, base_model: str, rank: int) -> Model | str:
-        """The one model, for this client's session (the SDK's id: session_id:train:model_seq_id); while another
-        live session holds it, refused. The same call sent again (the SDK re-sends one whose reply it lost): the
-        request_id the first one got."""
+        """A new model for this client's session (the SDK's id: session_id:train:model_seq_id), if it fits beside the
+        held ones (`_no_room`); else refused. The same call sent again (the SDK re-sends one whose reply it lost):
+        the request_id the first one got."""
         session_id, seq = body.get("session_id"), body.get("model_seq_id", 0)
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:  # it goes into the model's folder names
             raise BadRequest(f"model_seq_id: {seq!r} is not a model_seq_id (an integer >= 0: the SDK's count of "
                              "its training clients)")
+        model_id = f"{session_id}:train:{seq}"
         with self.lock:
-            held = self.model
-            if held is not None and held.model_id == f"{session_id}:train:{seq}" and held.created:
-                return held.created
-            # a holder whose heartbeats stopped ends here (live_session), and its model with it
-            if self.model is not None and self.live_session(self.model.session_id):
-                left = self.session_timeout_s - (self.clock() - self.sessions[self.model.session_id])
-                raise BadRequest(f"{route}: this server already serves model {self.model.model_id}; one client "
-                                 "at a time may hold a model. It is freed when its client closes its ServiceClient, "
-                                 f"or {self.session_timeout_s:g} s after that client's last heartbeat (in "
-                                 f"{max(left, 0):.0f} s at most if it has stopped)")
+            held = self.models.get(model_id)
+            if held is not None:
+                if held.created:
+                    return held.created
+                raise BadRequest(f"{route}: model {model_id} is being created (the same call came twice at once)")
+            for other in list(self.models.values()):  # a holder whose heartbeats stopped ends here, its models too
+                self.live_session(other.session_id)
+            refusal = self._no_room(rank)
+            if refusal:
+                raise BadRequest(f"{route}: {refusal}")
             if not self.live_session(session_id):
                 raise BadRequest(f"session_id: {session_id!r} is not a session of this server (create_session first)")
-            self.model = Model(f"{session_id}:train:{seq}", base_model, rank, session_id)
-            return self.model
+            model = self.models[model_id] = Model(model_id, base_model, rank, session_id)
+            return model
+
+    def _no_room(self, rank: int) -> str:
+        """Why a model of LoRA rank `rank` cannot be held now ('' when it can): LoRA models of one rank share one
+        group, each on a slot, `slots` at most; a fully fine-tuned model (rank 0) holds its group alone."""
+        held = list(self.models.values())
+        if not held or (rank and all(model.lora_rank == rank for model in held) and len(held) < self.slots):
+            return ""
+        if not rank or not held[0].lora_rank:
+            why = "a fully fine-tuned model (LoRA rank 0) trains alone"
+        elif held[0].lora_rank != rank:
+            why = f"its workers train LoRA rank {held[0].lora_rank} models; a rank {rank} model waits until they are freed"
+        else:
+            why = f"all {self.slots} slots (serve.slots) hold a model"
+        left = min(self.session_timeout_s - (self.clock() - self.sessions[model.session_id]) for model in held)
+        return (f"this server already serves model{'s' if len(held) > 1 else ''} {', '.join(m.model_id for m in held)}; "
+                f"{why}. {'One' if len(held) > 1 else 'It'} is freed when its client closes its ServiceClient, or "
+                f"{self.session_timeout_s:g} s after that client's last heartbeat (in {max(left, 0):.0f} s at most if "
+                "it has stopped)")
 
     def _build(self, model: Model) -> None:
         try:
-            model.workers = self.build_workers(model.lora_rank)
+            model.workers = self.build_workers(model.lora_rank, model.model_id)
         except BaseException:
             with self.lock:
-                if self.model is model:
-                    self.model = None
+                if self.models.get(model.model_id) is model:
+                    del self.models[model.model_id]
             raise
 
     def forward_backward(self, request: Any) -> tuple[str, str]:
@@ -605,7 +626,7 @@ class Server:
             raise BadRequest(f"base_model: {base_model!r} is not served (this server serves {self.model_name!r})")
         model = self._claim("load_weights", body, base_model, meta["lora_rank"])
         if isinstance(model, str):
-            return model, self.model.model_id
+            return model, f"{body.get('session_id')}:train:{body.get('model_seq_id', 0)}"
         model.created = self.submit(load(model, folder, meta), label=f"load_state model {model.model_id} (new)")
         return model.created, model.model_id
 
