@@ -199,7 +199,7 @@ def test_a_checkpoint_another_slot_saved_loads_in_place_and_bitwise_as_from_disk
     """A PBT exploit between trials of one group: the member's slot loads the donor's boundary checkpoint (written
     aside and renamed into place, as the loop saves it). The donor's state as saved is at hand while its slot has not
     been called since (live), or, in a group that keeps each slot's state at its last save (a population's), while it
-    trains on (kept): then it is copied in place (the checkpoint's files moved away meanwhile: none is read). Once
+    trains on (kept): then it is copied in place (the checkpoint's files zeroed meanwhile: none is read). Once
     it is not (the donor's next step; kept: the donor freed), the files are read. The two members, trained apart
     before, then train bitwise alike (each keeps its own clip, as a load does: a checkpoint holds none)."""
     from tinker_exp import config
@@ -224,17 +224,16 @@ def test_a_checkpoint_another_slot_saved_loads_in_place_and_bitwise_as_from_disk
         partial = begin_save(tmp_path / "checkpoints", 2)
         donor.save_checkpoint(partial / WORKERS, 2)
         saved = commit_save(partial, 2, {}) / WORKERS
-        aside = tmp_path / "aside"
-        aside.mkdir()
+        files = {path: path.read_bytes() for path in saved.rglob("*") if path.is_file()}
         moves_on = (donor.train_step, (examples, plan[2])) if not keep_saved else (donor.shutdown, ())  # its state as saved gone
         with caplog.at_level("INFO", logger="tinker_exp.runtime.slots"):
             if keep_saved:
                 donor.train_step(examples, plan[2])  # kept: the donor trains on, its state as saved still at hand
-            for path in list(saved.iterdir()):
-                path.rename(aside / path.name)  # the checkpoint's files away: an in-place load reads none
+            for path, data in files.items():  # the checkpoint's files zeroed in place (the folder itself untouched):
+                path.write_bytes(bytes(len(data)))  # an in-place load reads none of them
             in_place.load_checkpoint(saved)
-            for path in list(aside.iterdir()):
-                path.rename(saved / path.name)
+            for path, data in files.items():
+                path.write_bytes(data)
             moves_on[0](*moves_on[1])
             from_disk.load_checkpoint(saved)
         said = [r.getMessage() for r in caplog.records if r.name == "tinker_exp.runtime.slots"]

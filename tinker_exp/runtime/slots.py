@@ -213,7 +213,7 @@ class SlotGroup:
         self.on_free = on_free
         self.loading: list = []  # a swap asked and not yet checked (runtime/workers.py slot_load)
         self.keep_saved = keep_saved
-        self.holding: dict[int, tuple[int, int]] = {}
+        self.holding: dict[int, tuple[int, int, int]] = {}
         """Slot index -> the checkpoint folder (its identity, `folder_identity`) that slot saved last, while its state
         as saved is at hand: kept (`keep_saved`), else while no call has changed the slot since. A load of the
         folder copies that state in place."""
@@ -277,7 +277,10 @@ class SlotGroup:
             if self.keep_saved:
                 self.workers.group.slot_keep(slot.index)
                 self.loaded = None
-            self.holding[slot.index] = folder_identity(folder)
+            identity = folder_identity(folder)
+            for index in [i for i, held in self.holding.items() if held == identity]:  # an older folder's, gone
+                del self.holding[index]
+            self.holding[slot.index] = identity
 
         self._on(slot, save)
 
@@ -373,8 +376,8 @@ class Slot:
 
 
 
-def folder_identity(folder: Path) -> tuple[int, int]:
-    """A folder's identity, kept through a rename (a checkpoint is written aside and renamed into place:
-    train/checkpoints.py): its device and inode."""
+def folder_identity(folder: Path) -> tuple[int, int, int]:
+    """A folder's identity, kept through its parent's rename (a checkpoint is written aside and renamed into place:
+    train/checkpoints.py): its device, inode and change time (a folder made later on a freed inode has another)."""
     found = os.stat(folder)
-    return found.st_dev, found.st_ino
+    return found.st_dev, found.st_ino, found.st_ctime_ns
