@@ -534,10 +534,10 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
     cleanly with a checkpoint there, and is PRUNED in the storage (the journal file, or a real PostgreSQL server
     the jobs report to) with the value it reported; the others run to the end. Storage, run dirs, summary and
     optimization_results.yaml agree; the server's password is in nothing printed or written. 2 trials at a time (a
-    worker each): 4 on the journal, 2 on the server (what it adds is the storage); on the journal, with longer unpruned trials, no idle slot: trial 2 starts as soon as trial 1 is
+    worker each): 3 on the journal, 2 on the server (what it adds is the storage); on the journal, with longer unpruned trials, no idle slot: trial 2 starts as soon as trial 1 is
     pruned, while trial 0 still trains (in batches it would wait for both)."""
     upper, steps = 2e-3, 6 if server else 60
-    n_trials = 2 if server else 4  # on the server, the seeded sampler's first two: one to prune, one to complete
+    n_trials = 2 if server else 3  # the seeded sampler's first points: on the server one to prune, one to complete
     url = request.getfixturevalue("postgres_url") if server else None
     name = f"pruning-{tmp_path.name}-{os.getpid()}" if server else "tinker_exp"  # one server, many studies
     storage = [f"hydra.sweeper.storage={url}", f"hydra.sweeper.study_name={name}"] if server else []
@@ -590,8 +590,8 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
     job_files = {n: tmp_path / ".submitit" / job_id / job_id for n, job_id in job_ids.items()}
     ran = {n: (Path(f"{f}_submitted.pkl").stat().st_mtime, Path(f"{f}_0_result.pkl").stat().st_mtime) for n, f in job_files.items()}
     assert max(sum(start <= t < end for start, end in ran.values()) for t, _ in ran.values()) == 2, ran
-    if not server:  # the seeded points: trials 1 and 2 pruned, 0 and 3 not
-        assert [t in pruned for t in trials] == [False, True, True, False]
+    if not server:  # the seeded points: trials 1 and 2 pruned, 0 not
+        assert [t in pruned for t in trials] == [False, True, True]
         assert trials[1].datetime_complete < trials[2].datetime_start < trials[0].datetime_complete  # asked at once
         assert ran[1][1] < ran[2][0] < ran[0][1], ran  # submitted after trial 1's job ended, before trial 0's did
         # Trial 2 judged beside both earlier trials (trial 1 may have been pruned before trial 0 reported step 1).
@@ -617,8 +617,9 @@ def slurm_jobs_at_once(job_ids: list[str], slurm_env: dict) -> int:
 
 def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_and_a_requeued_trial_reports_on(slurm_env, tmp_path):
     """Slurm jobs on both nodes report their evaluations to the journal in the sweep dir; the threshold pruner stops
-    each trial above it at its first evaluation, as on the local launcher. n_jobs=2: one sbatch per trial (no
-    array), never more than 2 of the study's jobs in the queue. Trial 0 (not pruned) gets the time-limit signal
+    each trial above it at its first evaluation, as on the local launcher (the seeded sampler's first three points:
+    trial 0 below the threshold, 1 and 2 above it). n_jobs=2: one sbatch per trial (no array), never more than 2 of
+    the study's 3 jobs in the queue. Trial 0 (not pruned) gets the time-limit signal
     (USR2, what Slurm sends `signal_delay_s` before the limit) once it has reported an evaluation and saved a
     checkpoint: submitit requeues the job, which resumes from that checkpoint and reports its later evaluations to
     the same trial; the study records it once. (test_sweeps' sweep of 2-node points holds the other kind: a preemption.)"""
@@ -627,7 +628,7 @@ def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_an
         sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
         f"trainer.steps={steps}", "trainer.eval_every=2", "checkpoint.every_steps=2", "trainer.batch_size=4", "logger=none",
         "backend.num_workers=1", "trainer.objective=requested/lr", "+override=constant", "override.lr=tag(log,interval(1e-5,1e-1))",
-        "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}",
+        "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=threshold", f"+hydra.sweeper.pruner_args.upper={upper}",
     ]  # fmt: skip
     slurm, log, run_0 = environment(slurm_env), tmp_path / "study.log", tmp_path / "0"
 
@@ -652,7 +653,8 @@ def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_an
     output = log.read_text()
     assert driver.returncode == 0, output[-3000:]
     trials = storage_trials(tmp_path)
-    assert [t.number for t in trials] == [0, 1, 2, 3] and output.count("trial 0: ") == 1  # trial 0 told once
+    assert [t.number for t in trials] == [0, 1, 2] and output.count("] trial 0: ") == 1  # trial 0 told once
+    assert [t.params["override.lr"] > upper for t in trials] == [False, True, True]  # both kinds, as seeded
     jobs = {t.number: job_json(tmp_path / str(t.number))["slurm"] for t in trials}
     assert len({job["nodelist"] for job in jobs.values()}) == 2, jobs  # jobs on both nodes wrote to the one journal
     assert all("array_job_id" not in job for job in jobs.values())  # each trial its own sbatch

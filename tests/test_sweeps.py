@@ -30,7 +30,7 @@ from helpers import (
     wandb_finished_records,
     wandb_run_record,
 )
-from tinker_exp.sweep.slurm import slurm_verdict
+from tinker_exp.sweep.slurm import ACTIVE_STATES, slurm_verdict
 from tinker_exp.sweep.jobs import (
     JobOutcome,
     failure_report,
@@ -276,59 +276,60 @@ def test_a_study_trial_whose_point_is_bad_fails_without_a_job_and_the_study_goes
 
 def test_a_sweep_of_two_node_points_runs_each_as_a_slurm_job_resumes_a_preempted_one_and_reports_a_cancelled_one(slurm_env, tmp_path):
     """hydra.launcher.nodes=2: each point one run over both nodes of its job (one after the other on this cluster),
-    one Slurm array, one W&B group. Point 0 (24 steps, a cosine lr, a checkpoint every 4) is preempted after its
-    step-8 checkpoint (scontrol requeue: Slurm signals the job and puts it back in the queue; its first start stops
-    by itself), resumes from its checkpoint with its Ray cluster formed again over both nodes, logs each step once
-    with the lr as planned, and completes: one run dir and one W&B run, nothing left of its job on either node.
-    Point 1 (1000 steps), which gets the nodes while point 0 waits in the queue, is cancelled while it trains on both
-    nodes: reported, never waited on, stopped on SIGTERM by itself on both nodes; the sweep's summary, table and
-    report.png hold both points. The other kind of requeue, submitit's own at the time-limit signal (USR2), is
-    test_study's Slurm study: its trial 0 gets the signal and reports on."""
+    one Slurm array, one W&B group. Point 0 (1000 steps), which gets the nodes first, is cancelled while it trains on
+    both nodes: reported, never waited on, stopped on SIGTERM by itself on both nodes. Point 1 (24 steps, a cosine
+    lr, a checkpoint every 4), which gets the nodes then, is preempted after its step-8 checkpoint (scontrol requeue:
+    Slurm signals the job and puts it back in the queue; its first start stops by itself), resumes from its
+    checkpoint with its Ray cluster formed again over both nodes, logs each step once with the lr as planned, and
+    completes: one run dir and one W&B run, nothing left of its job on either node. The sweep's summary, table and
+    report.png hold both points. (The cancelled point first: the launcher takes a job's end from Slurm once its state
+    has held for a while, and waits for its jobs in order, so point 0's is taken while point 1 trains.) The other
+    kind of requeue, submitit's own at the time-limit signal (USR2), is test_study's Slurm study: its trial 0 gets
+    the signal and reports on."""
     sweep, slurm = tmp_path / "lr_sweep", environment(slurm_env)
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=slurm_local", "hydra.launcher.nodes=2", "backend.num_workers=1",
-        f"hydra.sweep.dir={sweep}", "trainer.steps=24,1000", "checkpoint.every_steps=4", "+override=lr_cosine",
+        f"hydra.sweep.dir={sweep}", "trainer.steps=1000,24", "checkpoint.every_steps=4", "+override=lr_cosine",
     ]  # fmt: skip
     out, err = tmp_path / "driver.out", tmp_path / "driver.err"  # files, not pipes: nobody reads them until the end
     with open(out, "w") as stdout, open(err, "w") as stderr:
         driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=stdout, stderr=stderr)
     tasks = lambda n: "{array_job_id}_{array_task_id}".format(**job_json(sweep / str(n))["slurm"])  # noqa: E731  submitit's and squeue's name
     try:
-        checkpoint = sweep / "0" / "checkpoints" / "step_00000008" / "MANIFEST.json"
-        wait_until(checkpoint.exists, 300, "point 0 saved no checkpoint at step 8", driver)
-        subprocess.run(["scontrol", "requeue", tasks(0)], env=slurm, check=True)
-        wait_until(lambda: f"{tasks(0)} PENDING" in squeue(slurm_env).splitlines(), 240, "point 0 was not requeued", driver)
-        # Slurm holds a requeued batch job for a while (so that its new credential postdates the old one's
-        # revocation): point 1 gets both nodes meanwhile.
-        wait_until(lambda: len(metrics_rows(sweep / "1")) >= 2, 300, "point 1 never started training", driver)
-        wait_until(lambda: wandb_train_rows(sweep / "1"), 120, "W&B never wrote a step of point 1", driver)
-        job_id = job_json(sweep / "1")["slurm"]["job_id"]
+        wait_until(lambda: len(metrics_rows(sweep / "0")) >= 2, 300, "point 0 never started training", driver)
+        wait_until(lambda: wandb_train_rows(sweep / "0"), 120, "W&B never wrote a step of point 0", driver)
+        job_id = job_json(sweep / "0")["slurm"]["job_id"]
         running = job_processes([job_id])
         assert {"n1", "n2"} <= {process.split()[1] for process in running}, running  # the run spans both nodes
-        # the array task, not its job id: the array's last task keeps the array's id, and `scancel <array id>` would
-        # cancel point 0, requeued and waiting in the queue, too
-        subprocess.run(["scancel", tasks(1)], env=slurm, check=True)
-        # Release point 0 sooner than Slurm's hold (unless the hold ended first): it starts once point 1 has left the
-        # nodes. Its first start left them before point 1 got them, long after its credential's revocation (a start
-        # in the same second as the revocation is killed by slurmd: "Job credential revoked").
-        released = subprocess.run(["scontrol", "update", f"JobId={tasks(0)}", "StartTime=now"], env=slurm, capture_output=True, text=True)
-        assert released.returncode == 0 or f"{tasks(0)} PENDING" not in squeue(slurm_env).splitlines(), released.stderr
-        driver.wait(timeout=300)  # point 1 reported, never waited on forever
+        # the array task, not its job id: `scancel <array id>` would cancel point 1, waiting in the queue, too
+        subprocess.run(["scancel", tasks(0)], env=slurm, check=True)
+        checkpoint = sweep / "1" / "checkpoints" / "step_00000008" / "MANIFEST.json"  # point 1 got the nodes
+        wait_until(checkpoint.exists, 300, "point 1 saved no checkpoint at step 8", driver)
+        preempted = job_json(sweep / "1")["slurm"]["job_id"]
+        subprocess.run(["scontrol", "requeue", tasks(1)], env=slurm, check=True)
+        wait_until(lambda: f"{tasks(1)} PENDING" in squeue(slurm_env).splitlines(), 240, "point 1 was not requeued", driver)
+        # Slurm holds a requeued batch job for a while (so that its new credential postdates the old one's
+        # revocation). Released sooner, as test_study's requeued trial: a few seconds after its first start has left
+        # the nodes (a start in the same second as the revocation is killed by slurmd: "Job credential revoked").
+        wait_until(lambda: not job_processes([preempted]), 240, "point 1's first start did not end", driver)
+        released = subprocess.run(["scontrol", "update", f"JobId={tasks(1)}", "StartTime=now+5"], env=slurm, capture_output=True, text=True)
+        assert released.returncode == 0 or f"{tasks(1)} PENDING" not in squeue(slurm_env).splitlines(), released.stderr
+        driver.wait(timeout=300)  # point 0 reported, never waited on forever
     finally:
         driver.kill()
     stdout, stderr = out.read_text(), err.read_text()
     assert driver.returncode == 1, stderr[-3000:]
-    report = stderr.split("1 of 2 sweep jobs did not complete")[1]  # point 0, requeued, completed
-    assert "job 1 [backend.num_workers=1 trainer.steps=1000 checkpoint.every_steps=4 +override=lr_cosine backend.nodes=2] CANCELLED" in report, stderr
-    assert f"run dir {sweep}/1" in report and "job 0" not in report
+    report = stderr.split("1 of 2 sweep jobs did not complete")[1]  # point 1, requeued, completed
+    assert "job 0 [backend.num_workers=1 trainer.steps=1000 checkpoint.every_steps=4 +override=lr_cosine backend.nodes=2] CANCELLED" in report, stderr
+    assert f"run dir {sweep}/0" in report and "job 1" not in report
     summary = sorted(read_jsonl(sweep / "summary.jsonl"), key=lambda row: row["num"])
-    assert [(row["num"], row["status"]) for row in summary] == [(0, "COMPLETED"), (1, "CANCELLED")]
+    assert [(row["num"], row["status"]) for row in summary] == [(0, "CANCELLED"), (1, "COMPLETED")]
     assert "final loss" in (sweep / "summary.md").read_text() and "final loss" in stdout  # the table printed too
     assert (sweep / "report.png").read_bytes()[:4] == b"\x89PNG" and f"{sweep / 'report.png'}" in stderr + stdout
     jobs = [job_json(sweep / str(n))["slurm"] for n in (0, 1)]
     assert len({job["array_job_id"] for job in jobs}) == 1  # one Slurm array
-    # point 0: preempted, resumed and completed over both nodes
-    row, run_dir, job = summary[0], sweep / "0", jobs[0]
+    # point 1: preempted, resumed and completed over both nodes
+    row, run_dir, job = summary[1], sweep / "1", jobs[1]
     assert row["steps"] == 24 and job["job_id"].isdigit() and job["partition"] == "debug" and job["num_nodes"] == "2"
     assert job["restart_count"] == "1"  # the second start
     starts = [line for line in (run_dir / "tinker_exp.log").read_text().splitlines() if "workers: " in line]
@@ -350,21 +351,21 @@ def test_a_sweep_of_two_node_points_runs_each_as_a_slurm_job_resumes_a_preempted
     # Its first start stopped by itself (not killed at KillWait), leaving no result behind for the launcher. Slurm
     # signals every process of the job at once. 143: our SIGTERM handler stopped the run; 1: Ray's raylet died first
     # and Ray's core worker ended the driver (it does that on losing its raylet; a race we cannot win under load).
-    job_log = read_job_log(sweep, tasks(0))
+    job_log = read_job_log(sweep, tasks(1))
     assert re.search(r"task 0: Exited with exit code (143|1)$", job_log, re.M) and "Killed" not in job_log, job_log[-3000:]
-    # point 1: stopped on SIGTERM by itself, well before Slurm's SIGKILL, and wrote no result of its own.
-    task = tasks(1)
+    # point 0: stopped on SIGTERM by itself, well before Slurm's SIGKILL, and wrote no result of its own.
+    task = tasks(0)
     job_log = read_job_log(sweep, task)
     # It ended by itself, before Slurm's SIGKILL: through our SIGTERM handler (exit 143, its one line), through the
     # launcher when the other node's workers died first (exit 143, no result: docs/multi-node.md), or through Ray's
     # core worker when the raylet died first (exit 1; Slurm signals every process of the job at once).
     assert re.search(r"task 0: Exited with exit code (143|1)$", job_log, re.M) and "Killed" not in job_log, job_log[-3000:]
     assert not list((sweep / ".submitit" / task).glob("*_0_result.pkl"))  # task 0's: the run's
-    steps = [m["train/step"] for m in metrics_rows(sweep / "1")]
+    steps = [m["train/step"] for m in metrics_rows(sweep / "0")]
     assert steps == list(range(len(steps))) and len(steps) >= 2
     # scancel signals every process of the job, W&B's service too (wandb/wandb#9963): the run cannot be
     # finished, and steps it had not yet written are lost. What it wrote agrees with metrics.jsonl.
-    logged = wandb_train_rows(sweep / "1")
+    logged = wandb_train_rows(sweep / "0")
     assert logged and [row["train/step"] for row in logged] == steps[: len(logged)]
     # then Slurm reaps every process of the job (COMPLETING until then), on both nodes: Ray's too
     assert_nothing_left(slurm_env, job_id, files=False)
@@ -434,20 +435,25 @@ def test_multinode_recipe_on_two_nodes(slurm_env, cosine_trunk, tmp_path):
     over 2 ranks), and nothing left of the job after it."""
     run_dir, rendezvous = tmp_path / "run", tmp_path / "rendezvous"
     run = [*COSINE_TRUNK, "logger=none"]  # the trunk's command (W&B aside: it changes no step)
-    result = subprocess.run(
+    submitted = subprocess.run(
         [
-            "sbatch", "--wait", "--nodes=2", "--cpus-per-task=1", f"--output={tmp_path}/slurm-%j.out",
+            "sbatch", "--parsable", "--nodes=2", "--cpus-per-task=1", f"--output={tmp_path}/slurm-%j.out",
             "launchers/slurm_multinode.sbatch", *run, "backend.num_workers=1", f"hydra.run.dir={run_dir}",
         ],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO, capture_output=True, text=True, timeout=60,
         env=environment({**slurm_env, "TINKER_EXP_PYTHON": sys.executable, "RAY_AUTH_TOKEN": RAY_TOKEN,
                          "TINKER_EXP_RAY_RENDEZVOUS": str(rendezvous)}),
     )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    # The job's end as it happens: `sbatch --wait` looks 2, 10, 42, 74, 106 ... s after the submission (its poll
+    # backs off to 32 s), up to half a minute after the job ended.
+    wait_until(lambda: sacct_state(slurm_env, job_id) not in ACTIVE_STATES, 600, f"job {job_id} did not end", poll=0.5)
     (log,) = tmp_path.glob("slurm-*.out")
     text = log.read_text()
-    assert result.returncode == 0, text[-3000:]
+    assert sacct_state(slurm_env, job_id) == "COMPLETED", text[-3000:]  # its batch script exited 0
     job = job_json(run_dir)
-    assert job["slurm"]["num_nodes"] == "2" and log.name == f"slurm-{job['slurm']['job_id']}.out"
+    assert job["slurm"]["num_nodes"] == "2" and job["slurm"]["job_id"] == job_id and log.name == f"slurm-{job_id}.out"
     assert "2 node(s)" in text and "the Ray head is gone; this node stopped" in text  # the other task ended with it
     assert_one_rank_per_node(run_dir)
     rows = read_jsonl(run_dir / "metrics.jsonl")
