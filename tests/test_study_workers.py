@@ -116,6 +116,43 @@ def test_a_continued_study_keeps_a_waiting_retry_for_its_workers_and_fails_it_fo
     assert study.trials[1].state == TrialState.FAIL and study.trials[1].user_attrs["error"] == "a retry not run when the study stopped"
 
 
+def test_a_retry_starts_from_the_lost_trials_newest_checkpoint_before_its_end_else_from_step_0(tmp_path):
+    """retry_start: a branch of the lost trial's run dir when it saved a usable checkpoint before its last step
+    (the newest: 4); none for a trial that is no retry, a lost trial without checkpoints, with only a broken one, or
+    whose newest is at its last step (a branch would train nothing)."""
+    from tinker_exp.sweep.workers import retry_start
+    from tinker_exp.train.checkpoints import begin_save, commit_save
+
+    study = journal_study(tmp_path)
+    ask = lambda: study.ask(SPACE)  # noqa: E731
+
+    def lost_run(name: str, steps: int, saved: tuple[int, ...], broken: bool = False) -> Path:
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        (run_dir / "config.yaml").write_text(f"trainer:\n  steps: {steps}\ncheckpoint:\n  dir: checkpoints\n")
+        for step in saved:
+            partial = begin_save(run_dir / "checkpoints", step)
+            (partial / "workers" / "model.pt").write_bytes(b"weights")
+            folder = commit_save(partial, step, {})
+            if broken:
+                (folder / "workers" / "model.pt").write_bytes(b"")  # shorter than its manifest says
+        return run_dir
+
+    runs = {"saved": lost_run("saved", 6, (2, 4)), "none": lost_run("none", 6, ()), "broken": lost_run("broken", 6, (2,), broken=True),
+            "at_end": lost_run("at_end", 6, (6,))}  # fmt: skip
+    starts = {}
+    for name, run_dir in runs.items():
+        lost = take(study, 10, ask, "7_0", tmp_path)
+        lost.set_user_attr("run_dir", str(run_dir))
+        study.enqueue_trial(dict(lost.params), user_attrs={RETRY_OF: lost.number})
+        study.tell(lost, state=TrialState.FAIL)
+        retry = take(study, 10, ask, "7_1", tmp_path)
+        starts[name] = retry_start(study, retry)
+        study.tell(retry, 1.0)
+    assert starts == {"saved": [f"branch.from={runs['saved']}"], "none": [], "broken": [], "at_end": []}
+    assert retry_start(study, take(study, 10, ask, "7_1", tmp_path)) == []  # no retry
+
+
 def test_in_a_slurm_job_auto_trains_cold_unless_the_job_holds_a_pool_of_its_own(monkeypatch, tmp_path):
     """backend.pool=auto in a Slurm job: cold at once (its own allocation), without looking for the user's pool; with a
     study worker's pool in its environment (SWEEP_POOLS_ENV), that pool is asked (none answering here: cold, said)."""
@@ -169,21 +206,23 @@ def worker_python(job_id: str) -> int:
 
 
 def test_a_study_on_two_worker_jobs_completes_when_one_is_killed_mid_trial(slurm_env, tmp_path):
-    """A 3-point grid on 2 worker jobs (journal file in the sweep dir). The worker running trial 0 is killed with
-    kill -9 once the trial has logged a step: the sweep sees its job end, fails trial 0 (why, in the log and the
-    summary) and enqueues its values as trial 3, which the other worker takes after its own trials. The study has
-    its 3 trials (1, 2, 3 completed, each row once), the same values as the grid's points, every trial in the
-    storage; each worker started its workers once (a pool in its allocation: one group built a job, later trials
+    """A 3-point grid on 2 worker jobs (journal file in the sweep dir), checkpoints every 2 steps. The worker running
+    trial 0 is killed with kill -9 once the trial has saved its step-2 checkpoint: the sweep sees its job end, fails
+    trial 0 (why, in the log and the summary) and enqueues its values as trial 3, which the other worker takes after
+    its own trials and runs on from trial 0's newest checkpoint (a branch of its run dir: its rows from that step on,
+    each once). The study has its 3 trials (1, 2, 3 completed), the same values as the grid's points, every trial in
+    the storage; each worker started its workers once (a pool in its allocation: one group built a job, later trials
     warm); both jobs left the queue."""
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
         "hydra.launcher.workers=2", "hydra.sweeper.sampler=grid", "override.lr=choice(1e-4,1e-3,1e-2)", *TRIAL,
+        "checkpoint.every_steps=2",
     ]  # fmt: skip
     log, run_0 = tmp_path / "study.log", tmp_path / "0"
     with open(log, "w") as out:
         driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stdout=out, stderr=subprocess.STDOUT)
         try:
-            wait_until(lambda: (run_0 / "metrics.jsonl").exists() and (run_0 / "metrics.jsonl").read_text().strip(), 600, "trial 0 logged no step", driver)
+            wait_until(lambda: (run_0 / "checkpoints" / "step_00000002").is_dir(), 600, "trial 0 saved no checkpoint", driver)
             killed = job_json(run_0)["slurm"]
             os.kill(worker_python(killed["job_id"]), signal.SIGKILL)
             driver.wait(timeout=600)
@@ -204,9 +243,14 @@ def test_a_study_on_two_worker_jobs_completes_when_one_is_killed_mid_trial(slurm
     assert summary == {0: "FAILED", 1: "COMPLETED", 2: "COMPLETED", 3: "COMPLETED"}
     saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
     assert [f.trial for f in saved.failed] == [0] and saved.n_complete == 3
+    # the retry went on from trial 0's newest checkpoint (2 or 4: how far trial 0 got before the kill)
+    start = read_jsonl(tmp_path / str(retry.number) / "metrics.jsonl")[0]["train/step"]
+    assert start in (2, 4) and (run_0 / "checkpoints" / f"step_{start:08d}").is_dir(), start
+    assert f"branch of {run_0} at step {start}" in (tmp_path / str(retry.number) / "tinker_exp.log").read_text()
     for trial in trials[1:]:
         run_dir = tmp_path / str(trial.number)
-        assert [row["train/step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))  # each row once
+        first = start if trial.number == retry.number else 0
+        assert [row["train/step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == list(range(first, 6))  # each row once
         assert trial.value == read_json(run_dir / "objective.json")["value"] and trial.user_attrs["job_id"] != worker
         assert job_json(run_dir)["overrides"] == trial.user_attrs["overrides"]  # a job's own: no pool address added
     # One cold start a worker: the surviving job built one group; its later trials trained warm on it.

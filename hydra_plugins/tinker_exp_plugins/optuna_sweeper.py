@@ -453,7 +453,7 @@ class StudyWorker:
 
         from tinker_exp.pool.local import SweepPools
         from tinker_exp.sweep.study import make_sampler, open_storage, trial_overrides
-        from tinker_exp.sweep.workers import Heartbeat, resumed, work
+        from tinker_exp.sweep.workers import Heartbeat, resumed, retry_start, work
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         said = worker_log()
@@ -476,7 +476,7 @@ class StudyWorker:
 
         def run(trial: Any) -> None:
             with composing:
-                overrides = trial_overrides(self.fixed, trial.params)
+                overrides = trial_overrides(self.fixed, trial.params) + retry_start(study, trial)
                 trial.set_user_attr("overrides", overrides)
                 trial.set_user_attr("run_dir", str(job_run_dir(self.launcher.hydra_context, self.launcher.config, overrides, trial.number)))
                 trial.set_user_attr("job_id", worker)

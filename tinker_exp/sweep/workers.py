@@ -9,8 +9,9 @@ Who does what, so that nothing is run twice and nothing is lost:
   step, so W workers never ask more than n_trials between them;
 - a worker tells its own trial (complete, pruned, failed) and says it is alive every HEARTBEAT_S (`Heartbeat`);
 - only the sweep's own process fails a trial whose worker is gone (`lose`): its job ended (scancel, kill -9, node
-  failure) or its heartbeat stopped; it enqueues a retry (a new trial number with the same values, run from step 0)
-  that the next free worker takes first.
+  failure) or its heartbeat stopped; it enqueues a retry (a new trial number with the same values) that the next
+  free worker takes first, and runs from the lost trial's newest checkpoint (`retry_start`: a branch of its run dir),
+  or from step 0 where it saved none.
 """
 
 from __future__ import annotations
@@ -145,6 +146,22 @@ def work(
         ran += 1
 
 
+def retry_start(study: optuna.Study, trial: Any) -> list[str]:
+    """The overrides that start `trial` where the lost trial it retries left off: `branch.from=<its run dir>` when that
+    run saved a usable checkpoint before its last step (the retry trains on from the newest one in its own run dir,
+    bitwise as the lost trial would have: docs/branching.md), else none (from step 0). [] for a trial that is no retry."""
+    from tinker_exp.train.start import branch_step
+
+    lost_number = trial.user_attrs.get(RETRY_OF)
+    if lost_number is None:
+        return []
+    lost = next((t for t in study.get_trials(deepcopy=False) if t.number == lost_number), None)
+    run_dir = lost.user_attrs.get("run_dir") if lost is not None else None
+    if not run_dir or branch_step(Path(run_dir)) is None:
+        return []
+    return [f"branch.from={run_dir}"]
+
+
 def resumed(study: optuna.Study, worker: str) -> list[optuna.Trial]:
     """The trials still RUNNING under this worker's job id: the job was requeued (a time limit, a preemption) while
     it ran them. Each is marked seen now and run again in its own run dir, which resumes from its checkpoint. One the
@@ -173,7 +190,8 @@ def lost(running: Sequence[FrozenTrial], ended_workers: dict[str, str], now: flo
 
 def lose(study: optuna.Study, trial: FrozenTrial, why: str, sweep_dir: Path, max_retries: int = MAX_RETRIES) -> str:
     """Fail a trial whose worker is gone and, unless its values ran `max_retries` times already, enqueue a retry (a
-    new trial of the same values, from step 0 in its own run dir). One line saying what was done. A worker that
+    new trial of the same values, in its own run dir, from the lost trial's newest checkpoint: `retry_start`). One
+    line saying what was done. A worker that
     tells the trial first wins (the storage keeps the first end of a trial); then nothing is retried."""
     storage = study._storage  # the study's own storage object: the same calls a worker makes through its trial
     with ask_lock(sweep_dir):  # the retry's number is the next one: no worker asks meanwhile

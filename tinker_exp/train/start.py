@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from tinker_exp.config import Config
-from tinker_exp.errors import ConfigError
+from tinker_exp.errors import CheckpointError, ConfigError
 from tinker_exp.train.checkpoints import ResumePoint, check_checkpoint_device, latest, problem, resume_point, saved_loop_state, saved_steps, step_dir
 
 log = logging.getLogger(__name__)
@@ -189,8 +189,7 @@ def branched(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> StartPo
     trunk_config = read_saved_config(trunk) if trunk.is_dir() else None
     if trunk_config is None:
         raise ConfigError(f"branch.from={cfg.branch.source}: not a tinker_exp run dir (no {SAVED_CONFIG} in {trunk})")
-    root = trunk / str(trunk_config.get("checkpoint", {}).get("dir", "checkpoints"))
-    point = checkpoint_at(root, cfg.branch.step, cfg.branch.source)
+    point = checkpoint_at(checkpoints_of(trunk, trunk_config), cfg.branch.step, cfg.branch.source)
     if point.step >= cfg.trainer.steps:
         raise ConfigError(
             f"branch.step: {point.step} (the trunk's checkpoint) must be below trainer.steps={cfg.trainer.steps}: "
@@ -209,6 +208,26 @@ def branched(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> StartPo
         "trunk_wandb_run_id": wandb_id.read_text().strip() if wandb_id.is_file() else None,
     }  # fmt: skip
     return StartPoint("branch", point, lineage)
+
+
+def checkpoints_of(run_dir: Path, saved_config: Mapping[str, Any]) -> Path:
+    """Where a run dir keeps its checkpoints (its saved config's checkpoint.dir)."""
+    return run_dir / str(saved_config.get("checkpoint", {}).get("dir", "checkpoints"))
+
+
+def branch_step(run_dir: Path) -> int | None:
+    """The step a branch of `run_dir` starts at by default (its newest usable checkpoint), or None: it is no run dir,
+    has no usable checkpoint, or has one only at its last step (a branch would train nothing)."""
+    saved = read_saved_config(run_dir) if run_dir.is_dir() else None
+    if saved is None:
+        return None
+    try:
+        point = latest(checkpoints_of(run_dir, saved))
+    except CheckpointError:
+        return None
+    if point is None or point.step >= int(saved.get("trainer", {}).get("steps", 0)):
+        return None
+    return point.step
 
 
 def checkpoint_at(root: Path, step: int | None, source: str) -> ResumePoint:
