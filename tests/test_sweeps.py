@@ -30,7 +30,7 @@ from helpers import (
     wandb_finished_records,
     wandb_run_record,
 )
-from tinker_exp.sweep.slurm import ACTIVE_STATES, slurm_verdict
+from tinker_exp.sweep.slurm import ACTIVE_STATES, Verdicts
 from tinker_exp.sweep.jobs import (
     JobOutcome,
     failure_report,
@@ -100,30 +100,41 @@ def test_summary_reads_each_run_dir_and_names_failures(tmp_path):
 # --- presets -----------------------------------------------------------------------------------------
 
 
-def fake_slurm(states: list[str], result_after: int | None):
-    """Slurm states, one per poll; the result file appears at poll `result_after` (None: never)."""
+def fake_slurm(states: dict[str, list[str]], result_after: dict[str, int | None]):
+    """Each job's Slurm states, one per poll; its result file appears at poll `result_after[job]` (None: never)."""
     polls = {"n": 0, "t": 0.0}
 
-    def state() -> str:
+    def state(ids: list[str]) -> dict[str, str]:
         polls["n"] += 1
-        return states[min(polls["n"], len(states)) - 1]
+        return {job: states[job][min(polls["n"], len(states[job])) - 1] for job in ids}
 
     def sleep(seconds: float) -> None:
         polls["t"] += seconds
 
-    return (lambda: result_after is not None and polls["n"] >= result_after), state, (lambda: polls["t"]), sleep
+    written = {job: (lambda after=after: after is not None and polls["n"] >= after) for job, after in result_after.items()}
+    return written, state, (lambda: polls["t"]), sleep
 
 
 def test_a_requeued_job_is_waited_for_through_the_states_it_passes():
     # What a requeue can look like in sacct: a failed-looking moment, then back in the queue, then done.
-    written, state, clock, sleep = fake_slurm(["RUNNING", "FAILED", "REQUEUED", "PENDING", "RUNNING", "RUNNING"], 6)
-    assert slurm_verdict(written, state, poll_s=5, settle_s=20, clock=clock, sleep=sleep) is None
+    written, state, clock, sleep = fake_slurm({"1": ["RUNNING", "FAILED", "REQUEUED", "PENDING", "RUNNING", "RUNNING"]}, {"1": 6})
+    assert Verdicts(written, state, poll_s=5, settle_s=20, clock=clock, sleep=sleep).of("1") is None
 
 
 def test_a_job_slurm_ended_is_reported_once_its_state_holds():
-    written, state, clock, sleep = fake_slurm(["RUNNING", "RUNNING", "CANCELLED"], None)
-    assert slurm_verdict(written, state, poll_s=5, settle_s=20, clock=clock, sleep=sleep) == "CANCELLED"
+    written, state, clock, sleep = fake_slurm({"1": ["RUNNING", "RUNNING", "CANCELLED"]}, {"1": None})
+    assert Verdicts(written, state, poll_s=5, settle_s=20, clock=clock, sleep=sleep).of("1") == "CANCELLED"
     assert clock() == 10 + 20  # two polls running, then the settling time: never waited on forever
+
+
+def test_jobs_that_ended_without_a_result_settle_side_by_side_not_one_after_another():
+    """Three jobs cancelled at the same poll, asked for in order: the three verdicts take one settling time, not
+    three (a grid on Slurm waited 20 s per such job, each after the one before); a job that wrote its result is None."""
+    states = {"1": ["RUNNING", "CANCELLED"], "2": ["RUNNING", "CANCELLED"], "3": ["RUNNING", "CANCELLED"], "4": ["RUNNING"]}
+    written, state, clock, sleep = fake_slurm(states, {"1": None, "2": None, "3": None, "4": 3})
+    verdicts = Verdicts(written, state, poll_s=5, settle_s=20, clock=clock, sleep=sleep)
+    assert [verdicts.of(job) for job in ("1", "2", "3", "4")] == ["CANCELLED", "CANCELLED", "CANCELLED", None]
+    assert clock() == 5 + 20  # one poll running, then one settling time for all three
 
 
 def test_slurm_preset_has_the_keys_a_gpu_cluster_needs():

@@ -48,7 +48,7 @@ from tinker_exp.sweep.jobs import (
     write_summary,
 )
 from tinker_exp.sweep.report import REPORT, display_name, write_report
-from tinker_exp.sweep.slurm import ACTIVE_STATES, cancel_slurm_jobs, slurm_state, slurm_states, slurm_verdict
+from tinker_exp.sweep.slurm import ACTIVE_STATES, Verdicts, cancel_slurm_jobs, slurm_state, slurm_states
 
 log = logging.getLogger(__name__)
 
@@ -287,8 +287,10 @@ class SweepLauncher(BaseSubmititLauncher):
         ]
         executor = self._executor()
         jobs: list[Any] = []  # as they are started (local) or submitted
+        verdicts = None
         if self._EXECUTOR != "local":
             jobs = self._submit(executor, args)
+            verdicts = Verdicts({job.job_id: job.paths.result_pickle.exists for job in jobs}, slurm_states, POLL_S)
         returns, outcomes = [], []
         ended: dict[int, tuple[JobReturn, JobOutcome]] = {}
         pools = SweepPools()  # local jobs' warm workers: one pool per job at once, ended after the jobs
@@ -307,9 +309,10 @@ class SweepLauncher(BaseSubmititLauncher):
             for num, overrides in zip(nums, job_overrides):
                 if num in ended:  # a local job: waited for, and said, as it ended
                     ret, outcome = ended[num]
-                else:
+                else:  # a Slurm job (all settled side by side: `verdicts`), or a refused point
                     job = None if num in refused else next(started)
-                    ret, outcome = self._outcome(num, overrides, job, refused.get(num), wait=True)
+                    ended_by = None if job is None else verdicts.of(job.job_id)
+                    ret, outcome = self._outcome(num, overrides, job, refused.get(num), ended_by)
                     log.info(ended_line(outcome))
                 returns.append(ret)
                 outcomes.append(outcome)
@@ -662,13 +665,10 @@ def cancel(jobs: Sequence[Any]) -> None:
 
 
 def wait_for(job: Any) -> str | None:
-    """Wait until the job wrote its result (returns None) or the scheduler ended it (returns its state)."""
-    from submitit.slurm.slurm import SlurmJob
-
-    if not isinstance(job, SlurmJob):  # a local process: it writes its result, or it died (killed, crashed)
-        job.wait()
-        return None if job.paths.result_pickle.exists() else job.state.split()[0]
-    return slurm_verdict(job.paths.result_pickle.exists, lambda: slurm_state(job.job_id))
+    """Wait until a local job has ended: None when it wrote its result, else its state (killed, crashed). A Slurm
+    sweep's jobs are waited for together (`Verdicts`)."""
+    job.wait()
+    return None if job.paths.result_pickle.exists() else job.state.split()[0]
 
 
 class OneAtATime:

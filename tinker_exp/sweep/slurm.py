@@ -34,25 +34,39 @@ class Settling:
         return None
 
 
-def slurm_verdict(
-    result_written: Callable[[], bool],
-    state: Callable[[], str],
-    poll_s: float = 5.0,
-    settle_s: float = 20.0,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> str | None:
-    """None once the result is written; else Slurm's end state, taken only once it has held for `settle_s`.
+class Verdicts:
+    """Jobs' verdicts: None once a job's result is written; else Slurm's end state, taken only once it has held for
+    `settle_s` (so a requeued job is waited for again rather than reported from a state it passed through on the
+    way). Settled side by side: asking for one job's looks at every job still undecided each poll (their states in
+    one call), so jobs that ended without a result settle together, not `settle_s` one after another."""
 
-    So a requeued job is waited for again rather than reported from a state it passed through on the way.
-    """
-    settling = Settling(settle_s, clock)
-    while not result_written():
-        ended = settling.verdict(state())
-        if ended is not None:
-            return ended
-        sleep(poll_s)
-    return None
+    def __init__(
+        self,
+        result_written: Mapping[str, Callable[[], bool]],
+        states: Callable[[list[str]], Mapping[str, str]],
+        poll_s: float = 5.0,
+        settle_s: float = 20.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """`result_written`: job id -> whether its result is written; `states(job ids)`: their Slurm states."""
+        self.result_written, self.states, self.poll_s, self.sleep = dict(result_written), states, poll_s, sleep
+        self.settling = {job_id: Settling(settle_s, clock) for job_id in self.result_written}
+        self.found: dict[str, str | None] = {}
+
+    def of(self, job_id: str) -> str | None:
+        """Job `job_id`'s verdict: None once its result is written, else its settled end state; waits for it."""
+        while job_id not in self.found:
+            pending = [j for j in self.result_written if j not in self.found]
+            states = self.states(pending)
+            for j in pending:
+                if self.result_written[j]():
+                    self.found[j] = None
+                elif (ended := self.settling[j].verdict(states.get(j, "UNKNOWN"))) is not None:
+                    self.found[j] = ended
+            if job_id not in self.found:
+                self.sleep(self.poll_s)
+        return self.found[job_id]
 
 
 SLURM_CALL_TIMEOUT_S = 60.0
