@@ -237,7 +237,7 @@ def main(args: list[str]) -> None:
         pids = [info["pid"] for info in workers.group.device_info()]
         return Kept(key, workers, time.time(), pids, resident_mb(pids), workers_each)
 
-    def build_workers(rank: int, model_id: str) -> "KeptWarm | ClientSlot":
+    def build_workers(rank: int, model_id: str) -> Lent:
         """A client's model: a LoRA model takes a slot of its key's group (held, kept or built); a fully fine-tuned
         one the kept group of its key in a fresh state, exactly a new build's, else a new group."""
         model_cfg = replace(cfg, lora=replace(cfg.lora, rank=rank))
@@ -249,12 +249,12 @@ def main(args: list[str]) -> None:
             workers = kept.take(found)
             workers.start_fresh(cfg.optimizer, cfg.trainer, plan.optimizer_values, workers.output)
             say("the new model trains on the kept workers (fresh state)")
-            return KeptWarm(found, kept)
+            return Lent(workers, lambda: kept.add(found))
         group = new_group(key, model_cfg)
         group.workers.keep_initial_state()
-        return KeptWarm(group, kept)
+        return Lent(group.workers, lambda: kept.add(group))
 
-    def on_slot(key: dict, model_cfg, model_id: str) -> "ClientSlot":
+    def on_slot(key: dict, model_cfg, model_id: str) -> Lent:
         """A slot of the key's group, filled as a new group's model starts (runtime/slots.py: the trainer's seed)."""
         name = KeptGroups.name(key)
         group = on_slots.get(name)
@@ -272,12 +272,13 @@ def main(args: list[str]) -> None:
         say(f"model {model_id} holds slot {slot.index + 1} of {serve.slots} on the group of LoRA rank {model_cfg.lora.rank} "
             f"({how})")
 
-        def freed() -> None:
+        def free() -> None:
+            slot.shutdown()
             say(f"model {model_id}'s slot {slot.index + 1} is free")
             if not group.workers.slots:  # the group's last model: kept warm for the next clients'
                 kept.add(on_slots.pop(name))
 
-        return ClientSlot(slot, freed)
+        return Lent(slot, free)
 
     def optim_params(adam: dict) -> dict:
         return plan_for(adam, plan.optimizer_values, 1, plan.optimizer, float(cfg.optimizer.clip_grad or 0.0))[0]
@@ -332,33 +333,19 @@ def main(args: list[str]) -> None:
         sys.exit(code)
 
 
-class KeptWarm:
-    """A client's model's workers: freeing them (its session ended) keeps them for a later client's model of the
-    same key (runtime/warm.py KeptGroups)."""
+class Lent:
+    """A client's model's workers (a kept group's, or a LoRA model's slot), as the server calls them; freeing them
+    (its session ended) calls `give_back` instead: the group kept for a later client's model of the same key
+    (runtime/warm.py KeptGroups), or the slot freed."""
 
-    def __init__(self, group: Kept, kept: KeptGroups) -> None:
-        self._group, self._kept = group, kept
-
-    def __getattr__(self, name: str):
-        return getattr(self._group.workers, name)
-
-    def shutdown(self) -> None:
-        self._kept.add(self._group)
-
-
-class ClientSlot:
-    """A client's LoRA model on a slot (runtime/serve_workers.py ServedSlot): freeing it (its session ended) frees the
-    slot, and `freed()` says so (and keeps the group warm once it holds no model)."""
-
-    def __init__(self, slot: Any, freed: Callable[[], None]) -> None:
-        self._slot, self._freed = slot, freed
+    def __init__(self, workers: Any, give_back: Callable[[], None]) -> None:
+        self._workers, self._give_back = workers, give_back
 
     def __getattr__(self, name: str):
-        return getattr(self._slot, name)
+        return getattr(self._workers, name)
 
     def shutdown(self) -> None:
-        self._slot.shutdown()
-        self._freed()
+        self._give_back()
 
 
 class Stopped(Exception):
