@@ -244,8 +244,9 @@ class SlotGroup:
         """Slot index -> the checkpoint folder (its identity, `folder_identity`) that slot saved last, while its state
         as saved is at hand: kept (`keep_saved`), else while no call has changed the slot since. A load of the
         folder copies that state in place."""
-        self.waiting: list[StepRequest] = []  # steps asked and not yet taken by a cycle (under `waiting_lock`)
-        self.waiting_lock = threading.Lock()
+        self.waiting: list[StepRequest] = []
+        """Steps asked and not yet taken by a cycle (under `waiting_changed`, notified as one joins)."""
+        self.waiting_changed = threading.Condition()
         self.packed: Counter[int] = Counter()
         """How many packed steps of n slots the group has run (n -> count): a cycle of one slot is not packed."""
         self.refused = next((why for why in workers.group.enable_slots() if why), None)
@@ -329,11 +330,12 @@ class SlotGroup:
         trial's thread takes it runs every step waiting then, its own among them, as one packed step
         (`train_steps`), and each waiting thread takes its own result. No timer: a cycle packs what is waiting."""
         request = StepRequest(slot, examples, optim_step_params)
-        with self.waiting_lock:
+        with self.waiting_changed:
             self.waiting.append(request)
+            self.waiting_changed.notify_all()
         with self.lock:
             if not request.done:
-                with self.waiting_lock:
+                with self.waiting_changed:
                     taken, self.waiting = self.waiting, []
                 try:
                     results = self.train_steps([(r.slot, r.examples, r.optim_step_params) for r in taken])
