@@ -2,15 +2,17 @@
 
 The group builds the base model once. Each slot holds, on every rank, its own adapter weights (the rank's shards),
 its own optimizer (state, param groups, lr scheduler), the optimizer config its clip comes from and its own torch
-RNG. A slot's trial starts as a cold run of its seed does (runtime/lora.py `start_trial`: the one rule) and trains
-by **time-sharing**: before a slot's call the group swaps its adapters, optimizer and RNG into the engine (nothing
-when it is the slot already there), then verl's own forward_backward and optimizer_step run unchanged, so a slot's
-step is bitwise the step its trial would take alone. The frozen base weights are never copied.
+RNG. A slot's trial starts as a cold run of its seed does (runtime/lora.py `start_trial`: the one rule). The steps
+waiting at once train **packed** (runtime/packed.py: their rows through the base model in one forward and backward,
+each row through its own slot's adapter, then each slot's own optimizer step), within a stated tolerance of each
+trial alone; a step alone, and every call but a step, is **time-shared**: the group swaps the slot's adapters,
+optimizer and RNG into the engine (nothing when it is the slot already there), then verl's own calls run unchanged,
+bitwise the trial's alone. The frozen base weights are never copied.
 
 The driver sees a slot as a `Slot`: the calls the loop makes on a whole group (train/protocols.py `Workers`), so the
 loop, the judges and the sinks do not know they share a model. Each trial's loop runs in its own driver thread;
-the group's lock orders their calls (one slot's forward_backward and optimizer_step never interleave with
-another's). A slot is freed (`Slot.shutdown`) and its index taken by the next trial (`SlotGroup.fill`) while the
+the group's lock orders their calls (one slot's forward_backward and optimizer_step never interleave with another's
+call), and whichever thread takes it runs every step waiting then as one cycle (`SlotGroup.train_step`). A slot is freed (`Slot.shutdown`) and its index taken by the next trial (`SlotGroup.fill`) while the
 others train; `SlotGroup.copy` copies one slot's whole state onto another's in place, and a slot told to load a
 checkpoint another slot saved takes that slot's state as saved in place instead of reading the files, while that
 state is at hand (`SlotGroup.load`: a PBT exploit between members of one group; a population's group keeps each
@@ -357,19 +359,16 @@ class SlotGroup:
         step alone, in turn (time-sharing)."""
         ranks = self.workers.group.world_size
         with self.lock:
-            packable = [] if self.refused else [step for step in steps if len(step[1]) % ranks == 0]
-            for step in steps:
-                if not self.refused and len(step[1]) % ranks and len(step[1]) not in self.unpacked:
-                    self.unpacked.add(len(step[1]))
-                    log.info(f"slots: a batch of {len(step[1])} rows does not split over {ranks} ranks: its steps time-shared")
-            if len(packable) < 2:
-                packable = []
-            results = dict(zip(map(id, packable), self._packed(packable))) if packable else {}
-            for step in steps:
-                if id(step) not in results:
-                    slot, examples, optim_step_params = step
-                    results[id(step)] = self._on(slot, lambda: self.workers.train_step(examples, optim_step_params))
-            return [results[id(step)] for step in steps]
+            packable = [] if self.refused else [i for i, (_, examples, _) in enumerate(steps) if len(examples) % ranks == 0]
+            for _, examples, _ in steps:
+                if not self.refused and len(examples) % ranks and len(examples) not in self.unpacked:
+                    self.unpacked.add(len(examples))
+                    log.info(f"slots: a batch of {len(examples)} rows does not split over {ranks} ranks: its steps time-shared")
+            results = dict(zip(packable, self._packed([steps[i] for i in packable]))) if len(packable) > 1 else {}
+            for i, (slot, examples, optim_step_params) in enumerate(steps):
+                if i not in results:
+                    results[i] = self._on(slot, lambda: self.workers.train_step(examples, optim_step_params))
+            return [results[i] for i in range(len(steps))]
 
     def _packed(self, steps: Sequence[tuple["Slot", Sequence[Any], dict[str, Any] | None]]) -> list[StepResult]:
         """Under the lock: one packed step of `steps` (2 or more slots, each batch a multiple of the ranks)."""
@@ -388,6 +387,7 @@ class SlotGroup:
                 owners += [slot.index] * chunk
         batch = self.workers._batch(rows)
         batch[SLOT] = torch.tensor(owners)
+        self.loaded = None  # each rank parks its loaded slot first (and, should a call fail, holds none known here)
         losses = self.workers.group.slots_forward_backward(batch).get().get_non_tensor("slot_losses")
         per_rank = self.workers.group.slots_optimizer_step([(slot.index, params or None) for slot, _, params in steps])
         self.loaded = steps[-1][0].index
