@@ -4,10 +4,10 @@ First each trial trains alone through run.run on that group before it holds slot
 the others on the pool's fresh start (a rebuild with their seed: bitwise a cold run, tests/test_pool.py). Then the
 group holds 3 slots and the trials train through run.run again, each run in its own driver thread on a `Slot`, at
 once (their steps packed when they wait for the same cycle): with different seeds, lr schedules, lrs and gradient
-clips (B evaluating every 2 steps), every logged row is the trial's alone within `RELATIVE` and the exported adapter
-within `ADAPTER_RELATIVE` (a packed step, runtime/packed.py; a time-shared one is bitwise). Three trials packed in
-every step for 21 steps against each alone: the same bounds. A slot freed (A finished) takes trial D while B is held mid-run and C trains on; a trial's
-run resumed on a slot from its checkpoint continues bitwise; one slot's state copied onto another (a PBT exploit)
+clips (B evaluating every 2 steps), every logged row is the trial's alone within `PACKED_RELATIVE` and the exported
+adapter within `PACKED_ADAPTER_RELATIVE` (a packed step, runtime/packed.py; a time-shared one is bitwise). Three
+trials packed in every step for 21 steps against each alone: the same bounds. A slot freed (A finished) takes trial
+D while B is held mid-run and C trains on; a trial's run resumed on a slot from its checkpoint continues bitwise; one slot's state copied onto another (a PBT exploit)
 trains on as the source does; a checkpoint another slot saved loads in place while its saver's state as saved is at
 hand (live, or kept in a population's group), bitwise as its load from disk.
 """
@@ -19,7 +19,17 @@ import threading
 
 import pytest
 
-from helpers import compose, read_jsonl
+from helpers import (
+    PACKED_ADAPTER_RELATIVE,
+    PACKED_RELATIVE,
+    adapters_difference,
+    assert_adapters_close,
+    assert_rows_close,
+    compose,
+    read_jsonl,
+    relative,
+    without_timings,
+)
 
 LORA = ["lora=r8", "logger=none", "checkpoint.every_steps=2"]
 TRIALS = {
@@ -28,57 +38,8 @@ TRIALS = {
     "C": ["trainer.eval_every=0", "trainer.seed=3", "trainer.steps=3", "+override.lr=2e-3", "optimizer.clip_grad=0.05"],
     "D": ["trainer.eval_every=0", "trainer.seed=4", "trainer.steps=2", "+override.lr=1e-2"],
 }
-TIMINGS = ("time", "perf/")
 ADAPTER = "adapter/adapter_model.safetensors"
 WAIT_S = 300  # a margin, never a pace: events end every wait
-RELATIVE = 1e-5
-"""The issue's bound on a logged value's difference, packed against alone (fp32): the largest measured over 21 steps
-of 3 packed trials was 1.7e-7 on a loss, 2.6e-6 on a grad norm (docs/slots.md)."""
-ADAPTER_RELATIVE = 1e-3
-"""The bound on an exported adapter tensor's difference, packed against alone (the norm of the difference over
-alone's): measured up to 2.7e-4 (trial A below, lr 5e-3, after 2 steps; 3.0e-5 after 21). Wider than RELATIVE:
-Adam's update of an element whose gradient is below its eps (1e-8) is about lr/eps times the gradient, so a
-last-digit difference of such a gradient becomes a visible one in the weights. The gradients themselves agree: with
-SGD (lr 0.5, 5 packed steps of 3 slots) no tensor differed by more than 1e-6."""
-
-
-def without_timings(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.startswith(TIMINGS)} for row in rows]
-
-
-def relative(a: float, b: float) -> float:
-    return 0.0 if a == b else abs(a - b) / max(abs(a), abs(b))
-
-
-def assert_rows_close(rows: list[dict], alone: list[dict]) -> float:
-    """Every row's keys and non-float values equal, its floats within RELATIVE of alone's; returns the largest
-    relative difference."""
-    rows, alone = without_timings(rows), without_timings(alone)
-    assert [sorted(r) for r in rows] == [sorted(r) for r in alone]
-    worst = 0.0
-    for row, other in zip(rows, alone, strict=True):
-        for key, value in row.items():
-            if isinstance(value, float):
-                worst = max(worst, relative(value, other[key]))
-            else:
-                assert value == other[key], key
-    assert worst <= RELATIVE, worst
-    return worst
-
-
-def adapters_difference(path, alone_path) -> float:
-    """The largest difference of the two adapters' tensors, each relative to alone's: the norm of the difference over
-    alone's norm (an element's own relative difference is not bounded: see ADAPTER_RELATIVE)."""
-    from safetensors.torch import load_file
-
-    mine, theirs = load_file(str(path)), load_file(str(alone_path))
-    assert sorted(mine) == sorted(theirs)
-    return max(float((mine[k] - theirs[k]).norm() / theirs[k].norm()) for k in mine)
-
-
-def assert_adapters_close(path, alone_path) -> None:
-    worst = adapters_difference(path, alone_path)
-    assert worst <= ADAPTER_RELATIVE, worst
 
 
 class Shared:
@@ -196,7 +157,9 @@ def test_a_freed_slot_takes_a_new_trial_while_the_others_train(trained):
 
 
 def test_a_trial_resumed_on_a_slot_continues_bitwise(trained, tmp_path):
-    whole = trained["root"] / "slot_B"
+    """Trial B's run alone (time-shared steps: bitwise whatever the group's other trials do), stopped before its last
+    save and resumed on a slot: it continues bitwise."""
+    whole = trained["alone"]["B"]
     resumed = tmp_path / "resumed_B"
     shutil.copytree(whole, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000004")  # as if stopped before its last save
@@ -303,8 +266,8 @@ def test_packed_steps_are_each_trial_alone_within_the_bound(trained, tmp_path):
     each alone on a slot (time-shared: bitwise a run alone), then the three again on fresh slots, packed in every
     step: 20 steps in the group's cycle (`train_steps`), the 21st through each trial's `Slot.train_step` in its own
     thread, the three waiting for one cycle. The first step's losses bitwise, every loss and grad norm within
-    RELATIVE, the exported adapters within ADAPTER_RELATIVE, the applied values equal; the group counts 21 packed
-    steps of 3. Each row's first token is in the loss, so a slot's last label counts (a mutation that drops
+    PACKED_RELATIVE, the exported adapters within PACKED_ADAPTER_RELATIVE, the applied values equal; the group counts
+    21 packed steps of 3. Each row's first token is in the loss, so a slot's last label counts (a mutation that drops
     `roll_within` fails it, and so does one that normalises a slot's loss by all slots' tokens)."""
     from dataclasses import replace
 
@@ -359,5 +322,5 @@ def test_packed_steps_are_each_trial_alone_within_the_bound(trained, tmp_path):
                 worst[key] = max(worst[key], relative(getattr(mine, key), getattr(theirs, key)))
         adapter = adapters_difference(*(tmp_path / f"{side}_{k}" / "adapter_model.safetensors" for side in ("packed", "alone")))
         worst["adapter"] = max(worst["adapter"], adapter)
-    assert max(worst["loss"], worst["grad_norm"]) <= RELATIVE and worst["adapter"] <= ADAPTER_RELATIVE, worst
+    assert max(worst["loss"], worst["grad_norm"]) <= PACKED_RELATIVE and worst["adapter"] <= PACKED_ADAPTER_RELATIVE, worst
     print(f"largest relative differences, packed against alone over {steps} steps of 3 trials: {worst}")
