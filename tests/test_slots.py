@@ -324,3 +324,166 @@ def test_packed_steps_are_each_trial_alone_within_the_bound(trained, tmp_path):
         worst["adapter"] = max(worst["adapter"], adapter)
     assert max(worst["loss"], worst["grad_norm"]) <= PACKED_RELATIVE and worst["adapter"] <= PACKED_ADAPTER_RELATIVE, worst
     print(f"largest relative differences, packed against alone over {steps} steps of 3 trials: {worst}")
+
+
+class FakeSlotWorkers:
+    """Bookkeeping only: a LoRA group's workers as SlotGroup calls them, each call recorded. A packed step's loss for
+    a slot is its index, its grad norm the lr it was sent; a time-shared step's the same."""
+
+    def __init__(self, refused: str | None = None, ranks: int = 2):
+        from types import SimpleNamespace
+
+        self.lora, self.averaged, self.calls, self.fail = object(), False, [], None
+        self.backend = self.model_path = None
+        self.group = SimpleNamespace(
+            world_size=ranks,
+            enable_slots=lambda: [refused] * ranks,
+            slot_fill=lambda index, optimizer_config, seed: None,
+            slot_load=lambda index: [],
+            slots_forward_backward=self.slots_forward_backward,
+            slots_optimizer_step=self.slots_optimizer_step,
+        )
+
+    def _worker_config(self, *args):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(optimizer_config=None)
+
+    def _batch(self, rows: list) -> dict:
+        return {"rows": rows}
+
+    def slots_forward_backward(self, batch: dict):
+        from types import SimpleNamespace
+
+        if self.fail is not None:
+            raise self.fail
+        owners = list(dict.fromkeys(batch["slot"].tolist()))
+        self.calls.append(("packed", owners, batch["rows"]))
+        losses = {index: float(index) for index in owners}
+        return SimpleNamespace(get=lambda: SimpleNamespace(get_non_tensor=lambda key: losses))
+
+    def slots_optimizer_step(self, steps: list) -> list:
+        return [[{"grad_norm": params["lr"], "param_groups": []} for _, params in steps] for _ in range(self.group.world_size)]
+
+    def train_step(self, examples: list, optim_step_params: dict):
+        from tinker_exp.train.protocols import StepResult
+
+        self.calls.append(("alone", len(examples)))
+        return StepResult(loss=float(examples[0][0]), grad_norm=optim_step_params["lr"], applied=[])
+
+
+def fake_group(k: int, **kwargs):
+    from tinker_exp import config
+    from tinker_exp.runtime.slots import SlotGroup
+
+    cfg = config.load(compose(*LORA))
+    group = SlotGroup(FakeSlotWorkers(**kwargs), k)
+    return group, [group.fill(cfg.optimizer, cfg.trainer, {}) for _ in range(k)]
+
+
+def in_one_cycle(group, steps: list) -> dict:
+    """Each (slot, examples, params) of `steps` through Slot.train_step in its own thread, all waiting before the
+    group's lock is let go: slot index -> its result, or the error it raised."""
+    results: dict = {}
+
+    def step(slot, examples, params):
+        try:
+            results[slot.index] = slot.train_step(examples, params)
+        except Exception as e:  # noqa: BLE001  (the test reads it)
+            results[slot.index] = e
+
+    with group.lock:
+        threads = [threading.Thread(target=step, args=each) for each in steps]
+        for thread in threads:
+            thread.start()
+        with group.waiting_changed:
+            assert group.waiting_changed.wait_for(lambda: len(group.waiting) == len(steps), WAIT_S)
+    for thread in threads:
+        thread.join(WAIT_S)
+    return results
+
+
+def rows(index: int, n: int) -> list[str]:
+    """Slot `index`'s batch of n rows (named by slot and row)."""
+    return [f"{index}{row}" for row in range(n)]
+
+
+def test_a_cycle_packs_every_step_waiting_and_hands_each_its_own_result():
+    """Three trials' steps waiting at once: one packed step whose batch is, rank after rank, each slot's chunk of its
+    own batch as that rank would take it alone; each trial gets its own slot's result."""
+    group, slots = fake_group(3)
+    results = in_one_cycle(group, [(slot, rows(slot.index, 4), {"lr": slot.index + 1}) for slot in slots])
+    [(kind, order, packed)] = group.workers.calls
+    assert kind == "packed" and sorted(order) == [0, 1, 2]  # in the order the steps waited
+    assert packed == [r for rank in range(2) for i in order for r in rows(i, 4)[2 * rank : 2 * rank + 2]]
+    assert [(results[i].loss, results[i].grad_norm) for i in range(3)] == [(0.0, 1), (1.0, 2), (2.0, 3)]
+    assert group.packed == {3: 1}
+    slots[1].train_step(rows(1, 4), {"lr": 5})  # nothing else waiting: its step alone
+    assert group.workers.calls[-1] == ("alone", 4) and group.packed == {3: 1}
+
+
+def test_a_packed_steps_error_is_raised_in_every_waiting_trial():
+    """A packed call that fails: every trial whose step it held raises it in its own thread."""
+    group, slots = fake_group(2)
+    group.workers.fail = RuntimeError("a rank died")
+    results = in_one_cycle(group, [(slot, rows(slot.index, 2), {"lr": 1.0}) for slot in slots])
+    assert [str(results[i]) for i in range(2)] == ["a rank died", "a rank died"]
+
+
+def test_steps_that_cannot_pack_are_time_shared_and_said_once(caplog):
+    """A batch that does not split over the ranks: its step time-shared after the others' packed step (said once for
+    that size); a cycle with one packable step left: each alone; workers that refuse packing: every step alone (said
+    once, as the group is made)."""
+    with caplog.at_level("INFO", logger="tinker_exp.runtime.slots"):
+        group, slots = fake_group(3, ranks=2)
+        group.train_steps([(slot, rows(slot.index, 3 if slot.index == 0 else 4), {"lr": 1.0}) for slot in slots])
+        group.train_steps([(slot, rows(slot.index, 3 if slot.index == 0 else 4), {"lr": 1.0}) for slot in slots[:2]])
+        refused, refused_slots = fake_group(2, refused="sequence parallel 2 (a micro-batch's tokens are split over ranks)")
+        refused.train_steps([(slot, rows(slot.index, 4), {"lr": 1.0}) for slot in refused_slots])
+    assert [call[:2] for call in group.workers.calls] == [("packed", [1, 2]), ("alone", 3), ("alone", 3), ("alone", 4)]
+    assert refused.workers.calls == [("alone", 4), ("alone", 4)] and not refused.packed
+    said = [r.getMessage() for r in caplog.records if r.name == "tinker_exp.runtime.slots"]
+    assert said == [
+        "slots: a batch of 3 rows does not split over 2 ranks: its steps time-shared",
+        "slots: steps time-shared, not packed: sequence parallel 2 (a micro-batch's tokens are split over ranks)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({}, None),
+        ({"lora_dropout": 0.1}, "has LoRA dropout"),
+        ({"use_dora": True}, "is a LoRA variant (DoraLinearVariant: DoRA)"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "is a LoRA Embedding (only Linear layers mix adapters)"),
+    ],
+    ids=["linear", "dropout", "dora", "embedding"],
+)
+def test_packing_is_refused_where_rows_cannot_be_mixed(change, why):
+    """runtime/packed.py `refusal` on the tiny model with peft's adapters as verl builds them (and with what cannot
+    be packed), and on a loss that is not SFT's or sequence parallel."""
+    from dataclasses import replace
+    from functools import partial
+    from types import SimpleNamespace
+
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from verl.workers.utils.losses import ppo_loss, sft_loss
+
+    from tinker_exp import config
+    from tinker_exp.runtime.inputs import model_dir
+    from tinker_exp.runtime.lora import peft_config
+    from tinker_exp.runtime.packed import refusal
+
+    cfg = config.load(compose(*LORA))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir(cfg.model)))
+    module = get_peft_model(model, replace(peft_config(cfg.lora), **change))
+    engine = SimpleNamespace(module=module, ulysses_sequence_parallel_size=1, pad_to_length=False)
+    said = refusal(engine, partial(sft_loss, config=None))
+    assert said == why if why is None else why in said
+    if why is None:
+        assert refusal(engine, partial(ppo_loss, config=None)).startswith("the loss is <function ppo_loss")
+        engine.ulysses_sequence_parallel_size = 2
+        assert refusal(engine, partial(sft_loss, config=None)).startswith("sequence parallel 2")
