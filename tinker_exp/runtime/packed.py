@@ -230,6 +230,7 @@ def forward_backward(worker: Any, engine: Any, loss_fn: Any, shards_of: dict[int
 
     adapters = gather_adapters([shards_of[index] for index in order], group)
     layers = lora_layers(engine.module, trained)
+    # what the mixed LoRA layers and the packed loss read of the micro-batch under way (its segments: set per micro-batch)
     where: dict[str, Any] = {"padding_free": tu.get_non_tensor_data(data, "use_remove_padding", True)}
     losses: list[list[float]] = [[] for _ in order]
 
@@ -239,8 +240,8 @@ def forward_backward(worker: Any, engine: Any, loss_fn: Any, shards_of: dict[int
         values, offsets = log_probs.values(), log_probs.offsets()
         total = None
         for segment in where["segments"]:
-            (first, last), (start, end) = segment.rows, segment.tokens
-            own = torch.nested.nested_tensor_from_jagged(values[start:end], offsets[first : last + 1] - offsets[first])
+            (row_start, row_end), (start, end) = segment.rows, segment.tokens
+            own = torch.nested.nested_tensor_from_jagged(values[start:end], offsets[row_start : row_end + 1] - offsets[row_start])
             loss, _ = loss_fn(model_output={"log_probs": own}, data=segment.micro_batch, dp_group=dp_group)
             losses[segment.slot].append(loss.detach().item())
             total = loss if total is None else total + loss
