@@ -484,6 +484,6 @@ def test_packing_is_refused_where_rows_cannot_be_mixed(change, why):
     said = refusal(engine, partial(sft_loss, config=None))
     assert said == why if why is None else why in said
     if why is None:
-        assert refusal(engine, partial(ppo_loss, config=None)).startswith("the loss is <function ppo_loss")
+        assert refusal(engine, partial(ppo_loss, config=None)).startswith("the loss is ppo_loss, not SFT's")
         engine.ulysses_sequence_parallel_size = 2
         assert refusal(engine, partial(sft_loss, config=None)).startswith("sequence parallel 2")

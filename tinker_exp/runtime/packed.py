@@ -44,8 +44,9 @@ def refusal(engine: Any, loss_fn: Any) -> str | None:
     from peft.tuners.lora import Linear as LoraLinear
     from verl.workers.utils.losses import sft_loss
 
-    if getattr(loss_fn, "func", loss_fn) is not sft_loss:
-        return f"the loss is {getattr(loss_fn, 'func', loss_fn)!r}, not SFT's (a packed loss sums verl's sft_loss per slot)"
+    loss = getattr(loss_fn, "func", loss_fn)  # verl's losses are set as partials
+    if loss is not sft_loss:
+        return f"the loss is {getattr(loss, '__qualname__', loss)}, not SFT's (a packed loss sums verl's sft_loss per slot)"
     if engine.ulysses_sequence_parallel_size > 1:
         return f"sequence parallel {engine.ulysses_sequence_parallel_size} (a micro-batch's tokens are split over ranks)"
     if getattr(engine, "pad_to_length", False):
