@@ -69,14 +69,11 @@ class BadPointsError(ConfigError):
 
 def slot_error(cfg: Any, slots: int) -> str | None:
     """Why a point cannot train on a slot (hydra.launcher.slots > 1), or None."""
+    from tinker_exp.config.validate import why_not_on_slot
+
     if slots <= 1:
         return None
-    why = (
-        "lora.rank=0: full fine-tuning keeps one trial per group" if cfg.lora.rank == 0
-        else f"env.prompts={cfg.env.prompts}: an RL trial keeps its group (its sampler and loss are its own)" if cfg.env.active
-        else f"backend.nodes={cfg.backend.nodes}: slots hold trials on one node" if cfg.backend.nodes > 1
-        else None
-    )  # fmt: skip
+    why = why_not_on_slot(cfg)
     return None if why is None else f"hydra.launcher.slots={slots}: {why}; slots hold LoRA SFT trials (1: a process a job)"
 
 
