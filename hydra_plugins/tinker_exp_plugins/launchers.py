@@ -130,11 +130,18 @@ def save_multirun(config: DictConfig, sweep_dir: Path) -> None:
 
 
 def job_run_dir(hydra_context: Any, config: Any, overrides: Sequence[str], num: int) -> Path:
-    """The run dir Hydra gives job `num` with these overrides (hydra.sweep.dir / hydra.sweep.subdir)."""
-    job_cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
-    with open_dict(job_cfg.hydra.job):
-        job_cfg.hydra.job.num = num
-    return Path(str(job_cfg.hydra.sweep.dir)) / str(job_cfg.hydra.sweep.subdir)
+    """The run dir Hydra gives job `num` with these overrides (hydra.sweep.dir / hydra.sweep.subdir), composed once
+    a job (tinker_exp/sweep/jobs.py RUN_DIRS)."""
+    from tinker_exp.sweep.jobs import RUN_DIRS, run_dir_of
+
+    key = (id(config), tuple(overrides), num)
+    if key not in RUN_DIRS:
+        job_cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+        with open_dict(job_cfg.hydra.job):
+            job_cfg.hydra.job.num = num
+        RUN_DIRS[key] = (config, run_dir_of(job_cfg))
+    return RUN_DIRS[key][1]
+
 
 
 POLL_S = 1.0

@@ -273,13 +273,13 @@ def prepare(hydra_context: Any, config: DictConfig, overrides: Sequence[str], nu
     """What Hydra's run_job gives a job's task, without its globals: the job's config (its `hydra` node as job `num`
     of the sweep), its run dir made, its W&B group and name, its record's files."""
     from tinker_exp.run import hydra_output_files, name_sweep_job
-    from tinker_exp.sweep.jobs import job_info
+    from tinker_exp.sweep.jobs import RUN_DIRS, job_info, run_dir_of
 
     whole = hydra_context.config_loader.load_sweep_config(config, list(overrides))
     with open_dict(whole.hydra.job), read_write(whole.hydra):
         whole.hydra.job.num = num
         whole.hydra.job.id = f"slot-job-{num}"
-    run_dir = Path(str(whole.hydra.sweep.dir)) / str(whole.hydra.sweep.subdir)
+    run_dir = RUN_DIRS.setdefault((id(config), tuple(overrides), num), (config, run_dir_of(whole)))[1]  # once a job
     with read_write(whole.hydra.runtime), open_dict(whole.hydra.runtime):
         whole.hydra.runtime.output_dir = str(run_dir.absolute())
     hydra_node = OmegaConf.create({"hydra": OmegaConf.to_container(whole.hydra, resolve=False)})
