@@ -1,4 +1,4 @@
-"""Warm workers (tinker_exp/pool/) against cold starts: paired runs, medians, ratios. Four parts, each its own command:
+"""Warm workers (tinker_exp/pool/) against cold starts: paired runs, medians, ratios. Six parts, each its own command:
 
 - start: process start to the end of step 1, for the bare verl loop (benchmarks/overhead.py's), a cold run
   (backend.pool=none) and a run on a warm pool (started once, before the pairs); each pair runs the three in an
@@ -10,6 +10,9 @@
 - slots: an Optuna study of --trials LoRA trials (lora=r8) cold, warm (one trial at a time on the sweep's pool) and
   packed (hydra.launcher.slots=--trials: every trial on a slot of one group, docs/slots.md), --pairs times in a
   rotating order: wall medians, ratios, trials per hour, and the same objective values on every side.
+- pool-slots: the same study on a warm pool of --trials slots, up before (`pool up --slots`): one trial at a time
+  (a process a trial, each leasing the pool) against packed (hydra.launcher.slots: every trial a thread of the sweep
+  on a slot of the pool's group), --pairs times in alternating order.
 - pbt: a population (hparams_search=pbt_lr_cosine, 4 members), cold then warm: wall time.
 - memory: a pool's resident memory (its process and all below it: Ray's daemons, the workers) at rest, then after
   and during each of --runs short runs on it, each with its own seed (a rebuild of the engine each); the growth
@@ -18,6 +21,7 @@
     .venv/bin/python benchmarks/pool.py start [--pairs 3] [--steps 3] [--no-bare] [--set KEY=VALUE ...]
     .venv/bin/python benchmarks/pool.py study [--trials 8] [--steps 20]
     .venv/bin/python benchmarks/pool.py slots [--trials 8] [--steps 20] [--pairs 1] [--no-cold]
+    .venv/bin/python benchmarks/pool.py pool-slots [--trials 8] [--steps 20] [--pairs 3]
     .venv/bin/python benchmarks/pool.py pbt
     .venv/bin/python benchmarks/pool.py memory [--runs 50] [--one-seed]
 """
@@ -149,22 +153,46 @@ def study(args: argparse.Namespace, tmp: Path) -> None:
                              f"trainer.steps={args.steps}", "logger=none"], tmp)  # fmt: skip
 
 
+LORA_STUDY = ["-m", "hparams_search=lr_cosine", "logger=none", "lora=r8"]
+"""The study both slots parts run (lr_cosine, seeded), with --trials and --steps."""
+
+
 def slots(args: argparse.Namespace, tmp: Path) -> None:
     """An Optuna study of LoRA trials (lr_cosine, seeded) three ways, each --pairs times in a rotating order: cold
     (a process and a group a trial), warm (the sweep's pool, one trial at a time) and packed (hydra.launcher.slots
     = --trials: every trial a thread on a slot of one group). Wall medians, ratios, trials per hour; whether every
     side found the same objective values, trial by trial, and the same best trial."""
-    command = ["-m", "hparams_search=lr_cosine", f"hydra.sweeper.n_trials={args.trials}", f"trainer.steps={args.steps}",
-               "logger=none", "lora=r8"]  # fmt: skip
     sides = {"cold": ["backend.pool=none"], "warm": [], "packed": [f"hydra.launcher.slots={args.trials}"]}
     if args.no_cold:
         del sides["cold"]
+    compare_studies(args, tmp, sides, "packed")
+
+
+def pool_slots(args: argparse.Namespace, tmp: Path) -> None:
+    """The same study on a warm pool of --trials slots, up before (the user's: `pool up --slots N lora=r8`): one trial
+    at a time (a process a trial, each leasing the pool) against packed (hydra.launcher.slots=--trials: every trial a
+    thread of the sweep's process on a slot of the pool's group), --pairs times in alternating order."""
+    from tinker_exp.pool import wire
+
+    pool_command("up", f"--slots={args.trials}", "lora=r8", "logger=none")
+    address = wire.address_of()
+    try:
+        at = f"backend.pool={address}"
+        compare_studies(args, tmp, {"one at a time": [at], "packed": [at, f"hydra.launcher.slots={args.trials}"]}, "packed")
+    finally:
+        pool_command("down")
+
+
+def compare_studies(args: argparse.Namespace, tmp: Path, sides: dict[str, list[str]], packed: str) -> None:
+    """Each side's study --pairs times in a rotating order: wall medians, trials per hour, each side's ratio to the
+    `packed` one, and whether every side found the same objective values, trial by trial, and the same best trial."""
+    command = [*LORA_STUDY, f"hydra.sweeper.n_trials={args.trials}", f"trainer.steps={args.steps}"]
     walls: dict[str, list[float]] = {side: [] for side in sides}
     found: dict[str, list] = {}
     for pair in range(args.pairs):
         order = list(sides)[pair % len(sides):] + list(sides)[: pair % len(sides)]
         for side in order:
-            wall, jobs = sweep([*command, *sides[side]], tmp / f"{side}{pair}")
+            wall, jobs = sweep([*command, *sides[side]], tmp / f"{side.replace(' ', '_')}{pair}")
             walls[side].append(wall)
             trained = sum(training_time(job["rows"]) for job in jobs)
             found.setdefault(side, [j["objective"] for j in jobs])
@@ -172,13 +200,13 @@ def slots(args: argparse.Namespace, tmp: Path) -> None:
     median = {side: statistics.median(w) for side, w in walls.items()}
     for side, wall in median.items():
         print(f"{side}: wall {spread(walls[side], '.1f')} s; {args.trials * 3600 / wall:.0f} trials per hour")
-    for side in (s for s in ("cold", "warm") if s in median):
-        print(f"packed/{side}: {median['packed'] / median[side]:.3f}")
+    for side in (s for s in median if s != packed):
+        print(f"{packed}/{side}: {median[packed] / median[side]:.3f}")
     best = {side: min(range(len(v)), key=lambda i: float("inf") if v[i] is None else v[i]) for side, v in found.items()}
-    same = all(v == found["packed"] for v in found.values())
+    same = all(v == found[packed] for v in found.values())
     # packed steps are within a bound of the steps alone, not bitwise (docs/slots.md#how-a-slot-trains)
-    apart = max((abs(a - b) / abs(b) for v in found.values() for a, b in zip(found["packed"], v) if a is not None and b), default=0.0)
-    print(f"objective values the same on every side, trial by trial: {same} (largest relative difference, packed "
+    apart = max((abs(a - b) / abs(b) for v in found.values() for a, b in zip(found[packed], v) if a is not None and b), default=0.0)
+    print(f"objective values the same on every side, trial by trial: {same} (largest relative difference, {packed} "
           f"against each side: {apart:.1e}); best trial: {best}")  # fmt: skip
 
 
@@ -271,7 +299,7 @@ def memory(args: argparse.Namespace, tmp: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("part", choices=["start", "study", "slots", "pbt", "memory"])
+    parser.add_argument("part", choices=["start", "study", "slots", "pool-slots", "pbt", "memory"])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--trials", type=int, default=8)
@@ -284,7 +312,8 @@ def main() -> None:
     args.steps = args.steps or (3 if args.part == "start" else 20)
     os.environ.setdefault("WANDB_MODE", "offline")
     with tempfile.TemporaryDirectory() as name:
-        {"start": start, "study": study, "slots": slots, "pbt": pbt, "memory": memory}[args.part](args, Path(name))
+        parts = {"start": start, "study": study, "slots": slots, "pool-slots": pool_slots, "pbt": pbt, "memory": memory}
+        parts[args.part](args, Path(name))
 
 
 if __name__ == "__main__":

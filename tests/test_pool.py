@@ -56,7 +56,8 @@ def pool(ray_address, tmp_path_factory):
 def warm(pool: dict, *args: str, **kwargs) -> subprocess.CompletedProcess:
     result = run_cli(*args, env=pool, **kwargs)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "pool: training on the warm workers of" in result.stdout or "pool: training on the workers just built" in result.stdout
+    trained = ("pool: training on the warm workers of", "pool: training on the workers just built", "pool: slot ")
+    assert any(line in result.stdout for line in trained), result.stdout[-3000:]
     return result
 
 
@@ -163,8 +164,9 @@ def cold_lora(ray_address, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("command", [LORA, ["env=digits", "loss=importance_sampling", "trainer.steps=2"]], ids=["lora", "rl"])
 def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_path, command, request):
     """Each builds a group of its own beside the default one, and trains exactly as its cold run, twice (the second
-    time on the kept group, from fresh state). The RL run comes right after a warm SFT run SIGKILLed between its
-    steps (or inside one): it waits for that run's end first."""
+    time on the kept group: from fresh state, or on a new slot, LoRA SFT runs taking slots of their group). The RL
+    run comes right after a warm SFT run SIGKILLed between its steps (or inside one): it waits for that run's end
+    first."""
     if command == LORA:
         cold_dir = request.getfixturevalue("cold_lora")
     else:
@@ -173,10 +175,12 @@ def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_pa
         kill_a_warm_run_mid_run(pool, tmp_path / "killed")
     first = warm(pool, *command, f"hydra.run.dir={tmp_path / 'warm'}")
     again = warm(pool, *command, f"hydra.run.dir={tmp_path / 'again'}")  # the kept group, fresh state
-    said = ("pool: no kept group fits this run", "pool: group built in", "pool: training on the workers just built on")
+    trains = "pool: slot 1 of 4 on the pool at " if command == LORA else "pool: training on the workers just built on"
+    said = ("pool: no kept group fits this run", "pool: group built in", trains)
     assert all(line in first.stdout for line in said), first.stdout[-3000:]
     assert sorted(said, key=first.stdout.index) == list(said)  # what happened, in order
-    assert "pool: training on the warm workers of" in again.stdout and "group built" not in again.stdout
+    kept = "a kept group (built" if command == LORA else "pool: training on the warm workers of"
+    assert kept in again.stdout and "group built" not in again.stdout
     rows = without_timings(metrics_rows(cold_dir))
     assert len(rows) == int(command[-1].split("=")[1])
     assert without_timings(metrics_rows(tmp_path / "warm")) == rows == without_timings(metrics_rows(tmp_path / "again"))
@@ -476,6 +480,51 @@ def test_a_studys_trials_on_slots_train_at_once_each_its_cold_run(cold_lora, col
     assert_adapters_close(seeds[0] / adapter, cold_lora / adapter)
     assert_rows_close(trained(metrics_rows(seeds[7])), trained(cold_rows[7])[:1])  # pruned after its first step
     assert [len(metrics_rows(seeds[seed])) for seed in (7, 3)] == [1, 1]
+
+
+POOL_SLOT_SWEEP = ["-m", "hydra.launcher.slots=2", *LORA, "trainer.seed=0,7"]
+"""A 2-point grid of LoRA runs (seeds 0 and 7) as threads of the sweep's process, each on a slot of the pool."""
+
+
+@pytest.mark.real  # the module's pool: LoRA runs at once on the slots of its group
+def test_lora_runs_at_once_on_the_pools_slots_are_each_their_cold_run_and_a_ctrl_c_frees_a_slot(pool, cold_lora, cold_lora_seed_7, tmp_path):
+    """`pool up` keeps 4 slots (the default): a long LoRA run takes one, then a sweep's two trials (hydra.launcher.slots
+    =2, seeds 0 and 7) take two more beside it, on the same group, built once. Each trial's rows and adapter are its
+    cold run's within a packed step's bounds (runs at once: their steps may pack; tests/helpers.py PACKED_RELATIVE); each run says which slot it holds; `pool status` lists the runs on slots. Ctrl-C of the
+    long run stops it as a cold run stops (exit 130) and frees its slot: the pool is idle after."""
+    long_dir = tmp_path / "long"
+    long_run = subprocess.Popen(
+        [sys.executable, "-m", "tinker_exp", *LORA[:-1], *LONG_RUN, f"hydra.run.dir={long_dir}"],
+        cwd=REPO, env=environment(pool), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: len(metrics_rows(long_dir)) >= 2, 240, "the long run never logged 2 steps", long_run)
+        # a process of its own, as the long run's (a run forked from the tests' CLI zygote has another sys.path, and
+        # runs at once on slots share theirs)
+        sweep = subprocess.run([sys.executable, "-m", "tinker_exp", *POOL_SLOT_SWEEP, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                               cwd=REPO, env=environment(pool), capture_output=True, text=True, timeout=400)  # fmt: skip
+        status = run_module("tinker_exp.pool", "status", env=pool)
+        long_run.send_signal(signal.SIGINT)
+        out, err = long_run.communicate(timeout=120)
+    finally:
+        long_run.kill()
+    assert sweep.returncode == 0, sweep.stdout[-2000:] + sweep.stderr[-3000:]
+    assert long_run.returncode == 130, out[-2000:] + err[-2000:]
+    said = re.search(r"pool: slot (\d) of 4 on the pool at \S+: (a group built for this run|a kept group)", out)
+    assert said is not None, out[-3000:]
+    assert "now running 1 run on the slots of one group (of 4): slot 1 since" in status.stdout, status.stdout
+    adapter = "adapter/adapter_model.safetensors"
+    slots = set()
+    for point, cold_dir in (("0", cold_lora), ("1", cold_lora_seed_7)):
+        run_dir = tmp_path / "sweep" / point
+        line = re.search(r"pool: slot (\d) of 4 on the pool at .*: a kept group \(built .*\), beside (\d) other runs?", (run_dir / "tinker_exp.log").read_text())
+        assert line is not None, (run_dir / "tinker_exp.log").read_text()[-3000:]
+        slots.add(line.group(1))
+        assert_rows_close(metrics_rows(run_dir), metrics_rows(cold_dir))  # runs at once: their steps may pack
+        assert_adapters_close(run_dir / adapter, cold_dir / adapter)
+    assert said.group(1) not in slots and len(slots) == 2 or slots == {"2"}  # beside the long run's slot (or one after the other)
+    after = run_module("tinker_exp.pool", "status", env=pool)
+    assert "now idle" in after.stdout, after.stdout
 
 
 class FakeWorkers:

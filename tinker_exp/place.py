@@ -69,12 +69,14 @@ class ColdGroup:
 
 @dataclass(frozen=True)
 class GivenWorkers:
-    """Workers another part starts for the run, in this process: a warm pool's group lent to it (pool/host.py), a
-    benchmark's wrapped verl group, a test's fakes."""
+    """Workers another part starts for the run, in this process: a warm pool's group lent to it, or a slot of one
+    (pool/host.py), a benchmark's wrapped verl group, a test's fakes."""
 
     start: StartWorkers
     why: str = ""
     """The run's one line about them; "" says nothing."""
+    workers_log: Path | None = None
+    """Where the workers print, when not the run dir's (a slot's group: every slot's run shares them)."""
     train_run = None
 
     def describe(self) -> str:
@@ -122,3 +124,16 @@ def where_to_train(cfg: Config) -> Place:
 
     found = attach(cfg)
     return found if found.train_run is not None else ColdGroup(found.describe())
+
+
+def on_a_pool_slot(cfg: Config) -> Place | None:
+    """A slot of the user's warm pool for a sweep's trial on slots (backend.pool as a run reads it), held, when the
+    pool takes it on a slot: beside the sweep's other trials there (it waits for a free slot while they hold them
+    all); else None (the sweep's own group). A pool's address that refuses the trial raises, as for a run."""
+    from tinker_exp.pool.client import attach
+
+    found = attach(cfg, wait_for_slot=True)
+    if found.train_run is None or not found.info.get("slot"):
+        found.release()
+        return None
+    return found

@@ -69,14 +69,11 @@ class BadPointsError(ConfigError):
 
 def slot_error(cfg: Any, slots: int) -> str | None:
     """Why a point cannot train on a slot (hydra.launcher.slots > 1), or None."""
+    from tinker_exp.config.validate import why_not_on_slot
+
     if slots <= 1:
         return None
-    why = (
-        "lora.rank=0: full fine-tuning keeps one trial per group" if cfg.lora.rank == 0
-        else f"env.prompts={cfg.env.prompts}: an RL trial keeps its group (its sampler and loss are its own)" if cfg.env.active
-        else f"backend.nodes={cfg.backend.nodes}: slots hold trials on one node" if cfg.backend.nodes > 1
-        else None
-    )  # fmt: skip
+    why = why_not_on_slot(cfg)
     return None if why is None else f"hydra.launcher.slots={slots}: {why}; slots hold LoRA SFT trials (1: a process a job)"
 
 
@@ -133,11 +130,18 @@ def save_multirun(config: DictConfig, sweep_dir: Path) -> None:
 
 
 def job_run_dir(hydra_context: Any, config: Any, overrides: Sequence[str], num: int) -> Path:
-    """The run dir Hydra gives job `num` with these overrides (hydra.sweep.dir / hydra.sweep.subdir)."""
-    job_cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
-    with open_dict(job_cfg.hydra.job):
-        job_cfg.hydra.job.num = num
-    return Path(str(job_cfg.hydra.sweep.dir)) / str(job_cfg.hydra.sweep.subdir)
+    """The run dir Hydra gives job `num` with these overrides (hydra.sweep.dir / hydra.sweep.subdir), composed once
+    a job (tinker_exp/sweep/jobs.py RUN_DIRS)."""
+    from tinker_exp.sweep.jobs import RUN_DIRS, run_dir_of
+
+    key = (id(config), tuple(overrides), num)
+    if key not in RUN_DIRS:
+        job_cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+        with open_dict(job_cfg.hydra.job):
+            job_cfg.hydra.job.num = num
+        RUN_DIRS[key] = (config, run_dir_of(job_cfg))
+    return RUN_DIRS[key][1]
+
 
 
 POLL_S = 1.0

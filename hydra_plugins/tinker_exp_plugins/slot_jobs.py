@@ -16,7 +16,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Sequence, TextIO
+from typing import Any, Callable, Iterator, NamedTuple, Sequence, TextIO
 
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -142,6 +142,8 @@ class SlotJob:
         self.state = "RUNNING"
         self.paths = Paths(Written(self), log)
         self.thread: threading.Thread | None = None
+        self.on_cancel: list[Callable[[], None]] = []
+        """Called on `cancel`, besides `stop` set (a trial on a pool's slot: its stop sent to the pool)."""
 
     def done(self) -> bool:
         return self.ended.is_set()
@@ -155,6 +157,8 @@ class SlotJob:
 
     def cancel(self, check: bool = False) -> None:
         self.stop.set()
+        for call in list(self.on_cancel):
+            call()
 
 
 class SlotExecutor:
@@ -192,7 +196,7 @@ class SlotExecutor:
         try:
             value = sweep_job(
                 prepared.task, prepared.run_dir, prepared.choices, prepared.job, prepared.hydra_files, prepared.made_now,
-                OnSlot(self.groups, job.stop, self.logs / WORKERS_LOG),
+                self._pool_slot(job, prepared) or OnSlot(self.groups, job.stop, self.logs / WORKERS_LOG),
             )  # fmt: skip
             job.ret = JobReturn(overrides=list(prepared.overrides), status=JobStatus.COMPLETED, _return_value=value)
             job.state = "COMPLETED"
@@ -204,6 +208,19 @@ class SlotExecutor:
         finally:
             self.routes.remove()
             job.ended.set()
+
+    def _pool_slot(self, job: SlotJob, prepared: "Prepared") -> Any:
+        """The trial's slot on the user's warm pool (tinker_exp/place.py `on_a_pool_slot`), its Ctrl-C sent there;
+        else None (a slot of this process's own group)."""
+        from tinker_exp import config
+        from tinker_exp.place import on_a_pool_slot
+
+        found = on_a_pool_slot(config.load(prepared.task))
+        if found is not None:
+            job.on_cancel.append(found.ask_stop)
+            if job.stop.is_set():
+                found.ask_stop()
+        return found
 
     def _install(self) -> None:
         """The routes, at the first job: the sweep's handlers leave trial records out, sys.stdout/stderr route."""
@@ -256,13 +273,13 @@ def prepare(hydra_context: Any, config: DictConfig, overrides: Sequence[str], nu
     """What Hydra's run_job gives a job's task, without its globals: the job's config (its `hydra` node as job `num`
     of the sweep), its run dir made, its W&B group and name, its record's files."""
     from tinker_exp.run import hydra_output_files, name_sweep_job
-    from tinker_exp.sweep.jobs import job_info
+    from tinker_exp.sweep.jobs import RUN_DIRS, job_info, run_dir_of
 
     whole = hydra_context.config_loader.load_sweep_config(config, list(overrides))
     with open_dict(whole.hydra.job), read_write(whole.hydra):
         whole.hydra.job.num = num
         whole.hydra.job.id = f"slot-job-{num}"
-    run_dir = Path(str(whole.hydra.sweep.dir)) / str(whole.hydra.sweep.subdir)
+    run_dir = RUN_DIRS.setdefault((id(config), tuple(overrides), num), (config, run_dir_of(whole)))[1]  # once a job
     with read_write(whole.hydra.runtime), open_dict(whole.hydra.runtime):
         whole.hydra.runtime.output_dir = str(run_dir.absolute())
     hydra_node = OmegaConf.create({"hydra": OmegaConf.to_container(whole.hydra, resolve=False)})

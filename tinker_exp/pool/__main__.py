@@ -1,10 +1,12 @@
 """`python -m tinker_exp.pool up|status|down`: warm workers that runs reuse (docs/pool.md).
 
-  up [--idle-min N] [--max-groups N] [--memory-mb N] [OVERRIDES...]
+  up [--idle-min N] [--max-groups N] [--memory-mb N] [--slots N] [OVERRIDES...]
                                      start this user's pool (or keep the one that is up) with a worker group built
                                      for runs like `python -m tinker_exp OVERRIDES`; returns once it is ready.
                                      --max-groups (default 4) and --memory-mb (default: half the memory available
-                                     at its start) bound the groups it keeps (the least recently used freed first)
+                                     at its start) bound the groups it keeps (the least recently used freed first);
+                                     --slots (default 4): LoRA SFT runs it trains at once, each on a slot of one
+                                     group (1: one run at a time)
   status                             what the pool holds (each group), its memory, since when, what runs on it now
   down                               free its workers and end it
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 from tinker_exp.errors import STOPS, ConfigError, one_line, suggest
 from tinker_exp.formats import masked
 from tinker_exp.pool import wire
+from tinker_exp.pool.host import SLOTS
 from tinker_exp.pool.local import answers, end, start_host
 
 IDLE_MIN = 60.0
@@ -55,8 +58,9 @@ def command(argv: list[str]) -> int:
         if name == "_host":  # the pool's own process, started by `up` or a sweep
             from tinker_exp.pool.host import serve
 
-            address, idle_s, parent, max_groups, memory_mb = rest
-            serve(Path(address), float(idle_s), int(parent) or None, int(max_groups) or None, float(memory_mb) or None)
+            address, idle_s, parent, max_groups, memory_mb, *slots = rest  # no slots: a sweep's pool, one run at a time
+            serve(Path(address), float(idle_s), int(parent) or None, int(max_groups) or None, float(memory_mb) or None,
+                  int(slots[0]) if slots else 1)  # fmt: skip
             return 0
         raise ConfigError(f"{name}: not a pool command" + suggest(name, COMMANDS, "its commands:"))
     except STOPS as e:
@@ -77,6 +81,8 @@ class UpOptions:
     """--max-groups: how many worker groups it keeps at most (None: runtime/warm.py's MAX_GROUPS)."""
     memory_mb: float | None = None
     """--memory-mb: the kept groups' memory budget (None: runtime/warm.py's default, from the memory available)."""
+    slots: int = SLOTS
+    """--slots: LoRA SFT runs trained at once, each on a slot of one group (runtime/slots.py); 1: one run at a time."""
 
     def __post_init__(self) -> None:
         if not self.idle_min > 0:
@@ -85,16 +91,19 @@ class UpOptions:
             raise ConfigError(f"--max-groups={self.max_groups}: must be >= 1")
         if self.memory_mb is not None and not self.memory_mb > 0:
             raise ConfigError(f"--memory-mb={self.memory_mb:g}: must be > 0")
+        if self.slots < 1:
+            raise ConfigError(f"--slots={self.slots}: must be >= 1 (1: one run at a time)")
 
     def host_args(self) -> list[str]:
         """What the pool's process is started with besides its address (pool/local.py start_host)."""
-        return [str(self.max_groups or 0), str(self.memory_mb or 0)]  # 0: the default
+        return [str(self.max_groups or 0), str(self.memory_mb or 0), str(self.slots)]  # 0: the default
 
 
 def up_options(args: list[str]) -> tuple[UpOptions, list[str]]:
-    """--idle-min N, --max-groups N, --memory-mb N (or --name=N) out of `args`; the rest are a run's overrides."""
+    """--idle-min N, --max-groups N, --memory-mb N, --slots N (or --name=N) out of `args`; the rest are a run's
+    overrides."""
     flags = {"--idle-min": ("idle_min", float, "a number of minutes"), "--max-groups": ("max_groups", int, "a whole number"),
-             "--memory-mb": ("memory_mb", float, "a number of MiB")}  # fmt: skip
+             "--memory-mb": ("memory_mb", float, "a number of MiB"), "--slots": ("slots", int, "a whole number")}  # fmt: skip
     values, rest, items = {}, [], iter(args)
     for arg in items:
         flag, equals, value = arg.partition("=")
@@ -153,7 +162,9 @@ def up(args: list[str]) -> int:
     finally:
         lease.release()
     state = "up" if started is not None or not was_up else "already up"
-    print(f"pool {state} at {address} (pid {reply[1]['pid']}): {described}; runs train on it (backend.pool=auto, the default); "
+    slots = reply[1].get("slots", 1)
+    at_once = f", {slots} LoRA SFT runs at once on the slots of a group" if slots > 1 else ", one at a time"
+    print(f"pool {state} at {address} (pid {reply[1]['pid']}): {described}; runs train on it (backend.pool=auto, the default{at_once}); "
           f"it idles out after {idle:g} min without a run; python -m tinker_exp.pool down frees it")  # fmt: skip
     return 0
 
@@ -200,9 +211,15 @@ def describe_status(info: dict) -> str:
         f"last used {clock(group['last_used'])}, {group['runs']} run{'s' * (group['runs'] != 1)}; workers' pids {', '.join(map(str, group['pids']))}"
         for i, group in enumerate(groups, 1)
     ] or ["    none yet (the next run builds one)"]
+    def run(holder: dict) -> str:
+        return f"since {clock(holder['since'])} (pid {holder['pid']}: {masked(holder['who']) or 'no overrides'})"
+
+    on_slots = info.get("on_slots") or []
     now = (
-        f"running a run since {time.strftime('%H:%M:%S', time.localtime(holder['since']))} (pid {holder['pid']}: {masked(holder['who']) or 'no overrides'})"
-        if holder else f"idle for {info['idle_for_s'] / 60:.1f} min (ends after {info['idle_s'] / 60:g} min idle)"
+        f"running a run {run(holder)}" if holder
+        else f"running {len(on_slots)} run{'s' * (len(on_slots) != 1)} on the slots of one group (of {info['slots']}): "
+        + "; ".join(f"slot {h.get('slot', '(taking one)')} {run(h)}" for h in on_slots) if on_slots
+        else f"idle for {info['idle_for_s'] / 60:.1f} min (ends after {info['idle_s'] / 60:g} min idle)"
     )  # fmt: skip
     return "\n".join([
         f"pool at {info['address']}: pid {info['pid']}, up since {since}",

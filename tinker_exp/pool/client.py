@@ -59,12 +59,14 @@ class Cold:
         pass
 
 
-def attach(cfg: Any) -> "Lease | Cold":
+def attach(cfg: Any, wait_for_slot: bool = False) -> "Lease | Cold":
     """The pool this run trains on, held for it, or a cold start. backend.pool: none, auto or an address.
     auto: a free pool of this sweep's, else this user's pool if up, else a cold start (said in one line, when the run
     trains). A pool that is busy, runs older code, or is not this user's alone (`wire.connect`) is skipped (auto:
     the run starts cold, said in one line; an address: refused, one line, exit 2, nothing written); so is every pool
-    for a run that joins a Ray cluster of its own (backend.ray_address)."""
+    for a run that joins a Ray cluster of its own (backend.ray_address). A LoRA SFT run asks for a slot: it trains
+    beside the pool's other runs on slots when they share its group and its context (`slot_terms`);
+    `wait_for_slot`: while they hold every slot, it waits for one (a sweep's trial) instead of being refused."""
     setting = cfg.backend.pool
     # A Slurm job trains in its own allocation: cold, unless it holds a pool of its own there (a study worker's).
     if setting == "none" or (setting == "auto" and "SLURM_JOB_ID" in os.environ and not sweep_addresses()):
@@ -80,7 +82,8 @@ def attach(cfg: Any) -> "Lease | Cold":
     for address in addresses:
         try:
             sock = wire.connect(address)
-            wire.send(sock, ("lease", {"code": wire.code_fingerprint(), "pid": os.getpid(), "who": who()}))
+            wire.send(sock, ("lease", {"code": wire.code_fingerprint(), "pid": os.getpid(), "who": who(),
+                                       "slot": slot_terms(cfg), "wait": wait_for_slot}))  # fmt: skip
             reply = wire.recv(sock)
         except wire.UntrustedPool as e:
             if explicit:
@@ -102,10 +105,12 @@ def attach(cfg: Any) -> "Lease | Cold":
         if explicit:
             raise PoolBusyError(
                 f"backend.pool={setting}: the pool at {address} is running another run ({holder_of(holder)}, pid "
-                f"{holder['pid']}, since {since}); one run at a time on its workers: run again when it ends, or with "
-                "backend.pool=none (a cold start)"
+                f"{holder['pid']}, since {since}" + (f"; {holder['slots']}" if "slots" in holder else "")
+                + "); one run at a time on its workers, or LoRA SFT runs of one group and one working dir and "
+                "environment on its slots: run again when it ends, or with backend.pool=none (a cold start)"
             )
-        return Cold(f"pool: busy with {holder_of(holder)} (pid {holder['pid']}, since {since}), starting cold")
+        on_slots = f"; {holder['slots']}" if "slots" in holder else ""
+        return Cold(f"pool: busy with {holder_of(holder)} (pid {holder['pid']}, since {since}{on_slots}), starting cold")
     untrusted = [reply[1] for _, reply in answers if reply[0] == "untrusted"]
     if untrusted:
         return Cold(f"pool: not trusted, nothing sent to it: {untrusted[0]}; starting cold")
@@ -118,6 +123,19 @@ def attach(cfg: Any) -> "Lease | Cold":
     if explicit:
         raise ConfigError(f"backend.pool={setting}: no pool answers there (python -m tinker_exp.pool up starts one)")
     return Cold("pool: none is up, starting cold (python -m tinker_exp.pool up keeps workers warm between runs)")
+
+
+def slot_terms(cfg: Any) -> dict[str, Any] | None:
+    """What a pool needs to judge whether this run may share its group on a slot: its config, the environment that
+    reaches the workers, and its context (what the run sets process-wide there: the environment sent, the working
+    dir, sys.path; runs on slots at once share it). None: a run that cannot train on a slot."""
+    from tinker_exp.config.validate import why_not_on_slot
+
+    if why_not_on_slot(cfg) is not None:
+        return None
+    payload = run_payload((), cfg)
+    context = (tuple(sorted(payload["environ"].items())), payload["cwd"], tuple(payload["sys_path"]))
+    return {"config": cfg, "worker_env": payload["worker_env"], "context": context}
 
 
 def holder_of(holder: dict[str, Any]) -> str:
@@ -179,11 +197,13 @@ def run_payload(arguments: tuple, cfg: Any) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
 class RemoteError(Exception):
-    """An error that is not ours, raised in the pool's run: its traceback as the pool saw it."""
+    """An error that is not ours, raised in the pool's run: its traceback as the pool saw it. (Not a frozen
+    dataclass: Python sets an exception's __traceback__ as it passes through a `with`.)"""
 
-    text: str
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
 
     def __str__(self) -> str:
         return f"in the pool's run:\n{self.text}"
@@ -211,6 +231,14 @@ class Lease:
 
     def describe(self) -> str:
         return ""  # the pool says where the run trains, once it knows (runtime/warm.py WarmGroups.lend)
+
+    @property
+    def workers_log(self) -> Path | None:
+        """Where the workers print: on a slot, the pool's own folder (its runs on slots share them); else None (the
+        run dir's, as a cold run's)."""
+        from tinker_exp.assemble import WORKERS_LOG
+
+        return wire.workers_dir_of(self.address) / WORKERS_LOG if self.info.get("slot") else None
 
     def check(self, cfg: Any, rows: Any, start: Any) -> None:
         """The run's inputs checked by the pool as a cold run checks them here (its device, model, LoRA targets,
@@ -248,6 +276,8 @@ class Lease:
             kind = message[0]
             if kind == "log":
                 record = logging.makeLogRecord(message[1])
+                # this run's record now, in the thread that follows it (a sweep's trial routes its records by thread)
+                record.thread, record.threadName = threading.get_ident(), threading.current_thread().name
                 logger = logging.getLogger(record.name)
                 if logger.isEnabledFor(record.levelno):
                     logger.handle(record)
@@ -261,6 +291,14 @@ class Lease:
                 raise message[1]
             elif kind == "crashed":
                 raise RemoteError(message[1])
+
+    def ask_stop(self) -> None:
+        """Ctrl-C for the run in the pool, from another thread (a sweep's trial cancelled): it stops at its next
+        step, and its `follow` raises KeyboardInterrupt."""
+        try:
+            self.send(("stop", "SIGINT"))
+        except OSError:
+            pass
 
     def _stop(self, signal_name: str) -> None:
         """Ctrl-C or SIGTERM here: the same reaches the run in the pool, which closes it as a cold run closes; its

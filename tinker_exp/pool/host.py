@@ -2,10 +2,13 @@
 held across runs, and each run a client hands it trained here by `run.train_run`, the very code a cold run runs,
 with its log records, progress bar and errors sent back to the client's terminal.
 
-One run at a time (a second client is refused while one holds the pool). The run executes in this process's main
-thread, so a client's Ctrl-C or SIGTERM (or its end: a killed client) stops it as a cold run stops (KeyboardInterrupt,
-Terminated); the group then starts the next run from its kept state. Idle for `idle_s`, or asked (`down`), the pool
-frees its workers and ends.
+One run at a time on a group (a second client is refused while one holds the pool), executed in this process's
+main thread, so a client's Ctrl-C or SIGTERM (or its end: a killed client) stops it as a cold run stops
+(KeyboardInterrupt, Terminated); the group then starts the next run from its kept state. The exception: LoRA SFT runs
+on a pool with `slots` > 1 each train on a slot of their key's group (runtime/slots.py), several at once when they
+share what a run sets process-wide here (the environment sent, the working dir, sys.path: one process's sweep trials,
+say); each runs in a thread of its own, its output and log records routed to its client by thread, and a stop
+reaches it at its next step (`Sharing`). Idle for `idle_s`, or asked (`down`), the pool frees its workers and ends.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import threading
 import time
 import traceback
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,13 +40,16 @@ ENDING_WAIT_S = 60.0
 """How long a new run waits for a stopped or killed one to close its files and give the workers back."""
 STOP_SIGNAL = signal.SIGUSR1
 """What a client's SIGTERM becomes in this process, only while a run runs (a late one, after the run, is ignored)."""
+SLOTS = 4
+"""LoRA SFT runs a user's pool trains at once on one group (`pool up --slots`); a sweep's own pools keep 1 (a pool a
+job: the sweep runs its jobs at once on its pools)."""
 LEASE_TIMEOUT_S = 60.0
 """A client that holds the pool and says nothing (not even its heartbeat, client.HEARTBEAT_S) for this long is taken
 for gone: its run is stopped as on SIGTERM and the pool is free again. TINKER_EXP_POOL_LEASE_TIMEOUT_S sets it."""
 LEASE_TIMEOUT_ENV = "TINKER_EXP_POOL_LEASE_TIMEOUT_S"
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """A request for the main thread: a run (`kind` "run"), its inputs checked before the client records it
     ("check"), or a group built ahead of runs ("prepare", from `up`)."""
@@ -54,12 +60,32 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     running: bool = False
     cancelled: bool = False
+    sharing: "Sharing | None" = None
+    """A run on a slot (and its check): in a thread of its own, stopped by `stop` at its next step."""
+    stop: threading.Event = field(default_factory=threading.Event)
+    kept: dict[str, Any] = field(default_factory=dict)
+    """What the lease's check kept for its run (a run on a slot: its inputs, `checked`)."""
+
+
+@dataclass
+class Sharing:
+    """LoRA SFT runs training at once, each on a slot of one group: its key, the context they share (what a run sets
+    process-wide here: the environment sent, the working dir, sys.path), who holds a slot, and while any of them
+    runs, that context entered and each running thread's client (its output and log records go there)."""
+
+    key: dict[str, Any]
+    context: tuple
+    holders: list[dict[str, Any]] = field(default_factory=list)
+    jobs: set = field(default_factory=set)
+    routes: dict[int, "Forwarded"] = field(default_factory=dict)
+    entered: ExitStack | None = None
 
 
 class Host:
     def __init__(self, address: Path, idle_s: float, parent_pid: int | None = None, max_groups: int | None = None,
-                 memory_mb: float | None = None) -> None:  # fmt: skip
-        """`max_groups`, `memory_mb`: the kept groups' bounds (runtime/warm.py KeptGroups; None: the defaults)."""
+                 memory_mb: float | None = None, slots: int = 1) -> None:  # fmt: skip
+        """`max_groups`, `memory_mb`: the kept groups' bounds (runtime/warm.py KeptGroups; None: the defaults);
+        `slots`: LoRA SFT runs trained at once on a group (1: one run at a time, each on the group itself)."""
         from tinker_exp import assemble
         from tinker_exp.runtime.warm import MAX_GROUPS, WarmGroups
 
@@ -73,10 +99,12 @@ class Host:
         self.lock = threading.RLock()
         self.free = threading.Condition(self.lock)
         """Notified when the pool's holder lets go."""
-        self.holder: dict[str, Any] | None = None  # who holds the pool: {"who", "pid", "since"}
+        self.holder: dict[str, Any] | None = None  # who holds the pool alone: {"who", "pid", "since"}
+        self.slots = slots
+        self.sharing: Sharing | None = None
+        """Runs on slots, while any holds one (then `holder` is None)."""
+        self.building = threading.Lock()  # one slot group's build at a time; the others wait for it
         self.current: Job | None = None
-        self.checked: Any = None
-        """The inputs of the run whose check passed last (assemble.inputs), for its training."""
         self.started, self.last_used = time.time(), time.monotonic()
         self.stopping = threading.Event()
         self.main_thread = threading.main_thread().ident
@@ -125,35 +153,44 @@ class Host:
         if request.get("code") != self.code:
             wire.send(sock, ("stale", self.code))
             return
+        wanted = self._slot_terms(request) if kind == "lease" else None
+        holder = {"who": request.get("who", ""), "pid": request.get("pid"), "since": time.time(), "ending": False}
         with self.free:
             # A run whose client has gone (killed) or stopped it is ending: the next one waits for it, not refused.
             self.free.wait_for(lambda: self.holder is None or not self.holder["ending"], timeout=ENDING_WAIT_S)
-            if self.holder is not None or self.stopping.is_set():
-                wire.send(sock, ("busy", self.holder or {"who": "its own end", "pid": os.getpid(), "since": time.time()}))
+            if request.get("wait") and wanted is not None:  # a sweep's trial: waits for a slot of its sweep's runs
+                self.free.wait_for(lambda: self.stopping.is_set() or not self._all_taken_by_peers(wanted))
+            sharing = self._admit(wanted)
+            if sharing is None and (self.holder is not None or self.sharing is not None or self.stopping.is_set()):
+                wire.send(sock, ("busy", self._busy_info()))
                 return
-            self.holder = {"who": request.get("who", ""), "pid": request.get("pid"), "since": time.time(), "ending": False}
+            if sharing is None:
+                self.holder = holder
+            else:
+                sharing.holders.append(holder)
         job = None
         try:
-            wire.send(sock, ("leased", {"pid": os.getpid(), "since": self.started}))
+            wire.send(sock, ("leased", {"pid": os.getpid(), "since": self.started, "slot": sharing is not None, "slots": self.slots}))
             if kind == "prepare":
                 job = Job("prepare", request, sock)
             else:
                 sock.settimeout(self.lease_timeout_s)  # the client checks and records its run first; alive meanwhile
                 message = wire.recv(sock)
+                kept: dict[str, Any] = {"pid": request.get("pid"), "holder": holder}  # its check's inputs join it
                 while message[0] in ("alive", "check"):
                     after = None
                     if message[0] == "check":  # its inputs, checked here before the client writes its record
-                        job = Job("check", message[1], sock)
-                        self.jobs.put(job)
+                        job = Job("check", message[1], sock, sharing=sharing, kept=kept)
+                        self._start(job)
                         after = self._watch(sock, job)  # the client's next message may come before the check's end
                         job = None
                         sock.settimeout(self.lease_timeout_s)
                     message = after or wire.recv(sock)
                 if message[0] != "run":
                     return
-                job = Job("run", message[1], sock)
-                self.holder["run_dir"] = str(message[1]["arguments"][2])  # what a run refused as busy is told
-            self.jobs.put(job)
+                job = Job("run", message[1], sock, sharing=sharing, kept=kept)
+                holder["run_dir"] = str(message[1]["arguments"][2])  # what a run refused as busy is told
+            self._start(job)
             self._watch(sock, job)
         except socket.timeout:
             log.info(f"pool: the client (pid {request.get('pid')}) said nothing for {self.lease_timeout_s:g} s; its lease ended")
@@ -164,9 +201,87 @@ class Host:
             if job is not None:
                 job.done.wait()
             with self.free:
-                self.holder = None
+                if sharing is None:
+                    self.holder = None
+                else:
+                    sharing.holders.remove(holder)
+                    if not sharing.holders:
+                        self.sharing = None
                 self.free.notify_all()
             self.last_used = time.monotonic()
+
+    def _slot_terms(self, request: dict[str, Any]) -> tuple[dict[str, Any], tuple] | None:
+        """(its group's key, its context) for a run that may train on a slot here, else None: a pool of one slot, a
+        run that is not LoRA SFT on one node (its client says: `slot`), or one this pool cannot judge (its own checks
+        then say why)."""
+        wanted = request.get("slot")
+        if self.slots < 2 or not wanted:
+            return None
+        try:
+            from tinker_exp.runtime.inputs import model_dir
+            from tinker_exp.runtime.warm import group_key
+
+            cfg = wanted["config"]
+            key = group_key(cfg, model_dir(cfg.model), self.group.choice(cfg), wanted["worker_env"])
+        except Exception:
+            return None
+        return key, tuple(wanted["context"])
+
+    def _admit(self, wanted: tuple[dict[str, Any], tuple] | None) -> "Sharing | None":
+        """Under `free`: the sharing a run on a slot joins (begun for it when the pool is free), or None (the pool
+        held alone, or busy: the caller tells which)."""
+        if wanted is None or self.holder is not None or self.stopping.is_set():
+            return None
+        if self.sharing is None:
+            self.sharing = Sharing(*wanted)
+            return self.sharing
+        if self._full_for(wanted):
+            log.info(f"pool: a run on a slot refused: {self._why_not_beside(wanted)}")
+            return None
+        return self.sharing
+
+    def _why_not_beside(self, wanted: tuple[dict[str, Any], tuple]) -> str:
+        """Why a run like `wanted` cannot take a slot beside the runs on slots now (pool.log's line)."""
+        from tinker_exp.runtime.warm import key_difference
+
+        sharing = self.sharing
+        if sharing.key != wanted[0]:
+            return f"the runs on slots train another group ({key_difference(sharing.key, wanted[0])})"
+        if sharing.context != wanted[1]:
+            (env, cwd, path), (other_env, other_cwd, other_path) = sharing.context, wanted[1]
+            differs = sorted(k for k in dict(env).keys() | dict(other_env).keys() if dict(env).get(k) != dict(other_env).get(k))
+            return ("the runs on slots come from another " + ("working dir" if cwd != other_cwd else "sys.path" if path != other_path
+                    else f"environment ({', '.join(differs)})"))  # fmt: skip
+        return f"all {self.slots} slots are held"
+
+    def _full_for(self, wanted: tuple[dict[str, Any], tuple]) -> bool:
+        """Whether the runs on slots now leave none for a run like `wanted` (of another group or context: none)."""
+        sharing = self.sharing
+        if sharing is None:
+            return self.holder is not None
+        return (sharing.key, sharing.context) != wanted or len(sharing.holders) >= self.slots
+
+    def _all_taken_by_peers(self, wanted: tuple[dict[str, Any], tuple]) -> bool:
+        """Whether every slot is held by runs that a run like `wanted` could share with (it waits for one of them)."""
+        sharing = self.sharing
+        return sharing is not None and (sharing.key, sharing.context) == wanted and len(sharing.holders) >= self.slots
+
+    def _busy_info(self) -> dict[str, Any]:
+        """Who a refused run is told holds the pool: its run alone, or (with how many) the runs on its slots."""
+        if self.holder is not None:
+            return self.holder
+        if self.sharing is not None and self.sharing.holders:
+            holders = self.sharing.holders
+            return {**holders[0], "slots": f"{len(holders)} of {self.slots} slots held, by runs of another LoRA group "
+                    "or another working dir or environment than this one's, or all"}  # fmt: skip
+        return {"who": "its own end", "pid": os.getpid(), "since": time.time()}
+
+    def _start(self, job: Job) -> None:
+        """A job to run: a run on a slot (or its check) in a thread of its own, any other on the main thread."""
+        if job.sharing is None:
+            self.jobs.put(job)
+        else:
+            threading.Thread(target=self._execute_shared, args=(job,), name=f"pool-slot-{job.kind}", daemon=True).start()
 
     def _watch(self, sock: socket.socket, job: Job) -> Any:
         """Until the job is done: a stop from the client, or its end (killed), stops the run; so does its silence for
@@ -192,6 +307,9 @@ class Host:
     def _stop_job(self, job: Job, signum: int) -> None:
         with self.lock:
             job.cancelled = True
+            if job.sharing is not None:  # a run on a slot stops at its next step (runtime/slots.py Slot.stop)
+                job.stop.set()
+                return
             if self.holder is not None:
                 self.holder["ending"] = True
             if job.running and not job.done.is_set():
@@ -213,14 +331,22 @@ class Host:
                 pass
             finally:
                 job.done.set()
+        with self.free:  # stopped: runs on slots stop at their next step; the group is freed once they have
+            self.free.wait_for(lambda: self.sharing is None, timeout=ENDING_WAIT_S)
 
     def _check_idle(self) -> None:
-        if self.holder is None and time.monotonic() - self.last_used > self.idle_s:
+        if self.holder is None and self.sharing is None and time.monotonic() - self.last_used > self.idle_s:
             self.stop(f"idle for {self.idle_s / 60:g} min")
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             self.stop("the sweep that started it has ended")
 
     def _execute(self, job: Job) -> None:
+        if job.kind == "build":  # a slot group's, for a run on a slot (its thread waits): no client context here
+            try:
+                job.kept["built"] = job.payload["build"]()
+            except BaseException as e:
+                job.kept["error"] = e
+            return
         out = Outbox(job.sock)
         answer: Any = None
         try:
@@ -232,7 +358,7 @@ class Host:
                         if job.cancelled:
                             return
                         job.running, self.current = True, job
-                    answer = ("done", self.KINDS[job.kind](self, job.payload))
+                    answer = ("done", self.KINDS[job.kind](self, job))
                 finally:
                     self._ended(job)
         except BaseException as e:  # what the run raised; a stop that arrived as it was ending is not its answer
@@ -240,41 +366,117 @@ class Host:
                 answer = answer_for(e)
         out.send(answer)
 
+    def _execute_shared(self, job: Job) -> None:
+        """A run on a slot (or its check), in its own thread: the sharing's context entered by the first of its runs
+        and left by the last; what this thread logs and prints goes to its client; a stop is its `stop` event."""
+        out = Outbox(job.sock)
+        answer: Any = None
+        try:
+            with self._shared(job, out):
+                if job.cancelled:
+                    raise KeyboardInterrupt
+                answer = ("done", self.KINDS[job.kind](self, job))
+        except BaseException as e:
+            if answer is None:
+                answer = answer_for(e)
+        finally:
+            out.send(answer)
+            job.done.set()
+
+    @contextmanager
+    def _shared(self, job: Job, out: Outbox) -> Iterator[None]:
+        sharing, me = job.sharing, threading.get_ident()
+        with self.lock:
+            if sharing.entered is None:
+                stack = ExitStack()
+                stack.enter_context(process_context(job.payload))
+                stack.enter_context(routed_output(sharing.routes))
+                sharing.entered = stack
+            underlying = sys.stdout.underlying, sys.stderr.underlying
+            sharing.routes[me] = Forwarded(out, job.payload, underlying)
+            sharing.jobs.add(job)
+        try:
+            yield
+        finally:
+            with self.lock:
+                sharing.routes.pop(me, None)
+                sharing.jobs.discard(job)
+                if not sharing.routes:
+                    sharing.entered.close()
+                    sharing.entered = None
+
     def _ended(self, job: Job) -> None:
         with self.lock:
             job.running, self.current = False, None
 
-    def _check(self, payload: dict[str, Any]) -> None:
+    def _check(self, job: Job) -> None:
         """A run's inputs (device, start checkpoint's device, model, LoRA targets, tokenized data: assemble.inputs),
         checked as a cold run checks them before its record is written; kept for its training (`_train`)."""
         import pickle
 
         from tinker_exp import assemble
 
-        cfg, start, checked = payload["arguments"]
-        self.checked = None
+        cfg, start, checked = job.payload["arguments"]
+        job.kept.pop("checked", None)
         rows = pickle.loads(checked)  # as the client read and checked them (run.run): not read or tried again
-        self.checked = assemble.inputs(cfg, rows, start)
+        job.kept["checked"] = assemble.inputs(cfg, rows, start)
 
-    def _train(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def _train(self, job: Job) -> dict[str, Any]:
+        from functools import partial
+
         from tinker_exp.place import GivenWorkers
         from tinker_exp.run import train_run, validate
 
-        cfg, start, run_dir, wandb_config, job_number = payload["arguments"]
-        self.group.worker_env = payload.get("worker_env", {})
-        given, self.checked = self.checked, None  # its inputs, as its check left them
-        with written_by_pool(run_dir, (self.holder or {}).get("pid")):  # a killed client's rerun waits for this run's end
-            return train_run(cfg, validate(cfg), None, start, run_dir, wandb_config, GivenWorkers(self.group.lend), job_number, given=given)
+        cfg, start, run_dir, wandb_config, job_number = job.payload["arguments"]
+        given = job.kept.pop("checked", None)  # its inputs, as its check left them
+        if job.sharing is None:
+            self.group.worker_env = job.payload.get("worker_env", {})
+            place = GivenWorkers(self.group.lend)
+        else:
+            place = GivenWorkers(partial(self._take_slot, job))
+        with written_by_pool(run_dir, job.kept.get("pid")):  # a killed client's rerun waits for this run's end
+            return train_run(cfg, validate(cfg), None, start, run_dir, wandb_config, place, job_number, given=given)
 
-    def _prepare(self, payload: dict[str, Any]) -> str:
+    def _take_slot(self, job: Job, cfg: Any, plan: Any, model_path: Path, run_dir: Path) -> Any:
+        """A run's slot on its key's group (built first, on the main thread, when this pool keeps none: Ray's
+        daemons live as long as the thread that started them); the run says which slot, in one line."""
+        with self.building:
+            ready = self.group.slot_group_for(cfg, job.payload.get("worker_env", {}))
+            if ready is None:
+                build = Job("build", {"build": lambda: self.group.slot_group(cfg, plan, model_path, self.workers_dir(), self.slots)},
+                            job.sock)  # fmt: skip
+                routes = job.sharing.routes
+                routes[self.main_thread] = routes[threading.get_ident()]  # the build's lines are this run's
+                try:
+                    self.jobs.put(build)
+                    while not build.done.wait(1.0):
+                        if self.stopping.is_set():  # the pool ends: its run stops as on a stop
+                            raise KeyboardInterrupt
+                finally:
+                    routes.pop(self.main_thread, None)
+                if "error" in build.kept:
+                    raise build.kept["error"]
+                ready = build.kept["built"]
+            group, how = ready
+            slot = group.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values, stop=job.stop)
+        job.kept["holder"]["slot"] = slot.index + 1  # `pool status` says which run holds which slot
+        others = len(group.slots) - 1
+        beside = f", beside {others} other run{'s' * (others != 1)}" if others else ""
+        log.info(f"pool: slot {slot.index + 1} of {group.capacity} on the pool at {self.address}: {how}{beside}")
+        return slot
+
+    def workers_dir(self) -> Path:
+        return wire.workers_dir_of(self.address)
+
+    def _prepare(self, job: Job) -> str:
         from tinker_exp.runtime.inputs import model_dir
         from tinker_exp.runtime.warm import describe_key
 
         from tinker_exp.run import validate
 
-        (cfg,) = payload["arguments"]
-        self.group.worker_env = payload.get("worker_env", {})
-        kept, _ = self.group.prepare(cfg, validate(cfg), model_dir(cfg.model), wire.log_of(self.address).parent / f"{self.address.stem}-workers")
+        (cfg,) = job.payload["arguments"]
+        self.group.worker_env = job.payload.get("worker_env", {})
+        kept, _ = self.group.prepare(cfg, validate(cfg), model_dir(cfg.model), self.workers_dir())
         return describe_key(kept.key)
 
     def fits(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -299,8 +501,10 @@ class Host:
             "address": str(self.address),
             "since": self.started,
             "idle_s": self.idle_s,
-            "idle_for_s": 0.0 if self.holder else time.monotonic() - self.last_used,
+            "idle_for_s": 0.0 if self.holder or self.sharing else time.monotonic() - self.last_used,
             "holder": self.holder,
+            "slots": self.slots,
+            "on_slots": [dict(holder) for holder in self.sharing.holders] if self.sharing is not None else [],
             "groups": [{**group, "memory_mb": [rss_mb(pid) for pid in group["pids"]]} for group in groups.describe()],
             "max_groups": groups.kept.max_groups,
             "memory_budget_mb": groups.kept.memory_budget_mb,
@@ -313,9 +517,10 @@ class Host:
             log.info(f"pool: stopping: {why}")
         self.stopping.set()
         with self.lock:
-            current = self.current
-        if current is not None:
-            self._stop_job(current, STOP_SIGNAL)
+            current = [self.current] if self.current is not None else []
+            current += list(self.sharing.jobs) if self.sharing is not None else []
+        for job in current:
+            self._stop_job(job, STOP_SIGNAL)
 
 
 def answer_for(error: BaseException) -> tuple[str, Any]:
@@ -386,23 +591,11 @@ class ForwardedRecords(logging.Handler):
 def client_context(payload: dict[str, Any], out: Outbox) -> Iterator[None]:
     """For one run: the client's environment and working dir, its log level; what the run logs and prints goes to the
     client; SIGINT and the stop signal raise in this thread as Ctrl-C and SIGTERM do in a cold run."""
-    environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
-    modules = set(sys.modules)
     root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    streams = sys.stdout, sys.stderr
-    forward = ForwardedRecords(out)
-    os.environ.clear()
-    os.environ.update({k: v for k, v in environ.items() if k.startswith("RAY_")})  # this process's Ray session
-    os.environ.update(payload.get("environ", {}))
-    os.chdir(payload.get("cwd", cwd))
-    sys.path[:] = payload.get("sys_path", path)  # user code (env.reward) imported as the client would import it
-    importlib.invalidate_caches()  # a file made since the last run is found
-    root.handlers = [forward]
-    root.setLevel(payload.get("log_level", logging.INFO))
-    sys.stdout = ForwardedStream(out, "stdout", False, streams[0])
-    sys.stderr = ForwardedStream(out, "stderr", payload.get("isatty", False), streams[1])
-    reset_warning_registries()  # a warning shown to an earlier run is shown again, as in a fresh process
+    handlers, streams = list(root.handlers), (sys.stdout, sys.stderr)
+    forwarded = Forwarded(out, payload, streams)
+    root.handlers = [forwarded.records]
+    sys.stdout, sys.stderr = forwarded.stdout, forwarded.stderr
 
     def terminated(signum: int, frame: Any) -> None:
         if SIGTERM_RECEIVED.is_set():
@@ -412,7 +605,7 @@ def client_context(payload: dict[str, Any], out: Outbox) -> Iterator[None]:
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, STOP_SIGNAL)}
     try:
-        with sigterm_raises():
+        with process_context(payload), sigterm_raises():
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(STOP_SIGNAL, terminated)
             yield
@@ -420,12 +613,100 @@ def client_context(payload: dict[str, Any], out: Outbox) -> Iterator[None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sys.stdout, sys.stderr = streams
-        root.handlers, root.level = handlers, level
+        root.handlers = handlers
+
+
+@contextmanager
+def process_context(payload: dict[str, Any]) -> Iterator[None]:
+    """What a client's run sets process-wide here: its environment, working dir, sys.path and log level; its own
+    modules forgotten and warnings shown again after (as in a fresh process)."""
+    environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
+    modules = set(sys.modules)
+    root = logging.getLogger()
+    level = root.level
+    os.environ.clear()
+    os.environ.update({k: v for k, v in environ.items() if k.startswith("RAY_")})  # this process's Ray session
+    os.environ.update(payload.get("environ", {}))
+    os.chdir(payload.get("cwd", cwd))
+    sys.path[:] = payload.get("sys_path", path)  # user code (env.reward) imported as the client would import it
+    importlib.invalidate_caches()  # a file made since the last run is found
+    root.setLevel(payload.get("log_level", logging.INFO))
+    reset_warning_registries()  # a warning shown to an earlier run is shown again, as in a fresh process
+    try:
+        yield
+    finally:
+        root.setLevel(level)
         forget_user_modules(set(sys.modules) - modules)
         sys.path[:] = path
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(environ)
+
+
+class Forwarded:
+    """One client's run's output: its stdout, stderr and log records, sent to the client."""
+
+    def __init__(self, out: Outbox, payload: dict[str, Any], underlying: tuple[Any, Any]) -> None:
+        self.stdout = ForwardedStream(out, "stdout", False, underlying[0])
+        self.stderr = ForwardedStream(out, "stderr", payload.get("isatty", False), underlying[1])
+        self.records = ForwardedRecords(out)
+
+
+class RoutedStream:
+    """sys.stdout or sys.stderr while runs on slots run: a run's thread's text to its client, any other thread's to
+    the pool's own (its log)."""
+
+    def __init__(self, routes: dict[int, Forwarded], name: str, underlying: Any) -> None:
+        self.routes, self.name, self.underlying = routes, name, underlying
+
+    def _target(self) -> Any:
+        forwarded = self.routes.get(threading.get_ident())
+        return self.underlying if forwarded is None else getattr(forwarded, self.name)
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+    def isatty(self) -> bool:
+        return self._target().isatty()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.underlying, name)
+
+
+class RoutedRecords(logging.Handler):
+    """The root logger's handler while runs on slots run: a record to the client of the run whose thread made it, any
+    other (a library's thread) to the pool's own handlers."""
+
+    def __init__(self, routes: dict[int, Forwarded], handlers: list[logging.Handler]) -> None:
+        super().__init__()
+        self.routes, self.handlers = routes, handlers
+
+    def emit(self, record: logging.LogRecord) -> None:
+        forwarded = self.routes.get(record.thread or 0)
+        if forwarded is not None:
+            forwarded.records.emit(record)
+            return
+        for handler in self.handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+@contextmanager
+def routed_output(routes: dict[int, Forwarded]) -> Iterator[None]:
+    """sys.stdout, sys.stderr and the root logger's handlers routed by thread (`routes`), until the last run on a
+    slot of a sharing ends."""
+    root = logging.getLogger()
+    handlers, streams = list(root.handlers), (sys.stdout, sys.stderr)
+    root.handlers = [RoutedRecords(routes, handlers)]
+    sys.stdout, sys.stderr = RoutedStream(routes, "stdout", streams[0]), RoutedStream(routes, "stderr", streams[1])
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = streams
+        root.handlers = handlers
 
 
 def forget_user_modules(names: set[str]) -> None:
@@ -456,7 +737,8 @@ def reset_warning_registries() -> None:
             registry.clear()
 
 
-def serve(address: Path, idle_s: float, parent_pid: int | None, max_groups: int | None = None, memory_mb: float | None = None) -> None:
+def serve(address: Path, idle_s: float, parent_pid: int | None, max_groups: int | None = None, memory_mb: float | None = None,
+          slots: int = 1) -> None:  # fmt: skip
     """The pool's process, until it is asked down, idles out or (a sweep's) its sweep ends. One process an address:
     it holds the address's lock file (flock) from its start to its end, and names itself there (`down` finds a pool
     that does not listen yet by it)."""
@@ -476,12 +758,13 @@ def serve(address: Path, idle_s: float, parent_pid: int | None, max_groups: int 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a client's stop is for its run only: see Host._stop_job
     signal.signal(STOP_SIGNAL, signal.SIG_IGN)
     warm_imports()
-    host = Host(address, idle_s, parent_pid, max_groups, memory_mb)
+    host = Host(address, idle_s, parent_pid, max_groups, memory_mb, slots)
     signal.signal(signal.SIGTERM, lambda signum, frame: host.stop("SIGTERM"))
     if stops:
         host.stop(f"{stops[0]} while it started")
     server = host.listen()
-    log.info(f"pool: listening at {address} (pid {os.getpid()}, idles out after {idle_s / 60:g} min)")
+    at_once = f"; {slots} LoRA SFT runs at once, each on a slot" if slots > 1 else ""
+    log.info(f"pool: listening at {address} (pid {os.getpid()}, idles out after {idle_s / 60:g} min{at_once})")
     try:
         host.run_forever()
     except BaseException as e:

@@ -196,6 +196,10 @@ def log_of(address: Path) -> Path:
     return address.with_suffix(".log")
 
 
+def workers_dir_of(address: Path) -> Path:
+    """Where the pool's own groups print (built ahead by `up`, or for its runs on slots, which share them)."""
+    return log_of(address).parent / f"{address.stem}-workers"
+
 def code_fingerprint() -> str:
     """This checkout's Python code as it is now (each file's path, size and change time) and the installed versions
     of LIBRARIES: a pool started before a change would run the old code, so a run refuses it."""

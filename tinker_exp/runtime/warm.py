@@ -106,6 +106,12 @@ class Lent:
             self._workers.output.stop()
 
 
+def kept_words(kept: Kept) -> str:
+    """A kept group as a run's line names it, once the run is counted among its runs."""
+    before = kept.runs - 1
+    return f"a kept group (built {time.strftime('%H:%M:%S', time.localtime(kept.built_at))}, {before} run{'s' * (before != 1)} before)"
+
+
 MAX_GROUPS = 4
 """How many worker groups a pool keeps at most (`pool up --max-groups`); the least recently used is freed first."""
 MEMORY_SHARE = 0.5
@@ -129,6 +135,8 @@ class Kept:
     """What it holds of the Ray cluster: its workers (one CPU, or one GPU, each)."""
     runs: int = 0
     last_used: float = field(default_factory=time.time)
+    slot_group: Any = None
+    """Its slots (runtime/slots.py SlotGroup), once runs on slots use it (`WarmGroups.slot_group`)."""
 
 
 class KeptGroups:
@@ -270,9 +278,7 @@ class WarmGroups:
         if built:
             where = f"the workers just built on {self.where}"
         else:
-            built_at = time.strftime("%H:%M:%S", time.localtime(kept.built_at))
-            before = kept.runs - 1
-            where = f"the warm workers of {self.where}: a kept group (built {built_at}, {before} run{'s' * (before != 1)} before)"
+            where = f"the warm workers of {self.where}: {kept_words(kept)}"
         log.info(f"pool: training on {where}; {groups} group{'s' * (groups != 1)} kept")
         return Lent(kept.workers, built)
 
@@ -327,6 +333,28 @@ class WarmGroups:
         self.kept.add(kept)
         log.info(f"pool: group built in {time.monotonic() - started:.1f} s ({kept.size_mb:.0f} MiB): {describe_key(key)}")
         return kept, True
+
+    def slot_group(self, cfg: Config, plan: Any, model_path: Path, out_dir: Path, capacity: int) -> tuple[SlotGroup, str]:
+        """The slots of the group for runs like `cfg` (LoRA SFT), built now if none is kept (what it prints into
+        `out_dir`), and how it came to be, as a run's line says it."""
+        kept, built = self.prepare(cfg, plan, model_path, out_dir)
+        if kept.slot_group is None:
+            kept.slot_group = SlotGroup(kept.workers, capacity)
+        self.kept.use(kept)
+        self.runs += 1
+        return kept.slot_group, "a group built for this run" if built else kept_words(kept)
+
+    def slot_group_for(self, cfg: Config, worker_env: dict[str, str]) -> tuple[SlotGroup, str] | None:
+        """The slots of the kept group for runs like `cfg`, if it has them (a run on a slot takes one without a
+        build), and the line's words; else None."""
+        from tinker_exp.runtime.inputs import model_dir
+
+        kept = self.kept.find(group_key(cfg, model_dir(cfg.model), self.choice(cfg), worker_env))
+        if kept is None or kept.slot_group is None:
+            return None
+        self.kept.use(kept)
+        self.runs += 1
+        return kept.slot_group, kept_words(kept)
 
     def describe(self) -> list[dict[str, Any]]:
         """Each kept group, the most recently used first (`pool status`)."""

@@ -246,3 +246,15 @@ def failure_report(outcomes: Sequence[JobOutcome], summary: Path) -> str:
     lines = [f"{len(failed)} of {len(outcomes)} sweep jobs did not complete (summary: {summary}):"]
     lines += [f"  {label(o.overrides, o.num)} {o.status}: {o.error}; run dir {o.run_dir}" for o in failed]
     return "\n".join(lines)
+
+
+RUN_DIRS: dict[tuple, tuple[Any, Path]] = {}
+"""(the sweep's config's id, a job's overrides, its number) -> (that config, kept so that its id is not reused; the
+job's run dir): composed once a job (a Hydra composition
+takes 0.2-0.4 s on a loaded CPU, in the sweep's one thread; a study asks for a trial's run dir as it starts it and as
+it ends; hydra_plugins' `job_run_dir`)."""
+
+
+def run_dir_of(job_cfg: Any) -> Path:
+    """A job's run dir, from its composed config with its `hydra` node (its number set)."""
+    return Path(str(job_cfg.hydra.sweep.dir)) / str(job_cfg.hydra.sweep.subdir)

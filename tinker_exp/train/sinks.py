@@ -217,8 +217,11 @@ class ProgressBar:
         if self._bar is None:  # opened at the first step, so worker start-up does not skew its rate
             from tqdm import tqdm
 
+            # position=0: each run's bar is the first line of its own terminal, also when runs on slots share a
+            # process (tqdm would stack the bars of one process)
             self._bar = tqdm(
-                total=self.total, initial=self.first_step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True
+                total=self.total, initial=self.first_step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
+                position=0,
             )
         self.last_eval = row.get("eval/reward", self.last_eval)
         self._bar.set_postfix(progress_fields(row, self.last_eval), refresh=False)
