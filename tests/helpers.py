@@ -507,3 +507,58 @@ def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
         main()
     out = capsys.readouterr()
     return stopped.value.code, out.out, out.err
+
+
+TIMINGS = ("time", "perf/")
+"""What may differ between two runs of one command: when a row was written and how long things took."""
+
+
+def without_timings(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(TIMINGS)} for row in rows]
+
+
+PACKED_RELATIVE = 1e-5
+"""The issue's bound on a logged value's difference, a trial's steps packed with other slots' against the trial alone
+(fp32, runtime/packed.py): the largest measured over 21 steps of 3 packed trials was 1.7e-7 on a loss, 2.6e-6 on a
+grad norm (tests/test_slots.py, docs/slots.md)."""
+PACKED_ADAPTER_RELATIVE = 1e-3
+"""The bound on an exported adapter tensor's difference, packed against alone (the norm of the difference over
+alone's): measured up to 2.7e-4 (lr 5e-3, after 2 steps; 3.0e-5 after 21). Wider than PACKED_RELATIVE: Adam's update
+of an element whose gradient is below its eps (1e-8) is about lr/eps times the gradient, so a last-digit difference
+of such a gradient becomes a visible one in the weights. The gradients themselves agree: with SGD (lr 0.5, 5 packed
+steps of 3 slots) no tensor differed by more than 1e-6."""
+
+
+def relative(a: float, b: float) -> float:
+    return 0.0 if a == b else abs(a - b) / max(abs(a), abs(b))
+
+
+def assert_rows_close(rows: list[dict], alone: list[dict]) -> float:
+    """Every row's keys and non-float values (timings aside) equal alone's, its floats within PACKED_RELATIVE;
+    returns the largest relative difference."""
+    rows, alone = without_timings(rows), without_timings(alone)
+    assert [sorted(r) for r in rows] == [sorted(r) for r in alone]
+    worst = 0.0
+    for row, other in zip(rows, alone, strict=True):
+        for key, value in row.items():
+            if isinstance(value, float):
+                worst = max(worst, relative(value, other[key]))
+            else:
+                assert value == other[key], key
+    assert worst <= PACKED_RELATIVE, worst
+    return worst
+
+
+def adapters_difference(path: Path, alone_path: Path) -> float:
+    """The largest difference of two adapters' tensors (safetensors files), each relative to alone's: the norm of the
+    difference over alone's norm (an element's own relative difference is not bounded: PACKED_ADAPTER_RELATIVE)."""
+    from safetensors.torch import load_file
+
+    mine, theirs = load_file(str(path)), load_file(str(alone_path))
+    assert sorted(mine) == sorted(theirs)
+    return max(float((mine[k] - theirs[k]).norm() / theirs[k].norm()) for k in mine)
+
+
+def assert_adapters_close(path: Path, alone_path: Path) -> None:
+    worst = adapters_difference(path, alone_path)
+    assert worst <= PACKED_ADAPTER_RELATIVE, worst

@@ -3,9 +3,11 @@
 First each trial trains alone through run.run on that group before it holds slots: trial A cold (the group's build),
 the others on the pool's fresh start (a rebuild with their seed: bitwise a cold run, tests/test_pool.py). Then the
 group holds 3 slots and the trials train through run.run again, each run in its own driver thread on a `Slot`, at
-once: with different seeds, lr schedules, lrs and gradient clips (B evaluating every 2 steps), every logged row and
-the exported adapter are bitwise the trial's alone. A slot freed (A finished) takes trial D while B is held mid-run and C trains on; a trial's
-run resumed on a slot from its checkpoint continues bitwise; one slot's state copied onto another (a PBT exploit)
+once (their steps packed when they wait for the same cycle): with different seeds, lr schedules, lrs and gradient
+clips (B evaluating every 2 steps), every logged row is the trial's alone within `PACKED_RELATIVE` and the exported
+adapter within `PACKED_ADAPTER_RELATIVE` (a packed step, runtime/packed.py; a time-shared one is bitwise). Three
+trials packed in every step for 21 steps against each alone: the same bounds. A slot freed (A finished) takes trial
+D while B is held mid-run and C trains on; a trial's run resumed on a slot from its checkpoint continues bitwise; one slot's state copied onto another (a PBT exploit)
 trains on as the source does; a checkpoint another slot saved loads in place while its saver's state as saved is at
 hand (live, or kept in a population's group), bitwise as its load from disk.
 """
@@ -17,7 +19,17 @@ import threading
 
 import pytest
 
-from helpers import compose, read_jsonl
+from helpers import (
+    PACKED_ADAPTER_RELATIVE,
+    PACKED_RELATIVE,
+    adapters_difference,
+    assert_adapters_close,
+    assert_rows_close,
+    compose,
+    read_jsonl,
+    relative,
+    without_timings,
+)
 
 LORA = ["lora=r8", "logger=none", "checkpoint.every_steps=2"]
 TRIALS = {
@@ -26,13 +38,8 @@ TRIALS = {
     "C": ["trainer.eval_every=0", "trainer.seed=3", "trainer.steps=3", "+override.lr=2e-3", "optimizer.clip_grad=0.05"],
     "D": ["trainer.eval_every=0", "trainer.seed=4", "trainer.steps=2", "+override.lr=1e-2"],
 }
-TIMINGS = ("time", "perf/")
 ADAPTER = "adapter/adapter_model.safetensors"
 WAIT_S = 300  # a margin, never a pace: events end every wait
-
-
-def without_timings(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.startswith(TIMINGS)} for row in rows]
 
 
 class Shared:
@@ -130,12 +137,11 @@ def trained(ray_address, tmp_path_factory):
             shared.workers.free()
 
 
-def test_trials_on_slots_at_once_are_bitwise_each_trained_alone(trained):
+def test_trials_on_slots_at_once_are_each_trained_alone(trained):
     root, alone = trained["root"], trained["alone"]
     for name in "ABC":
-        rows = without_timings(read_jsonl(root / f"slot_{name}" / "metrics.jsonl"))
-        assert rows == without_timings(read_jsonl(alone[name] / "metrics.jsonl")), name
-        assert (root / f"slot_{name}" / ADAPTER).read_bytes() == (alone[name] / ADAPTER).read_bytes(), name
+        assert_rows_close(read_jsonl(root / f"slot_{name}" / "metrics.jsonl"), read_jsonl(alone[name] / "metrics.jsonl"))
+        assert_adapters_close(root / f"slot_{name}" / ADAPTER, alone[name] / ADAPTER)
     assert {trained["slot_of"][name] for name in "ABC"} == {0, 1, 2}
     assert ["val/loss" in row for row in read_jsonl(root / "slot_B" / "metrics.jsonl")] == [False, True, False, True]
     losses = [read_jsonl(alone[name] / "metrics.jsonl")[1]["train/loss"] for name in "ABC"]
@@ -146,13 +152,14 @@ def test_a_freed_slot_takes_a_new_trial_while_the_others_train(trained):
     root, slot_of = trained["root"], trained["slot_of"]
     assert slot_of["D"] == slot_of["A"] and trained["b_held"]
     assert slot_of["B"] in slot_of["D while"]  # B mid-run (held there) as D took A's slot
-    rows = without_timings(read_jsonl(root / "slot_D" / "metrics.jsonl"))
-    assert rows == without_timings(read_jsonl(trained["alone"]["D"] / "metrics.jsonl"))
-    assert (root / "slot_D" / ADAPTER).read_bytes() == (trained["alone"]["D"] / ADAPTER).read_bytes()
+    assert_rows_close(read_jsonl(root / "slot_D" / "metrics.jsonl"), read_jsonl(trained["alone"]["D"] / "metrics.jsonl"))
+    assert_adapters_close(root / "slot_D" / ADAPTER, trained["alone"]["D"] / ADAPTER)
 
 
 def test_a_trial_resumed_on_a_slot_continues_bitwise(trained, tmp_path):
-    whole = trained["root"] / "slot_B"
+    """Trial B's run alone (time-shared steps: bitwise whatever the group's other trials do), stopped before its last
+    save and resumed on a slot: it continues bitwise."""
+    whole = trained["alone"]["B"]
     resumed = tmp_path / "resumed_B"
     shutil.copytree(whole, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000004")  # as if stopped before its last save
@@ -252,3 +259,231 @@ def test_a_checkpoint_another_slot_saved_loads_in_place_and_bitwise_as_from_disk
         group.keep_saved = False
         for slot in (donor, in_place, from_disk):
             slot.shutdown()
+
+
+def test_packed_steps_are_each_trial_alone_within_the_bound(trained, tmp_path):
+    """Trials A, B and C (their seeds, lrs, schedules, clips; 21 planned steps, each its own batches) step by step:
+    each alone on a slot (time-shared: bitwise a run alone), then the three again on fresh slots, packed in every
+    step: 20 steps in the group's cycle (`train_steps`), the 21st through each trial's `Slot.train_step` in its own
+    thread, the three waiting for one cycle. The first step's losses bitwise, every loss and grad norm within
+    PACKED_RELATIVE, the exported adapters within PACKED_ADAPTER_RELATIVE, the applied values equal; the group counts
+    21 packed steps of 3. Each row's first token is in the loss, so a slot's last label counts (a mutation that drops
+    `roll_within` fails it, and so does one that normalises a slot's loss by all slots' tokens)."""
+    from dataclasses import replace
+
+    from tinker_exp import config
+    from tinker_exp.run import validate
+    from tinker_exp.runtime.inputs import load_examples, model_dir
+    from tinker_exp.train.data import dataset_rows
+
+    group, steps = trained["shared"].slots, 21
+    cfgs = [config.load(compose(*LORA, *TRIALS[name], f"trainer.steps={steps}")) for name in "ABC"]
+    plans = [validate(cfg) for cfg in cfgs]
+    examples = load_examples(cfgs[0].data, model_dir(cfgs[0].model), dataset_rows(cfgs[0].data)[0], [])[0].examples
+    # every row's first token in the loss too, and not the same token in every row (the template's): the label of a
+    # slot's last token in a packed micro-batch then counts (runtime/packed.py `roll_within`)
+    examples = [replace(e, input_ids=e.input_ids[i % 3 :], loss_mask=[1, *e.loss_mask[i % 3 + 1 :]]) for i, e in enumerate(examples)]
+    batch = lambda k, step: [examples[(8 * (k + step) + i) % len(examples)] for i in range(8)]  # noqa: E731
+
+    def fill():
+        return [group.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values) for cfg, plan in zip(cfgs, plans, strict=True)]
+
+    def export(slots, name):
+        for k, slot in enumerate(slots):
+            slot.export_adapter(tmp_path / f"{name}_{k}")
+            slot.shutdown()
+
+    slots = fill()
+    alone = [[group.train_steps([(slot, batch(k, step), plans[k][step])])[0] for step in range(steps)] for k, slot in enumerate(slots)]
+    export(slots, "alone")
+    before = group.packed[3]
+    slots = fill()
+    packed = [group.train_steps([(slot, batch(k, step), plans[k][step]) for k, slot in enumerate(slots)]) for step in range(steps - 1)]
+    results: dict[int, object] = {}
+    with group.lock:  # the cycle's lock held until all three steps wait: one cycle takes them
+        threads = [threading.Thread(target=lambda k=k, s=s: results.__setitem__(k, s.train_step(batch(k, steps - 1), plans[k][steps - 1])))
+                   for k, s in enumerate(slots)]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        with group.waiting_changed:
+            assert group.waiting_changed.wait_for(lambda: len(group.waiting) == 3, WAIT_S)
+    for thread in threads:
+        thread.join(WAIT_S)
+    packed.append([results[k] for k in range(3)])
+    export(slots, "packed")
+    assert group.packed[3] - before == steps
+    worst = {"loss": 0.0, "grad_norm": 0.0, "adapter": 0.0}
+    for k in range(3):
+        assert packed[0][k].loss == alone[k][0].loss  # the first step's forward: bitwise (the same weights)
+        for step in range(steps):
+            mine, theirs = packed[step][k], alone[k][step]
+            assert mine.applied == theirs.applied, (k, step)
+            for key in ("loss", "grad_norm"):
+                worst[key] = max(worst[key], relative(getattr(mine, key), getattr(theirs, key)))
+        adapter = adapters_difference(*(tmp_path / f"{side}_{k}" / "adapter_model.safetensors" for side in ("packed", "alone")))
+        worst["adapter"] = max(worst["adapter"], adapter)
+    assert max(worst["loss"], worst["grad_norm"]) <= PACKED_RELATIVE and worst["adapter"] <= PACKED_ADAPTER_RELATIVE, worst
+    print(f"largest relative differences, packed against alone over {steps} steps of 3 trials: {worst}")
+
+
+class FakeSlotWorkers:
+    """Bookkeeping only: a LoRA group's workers as SlotGroup calls them, each call recorded. A packed step's loss for
+    a slot is its index, its grad norm the lr it was sent; a time-shared step's the same."""
+
+    def __init__(self, refused: str | None = None, ranks: int = 2):
+        from types import SimpleNamespace
+
+        self.lora, self.averaged, self.calls, self.fail = object(), False, [], None
+        self.backend = self.model_path = None
+        self.group = SimpleNamespace(
+            world_size=ranks,
+            enable_slots=lambda: [refused] * ranks,
+            slot_fill=lambda index, optimizer_config, seed: None,
+            slot_load=lambda index: [],
+            slots_forward_backward=self.slots_forward_backward,
+            slots_optimizer_step=self.slots_optimizer_step,
+        )
+
+    def _worker_config(self, *args):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(optimizer_config=None)
+
+    def _batch(self, rows: list) -> dict:
+        return {"rows": rows}
+
+    def slots_forward_backward(self, batch: dict):
+        from types import SimpleNamespace
+
+        if self.fail is not None:
+            raise self.fail
+        owners = list(dict.fromkeys(batch["slot"].tolist()))
+        self.calls.append(("packed", owners, batch["rows"]))
+        losses = {index: float(index) for index in owners}
+        return SimpleNamespace(get=lambda: SimpleNamespace(get_non_tensor=lambda key: losses))
+
+    def slots_optimizer_step(self, steps: list) -> list:
+        return [[{"grad_norm": params["lr"], "param_groups": []} for _, params in steps] for _ in range(self.group.world_size)]
+
+    def train_step(self, examples: list, optim_step_params: dict):
+        from tinker_exp.train.protocols import StepResult
+
+        self.calls.append(("alone", len(examples)))
+        return StepResult(loss=float(examples[0][0]), grad_norm=optim_step_params["lr"], applied=[])
+
+
+def fake_group(k: int, **kwargs):
+    from tinker_exp import config
+    from tinker_exp.runtime.slots import SlotGroup
+
+    cfg = config.load(compose(*LORA))
+    group = SlotGroup(FakeSlotWorkers(**kwargs), k)
+    return group, [group.fill(cfg.optimizer, cfg.trainer, {}) for _ in range(k)]
+
+
+def in_one_cycle(group, steps: list) -> dict:
+    """Each (slot, examples, params) of `steps` through Slot.train_step in its own thread, all waiting before the
+    group's lock is let go: slot index -> its result, or the error it raised."""
+    results: dict = {}
+
+    def step(slot, examples, params):
+        try:
+            results[slot.index] = slot.train_step(examples, params)
+        except Exception as e:  # noqa: BLE001  (the test reads it)
+            results[slot.index] = e
+
+    with group.lock:
+        threads = [threading.Thread(target=step, args=each) for each in steps]
+        for thread in threads:
+            thread.start()
+        with group.waiting_changed:
+            assert group.waiting_changed.wait_for(lambda: len(group.waiting) == len(steps), WAIT_S)
+    for thread in threads:
+        thread.join(WAIT_S)
+    return results
+
+
+def rows(index: int, n: int) -> list[str]:
+    """Slot `index`'s batch of n rows (named by slot and row)."""
+    return [f"{index}{row}" for row in range(n)]
+
+
+def test_a_cycle_packs_every_step_waiting_and_hands_each_its_own_result():
+    """Three trials' steps waiting at once: one packed step whose batch is, rank after rank, each slot's chunk of its
+    own batch as that rank would take it alone; each trial gets its own slot's result."""
+    group, slots = fake_group(3)
+    results = in_one_cycle(group, [(slot, rows(slot.index, 4), {"lr": slot.index + 1}) for slot in slots])
+    [(kind, order, packed)] = group.workers.calls
+    assert kind == "packed" and sorted(order) == [0, 1, 2]  # in the order the steps waited
+    assert packed == [r for rank in range(2) for i in order for r in rows(i, 4)[2 * rank : 2 * rank + 2]]
+    assert [(results[i].loss, results[i].grad_norm) for i in range(3)] == [(0.0, 1), (1.0, 2), (2.0, 3)]
+    assert group.packed == {3: 1}
+    slots[1].train_step(rows(1, 4), {"lr": 5})  # nothing else waiting: its step alone
+    assert group.workers.calls[-1] == ("alone", 4) and group.packed == {3: 1}
+
+
+def test_a_packed_steps_error_is_raised_in_every_waiting_trial():
+    """A packed call that fails: every trial whose step it held raises it in its own thread."""
+    group, slots = fake_group(2)
+    group.workers.fail = RuntimeError("a rank died")
+    results = in_one_cycle(group, [(slot, rows(slot.index, 2), {"lr": 1.0}) for slot in slots])
+    assert [str(results[i]) for i in range(2)] == ["a rank died", "a rank died"]
+
+
+def test_steps_that_cannot_pack_are_time_shared_and_said_once(caplog):
+    """A batch that does not split over the ranks: its step time-shared after the others' packed step (said once for
+    that size); a cycle with one packable step left: each alone; workers that refuse packing: every step alone (said
+    once, as the group is made)."""
+    with caplog.at_level("INFO", logger="tinker_exp.runtime.slots"):
+        group, slots = fake_group(3, ranks=2)
+        group.train_steps([(slot, rows(slot.index, 3 if slot.index == 0 else 4), {"lr": 1.0}) for slot in slots])
+        group.train_steps([(slot, rows(slot.index, 3 if slot.index == 0 else 4), {"lr": 1.0}) for slot in slots[:2]])
+        refused, refused_slots = fake_group(2, refused="sequence parallel 2 (a micro-batch's tokens are split over ranks)")
+        refused.train_steps([(slot, rows(slot.index, 4), {"lr": 1.0}) for slot in refused_slots])
+    assert [call[:2] for call in group.workers.calls] == [("packed", [1, 2]), ("alone", 3), ("alone", 3), ("alone", 4)]
+    assert refused.workers.calls == [("alone", 4), ("alone", 4)] and not refused.packed
+    said = [r.getMessage() for r in caplog.records if r.name == "tinker_exp.runtime.slots"]
+    assert said == [
+        "slots: a batch of 3 rows does not split over 2 ranks: its steps time-shared",
+        "slots: steps time-shared, not packed: sequence parallel 2 (a micro-batch's tokens are split over ranks)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({}, None),
+        ({"lora_dropout": 0.1}, "has LoRA dropout"),
+        ({"use_dora": True}, "is a LoRA variant (DoraLinearVariant: DoRA)"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "is a LoRA Embedding (only Linear layers mix adapters)"),
+    ],
+    ids=["linear", "dropout", "dora", "embedding"],
+)
+def test_packing_is_refused_where_rows_cannot_be_mixed(change, why):
+    """runtime/packed.py `refusal` on the tiny model with peft's adapters as verl builds them (and with what cannot
+    be packed), and on a loss that is not SFT's or sequence parallel."""
+    from dataclasses import replace
+    from functools import partial
+    from types import SimpleNamespace
+
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from verl.workers.utils.losses import ppo_loss, sft_loss
+
+    from tinker_exp import config
+    from tinker_exp.runtime.inputs import model_dir
+    from tinker_exp.runtime.lora import peft_config
+    from tinker_exp.runtime.packed import refusal
+
+    cfg = config.load(compose(*LORA))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir(cfg.model)))
+    module = get_peft_model(model, replace(peft_config(cfg.lora), **change))
+    engine = SimpleNamespace(module=module, ulysses_sequence_parallel_size=1, pad_to_length=False)
+    said = refusal(engine, partial(sft_loss, config=None))
+    assert said == why if why is None else why in said
+    if why is None:
+        assert refusal(engine, partial(ppo_loss, config=None)).startswith("the loss is ppo_loss, not SFT's")
+        engine.ulysses_sequence_parallel_size = 2
+        assert refusal(engine, partial(sft_loss, config=None)).startswith("sequence parallel 2")

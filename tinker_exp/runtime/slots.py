@@ -2,15 +2,17 @@
 
 The group builds the base model once. Each slot holds, on every rank, its own adapter weights (the rank's shards),
 its own optimizer (state, param groups, lr scheduler), the optimizer config its clip comes from and its own torch
-RNG. A slot's trial starts as a cold run of its seed does (runtime/lora.py `start_trial`: the one rule) and trains
-by **time-sharing**: before a slot's call the group swaps its adapters, optimizer and RNG into the engine (nothing
-when it is the slot already there), then verl's own forward_backward and optimizer_step run unchanged, so a slot's
-step is bitwise the step its trial would take alone. The frozen base weights are never copied.
+RNG. A slot's trial starts as a cold run of its seed does (runtime/lora.py `start_trial`: the one rule). The steps
+waiting at once train **packed** (runtime/packed.py: their rows through the base model in one forward and backward,
+each row through its own slot's adapter, then each slot's own optimizer step), within a stated tolerance of each
+trial alone; a step alone, and every call but a step, is **time-shared**: the group swaps the slot's adapters,
+optimizer and RNG into the engine (nothing when it is the slot already there), then verl's own calls run unchanged,
+bitwise the trial's alone. The frozen base weights are never copied.
 
 The driver sees a slot as a `Slot`: the calls the loop makes on a whole group (train/protocols.py `Workers`), so the
 loop, the judges and the sinks do not know they share a model. Each trial's loop runs in its own driver thread;
-the group's lock orders their calls (one slot's forward_backward and optimizer_step never interleave with
-another's). A slot is freed (`Slot.shutdown`) and its index taken by the next trial (`SlotGroup.fill`) while the
+the group's lock orders their calls (one slot's forward_backward and optimizer_step never interleave with another's
+call), and whichever thread takes it runs every step waiting then as one cycle (`SlotGroup.train_step`). A slot is freed (`Slot.shutdown`) and its index taken by the next trial (`SlotGroup.fill`) while the
 others train; `SlotGroup.copy` copies one slot's whole state onto another's in place, and a slot told to load a
 checkpoint another slot saved takes that slot's state as saved in place instead of reading the files, while that
 state is at hand (`SlotGroup.load`: a PBT exploit between members of one group; a population's group keeps each
@@ -26,6 +28,7 @@ import copy
 import logging
 import os
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -57,6 +60,19 @@ class SlotState:
     grads: list | None = None
     """Gradients a forward_backward left and no optimizer_step has taken yet (a served client's calls come one at
     a time, another client's between them): the very tensors, put back when the slot is loaded again."""
+
+
+@dataclass
+class StepRequest:
+    """A slot's step waiting for the group's next cycle (`SlotGroup.train_step`)."""
+
+    slot: "Slot"
+    examples: Sequence[Any]
+    optim_step_params: dict[str, Any] | None
+    done: bool = False
+    """Its cycle has run: `result` or `error` is set."""
+    result: StepResult | None = None
+    error: BaseException | None = None
 
 
 class WorkerSlots:
@@ -110,6 +126,19 @@ class WorkerSlots:
             torch.cuda.set_rng_state_all(state.cuda_rng)
         self._install(state)
         self.loaded = index
+
+    def packed_forward_backward(self, worker: Any, loss_fn: Any, data: Any) -> dict[int, float]:
+        """One packed forward and backward of the slots whose rows `data` holds (runtime/packed.py): each slot's
+        gradients left pending in its state (added to any it had, as FSDP accumulates), the engine holding no slot
+        after. Returns slot index -> its loss metric."""
+        from tinker_exp.runtime import packed
+
+        self.park()
+        done = packed.forward_backward(worker, self.engine, loss_fn, {i: s.adapters for i, s in self.states.items()}, self.trained, data)
+        for index, (grads, _) in done.items():
+            state = self.states[index]
+            state.grads = grads if state.grads is None else [old + new for old, new in zip(state.grads, grads, strict=True)]
+        return {index: loss for index, (_, loss) in done.items()}
 
     def park(self) -> None:
         """The loaded slot's adapters, pending gradients and RNG moved into its state; the engine holds no slot
@@ -217,7 +246,16 @@ class SlotGroup:
         """Slot index -> the checkpoint folder (its identity, `folder_identity`) that slot saved last, while its state
         as saved is at hand: kept (`keep_saved`), else while no call has changed the slot since. A load of the
         folder copies that state in place."""
-        workers.group.enable_slots()
+        self.waiting: list[StepRequest] = []
+        """Steps asked and not yet taken by a cycle (under `waiting_changed`, notified as one joins)."""
+        self.waiting_changed = threading.Condition()
+        self.packed: Counter[int] = Counter()
+        """How many packed steps of n slots the group has run (n -> count): a cycle of one slot is not packed."""
+        self.refused = next((why for why in workers.group.enable_slots() if why), None)
+        """Why the slots' steps cannot be packed on these workers (runtime/packed.py `refusal`): then time-shared."""
+        if self.refused:
+            log.info(f"slots: steps time-shared, not packed: {self.refused}")
+        self.unpacked: set[int] = set()  # batch sizes already said not to pack (one line each)
 
     def fill(
         self, optimizer: OptimizerConfig, trainer: TrainerConfig, optimizer_values: dict[str, Any], index: int | None = None,
@@ -289,16 +327,91 @@ class SlotGroup:
         with self.lock:
             return self.workers.group.slot_memory()[0]
 
-    def _use(self, slot: "Slot") -> None:
-        """Under the lock: `slot`'s trial in the engine."""
+    def train_step(self, slot: "Slot", examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult:
+        """`slot`'s step in the group's next cycle (Tinker's clock cycle): the step waits for the lock; whichever
+        trial's thread takes it runs every step waiting then, its own among them, as one packed step
+        (`train_steps`), and each waiting thread takes its own result. No timer: a cycle packs what is waiting."""
+        request = StepRequest(slot, examples, optim_step_params)
+        with self.waiting_changed:
+            self.waiting.append(request)
+            self.waiting_changed.notify_all()
+        with self.lock:
+            if not request.done:
+                with self.waiting_changed:
+                    taken, self.waiting = self.waiting, []
+                try:
+                    results = self.train_steps([(r.slot, r.examples, r.optim_step_params) for r in taken])
+                except BaseException as e:  # noqa: BLE001  (each waiting trial raises it in its own thread)
+                    for each in taken:
+                        each.error, each.done = e, True
+                else:
+                    for each, result in zip(taken, results, strict=True):
+                        each.result, each.done = result, True
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def train_steps(self, steps: Sequence[tuple["Slot", Sequence[Any], dict[str, Any] | None]]) -> list[StepResult]:
+        """One step of each (slot, examples, optim_step_params), at once: the slots' rows through the base model
+        together (one packed forward and backward, runtime/packed.py), then every slot's optimizer step at its own
+        values in one round trip; each result as the slot's step alone reports it. A step whose batch does not split
+        evenly over the ranks, a cycle of one slot, and every step where packing is refused (`refused`): the slot's
+        step alone, in turn (time-sharing)."""
+        ranks = self.workers.group.world_size
+        with self.lock:
+            packable = [] if self.refused else [i for i, (_, examples, _) in enumerate(steps) if len(examples) % ranks == 0]
+            for _, examples, _ in steps:
+                if not self.refused and len(examples) % ranks and len(examples) not in self.unpacked:
+                    self.unpacked.add(len(examples))
+                    log.info(f"slots: a batch of {len(examples)} rows does not split over {ranks} ranks: its steps time-shared")
+            results = dict(zip(packable, self._packed([steps[i] for i in packable]))) if len(packable) > 1 else {}
+            for i, (slot, examples, optim_step_params) in enumerate(steps):
+                if i not in results:
+                    results[i] = self._on(slot, lambda: self.workers.train_step(examples, optim_step_params))
+            return [results[i] for i in range(len(steps))]
+
+    def _packed(self, steps: Sequence[tuple["Slot", Sequence[Any], dict[str, Any] | None]]) -> list[StepResult]:
+        """Under the lock: one packed step of `steps` (2 or more slots, each batch a multiple of the ranks)."""
+        import torch
+
+        from tinker_exp.runtime.packed import SLOT
+
+        for slot, _, _ in steps:
+            self._check(slot)
+        ranks = self.workers.group.world_size
+        rows, owners = [], []
+        for rank in range(ranks):  # rank r's chunk: each slot's r-th chunk as verl chunks its batch alone
+            for slot, examples, _ in steps:
+                chunk = len(examples) // ranks
+                rows += list(examples[rank * chunk : (rank + 1) * chunk])
+                owners += [slot.index] * chunk
+        batch = self.workers._batch(rows)
+        batch[SLOT] = torch.tensor(owners)
+        self.loaded = None  # each rank parks its loaded slot first (and, should a call fail, holds none known here)
+        losses = self.workers.group.slots_forward_backward(batch).get().get_non_tensor("slot_losses")
+        per_rank = self.workers.group.slots_optimizer_step([(slot.index, params or None) for slot, _, params in steps])
+        self.loaded = steps[-1][0].index
+        self.packed[len(steps)] += 1
+        results = []
+        for k, (slot, _, _) in enumerate(steps):
+            grad_norm = next((float(r[k]["grad_norm"]) for r in per_rank if "grad_norm" in r[k]), float("nan"))
+            results.append(StepResult(loss=float(losses[slot.index]), grad_norm=grad_norm, applied=[r[k]["param_groups"] for r in per_rank]))
+        return results
+
+    def _check(self, slot: "Slot") -> None:
+        """Under the lock: `slot` holds its trial still; a call changes its state (a save marks it again after)."""
         if self.slots.get(slot.index) is not slot:
             raise RuntimeError(f"slot {slot.index} was freed: its trial has ended")
+        if not self.keep_saved:
+            self.holding.pop(slot.index, None)
+
+    def _use(self, slot: "Slot") -> None:
+        """Under the lock: `slot`'s trial in the engine."""
+        self._check(slot)
         if self.loaded != slot.index:
             self.loading = self.workers.group.slot_load(slot.index)  # each rank's ref; the slot's call runs after it
             self.loaded = slot.index
         self.workers.averaged = slot.averaged
-        if not self.keep_saved:  # any call may change the slot's state (a save marks it again after)
-            self.holding.pop(slot.index, None)
 
     def _on(self, slot: "Slot", call: Callable[[], Any]) -> Any:
         """`call` (a group call) on `slot`'s trial, under the lock; a swap it needed is checked after it."""
@@ -350,8 +463,9 @@ class Slot:
         """A slot is filled on a ready group."""
 
     def train_step(self, examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult:
+        """The step in the group's next cycle, packed with the other slots' steps waiting then (`SlotGroup.train_step`)."""
         self._stopped()
-        return self.group._on(self, lambda: self.group.workers.train_step(examples, optim_step_params))
+        return self.group.train_step(self, examples, optim_step_params)
 
     def evaluate(self, examples: Sequence[Any]) -> float:
         self._stopped()

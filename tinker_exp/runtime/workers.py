@@ -287,9 +287,30 @@ def worker_extras(mesh: str):
             optimizer.to_averaged() if on else optimizer.to_training()
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def enable_slots(self) -> None:
-            """This rank holds slots from now on (runtime/slots.py): none filled yet."""
+        def enable_slots(self) -> str | None:
+            """This rank holds slots from now on (runtime/slots.py): none filled yet. Returns why their steps cannot
+            be packed (runtime/packed.py `refusal`), or None."""
+            from tinker_exp.runtime.packed import refusal
+
             self.slots = WorkerSlots(self._trained_engine())
+            return refusal(self._trained_engine(), getattr(self, "loss_fn", None))
+
+        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name=mesh), blocking=False)
+        def slots_forward_backward(self, data):
+            """One packed forward and backward of several slots' rows (runtime/packed.py): slot index -> its loss."""
+            losses = self._swapping().packed_forward_backward(self, self.loss_fn, data)
+            reshard(self._trained_engine().module)
+            return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"slot_losses": losses})
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def slots_optimizer_step(self, steps: list) -> list[dict]:
+            """Each (slot index, optim_step_params) of `steps` in turn: the slot loaded (its pending gradients with
+            it), then its optimizer step at its own values and clip (`optimizer_step`'s result)."""
+            results = []
+            for index, optim_step_params in steps:
+                self._swapping().load(index)
+                results.append(self.optimizer_step(optim_step_params=optim_step_params))
+            return results
 
         def _swapping(self) -> WorkerSlots:
             reshard(self._trained_engine().module)  # the shards are what a swap reads and writes
