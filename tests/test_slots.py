@@ -461,7 +461,7 @@ def test_steps_that_cannot_pack_are_time_shared_and_said_once(caplog):
 )
 def test_packing_is_refused_where_rows_cannot_be_mixed(change, why):
     """runtime/packed.py `refusal` on the tiny model with peft's adapters as verl builds them (and with what cannot
-    be packed), and on a loss that is not SFT's or sequence parallel."""
+    be packed), and on a loss that is not SFT's, the padded layout or sequence parallel."""
     from dataclasses import replace
     from functools import partial
     from types import SimpleNamespace
@@ -481,9 +481,10 @@ def test_packing_is_refused_where_rows_cannot_be_mixed(change, why):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir(cfg.model)))
     module = get_peft_model(model, replace(peft_config(cfg.lora), **change))
     engine = SimpleNamespace(module=module, ulysses_sequence_parallel_size=1, pad_to_length=False)
-    said = refusal(engine, partial(sft_loss, config=None))
+    said = refusal(engine, partial(sft_loss, config=None), True)
     assert said == why if why is None else why in said
     if why is None:
-        assert refusal(engine, partial(ppo_loss, config=None)).startswith("the loss is ppo_loss, not SFT's")
+        assert refusal(engine, partial(ppo_loss, config=None), True).startswith("the loss is ppo_loss, not SFT's")
+        assert refusal(engine, partial(sft_loss, config=None), False).startswith("the padded layout")
         engine.ulysses_sequence_parallel_size = 2
-        assert refusal(engine, partial(sft_loss, config=None)).startswith("sequence parallel 2")
+        assert refusal(engine, partial(sft_loss, config=None), True).startswith("sequence parallel 2")

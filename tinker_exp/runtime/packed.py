@@ -37,9 +37,10 @@ SLOT = "slot"
 """The packed batch's column: which slot's trial a row is (its index in the group)."""
 
 
-def refusal(engine: Any, loss_fn: Any) -> str | None:
+def refusal(engine: Any, loss_fn: Any, padding_free: bool) -> str | None:
     """Why this rank's slots cannot be packed (a row's output would depend on which rows share its micro-batch, or
-    its loss is not a per-token sum), or None when they can."""
+    its loss is not a per-token sum), or None when they can. `padding_free`: the worker's layout (verl's
+    use_remove_padding)."""
     from peft.tuners.lora import LoraLayer
     from peft.tuners.lora import Linear as LoraLinear
     from verl.workers.utils.losses import sft_loss
@@ -47,6 +48,8 @@ def refusal(engine: Any, loss_fn: Any) -> str | None:
     loss = getattr(loss_fn, "func", loss_fn)  # verl's losses are set as partials
     if loss is not sft_loss:
         return f"the loss is {getattr(loss, '__qualname__', loss)}, not SFT's (a packed loss sums verl's sft_loss per slot)"
+    if not padding_free:
+        return "the padded layout (backend.padding_free=false; packing is built and tested padding-free, the CPU's default)"
     if engine.ulysses_sequence_parallel_size > 1:
         return f"sequence parallel {engine.ulysses_sequence_parallel_size} (a micro-batch's tokens are split over ranks)"
     if getattr(engine, "pad_to_length", False):

@@ -293,7 +293,8 @@ def worker_extras(mesh: str):
             from tinker_exp.runtime.packed import refusal
 
             self.slots = WorkerSlots(self._trained_engine())
-            return refusal(self._trained_engine(), getattr(self, "loss_fn", None))
+            padding_free = bool(self.model_config.get("use_remove_padding", False))
+            return refusal(self._trained_engine(), getattr(self, "loss_fn", None), padding_free)
 
         @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name=mesh), blocking=False)
         def slots_forward_backward(self, data):
