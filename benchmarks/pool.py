@@ -133,6 +133,12 @@ def training_time(rows: list[dict]) -> float:
     return rows[-1]["time"] - rows[0]["time"] + rows[0]["perf/step_time_s"]
 
 
+def training_span(runs: list[list[dict]]) -> float:
+    """Trials' training as the study spends it, overlaps counted once: from the first step's start of any of them to
+    the last row of any."""
+    return max(rows[-1]["time"] for rows in runs) - min(rows[0]["time"] - rows[0]["perf/step_time_s"] for rows in runs)
+
+
 def compare_sweeps(name: str, command: list[str], tmp: Path) -> None:
     results = {}
     for side, extra in (("cold", ["backend.pool=none"]), ("warm", [])):
@@ -188,6 +194,7 @@ def compare_studies(args: argparse.Namespace, tmp: Path, sides: dict[str, list[s
     `packed` one, and whether every side found the same objective values, trial by trial, and the same best trial."""
     command = [*LORA_STUDY, f"hydra.sweeper.n_trials={args.trials}", f"trainer.steps={args.steps}"]
     walls: dict[str, list[float]] = {side: [] for side in sides}
+    spans: dict[str, list[float]] = {side: [] for side in sides}
     found: dict[str, list] = {}
     for pair in range(args.pairs):
         order = list(sides)[pair % len(sides):] + list(sides)[: pair % len(sides)]
@@ -195,11 +202,15 @@ def compare_studies(args: argparse.Namespace, tmp: Path, sides: dict[str, list[s
             wall, jobs = sweep([*command, *sides[side]], tmp / f"{side.replace(' ', '_')}{pair}")
             walls[side].append(wall)
             trained = sum(training_time(job["rows"]) for job in jobs)
+            span = training_span([job["rows"] for job in jobs])
+            spans[side].append(wall / span)
             found.setdefault(side, [j["objective"] for j in jobs])
-            print(f"pair {pair} {side}: wall {wall:.1f} s, its trials' training {trained:.1f} s", file=sys.stderr)
+            print(f"pair {pair} {side}: wall {wall:.1f} s, its trials' training {trained:.1f} s summed, {span:.1f} s from the "
+                  f"first step's start to the last row (wall / that {wall / span:.2f})", file=sys.stderr)  # fmt: skip
     median = {side: statistics.median(w) for side, w in walls.items()}
     for side, wall in median.items():
-        print(f"{side}: wall {spread(walls[side], '.1f')} s; {args.trials * 3600 / wall:.0f} trials per hour")
+        print(f"{side}: wall {spread(walls[side], '.1f')} s; {args.trials * 3600 / wall:.0f} trials per hour; wall over "
+              f"the span of its trials' training {spread(spans[side], '.2f')}")  # fmt: skip
     for side in (s for s in median if s != packed):
         print(f"{packed}/{side}: {median[packed] / median[side]:.3f}")
     best = {side: min(range(len(v)), key=lambda i: float("inf") if v[i] is None else v[i]) for side, v in found.items()}

@@ -301,6 +301,7 @@ class OptunaSweeper(Sweeper):
         from tinker_exp.sweep.study import finished, trial_overrides
 
         at_once, next_number = self._at_once(), len(study.trials)
+        on_slots = isinstance(self.launcher, SweepLauncher) and self.launcher.slots() > 1
         running: dict[Any, Any] = {}  # the launcher's handle -> its trial
         asked = None  # a trial asked and not started yet
         try:
@@ -315,9 +316,11 @@ class OptunaSweeper(Sweeper):
                     next_number += 1
                     overrides = trial_overrides(fixed, asked.params)
                     asked.set_user_attr("overrides", overrides)
+                    if not on_slots:  # a job on a slot is composed as it starts (slot_jobs.py `prepare`): once, not thrice
+                        self.validate_batch_is_legal([overrides])
+                    handle = self.jobs.start(overrides, asked.number)
                     asked.set_user_attr("run_dir", str(job_run_dir(self.hydra_context, self.config, overrides, asked.number)))
-                    self.validate_batch_is_legal([overrides])
-                    running[self.jobs.start(overrides, asked.number)] = asked
+                    running[handle] = asked
                     asked = None
                 if not running:
                     return
