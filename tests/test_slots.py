@@ -170,6 +170,21 @@ def test_a_trial_resumed_on_a_slot_continues_bitwise(trained, tmp_path):
     assert (resumed / ADAPTER).read_bytes() == (whole / ADAPTER).read_bytes()
 
 
+def test_a_trial_trained_beside_others_resumes_from_its_checkpoint(trained, tmp_path):
+    """Trial B as it trained at once with A and C (its steps packed with theirs when they waited together), stopped
+    before its last save and resumed on a slot alone: its step-2 checkpoint holds what its packed steps left (the
+    format a run alone writes), and its last step is the original's within a packed step's bounds."""
+    whole = trained["root"] / "slot_B"
+    resumed = tmp_path / "resumed_slot_B"
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004")
+    run_trial("B", resumed, trained["shared"].slot)
+    rows = read_jsonl(resumed / "metrics.jsonl")
+    assert [row["train/step"] for row in rows] == [0, 1, 2, 3]
+    assert_rows_close(rows, read_jsonl(whole / "metrics.jsonl"))
+    assert_adapters_close(resumed / ADAPTER, whole / ADAPTER)
+
+
 def test_a_slot_copied_onto_another_trains_on_as_the_source(trained, tmp_path):
     """A PBT exploit in place: the target's adapter, optimizer state and RNG become the source's."""
     from tinker_exp import config
