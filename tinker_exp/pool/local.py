@@ -88,6 +88,9 @@ def end(address: Path, process: subprocess.Popen | None = None, wait_s: float = 
             process.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()
+            log.info(f"pool: the pool at {address} (pid {process.pid}) had not ended {wait_s:g} s after it was asked: killed")
+            address.unlink(missing_ok=True)  # what its own end would have removed: a killed pool's socket answers nobody
         return pid
     deadline = time.monotonic() + wait_s
     while pid is not None and wire.alive(pid) and time.monotonic() < deadline:
