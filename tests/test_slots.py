@@ -283,7 +283,8 @@ def test_packed_steps_are_each_trial_alone_within_the_bound(trained, tmp_path):
     thread, the three waiting for one cycle. The first step's losses bitwise, every loss and grad norm within
     PACKED_RELATIVE, the exported adapters within PACKED_ADAPTER_RELATIVE, the applied values equal; the group counts
     21 packed steps of 3. Each row's first token is in the loss, so a slot's last label counts (a mutation that drops
-    `roll_within` fails it, and so does one that normalises a slot's loss by all slots' tokens)."""
+    `roll_within` fails it, and so does one that normalises a slot's loss by all slots' tokens). Then each trial's
+    evaluation of its own batch, alone and then the three packed in one forward: each within PACKED_RELATIVE."""
     from dataclasses import replace
 
     from tinker_exp import config
@@ -308,8 +309,10 @@ def test_packed_steps_are_each_trial_alone_within_the_bound(trained, tmp_path):
             slot.export_adapter(tmp_path / f"{name}_{k}")
             slot.shutdown()
 
+    held_out = lambda k: batch(k, steps + 2 * k)  # noqa: E731  (each trial's own evaluation batch)
     slots = fill()
     alone = [[group.train_steps([(slot, batch(k, step), plans[k][step])])[0] for step in range(steps)] for k, slot in enumerate(slots)]
+    evaluated_alone = [group.evaluations([(slot, held_out(k))])[0] for k, slot in enumerate(slots)]
     export(slots, "alone")
     before = group.packed[3]
     slots = fill()
@@ -325,8 +328,13 @@ def test_packed_steps_are_each_trial_alone_within_the_bound(trained, tmp_path):
     for thread in threads:
         thread.join(WAIT_S)
     packed.append([results[k] for k in range(3)])
+    evaluations_before = group.packed_evaluations[3]
+    evaluated_packed = group.evaluations([(slot, held_out(k)) for k, slot in enumerate(slots)])
     export(slots, "packed")
-    assert group.packed[3] - before == steps
+    assert group.packed[3] - before == steps and group.packed_evaluations[3] - evaluations_before == 1
+    assert len(set(evaluated_alone)) == 3  # three trials' own losses
+    for mine, theirs in zip(evaluated_packed, evaluated_alone, strict=True):  # a packed evaluation: each its own
+        assert relative(mine, theirs) <= PACKED_RELATIVE, (evaluated_packed, evaluated_alone)
     worst = {"loss": 0.0, "grad_norm": 0.0, "adapter": 0.0}
     for k in range(3):
         assert packed[0][k].loss == alone[k][0].loss  # the first step's forward: bitwise (the same weights)

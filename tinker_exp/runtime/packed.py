@@ -98,9 +98,9 @@ def shard_rows(rows: int, size: int, rank: int) -> tuple[int, int]:
     return min(rows, rank * chunk), min(rows, (rank + 1) * chunk)
 
 
-def gather_adapters(shards: Sequence[Sequence[Any]], group: Any) -> list[list[torch.Tensor]]:
-    """Every slot's full adapter tensors (leaves that require grad) from its DTensor shards (`shards[k]`: slot k's,
-    in the module's order), in one all-gather for all of them: each shard padded to its largest rank's rows."""
+def gather_adapters(shards: Sequence[Sequence[Any]], group: Any, grad: bool = True) -> list[list[torch.Tensor]]:
+    """Every slot's full adapter tensors (leaves that require grad, with `grad`) from its DTensor shards (`shards[k]`:
+    slot k's, in the module's order), in one all-gather for all of them: each shard padded to its largest rank's rows."""
     size = dist.get_world_size(group)
     flat = []
     for tensors in shards:
@@ -123,7 +123,7 @@ def gather_adapters(shards: Sequence[Sequence[Any]], group: Any) -> list[list[to
                 start, end = shard_rows(tensor.shape[0], size, r)
                 parts.append(every[r][offset : offset + numel].view(chunk, *tensor.shape[1:])[: end - start])
             offset += numel
-            slot.append(torch.cat(parts).requires_grad_(True))
+            slot.append(torch.cat(parts).requires_grad_(grad))
         full.append(slot)
     return full
 
@@ -194,23 +194,26 @@ def roll_within(rolled: torch.Tensor, input_ids: torch.Tensor, segments: Sequenc
         rolled[end - 1] = flat[start]
 
 
-def forward_backward(worker: Any, engine: Any, loss_fn: Any, shards_of: dict[int, Sequence[Any]], trained: Sequence[Any], data: Any) -> dict[int, tuple[list[Any], float]]:
+def forward_backward(worker: Any, engine: Any, loss_fn: Any, shards_of: dict[int, Sequence[Any]], trained: Sequence[Any], data: Any,
+                     forward_only: bool = False) -> dict[int, tuple[list[Any] | None, float]]:  # fmt: skip
     """The packed forward and backward of this rank's rows `data` (slot after slot; its `SLOT` column says whose):
     slot index -> its gradients (its shards, laid out as the parameters `trained`) and its `loss` metric (verl's: the
     sum of its micro-batches' losses, averaged over dp). `shards_of`: each slot's adapter shards; `worker`: verl's
-    TinkerTrainingWorker (the batch keys its forward_backward sets)."""
+    TinkerTrainingWorker (the batch keys its forward_backward sets). `forward_only`: verl's infer_batch instead (an
+    evaluation: eval mode, its micro-batch settings, no gradient; None for each slot's gradients)."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_id
     from verl.workers.engine.utils import prepare_micro_batches
 
     group = engine.get_data_parallel_group()
     dp_size = engine.get_data_parallel_size()
+    config = worker.engine_config
     defaults = dict(
         use_remove_padding=worker.model_config.get("use_remove_padding", False),
-        use_dynamic_bsz=worker.engine_config.use_dynamic_bsz,
-        max_token_len_per_gpu=worker.engine_config.max_token_len_per_gpu,
-        micro_batch_size_per_gpu=worker.engine_config.micro_batch_size_per_gpu,
-        use_fused_kernels=worker.engine_config.use_fused_kernels,
+        use_dynamic_bsz=config.use_dynamic_bsz,
+        max_token_len_per_gpu=config.infer_max_token_len_per_gpu if forward_only else config.max_token_len_per_gpu,
+        micro_batch_size_per_gpu=config.infer_micro_batch_size_per_gpu if forward_only else config.micro_batch_size_per_gpu,
+        use_fused_kernels=config.use_fused_kernels,
     )
     for key, value in defaults.items():
         if key not in data.keys():
@@ -232,7 +235,7 @@ def forward_backward(worker: Any, engine: Any, loss_fn: Any, shards_of: dict[int
         tu.assign_non_tensor(slot_data, batch_num_tokens=count)
         micro_batches.append(prepare_micro_batches(data=slot_data, dp_group=group, same_micro_num_in_dp=True)[0])
 
-    adapters = gather_adapters([shards_of[index] for index in order], group)
+    adapters = gather_adapters([shards_of[index] for index in order], group, grad=not forward_only)
     layers = lora_layers(engine.module, trained)
     # what the mixed LoRA layers and the packed loss read of the micro-batch under way (its segments: set per micro-batch)
     where: dict[str, Any] = {"padding_free": tu.get_non_tensor_data(data, "use_remove_padding", True)}
@@ -259,8 +262,9 @@ def forward_backward(worker: Any, engine: Any, loss_fn: Any, shards_of: dict[int
         return inputs, args
 
     engine.prepare_model_inputs = prepare_inputs  # the instance's, over the class's, for this call
+    mode = engine.eval_mode() if forward_only else engine.train_mode(zero_grad_on_exit=False)
     try:
-        with engine.train_mode(zero_grad_on_exit=False), mixed_adapters(layers, adapters, where):
+        with mode, torch.set_grad_enabled(not forward_only), mixed_adapters(layers, adapters, where):
             for j in range(max(len(m) for m in micro_batches)):
                 parts = [(k, m[j]) for k, m in enumerate(micro_batches) if j < len(m)]
                 segments, row, token = [], 0, 0
@@ -271,10 +275,12 @@ def forward_backward(worker: Any, engine: Any, loss_fn: Any, shards_of: dict[int
                 packed = tu.concat_tensordict([part for _, part in parts])
                 tu.assign_non_tensor(packed, batch_num_tokens=None)  # each slot's own is its micro-batch's (packed_loss)
                 where["segments"] = segments
-                loss, _ = engine.forward_step(packed, loss_function=packed_loss, forward_only=False)
-                loss.backward()
+                loss, _ = engine.forward_step(packed, loss_function=packed_loss, forward_only=forward_only)
+                if not forward_only:
+                    loss.backward()
     finally:
         del engine.prepare_model_inputs
     sums = torch.stack([torch.sum(torch.tensor(each, device=get_device_id())) for each in losses])
     dist.all_reduce(sums, op=dist.ReduceOp.AVG, group=group)  # verl's _postprocess_output, per slot
-    return dict(zip(order, zip(reduce_gradients(adapters, trained, group), sums.tolist())))
+    grads = [None] * len(order) if forward_only else reduce_gradients(adapters, trained, group)
+    return dict(zip(order, zip(grads, sums.tolist())))

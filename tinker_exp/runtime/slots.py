@@ -64,11 +64,13 @@ class SlotState:
 
 @dataclass
 class StepRequest:
-    """A slot's step waiting for the group's next cycle (`SlotGroup.train_step`)."""
+    """A slot's step or evaluation waiting for the group's next cycle (`SlotGroup.train_step`, `evaluate`)."""
 
     slot: "Slot"
     examples: Sequence[Any]
     optim_step_params: dict[str, Any] | None
+    evaluation: bool = False
+    """An evaluation of `examples` (its loss the result), not a step."""
     done: bool = False
     """Its cycle has run: `result` or `error` is set."""
     result: StepResult | None = None
@@ -127,17 +129,20 @@ class WorkerSlots:
         self._install(state)
         self.loaded = index
 
-    def packed_forward_backward(self, worker: Any, loss_fn: Any, data: Any) -> dict[int, float]:
+    def packed_forward_backward(self, worker: Any, loss_fn: Any, data: Any, forward_only: bool = False) -> dict[int, float]:
         """One packed forward and backward of the slots whose rows `data` holds (runtime/packed.py): each slot's
         gradients left pending in its state (added to any it had, as FSDP accumulates), the engine holding no slot
-        after. Returns slot index -> its loss metric."""
+        after. Returns slot index -> its loss metric. `forward_only`: an evaluation (verl's infer_batch), no
+        gradient."""
         from tinker_exp.runtime import packed
 
         self.park()
-        done = packed.forward_backward(worker, self.engine, loss_fn, {i: s.adapters for i, s in self.states.items()}, self.trained, data)
+        shards = {i: s.adapters for i, s in self.states.items()}
+        done = packed.forward_backward(worker, self.engine, loss_fn, shards, self.trained, data, forward_only)
         for index, (grads, _) in done.items():
-            state = self.states[index]
-            state.grads = grads if state.grads is None else [old + new for old, new in zip(state.grads, grads, strict=True)]
+            if grads is not None:
+                state = self.states[index]
+                state.grads = grads if state.grads is None else [old + new for old, new in zip(state.grads, grads, strict=True)]
         return {index: loss for index, (_, loss) in done.items()}
 
     def park(self) -> None:
@@ -251,6 +256,8 @@ class SlotGroup:
         self.waiting_changed = threading.Condition()
         self.packed: Counter[int] = Counter()
         """How many packed steps of n slots the group has run (n -> count): a cycle of one slot is not packed."""
+        self.packed_evaluations: Counter[int] = Counter()
+        """How many packed evaluations of n slots it has run."""
         self.refused = next((why for why in workers.group.enable_slots() if why), None)
         """Why the slots' steps cannot be packed on these workers (runtime/packed.py `refusal`): then time-shared."""
         if self.refused:
@@ -331,7 +338,14 @@ class SlotGroup:
         """`slot`'s step in the group's next cycle (Tinker's clock cycle): the step waits for the lock; whichever
         trial's thread takes it runs every step waiting then, its own among them, as one packed step
         (`train_steps`), and each waiting thread takes its own result. No timer: a cycle packs what is waiting."""
-        request = StepRequest(slot, examples, optim_step_params)
+        return self._cycle(StepRequest(slot, examples, optim_step_params))
+
+    def evaluate(self, slot: "Slot", examples: Sequence[Any]) -> float:
+        """`slot`'s evaluation of `examples` in the group's next cycle, packed with the other evaluations waiting then
+        (`evaluations`), as steps are."""
+        return self._cycle(StepRequest(slot, examples, None, evaluation=True))
+
+    def _cycle(self, request: StepRequest) -> Any:
         with self.waiting_changed:
             self.waiting.append(request)
             self.waiting_changed.notify_all()
@@ -339,17 +353,65 @@ class SlotGroup:
             if not request.done:
                 with self.waiting_changed:
                     taken, self.waiting = self.waiting, []
+                steps = [r for r in taken if not r.evaluation]
+                evaluations = [r for r in taken if r.evaluation]
                 try:
-                    results = self.train_steps([(r.slot, r.examples, r.optim_step_params) for r in taken])
+                    results = self.train_steps([(r.slot, r.examples, r.optim_step_params) for r in steps]) if steps else []
+                    results += self.evaluations([(r.slot, r.examples) for r in evaluations]) if evaluations else []
                 except BaseException as e:  # noqa: BLE001  (each waiting trial raises it in its own thread)
                     for each in taken:
                         each.error, each.done = e, True
                 else:
-                    for each, result in zip(taken, results, strict=True):
+                    for each, result in zip(steps + evaluations, results, strict=True):
                         each.result, each.done = result, True
         if request.error is not None:
             raise request.error
         return request.result
+
+    def evaluations(self, evaluations: Sequence[tuple["Slot", Sequence[Any]]]) -> list[float]:
+        """Each (slot, examples)'s evaluation loss, at once: the slots' rows through the base model together (one
+        packed forward, verl's infer_batch's settings), each loss as the slot's evaluation alone reports it. A
+        schedule-free slot (evaluated at its averaged weights), a batch that does not split over the ranks, a cycle of
+        one, and every evaluation where packing is refused: the slot's alone, in turn."""
+        ranks = self.workers.group.world_size
+        with self.lock:
+            packable = [] if self.refused else [i for i, (slot, examples) in enumerate(evaluations) if len(examples) % ranks == 0 and not slot.averaged]
+            results = dict(zip(packable, self._packed_evaluation([evaluations[i] for i in packable]))) if len(packable) > 1 else {}
+            for i, (slot, examples) in enumerate(evaluations):
+                if i not in results:
+                    results[i] = self._on(slot, lambda: self.workers.evaluate(examples))
+            return [results[i] for i in range(len(evaluations))]
+
+    def _packed_evaluation(self, evaluations: Sequence[tuple["Slot", Sequence[Any]]]) -> list[float]:
+        """Under the lock: one packed forward of `evaluations` (2 or more slots, each batch a multiple of the ranks)."""
+        from verl.utils import tensordict_utils as tu
+
+        for slot, _ in evaluations:
+            self._check(slot)
+        batch = self._packed_batch(evaluations)
+        tu.assign_non_tensor(batch, slots_forward_only=True)
+        self.loaded = None  # each rank parks its loaded slot first
+        losses = self.workers.group.slots_forward_backward(batch).get().get_non_tensor("slot_losses")
+        self.packed_evaluations[len(evaluations)] += 1
+        return [float(losses[slot.index]) for slot, _ in evaluations]
+
+    def _packed_batch(self, pairs: Sequence[tuple["Slot", Sequence[Any]]]) -> Any:
+        """One batch of every (slot, examples)'s rows: rank r's chunk is each slot's r-th chunk as verl chunks its
+        batch alone, with the `SLOT` column."""
+        import torch
+
+        from tinker_exp.runtime.packed import SLOT
+
+        ranks = self.workers.group.world_size
+        rows, owners = [], []
+        for rank in range(ranks):
+            for slot, examples in pairs:
+                chunk = len(examples) // ranks
+                rows += list(examples[rank * chunk : (rank + 1) * chunk])
+                owners += [slot.index] * chunk
+        batch = self.workers._batch(rows)
+        batch[SLOT] = torch.tensor(owners)
+        return batch
 
     def train_steps(self, steps: Sequence[tuple["Slot", Sequence[Any], dict[str, Any] | None]]) -> list[StepResult]:
         """One step of each (slot, examples, optim_step_params), at once: the slots' rows through the base model
@@ -372,21 +434,9 @@ class SlotGroup:
 
     def _packed(self, steps: Sequence[tuple["Slot", Sequence[Any], dict[str, Any] | None]]) -> list[StepResult]:
         """Under the lock: one packed step of `steps` (2 or more slots, each batch a multiple of the ranks)."""
-        import torch
-
-        from tinker_exp.runtime.packed import SLOT
-
         for slot, _, _ in steps:
             self._check(slot)
-        ranks = self.workers.group.world_size
-        rows, owners = [], []
-        for rank in range(ranks):  # rank r's chunk: each slot's r-th chunk as verl chunks its batch alone
-            for slot, examples, _ in steps:
-                chunk = len(examples) // ranks
-                rows += list(examples[rank * chunk : (rank + 1) * chunk])
-                owners += [slot.index] * chunk
-        batch = self.workers._batch(rows)
-        batch[SLOT] = torch.tensor(owners)
+        batch = self._packed_batch([(slot, examples) for slot, examples, _ in steps])
         self.loaded = None  # each rank parks its loaded slot first (and, should a call fail, holds none known here)
         losses = self.workers.group.slots_forward_backward(batch).get().get_non_tensor("slot_losses")
         per_rank = self.workers.group.slots_optimizer_step([(slot.index, params or None) for slot, _, params in steps])
@@ -468,8 +518,9 @@ class Slot:
         return self.group.train_step(self, examples, optim_step_params)
 
     def evaluate(self, examples: Sequence[Any]) -> float:
+        """The evaluation in the group's next cycle, packed with the other slots' evaluations waiting then."""
         self._stopped()
-        return self.group._on(self, lambda: self.group.workers.evaluate(examples))
+        return self.group.evaluate(self, examples)
 
     def save_checkpoint(self, folder: Path, step: int) -> None:
         """The trial's checkpoint, as a run alone writes it (its adapters, optimizer, lr scheduler, RNG)."""

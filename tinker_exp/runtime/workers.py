@@ -298,8 +298,10 @@ def worker_extras(mesh: str):
 
         @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name=mesh), blocking=False)
         def slots_forward_backward(self, data):
-            """One packed forward and backward of several slots' rows (runtime/packed.py): slot index -> its loss."""
-            losses = self._swapping().packed_forward_backward(self, self.loss_fn, data)
+            """One packed forward and backward of several slots' rows (runtime/packed.py): slot index -> its loss.
+            The batch's `slots_forward_only`: their evaluation (verl's infer_batch: eval mode, no gradient)."""
+            forward_only = bool(tu.pop(data, key="slots_forward_only", default=False))
+            losses = self._swapping().packed_forward_backward(self, self.loss_fn, data, forward_only)
             reshard(self._trained_engine().module)
             return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"slot_losses": losses})
 
