@@ -113,6 +113,10 @@ def test_the_cookbooks_rl_loop_on_its_arithmetic_env(served, tmp_path, loop):
     assert names[-3:] == ["000002", "000004", "final"] and set(names[:-3]) <= {"000000"}
     config = json.loads((out / "config.json").read_text())
     assert (config["async_config"] or {}).get("loss_fn") == ("stable_reinforce" if loop == "async" else None)
+    # an RL loss's forward_backward runs alone on its slot (not packed): said once on the server's terminal
+    loss = "stable_reinforce" if loop == "async" else "importance_sampling"
+    said = served["terminal"].requests(f"forward_backward with loss {loss} runs alone on its slot (time-shared)")
+    assert len(said) == 1 and said[0].endswith(": only cross_entropy calls pack"), said
 
 
 def test_two_sdk_clients_train_at_once_on_two_slots_their_calls_packed_each_as_it_trains_alone(served, monkeypatch):
@@ -210,7 +214,7 @@ def test_two_sdk_clients_train_at_once_on_two_slots_their_calls_packed_each_as_i
     for who in ("a", "b"):
         cycled = {method: terminal.requests(f"{method} model {at_once[who]['model_id']} seq ") for method in ("forward_backward", "optim_step")}
         assert all(len(lines) == 6 if method == "forward_backward" else len(lines) == 3 for method, lines in cycled.items()), cycled
-        assert all(any("in one cycle with 1 other model's" in line for line in lines) for lines in cycled.values()), cycled
+        assert all(any(f"in one cycle with 1 other model's {method})" in line for line in lines) for method, lines in cycled.items()), cycled
         assert not [line for line in terminal.requests(f"model {alone[who]['model_id']} seq ") if "in one cycle" in line]
     log = terminal.err
     held = {who: [line for line in log if f"model {at_once[who]['model_id']} holds slot " in line] for who in ("a", "b")}

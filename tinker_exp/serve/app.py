@@ -278,8 +278,9 @@ class Server:
                 self._failed(each.future)
                 self._done(each.future)
             return
+        others = len(jobs) - 1
         for each, result in zip(jobs, results, strict=True):
-            each.future.note = f"in one cycle with {len(jobs) - 1} other model{'s' if len(jobs) > 2 else ''}'s"
+            each.future.note = f"in one cycle with {others} other model{'s' if others > 1 else ''}'{'' if others > 1 else 's'} {job.work.call}"
             try:
                 each.future.result = each.work.done(result)
             except BaseException:  # noqa: BLE001
