@@ -228,7 +228,11 @@ class Server:
                 while not self.jobs:
                     self.jobs_changed.wait()
                 job = self.jobs.popleft()
-                cycle = self._cycle(job)
+                try:
+                    cycle = self._cycle(job)
+                except Exception:  # noqa: BLE001 (the work thread must go on: the call runs alone, the cause kept)
+                    self.keep_traceback(f"{job.future.label} (choosing its cycle)")
+                    cycle = []
             if cycle:
                 self._run_cycle(job, cycle)
                 continue
