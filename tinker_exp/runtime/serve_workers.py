@@ -16,7 +16,6 @@ whose "response" is every target position, masked by `weights` (positions of wei
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -235,12 +234,8 @@ class ServedSlots(SlotGroup):
     forward_backward calls (and forwards) of several models go through the base model in one packed forward and
     backward (runtime/packed.py), each model's loss sum and log-probs as its call alone gives them (within the packed
     bound, docs/slots.md) and its gradients added to its own pending ones; optim_steps of several models run in one
-    round trip, each at its own values (bitwise its step alone)."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.cycles: Counter[tuple[str, int]] = Counter()
-        """(call, n) -> how many cycles trained n models' `call`s at once (n >= 2)."""
+    round trip, each at its own values (bitwise its step alone). Each request's line on the server's terminal says
+    when it trained in a cycle."""
 
     def forward_backward_together(self, calls: Sequence[tuple["ServedSlot", Sequence[Datum]]],
                                   forward_only: bool = False) -> list[tuple[float, list[list[float]]]]:
@@ -259,7 +254,6 @@ class ServedSlots(SlotGroup):
             tu.assign_non_tensor(batch, slots_forward_only=forward_only, slots_log_probs=True)
             self.loaded = None  # each rank parks its loaded slot first
             output = workers.group.slots_forward_backward(batch).get()
-            self.cycles[(FORWARD if forward_only else FORWARD_BACKWARD, len(calls))] += 1
         losses, rows = output.get_non_tensor("slot_losses"), output["log_probs"]
         log_probs: list[list[list[float]]] = [[[] for _ in data] for _, data in calls]
         for row, (k, i) in zip(rows.unbind(), packed_rows([len(data) for _, data in padded], workers.group.world_size), strict=True):
@@ -272,9 +266,7 @@ class ServedSlots(SlotGroup):
         with self.lock:
             for slot, _ in calls:
                 self._check(slot)
-            stepped = self._optimizer_steps(calls)
-            self.cycles[(OPTIM_STEP, len(calls))] += 1
-            return stepped
+            return self._optimizer_steps(calls)
 
 
 class ServedSlot(Slot):
