@@ -148,7 +148,7 @@ class Cycled:
         return self.alone()
 
 
-@dataclass
+@dataclass(eq=False)  # each job is itself: a cycle takes exactly the ones it found off the queue
 class Job:
     """Work queued for the work thread."""
 
