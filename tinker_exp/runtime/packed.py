@@ -38,18 +38,17 @@ SLOT = "slot"
 """The packed batch's column: which slot's trial a row is (its index in the group)."""
 
 
-def refusal(engine: Any, loss_fn: Any, padding_free: bool) -> str | None:
+def refusal(engine: Any, loss_fn: Any, padding_free: bool, per_token: Sequence[Any] = ()) -> str | None:
     """Why this rank's slots cannot be packed (a row's output would depend on which rows share its micro-batch, or
     its loss is not a per-token sum), or None when they can. `padding_free`: the worker's layout (verl's
-    use_remove_padding)."""
+    use_remove_padding); `per_token`: the worker's own losses that are per-token sums of a micro-batch alone, besides
+    verl's sft_loss (the Tinker server's cross_entropy)."""
     from peft.tuners.lora import LoraLayer
     from peft.tuners.lora import Linear as LoraLinear
     from verl.workers.utils.losses import sft_loss
 
-    from tinker_exp.runtime.serve_workers import cross_entropy_loss
-
     loss = getattr(loss_fn, "func", loss_fn)  # verl's losses are set as partials
-    if loss is not sft_loss and loss is not cross_entropy_loss:
+    if loss is not sft_loss and loss not in per_token:
         return (f"the loss is {getattr(loss, '__qualname__', loss)}, not SFT's or Tinker's cross_entropy (a packed loss "
                 "sums a per-token loss per slot)")
     if not padding_free:

@@ -79,6 +79,8 @@ def _serve_worker_class():
     class ServeWorker(base):
         """Our worker, sending back every token's log-prob with the metrics (the SDK hands them to its client)."""
 
+        per_token_losses = (cross_entropy_loss,)  # its slots' cross_entropy calls pack (ServedSlots)
+
         @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
         def forward_backward(self, data):
             output = TinkerTrainingWorker.forward_backward(self, data)

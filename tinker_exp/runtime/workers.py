@@ -222,6 +222,9 @@ def worker_extras(mesh: str):
     from tinker_exp.runtime.slots import WorkerSlots
 
     class WorkerExtras:
+        per_token_losses: tuple = ()
+        """The class's own losses that a packed step may sum per slot, besides verl's sft_loss (packed.py `refusal`)."""
+
         def __init__(self, *args, **kwargs):
             start_process_group()
             super().__init__(*args, **kwargs)
@@ -294,7 +297,7 @@ def worker_extras(mesh: str):
 
             self.slots = WorkerSlots(self._trained_engine())
             padding_free = bool(self.model_config.get("use_remove_padding", False))
-            return refusal(self._trained_engine(), getattr(self, "loss_fn", None), padding_free)
+            return refusal(self._trained_engine(), getattr(self, "loss_fn", None), padding_free, self.per_token_losses)
 
         @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name=mesh), blocking=False)
         def slots_forward_backward(self, data):

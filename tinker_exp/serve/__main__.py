@@ -47,7 +47,8 @@ class ServeConfig:
     keep its forward_backward chunks under half of it (its fwdbwd_max_chunk_bytes_count, 5 MB at most, its own)."""
     slots: int = 4
     """How many clients' LoRA models of one rank train at once, each on a slot of one worker group (the base model
-    loaded once; each model's calls give exactly what they give alone, docs/slots.md); 1: one client at a time. A
+    loaded once; each model's calls give what they give alone: bitwise, or within 1e-5 when packed with other
+    models' calls waiting at once, docs/serve.md); 1: one client at a time. A
     fully fine-tuned model (LoRA rank 0) always trains alone."""
     api_key: str = field(default="", repr=False)
     """The key every request must carry (the SDK's TINKER_API_KEY, sent as X-API-Key); empty: $TINKER_EXP_API_KEY,

@@ -7,9 +7,10 @@ non-finite or out-of-range AdamParams, a token id outside the vocabulary, a mode
 model that does not fit beside the held ones) is refused before it is queued: HTTP 400 with one line naming the
 field, the workers untouched. Each request is one line on the server's terminal (its method, model, seq_id, time and
 outcome), never a traceback. Several clients' LoRA models of one rank train at once, each on a slot of one worker
-group (runtime/slots.py: a model's calls give exactly what they give alone); the work thread takes the calls of
-several models that wait at once as one cycle (`Cycled`: their cross_entropy forward_backward calls trained in one
-packed forward and backward, their optim_steps in one round trip); a fully fine-tuned model trains alone. A
+group (runtime/slots.py: a model's calls give what they give alone); the work thread takes the calls of several
+models that wait at once as one cycle (`Cycled`: their cross_entropy forward_backward calls trained in one packed
+forward and backward, each model's results within 1e-5 of alone; their optim_steps in one round trip, bitwise); a
+fully fine-tuned model trains alone. A
 model is its client's session's: when the session ends (``ServiceClient.close``, or no heartbeat for
 SESSION_TIMEOUT_S) its slot or workers are freed for the next client. Each model's rows go to its own metrics.jsonl
 (<run dir>/models/<model>/).
