@@ -144,9 +144,10 @@ def direct_steps(tokens: list[list[int]], steps: int) -> list[float]:
 
 
 @contextmanager
-def running_server(*args: str) -> Iterator[None]:
+def running_server(*args: str) -> Iterator[list[str]]:
     """`python -m tinker_exp.serve` from REPO on a free port (its own Ray cluster, no W&B) with `args`, this process
-    its SDK client (TINKER_BASE_URL and the key set) while within; stopped on the way out."""
+    its SDK client (TINKER_BASE_URL and the key set) while within; stopped on the way out. Gives its terminal's lines
+    (one per request), read as they come."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -162,9 +163,10 @@ def running_server(*args: str) -> Iterator[None]:
                 stderr.seek(0)
                 raise SystemExit(f"the server did not start:\n{stderr.read()[-4000:]}")
             # its line per request: read as they come (a full pipe would stop the server)
-            threading.Thread(target=process.stdout.read, daemon=True).start()
+            lines: list[str] = []
+            threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
             os.environ.update({k: env[k] for k in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_TELEMETRY")})
-            yield
+            yield lines
         finally:
             process.terminate()
             process.wait(60)

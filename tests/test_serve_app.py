@@ -351,3 +351,100 @@ def test_a_failure_of_the_servers_own_is_one_line_and_its_traceback_goes_to_the_
     assert lines[-1].endswith(f"IndexError: index out of range in self (traceback in {tmp_path / 'serve_errors.log'})")
     assert "Traceback (most recent call last)" in (tmp_path / "serve_errors.log").read_text()
     assert not any("Traceback" in line for line in lines)
+
+
+class FakeGroup:
+    """The slots' group as the work thread sees it: records each cycle (the call and the models' workers in it)."""
+
+    def __init__(self):
+        self.cycles: list[tuple[str, list]] = []
+        self.fails = False
+
+    def forward_backward_together(self, calls, forward_only=False):
+        self.cycles.append(("forward" if forward_only else "forward_backward", [workers for workers, _ in calls]))
+        if self.fails:
+            raise RuntimeError("in a worker:\nRuntimeError: a packed step failed")
+        return [(float(len(data)), [[0.0]] * len(data)) for _, data in calls]
+
+    def optimizer_steps(self, calls):
+        self.cycles.append(("optim_step", [workers for workers, _ in calls]))
+        return [(params["lr"], []) for _, params in calls]
+
+
+class SlotFake(FakeWorkers):
+    """A model's slot on a FakeGroup: its cross_entropy calls and optim_steps join cycles, other losses run alone."""
+
+    def __init__(self, rank: int, group: FakeGroup):
+        super().__init__(rank)
+        self.group = group
+
+    def cycle(self, call: str, loss: str):
+        if call != "optim_step" and loss != "cross_entropy":
+            return None, f"{call} with loss {loss} runs alone"
+        return self.group, None
+
+
+def test_the_calls_of_several_models_waiting_at_once_train_in_cycles_each_models_order_kept(tmp_path):
+    """While the work thread is busy, five models' calls wait. A cycle takes each other model's first waiting call
+    when it is of the same kind (call and loss) on the same group, never a model's call behind its own earlier work:
+    A's forward_backward with E's (D's first is a save, B's an optim_step, C's another loss), then A's and B's
+    optim_steps, D's save, then D's forward_backward with B's, then C's ppo calls alone (said once). Each request
+    gets its own result and its line says it shared a cycle. A cycle that fails fails each of its requests in one
+    line, and the thread goes on."""
+    from tinker_exp.serve.app import Cycled
+
+    lines: list[str] = []
+    group = FakeGroup()
+    made = Server("tiny-llama", lambda rank, model_id: SlotFake(rank, group), dict, lambda folder, first_step: None,
+                  lambda *a: {}, tmp_path, lambda: None, say=lines.append, slots=8)
+    models = {name: claimed(made, rank=8) for name in "ABCDE"}
+    ran: list[str] = []
+
+    def call(name: str, seq: int, kind: str, loss: str = "cross_entropy") -> str:
+        def alone():
+            ran.append(f"{name}.{kind} alone")
+            return {"alone": name}
+
+        args = {"lr": float(ord(name))} if kind == "optim_step" else [name] * seq
+        work = Cycled(kind, "" if kind == "optim_step" else loss, args, alone, lambda result: {"result": result})
+        return made.in_turn(models[name], seq, lambda: work, method=kind)
+
+    def save(name: str, seq: int) -> str:
+        return made.in_turn(models[name], seq, lambda: lambda: ran.append(f"{name}.save") or {}, method="save_state")
+
+    gate, busy = threading.Event(), threading.Event()
+    def holding() -> dict:  # the work thread busy until the gate opens
+        busy.set()
+        assert gate.wait(60)
+        return {}
+
+    held = made.submit(holding)
+    assert busy.wait(60)
+    sent = {"A": [call("A", 1, "forward_backward"), call("A", 2, "optim_step")],
+            "D": [save("D", 1), call("D", 2, "forward_backward")],
+            "B": [call("B", 1, "optim_step"), call("B", 2, "forward_backward")],
+            "C": [call("C", 1, "forward_backward", "ppo"), call("C", 2, "forward_backward", "ppo")],
+            "E": [call("E", 1, "forward_backward")]}
+    gate.set()
+    assert result(made, held) == {}
+    got = {name: [result(made, request_id) for request_id in ids] for name, ids in sent.items()}
+    workers = {name: model.workers for name, model in models.items()}
+    assert group.cycles == [("forward_backward", [workers["A"], workers["E"]]), ("optim_step", [workers["A"], workers["B"]]),
+                            ("forward_backward", [workers["D"], workers["B"]])]
+    assert ran == ["D.save", "C.forward_backward alone", "C.forward_backward alone"]
+    assert got["A"] == [{"result": (1.0, [[0.0]])}, {"result": (65.0, [])}] and got["E"] == [{"result": (1.0, [[0.0]])}]
+    assert got["B"] == [{"result": (66.0, [])}, {"result": (2.0, [[0.0]] * 2)}] and got["C"] == [{"alone": "C"}] * 2
+    assert lines.count("tinker_exp.serve: forward_backward with loss ppo runs alone") == 1
+    for name, seq, method in (("A", 1, "forward_backward"), ("E", 1, "forward_backward"), ("B", 1, "optim_step"), ("D", 2, "forward_backward")):
+        line = next(line for line in lines if f"{method} model {models[name].model_id} seq {seq}: " in line)
+        assert line.endswith(f", in one cycle with 1 other model's {method})"), line
+
+    group.fails = True  # a failing cycle: each of its requests fails in one line, the thread goes on
+    gate.clear()
+    busy.clear()
+    held = made.submit(holding)
+    assert busy.wait(60)
+    failed = [call("A", 3, "forward_backward"), call("E", 2, "forward_backward")]
+    gate.set()
+    assert result(made, held) == {} and [result(made, r) for r in failed] == ["RuntimeError: a packed step failed"] * 2
+    assert result(made, call("A", 4, "optim_step")) == {"alone": "A"}  # alone in its cycle: the thread goes on

@@ -16,8 +16,9 @@ import sys
 
 import pytest
 
-from helpers import REPO, environment, read_jsonl, wait_until
-from test_serve import API_KEY, STEPS, free_port, logprobs_of, model_rows, same, start_server
+from helpers import (PACKED_ADAPTER_RELATIVE, PACKED_RELATIVE, REPO, adapters_difference, environment, read_jsonl, relative,
+                     wait_until)
+from test_serve import API_KEY, free_port, logprobs_of, model_rows, start_server
 
 pytest.importorskip("tinker_cookbook", reason="make install puts tinker-cookbook 0.6.1 in (pip --no-deps)")
 
@@ -112,16 +113,24 @@ def test_the_cookbooks_rl_loop_on_its_arithmetic_env(served, tmp_path, loop):
     assert names[-3:] == ["000002", "000004", "final"] and set(names[:-3]) <= {"000000"}
     config = json.loads((out / "config.json").read_text())
     assert (config["async_config"] or {}).get("loss_fn") == ("stable_reinforce" if loop == "async" else None)
+    # an RL loss's forward_backward runs alone on its slot (not packed): said once on the server's terminal
+    loss = "stable_reinforce" if loop == "async" else "importance_sampling"
+    said = served["terminal"].requests(f"forward_backward with loss {loss} runs alone on its slot (time-shared)")
+    assert len(said) == 1 and said[0].endswith(": only cross_entropy calls pack"), said
 
 
-def test_two_sdk_clients_train_at_once_on_two_slots_each_exactly_as_it_trains_alone(served, monkeypatch):
+def test_two_sdk_clients_train_at_once_on_two_slots_their_calls_packed_each_as_it_trains_alone(served, monkeypatch):
     """Two clients (each its own ServiceClient, rank-8 LoRA models, their own data and AdamParams), first each alone,
-    then both at once in two threads: each step's forward_backward of both comes before either's optim_step, so each
-    model's gradients wait on its slot while the other's are computed. Every loss, per-datum log-prob, grad norm and
-    the exported sampler adapter of each client at once is bitwise its run alone; the server's log says which model
+    then both at once in two threads. Each client sends its whole loop before awaiting any result (the SDK's
+    futures: per step two forward_backward halves, accumulated, then its optim_step; then a forward), so the two
+    models' calls wait on the server together: the work thread trains each cycle's two forward_backwards in one
+    packed forward and backward, their forwards in one packed forward and their optim_steps in one round trip (its
+    lines say which). Every loss, per-datum log-prob and grad norm of each client at once is within PACKED_RELATIVE
+    of its run alone, the exported sampler adapter within PACKED_ADAPTER_RELATIVE; the server's log says which model
     holds which slot, and that a client's slot is freed when its session ends."""
     import threading
 
+    import numpy as np
     import tinker
     from tinker import types
     from transformers import AutoTokenizer
@@ -134,27 +143,37 @@ def test_two_sdk_clients_train_at_once_on_two_slots_each_exactly_as_it_trains_al
     monkeypatch.setenv("TINKER_API_KEY", API_KEY)
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     tokenizer = AutoTokenizer.from_pretrained(model_dir(ModelConfig()))
-    texts = {"a": ["The cat sat on the mat.", "Add 2 and 3: 5."], "b": ["Spell dog: d-o-g.", "Red and blue make purple.", "One, two."]}
-    plans = {"a": STEPS[:3], "b": STEPS[::-1][:3]}
+    texts = {"a": ["The cat sat on the mat.", "Add 2 and 3: 5.", "Two plus two is four.", "Sky is blue."],
+             "b": ["Spell dog: d-o-g.", "Red and blue make purple.", "One, two.", "Green grass grows."]}
+    # each its own AdamParams per step; eps 1e-8 (Adam's update of a gradient far below eps magnifies a last-digit
+    # difference of it: PACKED_ADAPTER_RELATIVE)
+    plans = {who: [dict(learning_rate=lr, beta1=beta1, beta2=0.99, eps=1e-8, weight_decay=wd, grad_clip_norm=clip)
+                   for lr, beta1, wd, clip in steps]
+             for who, steps in {"a": [(5e-3, 0.9, 0.0, 0.0), (4e-3, 0.85, 0.01, 0.05), (3e-3, 0.8, 0.1, 1.0)],
+                                "b": [(2e-3, 0.8, 0.1, 1.0), (3e-3, 0.9, 0.0, 0.0), (4e-3, 0.85, 0.01, 0.05)]}.items()}
 
     def train(who: str, barrier: threading.Barrier | None = None) -> dict:
         service = tinker.ServiceClient()
         try:
             client = service.create_lora_training_client(base_model="tiny-llama", rank=8).result()
             data = [datum(tokenizer.encode(text)) for text in texts[who]]
+            if barrier is not None:  # both models exist: their loops start together
+                barrier.wait(timeout=300)
+            sent = []
+            for params in plans[who]:  # the whole loop sent at once: the SDK numbers and orders it
+                halves = [client.forward_backward(data[:2], "cross_entropy"), client.forward_backward(data[2:], "cross_entropy")]
+                sent.append((halves, client.optim_step(types.AdamParams(**params))))
+            forward = client.forward(data, "cross_entropy")
             steps = []
-            for params in plans[who]:
-                output = client.forward_backward(data, "cross_entropy").result()
-                if barrier is not None:  # both clients' gradients are pending now
-                    barrier.wait(timeout=300)
-                grad_norm = client.optim_step(types.AdamParams(**params)).result().metrics["grad_norm"]
-                steps.append((output.metrics["loss:sum"], logprobs_of(output), grad_norm))
-            after = logprobs_of(client.forward(data, "cross_entropy").result())
-            sampler_path = client.save_weights_for_sampler("final").result().path
+            for halves, step in sent:
+                outputs = [half.result() for half in halves]
+                steps.append(([o.metrics["loss:sum"] for o in outputs], np.concatenate([x for o in outputs for x in logprobs_of(o)]),
+                              step.result().metrics["grad_norm"]))
+            after = np.concatenate(logprobs_of(forward.result()))
+            client.save_weights_for_sampler("final").result()
             model_id = client.get_info().model_id
             folder = served["run_dir"] / "checkpoints" / model_id.replace(":", "_") / "sampler_weights" / "final" / "adapter"
-            adapter = {f.name: f.read_bytes() for f in folder.iterdir() if f.suffix == ".safetensors"}
-            return {"steps": steps, "after": after, "adapter": adapter, "model_id": model_id, "path": sampler_path}
+            return {"steps": steps, "after": after, "adapter": sorted(folder.glob("*.safetensors")), "model_id": model_id}
         finally:
             service.close("success").result(timeout=60)
 
@@ -174,16 +193,30 @@ def test_two_sdk_clients_train_at_once_on_two_slots_each_exactly_as_it_trains_al
     for thread in threads:
         thread.join(600)
     assert not failed and set(at_once) == {"a", "b"}, failed
+
+    def close(got: list, want: list) -> float:
+        """The largest relative difference of two lists of floats or of arrays (a datum's log-probs)."""
+        got, want = [float(x) for each in got for x in np.ravel(each)], [float(x) for each in want for x in np.ravel(each)]
+        assert len(got) == len(want)
+        return max((relative(x, y) for x, y in zip(got, want)), default=0.0)
+
+    worst = 0.0
     for who in ("a", "b"):
-        assert len(at_once[who]["steps"]) == 3 and at_once[who]["adapter"]
-        for (loss, logprobs, grad_norm), (want_loss, want_logprobs, want_grad_norm) in zip(at_once[who]["steps"], alone[who]["steps"]):
-            assert loss == want_loss and grad_norm == want_grad_norm, who
-            assert all(same(x, y) for x, y in zip(logprobs, want_logprobs, strict=True)), who
-        assert all(same(x, y) for x, y in zip(at_once[who]["after"], alone[who]["after"], strict=True)), who
-        assert at_once[who]["adapter"] == alone[who]["adapter"], who
-    assert alone["a"]["adapter"] != alone["b"]["adapter"]
-    # the server's log: which model holds which slot, and each slot freed as its client's session ended
-    log = served["terminal"].err
+        assert len(at_once[who]["steps"]) == 3 and len(at_once[who]["adapter"]) == 1
+        for (losses, logprobs, grad_norm), (want_losses, want_logprobs, want_grad_norm) in zip(at_once[who]["steps"], alone[who]["steps"]):
+            worst = max(worst, close(losses, want_losses), close(logprobs, want_logprobs), relative(grad_norm, want_grad_norm))
+        worst = max(worst, close(at_once[who]["after"], alone[who]["after"]))
+        assert adapters_difference(at_once[who]["adapter"][0], alone[who]["adapter"][0]) <= PACKED_ADAPTER_RELATIVE, who
+    assert worst <= PACKED_RELATIVE, worst
+    assert adapters_difference(alone["a"]["adapter"][0], alone["b"]["adapter"][0]) > PACKED_ADAPTER_RELATIVE
+    # the server's lines: the two models' calls trained in cycles of both (each such request's line says so)
+    terminal = served["terminal"]
+    for who in ("a", "b"):
+        cycled = {method: terminal.requests(f"{method} model {at_once[who]['model_id']} seq ") for method in ("forward_backward", "optim_step")}
+        assert all(len(lines) == 6 if method == "forward_backward" else len(lines) == 3 for method, lines in cycled.items()), cycled
+        assert all(any(f"in one cycle with 1 other model's {method})" in line for line in lines) for method, lines in cycled.items()), cycled
+        assert not [line for line in terminal.requests(f"model {alone[who]['model_id']} seq ") if "in one cycle" in line]
+    log = terminal.err
     held = {who: [line for line in log if f"model {at_once[who]['model_id']} holds slot " in line] for who in ("a", "b")}
     assert all(len(lines) == 1 and "of 4 on the group of LoRA rank 8 (" in lines[0] for lines in held.values()), log[-20:]
     slot_of = {who: held[who][0].split(" holds slot ")[1].split(" ")[0] for who in ("a", "b")}

@@ -11,8 +11,9 @@ that rank alone (verl chunks a batch into dp contiguous chunks), with a `slot` c
 2. gathers every slot's full adapter tensors from their shards in one collective (`gather_adapters`) and runs the
    engine's own `forward_step` on each packed micro-batch with every peft `lora.Linear` mixed (`mixed_adapters`): the
    frozen base layer once for all tokens, each slot's tokens through its own adapter. The loss is the sum over
-   slots of verl's loss (sft_loss) on that slot's tokens with that slot's own global token count, so each slot's
-   gradient is its own run's;
+   slots of the installed loss (verl's sft_loss, or the Tinker server's cross_entropy: runtime/serve_workers.py) on
+   that slot's tokens with that slot's own global token count, so each slot's gradient is its own run's (and, for
+   the server, each slot's rows' log-probs are split back out of the packed output);
 3. reduces every slot's adapter gradients over dp as FSDP2 does (AVG, one collective for all slots) and leaves each
    rank's shard as that slot's pending gradients (`SlotState.grads`), which its optimizer step takes on load.
 
@@ -37,17 +38,19 @@ SLOT = "slot"
 """The packed batch's column: which slot's trial a row is (its index in the group)."""
 
 
-def refusal(engine: Any, loss_fn: Any, padding_free: bool) -> str | None:
+def refusal(engine: Any, loss_fn: Any, padding_free: bool, per_token: Sequence[Any] = ()) -> str | None:
     """Why this rank's slots cannot be packed (a row's output would depend on which rows share its micro-batch, or
     its loss is not a per-token sum), or None when they can. `padding_free`: the worker's layout (verl's
-    use_remove_padding)."""
+    use_remove_padding); `per_token`: the worker's own losses that are per-token sums of a micro-batch alone, besides
+    verl's sft_loss (the Tinker server's cross_entropy)."""
     from peft.tuners.lora import LoraLayer
     from peft.tuners.lora import Linear as LoraLinear
     from verl.workers.utils.losses import sft_loss
 
     loss = getattr(loss_fn, "func", loss_fn)  # verl's losses are set as partials
-    if loss is not sft_loss:
-        return f"the loss is {getattr(loss, '__qualname__', loss)}, not SFT's (a packed loss sums verl's sft_loss per slot)"
+    if loss is not sft_loss and loss not in per_token:
+        return (f"the loss is {getattr(loss, '__qualname__', loss)}, not SFT's or Tinker's cross_entropy (a packed loss "
+                "sums a per-token loss per slot)")
     if not padding_free:
         return "the padded layout (backend.padding_free=false; packing is built and tested padding-free, the CPU's default)"
     if engine.ulysses_sequence_parallel_size > 1:
@@ -195,14 +198,17 @@ def roll_within(rolled: torch.Tensor, input_ids: torch.Tensor, segments: Sequenc
 
 
 def forward_backward(worker: Any, engine: Any, loss_fn: Any, shards_of: dict[int, Sequence[Any]], trained: Sequence[Any], data: Any,
-                     forward_only: bool = False) -> dict[int, tuple[list[Any] | None, float]]:  # fmt: skip
+                     forward_only: bool = False, log_probs: bool = False) -> dict[int, tuple[list[Any] | None, float, Any]]:  # fmt: skip
     """The packed forward and backward of this rank's rows `data` (slot after slot; its `SLOT` column says whose):
-    slot index -> its gradients (its shards, laid out as the parameters `trained`) and its `loss` metric (verl's: the
-    sum of its micro-batches' losses, averaged over dp). `shards_of`: each slot's adapter shards; `worker`: verl's
-    TinkerTrainingWorker (the batch keys its forward_backward sets). `forward_only`: verl's infer_batch instead (an
-    evaluation: eval mode, its micro-batch settings, no gradient; None for each slot's gradients)."""
+    slot index -> its gradients (its shards, laid out as the parameters `trained`), its `loss` metric (verl's: the
+    sum of its micro-batches' losses, averaged over dp) and, with `log_probs`, its rows' token log-probs in its rows'
+    order (a nested tensor, what verl's forward_backward returns a client: the Tinker server's), else None.
+    `shards_of`: each slot's adapter shards; `worker`: verl's TinkerTrainingWorker (the batch keys its
+    forward_backward sets). `forward_only`: verl's infer_batch instead (an evaluation: eval mode, its micro-batch
+    settings, no gradient; None for each slot's gradients)."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_id
+    from verl.utils.seqlen_balancing import restore_dynamic_batch
     from verl.workers.engine.utils import prepare_micro_batches
 
     group = engine.get_data_parallel_group()
@@ -230,16 +236,19 @@ def forward_backward(worker: Any, engine: Any, loss_fn: Any, shards_of: dict[int
         per_slot.append(tu.index_select_tensor_dict(data, rows))
     tokens = torch.stack([d["loss_mask"].sum() for d in per_slot]).to(get_device_id())
     dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=group)  # each slot's global token count, as alone
-    micro_batches = []
+    micro_batches, arranged = [], []  # each slot's micro-batches, and verl's arrangement of its rows (dynamic: reordered)
     for slot_data, count in zip(per_slot, tokens.tolist(), strict=True):
         tu.assign_non_tensor(slot_data, batch_num_tokens=count)
-        micro_batches.append(prepare_micro_batches(data=slot_data, dp_group=group, same_micro_num_in_dp=True)[0])
+        batches, indices = prepare_micro_batches(data=slot_data, dp_group=group, same_micro_num_in_dp=True)
+        micro_batches.append(batches)
+        arranged.append(indices)
 
     adapters = gather_adapters([shards_of[index] for index in order], group, grad=not forward_only)
     layers = lora_layers(engine.module, trained)
     # what the mixed LoRA layers and the packed loss read of the micro-batch under way (its segments: set per micro-batch)
     where: dict[str, Any] = {"padding_free": tu.get_non_tensor_data(data, "use_remove_padding", True)}
     losses: list[list[float]] = [[] for _ in order]
+    outputs: list[list[torch.Tensor]] = [[] for _ in order]  # with log_probs: each slot's rows' log-probs, micro-batch after micro-batch
 
     def packed_loss(model_output: dict, data: Any, dp_group: Any = None):
         """The sum over slots of verl's loss on each slot's tokens (its own token count and micro-batch)."""
@@ -275,12 +284,20 @@ def forward_backward(worker: Any, engine: Any, loss_fn: Any, shards_of: dict[int
                 packed = tu.concat_tensordict([part for _, part in parts])
                 tu.assign_non_tensor(packed, batch_num_tokens=None)  # each slot's own is its micro-batch's (packed_loss)
                 where["segments"] = segments
-                loss, _ = engine.forward_step(packed, loss_function=packed_loss, forward_only=forward_only)
+                loss, output = engine.forward_step(packed, loss_function=packed_loss, forward_only=forward_only)
                 if not forward_only:
                     loss.backward()
+                if log_probs:
+                    rows = output["model_output"]["log_probs"].unbind()
+                    for segment in segments:
+                        outputs[segment.slot] += rows[segment.rows[0] : segment.rows[1]]
     finally:
         del engine.prepare_model_inputs
     sums = torch.stack([torch.sum(torch.tensor(each, device=get_device_id())) for each in losses])
     dist.all_reduce(sums, op=dist.ReduceOp.AVG, group=group)  # verl's _postprocess_output, per slot
     grads = [None] * len(order) if forward_only else reduce_gradients(adapters, trained, group)
-    return dict(zip(order, zip(grads, sums.tolist())))
+    rows_of = [None] * len(order)
+    if log_probs:  # as verl's postprocess_batch_func returns them: in the rows' order, dynamic micro-batches undone
+        rows_of = [torch.nested.as_nested_tensor(rows, layout=torch.jagged) for rows in outputs]
+        rows_of = [each if indices is None else restore_dynamic_batch(each, indices) for each, indices in zip(rows_of, arranged, strict=True)]
+    return dict(zip(order, zip(grads, sums.tolist(), rows_of)))

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from tinker_exp.runtime.slots import Slot
+from tinker_exp.runtime.slots import Slot, SlotGroup, packed_rows
 from tinker_exp.runtime.workers import TinkerWorkers, _worker_class
 
 LOSS_SUM = "loss:sum"
@@ -78,6 +78,8 @@ def _serve_worker_class():
 
     class ServeWorker(base):
         """Our worker, sending back every token's log-prob with the metrics (the SDK hands them to its client)."""
+
+        per_token_losses = (cross_entropy_loss,)  # its slots' cross_entropy calls pack (ServedSlots)
 
         @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
         def forward_backward(self, data):
@@ -148,10 +150,17 @@ class ServeWorkers(TinkerWorkers):
         """Full fine-tuning: the model's full tensors by name (rank 0's copy)."""
         return self.group.export_weights()[0]
 
+    def cycle(self, call: str, loss: str) -> tuple[Any, str | None]:
+        """A model alone on its group (full fine-tuning): its calls never train with another's."""
+        return None, None
+
+    def padded(self, data: Sequence[Datum]) -> list[Datum]:
+        """`data` padded with zero-weight copies of the first datum to whole micro batches on every rank (verl splits
+        a batch evenly and asserts whole micro batches): a zero weight adds exactly nothing to the gradient."""
+        return list(data) + [data[0].padding()] * (-len(data) % self.pad_to)
+
     def _pass(self, method: str, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
-        """Padded with zero-weight copies of the first datum to whole micro batches on every rank (verl splits a
-        batch evenly and asserts whole micro batches): a zero weight adds exactly nothing to the gradient."""
-        padded = list(data) + [data[0].padding()] * (-len(data) % self.pad_to)
+        padded = self.padded(data)
         batch = self._datum_batch(padded) if self.installed[0] == CROSS_ENTROPY else self._rl_batch(padded)
         output = getattr(self.group, method)(batch).get()
         loss = output.get_non_tensor("metrics")["loss"]
@@ -217,9 +226,73 @@ class ServeWorkers(TinkerWorkers):
         )
 
 
+FORWARD_BACKWARD, FORWARD, OPTIM_STEP = "forward_backward", "forward", "optim_step"
+"""The server's calls that train in cycles (`ServedSlots`), as its terminal lines name them."""
+
+
+class ServedSlots(SlotGroup):
+    """The server's LoRA group: its clients' models on slots (runtime/slots.py), and the **cycles** of their calls
+    that wait at once (the server's work thread takes them together: tinker_exp/serve/app.py). Cross_entropy
+    forward_backward calls (and forwards) of several models go through the base model in one packed forward and
+    backward (runtime/packed.py), each model's loss sum and log-probs as its call alone gives them (within the packed
+    bound, docs/slots.md) and its gradients added to its own pending ones; optim_steps of several models run in one
+    round trip, each at its own values (bitwise its step alone). Each request's line on the server's terminal says
+    when it trained in a cycle."""
+
+    def forward_backward_together(self, calls: Sequence[tuple["ServedSlot", Sequence[Datum]]],
+                                  forward_only: bool = False) -> list[tuple[float, list[list[float]]]]:
+        """Each (slot, data)'s cross_entropy forward_backward (`forward_only`: forward, no gradient) in one packed
+        pass: each one's summed loss and its datums' target log-probs, as `ServeWorkers.forward_backward` returns
+        them alone."""
+        from verl.utils import tensordict_utils as tu
+
+        workers = self.workers
+        with self.lock:
+            for slot, _ in calls:
+                self._check(slot)
+            workers.use_loss(CROSS_ENTROPY, {})
+            padded = [(slot, workers.padded(data)) for slot, data in calls]
+            batch = self._packed_batch(padded, workers._datum_batch)
+            tu.assign_non_tensor(batch, slots_forward_only=forward_only, slots_log_probs=True)
+            self.loaded = None  # each rank parks its loaded slot first
+            output = workers.group.slots_forward_backward(batch).get()
+        losses, rows = output.get_non_tensor("slot_losses"), output["log_probs"]
+        log_probs: list[list[list[float]]] = [[[] for _ in data] for _, data in calls]
+        for row, (k, i) in zip(rows.unbind(), packed_rows([len(data) for _, data in padded], workers.group.world_size), strict=True):
+            if i < len(calls[k][1]):  # a padding row's are dropped
+                log_probs[k][i] = row.tolist()[: len(calls[k][1][i].tokens) - 1]
+        return [(float(losses[slot.index]), each) for (slot, _), each in zip(calls, log_probs, strict=True)]
+
+    def optimizer_steps(self, calls: Sequence[tuple["ServedSlot", dict[str, Any]]]) -> list[tuple[float, list[list[dict[str, Any]]]]]:
+        """Each (slot, params)'s optim_step, in one round trip: `ServeWorkers.optimizer_step`'s result for each."""
+        with self.lock:
+            for slot, _ in calls:
+                self._check(slot)
+            return self._optimizer_steps(calls)
+
+
 class ServedSlot(Slot):
-    """A served client's model on a slot of a ServeWorkers group (runtime/slots.py): the server's calls, each on this
-    slot's adapters, optimizer, pending gradients and RNG, so a client's results are those it gets alone."""
+    """A served client's model on a slot of the server's `ServedSlots` group: the server's calls, each on this slot's
+    adapters, optimizer, pending gradients and RNG, so a client's results are those it gets alone; its calls that wait
+    with other models' train with them in one cycle (`cycle`)."""
+
+    given_back: Callable[[], None] | None = None
+    """Called once the slot is freed (its client's session ended): the server says so, and keeps its group warm once
+    it holds no model."""
+
+    def cycle(self, call: str, loss: str) -> tuple[Any, str | None]:
+        """The group whose cycles this model's `call` (with Tinker's loss `loss`) joins, and None; or None and why it
+        runs alone (time-shared), in a line the server says once."""
+        if self.group.refused:
+            return None, f"the slots' calls are time-shared, not packed: {self.group.refused}"
+        if call != OPTIM_STEP and loss != CROSS_ENTROPY:
+            return None, f"{call} with loss {loss} runs alone on its slot (time-shared): only cross_entropy calls pack"
+        return self.group, None
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        super().shutdown(timeout_s)
+        if self.given_back is not None:
+            self.given_back()
 
     def use_loss(self, name: str, params: dict[str, float]) -> None:
         self.group._on(self, lambda: self.group.workers.use_loss(name, params))

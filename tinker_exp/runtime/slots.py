@@ -129,21 +129,22 @@ class WorkerSlots:
         self._install(state)
         self.loaded = index
 
-    def packed_forward_backward(self, worker: Any, loss_fn: Any, data: Any, forward_only: bool = False) -> dict[int, float]:
+    def packed_forward_backward(self, worker: Any, loss_fn: Any, data: Any, forward_only: bool = False,
+                                log_probs: bool = False) -> dict[int, tuple[float, Any]]:
         """One packed forward and backward of the slots whose rows `data` holds (runtime/packed.py): each slot's
         gradients left pending in its state (added to any it had, as FSDP accumulates), the engine holding no slot
-        after. Returns slot index -> its loss metric. `forward_only`: an evaluation (verl's infer_batch), no
-        gradient."""
+        after. Returns slot index -> its loss metric and, with `log_probs`, its rows' log-probs (else None).
+        `forward_only`: an evaluation (verl's infer_batch), no gradient."""
         from tinker_exp.runtime import packed
 
         self.park()
         shards = {i: s.adapters for i, s in self.states.items()}
-        done = packed.forward_backward(worker, self.engine, loss_fn, shards, self.trained, data, forward_only)
-        for index, (grads, _) in done.items():
+        done = packed.forward_backward(worker, self.engine, loss_fn, shards, self.trained, data, forward_only, log_probs)
+        for index, (grads, _, _) in done.items():
             if grads is not None:
                 state = self.states[index]
                 state.grads = grads if state.grads is None else [old + new for old, new in zip(state.grads, grads, strict=True)]
-        return {index: loss for index, (_, loss) in done.items()}
+        return {index: (loss, rows) for index, (_, loss, rows) in done.items()}
 
     def park(self) -> None:
         """The loaded slot's adapters, pending gradients and RNG moved into its state; the engine holds no slot
@@ -395,22 +396,16 @@ class SlotGroup:
         self.packed_evaluations[len(evaluations)] += 1
         return [float(losses[slot.index]) for slot, _ in evaluations]
 
-    def _packed_batch(self, pairs: Sequence[tuple["Slot", Sequence[Any]]]) -> Any:
-        """One batch of every (slot, examples)'s rows: rank r's chunk is each slot's r-th chunk as verl chunks its
-        batch alone, with the `SLOT` column."""
+    def _packed_batch(self, pairs: Sequence[tuple["Slot", Sequence[Any]]], build: Callable[[list], Any] | None = None) -> Any:
+        """One batch of every (slot, examples)'s rows (`build(rows)`: the workers' batch of them, by default the
+        SFT examples' `_batch`), in `packed_rows`' order, with the `SLOT` column."""
         import torch
 
         from tinker_exp.runtime.packed import SLOT
 
-        ranks = self.workers.group.world_size
-        rows, owners = [], []
-        for rank in range(ranks):
-            for slot, examples in pairs:
-                chunk = len(examples) // ranks
-                rows += list(examples[rank * chunk : (rank + 1) * chunk])
-                owners += [slot.index] * chunk
-        batch = self.workers._batch(rows)
-        batch[SLOT] = torch.tensor(owners)
+        order = packed_rows([len(examples) for _, examples in pairs], self.workers.group.world_size)
+        batch = (build or self.workers._batch)([pairs[k][1][i] for k, i in order])
+        batch[SLOT] = torch.tensor([pairs[k][0].index for k, _ in order])
         return batch
 
     def train_steps(self, steps: Sequence[tuple["Slot", Sequence[Any], dict[str, Any] | None]]) -> list[StepResult]:
@@ -439,14 +434,19 @@ class SlotGroup:
         batch = self._packed_batch([(slot, examples) for slot, examples, _ in steps])
         self.loaded = None  # each rank parks its loaded slot first (and, should a call fail, holds none known here)
         losses = self.workers.group.slots_forward_backward(batch).get().get_non_tensor("slot_losses")
-        per_rank = self.workers.group.slots_optimizer_step([(slot.index, params or None) for slot, _, params in steps])
-        self.loaded = steps[-1][0].index
+        stepped = self._optimizer_steps([(slot, params) for slot, _, params in steps])
         self.packed[len(steps)] += 1
-        results = []
-        for k, (slot, _, _) in enumerate(steps):
-            grad_norm = next((float(r[k]["grad_norm"]) for r in per_rank if "grad_norm" in r[k]), float("nan"))
-            results.append(StepResult(loss=float(losses[slot.index]), grad_norm=grad_norm, applied=[r[k]["param_groups"] for r in per_rank]))
-        return results
+        return [StepResult(loss=float(losses[slot.index]), grad_norm=grad_norm, applied=applied)
+                for (slot, _, _), (grad_norm, applied) in zip(steps, stepped, strict=True)]
+
+    def _optimizer_steps(self, steps: Sequence[tuple["Slot", dict[str, Any] | None]]) -> list[tuple[float, list]]:
+        """Under the lock: each (slot, optim_step_params)'s optimizer step at its own values and clip, in one round
+        trip (each slot swapped in with its pending gradients, in turn); each step's grad norm and every rank's param
+        groups."""
+        per_rank = self.workers.group.slots_optimizer_step([(slot.index, params or None) for slot, params in steps])
+        self.loaded = steps[-1][0].index
+        return [(next((float(r[k]["grad_norm"]) for r in per_rank if "grad_norm" in r[k]), float("nan")),
+                 [r[k]["param_groups"] for r in per_rank]) for k in range(len(steps))]
 
     def _check(self, slot: "Slot") -> None:
         """Under the lock: `slot` holds its trial still; a call changes its state (a save marks it again after)."""
@@ -539,6 +539,12 @@ class Slot:
         """The trial ends: its slot is free for the next (the group and the other slots go on)."""
         self.group._free(self)
 
+
+
+def packed_rows(sizes: Sequence[int], ranks: int) -> list[tuple[int, int]]:
+    """A packed batch's rows as (which of the batches of `sizes` rows, which of its rows): rank after rank, batch after
+    batch, each batch's r-th chunk as verl chunks that batch alone for rank r (each size a multiple of `ranks`)."""
+    return [(k, rank * (size // ranks) + i) for rank in range(ranks) for k, size in enumerate(sizes) for i in range(size // ranks)]
 
 
 def folder_identity(folder: Path) -> tuple[int, int, int]:

@@ -222,6 +222,9 @@ def worker_extras(mesh: str):
     from tinker_exp.runtime.slots import WorkerSlots
 
     class WorkerExtras:
+        per_token_losses: tuple = ()
+        """The class's own losses that a packed step may sum per slot, besides verl's sft_loss (packed.py `refusal`)."""
+
         def __init__(self, *args, **kwargs):
             start_process_group()
             super().__init__(*args, **kwargs)
@@ -294,16 +297,23 @@ def worker_extras(mesh: str):
 
             self.slots = WorkerSlots(self._trained_engine())
             padding_free = bool(self.model_config.get("use_remove_padding", False))
-            return refusal(self._trained_engine(), getattr(self, "loss_fn", None), padding_free)
+            return refusal(self._trained_engine(), getattr(self, "loss_fn", None), padding_free, self.per_token_losses)
 
         @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name=mesh), blocking=False)
         def slots_forward_backward(self, data):
             """One packed forward and backward of several slots' rows (runtime/packed.py): slot index -> its loss.
-            The batch's `slots_forward_only`: their evaluation (verl's infer_batch: eval mode, no gradient)."""
+            The batch's `slots_forward_only`: their evaluation (verl's infer_batch: eval mode, no gradient);
+            `slots_log_probs`: every row's log-probs back too, in the batch's row order (the Tinker server's)."""
+            import torch
+
             forward_only = bool(tu.pop(data, key="slots_forward_only", default=False))
-            losses = self._swapping().packed_forward_backward(self, self.loss_fn, data, forward_only)
+            log_probs = bool(tu.pop(data, key="slots_log_probs", default=False))
+            done = self._swapping().packed_forward_backward(self, self.loss_fn, data, forward_only, log_probs)
             reshard(self._trained_engine().module)
-            return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"slot_losses": losses})
+            losses = {index: loss for index, (loss, _) in done.items()}
+            rows = {"log_probs": torch.nested.as_nested_tensor([row for _, each in done.values() for row in each.unbind()],
+                                                               layout=torch.jagged)} if log_probs else {}
+            return tu.get_tensordict(tensor_dict=rows, non_tensor_dict={"slot_losses": losses})
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def slots_optimizer_step(self, steps: list) -> list[dict]:

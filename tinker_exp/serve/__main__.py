@@ -47,7 +47,8 @@ class ServeConfig:
     keep its forward_backward chunks under half of it (its fwdbwd_max_chunk_bytes_count, 5 MB at most, its own)."""
     slots: int = 4
     """How many clients' LoRA models of one rank train at once, each on a slot of one worker group (the base model
-    loaded once; each model's calls give exactly what they give alone, docs/slots.md); 1: one client at a time. A
+    loaded once; each model's calls give what they give alone: bitwise, or within 1e-5 when packed with other
+    models' calls waiting at once, docs/serve.md); 1: one client at a time. A
     fully fine-tuned model (LoRA rank 0) always trains alone."""
     api_key: str = field(default="", repr=False)
     """The key every request must carry (the SDK's TINKER_API_KEY, sent as X-API-Key); empty: $TINKER_EXP_API_KEY,
@@ -208,8 +209,7 @@ def main(args: list[str]) -> None:
     from tinker_exp.runtime.warm import MAX_GROUPS, Kept, KeptGroups, cluster_capacity, group_key, resident_mb
     from tinker_exp.runtime.worker_output import WorkerOutput
     from tinker_exp.serve.app import Server, build_app
-    from tinker_exp.runtime.serve_workers import ServedSlot, ServeWorkers, model_positions, vocabulary_size
-    from tinker_exp.runtime.slots import SlotGroup
+    from tinker_exp.runtime.serve_workers import ServedSlot, ServedSlots, ServeWorkers, model_positions, vocabulary_size
     from tinker_exp.train.loop import check_applied
     from tinker_exp.train.sinks import JsonlSink, Sinks
 
@@ -224,7 +224,8 @@ def main(args: list[str]) -> None:
     # The groups of clients' models whose sessions ended, kept warm by key for the next clients' (docs/pool.md).
     kept = KeptGroups(MAX_GROUPS, None, say=say)
     on_slots: dict[str, Kept] = {}
-    """The LoRA groups holding models now, by key: each a SlotGroup (runtime/slots.py), kept warm once it holds none."""
+    """The LoRA groups holding models now, by key: each a ServedSlots (runtime/serve_workers.py), kept warm once it
+    holds none."""
 
     def new_group(key: dict, model_cfg) -> Kept:
         """A new group for `key`, the least recently used kept ones freed first if it would not fit."""
@@ -237,7 +238,7 @@ def main(args: list[str]) -> None:
         pids = [info["pid"] for info in workers.group.device_info()]
         return Kept(key, workers, time.time(), pids, resident_mb(pids), workers_each)
 
-    def build_workers(rank: int, model_id: str) -> Lent:
+    def build_workers(rank: int, model_id: str) -> Any:
         """A client's model: a LoRA model takes a slot of its key's group (held, kept or built); a fully fine-tuned
         one the kept group of its key in a fresh state, exactly a new build's, else a new group."""
         model_cfg = replace(cfg, lora=replace(cfg.lora, rank=rank))
@@ -254,7 +255,7 @@ def main(args: list[str]) -> None:
         group.workers.keep_initial_state()
         return Lent(group.workers, lambda: kept.add(group))
 
-    def on_slot(key: dict, model_cfg, model_id: str) -> Lent:
+    def on_slot(key: dict, model_cfg, model_id: str) -> ServedSlot:
         """A slot of the key's group, filled as a new group's model starts (runtime/slots.py: the trainer's seed)."""
         name = KeptGroups.name(key)
         group = on_slots.get(name)
@@ -266,19 +267,19 @@ def main(args: list[str]) -> None:
                 kept.take(found)
             else:
                 group, how = new_group(key, model_cfg), "built for it"
-                group.workers = SlotGroup(group.workers, serve.slots)
+                group.workers = ServedSlots(group.workers, serve.slots)
             on_slots[name] = group
         slot = group.workers.fill(cfg.optimizer, cfg.trainer, plan.optimizer_values, kind=ServedSlot)
         say(f"model {model_id} holds slot {slot.index + 1} of {serve.slots} on the group of LoRA rank {model_cfg.lora.rank} "
             f"({how})")
 
-        def free() -> None:
-            slot.shutdown()
+        def given_back() -> None:
             say(f"model {model_id}'s slot {slot.index + 1} is free")
             if not group.workers.slots:  # the group's last model: kept warm for the next clients'
                 kept.add(on_slots.pop(name))
 
-        return Lent(slot, free)
+        slot.given_back = given_back
+        return slot
 
     def optim_params(adam: dict) -> dict:
         return plan_for(adam, plan.optimizer_values, 1, plan.optimizer, float(cfg.optimizer.clip_grad or 0.0))[0]
@@ -334,9 +335,9 @@ def main(args: list[str]) -> None:
 
 
 class Lent:
-    """A client's model's workers (a kept group's, or a LoRA model's slot), as the server calls them; freeing them
-    (its session ended) calls `give_back` instead: the group kept for a later client's model of the same key
-    (runtime/warm.py KeptGroups), or the slot freed."""
+    """A fully fine-tuned model's workers (a kept group's), as the server calls them; freeing them (its session
+    ended) calls `give_back` instead: the group kept for a later client's model of the same key (runtime/warm.py
+    KeptGroups). (A LoRA model's slot says itself when it is freed: ServedSlot.given_back.)"""
 
     def __init__(self, workers: Any, give_back: Callable[[], None]) -> None:
         self._workers, self._give_back = workers, give_back

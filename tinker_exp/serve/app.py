@@ -7,7 +7,10 @@ non-finite or out-of-range AdamParams, a token id outside the vocabulary, a mode
 model that does not fit beside the held ones) is refused before it is queued: HTTP 400 with one line naming the
 field, the workers untouched. Each request is one line on the server's terminal (its method, model, seq_id, time and
 outcome), never a traceback. Several clients' LoRA models of one rank train at once, each on a slot of one worker
-group (runtime/slots.py: a model's calls give exactly what they give alone); a fully fine-tuned model trains alone. A
+group (runtime/slots.py: a model's calls give what they give alone); the work thread takes the calls of several
+models that wait at once as one cycle (`Cycled`: their cross_entropy forward_backward calls trained in one packed
+forward and backward, each model's results within 1e-5 of alone; their optim_steps in one round trip, bitwise); a
+fully fine-tuned model trains alone. A
 model is its client's session's: when the session ends (``ServiceClient.close``, or no heartbeat for
 SESSION_TIMEOUT_S) its slot or workers are freed for the next client. Each model's rows go to its own metrics.jsonl
 (<run dir>/models/<model>/).
@@ -18,17 +21,18 @@ import hashlib
 import hmac
 import json
 import math
-import queue
 import re
 import shutil
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from tinker_exp.errors import ConfigError
+from tinker_exp.runtime.serve_workers import FORWARD, FORWARD_BACKWARD, OPTIM_STEP
 from tinker_exp.serve.wire import (
     BadRequest,
     forward_backward_data,
@@ -95,6 +99,8 @@ class Future:
     """When it was done (time.monotonic): it is pruned RESULTS_KEPT_S later."""
     kept: bool = False
     """Whether its failure's traceback went to the run dir's serve_errors.log."""
+    note: str = ""
+    """How it ran, when its line should say (a call trained in one cycle with other models')."""
 
 
 @dataclass
@@ -121,6 +127,36 @@ class Model:
     """The request_id of the create_model (or load_weights) that made it: the same call again gets it."""
     rows: Any = None
     """Its own metrics.jsonl (open_rows), opened at its first row: no other model's rows are ever touched."""
+
+
+@dataclass
+class Cycled:
+    """A model's call that trains in one cycle with other models' calls of its kind waiting at once (the work
+    thread's `_cycle`), where its workers allow (`workers.cycle`): forward_backward, forward or optim_step."""
+
+    call: str
+    """FORWARD_BACKWARD, FORWARD or OPTIM_STEP."""
+    loss: str
+    """Tinker's loss of a forward_backward or forward ('' for an optim_step)."""
+    args: Any
+    """What the workers take: the datums, or the optim_step's params."""
+    alone: Callable[[], Any]
+    """The call on its own (time-shared): its request's result."""
+    done: Callable[[Any], Any]
+    """Its request's result from its part of a cycle's (what the workers' call alone returns)."""
+
+    def __call__(self) -> Any:
+        return self.alone()
+
+
+@dataclass(eq=False)  # each job is itself: a cycle takes exactly the ones it found off the queue
+class Job:
+    """Work queued for the work thread."""
+
+    future: Future
+    work: Callable[[], Any]
+    model: Model | None = None
+    """The model whose request it is: a cycle takes a model's call only when none of its earlier work waits."""
 
 
 def on_disk(model_id: str) -> str:
@@ -176,23 +212,101 @@ class Server:
         """model_id -> a model a live session holds: LoRA models of one rank, `slots` of them at most, or one fully
         fine-tuned model alone."""
         self.futures: dict[str, Future] = {}
-        self.jobs: queue.Queue = queue.Queue()
+        self.jobs: deque[Job] = deque()
+        self.jobs_changed = threading.Condition()
+        self.said: set[str] = set()  # why a call runs alone, each reason said once
         self.lock = threading.RLock()
         threading.Thread(target=self._run_jobs, name="serve-jobs", daemon=True).start()
 
+    def _queue(self, job: Job) -> None:
+        with self.jobs_changed:
+            self.jobs.append(job)
+            self.jobs_changed.notify()
+
     def _run_jobs(self) -> None:
         while True:
-            future, work = self.jobs.get()
+            with self.jobs_changed:
+                while not self.jobs:
+                    self.jobs_changed.wait()
+                job = self.jobs.popleft()
+                try:
+                    cycle = self._cycle(job)
+                except Exception:  # noqa: BLE001 (the work thread must go on: the call runs alone, the cause kept)
+                    self.keep_traceback(f"{job.future.label} (choosing its cycle)")
+                    cycle = []
+            if cycle:
+                self._run_cycle(job, cycle)
+                continue
             try:
-                future.result = work()
-            except BadRequest as e:
-                future.error = str(e)
-            except Exception as e:  # a worker's failure: the client is told, the server goes on
-                lines = [line for line in f"{type(e).__name__}: {e}".splitlines() if line.strip()]
-                future.error = lines[-1]  # a worker's error: its last line is the exception itself
-                self.keep_traceback(future.label)
-                future.kept = True
-            self._done(future)
+                job.future.result = job.work()
+            except BaseException:  # noqa: BLE001 (said on the future: the server goes on)
+                self._failed(job.future)
+            self._done(job.future)
+
+    def _cycle(self, job: Job) -> list[Job]:
+        """Under jobs_changed: the other models' calls that train with `job`'s in one cycle, taken off the queue:
+        each model's first waiting work, when it is a call of the same kind on the same group (as SlotGroup's
+        cycle: whatever waits now, no timer). [] when `job` runs alone."""
+        if not isinstance(job.work, Cycled) or job.model is None or job.model.workers is None:
+            return []
+        group, why = job.model.workers.cycle(job.work.call, job.work.loss)
+        if why is not None and why not in self.said:
+            self.said.add(why)
+            self.say(f"tinker_exp.serve: {why}")
+        if group is None:
+            return []
+        taken, passed = [], {job.model.model_id}  # a model whose earlier work waits (or already in the cycle)
+        for other in self.jobs:
+            if other.model is None or other.model.model_id in passed:
+                continue
+            passed.add(other.model.model_id)
+            work = other.work
+            if (isinstance(work, Cycled) and (work.call, work.loss) == (job.work.call, job.work.loss)
+                    and other.model.workers is not None and other.model.workers.cycle(work.call, work.loss)[0] is group):
+                taken.append(other)
+        for other in taken:
+            self.jobs.remove(other)
+        return taken
+
+    def _run_cycle(self, job: Job, others: list[Job]) -> None:
+        """`job`'s call and `others`' in one cycle on their group: each request its own result."""
+        jobs = [job, *others]
+        group = job.model.workers.cycle(job.work.call, job.work.loss)[0]
+        calls = [(each.model.workers, each.work.args) for each in jobs]
+        try:
+            if job.work.call == OPTIM_STEP:
+                results = group.optimizer_steps(calls)
+            else:
+                results = group.forward_backward_together(calls, forward_only=job.work.call == FORWARD)
+        except BaseException:  # noqa: BLE001 (each request of the cycle fails with it)
+            for each in jobs:
+                self._failed(each.future)
+                self._done(each.future)
+            return
+        others = len(jobs) - 1
+        for each, result in zip(jobs, results, strict=True):
+            each.future.note = f"in one cycle with {others} other model{'s' if others > 1 else ''}'{'' if others > 1 else 's'} {job.work.call}"
+            try:
+                each.future.result = each.work.done(result)
+            except BaseException:  # noqa: BLE001
+                self._failed(each.future)
+            self._done(each.future)
+
+    def _failed(self, future: Future) -> None:
+        """Inside an except: its request failed (a BadRequest: that line; else a worker's failure: its last line, the
+        traceback kept in the run dir)."""
+        import sys
+
+        error = sys.exc_info()[1]
+        if isinstance(error, BadRequest):
+            future.error = str(error)
+            return
+        if not isinstance(error, Exception):
+            raise error
+        lines = [line for line in f"{type(error).__name__}: {error}".splitlines() if line.strip()]
+        future.error = lines[-1]  # a worker's error: its last line is the exception itself
+        self.keep_traceback(future.label)
+        future.kept = True
 
     def keep_traceback(self, label: str) -> None:
         """The traceback of a failure of the server's own, into the run dir's serve_errors.log (never the terminal)."""
@@ -209,7 +323,8 @@ class Server:
         future.done.set()
         if future.label:
             ms = (time.monotonic() - future.start) * 1e3
-            failed = f"failed ({ms:.0f} ms): {future.error}" if future.error is not None else f"ok ({ms:.0f} ms)"
+            note = f", {future.note}" if future.note else ""
+            failed = f"failed ({ms:.0f} ms{note}): {future.error}" if future.error is not None else f"ok ({ms:.0f} ms{note})"
             self.say(f"tinker_exp.serve: {future.label}: {failed}"
                      + (f" (traceback in {self.run_dir / ERRORS_LOG})" if future.kept else ""))
 
@@ -241,10 +356,11 @@ class Server:
     def keep_reply(self, route: str, key: str, body: bytes, answer: tuple) -> None:
         self.replies[(route, key, hashlib.sha256(body).hexdigest())] = (*answer, time.monotonic())
 
-    def submit(self, work: Callable[[], Any], protobuf: bool = False, label: str = "") -> str:
-        """Queue `work` now (a request outside any model's sequence); `label`: its line on the terminal."""
+    def submit(self, work: Callable[[], Any], protobuf: bool = False, label: str = "", model: Model | None = None) -> str:
+        """Queue `work` now (a request outside any model's sequence; `model`: the model it builds or frees, whose
+        later calls no cycle takes before it); `label`: its line on the terminal."""
         request_id, future = self._future(protobuf, label)
-        self.jobs.put((future, work))
+        self._queue(Job(future, work, model))
         return request_id
 
     def in_turn(self, model: Model, seq_id: Any, check: Callable[[], Callable[[], Any]], protobuf: bool = False,
@@ -256,7 +372,7 @@ class Server:
         seq_id gets what the first got (its future, or its refusal), never a second run; another body, a 400."""
         label = f"{method} model {model.model_id} seq {seq_id}" if method else ""
         if seq_id is None:
-            return self.submit(check(), protobuf, label)
+            return self.submit(check(), protobuf, label, model)
         if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
             raise BadRequest(f"seq_id: {seq_id!r} is not a sequence number (an integer >= 1)")
         digest = hashlib.sha256(method.encode() + b"\0" + (
@@ -295,7 +411,7 @@ class Server:
             due = model.waiting.pop(model.next_seq)
             model.next_seq += 1
             if due is not None:
-                self.jobs.put(due)
+                self._queue(Job(*due, model))
         if model.waiting.get(seq_id) is not None:
             timer = threading.Timer(self.seq_gap_timeout_s, self._gap_timed_out, (model, seq_id))
             timer.daemon = True
@@ -361,7 +477,7 @@ class Server:
                 model.waiting.clear()
 
         for model in released:
-            self.submit(lambda model=model: self._free(model) or {})
+            self.submit(lambda model=model: self._free(model) or {}, model=model)
 
     @staticmethod
     def _free(model: Model) -> None:
@@ -403,7 +519,7 @@ class Server:
             self._build(model)
             return {"model_id": model.model_id, "type": "create_model"}
 
-        model.created = self.submit(build, label=f"create_model model {model.model_id} rank {rank}")
+        model.created = self.submit(build, label=f"create_model model {model.model_id} rank {rank}", model=model)
         return model.created
 
     def _claim(self, route: str, body: dict, base_model: str, rank: int) -> Model | str:
@@ -473,15 +589,19 @@ class Server:
                 raise BadRequest(f"data[{longest}]: {len(data[longest].tokens) - 1} tokens and the last target exceed "
                                  f"the model's {self.positions} positions (max_position_embeddings)")
 
-            def run() -> bytes:
+            def alone() -> bytes:
                 model.workers.use_loss(request.loss_fn, params)
                 if request.forward_only:  # the SDK's forward(): no gradient, not part of the step's loss
-                    return forward_backward_output(*model.workers.forward(data))
-                loss, logprobs = model.workers.forward_backward(data)
-                model.loss_since_step += loss
-                return forward_backward_output(loss, logprobs)
+                    return done(model.workers.forward(data))
+                return done(model.workers.forward_backward(data))
 
-            return run
+            def done(result: tuple[float, list[list[float]]]) -> bytes:
+                if not request.forward_only:
+                    model.loss_since_step += result[0]
+                return forward_backward_output(*result)
+
+            # an RL loss never packs: its workers say so (`cycle`)
+            return Cycled(FORWARD if request.forward_only else FORWARD_BACKWARD, request.loss_fn, data, alone, done)
 
         # seq_id 0: none (the proto's default; the SDK numbers from 1)
         method = "forward" if request.forward_only else "forward_backward"
@@ -509,8 +629,8 @@ class Server:
             except ConfigError as e:
                 raise BadRequest(str(e).replace("override.", "adam_params.", 1)) from None
 
-            def run() -> dict:
-                grad_norm, applied = model.workers.optimizer_step(params)
+            def done(result: tuple[float, list]) -> dict:
+                grad_norm, applied = result
                 first = self.check_applied(model.step, params, applied)
                 from tinker_exp.optim import flat_values
 
@@ -520,7 +640,7 @@ class Server:
                 model.loss_since_step = 0.0
                 return {"metrics": {"grad_norm": grad_norm}, "type": "optim_step"}
 
-            return run
+            return Cycled(OPTIM_STEP, "", params, lambda: done(model.workers.optimizer_step(params)), done)
 
         return self.in_turn(model, body.get("seq_id"), check, method="optim_step", body=body), model.model_id
 
@@ -627,7 +747,7 @@ class Server:
         model = self._claim("load_weights", body, base_model, meta["lora_rank"])
         if isinstance(model, str):
             return model, f"{body.get('session_id')}:train:{body.get('model_seq_id', 0)}"
-        model.created = self.submit(load(model, folder, meta), label=f"load_state model {model.model_id} (new)")
+        model.created = self.submit(load(model, folder, meta), label=f"load_state model {model.model_id} (new)", model=model)
         return model.created, model.model_id
 
     def _sampler(self):
