@@ -1,6 +1,7 @@
 """Study workers (hydra.launcher.workers=W): W Slurm jobs that each keep warm workers and run an Optuna study's trials
 one after another, asked from the study's storage. The bookkeeping on a real journal file (pure, fast); the whole
-thing on the suite's Slurm cluster: a worker killed with kill -9 mid-trial (journal), Ctrl-C (PostgreSQL)."""
+thing on the suite's Slurm cluster: a worker killed with kill -9 mid-trial (journal), a worker requeued (journal),
+Ctrl-C (PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from helpers import REPO, environment, job_json, read_jsonl, run_cli, squeue, wait_until
+from helpers import REPO, environment, job_json, job_processes, read_jsonl, run_cli, squeue, wait_until
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.study import finished, open_storage, recover
 from tinker_exp.sweep.workers import RETRY_OF, SEEN_ATTR, WORKER_ATTR, lose, lost, resumed, retries_before, settled, take
@@ -261,14 +262,54 @@ def test_a_study_on_two_worker_jobs_completes_when_one_is_killed_mid_trial(slurm
     assert not squeue(slurm_env).strip()  # both workers gone: the killed one, and the other at the study's end
 
 
+def test_a_requeued_study_worker_takes_back_its_trial_and_resumes_it_at_its_checkpoint(slurm_env, tmp_path):
+    """One worker job, one trial of 30 steps with a checkpoint every 2. The worker gets the time-limit signal (USR2,
+    what Slurm sends `signal_delay_s` before the limit) once the trial has saved its step-2 checkpoint: submitit
+    requeues the job, and its second start takes back the trial (still its own in the storage, under the same job
+    id) and runs it on in the same run dir from its newest checkpoint. The trial is told once and not taken for lost;
+    each of its rows is logged once; its job.json says restart 1."""
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
+        "hydra.launcher.workers=1", "hydra.sweeper.sampler=grid", "override.lr=choice(1e-3)", *TRIAL, "trainer.steps=30",
+        "checkpoint.every_steps=2",
+    ]  # fmt: skip
+    slurm, log, run_0 = environment(slurm_env), tmp_path / "study.log", tmp_path / "0"
+    with open(log, "w") as out:
+        driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            saved = lambda: (run_0 / "checkpoints" / "step_00000002" / "MANIFEST.json").exists()  # noqa: E731
+            wait_until(saved, 600, "the trial saved no checkpoint", driver)
+            job = job_json(run_0)["slurm"]
+            task = f"{job['array_job_id']}_{job['array_task_id']}"
+            requeued_at = time.time()
+            subprocess.run(["scancel", "--signal=USR2", job["job_id"]], env=slurm, check=True)  # submitit requeues it
+            wait_until(lambda: f"{task} PENDING" in squeue(slurm_env).splitlines(), 240, "the worker was not requeued", driver)
+            # As test_study's requeued trial: released sooner than Slurm's hold, once its first start has left the node.
+            wait_until(lambda: not job_processes([job["job_id"]]), 240, "the worker's first start did not end")
+            subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now+5"], env=slurm, check=True)
+            driver.wait(timeout=900)
+        finally:
+            driver.kill()
+    output = log.read_text()
+    assert driver.returncode == 0, output[-3000:]
+    (trial,) = optuna.load_study(study_name="tinker_exp", storage=open_storage(f"journal://{tmp_path / 'optuna.journal'}")).trials
+    assert trial.state == TrialState.COMPLETE and RETRY_OF not in trial.user_attrs and "lost" not in output, output[-3000:]
+    assert output.count("] trial 0: ") == 1, output[-3000:]  # told once
+    rows = read_jsonl(run_0 / "metrics.jsonl")
+    assert [row["train/step"] for row in rows] == list(range(30))  # each row once
+    resumed_at = next(row["train/step"] for row in rows if row["time"] > requeued_at)
+    assert resumed_at >= 2 and resumed_at % 2 == 0  # at a checkpoint's step (every 2), not step 0
+    assert job_json(run_0)["slurm"]["restart_count"] == "1" and trial.value == read_json(run_0 / "objective.json")["value"]
+    worker_log = "".join(p.read_text() for p in (tmp_path / ".submitit").rglob("*_log.*"))
+    assert f"study worker {task}: requeued; trial 0 resumes in its run dir" in worker_log, worker_log[-3000:]
+
+
 def test_ctrl_c_cancels_every_worker_at_once_on_a_study_kept_in_postgresql(slurm_env, postgres_url, tmp_path):
     """A study of LoRA trials on 2 workers of 2 slots each (hydra.launcher.slots=2) with its storage on the suite's
     PostgreSQL server: its 4 trials train at once, two in each worker job, each on a slot of its worker's one group.
     Interrupted once every trial has logged a step and trial 0 a few: Ctrl-C cancels both worker jobs with one scancel (one line naming both), leaves none in the queue,
     records the running trials failed (none left RUNNING or WAITING in the storage, none taken for lost), exits 130 with
-    the command that continues it; the server's password is in nothing printed or written. (A requeued worker taking
-    back its trial is tested on a real journal file above; its end-to-end run on Slurm is in docs/sweeps-and-slurm.md's
-    figures, not in CI: the requeue's waits cost about a minute of the suite's serial Slurm group.)"""
+    the command that continues it; the server's password is in nothing printed or written."""
     name = f"workers-{tmp_path.name}-{os.getpid()}"  # one server, many studies
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
