@@ -1,0 +1,78 @@
+"""PBT populations on population workers (hydra/sweeper=pbt hydra.launcher.workers=W): the P members in W Slurm jobs
+that each start their workers once and claim members from a ledger in the sweep dir (tinker_exp/sweep/workers.py
+`items_study`). The ledger's bookkeeping on a real journal file and the refused settings (pure, fast); a population
+of LoRA members on 2 workers of 2 slots on the suite's Slurm cluster."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from optuna.trial import TrialState
+
+from helpers import run_main
+
+# --- pure: the ledger of members ----------------------------------------------------------------------------------
+
+
+def test_each_member_is_claimed_once_a_lost_one_again_and_a_new_launch_starts_a_new_ledger(tmp_path):
+    """Two workers claim a population of 3: each member once, in order, the fourth claim told to look again (False)
+    while all run. Member 1's worker is lost: failed with why, named as a member, and claimed again (the same member)
+    before the sweep is done; what each member came to, as its job's return. A second launch of the sweep gets a
+    new ledger; the members the first left running are failed there and their worker named, to be cancelled."""
+    from hydra_plugins.tinker_exp_plugins.launchers import job_objective
+    from hydra_plugins.tinker_exp_plugins.pbt_sweeper import LEDGER, member_return
+    from tinker_exp.sweep.workers import ITEM, ask_item, items_study, lose, lost, settled, take, workers_of_earlier_launches
+
+    ledger = items_study(tmp_path, 3, LEDGER)
+    ask = lambda: ask_item(ledger, 3)  # noqa: E731
+    claims = [take(ledger, 3, ask, worker, tmp_path) for worker in ("5_0", "5_1", "5_0")]
+    assert [c.params[ITEM] for c in claims] == [0, 1, 2] and ledger.study_name == "population-0"
+    assert take(ledger, 3, ask, "5_1", tmp_path) is False and len(ledger.trials) == 3
+
+    ((trial, why),) = lost(ledger.get_trials(states=(TrialState.RUNNING,)), {"5_1": "NODE_FAIL"}, 0.0, stale_s=1e12)
+    line = lose(ledger, trial, why, tmp_path, label=lambda t: f"member {t.params[ITEM]}")
+    assert line == "member 1 failed: its worker job 5_1 ended (NODE_FAIL) while it ran; retried as trial 3"
+    again = take(ledger, 3, ask, "5_0", tmp_path)
+    assert again.params[ITEM] == 1 and again.number == 3
+    ledger.tell(claims[0], 5.5)
+    ledger.tell(again, 5.25)
+    assert [t.params[ITEM] for t in settled(ledger)] == [0, 1]  # the lost run does not count, its retry does
+    assert [job_objective(member_return(ledger, m, [f"m={m}"])) for m in range(3)] == [
+        (5.5, None), (5.25, None), (None, "not run: every population worker ended first")
+    ]  # fmt: skip
+
+    second = items_study(tmp_path, 3, LEDGER)
+    assert second.study_name == "population-1" and [t.state for t in second.trials] == [TrialState.WAITING] * 3
+    assert workers_of_earlier_launches(tmp_path, LEDGER) == ["5_0"]  # member 2 still running under it
+    assert ledger.trials[2].state == TrialState.FAIL and "cut off" in job_objective(member_return(ledger, 2, []))[1]
+    assert workers_of_earlier_launches(tmp_path, LEDGER) == []  # failed once, not again
+
+
+# --- bad settings: one line, exit 2, before anything is written or submitted ---------------------------------------
+
+POPULATION = [
+    "-m", "hydra/sweeper=pbt", "hydra/launcher=slurm_local", "+override=lr_cosine", "logger=none",
+    "override.lr.value=tag(log,interval(1e-4,3e-3))", "trainer.steps=8", "trainer.eval_every=2", "hydra.sweeper.interval=2",
+]  # fmt: skip
+REFUSED = [
+    (["hydra.launcher.workers=2"], "hydra.launcher.workers=2: a worker without slots trains one member at a time, and the "
+     "population's 4 train side by side; set hydra.launcher.workers >= 4, or hydra.launcher.slots >= 2 for LoRA members"),
+    (["hydra.launcher.workers=1", "hydra.launcher.slots=3", "lora=r8"], "hydra.launcher.workers=1 with hydra.launcher.slots=3: "
+     "3 members train at once, and the population's 4 train side by side; set workers * slots >= 4"),
+    (["hydra.launcher.workers=2", "hydra.launcher.slots=2"], "4 of 4 sweep points are wrong; no job was started"),  # not LoRA
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args, line", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_workers_that_cannot_train_the_members_side_by_side_are_refused(monkeypatch, capsys, tmp_path, args, line):
+    """A population's members rank against each other at every boundary: workers that cannot hold them all at once
+    (or slots that cannot hold a full fine-tuning member) are one line, exit 2, nothing written, nothing submitted."""
+    code, out, err = run_main(monkeypatch, capsys, *POPULATION, f"hydra.sweep.dir={tmp_path / 'sweep'}", *args)
+    assert code == 2 and err.startswith(f"tinker_exp: config error: {line}"), err
+    assert "Traceback" not in out + err and not (tmp_path / "sweep").exists()
+    if "slots=2" in " ".join(args):  # every member named with why
+        assert "hydra.launcher.slots=2: " in err and "slots hold LoRA SFT trials" in err, err
+    else:
+        assert len(err.strip().splitlines()) == 1, err
+    assert "TINKER_EXP_POPULATION" not in os.environ
