@@ -6,6 +6,7 @@ of LoRA members on 2 workers of 2 slots on the suite's Slurm cluster."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from optuna.trial import TrialState
@@ -76,3 +77,84 @@ def test_workers_that_cannot_train_the_members_side_by_side_are_refused(monkeypa
     else:
         assert len(err.strip().splitlines()) == 1, err
     assert "TINKER_EXP_POPULATION" not in os.environ
+
+
+# --- real: the suite's Slurm cluster --------------------------------------------------------------------------------
+
+STEPS, FORCED = 12, {"member": 3, "step": 2, "donor": 0}
+"""Member 3 takes member 0's checkpoint at the first boundary (test-only: the tiny model's scores may tie), wherever
+each of them trains: a worker's other slot (in place) or the other worker (from disk)."""
+
+
+def test_a_population_on_two_workers_of_two_slots_survives_a_killed_worker(slurm_env, tmp_path):
+    """4 LoRA members on 2 worker jobs of 2 slots (one sbatch, one group built a worker), boundaries every 2 steps of
+    12. Once member 3 has exploited member 0 at step 2, its worker's process is killed with kill -9: the sweep sees
+    its job end, fails its two members (why, named as members) and enqueues them again; the other worker, as its
+    own members end, runs them on in their run dirs from their newest checkpoints. Every member completes once (the
+    lost ones: once after their lost run); each member's rows and board posts are each step once; the forced exploit
+    stands in member 3's population.jsonl; the summary, population_results.yaml and the replay line agree; the
+    queue is empty at the end."""
+    import signal
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from helpers import REPO, environment, job_json, read_jsonl, squeue, wait_until
+    from test_study_workers import worker_python
+    from tinker_exp.sweep.study import open_storage
+    from tinker_exp.sweep.workers import ITEM, ITEMS_JOURNAL
+
+    import optuna
+
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=pbt", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
+        "+override=lr_cosine", "override.lr.value=tag(log,interval(1e-4,3e-3))", f"trainer.steps={STEPS}", "trainer.eval_every=2",
+        "trainer.batch_size=4", "hydra.sweeper.population=4", "hydra.sweeper.interval=2", "backend.num_workers=1", "logger=none",
+        "lora=r8", "hydra.launcher.workers=2", "hydra.launcher.slots=2",
+        "hydra.sweeper.force_exploit={" + ",".join(f"{k}:{v}" for k, v in FORCED.items()) + "}",
+    ]  # fmt: skip
+    log, run_3 = tmp_path / "population.log", tmp_path / "3"
+    rows = lambda run_dir, name: read_jsonl(run_dir / name) if (run_dir / name).exists() else []  # noqa: E731
+    with open(log, "w") as out:
+        driver = subprocess.Popen(command, cwd=REPO, env=environment({**slurm_env, "TINKER_EXP_POPULATION": None}), stdout=out,
+                                  stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            wait_until(lambda: rows(run_3, "population.jsonl"), 600, "member 3 reached no boundary", driver)
+            killed = job_json(run_3)["slurm"]
+            os.kill(worker_python(killed["job_id"]), signal.SIGKILL)
+            driver.wait(timeout=600)
+        finally:
+            driver.kill()
+    output = log.read_text()
+    assert driver.returncode == 0, output[-3000:]
+    worker = f"{killed['array_job_id']}_{killed['array_task_id']}"
+    jobs = {m: job_json(tmp_path / str(m))["slurm"] for m in range(4)}
+    lost = sorted(m for m in range(4) if any(f"member {m} failed: its worker job {worker} ended" in line for line in output.splitlines()))
+    assert 3 in lost and len(lost) == 2, output[-3000:]  # the killed worker's two members
+    assert all(f"{jobs[m]['array_job_id']}_{jobs[m]['array_task_id']}" != worker for m in range(4))  # all ended elsewhere
+
+    ledger = optuna.load_study(study_name="population-0", storage=open_storage(f"journal://{tmp_path / ITEMS_JOURNAL}"))
+    runs = {m: [t.state for t in ledger.trials if t.params[ITEM] == m] for m in range(4)}
+    assert runs == {m: ([optuna.trial.TrialState.FAIL] if m in lost else []) + [optuna.trial.TrialState.COMPLETE] for m in range(4)}
+
+    summary = read_jsonl(tmp_path / "summary.jsonl")
+    assert sorted((row["member"], row["status"]) for row in summary) == [(m, "COMPLETED") for m in range(4)]
+    for row in summary:
+        run_dir = tmp_path / str(row["member"])
+        assert [r["train/step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(STEPS))  # each row once
+        boundaries = rows(run_dir, "population.jsonl")
+        assert [b["step"] for b in boundaries] == list(range(2, STEPS, 2))
+        assert row["exploits"] == [{"donor": b["exploit"]["member"], "step": b["step"]} for b in boundaries if b["exploit"]]
+        posts = sorted(int(p.stem) for p in (tmp_path / "population" / str(row["member"])).iterdir())
+        assert posts == list(range(2, STEPS, 2))
+    assert rows(run_3, "population.jsonl")[0]["exploit"]["member"] == FORCED["donor"]
+    for member in lost:  # run on from the newest checkpoint its lost run saved (a boundary's: 2 or later)
+        resumed = re.search(r"resuming from \S+/checkpoints/step_(\d+) at step (\d+)", (tmp_path / str(member) / "tinker_exp.log").read_text())
+        assert resumed and int(resumed.group(1)) == int(resumed.group(2)) >= 2, member
+    saved = OmegaConf.to_container(OmegaConf.load(tmp_path / "population_results.yaml"))
+    assert saved["n_completed"] == 4 and saved["best_member"] == min(summary, key=lambda r: r["objective"])["member"]
+    assert f"replay the best member from step 0: {saved['replay_command']}" in output
+    # one group built a worker: each member's slot line names this process's group
+    assert sum("built for this trial" in (tmp_path / str(m) / "tinker_exp.log").read_text() for m in range(4)) >= 2
+    assert not squeue(slurm_env).strip()
