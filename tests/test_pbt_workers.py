@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 from optuna.trial import TrialState
@@ -48,6 +49,31 @@ def test_each_member_is_claimed_once_a_lost_one_again_and_a_new_launch_starts_a_
     assert workers_of_earlier_launches(tmp_path, LEDGER) == ["5_0"]  # member 2 still running under it
     assert ledger.trials[2].state == TrialState.FAIL and "cut off" in job_objective(member_return(ledger, 2, []))[1]
     assert workers_of_earlier_launches(tmp_path, LEDGER) == []  # failed once, not again
+
+
+def test_a_lost_member_waits_for_its_lost_runs_lock_to_be_free_to_take_over(tmp_path):
+    """The lock a killed member's run left in its run dir: of a pid gone on this host, free at once; of another host,
+    held while its heartbeat is fresh (the wait bounded), free once it is stale; no lock, free."""
+    import json
+    import socket
+
+    from tinker_exp.sweep.workers import lost_lock_freed
+    from tinker_exp.train.rundir_lock import LOCK_FILE, STALE_AFTER_S
+
+    lock = tmp_path / LOCK_FILE
+    assert lost_lock_freed(tmp_path, wait_s=0)
+
+    def left_by(host: str, pid: int, age_s: float) -> None:
+        lock.write_text(json.dumps({"host": host, "pid": pid, "started": None, "since": "then", "token": "t"}))
+        os.utime(lock, (lock.stat().st_atime, lock.stat().st_mtime - age_s))
+
+    gone = max(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()) + 100000  # no such process
+    left_by(socket.gethostname(), gone, 0)
+    assert lost_lock_freed(tmp_path, wait_s=0)
+    left_by("another-node", os.getpid(), 1)
+    assert not lost_lock_freed(tmp_path, wait_s=0.2, poll_s=0.1)
+    left_by("another-node", os.getpid(), STALE_AFTER_S + 1)
+    assert lost_lock_freed(tmp_path, wait_s=0)
 
 
 # --- bad settings: one line, exit 2, before anything is written or submitted ---------------------------------------

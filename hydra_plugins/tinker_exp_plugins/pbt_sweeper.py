@@ -411,9 +411,13 @@ class PopulationWorker(StudyWorker):
         return ask_item(study, self.n_trials)
 
     def point(self, study: Any, trial: Any) -> tuple[list[str], int, str]:
-        from tinker_exp.sweep.workers import ITEM
+        """(the member's point, its number as the job number, its name); a lost member run again waits for the run
+        dir lock its lost run left (another host: until it is stale), so that it resumes rather than being refused."""
+        from tinker_exp.sweep.workers import ITEM, RETRY_OF, lost_lock_freed
 
         member = trial.params[ITEM]
+        if RETRY_OF in trial.user_attrs:
+            lost_lock_freed(job_run_dir(self.launcher.hydra_context, self.launcher.config, self.points[member], member))
         return self.points[member], member, f"member {member}"
 
 

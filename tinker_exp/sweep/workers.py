@@ -260,3 +260,20 @@ def workers_of_earlier_launches(sweep_dir: Path, prefix: str) -> list[str]:
                     workers.append(trial.system_attrs[WORKER_ATTR])
                 study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
     return sorted(set(workers))
+
+
+def lost_lock_freed(run_dir: Path, wait_s: float = 150.0, poll_s: float = 5.0) -> bool:
+    """Before a lost work item runs again in its own run dir (a member): wait, bounded, until the run dir lock its lost
+    run left there (kill -9 and a lost node leave it) may be taken over, as the run's own lock judges it (at once on
+    the same host, once its heartbeat is 120 s old on another: tinker_exp/train/rundir_lock.py). True when it may
+    (or there is none); False when a live holder keeps it, which the run then names."""
+    from tinker_exp.train.rundir_lock import LOCK_FILE, Holder, process_started, read_holder, takeover_reason
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = read_holder(run_dir / LOCK_FILE)
+        if found is None or found[0] is None or takeover_reason(found[0], Holder.me(), found[1], process_started) is not None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
