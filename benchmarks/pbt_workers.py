@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from study_workers import REPO, timed_sweep  # this folder's: the same wall time and summary as a study's
 
 
 def population(sweep_dir: Path, size: int, steps: int, interval: int, workers: int) -> dict:
@@ -37,12 +35,7 @@ def population(sweep_dir: Path, size: int, steps: int, interval: int, workers: i
         f"hydra.sweeper.population={size}", f"hydra.sweeper.interval={interval}", f"trainer.eval_every={interval}",
         f"trainer.steps={steps}", "lora=r8", "logger=none", "backend.num_workers=1", *on_workers,
     ]  # fmt: skip
-    started = time.monotonic()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    wall = time.monotonic() - started
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (sweep_dir / "summary.jsonl").read_text().splitlines()]
+    wall, rows = timed_sweep(command, sweep_dir)
     cold, training = 0, 0.0
     for row in rows:
         run_dir = Path(row["run_dir"])

@@ -120,14 +120,12 @@ def test_a_population_on_two_workers_of_two_slots_survives_a_killed_worker(slurm
     lost ones: once after their lost run); each member's rows and board posts are each step once; the forced exploit
     stands in member 3's population.jsonl; the summary, population_results.yaml and the replay line agree; the
     queue is empty at the end."""
-    import signal
-    import subprocess
     import sys
 
     from omegaconf import OmegaConf
 
-    from helpers import REPO, environment, job_json, read_jsonl, squeue, wait_until
-    from test_study_workers import worker_python
+    from helpers import job_json, read_jsonl, squeue
+    from test_study_workers import kill_a_worker_midway
     from tinker_exp.sweep.study import open_storage
     from tinker_exp.sweep.workers import ITEM, ITEMS_JOURNAL
 
@@ -140,21 +138,11 @@ def test_a_population_on_two_workers_of_two_slots_survives_a_killed_worker(slurm
         "lora=r8", "hydra.launcher.workers=2", "hydra.launcher.slots=2",
         "hydra.sweeper.force_exploit={" + ",".join(f"{k}:{v}" for k, v in FORCED.items()) + "}",
     ]  # fmt: skip
-    log, run_3 = tmp_path / "population.log", tmp_path / "3"
+    run_3 = tmp_path / "3"
     rows = lambda run_dir, name: read_jsonl(run_dir / name) if (run_dir / name).exists() else []  # noqa: E731
-    with open(log, "w") as out:
-        driver = subprocess.Popen(command, cwd=REPO, env=environment({**slurm_env, "TINKER_EXP_POPULATION": None}), stdout=out,
-                                  stderr=subprocess.STDOUT)  # fmt: skip
-        try:
-            wait_until(lambda: rows(run_3, "population.jsonl"), 600, "member 3 reached no boundary", driver)
-            killed = job_json(run_3)["slurm"]
-            os.kill(worker_python(killed["job_id"]), signal.SIGKILL)
-            driver.wait(timeout=600)
-        finally:
-            driver.kill()
-    output = log.read_text()
-    assert driver.returncode == 0, output[-3000:]
-    worker = f"{killed['array_job_id']}_{killed['array_task_id']}"
+    env = {**slurm_env, "TINKER_EXP_POPULATION": None}
+    ready = lambda: rows(run_3, "population.jsonl")  # noqa: E731  (its first boundary decided: the forced exploit)
+    output, worker = kill_a_worker_midway(command, env, tmp_path / "population.log", ready, run_3, "member 3 reached no boundary")
     jobs = {m: job_json(tmp_path / str(m))["slurm"] for m in range(4)}
     lost = sorted(m for m in range(4) if any(f"member {m} failed: its worker job {worker} ended" in line for line in output.splitlines()))
     assert 3 in lost and len(lost) == 2, output[-3000:]  # the killed worker's two members
