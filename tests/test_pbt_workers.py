@@ -17,13 +17,14 @@ from helpers import run_main
 # --- pure: the ledger of members ----------------------------------------------------------------------------------
 
 
-def test_each_member_is_claimed_once_a_lost_one_again_and_a_new_launch_starts_a_new_ledger(tmp_path):
+def test_each_member_is_claimed_once_a_lost_one_again_and_a_new_launch_starts_a_new_ledger(tmp_path, caplog):
     """Two workers claim a population of 3: each member once, in order, the fourth claim told to look again (False)
     while all run. Member 1's worker is lost: failed with why, named as a member, and claimed again (the same member)
     before the sweep is done; what each member came to, as its job's return. A second launch of the sweep gets a
     new ledger; the members the first left running are failed there and their worker named, to be cancelled."""
     from hydra_plugins.tinker_exp_plugins.launchers import job_objective
-    from hydra_plugins.tinker_exp_plugins.pbt_sweeper import LEDGER, member_return
+    from hydra_plugins.tinker_exp_plugins.pbt_sweeper import LEDGER, member_line, member_return
+    from tinker_exp.sweep.study import finished
     from tinker_exp.sweep.workers import ITEM, ask_item, items_study, lose, lost, settled, take, workers_of_earlier_launches
 
     ledger = items_study(tmp_path, 3, LEDGER)
@@ -37,9 +38,15 @@ def test_each_member_is_claimed_once_a_lost_one_again_and_a_new_launch_starts_a_
     assert line == "member 1 failed: its worker job 5_1 ended (NODE_FAIL) while it ran; retried as trial 3"
     again = take(ledger, 3, ask, "5_0", tmp_path)
     assert again.params[ITEM] == 1 and again.number == 3
-    ledger.tell(claims[0], 5.5)
-    ledger.tell(again, 5.25)
+    for run, member, value in ((claims[0], 0, 5.5), (again, 1, 5.25)):
+        run.set_user_attr("run_dir", str(tmp_path / str(member)))
+        ledger.tell(run, value)
     assert [t.params[ITEM] for t in settled(ledger)] == [0, 1]  # the lost run does not count, its retry does
+    with caplog.at_level("INFO"):
+        for trial in finished(ledger):
+            member_line(trial)  # as the sweep says each run's end; the lost run was said as it was lost (`lose`)
+    assert [r.getMessage() for r in caplog.records if r.name.endswith("pbt_sweeper")] == [f"member 0: completed, objective 5.5; run dir {tmp_path / '0'}",
+                                                        f"member 1: completed, objective 5.25; run dir {tmp_path / '1'}"]  # fmt: skip
     assert [job_objective(member_return(ledger, m, [f"m={m}"])) for m in range(3)] == [
         (5.5, None), (5.25, None), (None, "not run: every population worker ended first")
     ]  # fmt: skip

@@ -383,7 +383,7 @@ def member_line(trial: Any) -> None:
     from tinker_exp.sweep.workers import ITEM
 
     member, run_dir = trial.params[ITEM], trial.user_attrs.get("run_dir")
-    if trial_error(trial).startswith("lost: "):
+    if (trial_error(trial) or "").startswith("lost: "):
         return  # said as the sweep lost it (tinker_exp.sweep.workers.lose), with what it did about it
     if trial.state == TrialState.COMPLETE:
         log.info(f"member {member}: completed, objective {trial.value:.6g}; run dir {run_dir}")
