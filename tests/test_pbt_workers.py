@@ -131,7 +131,7 @@ def test_a_population_on_two_workers_of_two_slots_survives_a_killed_worker(slurm
 
     from omegaconf import OmegaConf
 
-    from helpers import job_json, read_jsonl, squeue
+    from helpers import job_json, read_jsonl, squeue, wait_until
     from test_study_workers import kill_a_worker_midway
     from tinker_exp.sweep.study import open_storage
     from tinker_exp.sweep.workers import ITEM, ITEMS_JOURNAL
@@ -170,12 +170,13 @@ def test_a_population_on_two_workers_of_two_slots_survives_a_killed_worker(slurm
         posts = sorted(int(p.stem) for p in (tmp_path / "population" / str(row["member"])).iterdir())
         assert posts == list(range(2, STEPS, 2))
     assert rows(run_3, "population.jsonl")[0]["exploit"]["member"] == FORCED["donor"]
-    for member in lost:  # run on from the newest checkpoint its lost run saved (a boundary's: 2 or later)
-        resumed = re.search(r"resuming from \S+/checkpoints/step_(\d+) at step (\d+)", (tmp_path / str(member) / "tinker_exp.log").read_text())
-        assert resumed and int(resumed.group(1)) == int(resumed.group(2)) >= 2, member
+    # member 3 runs on from the newest checkpoint its lost run saved (a boundary's: 2 or later); its slot-mate too,
+    # or from step 0 where it had saved none yet (each row once all the same: above)
+    resumed = re.search(r"resuming from \S+/checkpoints/step_(\d+) at step (\d+)", (run_3 / "tinker_exp.log").read_text())
+    assert resumed and int(resumed.group(1)) == int(resumed.group(2)) >= 2, output[-3000:]
     saved = OmegaConf.to_container(OmegaConf.load(tmp_path / "population_results.yaml"))
     assert saved["n_completed"] == 4 and saved["best_member"] == min(summary, key=lambda r: r["objective"])["member"]
     assert f"replay the best member from step 0: {saved['replay_command']}" in output
     # one group built a worker: each member's slot line names this process's group
     assert sum("built for this trial" in (tmp_path / str(m) / "tinker_exp.log").read_text() for m in range(4)) >= 2
-    assert not squeue(slurm_env).strip()
+    wait_until(lambda: not squeue(slurm_env).strip(), 120, "worker jobs left in the queue", poll=1)  # COMPLETING a while
