@@ -4,8 +4,9 @@ The sweeper's part is small: the space from Hydra's grammar (tinker_exp/sweep/st
 optuna sweeper reads it), each member's start values drawn from it (seeded), every bad input refused before any
 member starts, then the P members launched as one batch of long-lived jobs (job number = member number) with
 TINKER_EXP_POPULATION telling each what its population is; or, with hydra.launcher.workers=W on Slurm, run in W
-worker jobs that claim them from a ledger in the sweep dir (`PopulationWorker`: a study worker's machinery). Everything that happens at a boundary (posting to the
-board, the exploit decision, explore, the in-place checkpoint load) is the member's own, inside its job
+worker jobs that claim them from a ledger in the sweep dir (`PopulationWorker`: a study worker's machinery).
+Everything that happens at a boundary (posting to the board, the exploit decision, explore, the in-place checkpoint
+load) is the member's own, inside its job
 (tinker_exp/sweep/pbt.py and the loop): members never wait for the sweeper or for each other. At the end: the
 members ranked by final objective with their exploits and donors, population_results.yaml with the best member's
 replay command, and report.png (tinker_exp/sweep/pbt_report.py). Exit 0 when at least one member completed.
