@@ -90,9 +90,9 @@ POPULATION = [
     "override.lr.value=tag(log,interval(1e-4,3e-3))", "trainer.steps=8", "trainer.eval_every=2", "hydra.sweeper.interval=2",
 ]  # fmt: skip
 REFUSED = [
-    (["hydra.launcher.workers=2"], "hydra.launcher.workers=2: a worker without slots trains one member at a time, and the "
-     "population's 4 train side by side; set hydra.launcher.workers >= 4, or hydra.launcher.slots >= 2 for LoRA members"),
-    (["hydra.launcher.workers=1", "hydra.launcher.slots=3", "lora=r8"], "hydra.launcher.workers=1 with hydra.launcher.slots=3: "
+    (["hydra.launcher.workers=2"], "hydra.launcher.workers=2 with hydra.launcher.slots=auto (1 here): 2 members train at "
+     "once, and the population's 4 train side by side; set workers * slots >= 4 (slots hold LoRA members)"),  # full fine-tuning
+    (["hydra.launcher.workers=3", "hydra.launcher.slots=1", "lora=r8"], "hydra.launcher.workers=3 with hydra.launcher.slots=1: "
      "3 members train at once, and the population's 4 train side by side; set workers * slots >= 4"),
     (["hydra.launcher.workers=2", "hydra.launcher.slots=2"], "4 of 4 sweep points are wrong; no job was started"),  # not LoRA
 ]  # fmt: skip

@@ -430,18 +430,19 @@ def test_a_local_sweeps_second_job_on_its_pool_is_its_cold_point_and_a_seed_chan
     assert (cold_runs["0"] / adapter).read_bytes() != (cold_runs["1"] / adapter).read_bytes()
 
 
-SLOT_STUDY = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.sampler=grid", "hydra.sweeper.n_trials=3", "hydra.launcher.slots=2",
+SLOT_STUDY = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.sampler=grid", "hydra.sweeper.n_trials=3", "hydra.launcher.max_parallel=2",
               *LORA, "trainer.seed=choice(3,7,0)", "trainer.eval_every=1", "hydra.sweeper.pruner=threshold",
               "+hydra.sweeper.pruner_args.upper=5.9168", "+hydra.sweeper.pruner_args.interval_steps=100"]  # fmt: skip
 """An Optuna study of 3 LoRA trials (a grid over the seed: trials 0, 1, 2 are seeds 0, 7, 3) on 2 slots of one group
-in the sweep's process: seeds 0 and 7 train at once; the threshold pruner, judging only each trial's first evaluation
+in the sweep's process (hydra.launcher.slots=auto, the default, bounded by max_parallel): seeds 0 and 7 train at once; the threshold pruner, judging only each trial's first evaluation
 (interval_steps), prunes seed 7 there (val/loss 5.91701 > 5.9168; seed 0's is 5.91651) and seed 3 (5.91904); seed 3
 takes a slot freed by a prune (seed 7's, while seed 0 trains, or seed 0's if it ended first)."""
 
 
 @pytest.mark.real  # a study whose trials train on slots of one group (on the session's Ray cluster)
 def test_a_studys_trials_on_slots_train_at_once_each_its_cold_run(cold_lora, cold_lora_seed_7, ray_address, tmp_path):
-    """hydra.launcher.slots=2: the study's trials are threads of its process on 2 slots of one LoRA group, built once.
+    """hydra.launcher.slots=auto (max_parallel=2): the study's trials are threads of its process on 2 slots of one
+    LoRA group, built once.
     Each trial's training rows are the cold run's of its point (seeds 0 and 7: the module's cold runs, which evaluate
     only at their end), and seed 0's adapter too, within a packed step's bounds (the trials' steps at once may be
     packed: tests/helpers.py PACKED_RELATIVE); seed 7 is pruned at its first evaluation and the
@@ -452,6 +453,7 @@ def test_a_studys_trials_on_slots_train_at_once_each_its_cold_run(cold_lora, col
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "study 'tinker_exp' (" in output and "3 trials, 2 at a time" in output, output[-3000:]
+    assert "hydra.launcher.slots=auto: 2 trials at once on slots of one group (at most 8, the sweep's 3 trials, max_parallel=2; about " in output, output[-3000:]
     assert "pool:" not in output and "optimizer built with" not in output and "workers: " not in output  # no pool; no trial's own lines (its group's build's too)
     import optuna
 
@@ -482,14 +484,15 @@ def test_a_studys_trials_on_slots_train_at_once_each_its_cold_run(cold_lora, col
     assert [len(metrics_rows(seeds[seed])) for seed in (7, 3)] == [1, 1]
 
 
-POOL_SLOT_SWEEP = ["-m", "hydra.launcher.slots=2", *LORA, "trainer.seed=0,7"]
-"""A 2-point grid of LoRA runs (seeds 0 and 7) as threads of the sweep's process, each on a slot of the pool."""
+POOL_SLOT_SWEEP = ["-m", *LORA, "trainer.seed=0,7"]
+"""A 2-point grid of LoRA runs (seeds 0 and 7) as threads of the sweep's process, each on a slot of the pool: what
+hydra.launcher.slots=auto (the default) makes of a LoRA grid."""
 
 
 @pytest.mark.real  # the module's pool: LoRA runs at once on the slots of its group
 def test_lora_runs_at_once_on_the_pools_slots_are_each_their_cold_run_and_a_ctrl_c_frees_a_slot(pool, cold_lora, cold_lora_seed_7, tmp_path):
     """`pool up` keeps 4 slots (the default): a long LoRA run takes one, then a sweep's two trials (hydra.launcher.slots
-    =2, seeds 0 and 7) take two more beside it, on the same group, built once. Each trial's rows and adapter are its
+    =auto, the default: 2 for its 2 LoRA points, seeds 0 and 7) take two more beside it, on the same group, built once. Each trial's rows and adapter are its
     cold run's within a packed step's bounds (runs at once: their steps may pack; tests/helpers.py PACKED_RELATIVE); each run says which slot it holds; `pool status` lists the runs on slots. Ctrl-C of the
     long run stops it as a cold run stops (exit 130) and frees its slot: the pool is idle after."""
     long_dir = tmp_path / "long"
@@ -509,6 +512,7 @@ def test_lora_runs_at_once_on_the_pools_slots_are_each_their_cold_run_and_a_ctrl
     finally:
         long_run.kill()
     assert sweep.returncode == 0, sweep.stdout[-2000:] + sweep.stderr[-3000:]
+    assert "hydra.launcher.slots=auto: 2 trials at once on slots of one group (at most 8, the sweep's 2 trials; about " in sweep.stdout, sweep.stdout[-3000:]
     assert long_run.returncode == 130, out[-2000:] + err[-2000:]
     said = re.search(r"pool: slot (\d) of 4 on the pool at \S+: (a group built for this run|a kept group)", out)
     assert said is not None, out[-3000:]

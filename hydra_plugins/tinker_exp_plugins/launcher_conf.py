@@ -11,7 +11,7 @@ outside sys.modules, where a dataclass cannot resolve string annotations.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeperConf
 from hydra.core.config_store import ConfigStore
@@ -25,12 +25,13 @@ class LocalLauncherConf(LocalQueueConf):
     max_parallel: Optional[int] = None
     """Points run at once (the rest start as earlier ones end); null: as many as the CPUs hold at one CPU a worker
     (tinker_exp.sweep.jobs.points_at_once)."""
-    slots: int = 1
+    slots: Any = "auto"
     """LoRA trials trained at once on one loaded base model (docs/slots.md): K > 1 runs every job as a thread of the
     sweep's own process, each on a slot of one worker group it keeps (one group, built at the first job), K jobs
     at a time (and no more than max_parallel, when that is set); an Optuna study keeps K trials running whatever its
-    n_jobs. 1 (default): a process a job, on a pool or cold, as before. Every point must train LoRA (lora.rank > 0),
-    SFT, on one node."""
+    n_jobs; every point must then train LoRA (lora.rank > 0), SFT, on one node. 1: a process a job, on a pool or
+    cold. auto (default): slots where every trial can take one and the sweep does not vary their shape (LoRA, model,
+    RL, nodes), as many as memory holds, at most 8 (tinker_exp/sweep/slot_count.py); else 1. Said in one line."""
     python: Optional[str] = "${oc.env:TINKER_EXP_JOB_PYTHON,null}"
     """The command that starts each job's Python (submitit's `python`, e.g. a wrapper that enters a container);
     null: this interpreter. Its default comes from TINKER_EXP_JOB_PYTHON when that is set."""
@@ -50,10 +51,11 @@ class SlurmLauncherConf(SlurmQueueConf):
     the study's storage one after another until the study has its n_trials. 0 (default): one job per trial, each with
     one trial's time limit (a worker's timeout_min must hold its share of the trials). Grids and PBT: a job per point
     whatever this says."""
-    slots: int = 1
+    slots: Any = "auto"
     """With study workers (workers > 0): LoRA trials each worker trains at once on slots of one group it builds in its
-    allocation (docs/slots.md), each trial a thread of the worker's process; 1 (default): one trial after another on
-    its pool. Every trial must train LoRA (lora.rank > 0), SFT."""
+    allocation (docs/slots.md), each trial a thread of the worker's process (every trial must then train LoRA,
+    SFT); 1: one trial after another on its pool; auto (default): as the local launcher's auto decides, from the
+    worker node's memory. Without workers, a job per trial (auto is 1; an int > 1 is refused)."""
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="tinker_exp_slurm", node=SlurmLauncherConf, provider="tinker_exp")

@@ -48,6 +48,7 @@ from tinker_exp.sweep.jobs import (
     write_summary,
 )
 from tinker_exp.sweep.report import REPORT, display_name, write_report
+from tinker_exp.sweep.slot_count import AUTO, varied_keys
 from tinker_exp.sweep.slurm import ACTIVE_STATES, Verdicts, cancel_slurm_jobs, slurm_state, slurm_states
 
 log = logging.getLogger(__name__)
@@ -180,10 +181,10 @@ class SweepLauncher(BaseSubmititLauncher):
         max_parallel = params.get("max_parallel")
         if max_parallel is not None and (not isinstance(max_parallel, int) or isinstance(max_parallel, bool) or max_parallel < 1):
             raise ConfigError(f"hydra.launcher.max_parallel={max_parallel}: must be an int >= 1, or null (as many as the CPUs hold)")
-        slots = params.get("slots", 1)
-        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-            raise ConfigError(f"hydra.launcher.slots={slots}: must be an int >= 1 (1: a process a job)")
-        if slots > 1 and self._EXECUTOR == "slurm" and not workers:
+        slots = params.get("slots", AUTO)
+        if slots != AUTO and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
+            raise ConfigError(f"hydra.launcher.slots={slots}: must be an int >= 1 (1: a process a job) or auto")
+        if slots != AUTO and slots > 1 and self._EXECUTOR == "slurm" and not workers:
             raise ConfigError(f"hydra.launcher.slots={slots}: on Slurm, slots hold a study worker's trials; set "
                               "hydra.launcher.workers (0, the default, runs each trial as a job of its own)")
         python = params.get("python")
@@ -209,10 +210,44 @@ class SweepLauncher(BaseSubmititLauncher):
         # True (a population's sweeper sets it): with slots, each slot keeps its state at its last checkpoint, so
         # that a member's exploit of another member on the group is an in-place copy (runtime/slots.py `SlotGroup`).
         self.keep_saved_states = False
+        # hydra.launcher.slots as it applies now: the int asked for, or what `decide_slots` made of auto (None: auto,
+        # not decided yet, which checks points as one trial a process does).
+        asked = params.get("slots", AUTO)
+        self.decided_slots: int | None = None if asked == AUTO else int(asked)
 
     def slots(self) -> int:
         """LoRA trials a group trains at once (hydra.launcher.slots, local only); 1: a process a job."""
-        return int(self.params.get("slots") or 1) if self._EXECUTOR == "local" else 1
+        return (self.decided_slots or 1) if self._EXECUTOR == "local" else 1
+
+    def decide_slots(self, configs: Sequence[Any], trials: int, swept: Any) -> None:
+        """hydra.launcher.slots=auto, decided for a sweep of `trials` trials like `configs` (a grid's points, a
+        study's base point) varying the keys `swept` (tinker_exp/sweep/slot_count.py), said in one line; an int
+        asked for stays as it is. On Slurm only a study worker trains on slots (decided in its job, from its node's
+        memory)."""
+        if self.params.get("slots", AUTO) != AUTO or (self._EXECUTOR == "slurm" and not self.workers()):
+            return
+        from tinker_exp.memory import gpu_memory_mb, host_memory_mb
+        from tinker_exp.sweep.slot_count import auto_slots
+
+        devices = {cfg.backend.device.value for cfg in configs}
+        gpu_mb = None if devices <= {"cpu"} else gpu_memory_mb()  # auto: cuda where nvidia-smi sees a GPU
+        device, free_mb = ("cuda", gpu_mb) if gpu_mb is not None or "cuda" in devices else ("cpu", host_memory_mb())
+        if self.config is not None and self.config.get("dry_run"):
+            k, why = 1, "a dry run plans each point in a process of its own"
+        elif not configs:
+            k, why = 1, "no point to judge by"
+        else:
+            k, why = auto_slots(configs, trials, swept, self.params.get("max_parallel"), free_mb, device)
+        self.decided_slots = k
+        where = f"{k} trials at once on slots of one group" if k > 1 else "one trial a process"
+        log.info(f"hydra.launcher.slots=auto: {where} ({why})")
+
+    def decide_study_slots(self, fixed: Sequence[str], trials: int, swept: Any) -> None:
+        """`decide_slots` for a study, whose points come one at a time: judged by its base point (its fixed
+        overrides; a swept key is judged by its name, `swept`), once."""
+        if self.params.get("slots", AUTO) == AUTO and self.decided_slots is None:
+            cfg = point_error(self.hydra_context, self.config, fixed, self.data_checked)[0]
+            self.decide_slots([cfg] if cfg is not None else [], trials, swept)
 
     def _executor(self) -> Any:
         """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it); with slots, the one
@@ -271,6 +306,8 @@ class SweepLauncher(BaseSubmititLauncher):
         assert self.config is not None
         job_overrides = self.job_points(job_overrides)
         nums = [initial_job_idx + i for i in range(len(job_overrides))]
+        if self.params.get("slots", AUTO) == AUTO:
+            self.decided_slots = None  # decided again for each batch's points
         if self.refuse_bad_points:  # before anything is written or submitted
             configs = check_points(self.hydra_context, self.config, job_overrides, initial_job_idx, self.slots())
             refused: dict[int, str] = {}
@@ -279,6 +316,8 @@ class SweepLauncher(BaseSubmititLauncher):
             checked = [point_error(self.hydra_context, self.config, o, data_checked, self.slots()) for o in job_overrides]
             configs = [cfg for cfg, _ in checked]
             refused = {num: error for num, (_, error) in zip(nums, checked) if error}
+        if self.decided_slots is None:
+            self.decide_slots([cfg for cfg in configs if cfg is not None], len(job_overrides) - len(refused), varied_keys(job_overrides))
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
@@ -500,7 +539,7 @@ class SweepLauncher(BaseSubmititLauncher):
     def worker_slots(self) -> int:
         """LoRA trials each study worker trains at once on slots of its group (hydra.launcher.slots); 1: one after
         another on its pool."""
-        return int(self.params.get("slots") or 1) if self.workers() else 1
+        return (self.decided_slots or 1) if self.workers() else 1
 
     def submit_workers(self, worker: Callable[[int], Any], count: int) -> list[Any]:
         """`count` study worker jobs, one Slurm job array (one sbatch): job i runs `worker(i)`. Returns at once."""

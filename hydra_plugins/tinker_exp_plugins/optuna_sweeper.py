@@ -162,6 +162,8 @@ class OptunaSweeper(Sweeper):
         if self.sampler == "grid" and self.n_trials > grid_size(space):  # past it, GridSampler would sample points again
             log.info(f"grid of {grid_size(space)} points: the study runs {grid_size(space)} trials, not {self.n_trials}")
             self.n_trials = grid_size(space)
+        if isinstance(self.launcher, SweepLauncher) and not self._workers():  # a study worker decides in its job
+            self.launcher.decide_study_slots(fixed, self.n_trials - len(finished(study)), space)
         if study.trials:
             self._stop_cut_off_jobs(study)
             for line in recover(study, keep_waiting=bool(self._workers())):
@@ -461,6 +463,7 @@ class StudyWorker:
     def __call__(self, index: int) -> int:
         import optuna
         import submitit
+        from hydra.core.singleton import Singleton
 
         from tinker_exp.pool.local import SweepPools
         from tinker_exp.sweep.study import open_storage
@@ -473,6 +476,8 @@ class StudyWorker:
         study = optuna.load_study(study_name=self.study_name, storage=open_storage(self.storage))
         pools = SweepPools()  # this allocation's warm workers: started at the first trial that trains on a pool
 
+        Singleton.set_state(self.singleton_state)  # the trials' configs are composed here, as a job's are
+        self.launcher.decide_study_slots(self.fixed, self.n_trials, self.space)  # auto: from this node's memory
         slots = self.launcher.worker_slots()
         slot_jobs = self._slot_jobs(slots) if slots > 1 else None
         composing = threading.Lock()  # with slots, trials start from several threads; Hydra's config loader is one
@@ -544,11 +549,8 @@ class StudyWorker:
 
     def _slot_jobs(self, slots: int) -> Any:
         """The worker's slot executor (slot_jobs.py): its trials threads of this process on slots of one group."""
-        from hydra.core.singleton import Singleton
-
         from hydra_plugins.tinker_exp_plugins.slot_jobs import SlotExecutor
 
-        Singleton.set_state(self.singleton_state)  # the trials' configs are composed here, as a job's are
         logging.getLogger().setLevel(logging.INFO)  # as Hydra's job logging sets it for a job (conf/hydra/job_logging)
         return SlotExecutor(self.launcher, slots)
 

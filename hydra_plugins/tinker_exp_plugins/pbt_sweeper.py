@@ -222,7 +222,7 @@ class PBTSweeper(Sweeper):
             "explore": self.explore,
         }
         with environment(POPULATION_ENV, json.dumps(told)):  # each member's job gets it (local: its process; Slurm: sbatch's)
-            returns = self._run_on_workers(sweep_dir, points) if self._workers(cfg) else self._launch(points)
+            returns = self._run_on_workers(sweep_dir, points, fixed, space) if self._workers(cfg) else self._launch(points)
         if cfg.dry_run:  # each member checked and planned with its start values (plan.json); nothing trained
             log.info(f"dry run: {self.population} members planned in {sweep_dir}; nothing trained")
             return {}
@@ -251,13 +251,18 @@ class PBTSweeper(Sweeper):
                 f"hydra.sweeper.explore=pb2: its GP models numeric keys, and the space has only choices ({', '.join(space)}); "
                 "use explore=perturb or search a number too"
             )
-        if error := workers_error(self._workers(self.config), self._worker_slots(), self.population):
-            raise ConfigError(error)
         starts = start_values(space, self.population, self.seed)
         points = [[*fixed, *(as_override(key, value) for key, value in values.items())] for values in starts]
         job_points = self.launcher.job_points(points) if hasattr(self.launcher, "job_points") else points
-        # every bad member named (one that cannot take a worker's slot too)
-        cfg = check_points(self.hydra_context, self.config, job_points, 0, self._worker_slots() if self._workers(self.config) else 1)[0]
+        workers = self._workers(self.config)
+        # every bad member named (one that cannot take the slots asked for on workers too)
+        configs = check_points(self.hydra_context, self.config, job_points, 0, self._worker_slots() if workers else 1)
+        if workers and hasattr(self.launcher, "decide_slots"):  # auto: each worker's share at once, where they can share a group
+            self.launcher.decide_slots(configs, math.ceil(self.population / workers), space)
+        auto = self.config.hydra.launcher.get("slots") == "auto"
+        if error := workers_error(workers, self._worker_slots(), self.population, auto):
+            raise ConfigError(error)
+        cfg = configs[0]
         # What PBT needs of the config is the same for every member: none of it can be searched.
         for error in (
             boundary_error(cfg, self.interval),
@@ -276,7 +281,9 @@ class PBTSweeper(Sweeper):
         """Members a population worker trains at once (hydra.launcher.slots; 1: one on its warm workers)."""
         return self.launcher.worker_slots() if hasattr(self.launcher, "worker_slots") else 1
 
-    def _run_on_workers(self, sweep_dir: Path, points: Sequence[Sequence[str]]) -> list[JobReturn]:
+    def _run_on_workers(
+        self, sweep_dir: Path, points: Sequence[Sequence[str]], fixed: Sequence[str], space: Mapping[str, Any]
+    ) -> list[JobReturn]:
         """The members on `workers` Slurm jobs (one sbatch), each member claimed from a ledger in the sweep dir by one
         worker (tinker_exp/sweep/workers.py `items_study`), which runs it as its own job would (run dir, number,
         files); the sweep waits as a study on workers does (`run_workers`): a member whose worker is gone runs again
@@ -290,7 +297,7 @@ class PBTSweeper(Sweeper):
             log.info(f"cancelled the worker jobs of the population's earlier launch: {', '.join(earlier)}")
         ledger = items_study(sweep_dir, self.population, LEDGER)
         storage = f"journal://{sweep_dir / ITEMS_JOURNAL}"
-        worker = PopulationWorker(self.launcher, storage, ledger.study_name, points)
+        worker = PopulationWorker(self.launcher, storage, ledger.study_name, points, fixed, space)
         count, slots = self.launcher.workers(), self._worker_slots()
         what = f"each trains {slots} members at once on slots of one group" if slots > 1 else "each trains a member on warm workers"
         run_workers(self.launcher, ledger, worker, count, self.population, sweep_dir, member_line, "population workers", what,
@@ -343,18 +350,16 @@ LEDGER = "population"
 """The members' ledger in the sweep dir's items.journal (tinker_exp/sweep/workers.py): `population-<launch>`."""
 
 
-def workers_error(workers: int, slots: int, population: int) -> str | None:
-    """Why `workers` jobs of `slots` slots cannot train the population's members side by side, or None (0: a job a
-    member). Members rank against each other at every boundary, so all must train at once: a member left to wait for
-    another's end would decide alone (its peers' posts long written) and train after them."""
+def workers_error(workers: int, slots: int, population: int, auto: bool = False) -> str | None:
+    """Why `workers` jobs of `slots` slots each (`auto`: what hydra.launcher.slots=auto came to) cannot train the
+    population's members side by side, or None (0 workers: a job a member). Members rank against each other at every
+    boundary, so all must train at once: a member left to wait for another's end would decide alone (its peers' posts
+    long written) and train after them."""
     if not workers or workers * slots >= population:
         return None
-    if slots > 1:
-        return (f"hydra.launcher.workers={workers} with hydra.launcher.slots={slots}: {workers * slots} members train at once, "
-                f"and the population's {population} train side by side; set workers * slots >= {population}")  # fmt: skip
-    return (f"hydra.launcher.workers={workers}: a worker without slots trains one member at a time, and the population's "
-            f"{population} train side by side; set hydra.launcher.workers >= {population}, or hydra.launcher.slots "
-            f">= {math.ceil(population / workers)} for LoRA members")  # fmt: skip
+    asked = f"hydra.launcher.slots=auto ({slots} here)" if auto else f"hydra.launcher.slots={slots}"
+    return (f"hydra.launcher.workers={workers} with {asked}: {workers * slots} members train at once, and the population's "
+            f"{population} train side by side; set workers * slots >= {population} (slots hold LoRA members)")  # fmt: skip
 
 
 def member_return(ledger: Any, member: int, overrides: Sequence[str]) -> JobReturn:
@@ -400,11 +405,13 @@ class PopulationWorker(StudyWorker):
 
     who, items = "population worker", "members"
 
-    def __init__(self, launcher: Any, storage: str, study_name: str, points: Sequence[Sequence[str]]) -> None:
+    def __init__(self, launcher: Any, storage: str, study_name: str, points: Sequence[Sequence[str]], fixed: Sequence[str],
+                 space: Mapping[str, Any]) -> None:  # fmt: skip
         from hydra.core.singleton import Singleton
 
         self.launcher, self.storage, self.study_name = launcher, storage, study_name
         self.points, self.n_trials = [list(p) for p in points], len(points)
+        self.fixed, self.space = list(fixed), dict(space)  # the slots were decided by the sweep: `decide_study_slots` keeps them
         self.singleton_state = Singleton.get_state()  # Hydra's state, as each job of the launcher gets it
 
     def ask(self, study: Any) -> Any:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tinker_exp.config import Config
+from tinker_exp.memory import default_memory_budget_mb
 from tinker_exp.runtime.worker_output import WorkerOutput
 from tinker_exp.runtime.slots import Slot, SlotGroup
 from tinker_exp.runtime.workers import TinkerWorkers
@@ -114,11 +115,6 @@ def kept_words(kept: Kept) -> str:
 
 MAX_GROUPS = 4
 """How many worker groups a pool keeps at most (`pool up --max-groups`); the least recently used is freed first."""
-MEMORY_SHARE = 0.5
-"""The default memory budget of a pool's groups: this share of the memory available when the pool starts
-(`pool up --memory-mb` sets it)."""
-
-
 @dataclass
 class Kept:
     """A worker group kept for its key."""
@@ -206,17 +202,6 @@ class KeptGroups:
         """Every group, out of the books (the caller frees them, or their cluster ends with them)."""
         groups, self.groups = list(self.groups.values()), {}
         return groups
-
-
-def default_memory_budget_mb() -> float:
-    """MEMORY_SHARE of the memory available now (Linux's MemAvailable; unbounded where unknown)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024 * MEMORY_SHARE
-    except OSError:
-        pass
-    return float("inf")
 
 
 def resident_mb(pids: list[int]) -> float:
