@@ -9,6 +9,7 @@ import os
 import re
 from pathlib import Path
 
+import optuna
 import pytest
 from optuna.trial import TrialState
 
@@ -136,8 +137,6 @@ def test_a_population_on_two_workers_of_two_slots_survives_a_killed_worker(slurm
     from tinker_exp.sweep.study import open_storage
     from tinker_exp.sweep.workers import ITEM, ITEMS_JOURNAL
 
-    import optuna
-
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=pbt", "hydra/launcher=slurm_local", f"hydra.sweep.dir={tmp_path}",
         "+override=lr_cosine", "override.lr.value=tag(log,interval(1e-4,3e-3))", f"trainer.steps={STEPS}", "trainer.eval_every=2",
@@ -157,7 +156,7 @@ def test_a_population_on_two_workers_of_two_slots_survives_a_killed_worker(slurm
 
     ledger = optuna.load_study(study_name="population-0", storage=open_storage(f"journal://{tmp_path / ITEMS_JOURNAL}"))
     runs = {m: [t.state for t in ledger.trials if t.params[ITEM] == m] for m in range(4)}
-    assert runs == {m: ([optuna.trial.TrialState.FAIL] if m in lost else []) + [optuna.trial.TrialState.COMPLETE] for m in range(4)}
+    assert runs == {m: ([TrialState.FAIL] if m in lost else []) + [TrialState.COMPLETE] for m in range(4)}  # each completed once
 
     summary = read_jsonl(tmp_path / "summary.jsonl")
     assert sorted((row["member"], row["status"]) for row in summary) == [(m, "COMPLETED") for m in range(4)]
@@ -177,6 +176,6 @@ def test_a_population_on_two_workers_of_two_slots_survives_a_killed_worker(slurm
     saved = OmegaConf.to_container(OmegaConf.load(tmp_path / "population_results.yaml"))
     assert saved["n_completed"] == 4 and saved["best_member"] == min(summary, key=lambda r: r["objective"])["member"]
     assert f"replay the best member from step 0: {saved['replay_command']}" in output
-    # one group built a worker: each member's slot line names this process's group
-    assert sum("built for this trial" in (tmp_path / str(m) / "tinker_exp.log").read_text() for m in range(4)) >= 2
+    # one group built a worker (for its first member; the lost members ran on after on the other's, built earlier)
+    assert sum("built for this trial" in (tmp_path / str(m) / "tinker_exp.log").read_text() for m in range(4)) == 2
     wait_until(lambda: not squeue(slurm_env).strip(), 120, "worker jobs left in the queue", poll=1)  # COMPLETING a while
