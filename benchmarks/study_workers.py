@@ -30,6 +30,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def timed_sweep(command: list[str], sweep_dir: Path) -> tuple[float, list[dict]]:
+    """(the sweep's wall time, from the command to its exit, its summary.jsonl rows); a failed sweep ends the script."""
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    wall = time.monotonic() - started
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return wall, [json.loads(line) for line in (sweep_dir / "summary.jsonl").read_text().splitlines()]
+
+
 def study(sweep_dir: Path, trials: int, steps: int, workers: int, per_trial: bool, slots: int = 0) -> dict:
     """`slots`: 0, full fine-tuning; K >= 1, LoRA trials with hydra.launcher.slots=K."""
     points = ",".join(f"{1e-4 * (i + 1):.4g}" for i in range(trials))
@@ -40,12 +50,7 @@ def study(sweep_dir: Path, trials: int, steps: int, workers: int, per_trial: boo
         f"hydra.launcher.workers={0 if per_trial else workers}", f"override.lr=choice({points})", "+override=constant",
         f"trainer.steps={steps}", "logger=none", "backend.pool=auto", *lora,
     ]  # fmt: skip
-    started = time.monotonic()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    wall = time.monotonic() - started
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (sweep_dir / "summary.jsonl").read_text().splitlines()]
+    wall, rows = timed_sweep(command, sweep_dir)
     cold, training, objectives = 0, 0.0, {}
     for row in rows:
         run_dir = Path(row["run_dir"])

@@ -206,6 +206,24 @@ def worker_python(job_id: str) -> int:
     raise AssertionError(f"no worker process of job {job_id}")
 
 
+def kill_a_worker_midway(command: list[str], env: dict, log: Path, ready, run_dir: Path, what: str) -> tuple[str, str]:
+    """Run a sweep on workers; once `ready()` holds, kill -9 the Python of the worker whose job runs `run_dir`; wait
+    for the sweep to exit 0. (What it printed, the killed worker's name: `<array job>_<task>`, as submitit and squeue
+    name an array task.)"""
+    with open(log, "w") as out:
+        driver = subprocess.Popen(command, cwd=REPO, env=environment(env), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_until(ready, 600, what, driver)
+            killed = job_json(run_dir)["slurm"]
+            os.kill(worker_python(killed["job_id"]), signal.SIGKILL)
+            driver.wait(timeout=600)
+        finally:
+            driver.kill()
+    output = log.read_text()
+    assert driver.returncode == 0, output[-3000:]
+    return output, f"{killed['array_job_id']}_{killed['array_task_id']}"
+
+
 def test_a_study_on_two_worker_jobs_completes_when_one_is_killed_mid_trial(slurm_env, tmp_path):
     """A 3-point grid on 2 worker jobs (journal file in the sweep dir), checkpoints every 2 steps. The worker running
     trial 0 is killed with kill -9 once the trial has saved its step-2 checkpoint: the sweep sees its job end, fails
@@ -219,19 +237,9 @@ def test_a_study_on_two_worker_jobs_completes_when_one_is_killed_mid_trial(slurm
         "hydra.launcher.workers=2", "hydra.sweeper.sampler=grid", "override.lr=choice(1e-4,1e-3,1e-2)", *TRIAL,
         "checkpoint.every_steps=2",
     ]  # fmt: skip
-    log, run_0 = tmp_path / "study.log", tmp_path / "0"
-    with open(log, "w") as out:
-        driver = subprocess.Popen(command, cwd=REPO, env=environment(slurm_env), stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_until(lambda: (run_0 / "checkpoints" / "step_00000002").is_dir(), 600, "trial 0 saved no checkpoint", driver)
-            killed = job_json(run_0)["slurm"]
-            os.kill(worker_python(killed["job_id"]), signal.SIGKILL)
-            driver.wait(timeout=600)
-        finally:
-            driver.kill()
-    output = log.read_text()
-    assert driver.returncode == 0, output[-3000:]
-    worker = f"{killed['array_job_id']}_{killed['array_task_id']}"  # submitit's (and squeue's) name for the array task
+    run_0 = tmp_path / "0"
+    ready = lambda: (run_0 / "checkpoints" / "step_00000002").is_dir()  # noqa: E731
+    output, worker = kill_a_worker_midway(command, slurm_env, tmp_path / "study.log", ready, run_0, "trial 0 saved no checkpoint")
     study = optuna.load_study(study_name="tinker_exp", storage=open_storage(f"journal://{tmp_path / 'optuna.journal'}"))
     trials = study.trials
     (retry,) = [t for t in trials if RETRY_OF in t.user_attrs]  # trial 2 or 3: when the loss was seen

@@ -213,79 +213,9 @@ class OptunaSweeper(Sweeper):
         return 0 if self.dry_run or not isinstance(self.launcher, SweepLauncher) else self.launcher.workers()
 
     def _run_workers(self, study: Any, worker: "StudyWorker", sweep_dir: Path) -> None:
-        """Submit the worker jobs (one sbatch) and wait, saying each trial's end as the storage shows it, until the
-        study has its n_trials. A trial whose worker is gone (its job ended, or not seen for STALE_S) is failed and
-        retried here (tinker_exp.sweep.workers.lose). Every worker ended: the study stops where it is (the same
-        command continues it). Ctrl-C (or any error): every worker job cancelled (one scancel), their trials failed."""
-        import optuna
-
-        from hydra_plugins.tinker_exp_plugins.launchers import POLL_S, cancel, sigint_deferred
-        from tinker_exp.sweep.slurm import ACTIVE_STATES, Settling, slurm_states
-        from tinker_exp.sweep.study import finished, running
-        from tinker_exp.sweep.workers import lose, lost, settled
-
-        count = self._workers()
-        jobs = self.launcher.submit_workers(worker, count)
-        ids = [job.job_id for job in jobs]
-        log.info(f"study workers: {count} Slurm jobs ({', '.join(ids)}), each runs trials one after another on warm workers")
-        said = {t.number for t in finished(study)}
-        settling = {job_id: Settling() for job_id in ids}
-        # Ctrl-C noted, and raised at the top of a pass: a KeyboardInterrupt raised wherever the signal lands can fall
-        # in a weakref callback or a __del__, where Python prints it and goes on (seen: the study then ran to its end).
-        with sigint_deferred() as interrupted:
-            try:
-                while True:
-                    if interrupted():
-                        raise KeyboardInterrupt
-                    states = slurm_states(ids)
-                    over = {job.job_id for job in jobs if states[job.job_id] not in ACTIVE_STATES and job.paths.result_pickle.exists()}
-                    ended = {i: v for i in ids if i not in over and (v := settling[i].verdict(states[i])) is not None}
-                    for trial, why in lost(running(study), ended, time.time()):
-                        log.warning(lose(study, trial, why, sweep_dir))
-                    for trial in finished(study):
-                        if trial.number not in said:
-                            said.add(trial.number)
-                            finished_line(study, trial)
-                    if len(settled(study)) >= self.n_trials and not running(study):
-                        break
-                    if len(over) + len(ended) == len(ids):
-                        log.warning(
-                            f"study workers: all {count} ended with {len(settled(study))} of {self.n_trials} trials done "
-                            f"({', '.join(f'{i} {states[i]}' for i in ids)}); {continue_line(sweep_dir)}"
-                        )
-                        break
-                    time.sleep(POLL_S)
-                self._workers_ended(jobs)
-            except BaseException as e:
-                cancel(jobs)
-                # Cut off: failed. A retry not started stays WAITING: the same command's workers run it first.
-                for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-                    try:
-                        study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL)
-                    except optuna.exceptions.UpdateFinishedTrialError:
-                        pass  # told by its worker just now
-                if isinstance(e, KeyboardInterrupt) and not str(e):
-                    raise KeyboardInterrupt(continue_line(str(sweep_dir))) from None
-                raise
-
-    def _workers_ended(self, jobs: list[Any], wait_s: float = 60.0) -> None:
-        """Wait (bounded) for the worker jobs to end on their own once the study has its trials; any still in the
-        queue after `wait_s` is cancelled, so that a sweep leaves nothing behind."""
-        from hydra_plugins.tinker_exp_plugins.launchers import POLL_S
-        from tinker_exp.sweep.slurm import ACTIVE_STATES, slurm_states
-
-        deadline = time.monotonic() + wait_s
-        while True:
-            states = slurm_states([job.job_id for job in jobs])
-            left = [job for job in jobs if states[job.job_id] in ACTIVE_STATES]
-            if not left:
-                return
-            if time.monotonic() > deadline:
-                ids = [job.job_id for job in left]
-                done = cancel_slurm_jobs(ids)
-                log.warning(f"study workers {', '.join(ids)} still in the queue {wait_s:.0f} s after the study ended: " + ("cancelled" if done else "scancel did not answer; check squeue"))
-                return
-            time.sleep(POLL_S)
+        """The study on its worker jobs (`run_workers`), each trial's end said as the storage shows it."""
+        run_workers(self.launcher, study, worker, self._workers(), self.n_trials, sweep_dir,
+                    lambda trial: finished_line(study, trial), "study workers", "each runs trials one after another on warm workers")  # fmt: skip
 
     def _at_once(self) -> int:
         """Trials kept running: n_jobs, or fewer where the launcher runs fewer at once (local: max_parallel); with
@@ -387,6 +317,84 @@ class OptunaSweeper(Sweeper):
 
 
 
+def run_workers(launcher: SweepLauncher, study: Any, worker: "StudyWorker", count: int, n_trials: int, sweep_dir: Path,
+                say: Callable[[Any], None], who: str, what: str, label: Callable[[Any], str] | None = None) -> None:  # fmt: skip
+    """Submit `count` worker jobs (one sbatch) and wait, saying each trial's end as the storage shows it (`say`), until
+    the study has its n_trials (a population's ledger: its members). A trial whose worker is gone (its job ended, or
+    not seen for STALE_S) is failed and retried here (tinker_exp.sweep.workers.lose; `label` names it in the line).
+    Every worker ended: the study stops where it is (the same command continues it). Ctrl-C (or any error): every
+    worker job cancelled (one scancel), their trials failed. `who`, `what`: the line that names the jobs."""
+    import optuna
+
+    from hydra_plugins.tinker_exp_plugins.launchers import POLL_S, cancel, sigint_deferred
+    from tinker_exp.sweep.slurm import ACTIVE_STATES, Settling, slurm_states
+    from tinker_exp.sweep.study import finished, running
+    from tinker_exp.sweep.workers import lose, lost, settled
+
+    jobs = launcher.submit_workers(worker, count)
+    ids = [job.job_id for job in jobs]
+    log.info(f"{who}: {count} Slurm jobs ({', '.join(ids)}), {what}")
+    said = {t.number for t in finished(study)}
+    settling = {job_id: Settling() for job_id in ids}
+    # Ctrl-C noted, and raised at the top of a pass: a KeyboardInterrupt raised wherever the signal lands can fall
+    # in a weakref callback or a __del__, where Python prints it and goes on (seen: the study then ran to its end).
+    with sigint_deferred() as interrupted:
+        try:
+            while True:
+                if interrupted():
+                    raise KeyboardInterrupt
+                states = slurm_states(ids)
+                over = {job.job_id for job in jobs if states[job.job_id] not in ACTIVE_STATES and job.paths.result_pickle.exists()}
+                ended = {i: v for i in ids if i not in over and (v := settling[i].verdict(states[i])) is not None}
+                for trial, why in lost(running(study), ended, time.time()):
+                    log.warning(lose(study, trial, why, sweep_dir, label=label))
+                for trial in finished(study):
+                    if trial.number not in said:
+                        said.add(trial.number)
+                        say(trial)
+                if len(settled(study)) >= n_trials and not running(study):
+                    break
+                if len(over) + len(ended) == len(ids):
+                    log.warning(
+                        f"{who}: all {count} ended with {len(settled(study))} of {n_trials} trials done "
+                        f"({', '.join(f'{i} {states[i]}' for i in ids)}); {continue_line(sweep_dir)}"
+                    )
+                    break
+                time.sleep(POLL_S)
+            workers_ended(jobs)
+        except BaseException as e:
+            cancel(jobs)
+            # Cut off: failed. A retry not started stays WAITING: the same command's workers run it first.
+            for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+                try:
+                    study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL)
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    pass  # told by its worker just now
+            if isinstance(e, KeyboardInterrupt) and not str(e):
+                raise KeyboardInterrupt(continue_line(str(sweep_dir))) from None
+            raise
+
+
+def workers_ended(jobs: list[Any], wait_s: float = 60.0) -> None:
+    """Wait (bounded) for the worker jobs to end on their own once the study has its trials; any still in the
+    queue after `wait_s` is cancelled, so that a sweep leaves nothing behind."""
+    from hydra_plugins.tinker_exp_plugins.launchers import POLL_S
+    from tinker_exp.sweep.slurm import ACTIVE_STATES, slurm_states
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        states = slurm_states([job.job_id for job in jobs])
+        left = [job for job in jobs if states[job.job_id] in ACTIVE_STATES]
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            ids = [job.job_id for job in left]
+            done = cancel_slurm_jobs(ids)
+            log.warning(f"workers {', '.join(ids)} still in the queue {wait_s:.0f} s after the study ended: " + ("cancelled" if done else "scancel did not answer; check squeue"))
+            return
+        time.sleep(POLL_S)
+
+
 def tell(study: Any, trial: Any, ret: JobReturn) -> None:
     """The study learns what the trial's run came to (in its job, or in a study worker): its objective, PRUNED
     (its value: the last one it reported), or FAIL with why."""
@@ -458,8 +466,8 @@ class StudyWorker:
         from hydra.core.singleton import Singleton
 
         from tinker_exp.pool.local import SweepPools
-        from tinker_exp.sweep.study import make_sampler, open_storage, trial_overrides
-        from tinker_exp.sweep.workers import Heartbeat, resumed, retry_start, work
+        from tinker_exp.sweep.study import open_storage
+        from tinker_exp.sweep.workers import Heartbeat, resumed, work
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         said = worker_log()
@@ -467,14 +475,6 @@ class StudyWorker:
         sweep_dir = Path(str(self.launcher.config.hydra.sweep.dir))
         study = optuna.load_study(study_name=self.study_name, storage=open_storage(self.storage))
         pools = SweepPools()  # this allocation's warm workers: started at the first trial that trains on a pool
-
-        def ask() -> Any:
-            # Seeded by the trial's number (asked under the workers' lock): which worker asks does not change what
-            # a random (or a sampler's startup) trial gets, and no two workers draw from the same seed. A grid keeps
-            # the sweep's seed (its order of points; trial k gets point k, as a job-per-trial study's trial k does).
-            seed = self.seed if self.sampler == "grid" else self.seed + len(study.trials)
-            study.sampler = make_sampler(self.sampler, self.sampler_args, self.space, seed, self.n_startup_trials)
-            return study.ask(self.space)
 
         Singleton.set_state(self.singleton_state)  # the trials' configs are composed here, as a job's are
         self.launcher.decide_study_slots(self.fixed, self.n_trials, self.space)  # auto: from this node's memory
@@ -484,12 +484,12 @@ class StudyWorker:
 
         def run(trial: Any) -> None:
             with composing:
-                overrides = trial_overrides(self.fixed, trial.params) + retry_start(study, trial)
+                overrides, num, name = self.point(study, trial)
                 trial.set_user_attr("overrides", overrides)
-                trial.set_user_attr("run_dir", str(job_run_dir(self.launcher.hydra_context, self.launcher.config, overrides, trial.number)))
+                trial.set_user_attr("run_dir", str(job_run_dir(self.launcher.hydra_context, self.launcher.config, overrides, num)))
                 trial.set_user_attr("job_id", worker)
-                said.info(f"study worker {worker}: trial {trial.number}: {' '.join(overrides)}")
-                args = (overrides, "hydra.sweep.dir", trial.number, f"job_id_for_{trial.number}", self.singleton_state)
+                said.info(f"{self.who} {worker}: {name}: {' '.join(overrides)}")
+                args = (overrides, "hydra.sweep.dir", num, f"job_id_for_{num}", self.singleton_state)
                 job = slot_jobs and slot_jobs.submit(self.launcher, *args)
             if job is None:
                 self._keep_pool(pools, overrides)
@@ -501,19 +501,19 @@ class StudyWorker:
             try:
                 tell(study, trial, ret)
             except optuna.exceptions.UpdateFinishedTrialError:  # the sweep took this worker for lost meanwhile
-                said.warning(f"study worker {worker}: trial {trial.number} was failed by the sweep meanwhile (retried)")
+                said.warning(f"{self.who} {worker}: {name} was failed by the sweep meanwhile (retried)")
 
         def trials_of(taken_back: list[Any]) -> int:
             """One loop of the worker: the trials taken back first, then the study's until it has its n_trials."""
             for trial in taken_back:
                 with Heartbeat(trial):
                     run(trial)
-            return len(taken_back) + work(study, self.n_trials, ask, run, worker, sweep_dir)
+            return len(taken_back) + work(study, self.n_trials, lambda: self.ask(study), run, worker, sweep_dir)
 
         try:
             taken_back = resumed(study, worker)  # this job requeued (time limit, preemption): its trials go on
             for trial in taken_back:
-                said.info(f"study worker {worker}: requeued; trial {trial.number} resumes in its run dir")
+                said.info(f"{self.who} {worker}: requeued; {self.point(study, trial)[2]} resumes in its run dir")
             if slot_jobs is None:
                 ran = trials_of(taken_back)
             else:  # a loop a slot, at once (the study's ask lock orders their asks)
@@ -522,8 +522,30 @@ class StudyWorker:
             pools.close()
             if slot_jobs is not None:
                 slot_jobs.close()
-        said.info(f"study worker {worker}: the study has its {self.n_trials} trials; this worker ran {ran}")
+        said.info(f"{self.who} {worker}: all {self.n_trials} {self.items} are done or running elsewhere; this worker ran {ran}")
         return ran
+
+    who, items = "study worker", "trials"
+    """How its lines name the worker, and what it runs."""
+
+    def ask(self, study: Any) -> Any:
+        """A new trial of the study (`take` asks it under the workers' lock, a retry waiting first)."""
+        from tinker_exp.sweep.study import make_sampler
+
+        # Seeded by the trial's number (asked under the workers' lock): which worker asks does not change what a random
+        # (or a sampler's startup) trial gets, and no two workers draw from the same seed. A grid keeps the sweep's
+        # seed (its order of points; trial k gets point k, as a job-per-trial study's trial k does).
+        seed = self.seed if self.sampler == "grid" else self.seed + len(study.trials)
+        study.sampler = make_sampler(self.sampler, self.sampler_args, self.space, seed, self.n_startup_trials)
+        return study.ask(self.space)
+
+    def point(self, study: Any, trial: Any) -> tuple[list[str], int, str]:
+        """(the overrides the trial runs with, its job number, its name in lines): a retry starts where the lost
+        trial left off (`retry_start`); job number = trial number."""
+        from tinker_exp.sweep.study import trial_overrides
+        from tinker_exp.sweep.workers import retry_start
+
+        return trial_overrides(self.fixed, trial.params) + retry_start(study, trial), trial.number, f"trial {trial.number}"
 
     def _slot_jobs(self, slots: int) -> Any:
         """The worker's slot executor (slot_jobs.py): its trials threads of this process on slots of one group."""

@@ -3,8 +3,10 @@
 The sweeper's part is small: the space from Hydra's grammar (tinker_exp/sweep/study.py's `search_space`, as the
 optuna sweeper reads it), each member's start values drawn from it (seeded), every bad input refused before any
 member starts, then the P members launched as one batch of long-lived jobs (job number = member number) with
-TINKER_EXP_POPULATION telling each what its population is. Everything that happens at a boundary (posting to the
-board, the exploit decision, explore, the in-place checkpoint load) is the member's own, inside its job
+TINKER_EXP_POPULATION telling each what its population is; or, with hydra.launcher.workers=W on Slurm, run in W
+worker jobs that claim them from a ledger in the sweep dir (`PopulationWorker`: a study worker's machinery).
+Everything that happens at a boundary (posting to the board, the exploit decision, explore, the in-place checkpoint
+load) is the member's own, inside its job
 (tinker_exp/sweep/pbt.py and the loop): members never wait for the sweeper or for each other. At the end: the
 members ranked by final objective with their exploits and donors, population_results.yaml with the best member's
 replay command, and report.png (tinker_exp/sweep/pbt_report.py). Exit 0 when at least one member completed.
@@ -28,6 +30,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, check_points, job_objective, job_run_dir, save_multirun
+from hydra_plugins.tinker_exp_plugins.optuna_sweeper import StudyWorker
 from tinker_exp.errors import ConfigError, TinkerExpError
 from tinker_exp.sweep.pbt import EXPLORES, POPULATION_ENV, numeric_keys
 
@@ -219,7 +222,7 @@ class PBTSweeper(Sweeper):
             "explore": self.explore,
         }
         with environment(POPULATION_ENV, json.dumps(told)):  # each member's job gets it (local: its process; Slurm: sbatch's)
-            returns = self._launch(points)
+            returns = self._run_on_workers(sweep_dir, points, fixed, space) if self._workers(cfg) else self._launch(points)
         if cfg.dry_run:  # each member checked and planned with its start values (plan.json); nothing trained
             log.info(f"dry run: {self.population} members planned in {sweep_dir}; nothing trained")
             return {}
@@ -251,7 +254,15 @@ class PBTSweeper(Sweeper):
         starts = start_values(space, self.population, self.seed)
         points = [[*fixed, *(as_override(key, value) for key, value in values.items())] for values in starts]
         job_points = self.launcher.job_points(points) if hasattr(self.launcher, "job_points") else points
-        cfg = check_points(self.hydra_context, self.config, job_points, 0)[0]  # every bad member named
+        workers = self._workers(self.config)
+        # every bad member named (one that cannot take the slots asked for on workers too)
+        configs = check_points(self.hydra_context, self.config, job_points, 0, self._worker_slots() if workers else 1)
+        if workers and hasattr(self.launcher, "decide_slots"):  # auto: each worker's share at once, where they can share a group
+            self.launcher.decide_slots(configs, math.ceil(self.population / workers), space)
+        auto = self.config.hydra.launcher.get("slots") == "auto"
+        if error := workers_error(workers, self._worker_slots(), self.population, auto):
+            raise ConfigError(error)
+        cfg = configs[0]
         # What PBT needs of the config is the same for every member: none of it can be searched.
         for error in (
             boundary_error(cfg, self.interval),
@@ -260,6 +271,38 @@ class PBTSweeper(Sweeper):
             if error:
                 raise ConfigError(error)
         return fixed, space, starts, points, cfg
+
+    def _workers(self, cfg: Any) -> int:
+        """Population worker jobs (hydra.launcher.workers on Slurm); 0: a job per member. A dry run keeps a job per
+        member (each plans its point; nothing trains, so nothing to share)."""
+        return 0 if cfg.dry_run or not hasattr(self.launcher, "workers") else self.launcher.workers()
+
+    def _worker_slots(self) -> int:
+        """Members a population worker trains at once (hydra.launcher.slots; 1: one on its warm workers)."""
+        return self.launcher.worker_slots() if hasattr(self.launcher, "worker_slots") else 1
+
+    def _run_on_workers(
+        self, sweep_dir: Path, points: Sequence[Sequence[str]], fixed: Sequence[str], space: Mapping[str, Any]
+    ) -> list[JobReturn]:
+        """The members on `workers` Slurm jobs (one sbatch), each member claimed from a ledger in the sweep dir by one
+        worker (tinker_exp/sweep/workers.py `items_study`), which runs it as its own job would (run dir, number,
+        files); the sweep waits as a study on workers does (`run_workers`): a member whose worker is gone runs again
+        in its run dir, from its newest checkpoint, on a worker with room. Every member's JobReturn, as `_launch`'s."""
+        from hydra_plugins.tinker_exp_plugins.optuna_sweeper import run_workers
+        from tinker_exp.sweep.slurm import cancel_slurm_jobs
+        from tinker_exp.sweep.workers import ITEM, ITEMS_JOURNAL, items_study, workers_of_earlier_launches
+
+        earlier = workers_of_earlier_launches(sweep_dir, LEDGER)  # a killed sweep's workers may run its members still
+        if earlier and cancel_slurm_jobs(earlier):
+            log.info(f"cancelled the worker jobs of the population's earlier launch: {', '.join(earlier)}")
+        ledger = items_study(sweep_dir, self.population, LEDGER)
+        storage = f"journal://{sweep_dir / ITEMS_JOURNAL}"
+        worker = PopulationWorker(self.launcher, storage, ledger.study_name, points, fixed, space)
+        count, slots = self.launcher.workers(), self._worker_slots()
+        what = f"each trains {slots} members at once on slots of one group" if slots > 1 else "each trains a member on warm workers"
+        run_workers(self.launcher, ledger, worker, count, self.population, sweep_dir, member_line, "population workers", what,
+                    label=lambda trial: f"member {trial.params[ITEM]}")  # fmt: skip
+        return [member_return(ledger, member, overrides) for member, overrides in enumerate(points)]
 
     def _launch(self, points: Sequence[Sequence[str]]) -> Sequence[JobReturn]:
         """Every member at once, as one batch of jobs (local: max_parallel at a time; Slurm: one job array).
@@ -301,6 +344,90 @@ class PBTSweeper(Sweeper):
         )
         log.info(f"replay the best member from step 0: {results['replay_command']}")
         return results
+
+
+LEDGER = "population"
+"""The members' ledger in the sweep dir's items.journal (tinker_exp/sweep/workers.py): `population-<launch>`."""
+
+
+def workers_error(workers: int, slots: int, population: int, auto: bool = False) -> str | None:
+    """Why `workers` jobs of `slots` slots each (`auto`: what hydra.launcher.slots=auto came to) cannot train the
+    population's members side by side, or None (0 workers: a job a member). Members rank against each other at every
+    boundary, so all must train at once: a member left to wait for another's end would decide alone (its peers' posts
+    long written) and train after them."""
+    if not workers or workers * slots >= population:
+        return None
+    asked = f"hydra.launcher.slots=auto ({slots} here)" if auto else f"hydra.launcher.slots={slots}"
+    return (f"hydra.launcher.workers={workers} with {asked}: {workers * slots} members train at once, and the population's "
+            f"{population} train side by side; set workers * slots >= {population} (slots hold LoRA members)")  # fmt: skip
+
+
+def member_return(ledger: Any, member: int, overrides: Sequence[str]) -> JobReturn:
+    """What a member came to on the workers, as its job's JobReturn: its last run's objective, or why it failed
+    (lost past its retries, cut off, or never run because every worker ended first)."""
+    from hydra.core.utils import JobStatus
+    from optuna.trial import TrialState
+
+    from tinker_exp.sweep.study import trial_error
+    from tinker_exp.sweep.workers import ITEM
+
+    runs = [t for t in ledger.get_trials(deepcopy=False) if t.params.get(ITEM, t.system_attrs.get("fixed_params", {}).get(ITEM)) == member]
+    last = runs[-1] if runs else None
+    if last is not None and last.state == TrialState.COMPLETE:
+        return JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=last.value)
+    if last is None or last.state in (TrialState.WAITING, TrialState.RUNNING):
+        why = "not run: every population worker ended first"
+    else:
+        why = trial_error(last)
+    return JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=why)
+
+
+def member_line(trial: Any) -> None:
+    """One line as a member's run on a worker ends: its objective or why it failed, its run dir."""
+    from optuna.trial import TrialState
+
+    from tinker_exp.sweep.study import trial_error
+    from tinker_exp.sweep.workers import ITEM
+
+    member, run_dir = trial.params[ITEM], trial.user_attrs.get("run_dir")
+    if (trial_error(trial) or "").startswith("lost: "):
+        return  # said as the sweep lost it (tinker_exp.sweep.workers.lose), with what it did about it
+    if trial.state == TrialState.COMPLETE:
+        log.info(f"member {member}: completed, objective {trial.value:.6g}; run dir {run_dir}")
+    else:
+        log.warning(f"member {member} failed: {trial_error(trial)}; run dir {run_dir}")
+
+
+class PopulationWorker(StudyWorker):
+    """A population worker job's work: a study worker's (warm workers started once in its allocation, K loops on
+    slots), whose trials are the members it claims from the population's ledger (each once, a lost one again), each
+    run as its own job would run it: its point, job number = member number, its run dir."""
+
+    who, items = "population worker", "members"
+
+    def __init__(self, launcher: Any, storage: str, study_name: str, points: Sequence[Sequence[str]], fixed: Sequence[str],
+                 space: Mapping[str, Any]) -> None:  # fmt: skip
+        from hydra.core.singleton import Singleton
+
+        self.launcher, self.storage, self.study_name = launcher, storage, study_name
+        self.points, self.n_trials = [list(p) for p in points], len(points)
+        self.fixed, self.space = list(fixed), dict(space)  # the slots were decided by the sweep: `decide_study_slots` keeps them
+        self.singleton_state = Singleton.get_state()  # Hydra's state, as each job of the launcher gets it
+
+    def ask(self, study: Any) -> Any:
+        from tinker_exp.sweep.workers import ask_item
+
+        return ask_item(study, self.n_trials)
+
+    def point(self, study: Any, trial: Any) -> tuple[list[str], int, str]:
+        """(the member's point, its number as the job number, its name); a lost member run again waits for the run
+        dir lock its lost run left (another host: until it is stale), so that it resumes rather than being refused."""
+        from tinker_exp.sweep.workers import ITEM, RETRY_OF, lost_lock_freed
+
+        member = trial.params[ITEM]
+        if RETRY_OF in trial.user_attrs:
+            lost_lock_freed(job_run_dir(self.launcher.hydra_context, self.launcher.config, self.points[member], member))
+        return self.points[member], member, f"member {member}"
 
 
 def dimension(d: Any) -> str:

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -109,12 +110,23 @@ def cache_dir(value: str) -> Path:
     return Path(os.path.expanduser(OmegaConf.create({"cache_dir": value}).cache_dir))
 
 
+BUILDING = threading.Lock()
+"""Held while this process builds a tiny model: runs on slots are threads of one process, and two of them importing
+transformers' lazy modules at once fail (seen: `cannot import name 'LlamaConfig'` in a slot's first run)."""
+
+
 def ensure_tiny_model(model_cfg: dict[str, Any]) -> Path:
-    """Return the cached model dir, building it first if needed (atomic: concurrent jobs are safe)."""
+    """Return the cached model dir, building it first if needed (atomic: concurrent jobs are safe; one build at a
+    time in a process: concurrent threads too)."""
     cache = cache_dir(model_cfg["cache_dir"]) / "models"
     target = cache / f"{model_cfg['name']}-{_cache_key(model_cfg)}"
     if (target / "config.json").exists():
         return target
+    with BUILDING:
+        return target if (target / "config.json").exists() else _build_into(cache, target, model_cfg)
+
+
+def _build_into(cache: Path, target: Path, model_cfg: dict[str, Any]) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
     try:

@@ -202,6 +202,22 @@ def decide(population: Population, member: int, step: int, posts: Mapping[int, M
     return BoundaryDecision(rank, n, dict(posts[donor]))
 
 
+FORCED_WAIT_S = 300.0
+"""How long a member forced to exploit (test-only) waits for its donor's post at that step: members on other jobs or
+workers reach a boundary in no set order."""
+
+
+def wait_for_forced_donor(population: Population, member: int, step: int, wait_s: float = FORCED_WAIT_S) -> None:
+    """force_exploit (test-only) names this member and step: wait (bounded, polling the board) until the donor has
+    posted there, so a forced exploit does not depend on which member got there first; `decide` says it if never."""
+    force = population.force_exploit
+    if force is None or (force["member"], force["step"]) != (member, step):
+        return
+    deadline = time.monotonic() + wait_s
+    while not (population.board / str(force["donor"]) / f"{step}.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 # --- explore ---------------------------------------------------------------------------------------------
 
 
@@ -562,6 +578,7 @@ class Member(Judge):
             else {"member": self.number, "step": earlier[-1]["step"]}
         )  # fmt: skip
         post(self.population.board, self.number, steps_done, score, checkpoint, self.values, self.sign, start)
+        wait_for_forced_donor(self.population, self.number, steps_done)
         decision = decide(self.population, self.number, steps_done, posts_at(self.population.board, steps_done))
         previous, exploit, turn = self.values, None, continue_from(self.plan)
         said = "carries on"

@@ -12,6 +12,12 @@ Who does what, so that nothing is run twice and nothing is lost:
   failure) or its heartbeat stopped; it enqueues a retry (a new trial number with the same values) that the next
   free worker takes first, and runs from the lost trial's newest checkpoint (`retry_start`: a branch of its run dir),
   or from step 0 where it saved none.
+
+Work known up front (a PBT population's members) runs on the same machinery: each member is a trial enqueued in a
+ledger of the sweep's (`items_study`, a journal file in the sweep dir) with its number as the one parameter ITEM, so
+a worker claims a member as it asks a trial (under the same lock, never one claimed already), says it is alive by
+the same heartbeat, and a member whose worker is gone is lost and enqueued again (`lose`) with the same number: it
+runs again in its own run dir, from its newest checkpoint there.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from tinker_exp.sweep.study import finished
+from tinker_exp.sweep.study import finished, open_storage
 
 WORKER_ATTR = "worker"
 """A running trial's system attribute: the Slurm job id of the worker that runs it."""
@@ -44,6 +50,10 @@ MAX_RETRIES = 2
 """Times a lost trial is run again: a trial that kills its worker each time (out of memory) stops after these."""
 WAIT_S = 2.0
 """How often an idle worker looks again while the last trials run elsewhere (one of them may be lost and retried)."""
+ITEM = "item"
+"""A work item's one parameter in a ledger of work known up front (`items_study`): its number (a member's)."""
+ITEMS_JOURNAL = "items.journal"
+"""In the sweep dir: the ledger of work items (a population's members), one Optuna study per launch of the sweep."""
 
 
 def retried(trials: Sequence[FrozenTrial]) -> set[int]:
@@ -188,11 +198,14 @@ def lost(running: Sequence[FrozenTrial], ended_workers: dict[str, str], now: flo
     return gone
 
 
-def lose(study: optuna.Study, trial: FrozenTrial, why: str, sweep_dir: Path, max_retries: int = MAX_RETRIES) -> str:
+def lose(study: optuna.Study, trial: FrozenTrial, why: str, sweep_dir: Path, max_retries: int = MAX_RETRIES,
+         label: Callable[[FrozenTrial], str] | None = None) -> str:  # fmt: skip
     """Fail a trial whose worker is gone and, unless its values ran `max_retries` times already, enqueue a retry (a
-    new trial of the same values, in its own run dir, from the lost trial's newest checkpoint: `retry_start`). One
-    line saying what was done. A worker that
-    tells the trial first wins (the storage keeps the first end of a trial); then nothing is retried."""
+    new trial of the same values, in its own run dir, from the lost trial's newest checkpoint: `retry_start`; a work
+    item's: the same item, `items_study`). One line saying what was done, the trial named by `label` (default
+    `trial N`). A worker that tells the trial first wins (the storage keeps the first end of a trial); then nothing
+    is retried."""
+    named = label(trial) if label else f"trial {trial.number}"
     storage = study._storage  # the study's own storage object: the same calls a worker makes through its trial
     with ask_lock(sweep_dir):  # the retry's number is the next one: no worker asks meanwhile
         retry_count = retries_before(study.get_trials(deepcopy=False), trial)
@@ -200,9 +213,67 @@ def lose(study: optuna.Study, trial: FrozenTrial, why: str, sweep_dir: Path, max
             storage.set_trial_user_attr(trial._trial_id, "error", f"lost: {why}")
             storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
         except optuna.exceptions.UpdateFinishedTrialError:
-            return f"trial {trial.number}: told by its worker after all"
+            return f"{named}: told by its worker after all"
         if retry_count >= max_retries:
-            return f"trial {trial.number} failed: {why}; its values ran {retry_count + 1} times, not retried"
+            return f"{named} failed: {why}; its values ran {retry_count + 1} times, not retried"
         study.enqueue_trial(dict(trial.params), user_attrs={RETRY_OF: trial.number})
         retry = max(t.number for t in study.get_trials(deepcopy=False))
-    return f"trial {trial.number} failed: {why}; retried as trial {retry}"
+    return f"{named} failed: {why}; retried as trial {retry}"
+
+
+def items_study(sweep_dir: Path, count: int, prefix: str) -> optuna.Study:
+    """A new ledger of `count` work items (trials enqueued with ITEM = 0..count-1) in the sweep dir's ITEMS_JOURNAL,
+    named `<prefix>-<n>`: one a launch of the sweep (a continued population starts its members anew: each resumes in
+    its own run dir, or says it is complete), the earlier ones kept as they were."""
+    storage = open_storage(f"journal://{sweep_dir / ITEMS_JOURNAL}")
+    launches = len(optuna.get_all_study_names(storage)) if (sweep_dir / ITEMS_JOURNAL).exists() else 0
+    study = optuna.create_study(study_name=f"{prefix}-{launches}", storage=storage)
+    for item in range(count):
+        study.enqueue_trial({ITEM: item})
+    return study
+
+
+def ask_item(study: optuna.Study, count: int) -> optuna.Trial:
+    """The next enqueued work item, as `take` asks it (a lost item's retry is enqueued too, with its number)."""
+    from optuna.distributions import IntDistribution
+
+    trial = study.ask({ITEM: IntDistribution(0, count - 1)})
+    if "fixed_params" not in trial.storage.get_trial_system_attrs(trial._trial_id):  # only `take` asks, and only enqueued ones
+        study.tell(trial, state=TrialState.FAIL)
+        raise RuntimeError(f"{ITEMS_JOURNAL}: trial {trial.number} asked with no work item waiting")
+    return trial
+
+
+def workers_of_earlier_launches(sweep_dir: Path, prefix: str) -> list[str]:
+    """The worker jobs (Slurm ids) that ran items of earlier launches of this sweep and never told them: a sweep
+    killed while its workers ran. Its items are failed here (cut off); the caller cancels the jobs, so that no member
+    runs twice (the new launch resumes it in its run dir)."""
+    if not (sweep_dir / ITEMS_JOURNAL).exists():
+        return []
+    storage = open_storage(f"journal://{sweep_dir / ITEMS_JOURNAL}")
+    workers = []
+    for name in optuna.get_all_study_names(storage):
+        if name.startswith(f"{prefix}-"):
+            study = optuna.load_study(study_name=name, storage=storage)
+            for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
+                if WORKER_ATTR in trial.system_attrs:
+                    workers.append(trial.system_attrs[WORKER_ATTR])
+                study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+    return sorted(set(workers))
+
+
+def lost_lock_freed(run_dir: Path, wait_s: float = 150.0, poll_s: float = 5.0) -> bool:
+    """Before a lost work item runs again in its own run dir (a member): wait, bounded, until the run dir lock its lost
+    run left there (kill -9 and a lost node leave it) may be taken over, as the run's own lock judges it (at once on
+    the same host, once its heartbeat is 120 s old on another: tinker_exp/train/rundir_lock.py). True when it may
+    (or there is none); False when a live holder keeps it, which the run then names."""
+    from tinker_exp.train.rundir_lock import LOCK_FILE, Holder, process_started, read_holder, takeover_reason
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = read_holder(run_dir / LOCK_FILE)
+        if found is None or found[0] is None or takeover_reason(found[0], Holder.me(), found[1], process_started) is not None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
