@@ -288,7 +288,7 @@ def test_a_requeued_study_worker_takes_back_its_trial_and_resumes_it_at_its_chec
             saved = lambda: (run_0 / "checkpoints" / "step_00000002" / "MANIFEST.json").exists()  # noqa: E731
             wait_until(saved, 600, "the trial saved no checkpoint", driver)
             job = job_json(run_0)["slurm"]
-            task = f"{job['array_job_id']}_{job['array_task_id']}"
+            task = f"{job['array_job_id']}_{job['array_task_id']}" if "array_job_id" in job else job["job_id"]  # one worker: no array
             requeued_at = time.time()
             subprocess.run(["scancel", "--signal=USR2", job["job_id"]], env=slurm, check=True)  # submitit requeues it
             wait_until(lambda: f"{task} PENDING" in squeue(slurm_env).splitlines(), 240, "the worker was not requeued", driver)
