@@ -426,14 +426,21 @@ class SweepLauncher(BaseSubmititLauncher):
         result file and one squeue call for all of them (a requeued job is waited for again, as in `wait_for`)."""
         if not handles:
             return []
+        # Jobs on slots (threads of this process) say when one ends: seen at once, not at the next poll.
+        job_ended = getattr(self.slot_jobs, "job_ended", None)
         while True:
+            if job_ended is not None:
+                job_ended.clear()  # before looking: an end after the look sets it again
             ended = self._ended(handles)
             if ended:
                 returns = [(handle, *self._outcome(handle.num, handle.overrides, handle.job, handle.refused, by)) for handle, by in ended]
                 self.outcomes.update((outcome.num, outcome) for _, _, outcome in returns)
                 self.running = [h for h in self.running if all(h is not handle for handle, _ in ended)]
                 return returns
-            time.sleep(poll_s)
+            if job_ended is not None:
+                job_ended.wait(poll_s)
+            else:
+                time.sleep(poll_s)
 
     def _ended(self, handles: Sequence[StartedJob]) -> list[tuple[StartedJob, str | None]]:
         """(handle, None: it wrote its result or was refused; else the state it ended in) for each ended one. A

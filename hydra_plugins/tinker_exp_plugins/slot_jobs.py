@@ -175,6 +175,8 @@ class SlotExecutor:
         self.routes = ByThread()
         self.groups = SlotGroups(capacity, verl_workers, self.logs, self.routes.speaking_for, getattr(launcher, "keep_saved_states", False))
         self.jobs: list[SlotJob] = []
+        self.job_ended = threading.Event()
+        """Set as any job ends (the launcher's `wait_any` waits on it instead of polling)."""
         self.installed: tuple[Any, ...] | None = None
 
     def submit(self, launcher: Any, overrides: Sequence[str], dir_key: str, num: int, *rest: Any) -> SlotJob:
@@ -208,6 +210,7 @@ class SlotExecutor:
         finally:
             self.routes.remove()
             job.ended.set()
+            self.job_ended.set()
 
     def _pool_slot(self, job: SlotJob, prepared: "Prepared") -> Any:
         """The trial's slot on the user's warm pool (tinker_exp/place.py `on_a_pool_slot`), its Ctrl-C sent there;

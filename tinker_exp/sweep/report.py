@@ -374,6 +374,20 @@ def _pyplot() -> Any:
     return plt
 
 
+def warm_up() -> None:
+    """What drawing a report first costs, paid now (matplotlib imported, a first figure drawn: about 0.5 s on this
+    project's CPU): a sweep calls it in a thread while its trials train, so that its summary's pictures at its end do
+    not wait for it; a pool, before its first run."""
+    plt = _pyplot()
+    from matplotlib.lines import Line2D  # noqa: F401  (draw_report's)
+    from matplotlib.ticker import MaxNLocator  # noqa: F401
+
+    fig = plt.figure(figsize=(1, 1))
+    fig.text(0.5, 0.5, "0")
+    fig.canvas.draw()  # the font cache and the Agg canvas
+    plt.close(fig)
+
+
 def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
     """The figure (not saved): the loss panel, or when a run logged train/reward or eval/reward (RL) the reward
     panel and the policy loss's below it, then one panel per plan key that changes. Each run's loss lines
