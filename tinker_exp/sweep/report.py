@@ -102,7 +102,8 @@ def _read_yaml(path: Path) -> Any:
     import yaml
 
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        # libyaml's parser where PyYAML has it: the same values, and a run's .hydra/hydra.yaml in a tenth of the time
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except (OSError, yaml.YAMLError):
         return None
 
