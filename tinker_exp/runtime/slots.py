@@ -288,6 +288,8 @@ class SlotGroup:
         class (a served client's: runtime/serve_workers.py `ServedSlot`)."""
         from tinker_exp.optim.optimizers import spec_of
 
+        # Before the lock (it reads the model's config and tokenizer): the other slots' cycles do not wait for it.
+        config = self.workers._worker_config(self.workers.backend, optimizer, trainer, self.workers.model_path, optimizer_values)
         with self.lock:
             free = [i for i in range(self.capacity) if i not in self.slots]
             if index is None and not free:
@@ -295,7 +297,6 @@ class SlotGroup:
             index = free[0] if index is None else index
             if index in self.slots or not 0 <= index < self.capacity:
                 raise RuntimeError(f"slot {index} is not free (slots 0..{self.capacity - 1}, free: {free})")
-            config = self.workers._worker_config(self.workers.backend, optimizer, trainer, self.workers.model_path, optimizer_values)
             self.workers.group.slot_fill(index, config.optimizer_config, trainer.seed)
             self.loaded = index
             self.holding.pop(index, None)
