@@ -514,3 +514,19 @@ def test_the_command_on_runs_that_logged_no_step_draws_nothing_and_says_so(tmp_p
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == f"tinker_exp.report: no run logged a step ({tmp_path / 'dry'}); nothing drawn\n"
     assert not (tmp_path / "dry" / "report.png").exists()
+
+
+def test_a_runs_saved_configs_read_as_pyyaml_reads_them(tmp_path):
+    """The report reads config.yaml and .hydra/hydra.yaml with libyaml's parser: the values PyYAML's own gives, for
+    the files a run writes (OmegaConf's YAML of the composed config, with its `hydra` node and a sweep's values)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from helpers import compose
+    from tinker_exp.sweep.report import _read_yaml
+
+    composed = compose("hparams_search=lr_cosine", "lora=r8", "override.lr.value=0.0006466422717414558", with_hydra=True)
+    for name, node in (("config.yaml", {k: v for k, v in composed.items() if k != "hydra"}), ("hydra.yaml", {"hydra": composed.hydra})):
+        path = tmp_path / name
+        path.write_text(OmegaConf.to_yaml(OmegaConf.create(node)))
+        assert _read_yaml(path) == yaml.safe_load(path.read_text()) != None  # noqa: E711

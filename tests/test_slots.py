@@ -445,6 +445,44 @@ def test_a_cycle_packs_every_step_waiting_and_hands_each_its_own_result():
     assert group.workers.calls[-1] == ("alone", 4) and group.packed == {3: 1}
 
 
+def test_the_next_cycle_gathers_the_trials_the_last_one_served(monkeypatch):
+    """After a packed cycle, the first trial back waits for the others the cycle served (their driver work between
+    steps) instead of running its step alone, until each is back or makes another call (a checkpoint)."""
+    from tinker_exp.runtime import slots as slots_module
+
+    monkeypatch.setattr(slots_module, "GATHER_FRACTION", 10 * WAIT_S)
+    monkeypatch.setattr(slots_module, "GATHER_MAX_S", 10 * WAIT_S)  # so only the trials' arrivals end a gathering
+    group, slots = fake_group(3)
+    group.last_cycle_s = 1.0
+    in_one_cycle(group, [(slot, rows(slot.index, 2), {"lr": 1.0}) for slot in slots])
+    assert group.expected == {0, 1, 2}
+
+    def back(slot) -> threading.Thread:
+        thread = threading.Thread(target=slot.train_step, args=(rows(slot.index, 2), {"lr": 1.0}))
+        thread.start()
+        return thread
+
+    def gathering(waiting: int) -> bool:
+        with group.waiting_changed:
+            return group.waiting_changed.wait_for(lambda: group.cycling and len(group.waiting) == waiting, WAIT_S)
+
+    first = back(slots[2])
+    assert gathering(1)  # its cycle waits for slots 0 and 1
+    others = [back(slots[0]), back(slots[1])]
+    for thread in [first, *others]:
+        thread.join(WAIT_S)
+    assert group.workers.calls[-1][:2] == ("packed", [2, 0, 1]) and group.packed == {3: 2}
+
+    first = back(slots[0])
+    assert gathering(1)
+    group._on(slots[1], lambda: None)  # slot 1 saves a checkpoint: the cycle goes on without it
+    second = back(slots[2])
+    for thread in (first, second):
+        thread.join(WAIT_S / 10)
+    assert not first.is_alive() and not second.is_alive()  # not the gathering's bound: the call ended it
+    assert group.workers.calls[-1][:2] == ("packed", [0, 2])
+
+
 def test_a_packed_steps_error_is_raised_in_every_waiting_trial():
     """A packed call that fails: every trial whose step it held raises it in its own thread."""
     group, slots = fake_group(2)

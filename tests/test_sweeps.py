@@ -556,3 +556,32 @@ def test_ctrl_c_in_a_local_sweep_stops_the_running_point_and_starts_no_other(ray
             return True
 
     wait_until(ended, 120, f"job {job_id} still running after the cancel", poll=1)
+
+
+def test_a_trial_on_a_slot_starts_from_the_composition_its_check_made_as_from_its_own(tmp_path):
+    """A study's trial on a slot is composed once (launchers.py `point_error` keeps it for slot_jobs.py `prepare`):
+    its job's config, .hydra files, run dir, group choices and job record are those a composition of its own gives."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import JobRuntime
+    from hydra import initialize_config_dir
+    from hydra.types import HydraContext, RunMode
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.tinker_exp_plugins.launchers import point_error
+    from hydra_plugins.tinker_exp_plugins.slot_jobs import prepare
+    from tinker_exp.config import CONF_DIR, register
+
+    register()
+    sweep = ["hparams_search=lr_cosine", "lora=r8", "trainer.steps=20", "hydra.launcher.slots=8"]
+    trial = [*sweep, "override.lr.value=0.0006466422717414558", "override.lr.warmup_steps=0.1787", "override.lr.min_ratio=0.3"]
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        loader = GlobalHydra.instance().config_loader()
+        config = loader.load_configuration("config", [*sweep, f"hydra.sweep.dir={tmp_path}"], RunMode.MULTIRUN)
+        JobRuntime.instance().set("name", "tinker_exp")
+        context = HydraContext(config_loader=loader, callbacks=None)
+        composed: dict = {}
+        assert point_error(context, config, trial, None, 8, composed)[1] is None and list(composed) == [tuple(trial)]
+        once, own = prepare(context, config, trial, 3, composed.pop(tuple(trial))), prepare(context, config, trial, 3)
+    assert OmegaConf.to_yaml(once.task) == OmegaConf.to_yaml(own.task) and once.hydra_files == own.hydra_files
+    assert (once.run_dir, once.choices, once.job, once.log_file) == (own.run_dir, own.choices, own.job, own.log_file)
+    assert once.run_dir == tmp_path / "3" and "override.lr.value=0.0006466422717414558" in once.hydra_files["overrides.yaml"]

@@ -79,15 +79,19 @@ def slot_error(cfg: Any, slots: int) -> str | None:
 
 
 def point_error(
-    hydra_context: Any, config: DictConfig, overrides: Sequence[str], data_checked: set[str] | None = None, slots: int = 1
+    hydra_context: Any, config: DictConfig, overrides: Sequence[str], data_checked: set[str] | None = None, slots: int = 1,
+    composed: dict[tuple, DictConfig] | None = None,
 ) -> tuple[Any, str | None]:
     """(the point's typed config, None), or (None, why its job would stop before any worker starts): composed
     as its job is, then the pure checks `tinker_exp.run.run` makes first (config, plan, data rows, chat template).
-    `data_checked`: the data settings already found good in this sweep (a data set is read once, not per point)."""
+    `data_checked`: the data settings already found good in this sweep (a data set is read once, not per point).
+    `composed`: a good point's composition (its `hydra` node too) kept there under its overrides, for its job on a
+    slot to start from (slot_jobs.py `prepare`: one composition a trial, not two, in the sweep's one thread)."""
     from tinker_exp.run import checked_env, checked_rows, validate  # the run's own checks: no verl or ray
 
     try:
-        job_cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+        whole = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+        job_cfg = whole.copy()
         with read_write(job_cfg), open_dict(job_cfg):
             del job_cfg["hydra"]  # what the task function gets (Hydra's run_job)
         cfg = tinker_config.load(job_cfg)
@@ -103,6 +107,8 @@ def point_error(
         return None, one_line(as_config_error(e))
     except TinkerExpError as e:
         return None, one_line(e)
+    if composed is not None:
+        composed[tuple(overrides)] = whole
     return cfg, None
 
 
@@ -207,6 +213,7 @@ class SweepLauncher(BaseSubmititLauncher):
         self.stream_executor: Any = None
         self.pools = SweepPools()  # a streaming sweep's (a study's) warm pools: started at its first local job
         self.slot_jobs: Any = None  # with slots: the executor running jobs as threads on slots (slot_jobs.py)
+        self.composed: dict[tuple, DictConfig] = {}  # with slots: a point `start` checked, composed, for its job
         # True (a population's sweeper sets it): with slots, each slot keeps its state at its last checkpoint, so
         # that a member's exploit of another member on the group is an in-place copy (runtime/slots.py `SlotGroup`).
         self.keep_saved_states = False
@@ -437,7 +444,8 @@ class SweepLauncher(BaseSubmititLauncher):
             check_points(self.hydra_context, self.config, [overrides], num, self.slots())
             refused = None
         else:
-            _, refused = point_error(self.hydra_context, self.config, overrides, self.data_checked, self.slots())
+            _, refused = point_error(self.hydra_context, self.config, overrides, self.data_checked, self.slots(),
+                                     self.composed if self.slots() > 1 else None)  # fmt: skip
         handle = StartedJob(num, overrides, refused=refused)
         if refused is None:
             Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
@@ -465,14 +473,21 @@ class SweepLauncher(BaseSubmititLauncher):
         result file and one squeue call for all of them (a requeued job is waited for again, as in `wait_for`)."""
         if not handles:
             return []
+        # Jobs on slots (threads of this process) say when one ends: seen at once, not at the next poll.
+        job_ended = getattr(self.slot_jobs, "job_ended", None)
         while True:
+            if job_ended is not None:
+                job_ended.clear()  # before looking: an end after the look sets it again
             ended = self._ended(handles)
             if ended:
                 returns = [(handle, *self._outcome(handle.num, handle.overrides, handle.job, handle.refused, by)) for handle, by in ended]
                 self.outcomes.update((outcome.num, outcome) for _, _, outcome in returns)
                 self.running = [h for h in self.running if all(h is not handle for handle, _ in ended)]
                 return returns
-            time.sleep(poll_s)
+            if job_ended is not None:
+                job_ended.wait(poll_s)
+            else:
+                time.sleep(poll_s)
 
     def _ended(self, handles: Sequence[StartedJob]) -> list[tuple[StartedJob, str | None]]:
         """(handle, None: it wrote its result or was refused; else the state it ended in) for each ended one. A

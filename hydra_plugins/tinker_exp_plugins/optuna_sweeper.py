@@ -236,6 +236,7 @@ class OptunaSweeper(Sweeper):
         on_slots = isinstance(self.launcher, SweepLauncher) and self.launcher.slots() > 1
         running: dict[Any, Any] = {}  # the launcher's handle -> its trial
         asked = None  # a trial asked and not started yet
+        warming = self.dry_run  # a dry run draws no summary
         try:
             while True:
                 while len(running) < at_once and len(finished(study)) + len(running) < self.n_trials:
@@ -256,6 +257,11 @@ class OptunaSweeper(Sweeper):
                     asked = None
                 if not running:
                     return
+                if not warming:  # once its first trials run: the summary's pictures at the end do not pay for it
+                    from tinker_exp.sweep.report import warm_up
+
+                    warming = True
+                    threading.Thread(target=warm_up, name="report-warm-up", daemon=True).start()
                 for handle, ret, outcome in self.jobs.wait_any(list(running)):
                     trial = running.pop(handle)
                     if outcome is not None and outcome.job_id:  # the summary's job id column

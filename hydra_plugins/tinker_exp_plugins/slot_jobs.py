@@ -175,13 +175,16 @@ class SlotExecutor:
         self.routes = ByThread()
         self.groups = SlotGroups(capacity, verl_workers, self.logs, self.routes.speaking_for, getattr(launcher, "keep_saved_states", False))
         self.jobs: list[SlotJob] = []
+        self.job_ended = threading.Event()
+        """Set as any job ends (the launcher's `wait_any` waits on it instead of polling)."""
         self.installed: tuple[Any, ...] | None = None
 
     def submit(self, launcher: Any, overrides: Sequence[str], dir_key: str, num: int, *rest: Any) -> SlotJob:
         self._install()
         self.logs.mkdir(parents=True, exist_ok=True)
         job = SlotJob(num, self.logs / f"{num}.log")
-        prepared = prepare(launcher.hydra_context, launcher.config, overrides, num)
+        composed = getattr(launcher, "composed", {}).pop(tuple(overrides), None)  # as the launcher checked it
+        prepared = prepare(launcher.hydra_context, launcher.config, overrides, num, composed)
         job.thread = threading.Thread(target=self._run, args=(job, prepared), name=f"slot-job-{num}", daemon=True)
         self.jobs.append(job)
         job.thread.start()
@@ -208,6 +211,7 @@ class SlotExecutor:
         finally:
             self.routes.remove()
             job.ended.set()
+            self.job_ended.set()
 
     def _pool_slot(self, job: SlotJob, prepared: "Prepared") -> Any:
         """The trial's slot on the user's warm pool (tinker_exp/place.py `on_a_pool_slot`), its Ctrl-C sent there;
@@ -269,13 +273,14 @@ class Prepared(NamedTuple):
     """The run dir's log (conf/hydra/job_logging: <run dir>/<hydra.job.name>.log)."""
 
 
-def prepare(hydra_context: Any, config: DictConfig, overrides: Sequence[str], num: int) -> Prepared:
+def prepare(hydra_context: Any, config: DictConfig, overrides: Sequence[str], num: int, composed: DictConfig | None = None) -> Prepared:
     """What Hydra's run_job gives a job's task, without its globals: the job's config (its `hydra` node as job `num`
-    of the sweep), its run dir made, its W&B group and name, its record's files."""
+    of the sweep), its run dir made, its W&B group and name, its record's files. `composed`: the job's config as
+    composed already (launchers.py `point_error`), else composed here."""
     from tinker_exp.run import hydra_output_files, name_sweep_job
     from tinker_exp.sweep.jobs import RUN_DIRS, job_info, run_dir_of
 
-    whole = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+    whole = composed if composed is not None else hydra_context.config_loader.load_sweep_config(config, list(overrides))
     with open_dict(whole.hydra.job), read_write(whole.hydra):
         whole.hydra.job.num = num
         whole.hydra.job.id = f"slot-job-{num}"

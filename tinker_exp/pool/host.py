@@ -816,7 +816,9 @@ def warm_imports() -> None:
     """What every run imports, imported before the first: the pool's point is that no run waits for it."""
     from tinker_exp.runtime import rl_workers, sampler, workers  # noqa: F401
     from tinker_exp.runtime.workers import _worker_class
+    from tinker_exp.sweep.report import warm_up
     from tinker_exp.train import loop, sinks  # noqa: F401
 
     _worker_class()
     rl_workers._rl_worker_class()
+    warm_up()  # every run draws its report.png

@@ -28,6 +28,7 @@ import copy
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,11 @@ from tinker_exp.errors import ConfigError
 from tinker_exp.train.protocols import StepResult
 
 log = logging.getLogger(__name__)
+
+GATHER_FRACTION = 0.5
+"""A cycle waits for the trials the last one served at most this fraction of the last cycle's time ..."""
+GATHER_MAX_S = 0.05
+"""... and at most this long (their driver work between steps is a metrics row and a progress bar, not a step)."""
 
 
 @dataclass
@@ -255,6 +261,14 @@ class SlotGroup:
         self.waiting: list[StepRequest] = []
         """Steps asked and not yet taken by a cycle (under `waiting_changed`, notified as one joins)."""
         self.waiting_changed = threading.Condition()
+        self.cycling = False
+        """A trial's thread runs the next cycle (or gathers it, or waits for the lock to run it): the other steps
+        wait for it on `waiting_changed`."""
+        self.expected: set[int] = set()
+        """The slots the last cycle served, while their trials make no other call: the next cycle waits a moment for
+        them (`gather_s`)."""
+        self.last_cycle_s = 0.0
+        """How long the last cycle ran."""
         self.packed: Counter[int] = Counter()
         """How many packed steps of n slots the group has run (n -> count): a cycle of one slot is not packed."""
         self.packed_evaluations: Counter[int] = Counter()
@@ -275,6 +289,8 @@ class SlotGroup:
         class (a served client's: runtime/serve_workers.py `ServedSlot`)."""
         from tinker_exp.optim.optimizers import spec_of
 
+        # Before the lock (it reads the model's config and tokenizer): the other slots' cycles do not wait for it.
+        config = self.workers._worker_config(self.workers.backend, optimizer, trainer, self.workers.model_path, optimizer_values)
         with self.lock:
             free = [i for i in range(self.capacity) if i not in self.slots]
             if index is None and not free:
@@ -282,7 +298,6 @@ class SlotGroup:
             index = free[0] if index is None else index
             if index in self.slots or not 0 <= index < self.capacity:
                 raise RuntimeError(f"slot {index} is not free (slots 0..{self.capacity - 1}, free: {free})")
-            config = self.workers._worker_config(self.workers.backend, optimizer, trainer, self.workers.model_path, optimizer_values)
             self.workers.group.slot_fill(index, config.optimizer_config, trainer.seed)
             self.loaded = index
             self.holding.pop(index, None)
@@ -306,6 +321,7 @@ class SlotGroup:
         """The checkpoint's worker state at `folder` into `slot`: copied in place from the slot that saved it when
         that slot holds its state as saved (kept, or not changed since: a PBT donor on this group), else loaded from
         the files. Returns the line that says which."""
+        self._elsewhere(slot)
         with self.lock:
             found = folder_identity(folder)
             holder = next((i for i, held in self.holding.items() if held == found and i != slot.index and i in self.slots), None)
@@ -338,7 +354,8 @@ class SlotGroup:
     def train_step(self, slot: "Slot", examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult:
         """`slot`'s step in the group's next cycle (Tinker's clock cycle): the step waits for the lock; whichever
         trial's thread takes it runs every step waiting then, its own among them, as one packed step
-        (`train_steps`), and each waiting thread takes its own result. No timer: a cycle packs what is waiting."""
+        (`train_steps`), and each waiting thread takes its own result. The cycle first waits a moment for the trials
+        the last cycle served (`gather_s`); no other timer: a cycle packs what is waiting."""
         return self._cycle(StepRequest(slot, examples, optim_step_params))
 
     def evaluate(self, slot: "Slot", examples: Sequence[Any]) -> float:
@@ -347,27 +364,64 @@ class SlotGroup:
         return self._cycle(StepRequest(slot, examples, None, evaluation=True))
 
     def _cycle(self, request: StepRequest) -> Any:
+        # A step waits on `waiting_changed` for the cycle running, not on the lock: the lock's waiters wake one at a
+        # time, so a trial whose step a cycle had just run would queue for the lock behind a step that came after
+        # that cycle, and that step would run alone (time-shared) while the others were still waking.
         with self.waiting_changed:
             self.waiting.append(request)
             self.waiting_changed.notify_all()
-        with self.lock:
-            if not request.done:
-                with self.waiting_changed:
-                    taken, self.waiting = self.waiting, []
-                steps = [r for r in taken if not r.evaluation]
-                evaluations = [r for r in taken if r.evaluation]
-                try:
-                    results = self.train_steps([(r.slot, r.examples, r.optim_step_params) for r in steps]) if steps else []
-                    results += self.evaluations([(r.slot, r.examples) for r in evaluations]) if evaluations else []
-                except BaseException as e:  # noqa: BLE001  (each waiting trial raises it in its own thread)
-                    for each in taken:
-                        each.error, each.done = e, True
-                else:
-                    for each, result in zip(steps + evaluations, results, strict=True):
-                        each.result, each.done = result, True
+            self.waiting_changed.wait_for(lambda: request.done or not self.cycling)
+            if request.done:
+                return self._outcome(request)
+            self.cycling = True  # this thread runs the next cycle
+            if not self.refused:  # the last cycle's other trials, back from their driver work in a moment, join it
+                self.waiting_changed.wait_for(lambda: self.expected <= {r.slot.index for r in self.waiting}, self.gather_s())
+        try:
+            self._run_cycle()
+        finally:
+            with self.waiting_changed:
+                self.cycling = False
+                self.waiting_changed.notify_all()
+        return self._outcome(request)
+
+    @staticmethod
+    def _outcome(request: StepRequest) -> Any:
         if request.error is not None:
             raise request.error
         return request.result
+
+    def _run_cycle(self) -> None:
+        """One cycle of every request waiting once this thread has the lock: each its result, or the error raised."""
+        with self.lock:
+            with self.waiting_changed:
+                taken, self.waiting = self.waiting, []
+            began = time.monotonic()
+            steps = [r for r in taken if not r.evaluation]
+            evaluations = [r for r in taken if r.evaluation]
+            try:
+                results = self.train_steps([(r.slot, r.examples, r.optim_step_params) for r in steps]) if steps else []
+                results += self.evaluations([(r.slot, r.examples) for r in evaluations]) if evaluations else []
+            except BaseException as e:  # noqa: BLE001  (each waiting trial raises it in its own thread)
+                for each in taken:
+                    each.error, each.done = e, True
+            else:
+                for each, result in zip(steps + evaluations, results, strict=True):
+                    each.result, each.done = result, True
+            with self.waiting_changed:
+                self.expected = {r.slot.index for r in taken}
+                self.last_cycle_s = time.monotonic() - began
+
+    def gather_s(self) -> float:
+        """How long a cycle waits for the trials the last one served (their driver work between steps: a metrics
+        row, a progress bar) before it runs without them: a trial that misses a cycle costs a cycle of its own."""
+        return min(GATHER_FRACTION * self.last_cycle_s, GATHER_MAX_S)
+
+    def _elsewhere(self, slot: "Slot") -> None:
+        """`slot`'s trial makes a call that is not a cycle's (a checkpoint, an export, its end): no cycle waits for it."""
+        with self.waiting_changed:
+            if slot.index in self.expected:
+                self.expected.discard(slot.index)
+                self.waiting_changed.notify_all()
 
     def evaluations(self, evaluations: Sequence[tuple["Slot", Sequence[Any]]]) -> list[float]:
         """Each (slot, examples)'s evaluation loss, at once: the slots' rows through the base model together (one
@@ -465,6 +519,7 @@ class SlotGroup:
 
     def _on(self, slot: "Slot", call: Callable[[], Any]) -> Any:
         """`call` (a group call) on `slot`'s trial, under the lock; a swap it needed is checked after it."""
+        self._elsewhere(slot)
         with self.lock:
             self._use(slot)
             try:
@@ -477,6 +532,7 @@ class SlotGroup:
                     ray.get(loading)
 
     def _free(self, slot: "Slot") -> None:
+        self._elsewhere(slot)
         with self.lock:
             if self.slots.get(slot.index) is slot:
                 self.workers.group.slot_free(slot.index)

@@ -102,7 +102,8 @@ def _read_yaml(path: Path) -> Any:
     import yaml
 
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        # libyaml's parser where PyYAML has it: the same values, and a run's .hydra/hydra.yaml in a tenth of the time
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except (OSError, yaml.YAMLError):
         return None
 
@@ -372,6 +373,20 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def warm_up() -> None:
+    """What drawing a report first costs, paid now (matplotlib imported, a first figure drawn: about 0.5 s on this
+    project's CPU): a sweep calls it in a thread while its trials train, so that its summary's pictures at its end do
+    not wait for it; a pool, before its first run."""
+    plt = _pyplot()
+    from matplotlib.lines import Line2D  # noqa: F401  (draw_report's)
+    from matplotlib.ticker import MaxNLocator  # noqa: F401
+
+    fig = plt.figure(figsize=(1, 1))
+    fig.text(0.5, 0.5, "0")
+    fig.canvas.draw()  # the font cache and the Agg canvas
+    plt.close(fig)
 
 
 def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
