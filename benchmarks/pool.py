@@ -168,7 +168,8 @@ def slots(args: argparse.Namespace, tmp: Path) -> None:
     (a process and a group a trial), warm (the sweep's pool, one trial at a time) and packed (hydra.launcher.slots
     = --trials: every trial a thread on a slot of one group). Wall medians, ratios, trials per hour; whether every
     side found the same objective values, trial by trial, and the same best trial."""
-    sides = {"cold": ["backend.pool=none"], "warm": [], "packed": [f"hydra.launcher.slots={args.trials}"]}
+    one_a_process = "hydra.launcher.slots=1"  # LoRA trials train on slots by default (auto)
+    sides = {"cold": ["backend.pool=none", one_a_process], "warm": [one_a_process], "packed": [f"hydra.launcher.slots={args.trials}"]}
     if args.no_cold:
         del sides["cold"]
     compare_studies(args, tmp, sides, "packed")
@@ -184,7 +185,8 @@ def pool_slots(args: argparse.Namespace, tmp: Path) -> None:
     address = wire.address_of()
     try:
         at = f"backend.pool={address}"
-        compare_studies(args, tmp, {"one at a time": [at], "packed": [at, f"hydra.launcher.slots={args.trials}"]}, "packed")
+        sides = {"one at a time": [at, "hydra.launcher.slots=1"], "packed": [at, f"hydra.launcher.slots={args.trials}"]}  # 1: not auto's slots
+        compare_studies(args, tmp, sides, "packed")
     finally:
         pool_command("down")
 
