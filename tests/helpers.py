@@ -371,6 +371,21 @@ def squeue(slurm_env: dict) -> str:
     return subprocess.run(["squeue", "-h", "-o", "%i %T"], env=environment(slurm_env), capture_output=True, text=True).stdout
 
 
+def requeue_at_time_limit(slurm_env: dict, job_id: str, queued_as: str, driver: subprocess.Popen) -> float:
+    """Send a running job the time-limit signal (USR2, what Slurm sends `signal_delay_s` before the limit), so that
+    submitit requeues it; wait until it is back in the queue and its first start has left the node, then release it
+    sooner than Slurm's hold (which keeps a requeued batch job a while, so that its new credential postdates the old
+    one's revocation). `queued_as`: its id as squeue shows it (an array task's `<array>_<task>`). Returns when the
+    signal was sent (time.time())."""
+    slurm = environment(slurm_env)
+    subprocess.run(["scancel", "--signal=USR2", job_id], env=slurm, check=True)
+    sent = time.time()
+    wait_until(lambda: f"{queued_as} PENDING" in squeue(slurm_env).splitlines(), 240, f"job {queued_as} was not requeued", driver)
+    wait_until(lambda: not job_processes([job_id]), 240, f"job {queued_as}'s first start did not end")
+    subprocess.run(["scontrol", "update", f"JobId={queued_as}", "StartTime=now+5"], env=slurm, check=True)
+    return sent
+
+
 def cancel_leftover_jobs(slurm_env: dict, timeout: float = 120) -> None:
     """Cancel every job in the local cluster's queue and wait until its nodes are idle."""
     jobs = [line.split()[0] for line in squeue(slurm_env).splitlines() if line.strip()]

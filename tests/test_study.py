@@ -11,7 +11,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import optuna
@@ -22,7 +21,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from helpers import REPO, compose, environment, job_json, job_processes, read_job_log, read_jsonl, run_cli, squeue, wait_until
+from helpers import REPO, compose, environment, job_json, read_job_log, read_jsonl, requeue_at_time_limit, run_cli, wait_until
 from tinker_exp.errors import ConfigError
 from tinker_exp.sweep.study import CUT_OFF, SAMPLERS, evaluations_error, grid_size, make_sampler, masked, open_storage, recover, results, search_space, steps_line, study_direction, study_in, sweep_storage
 from tinker_exp.formats import read_json
@@ -641,12 +640,7 @@ def test_a_pruning_study_on_the_local_slurm_cluster_keeps_n_jobs_in_the_queue_an
         try:
             wait_until(reported_and_saved, 600, "trial 0 did not report an evaluation", driver)
             job_id = job_json(run_0)["slurm"]["job_id"]
-            subprocess.run(["scancel", "--signal=USR2", job_id], env=slurm, check=True)  # submitit requeues it
-            requeued_at = time.time()
-            # As test_sweeps' preempted 2-node point: released sooner than Slurm's hold, once its first start has left the node.
-            wait_until(lambda: f"{job_id} PENDING" in squeue(slurm_env).splitlines(), 240, "the job was not requeued")
-            wait_until(lambda: not job_processes([job_id]), 240, "the first start did not end")
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+5"], env=slurm, check=True)
+            requeued_at = requeue_at_time_limit(slurm_env, job_id, job_id, driver)
             driver.wait(timeout=900)
         finally:
             driver.kill()

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from helpers import REPO, environment, job_json, job_processes, read_jsonl, run_cli, squeue, wait_until
+from helpers import REPO, environment, job_json, read_jsonl, requeue_at_time_limit, run_cli, squeue, wait_until
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.study import finished, open_storage, recover
 from tinker_exp.sweep.workers import RETRY_OF, SEEN_ATTR, WORKER_ATTR, lose, lost, resumed, retries_before, settled, take
@@ -289,12 +289,7 @@ def test_a_requeued_study_worker_takes_back_its_trial_and_resumes_it_at_its_chec
             wait_until(saved, 600, "the trial saved no checkpoint", driver)
             job = job_json(run_0)["slurm"]
             task = f"{job['array_job_id']}_{job['array_task_id']}" if "array_job_id" in job else job["job_id"]  # one worker: no array
-            requeued_at = time.time()
-            subprocess.run(["scancel", "--signal=USR2", job["job_id"]], env=slurm, check=True)  # submitit requeues it
-            wait_until(lambda: f"{task} PENDING" in squeue(slurm_env).splitlines(), 240, "the worker was not requeued", driver)
-            # As test_study's requeued trial: released sooner than Slurm's hold, once its first start has left the node.
-            wait_until(lambda: not job_processes([job["job_id"]]), 240, "the worker's first start did not end")
-            subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now+5"], env=slurm, check=True)
+            requeued_at = requeue_at_time_limit(slurm_env, job["job_id"], task, driver)
             driver.wait(timeout=900)
         finally:
             driver.kill()
