@@ -33,6 +33,7 @@ from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, check_p
 from hydra_plugins.tinker_exp_plugins.optuna_sweeper import StudyWorker
 from tinker_exp.errors import ConfigError, TinkerExpError
 from tinker_exp.sweep.pbt import EXPLORES, POPULATION_ENV, numeric_keys
+from tinker_exp.sweep.slot_count import AUTO
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +260,7 @@ class PBTSweeper(Sweeper):
         configs = check_points(self.hydra_context, self.config, job_points, 0, self._worker_slots() if workers else 1)
         if workers and hasattr(self.launcher, "decide_slots"):  # auto: each worker's share at once, where they can share a group
             self.launcher.decide_slots(configs, math.ceil(self.population / workers), space)
-        auto = self.config.hydra.launcher.get("slots") == "auto"
+        auto = self.config.hydra.launcher.get("slots") == AUTO
         if error := workers_error(workers, self._worker_slots(), self.population, auto):
             raise ConfigError(error)
         cfg = configs[0]
