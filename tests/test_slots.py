@@ -394,6 +394,10 @@ class FakeSlotWorkers:
         self.calls.append(("alone", len(examples)))
         return StepResult(loss=float(examples[0][0]), grad_norm=optim_step_params["lr"], applied=[])
 
+    def evaluate(self, examples: list) -> float:
+        self.calls.append(("alone", examples))
+        return float(examples[0][0])
+
 
 def fake_group(k: int, **kwargs):
     from tinker_exp import config
@@ -481,6 +485,71 @@ def test_the_next_cycle_gathers_the_trials_the_last_one_served(monkeypatch):
         thread.join(WAIT_S / 10)
     assert not first.is_alive() and not second.is_alive()  # not the gathering's bound: the call ended it
     assert group.workers.calls[-1][:2] == ("packed", [0, 2])
+
+
+def test_a_trials_evaluation_of_several_batches_is_one_cycle_each_round_packing_every_trials_next_batch(monkeypatch):
+    """Two trials evaluating at once, one of 3 batches and one of 2: one cycle, its rounds each a packed forward of
+    every trial's next batch (the last batch, one trial's alone, time-shared); each trial gets its batches' losses in
+    order, as evaluating each batch alone gives them."""
+    from verl.utils import tensordict_utils
+
+    monkeypatch.setattr(tensordict_utils, "assign_non_tensor", lambda batch, **values: batch.update(values))
+    group, slots = fake_group(2)
+    batches = {0: [rows(0, 2), rows(0, 2), rows(0, 2)], 1: [rows(1, 2), rows(1, 2)]}
+    cycles = []
+    rounds_of = group._evaluation_rounds
+    monkeypatch.setattr(group, "_evaluation_rounds", lambda requests: (cycles.append(len(requests)), rounds_of(requests))[1])
+    results: dict = {}
+    with group.lock:  # both wait before either's cycle runs
+        threads = [threading.Thread(target=lambda s=slot: results.setdefault(s.index, s.evaluate_batches(batches[s.index])))
+                   for slot in slots]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        with group.waiting_changed:
+            assert group.waiting_changed.wait_for(lambda: len(group.waiting) == 2, WAIT_S)
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert cycles == [2]  # one cycle for both whole evaluations
+    assert [call[:2] for call in group.workers.calls] == [("packed", [0, 1]), ("packed", [0, 1]), ("alone", rows(0, 2))]
+    assert results == {0: [0.0, 0.0, 0.0], 1: [1.0, 1.0]}
+    assert group.packed_evaluations == {2: 2}
+    assert slots[1].evaluate(rows(1, 2)) == 1.0 and group.workers.calls[-1] == ("alone", rows(1, 2))
+
+
+def test_trials_arriving_together_take_their_first_step_in_one_cycle(monkeypatch):
+    """Trials filled one after another (a sweep's first K): the first one's step waits for the others while they
+    arrive, until the group is full and each has asked, then all step in one packed cycle (lock-step from there);
+    a trial filled alone, with none before it, does not wait."""
+    from tinker_exp import config
+    from tinker_exp.runtime import slots as slots_module
+
+    monkeypatch.setattr(slots_module, "ARRIVAL_GAP_S", 10 * WAIT_S)  # so only the trials' arrivals end the wait
+    group, [first] = fake_group(1)
+    first.train_step(rows(0, 2), {"lr": 1.0})  # alone in the group, and no trial arriving: at once
+    assert group.workers.calls == [("alone", 2)]
+    group.workers.calls.clear()
+    group.capacity = 3
+    cfg = config.load(compose(*LORA))
+    second = group.fill(cfg.optimizer, cfg.trainer, {})  # a second trial right after: trials arrive
+    results: dict = {}
+
+    def step(slot) -> threading.Thread:
+        thread = threading.Thread(target=lambda: results.setdefault(slot.index, slot.train_step(rows(slot.index, 2), {"lr": 1.0})))
+        thread.start()
+        return thread
+
+    def waiting(n: int) -> bool:
+        with group.waiting_changed:
+            return group.waiting_changed.wait_for(lambda: len(group.waiting) == n, WAIT_S)
+
+    threads = [step(first), step(second)]
+    assert waiting(2) and group.workers.calls == []  # both asked; a slot is free and trials arrive: no cycle yet
+    third = group.fill(cfg.optimizer, cfg.trainer, {})
+    assert waiting(2) and group.workers.calls == []  # full, but the third has not asked
+    threads.append(step(third))
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert [call[:2] for call in group.workers.calls] == [("packed", [0, 1, 2])] and sorted(results) == [0, 1, 2]
 
 
 def test_a_packed_steps_error_is_raised_in_every_waiting_trial():

@@ -44,6 +44,10 @@ GATHER_FRACTION = 0.5
 """A cycle waits for the trials the last one served at most this fraction of the last cycle's time ..."""
 GATHER_MAX_S = 0.05
 """... and at most this long (their driver work between steps is a metrics row and a progress bar, not a step)."""
+ARRIVAL_GAP_S = 1.0
+"""Trials filled less than this apart arrive together (a sweep's first K, each started in turn): while they arrive
+and a slot is free, a cycle waits for the next of them, at most this long after the last, so that they step in
+lock-step (their evaluations, checkpoints and ends then share cycles) and not a cycle or more apart each."""
 
 
 @dataclass
@@ -74,9 +78,10 @@ class StepRequest:
 
     slot: "Slot"
     examples: Sequence[Any]
+    """A step's batch; an evaluation's batches."""
     optim_step_params: dict[str, Any] | None
     evaluation: bool = False
-    """An evaluation of `examples` (its loss the result), not a step."""
+    """An evaluation of each batch of `examples` (their losses the result), not a step."""
     done: bool = False
     """Its cycle has run: `result` or `error` is set."""
     result: StepResult | None = None
@@ -269,6 +274,11 @@ class SlotGroup:
         them (`gather_s`)."""
         self.last_cycle_s = 0.0
         """How long the last cycle ran."""
+        self.fresh: set[int] = set()
+        """Slots filled whose trial has made no call yet: the next cycle waits for them while trials arrive."""
+        self.last_fill = float("-inf")
+        self.arriving_until = float("-inf")
+        """While trials arrive together (filled less than ARRIVAL_GAP_S apart): the last fill's time plus that gap."""
         self.packed: Counter[int] = Counter()
         """How many packed steps of n slots the group has run (n -> count): a cycle of one slot is not packed."""
         self.packed_evaluations: Counter[int] = Counter()
@@ -303,6 +313,13 @@ class SlotGroup:
             self.holding.pop(index, None)
             slot = (kind or Slot)(self, index, spec_of(optimizer.name.value).averaged, stop)
             self.slots[index] = slot
+            with self.waiting_changed:
+                now = time.monotonic()
+                if now - self.last_fill < ARRIVAL_GAP_S:
+                    self.arriving_until = now + ARRIVAL_GAP_S
+                self.last_fill = now
+                self.fresh.add(index)
+                self.waiting_changed.notify_all()
             return slot
 
     def copy(self, source: "Slot", target: "Slot", keep_config: bool = False, kept: bool = False) -> None:
@@ -358,10 +375,11 @@ class SlotGroup:
         the last cycle served (`gather_s`); no other timer: a cycle packs what is waiting."""
         return self._cycle(StepRequest(slot, examples, optim_step_params))
 
-    def evaluate(self, slot: "Slot", examples: Sequence[Any]) -> float:
-        """`slot`'s evaluation of `examples` in the group's next cycle, packed with the other evaluations waiting then
-        (`evaluations`), as steps are."""
-        return self._cycle(StepRequest(slot, examples, None, evaluation=True))
+    def evaluate(self, slot: "Slot", batches: Sequence[Sequence[Any]]) -> list[float]:
+        """`slot`'s evaluation of each of `batches` (their losses) in the group's next cycle, packed with the other
+        evaluations waiting then, as steps are: the cycle's r-th round packs every evaluation's r-th batch
+        (`evaluations`), so a trial's whole evaluation costs it one cycle, not one a batch."""
+        return self._cycle(StepRequest(slot, batches, None, evaluation=True))
 
     def _cycle(self, request: StepRequest) -> Any:
         # A step waits on `waiting_changed` for the cycle running, not on the lock: the lock's waiters wake one at a
@@ -369,13 +387,14 @@ class SlotGroup:
         # that cycle, and that step would run alone (time-shared) while the others were still waking.
         with self.waiting_changed:
             self.waiting.append(request)
+            self.fresh.discard(request.slot.index)
             self.waiting_changed.notify_all()
             self.waiting_changed.wait_for(lambda: request.done or not self.cycling)
             if request.done:
                 return self._outcome(request)
             self.cycling = True  # this thread runs the next cycle
-            if not self.refused:  # the last cycle's other trials, back from their driver work in a moment, join it
-                self.waiting_changed.wait_for(lambda: self.expected <= {r.slot.index for r in self.waiting}, self.gather_s())
+            if not self.refused:
+                self._gather()
         try:
             self._run_cycle()
         finally:
@@ -400,7 +419,7 @@ class SlotGroup:
             evaluations = [r for r in taken if r.evaluation]
             try:
                 results = self.train_steps([(r.slot, r.examples, r.optim_step_params) for r in steps]) if steps else []
-                results += self.evaluations([(r.slot, r.examples) for r in evaluations]) if evaluations else []
+                results += self._evaluation_rounds(evaluations) if evaluations else []
             except BaseException as e:  # noqa: BLE001  (each waiting trial raises it in its own thread)
                 for each in taken:
                     each.error, each.done = e, True
@@ -411,6 +430,23 @@ class SlotGroup:
                 self.expected = {r.slot.index for r in taken}
                 self.last_cycle_s = time.monotonic() - began
 
+    def _gather(self) -> None:
+        """Under `waiting_changed`, before a cycle: wait for the trials the last cycle served, back from their driver
+        work in a moment (at most `gather_s`), and, while trials arrive together, for the rest of them (until the
+        group is full and each has asked, or `arriving_until`)."""
+        served_until = time.monotonic() + self.gather_s()
+        while True:
+            now = time.monotonic()
+            here = {r.slot.index for r in self.waiting}
+            deadlines = []
+            if now < served_until and not self.expected <= here:
+                deadlines.append(served_until)
+            if now < self.arriving_until and (len(self.slots) < self.capacity or not self.fresh <= here):
+                deadlines.append(self.arriving_until)
+            if not deadlines:
+                return
+            self.waiting_changed.wait(min(deadlines) - now)
+
     def gather_s(self) -> float:
         """How long a cycle waits for the trials the last one served (their driver work between steps: a metrics
         row, a progress bar) before it runs without them: a trial that misses a cycle costs a cycle of its own."""
@@ -419,9 +455,19 @@ class SlotGroup:
     def _elsewhere(self, slot: "Slot") -> None:
         """`slot`'s trial makes a call that is not a cycle's (a checkpoint, an export, its end): no cycle waits for it."""
         with self.waiting_changed:
-            if slot.index in self.expected:
+            if slot.index in self.expected or slot.index in self.fresh:
                 self.expected.discard(slot.index)
+                self.fresh.discard(slot.index)
                 self.waiting_changed.notify_all()
+
+    def _evaluation_rounds(self, requests: Sequence[StepRequest]) -> list[list[float]]:
+        """Under the lock: each evaluation request's batches' losses, round r packing every request's r-th batch."""
+        losses: list[list[float]] = [[] for _ in requests]
+        for r in range(max(len(request.examples) for request in requests)):
+            live = [k for k, request in enumerate(requests) if r < len(request.examples)]
+            for k, loss in zip(live, self.evaluations([(requests[k].slot, requests[k].examples[r]) for k in live]), strict=True):
+                losses[k].append(loss)
+        return losses
 
     def evaluations(self, evaluations: Sequence[tuple["Slot", Sequence[Any]]]) -> list[float]:
         """Each (slot, examples)'s evaluation loss, at once: the slots' rows through the base model together (one
@@ -574,9 +620,13 @@ class Slot:
         return self.group.train_step(self, examples, optim_step_params)
 
     def evaluate(self, examples: Sequence[Any]) -> float:
-        """The evaluation in the group's next cycle, packed with the other slots' evaluations waiting then."""
+        return self.evaluate_batches([examples])[0]
+
+    def evaluate_batches(self, batches: Sequence[Sequence[Any]]) -> list[float]:
+        """The evaluation of every batch in the group's next cycle, packed with the other slots' evaluations
+        waiting then (`SlotGroup.evaluate`)."""
         self._stopped()
-        return self.group.evaluate(self, examples)
+        return self.group.evaluate(self, batches)
 
     def save_checkpoint(self, folder: Path, step: int) -> None:
         """The trial's checkpoint, as a run alone writes it (its adapters, optimizer, lr scheduler, RNG)."""

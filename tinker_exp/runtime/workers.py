@@ -689,6 +689,9 @@ class TinkerWorkers:
         with self.averaged_weights():
             return _loss(self.group.infer_batch(self._batch(examples)).get())
 
+    def evaluate_batches(self, batches: list[list]) -> list[float]:
+        return [self.evaluate(batch) for batch in batches]
+
     @contextmanager
     def averaged_weights(self) -> Iterator[None]:
         """With a schedule-free optimizer: the averaged weights in the parameters inside, the training point

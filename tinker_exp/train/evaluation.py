@@ -38,8 +38,8 @@ class Evaluation:
         weighting each batch by its loss tokens gives the mean over every validation token, not a mean of means."""
         start = time.perf_counter()
         nll, tokens = 0.0, 0
-        for batch in self.batches:
+        for batch, loss in zip(self.batches, workers.evaluate_batches(self.batches), strict=True):
             batch_tokens = sum(sum(example.loss_mask) for example in batch)
-            nll += workers.evaluate(batch) * batch_tokens
+            nll += loss * batch_tokens
             tokens += batch_tokens
         return {"val/loss": nll / tokens, "val/tokens": tokens, "perf/eval_time_s": time.perf_counter() - start}

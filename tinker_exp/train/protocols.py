@@ -37,6 +37,11 @@ class Workers(Protocol):
         """Forward only, nothing about training changes: the batch's mean NLL per loss token."""
         ...
 
+    def evaluate_batches(self, batches: Sequence[Sequence[Any]]) -> list[float]:
+        """`evaluate` of each batch, in one call: a slot's whole evaluation is one cycle of its group
+        (runtime/slots.py), not a cycle a batch."""
+        ...
+
     def save_checkpoint(self, folder: Path, step: int) -> None: ...
 
     def export_adapter(self, folder: Path) -> int:
