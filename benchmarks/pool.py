@@ -19,7 +19,7 @@
   (first vs last, the least-squares slope) and the peak. --one-seed: every run seed 0 (the kept state restored).
 
     .venv/bin/python benchmarks/pool.py start [--pairs 3] [--steps 3] [--no-bare] [--set KEY=VALUE ...]
-    .venv/bin/python benchmarks/pool.py study [--trials 8] [--steps 20]
+    .venv/bin/python benchmarks/pool.py study [--trials 8] [--steps 20] [--no-cold]
     .venv/bin/python benchmarks/pool.py slots [--trials 8] [--steps 20] [--pairs 1] [--no-cold]
     .venv/bin/python benchmarks/pool.py pool-slots [--trials 8] [--steps 20] [--pairs 3]
     .venv/bin/python benchmarks/pool.py pbt
@@ -139,13 +139,17 @@ def training_span(runs: list[list[dict]]) -> float:
     return max(rows[-1]["time"] for rows in runs) - min(rows[0]["time"] - rows[0]["perf/step_time_s"] for rows in runs)
 
 
-def compare_sweeps(name: str, command: list[str], tmp: Path) -> None:
+def compare_sweeps(name: str, command: list[str], tmp: Path, cold: bool = True) -> None:
     results = {}
-    for side, extra in (("cold", ["backend.pool=none"]), ("warm", [])):
+    for side, extra in (("cold", ["backend.pool=none"]), ("warm", [])) if cold else (("warm", []),):
         wall, jobs = sweep([*command, *extra], tmp / side)
         trained = sum(training_time(job["rows"]) for job in jobs)
         results[side] = (wall, trained, jobs)
         print(f"{name} {side}: {len(jobs)} jobs, wall {wall:.1f} s, their training {trained:.1f} s: ratio {wall / trained:.2f}", file=sys.stderr)
+    if not cold:
+        ww, wt, _ = results["warm"]
+        print(f"{name}: wall warm {ww:.1f} s; wall / the trials' training {ww / wt:.2f}x")
+        return
     (cw, ct, cj), (ww, wt, wj) = results["cold"], results["warm"]
     print(f"{name}: wall cold {cw:.1f} s, warm {ww:.1f} s (warm/cold {ww / cw:.3f}); wall / the trials' training: cold "
           f"{cw / ct:.2f}x, warm {ww / wt:.2f}x")  # fmt: skip
@@ -156,7 +160,7 @@ def compare_sweeps(name: str, command: list[str], tmp: Path) -> None:
 
 def study(args: argparse.Namespace, tmp: Path) -> None:
     compare_sweeps("study", ["-m", "hparams_search=lr_cosine", f"hydra.sweeper.n_trials={args.trials}",
-                             f"trainer.steps={args.steps}", "logger=none"], tmp)  # fmt: skip
+                             f"trainer.steps={args.steps}", "logger=none"], tmp, cold=not args.no_cold)  # fmt: skip
 
 
 LORA_STUDY = ["-m", "hparams_search=lr_cosine", "logger=none", "lora=r8"]
@@ -319,7 +323,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--one-seed", action="store_true", help="memory: every run seed 0 (the kept state restored, no rebuild)")
     parser.add_argument("--no-bare", action="store_true", help="start: without the bare verl loop")
-    parser.add_argument("--no-cold", action="store_true", help="slots: warm and packed only")
+    parser.add_argument("--no-cold", action="store_true", help="study: warm only; slots: warm and packed only")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="start: a config override (a GPU: backend.num_workers=1)")
     args = parser.parse_args()
     args.steps = args.steps or (3 if args.part == "start" else 20)

@@ -411,14 +411,16 @@ def cold_lora_seed_7(ray_address, tmp_path_factory) -> Path:
 
 @pytest.mark.real  # a sweep with its own pool (its own Ray cluster and workers)
 def test_a_local_sweeps_second_job_on_its_pool_is_its_cold_point_and_a_seed_change_rebuilds_exactly(cold_lora, cold_lora_seed_7, tmp_path):
-    """A 2-point sweep on the sweep's pool: each point's rows and LoRA adapter are the cold run's of its command, to
-    the bit (seed 0: the module's cold LoRA run; seed 7: its own); the second job ran on the warm pool with another
-    seed than the group's build."""
+    """A 2-point sweep on the sweep's pool, each job a thread of the sweep's process leasing it (no process a job):
+    each point's rows and LoRA adapter are the cold run's of its command, to the bit (seed 0: the module's cold LoRA
+    run; seed 7: its own); the second job ran on the warm pool with another seed than the group's build."""
     cold_runs = {"0": cold_lora, "1": cold_lora_seed_7}
     warm_sweep = run_cli(*SEED_SWEEP, f"hydra.sweep.dir={tmp_path / 'warm'}", env={"TINKER_EXP_POOL": "auto", "RAY_ADDRESS": None}, timeout=600)
     assert warm_sweep.returncode == 0, warm_sweep.stdout[-2000:] + warm_sweep.stderr[-3000:]
     output = warm_sweep.stdout + warm_sweep.stderr
     assert "pool: 1 warm pool(s) for this sweep's jobs" in output and "pool: the sweep's 1 pool(s) ended" in output, output[-3000:]
+    assert all(f"job {n} started (a thread of this process, on a pool of the sweep)" in output for n in (0, 1)), output[-3000:]
+    assert not (tmp_path / "warm" / ".submitit").exists()  # no job process (submitit's folder)
     adapter = "adapter/adapter_model.safetensors"
     for point, cold_dir in cold_runs.items():
         said = (tmp_path / "warm" / point / "tinker_exp.log").read_text()

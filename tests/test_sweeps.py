@@ -206,13 +206,13 @@ def test_max_parallel_is_checked_before_anything_runs(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["hydra.launcher.slots=0"], "hydra.launcher.slots=0: must be an int >= 1 (1: a process a job) or auto"),
-        (["hydra.launcher.slots=many"], "hydra.launcher.slots=many: must be an int >= 1 (1: a process a job) or auto"),
+        (["hydra.launcher.slots=0"], "hydra.launcher.slots=0: must be an int >= 1 (1: one trial a group) or auto"),
+        (["hydra.launcher.slots=many"], "hydra.launcher.slots=many: must be an int >= 1 (1: one trial a group) or auto"),
         (["hydra.launcher.slots=2", "trainer.seed=0,1"],
-         "hydra.launcher.slots=2: lora.rank=0: full fine-tuning keeps one trial per group; slots hold LoRA SFT trials (1: a process a job)"),
+         "hydra.launcher.slots=2: lora.rank=0: full fine-tuning keeps one trial per group; slots hold LoRA SFT trials (1: one trial a group)"),
         (["hydra.launcher.slots=2", "env=digits", "loss=importance_sampling", "lora=r8", "trainer.seed=0,1"],
          "hydra.launcher.slots=2: env.prompts=builtin:digits_train.jsonl: an RL trial keeps its group (its sampler and loss "
-         "are its own); slots hold LoRA SFT trials (1: a process a job)"),
+         "are its own); slots hold LoRA SFT trials (1: one trial a group)"),
     ],
     ids=["zero", "not-a-number", "full-fine-tuning", "rl"],
 )  # fmt: skip
@@ -515,11 +515,10 @@ def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
 
 
 def test_ctrl_c_in_a_local_sweep_stops_the_running_point_and_starts_no_other(ray_address, tmp_path):
-    """hydra.launcher.max_parallel=1: point 1 waits for point 0; Ctrl-C while point 0 trains cancels it, and point 1
-    is never started."""
+    """hydra.launcher.max_parallel=1, on the sweep's own warm pool: each job a thread of the sweep's process leasing
+    the pool (no process a job). Point 1 waits for point 0; Ctrl-C while point 0 trains stops it on the pool, and
+    point 1 is never started."""
     import signal
-
-    import psutil
 
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=local", "hydra.launcher.max_parallel=1",
@@ -535,27 +534,18 @@ def test_ctrl_c_in_a_local_sweep_stops_the_running_point_and_starts_no_other(ray
         output, _ = driver.communicate(timeout=120)
     finally:
         driver.kill()
-    (job_id,) = [p.name for p in (tmp_path / ".submitit").iterdir() if p.name.isdigit()]  # one job started
-    assert driver.returncode == 130 and f"interrupted: cancelled {job_id}" in output, output[-3000:]
+    assert driver.returncode == 130 and "interrupted: cancelled slot-job-0" in output, output[-3000:]
+    assert "job 0 started (a thread of this process, on a pool of the sweep)" in output and not (tmp_path / ".submitit").exists()
     assert "1 local jobs" not in output and "2 local jobs, at most 1 at a time" in output
-    # No traceback (submitit's job controller writes its own to .submitit/controllers.log), and one line that says
-    # how to continue: the same overrides in the same sweep dir.
-    assert "Traceback" not in output and "KeyboardInterrupt" in (tmp_path / ".submitit" / "controllers.log").read_text()
+    # No traceback, and one line that says how to continue: the same overrides in the same sweep dir.
     continued = "tinker_exp: interrupted (Ctrl-C); continue it with: python -m tinker_exp " + shlex.join([*(a for a in command[3:] if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={tmp_path}"])
-    assert output.strip().splitlines()[-1] == continued, output[-3000:]
+    assert "Traceback" not in output and output.strip().splitlines()[-1] == continued, output[-3000:]
     assert not (tmp_path / "1").exists()
-    # The sweep's own warm pool (docs/pool.md): started before its first job, trained it, ended after the Ctrl-C.
+    # The sweep's own warm pool (docs/pool.md): started before its first job, trained it, stopped it, ended after.
     assert "pool: 1 warm pool(s) for this sweep's jobs" in output and "pool: the sweep's 1 pool(s) ended" in output
     assert "pool: training on the workers just built on" in (tmp_path / "0" / "tinker_exp.log").read_text()  # its first job
+    assert 1 <= len(metrics_rows(tmp_path / "0")) < 1000  # stopped on the pool
     assert not list(Path(os.environ["TINKER_EXP_POOL_DIR"]).glob(f"sweep-{driver.pid}-*.sock"))
-
-    def ended() -> bool:  # gone, or a zombie nobody reaps (on this machine PID 1 is no init system)
-        try:
-            return psutil.Process(int(job_id)).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
-    wait_until(ended, 120, f"job {job_id} still running after the cancel", poll=1)
 
 
 def test_a_trial_on_a_slot_starts_from_the_composition_its_check_made_as_from_its_own(tmp_path):

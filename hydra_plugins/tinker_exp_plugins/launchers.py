@@ -36,7 +36,7 @@ from tinker_exp import config as tinker_config
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import ConfigError, TinkerExpError, one_line
 from tinker_exp.formats import masked
-from tinker_exp.pool.local import SweepPools, wanted
+from tinker_exp.pool.local import SweepPools, named, wanted
 from tinker_exp.sweep.jobs import (
     JobOutcome,
     StartedJob,
@@ -75,7 +75,7 @@ def slot_error(cfg: Any, slots: int) -> str | None:
     if slots <= 1:
         return None
     why = why_not_on_slot(cfg)
-    return None if why is None else f"hydra.launcher.slots={slots}: {why}; slots hold LoRA SFT trials (1: a process a job)"
+    return None if why is None else f"hydra.launcher.slots={slots}: {why}; slots hold LoRA SFT trials (1: one trial a group)"
 
 
 def point_error(
@@ -189,7 +189,7 @@ class SweepLauncher(BaseSubmititLauncher):
             raise ConfigError(f"hydra.launcher.max_parallel={max_parallel}: must be an int >= 1, or null (as many as the CPUs hold)")
         slots = params.get("slots", AUTO)
         if slots != AUTO and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
-            raise ConfigError(f"hydra.launcher.slots={slots}: must be an int >= 1 (1: a process a job) or auto")
+            raise ConfigError(f"hydra.launcher.slots={slots}: must be an int >= 1 (1: one trial a group) or auto")
         if slots != AUTO and slots > 1 and self._EXECUTOR == "slurm" and not workers:
             raise ConfigError(f"hydra.launcher.slots={slots}: on Slurm, slots hold a study worker's trials; set "
                               "hydra.launcher.workers (0, the default, runs each trial as a job of its own)")
@@ -213,17 +213,18 @@ class SweepLauncher(BaseSubmititLauncher):
         self.stream_executor: Any = None
         self.pools = SweepPools()  # a streaming sweep's (a study's) warm pools: started at its first local job
         self.slot_jobs: Any = None  # with slots: the executor running jobs as threads on slots (slot_jobs.py)
-        self.composed: dict[tuple, DictConfig] = {}  # with slots: a point `start` checked, composed, for its job
+        self.composed: dict[tuple, DictConfig] = {}  # local: a point `start` checked, composed, for its job on a thread
         # True (a population's sweeper sets it): with slots, each slot keeps its state at its last checkpoint, so
         # that a member's exploit of another member on the group is an in-place copy (runtime/slots.py `SlotGroup`).
         self.keep_saved_states = False
         # hydra.launcher.slots as it applies now: the int asked for, or what `decide_slots` made of auto (None: auto,
-        # not decided yet, which checks points as one trial a process does).
+        # not decided yet, which checks points as one trial a group does).
         asked = params.get("slots", AUTO)
         self.decided_slots: int | None = None if asked == AUTO else int(asked)
 
     def slots(self) -> int:
-        """LoRA trials a group trains at once (hydra.launcher.slots, local only); 1: a process a job."""
+        """LoRA trials a group trains at once (hydra.launcher.slots, local only); 1: one trial a group (a thread of this
+        process leasing a pool, or a process starting its own group)."""
         return (self.decided_slots or 1) if self._EXECUTOR == "local" else 1
 
     def decide_slots(self, configs: Sequence[Any], trials: int, swept: Any) -> None:
@@ -246,7 +247,7 @@ class SweepLauncher(BaseSubmititLauncher):
         else:
             k, why = auto_slots(configs, trials, swept, self.params.get("max_parallel"), free_mb, device)
         self.decided_slots = k
-        where = f"{k} trials at once on slots of one group" if k > 1 else "one trial a process"
+        where = f"{k} trials at once on slots of one group" if k > 1 else "one trial a group"
         log.info(f"hydra.launcher.slots=auto: {where} ({why})")
 
     def decide_study_slots(self, fixed: Sequence[str], trials: int, swept: Any) -> None:
@@ -256,10 +257,11 @@ class SweepLauncher(BaseSubmititLauncher):
             cfg = point_error(self.hydra_context, self.config, fixed, self.data_checked)[0]
             self.decide_slots([cfg] if cfg is not None else [], trials, swept)
 
-    def _executor(self) -> Any:
-        """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it); with slots, the one
-        that runs jobs as threads of this process on one group's slots (kept until `end_slots`)."""
-        if self.slots() > 1:
+    def _executor(self, on_pools: bool = False) -> Any:
+        """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it); with slots, or
+        `on_pools` (the sweep's pools are up, for its local jobs), the one that runs jobs as threads of this process,
+        on one group's slots or each leasing a pool (kept until `end_slots`): no process a job."""
+        if self.slots() > 1 or (on_pools and self._EXECUTOR == "local"):
             if self.slot_jobs is None:
                 from hydra_plugins.tinker_exp_plugins.slot_jobs import SlotExecutor
 
@@ -335,25 +337,25 @@ class SweepLauncher(BaseSubmititLauncher):
             for n, o in zip(nums, job_overrides)
             if n not in refused
         ]
-        executor = self._executor()
         jobs: list[Any] = []  # as they are started (local) or submitted
         verdicts = None
+        pools = SweepPools()  # local jobs' warm workers: one pool per job at once, ended after the jobs
         if self._EXECUTOR != "local":
-            jobs = self._submit(executor, args)
+            jobs = self._submit(self._executor(), args)
             verdicts = Verdicts({job.job_id: job.paths.result_pickle.exists for job in jobs}, slurm_states, POLL_S)
         returns, outcomes = [], []
         ended: dict[int, tuple[JobReturn, JobOutcome]] = {}
-        pools = SweepPools()  # local jobs' warm workers: one pool per job at once, ended after the jobs
         try:
             if self._EXECUTOR == "local":
                 workers = max((cfg.backend.num_workers for cfg in configs if cfg is not None), default=1)
                 at_once = self._at_once(workers)
+                if wanted(configs) and self.slots() == 1:
+                    pools.start(min(at_once, len(args)))
+                executor = self._executor(on_pools=bool(pools.processes) or named(configs))  # its jobs threads leasing them
                 if self.slots() > 1:
                     log.info(f"{len(args)} local jobs, {at_once} at a time on the slots of one group (hydra.launcher.slots)")
                 else:
                     log.info(f"{len(args)} local jobs, at most {at_once} at a time (hydra.launcher.max_parallel)")
-                if wanted(configs) and self.slots() == 1:
-                    pools.start(min(at_once, len(args)))
                 ended = self._run_local(executor, args, at_once, jobs)
             started = iter(jobs)
             for num, overrides in zip(nums, job_overrides):
@@ -368,8 +370,8 @@ class SweepLauncher(BaseSubmititLauncher):
                 outcomes.append(outcome)
         except KeyboardInterrupt:
             cancel(jobs)  # first, before anything that could be slow on a loaded machine (the pools' end too)
+            self.end_slots()  # a job's thread waited for: its run stops on its pool (its line), then the pools end
             pools.close()
-            self.end_slots()
             raise KeyboardInterrupt(continue_line(sweep_dir)) from None
         finally:
             pools.close()
@@ -409,7 +411,7 @@ class SweepLauncher(BaseSubmititLauncher):
     def controllers_log(self) -> Path | None:
         """Local jobs: where submitit's job controllers write (None on Slurm, where sbatch starts the jobs, and with
         slots, where no process is started)."""
-        if self._EXECUTOR != "local" or self.slots() > 1:
+        if self._EXECUTOR != "local" or self.slots() > 1 or self.slot_jobs is not None:
             return None
         return Path(str(self.config.hydra.sweep.dir)) / ".submitit" / CONTROLLERS_LOG
 
@@ -440,25 +442,26 @@ class SweepLauncher(BaseSubmititLauncher):
         or (refuse_bad_points False) comes back as an ended handle without a job."""
         assert self.config is not None
         overrides = self.job_points([overrides])[0]
+        local = self._EXECUTOR == "local"
         if self.refuse_bad_points:
-            check_points(self.hydra_context, self.config, [overrides], num, self.slots())
+            [cfg] = check_points(self.hydra_context, self.config, [overrides], num, self.slots())
             refused = None
-        else:
-            _, refused = point_error(self.hydra_context, self.config, overrides, self.data_checked, self.slots(),
-                                     self.composed if self.slots() > 1 else None)  # fmt: skip
+        else:  # a local job is a thread of this process that starts from this composition (slot_jobs.py `prepare`)
+            cfg, refused = point_error(self.hydra_context, self.config, overrides, self.data_checked, self.slots(),
+                                       self.composed if local else None)  # fmt: skip
         handle = StartedJob(num, overrides, refused=refused)
         if refused is None:
             Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-            if self._EXECUTOR == "local" and self.slots() == 1:  # warm workers for this streaming sweep's jobs, till it ends (at exit)
-                cfg = point_error(self.hydra_context, self.config, overrides, self.data_checked)[0]
-                if wanted([cfg]):
-                    self.pools.start(self.capacity(self.config) or 1)
-            if self.stream_executor is None or self.slots() > 1:
-                self.stream_executor = self._executor()
+            if local and self.slots() == 1 and wanted([cfg]):  # warm workers for this streaming sweep's jobs, till it ends (at exit)
+                self.pools.start(self.capacity(self.config) or 1)
+            on_pools = bool(self.pools.processes) or named([cfg])
+            if self.stream_executor is None or self.slots() > 1 or on_pools:
+                self.stream_executor = self._executor(on_pools)
             arg = (list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state())
             # As in `_submit`: a Ctrl-C inside sbatch would leave a job we never learn the id of.
             with sigint_deferred() as interrupted, ray_token(self.nodes() > 1), controller_stderr(self.controllers_log()):
                 handle.job = self.stream_executor.submit(self, *arg)
+            self.composed.pop(tuple(overrides), None)  # a process job composes its own
             self.running.append(handle)
             if interrupted():
                 self.cancel_running()
@@ -521,8 +524,8 @@ class SweepLauncher(BaseSubmititLauncher):
         jobs, self.running = [h.job for h in self.running], []
         if jobs:
             cancel(jobs)
+        self.end_slots()  # before the pools: a job's thread ends once its run on its pool has stopped
         self.pools.close()
-        self.end_slots()
 
     def _outcome(
         self, num: int, overrides: Sequence[str], job: Any, refused: str | None, ended_by: str | None = None, wait: bool = False

@@ -1,5 +1,7 @@
-"""A local sweep's trials on slots (hydra.launcher.slots=K): each job a thread of the sweep's own process, its run on
-a slot of one LoRA group that process keeps (runtime/warm.py `SlotGroups`), instead of a process and a group each.
+"""A local sweep's trials as threads of the sweep's own process, not a process each: on slots (hydra.launcher.slots=K),
+each job's run on a slot of one LoRA group that process keeps (runtime/warm.py `SlotGroups`) or of the user's pool;
+one trial a group (slots 1, its sweep's pools up), each job's run on one of the sweep's pools, which it leases as a
+process of its own would (`backend.pool=auto`), its process's start saved.
 
 `SlotExecutor.submit` looks like submitit's to the launcher (a job with `done`, `results`, `cancel`, `wait`,
 `state`, `paths`), so the grid's and the study's loops are the same. A job runs what a job's own process runs
@@ -133,9 +135,9 @@ class Paths:
 class SlotJob:
     """One job (a trial, a grid point) as a thread of the sweep's process: submitit's job calls."""
 
-    def __init__(self, num: int, log: Path) -> None:
+    def __init__(self, num: int, log: Path, where: str) -> None:
         self.num, self.job_id = num, f"slot-job-{num}"
-        self.where = "a thread of this process, on a slot"
+        self.where = where
         self.stop = threading.Event()
         self.ended = threading.Event()
         self.ret: JobReturn | None = None
@@ -162,8 +164,9 @@ class SlotJob:
 
 
 class SlotExecutor:
-    """submitit's executor as the local launcher uses it, for trials on slots: `submit(launcher, *args)` starts the
-    job's thread and returns it; `close` waits for every job (bounded), then frees the group."""
+    """submitit's executor as the local launcher uses it, for trials as threads: `submit(launcher, *args)` starts the
+    job's thread and returns it; `close` waits for every job (bounded), then frees the group. `capacity`: the trials a
+    group trains at once on its slots; 1: each trial leases one of the sweep's pools, whole (`on_pools`)."""
 
     def __init__(self, launcher: Any, capacity: int) -> None:
         from tinker_exp.assemble import verl_workers
@@ -173,7 +176,9 @@ class SlotExecutor:
         self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
         self.logs = self.sweep_dir / JOB_LOGS
         self.routes = ByThread()
-        self.groups = SlotGroups(capacity, verl_workers, self.logs, self.routes.speaking_for, getattr(launcher, "keep_saved_states", False))
+        self.on_pools = capacity == 1
+        self.groups = None if self.on_pools else SlotGroups(
+            capacity, verl_workers, self.logs, self.routes.speaking_for, getattr(launcher, "keep_saved_states", False))
         self.jobs: list[SlotJob] = []
         self.job_ended = threading.Event()
         """Set as any job ends (the launcher's `wait_any` waits on it instead of polling)."""
@@ -182,7 +187,7 @@ class SlotExecutor:
     def submit(self, launcher: Any, overrides: Sequence[str], dir_key: str, num: int, *rest: Any) -> SlotJob:
         self._install()
         self.logs.mkdir(parents=True, exist_ok=True)
-        job = SlotJob(num, self.logs / f"{num}.log")
+        job = SlotJob(num, self.logs / f"{num}.log", f"a thread of this process, on {'a pool of the sweep' if self.on_pools else 'a slot'}")
         composed = getattr(launcher, "composed", {}).pop(tuple(overrides), None)  # as the launcher checked it
         prepared = prepare(launcher.hydra_context, launcher.config, overrides, num, composed)
         job.thread = threading.Thread(target=self._run, args=(job, prepared), name=f"slot-job-{num}", daemon=True)
@@ -199,7 +204,8 @@ class SlotExecutor:
         try:
             value = sweep_job(
                 prepared.task, prepared.run_dir, prepared.choices, prepared.job, prepared.hydra_files, prepared.made_now,
-                self._pool_slot(job, prepared) or OnSlot(self.groups, job.stop, self.logs / WORKERS_LOG),
+                self._pool(job, prepared) if self.groups is None
+                else self._pool_slot(job, prepared) or OnSlot(self.groups, job.stop, self.logs / WORKERS_LOG),
             )  # fmt: skip
             job.ret = JobReturn(overrides=list(prepared.overrides), status=JobStatus.COMPLETED, _return_value=value)
             job.state = "COMPLETED"
@@ -212,6 +218,19 @@ class SlotExecutor:
             self.routes.remove()
             job.ended.set()
             self.job_ended.set()
+
+    def _pool(self, job: SlotJob, prepared: "Prepared") -> Any:
+        """Where the trial trains, as its own process would find it (tinker_exp/place.py `where_to_train`): a free pool
+        of the sweep's (`backend.pool=auto`), its Ctrl-C sent there; should none take it, a cold group."""
+        from tinker_exp import config
+        from tinker_exp.place import where_to_train
+
+        found = where_to_train(config.load(prepared.task))
+        if found.train_run is not None:
+            job.on_cancel.append(found.ask_stop)
+            if job.stop.is_set():
+                found.ask_stop()
+        return found
 
     def _pool_slot(self, job: SlotJob, prepared: "Prepared") -> Any:
         """The trial's slot on the user's warm pool (tinker_exp/place.py `on_a_pool_slot`), its Ctrl-C sent there;
@@ -249,7 +268,8 @@ class SlotExecutor:
                 job.cancel()
         for job in self.jobs:
             job.ended.wait(wait_s)
-        self.groups.close()
+        if self.groups is not None:
+            self.groups.close()
         if self.installed is not None:
             handlers, keep_out, trial_records, stdout, stderr = self.installed
             for handler in handlers:

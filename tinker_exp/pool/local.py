@@ -143,3 +143,10 @@ class SweepPools:
 def wanted(configs: Sequence[Any]) -> bool:
     """Whether a sweep's jobs would take a sweep pool: their backend.pool is auto (none: cold; an address: that pool)."""
     return any(cfg is not None and cfg.backend.pool == "auto" and cfg.backend.nodes == 1 and not cfg.dry_run for cfg in configs)
+
+
+def named(configs: Sequence[Any]) -> bool:
+    """Whether every one of a sweep's jobs trains on the pool its backend.pool names (an address): each leases it as
+    a job on the sweep's pools does."""
+    return bool(configs) and all(cfg is not None and cfg.backend.pool not in ("auto", "none") and cfg.backend.nodes == 1
+                                 and not cfg.dry_run for cfg in configs)  # fmt: skip

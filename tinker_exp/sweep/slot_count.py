@@ -21,7 +21,7 @@ AUTO_SLOTS_MAX = 8
 time-shared on this project's CPU workers, of 16 about 0.37 (docs/slots.md): past 8 a slot buys little there, and
 every trial more at once is one finished trial fewer for a model-based sampler (TPE, GP) to learn from."""
 SHAPE_KEYS = ("lora", "model", "env", "backend.nodes")
-"""Swept keys (and their sub-keys) that keep auto at one trial a process: trials of other LoRA shapes or models cannot
+"""Swept keys (and their sub-keys) that keep auto at one trial a group: trials of other LoRA shapes or models cannot
 share a group (a group holds one base model and slots of one shape), and an RL trial or one over several nodes
 cannot take a slot at all."""
 ACTIVATION_BYTES_16BIT = 34
@@ -31,7 +31,7 @@ recomputation (Korthikanti et al. 2022, the s*b*h term; flash attention drops th
 
 def auto_slots(configs: Sequence[Any], trials: int, swept: Iterable[str], at_most: int | None, free_mb: float | None,
                device: str) -> tuple[int, str]:  # fmt: skip
-    """(K, why) for hydra.launcher.slots=auto: K LoRA trials at once on one group, 1 (a process a trial, as with
+    """(K, why) for hydra.launcher.slots=auto: K LoRA trials at once on one group, 1 (one trial a group, as with
     slots=1) where the trials cannot share one. `configs`: the points known (a grid's every point; a study's base
     point); `trials`: how many the sweep runs; `swept`: the keys it varies; `at_most`: hydra.launcher.max_parallel;
     `free_mb`: memory free where the group lives (None: unknown); `device`: cpu or cuda, the workers'."""
