@@ -317,17 +317,8 @@ def test_packed_steps_are_each_trial_alone_within_the_bound(trained, tmp_path):
     before = group.packed[3]
     slots = fill()
     packed = [group.train_steps([(slot, batch(k, step), plans[k][step]) for k, slot in enumerate(slots)]) for step in range(steps - 1)]
-    results: dict[int, object] = {}
-    with group.lock:  # the cycle's lock held until all three steps wait: one cycle takes them
-        threads = [threading.Thread(target=lambda k=k, s=s: results.__setitem__(k, s.train_step(batch(k, steps - 1), plans[k][steps - 1])))
-                   for k, s in enumerate(slots)]  # fmt: skip
-        for thread in threads:
-            thread.start()
-        with group.waiting_changed:
-            assert group.waiting_changed.wait_for(lambda: len(group.waiting) == 3, WAIT_S)
-    for thread in threads:
-        thread.join(WAIT_S)
-    packed.append([results[k] for k in range(3)])
+    results = in_one_cycle(group, [(s, batch(k, steps - 1), plans[k][steps - 1]) for k, s in enumerate(slots)])
+    packed.append([results[s.index] for s in slots])
     evaluations_before = group.packed_evaluations[3]
     evaluated_packed = group.evaluations([(slot, held_out(k)) for k, slot in enumerate(slots)])
     export(slots, "packed")
@@ -408,26 +399,32 @@ def fake_group(k: int, **kwargs):
     return group, [group.fill(cfg.optimizer, cfg.trainer, {}) for _ in range(k)]
 
 
-def in_one_cycle(group, steps: list) -> dict:
-    """Each (slot, examples, params) of `steps` through Slot.train_step in its own thread, all waiting before the
-    group's lock is let go: slot index -> its result, or the error it raised."""
+def calls_in_one_cycle(group, calls: dict) -> dict:
+    """Each of `calls` (key -> a slot's call) in its own thread, all waiting before the group's lock is let go, so one
+    cycle takes them: key -> its result, or the error it raised."""
     results: dict = {}
 
-    def step(slot, examples, params):
+    def call(key, made):
         try:
-            results[slot.index] = slot.train_step(examples, params)
+            results[key] = made()
         except Exception as e:  # noqa: BLE001  (the test reads it)
-            results[slot.index] = e
+            results[key] = e
 
     with group.lock:
-        threads = [threading.Thread(target=step, args=each) for each in steps]
+        threads = [threading.Thread(target=call, args=each) for each in calls.items()]
         for thread in threads:
             thread.start()
         with group.waiting_changed:
-            assert group.waiting_changed.wait_for(lambda: len(group.waiting) == len(steps), WAIT_S)
+            assert group.waiting_changed.wait_for(lambda: len(group.waiting) == len(calls), WAIT_S)
     for thread in threads:
         thread.join(WAIT_S)
     return results
+
+
+def in_one_cycle(group, steps: list) -> dict:
+    """Each (slot, examples, params) of `steps` through Slot.train_step, in one cycle: slot index -> its result, or
+    the error it raised."""
+    return calls_in_one_cycle(group, {slot.index: (lambda s=slot, e=examples, p=params: s.train_step(e, p)) for slot, examples, params in steps})
 
 
 def rows(index: int, n: int) -> list[str]:
@@ -499,16 +496,7 @@ def test_a_trials_evaluation_of_several_batches_is_one_cycle_each_round_packing_
     cycles = []
     rounds_of = group._evaluation_rounds
     monkeypatch.setattr(group, "_evaluation_rounds", lambda requests: (cycles.append(len(requests)), rounds_of(requests))[1])
-    results: dict = {}
-    with group.lock:  # both wait before either's cycle runs
-        threads = [threading.Thread(target=lambda s=slot: results.setdefault(s.index, s.evaluate_batches(batches[s.index])))
-                   for slot in slots]  # fmt: skip
-        for thread in threads:
-            thread.start()
-        with group.waiting_changed:
-            assert group.waiting_changed.wait_for(lambda: len(group.waiting) == 2, WAIT_S)
-    for thread in threads:
-        thread.join(WAIT_S)
+    results = calls_in_one_cycle(group, {slot.index: (lambda s=slot: s.evaluate_batches(batches[s.index])) for slot in slots})
     assert cycles == [2]  # one cycle for both whole evaluations
     assert [call[:2] for call in group.workers.calls] == [("packed", [0, 1]), ("packed", [0, 1]), ("alone", rows(0, 2))]
     assert results == {0: [0.0, 0.0, 0.0], 1: [1.0, 1.0]}
