@@ -448,3 +448,49 @@ def test_the_calls_of_several_models_waiting_at_once_train_in_cycles_each_models
     gate.set()
     assert result(made, held) == {} and [result(made, r) for r in failed] == ["RuntimeError: a packed step failed"] * 2
     assert result(made, call("A", 4, "optim_step")) == {"alone": "A"}  # alone in its cycle: the thread goes on
+
+
+def test_clients_that_await_each_result_fall_into_step_the_next_cycle_waiting_a_moment_for_the_last_ones_models(tmp_path, monkeypatch):
+    """Two models that trained in one cycle: the next cycle, taken up by A's call, waits for B's next call (a client
+    that awaits each result sends its next as the last returns) and trains both in one cycle; a model alone on the
+    server never waits for another."""
+    from tinker_exp.runtime import slots as slots_module
+    from tinker_exp.serve.app import Cycled
+
+    monkeypatch.setattr(slots_module, "GATHER_FRACTION", 1e6)
+    monkeypatch.setattr(slots_module, "GATHER_MAX_S", 600.0)  # so only B's arrival ends the wait
+    group = FakeGroup()
+    made = Server("tiny-llama", lambda rank, model_id: SlotFake(rank, group), dict, lambda folder, first_step: None,
+                  lambda *a: {}, tmp_path, lambda: None, slots=8)
+    models = {name: claimed(made, rank=8) for name in "AB"}
+    gathering = threading.Event()  # set as a call's cycle starts waiting for another model's
+    gather = made._gather
+
+    def noted(job) -> None:
+        if isinstance(job.work, Cycled) and made.served - {job.model.model_id}:
+            gathering.set()
+        gather(job)
+
+    monkeypatch.setattr(made, "_gather", noted)
+
+    def call(name: str, seq: int, kind: str) -> str:
+        args = {"lr": 1.0} if kind == "optim_step" else [name]
+        work = Cycled(kind, "" if kind == "optim_step" else "cross_entropy", args, lambda: {"alone": name}, lambda r: {"result": r})
+        return made.in_turn(models[name], seq, lambda: work, method=kind)
+
+    # A alone: its calls run as they come (the last cycle served A only), none waits for B
+    assert result(made, call("A", 1, "forward_backward")) == {"alone": "A"}
+    assert result(made, call("A", 2, "optim_step")) == {"alone": "A"} and group.cycles == []
+    gate, busy = threading.Event(), threading.Event()
+    held = made.submit(lambda: busy.set() or gate.wait(60) and {})
+    assert busy.wait(60)
+    first = [call("A", 3, "forward_backward"), call("B", 1, "forward_backward")]
+    gate.set()
+    assert result(made, held) == {} and [result(made, r) for r in first] == [{"result": (1.0, [[0.0]])}] * 2
+    assert not gathering.is_set()
+    a_step = call("A", 4, "optim_step")  # A's next, alone in the queue: its cycle waits for B's
+    assert gathering.wait(60) and len(group.cycles) == 1
+    b_step = call("B", 2, "optim_step")
+    assert result(made, a_step) == result(made, b_step) == {"result": (1.0, [])}
+    workers = [models[name].workers for name in "AB"]
+    assert group.cycles == [("forward_backward", workers), ("optim_step", workers)]

@@ -44,6 +44,12 @@ GATHER_FRACTION = 0.5
 """A cycle waits for the trials the last one served at most this fraction of the last cycle's time ..."""
 GATHER_MAX_S = 0.05
 """... and at most this long (their driver work between steps is a metrics row and a progress bar, not a step)."""
+
+
+def gather_s(last_cycle_s: float) -> float:
+    """How long a cycle waits for the trials (or the Tinker server's models) the last cycle served, back in a moment
+    with their next call, before it runs without them: one that misses a cycle costs a cycle of its own."""
+    return min(GATHER_FRACTION * last_cycle_s, GATHER_MAX_S)
 ARRIVAL_GAP_S = 1.0
 """Trials filled less than this apart arrive together (a sweep's first K, each started in turn): while they arrive
 and a slot is free, a cycle waits for the next of them, at most this long after the last, so that they step in
@@ -449,8 +455,8 @@ class SlotGroup:
 
     def gather_s(self) -> float:
         """How long a cycle waits for the trials the last one served (their driver work between steps: a metrics
-        row, a progress bar) before it runs without them: a trial that misses a cycle costs a cycle of its own."""
-        return min(GATHER_FRACTION * self.last_cycle_s, GATHER_MAX_S)
+        row, a progress bar): `gather_s` of the last cycle's time."""
+        return gather_s(self.last_cycle_s)
 
     def _elsewhere(self, slot: "Slot") -> None:
         """`slot`'s trial makes a call that is not a cycle's (a checkpoint, an export, its end): no cycle waits for it."""
