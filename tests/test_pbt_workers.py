@@ -107,7 +107,7 @@ def test_workers_that_cannot_train_the_members_side_by_side_are_refused(monkeypa
     assert code == 2 and err.startswith(f"tinker_exp: config error: {line}"), err
     assert "Traceback" not in out + err and not (tmp_path / "sweep").exists()
     if "slots=2" in " ".join(args):  # every member named with why
-        assert "hydra.launcher.slots=2: " in err and "slots hold LoRA SFT trials" in err, err
+        assert "hydra.launcher.slots=2: " in err and "slots hold LoRA trials" in err, err
     else:
         assert len(err.strip().splitlines()) == 1, err
     assert "TINKER_EXP_POPULATION" not in os.environ

@@ -10,6 +10,7 @@ at step 10.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, environment, metrics_rows, planned, read_jsonl, run_cli, wait_until, wandb_train_rows
+from helpers import REPO, environment, metrics_rows, planned, read_jsonl, run_cli, wait_until, wandb_train_rows, without_timings
 
 RL_COMMAND = ["env=digits", "loss=importance_sampling", "+override=lr_cosine", "trainer.steps=40"]
 EXTRA = ["trainer.objective=eval/reward", "trainer.objective_mode=max", "checkpoint.keep_best=true", "checkpoint.keep_last=0"]
@@ -140,17 +141,48 @@ def test_a_branch_of_an_rl_run_starts_from_its_checkpoint_bitwise_then_applies_i
     assert rows[1]["train/loss"] != trunk_rows[at + 1]["train/loss"]
 
 
-def test_rl_with_lora_samples_from_the_base_model_with_each_steps_adapter_merged(ray_address, tmp_path):
+RL_LORA = [*RL_COMMAND[:2], "lora=r8", "trainer.steps=6", "rl.log_kl_ref=true", "logger=none"]
+"""6 RL steps on digits with a rank-8 adapter, the reference model's KL logged."""
+
+
+@pytest.fixture(scope="module")
+def rl_lora_run(ray_address, tmp_path_factory):
+    """The run dir of RL_LORA's cold run (seed 0)."""
+    run_dir = tmp_path_factory.mktemp("rl_lora")
+    result = run_cli(*RL_LORA, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def test_rl_with_lora_samples_from_the_base_model_with_each_steps_adapter_merged(rl_lora_run):
     """lora=r8 on digits: after each step the workers export the adapter and the driver's sampler merges it into the
     base weights, so the sampler's log-probs are the trainer's (mismatch below 1e-5 at every step) while the policy
     moves away from the initial model by orders of magnitude more (train/kl_ref, against the base model): a sampler
     left on the base weights would differ from the trainer by that much. The run's adapter is rank 8."""
-    run_dir = tmp_path / "rl_lora"
-    result = run_cli(*RL_COMMAND[:2], "lora=r8", "trainer.steps=6", "rl.log_kl_ref=true", f"hydra.run.dir={run_dir}",
-                     env={"RAY_ADDRESS": ray_address}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = rl_lora_run
     rows = metrics_rows(run_dir)
     assert [row["train/step"] for row in rows] == list(range(6))
     assert max(abs(row["train/mismatch"]) for row in rows) < 1e-5, [row["train/mismatch"] for row in rows]
     assert rows[0]["train/kl_ref"] < 1e-6 and rows[-1]["train/kl_ref"] > 1e-3, [row["train/kl_ref"] for row in rows]
     assert json.loads((run_dir / "adapter" / "adapter_config.json").read_text())["r"] == 8
+
+
+def test_lora_rl_trials_train_at_once_on_slots_each_bitwise_its_run_alone(rl_lora_run, ray_address, tmp_path):
+    """A grid of two LoRA RL trials (seeds 0 and 7) on 2 slots of one group in the sweep's process
+    (hydra.launcher.slots=2): each samples in its own thread from its own slot's adapter (runtime/slots.py
+    `Slot.export_weights`), and their steps are time-shared (an RL loss is not packed, said once), so the trial of the
+    cold run's command logs every row and exports its adapter bitwise as the cold run, while the other trains beside
+    it on the other slot from its own seed."""
+    result = run_cli("-m", "hydra/launcher=local", "hydra.launcher.slots=2", *RL_LORA, "trainer.seed=0,7",
+                     f"hydra.sweep.dir={tmp_path}", env={"RAY_ADDRESS": ray_address}, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    said = {point: (tmp_path / point / "tinker_exp.log").read_text() for point in "01"}
+    assert {re.search(r"slot (\d) of 2 on this process's group", text).group(1) for text in said.values()} == {"1", "2"}, said
+    assert "slots: steps time-shared, not packed: the loss is" in said["0"] + said["1"]
+    alone, on_slot = without_timings(metrics_rows(rl_lora_run)), without_timings(metrics_rows(tmp_path / "0"))
+    assert on_slot == alone, [(i, sorted(k for k in {**a, **b} if a.get(k) != b.get(k))) for i, (a, b) in enumerate(zip(alone, on_slot))]
+    adapter = "adapter/adapter_model.safetensors"
+    assert (tmp_path / "0" / adapter).read_bytes() == (rl_lora_run / adapter).read_bytes()
+    other = metrics_rows(tmp_path / "1")
+    assert len(other) == 6 and max(abs(row["train/mismatch"]) for row in other) < 1e-5  # its sampler on its own adapter
+    assert (tmp_path / "1" / adapter).read_bytes() != (rl_lora_run / adapter).read_bytes()

@@ -24,7 +24,7 @@ def test_lora_trials_take_as_many_slots_as_the_sweep_has_trials_up_to_the_cap():
     "overrides, swept, why",
     [
         ([], set(), "lora.rank=0: full fine-tuning keeps one trial per group"),
-        (["lora=r8", "env=digits", "loss=importance_sampling"], set(), "an RL trial keeps its group"),
+        (["lora=r8", "env=digits", "loss=importance_sampling"], set(), "each RL trial's sampler holds its own copy of the model"),
         (["lora=r8"], {"lora.rank", "optimizer.lr"}, "the sweep varies lora.rank: trials of other shapes cannot share a group"),
         (["lora=r8"], {"lora"}, "the sweep varies lora:"),
         (["lora=r8"], {"model.path"}, "the sweep varies model.path:"),

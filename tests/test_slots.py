@@ -363,6 +363,9 @@ class FakeSlotWorkers:
 
         return SimpleNamespace(optimizer_config=None)
 
+    def optimizer_config_of(self, worker_config):
+        return worker_config.optimizer_config
+
     def _batch(self, rows: list) -> dict:
         return {"rows": rows}
 

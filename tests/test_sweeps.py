@@ -209,15 +209,12 @@ def test_max_parallel_is_checked_before_anything_runs(tmp_path):
         (["hydra.launcher.slots=0"], "hydra.launcher.slots=0: must be an int >= 1 (1: one trial a group) or auto"),
         (["hydra.launcher.slots=many"], "hydra.launcher.slots=many: must be an int >= 1 (1: one trial a group) or auto"),
         (["hydra.launcher.slots=2", "trainer.seed=0,1"],
-         "hydra.launcher.slots=2: lora.rank=0: full fine-tuning keeps one trial per group; slots hold LoRA SFT trials (1: one trial a group)"),
-        (["hydra.launcher.slots=2", "env=digits", "loss=importance_sampling", "lora=r8", "trainer.seed=0,1"],
-         "hydra.launcher.slots=2: env.prompts=builtin:digits_train.jsonl: an RL trial keeps its group (its sampler and loss "
-         "are its own); slots hold LoRA SFT trials (1: one trial a group)"),
+         "hydra.launcher.slots=2: lora.rank=0: full fine-tuning keeps one trial per group; slots hold LoRA trials (1: one trial a group)"),
     ],
-    ids=["zero", "not-a-number", "full-fine-tuning", "rl"],
+    ids=["zero", "not-a-number", "full-fine-tuning"],
 )  # fmt: skip
 def test_slots_are_refused_for_points_that_cannot_share_a_group_before_anything_runs(tmp_path, args, message):
-    """hydra.launcher.slots > 1 holds LoRA SFT trials only: a grid or a study of other points is refused in one line
+    """hydra.launcher.slots > 1 holds LoRA trials only: a grid or a study of other points is refused in one line
     (every bad point named), exit 2, nothing written."""
     result = run_cli("-m", "hydra/launcher=local", *args, f"hydra.sweep.dir={tmp_path / 's'}")
     assert result.returncode == 2, result.stderr

@@ -75,7 +75,7 @@ def slot_error(cfg: Any, slots: int) -> str | None:
     if slots <= 1:
         return None
     why = why_not_on_slot(cfg)
-    return None if why is None else f"hydra.launcher.slots={slots}: {why}; slots hold LoRA SFT trials (1: one trial a group)"
+    return None if why is None else f"hydra.launcher.slots={slots}: {why}; slots hold LoRA trials (1: one trial a group)"
 
 
 def point_error(

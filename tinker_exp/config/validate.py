@@ -185,12 +185,10 @@ def load(dcfg: DictConfig) -> Config:
 
 
 def why_not_on_slot(cfg: Config) -> str | None:
-    """Why a run cannot train on a slot of a shared group (runtime/slots.py), or None: slots hold LoRA SFT runs on
-    one node."""
+    """Why a run cannot train on a slot of a shared group (runtime/slots.py), or None: slots hold LoRA runs (SFT, or
+    RL with its sampler in its own driver thread) on one node."""
     if cfg.lora.rank == 0:
         return "lora.rank=0: full fine-tuning keeps one trial per group"
-    if cfg.env.active:
-        return f"env.prompts={cfg.env.prompts}: an RL trial keeps its group (its sampler and loss are its own)"
     if cfg.backend.nodes > 1:
         return f"backend.nodes={cfg.backend.nodes}: slots hold trials on one node"
     return None

@@ -131,7 +131,7 @@ def slot_terms(cfg: Any) -> dict[str, Any] | None:
     dir, sys.path; runs on slots at once share it). None: a run that cannot train on a slot."""
     from tinker_exp.config.validate import why_not_on_slot
 
-    if why_not_on_slot(cfg) is not None:
+    if why_not_on_slot(cfg) is not None or cfg.env.active:  # a pool's slots hold LoRA SFT runs; an RL run leases it whole
         return None
     payload = run_payload((), cfg)
     context = (tuple(sorted(payload["environ"].items())), payload["cwd"], tuple(payload["sys_path"]))

@@ -52,6 +52,12 @@ def _rl_worker_class():
         def _trained_engine(self) -> Any:
             return self.actor.engine
 
+        def _trained_model_config(self) -> Any:
+            return self.actor.model_config
+
+        def _installed_loss(self) -> Any:
+            return self.actor.loss_fn  # ours (`init_model_with_loss`), not the one verl keeps on the worker
+
         def _build_seed(self) -> int:
             return self.config.actor.fsdp_config.seed
 
@@ -151,6 +157,11 @@ class RLWorkers(TinkerWorkers):
 
     def _init_args(self, worker_config: Any) -> dict[str, Any]:
         return {"config": worker_config, "role": ROLE}
+
+    def optimizer_config_of(self, worker_config: Any) -> Any:
+        from verl.utils.config import omega_conf_to_dataclass
+
+        return omega_conf_to_dataclass(worker_config.actor).optim  # as init_model and `fresh_state` build it
 
     def for_run(self, cfg: Any) -> None:
         """A pool's group lent to another run: that run's loss (its parameters, its KL penalty) and sampling

@@ -14,6 +14,7 @@ can hold it (`rng_state` / `set_rng_state`) and a resumed run samples what the u
 from __future__ import annotations
 
 import base64
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,11 @@ def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
+PROCESS_WIDE = threading.RLock()
+"""Held while a sampler uses what is one a process: transformers' lazy imports as it loads, torch's global RNG as it
+samples (RL trials on slots: several samplers, each in its trial's thread of one process)."""
+
+
 class HFSampler:
     """A driver-side copy of the model that samples; `load` takes the workers' exported tensors."""
 
@@ -55,14 +61,16 @@ class HFSampler:
         import copy
 
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        torch.set_num_threads(DRIVER_THREADS)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        from tinker_exp.runtime import no_progress_bars
+        with PROCESS_WIDE:  # transformers' lazy imports are not thread-safe: RL trials on slots start theirs at once
+            from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        with no_progress_bars():
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+            torch.set_num_threads(DRIVER_THREADS)
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            from tinker_exp.runtime import no_progress_bars
+
+            with no_progress_bars():
+                self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.reference = copy.deepcopy(self.model) if reference else None
         """The initial model, never loaded into (`load` changes self.model only)."""
         self._rng = torch.Generator().manual_seed(seed).get_state()
@@ -114,15 +122,16 @@ class HFSampler:
             eos_token_id=stop_ids, pad_token_id=self.pad_id, stop_strings=strings or None, output_scores=True,
             return_dict_in_generate=True,
         )  # fmt: skip
-        saved = torch.get_rng_state()
-        torch.set_rng_state(self._rng)
-        try:
-            with torch.no_grad():
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                          tokenizer=self.tokenizer if strings else None)
-            self._rng = torch.get_rng_state()
-        finally:
-            torch.set_rng_state(saved)
+        with PROCESS_WIDE:  # torch's global RNG holds this sampler's state while it samples
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self._rng)
+            try:
+                with torch.no_grad():
+                    out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                              tokenizer=self.tokenizer if strings else None)
+                self._rng = torch.get_rng_state()
+            finally:
+                torch.set_rng_state(saved)
         responses = out.sequences[:, ids.shape[1] :]
         # the scores each token was drawn from: logits / temperature, the tokens top_k / top_p drop at -inf
         log_probs = torch.log_softmax(torch.stack(out.scores, 1).float(), -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)

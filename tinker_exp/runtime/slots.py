@@ -314,7 +314,7 @@ class SlotGroup:
             index = free[0] if index is None else index
             if index in self.slots or not 0 <= index < self.capacity:
                 raise RuntimeError(f"slot {index} is not free (slots 0..{self.capacity - 1}, free: {free})")
-            self.workers.group.slot_fill(index, config.optimizer_config, trainer.seed)
+            self.workers.group.slot_fill(index, self.workers.optimizer_config_of(config), trainer.seed)
             self.loaded = index
             self.holding.pop(index, None)
             slot = (kind or Slot)(self, index, spec_of(optimizer.name.value).averaged, stop)
@@ -612,6 +612,8 @@ class Slot:
         """Schedule-free: evaluations and exports at the averaged weights (as runtime/workers.py's)."""
         self.stop = stop or threading.Event()
         """Set: the trial is cancelled; its next step or evaluation raises KeyboardInterrupt."""
+        self.weights_version = 0
+        """Changes whenever this trial's weights do (a step, a loaded checkpoint): an RL trial's sampler reloads then."""
 
     def _stopped(self) -> None:
         if self.stop.is_set():
@@ -623,7 +625,9 @@ class Slot:
     def train_step(self, examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult:
         """The step in the group's next cycle, packed with the other slots' steps waiting then (`SlotGroup.train_step`)."""
         self._stopped()
-        return self.group.train_step(self, examples, optim_step_params)
+        result = self.group.train_step(self, examples, optim_step_params)
+        self.weights_version += 1
+        return result
 
     def evaluate(self, examples: Sequence[Any]) -> float:
         return self.evaluate_batches([examples])[0]
@@ -643,9 +647,15 @@ class Slot:
         from the slot that saved it while its state as saved is at hand, else from the files (`SlotGroup.load`;
         either way the same state). One log line says which (a PBT exploit's line in the member's run log)."""
         log.info(f"checkpoint {self.group.load(self, Path(folder))}")
+        self.weights_version += 1
 
     def export_adapter(self, folder: Path) -> int:
         return self.group._on(self, lambda: self.group.workers.export_adapter(folder))
+
+    def export_weights(self) -> Any:
+        """An RL trial's weights for its driver's sampler (runtime/rl_workers.py `RLWorkers.export_weights`: its
+        adapter), whenever `weights_version` has changed (train/rl.py `Weights`)."""
+        return self.group._on(self, self.group.workers.export_weights)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """The trial ends: its slot is free for the next (the group and the other slots go on)."""

@@ -56,6 +56,15 @@ def group_key(cfg: Config, model_path: Path, choice: Any, worker_env: dict[str, 
     }
 
 
+def slot_group_key(cfg: Config, model_path: Path, choice: Any) -> dict[str, Any]:
+    """A slot group's key: its group's (`group_key`), and for RL trials the loss and RL settings the group installs
+    once for all its slots (runtime/rl_workers.py `RLWorkers`: its loss, its batches' sampling temperature)."""
+    key = group_key(cfg, model_path, choice, {})
+    if cfg.env.active:
+        key.update(rl=dataclasses.asdict(cfg.rl), loss=dataclasses.asdict(cfg.loss))
+    return key
+
+
 def model_fingerprint(model_path: Path) -> str:
     """The model dir's files as they are now (each file's name, size and change time; cheap, no read): weights
     replaced at the same path are not the ones the kept workers loaded."""
@@ -423,7 +432,7 @@ class SlotGroups:
     def take(self, cfg: Any, plan: Any, model_path: Path, choice: Any, stop: threading.Event) -> tuple["Slot", str]:
         """A slot for a trial like `cfg` (the one line that says where it trains, with it): waits while the group is
         full, being built, or of another key in use. `stop` set meanwhile: KeyboardInterrupt (the trial cancelled)."""
-        key = group_key(cfg, model_path, choice, {})
+        key = slot_group_key(cfg, model_path, choice)
         with self.changed:
             while True:
                 if stop.is_set() or self.closed:

@@ -234,6 +234,14 @@ def worker_extras(mesh: str):
         def _trained_engine(self) -> Any:
             raise NotImplementedError
 
+        def _trained_model_config(self) -> Any:
+            """verl's model config of the trained engine (its layout: use_remove_padding)."""
+            return self.model_config
+
+        def _installed_loss(self) -> Any:
+            """The loss its forward_backward calls: what a packed step would sum per slot (packed.py `refusal`)."""
+            return getattr(self, "loss_fn", None)
+
         def _build_seed(self) -> int:
             raise NotImplementedError
 
@@ -296,8 +304,8 @@ def worker_extras(mesh: str):
             from tinker_exp.runtime.packed import refusal
 
             self.slots = WorkerSlots(self._trained_engine())
-            padding_free = bool(self.model_config.get("use_remove_padding", False))
-            return refusal(self._trained_engine(), getattr(self, "loss_fn", None), padding_free, self.per_token_losses)
+            padding_free = bool(self._trained_model_config().get("use_remove_padding", False))
+            return refusal(self._trained_engine(), self._installed_loss(), padding_free, self.per_token_losses)
 
         @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name=mesh), blocking=False)
         def slots_forward_backward(self, data):
@@ -652,6 +660,10 @@ class TinkerWorkers:
 
     def param_group_values(self) -> list[list[dict[str, Any]]]:
         return self.group.param_group_values()
+
+    def optimizer_config_of(self, worker_config: Any) -> Any:
+        """verl's optimizer config in a worker config of this group's (`_worker_config`): what a slot's trial is built with."""
+        return worker_config.optimizer_config
 
     def save_checkpoint(self, folder: Path, step: int) -> None:
         """Every rank writes its model, optimizer and extra state (lr scheduler, RNG) into `folder`."""

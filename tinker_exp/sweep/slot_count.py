@@ -22,8 +22,8 @@ time-shared on this project's CPU workers, of 16 about 0.37 (docs/slots.md): pas
 every trial more at once is one finished trial fewer for a model-based sampler (TPE, GP) to learn from."""
 SHAPE_KEYS = ("lora", "model", "env", "backend.nodes")
 """Swept keys (and their sub-keys) that keep auto at one trial a group: trials of other LoRA shapes or models cannot
-share a group (a group holds one base model and slots of one shape), and an RL trial or one over several nodes
-cannot take a slot at all."""
+share a group (a group holds one base model and slots of one shape), and one over several nodes cannot take a slot
+at all."""
 ACTIVATION_BYTES_16BIT = 34
 """Bytes a decoder layer keeps per token and hidden unit for its backward, at 16-bit activations without
 recomputation (Korthikanti et al. 2022, the s*b*h term; flash attention drops the s^2 one)."""
@@ -40,6 +40,9 @@ def auto_slots(configs: Sequence[Any], trials: int, swept: Iterable[str], at_mos
     for cfg in configs:
         if why := why_not_on_slot(cfg):
             return 1, why
+        if cfg.env.active:  # host memory, not the group's: not in the estimate below
+            return 1, (f"env.prompts={cfg.env.prompts}: each RL trial's sampler holds its own copy of the model in the sweep's "
+                       "process; hydra.launcher.slots=K puts K on slots")
     if shaping := sorted(k for k in swept if any(k == p or k.startswith(p + ".") for p in SHAPE_KEYS)):
         return 1, f"the sweep varies {', '.join(shaping)}: trials of other shapes cannot share a group"
     k = min(trials, AUTO_SLOTS_MAX, at_most or AUTO_SLOTS_MAX)
