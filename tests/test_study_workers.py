@@ -285,7 +285,8 @@ def test_a_requeued_study_worker_takes_back_its_trial_and_resumes_it_at_its_chec
     with open(log, "w") as out:
         driver = subprocess.Popen(command, cwd=REPO, env=slurm, stdout=out, stderr=subprocess.STDOUT)
         try:
-            saved = lambda: (run_0 / "checkpoints" / "step_00000002" / "MANIFEST.json").exists()  # noqa: E731
+            # any step's: a trial this fast can save step 6 (and drop step 2, keep_last=2) between two looks
+            saved = lambda: any((run_0 / "checkpoints").glob("step_*/MANIFEST.json"))  # noqa: E731
             wait_until(saved, 600, "the trial saved no checkpoint", driver)
             job = job_json(run_0)["slurm"]
             task = f"{job['array_job_id']}_{job['array_task_id']}" if "array_job_id" in job else job["job_id"]  # one worker: no array
