@@ -226,11 +226,7 @@ class SlotExecutor:
         from tinker_exp.place import where_to_train
 
         found = where_to_train(config.load(prepared.task))
-        if found.train_run is not None:
-            job.on_cancel.append(found.ask_stop)
-            if job.stop.is_set():
-                found.ask_stop()
-        return found
+        return stopped_with(job, found) if found.train_run is not None else found
 
     def _pool_slot(self, job: SlotJob, prepared: "Prepared") -> Any:
         """The trial's slot on the user's warm pool (tinker_exp/place.py `on_a_pool_slot`), its Ctrl-C sent there;
@@ -239,11 +235,7 @@ class SlotExecutor:
         from tinker_exp.place import on_a_pool_slot
 
         found = on_a_pool_slot(config.load(prepared.task))
-        if found is not None:
-            job.on_cancel.append(found.ask_stop)
-            if job.stop.is_set():
-                found.ask_stop()
-        return found
+        return stopped_with(job, found) if found is not None else None
 
     def _install(self) -> None:
         """The routes, at the first job: the sweep's handlers leave trial records out, sys.stdout/stderr route."""
@@ -277,6 +269,14 @@ class SlotExecutor:
             logging.getLogger().removeHandler(trial_records)
             sys.stdout, sys.stderr = stdout, stderr
             self.installed = None
+
+
+def stopped_with(job: SlotJob, lease: Any) -> Any:
+    """`lease` (a pool's, pool/client.py `Lease`), told to stop its run when `job` is cancelled (now, if it is)."""
+    job.on_cancel.append(lease.ask_stop)
+    if job.stop.is_set():
+        lease.ask_stop()
+    return lease
 
 
 class Prepared(NamedTuple):
