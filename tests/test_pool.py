@@ -26,6 +26,7 @@ from helpers import (
     assert_rows_close,
     environment,
     metrics_rows,
+    on_pool,
     run_cli,
     run_module,
     wait_until,
@@ -54,11 +55,7 @@ def pool(ray_address, tmp_path_factory):
 
 
 def warm(pool: dict, *args: str, **kwargs) -> subprocess.CompletedProcess:
-    result = run_cli(*args, env=pool, **kwargs)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    trained = ("pool: training on the warm workers of", "pool: training on the workers just built", "pool: slot ")
-    assert any(line in result.stdout for line in trained), result.stdout[-3000:]
-    return result
+    return on_pool(run_cli(*args, env=pool, **kwargs), pool)
 
 
 def cold(ray_address: str, *args: str) -> subprocess.CompletedProcess:
@@ -823,3 +820,17 @@ def test_a_rerun_waits_for_the_pool_that_still_writes_into_its_run_dir(tmp_path)
         assert not rerun_holds.wait(1.0)  # the client is gone, but the pool writes: the rerun waits
     thread.join(timeout=30)
     assert rerun_holds.is_set()
+
+
+def test_a_sweeps_jobs_that_name_pools_run_at_most_one_a_pool_at_once():
+    """A pool trains one run at a time (LoRA runs on its slots aside): a local sweep whose jobs all name pools starts
+    no more of them at once than the pools they name, where a job beyond them would be refused (pool busy, exit 2).
+    The real case: tests/test_rl_search.py's study (n_jobs=2) on the suite's pool."""
+    from helpers import compose
+
+    from tinker_exp.pool.local import named_pools
+
+    one, other = compose("backend.pool=/tmp/a/pool.sock"), compose("backend.pool=/tmp/b/pool.sock")
+    assert named_pools([one, one, one]) == 1 and named_pools([one, other]) == 2
+    assert named_pools([one, compose()]) == 0 and named_pools([compose("backend.pool=none")]) == 0  # not all name one
+    assert named_pools([compose("backend.pool=/tmp/a/pool.sock", "dry_run=true")]) == 0  # a dry run trains nowhere

@@ -36,7 +36,7 @@ from tinker_exp import config as tinker_config
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import ConfigError, TinkerExpError, one_line
 from tinker_exp.formats import masked
-from tinker_exp.pool.local import SweepPools, named, wanted
+from tinker_exp.pool.local import SweepPools, named, named_pools, wanted
 from tinker_exp.sweep.jobs import (
     JobOutcome,
     StartedJob,
@@ -348,12 +348,14 @@ class SweepLauncher(BaseSubmititLauncher):
         try:
             if self._EXECUTOR == "local":
                 workers = max((cfg.backend.num_workers for cfg in configs if cfg is not None), default=1)
-                at_once = self._at_once(workers)
+                at_once = self._at_once(workers, [cfg for cfg in configs if cfg is not None])
                 if wanted(configs) and self.slots() == 1:
                     pools.start(min(at_once, len(args)))
                 executor = self._executor(on_pools=bool(pools.processes) or named(configs))  # its jobs threads leasing them
                 if self.slots() > 1:
                     log.info(f"{len(args)} local jobs, {at_once} at a time on the slots of one group (hydra.launcher.slots)")
+                elif named(configs):
+                    log.info(f"{len(args)} local jobs, at most {at_once} at a time (one a pool: backend.pool names {named_pools(configs)})")
                 else:
                     log.info(f"{len(args)} local jobs, at most {at_once} at a time (hydra.launcher.max_parallel)")
                 ended = self._run_local(executor, args, at_once, jobs)
@@ -415,20 +417,21 @@ class SweepLauncher(BaseSubmititLauncher):
             return None
         return Path(str(self.config.hydra.sweep.dir)) / ".submitit" / CONTROLLERS_LOG
 
-    def _at_once(self, workers: int) -> int:
+    def _at_once(self, workers: int, configs: Sequence[Any] = ()) -> int:
         """Local jobs at once: the slots (no more than max_parallel when set); else max_parallel, or as many as the
-        CPUs hold at one CPU a worker."""
+        CPUs hold at one CPU a worker, and no more than the pools the jobs name (`configs`: each trains one at a time)."""
         max_parallel = self.params.get("max_parallel")
         if self.slots() > 1:
             return min(self.slots(), max_parallel or self.slots())
-        return points_at_once(os.cpu_count(), workers, max_parallel)
+        at_once = points_at_once(os.cpu_count(), workers, max_parallel)
+        return min(at_once, named_pools(configs) or at_once)
 
     def capacity(self, config: DictConfig) -> int | None:
         """How many jobs of points like `config` may run at once: the local launcher's slots or `max_parallel` (else
-        as many as the CPUs hold); None on Slurm, where the scheduler decides."""
+        as many as the CPUs hold, or the pool they name holds); None on Slurm, where the scheduler decides."""
         if self._EXECUTOR != "local":
             return None
-        return self._at_once(config.backend.num_workers)
+        return self._at_once(config.backend.num_workers, [config])
 
     def end_slots(self) -> None:
         """With slots: every job's thread stopped and waited for, the group freed (the sweep's end, or its stop)."""

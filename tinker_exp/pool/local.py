@@ -150,3 +150,9 @@ def named(configs: Sequence[Any]) -> bool:
     a job on the sweep's pools does."""
     return bool(configs) and all(cfg is not None and cfg.backend.pool not in ("auto", "none") and cfg.backend.nodes == 1
                                  and not cfg.dry_run for cfg in configs)  # fmt: skip
+
+
+def named_pools(configs: Sequence[Any]) -> int:
+    """How many pools a sweep's jobs name when every job names one (`named`), else 0. A pool trains one run at a time
+    (LoRA runs on its slots aside): that many jobs at once, as a job beyond them would be refused (pool busy)."""
+    return len({str(cfg.backend.pool) for cfg in configs}) if named(configs) else 0
