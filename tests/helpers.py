@@ -74,6 +74,33 @@ POOL_LINES = ("pool: training on the warm workers of", "pool: training on the wo
 """How a run says it trains on a pool (the first line of each kind)."""
 
 
+def on_the_pool(where: dict) -> list[str]:
+    """The overrides that send an in-process run (tinker_exp.run.run) to the pool `where` names: its address, and no
+    Ray cluster of its own to join (a run that joins one starts cold)."""
+    return [f"backend.pool={where['TINKER_EXP_POOL']}", "backend.ray_address=null"]
+
+
+def run_on_pool(dcfg, run_dir: Path, where: dict) -> dict:
+    """An in-process run (tinker_exp.run.run) of `dcfg` on the pool `where` names; its last row. Asserted to have
+    said it trains there (its place's line, logged in this process)."""
+    import logging
+
+    from tinker_exp.run import run
+
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger()  # the root's level is the one the pool's process takes for the run
+    level = logger.level
+    logger.addHandler(handler), logger.setLevel(logging.INFO)
+    try:
+        last = run(dcfg, run_dir)
+    finally:
+        logger.removeHandler(handler), logger.setLevel(level)
+    assert any(line in text for text in said for line in POOL_LINES), said
+    return last
+
+
 def trained_on_pool(run_dir: Path, where: dict) -> None:
     """A sweep's job's run trained on the pool `where` names, when it names one (its run's log says so)."""
     if where.get("TINKER_EXP_POOL", "none") != "none":
