@@ -29,9 +29,10 @@ os.environ.setdefault("TINKER_EXP_CACHE", str(REPO / ".cache"))
 # developer's own pool never serves the suite's runs (tests/test_pool.py starts pools of its own). Short: a socket's
 # path holds at most 107 bytes.
 os.environ["TINKER_EXP_POOL_DIR"] = __import__("tempfile").mkdtemp(prefix="txp-pool-", dir="/tmp")
-# ... and the suite's runs and sweeps start cold (backend.pool's default from the environment): their jobs fork from
-# a zygote and join the session's Ray cluster, cheaper here than a sweep's own pool with its own cluster. The tests of
-# pools (tests/test_pool.py, test_sweeps.py's local Ctrl-C sweep, test_serve.py's kept workers) ask for them.
+# ... and a run names where it trains: the suite's warm pool (`suite_pool` below: the production path, for the runs
+# whose tests claim nothing of a cold start), else cold (backend.pool's default from the environment), its workers
+# and its sweep's jobs forked from zygotes on the session's Ray cluster. The tests of pools (tests/test_pool.py,
+# test_sweeps.py's local Ctrl-C sweep, test_serve.py's kept workers) start pools of their own.
 os.environ["TINKER_EXP_POOL"] = "none"
 
 

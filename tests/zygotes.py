@@ -140,8 +140,9 @@ RAY_WORKER_PRELOAD = (
 """What a CPU worker imports that imports no Ray (about 6 of its 8 CPU-s of imports)."""
 
 APPLIED_IN_THE_CHILD = ("PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
-"""Start-up variables a forked worker applies itself, as Python's start would have (its streams, sys.dont_write_bytecode):
-a warm pool's workers have neither (a pool passes its runs' environment on, not these), the suite's processes may."""
+"""Start-up variables that change nothing the imports did: a forked worker sets sys.dont_write_bytecode itself, and
+its streams are the child's own (block-buffered, as they were). A warm pool's workers have neither (a pool passes its
+runs' environment on, not these) where the suite's processes may: they forked fresh for that alone."""
 
 RAY_WORKER_UNSAFE_ENV = ("HF_", "TRANSFORMERS", "PYTHON", "OPENBLAS", "MKL", "NUMPY", "TORCH", "PYTORCH", "TENSORDICT", "KMP_", "GOMP")
 """Variables those imports read. OMP_NUM_THREADS, which Ray sets per worker, is applied with torch.set_num_threads."""
@@ -225,7 +226,7 @@ def become(kind: str, request: dict, imports_set: dict[str, str]) -> None:
     for key, value in imports_set.items():  # as the imports would have set them
         os.environ.setdefault(key, value)
     sys.stdin = open(0, closefd=False)
-    unbuffered = kind == "job" or bool(os.environ.get("PYTHONUNBUFFERED"))  # a job's command's -u
+    unbuffered = kind == "job"  # its command's -u (a worker's streams stay as they were before PYTHONUNBUFFERED was safe)
     sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
     sys.stdout, sys.stderr = _stream(1, unbuffered), _stream(2, unbuffered)
     threads = os.environ.get("OMP_NUM_THREADS")
