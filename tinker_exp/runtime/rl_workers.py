@@ -173,7 +173,10 @@ class RLWorkers(TinkerWorkers):
 
     def ready(self) -> None:
         super().ready()
-        log.info(f"workers: {self.group.installed()[0]}")
+        self.say_installed()
+
+    def say_installed(self) -> None:
+        log.info(f"workers: {self.group.installed()[0]}")  # the loss this run's fresh state installed, as a rank says
 
     def load_checkpoint(self, folder) -> None:
         super().load_checkpoint(folder)

@@ -108,8 +108,9 @@ class Lent:
         return getattr(self._workers, name)
 
     def ready(self) -> None:
-        if not self._built:  # a group built for this run said where its workers are as it was built
+        if not self._built:  # a group built for this run said where its workers are, and what they hold, as it was built
             log.info(f"workers: {self._workers.placement} (kept warm by the pool, in the state a cold build leaves)")
+            self._workers.say_installed()
 
     def shutdown(self) -> None:
         if self._workers.output is not None:

@@ -607,6 +607,10 @@ class TinkerWorkers:
         self.placement = check_placement(self.device, self.group.device_info(), self.nodes)
         log.info(f"workers: {self.placement}")
 
+    def say_installed(self) -> None:
+        """Say what the workers hold for this run beyond their placement, as they report it (RL: the loss); a group
+        lent by a warm pool says it for each run it is lent to."""
+
     def _free_group(self) -> None:
         """The group's actors and placement groups freed, Ray left running (a start again follows)."""
         import ray
