@@ -92,11 +92,13 @@ def run_on_pool(dcfg, run_dir: Path, where: dict) -> dict:
     handler.emit = lambda record: said.append(record.getMessage())
     logger = logging.getLogger()  # the root's level is the one the pool's process takes for the run
     level = logger.level
-    logger.addHandler(handler), logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
         return run(dcfg, run_dir)
     finally:  # its error (the test's to assert) goes on once this holds
-        logger.removeHandler(handler), logger.setLevel(level)
+        logger.removeHandler(handler)
+        logger.setLevel(level)
         assert any(line in text for text in said for line in POOL_LINES), said
 
 

@@ -355,7 +355,7 @@ class SweepLauncher(BaseSubmititLauncher):
                 if self.slots() > 1:
                     log.info(f"{len(args)} local jobs, {at_once} at a time on the slots of one group (hydra.launcher.slots)")
                 elif named(configs):
-                    log.info(f"{len(args)} local jobs, at most {at_once} at a time (one a pool: backend.pool names {named_pools(configs)})")
+                    log.info(f"{len(args)} local jobs, at most {at_once} at a time (one a pool named in backend.pool: a pool trains one run at a time)")
                 else:
                     log.info(f"{len(args)} local jobs, at most {at_once} at a time (hydra.launcher.max_parallel)")
                 ended = self._run_local(executor, args, at_once, jobs)
