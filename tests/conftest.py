@@ -39,8 +39,9 @@ os.environ["TINKER_EXP_POOL"] = "none"
 REAL_FIXTURES = {"ray_address", "suite_pool", "slurm_env", "postgres_url"}
 """A test that uses one of these (directly or through another fixture) starts real work: verl's workers on Ray (the
 session's cluster, or a warm pool's), jobs on the local Slurm cluster, a PostgreSQL server. It is marked `real`;
-`make test-fast` (pytest -m "not real") leaves it out. A test that starts real work otherwise (a CLI run with its own Ray, a server asked for through
-request.getfixturevalue) carries the marker itself: @pytest.mark.real, or marks=pytest.mark.real on its param."""
+`make test-fast` (pytest -m "not real") leaves it out. A test that starts real work otherwise (a CLI run with its own
+Ray, a server asked for through request.getfixturevalue) carries the marker itself: @pytest.mark.real, or
+marks=pytest.mark.real on its param."""
 
 
 def pytest_configure(config):
