@@ -3,7 +3,7 @@
     python3 scripts/gpu_check/record.py FIGURES STAGE KIND RC SECONDS LOG [RUN_DIR] [END_TIME]
 
 KIND: env (the ENV line), bench (benchmarks/gpu.py's GPU_BENCH line, else its GPU_BENCH_PARTIAL line, its progress
-lines and its --json file, LOG.json), run (a
+lines and its --json file, LOG.json), slots (benchmarks/slots.py's --json file, LOG.json, and its last lines), run (a
 tinker_exp run dir: losses, step times, tokens/s, the device and workers lines, and the end of the run: END_TIME,
 when the process exited, minus the last step's row and minus the last checkpoint's line), text (the log's last
 lines), skipped, summary.
@@ -93,6 +93,11 @@ def figures(kind: str, log_path: str, extra: list[str]) -> dict:
         return f
     if kind == "run":
         return run_figures(log, Path(extra[0]), float(extra[1]) if len(extra) > 1 else None)
+    if kind == "slots":  # benchmarks/slots.py: its --json file (LOG.json) and its last lines
+        full = Path(log_path + ".json")
+        f = json.loads(full.read_text()) if full.exists() else {"parse": "no --json file"}
+        f["tail"] = log.splitlines()[-16:]
+        return f
     if kind == "text":  # a benchmark that prints its own table (benchmarks/pool.py): its last lines
         return {"tail": log.splitlines()[-12:]}
     return {}

@@ -14,6 +14,9 @@
 # Stages (GPU):
 #   a  benchmarks/gpu.py: Qwen2.5-1.5B's shape, 16 x 2048 = 32,768 tokens a step, the default throughput knobs:
 #      start-up split, step split, tokens/s, MFU, peak memory, ratio to the bare verl loop               (140 s)
+#   s  benchmarks/slots.py: 16 LoRA slots of rank 16 on one 1.5B-shape group against one slot, each slot 2 x 1024
+#      tokens a step (16 of them: a's 32,768): a round packed and time-shared, tokens/s, MFU on the 4 x N basis,
+#      memory a slot, peak memory                                                                       (150 s)
 #   b  the same batch with the knobs as before them (by sequences, 2 a micro batch; no fused lm head; foreach
 #      AdamW), tinker_exp's loop only                                                                       (80 s)
 #   c  `python -m tinker_exp lora=r8 trainer.steps=10 backend.num_workers=1`: a CLI run's cold start, the tiny
@@ -25,7 +28,7 @@
 #   h  the same with LoRA rank 64 (alpha 128)                                                          (80 s)
 #   d  a's batch and knobs but padding-free on (with sdpa the default pads), tinker_exp's loop only: what sdpa
 #      makes of a packed row                                                        (70 s, or what is left: >= 45 s)
-# Every stage needs about 620 s: GPU_BUDGET_S=700 (the default 400 s skips the last ones, saying so).
+# Every stage needs about 770 s: GPU_BUDGET_S=850 (the default 400 s skips the last ones, saying so).
 # Switches: GPU_STAGES="a b" (a subset); GPU_EMU=1 (no GPU: backend=cpu, tiny settings, longer timeouts: how this
 # script is tested on CPU); GPU_BUNDLE (default .gpu_bundle); GPU_SITE=none (use the Python environment as it is:
 # PYTHON's, which needs tinker_exp's dependencies and, on a GPU, a CUDA build of torch), or a folder to install the
@@ -37,7 +40,7 @@ ROOT=$(pwd)
 HERE="$ROOT/scripts/gpu_check"
 BUNDLE=${GPU_BUNDLE:-$ROOT/.gpu_bundle}
 EMU=${GPU_EMU:-0}
-STAGES=" ${GPU_STAGES:-a b c e f g h d} "
+STAGES=" ${GPU_STAGES:-a s b c e f g h d} "
 # Never a fixed shared folder it deletes: a fresh one of its own (or GPU_WORK, made if need be), and in it a fresh
 # logs folder
 WORK=${GPU_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/tinker-gpu-check.XXXXXX")}
@@ -152,6 +155,7 @@ OLD=(--set backend.micro_batch_tokens=0 --set backend.micro_batch_size=2 --set b
 if [ "$EMU" = 1 ]; then
   CPU=(backend=cpu backend.num_workers=1 logger=none)
   stage a a_bench bench 400 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --steps 5 --json "$LOGS/a_bench.log.json"
+  stage s s_slots slots 400 60 "" -- $PY benchmarks/slots.py --slots 1,2 --rounds 2 --warmup 1 --no-gain backend.num_workers=1 lora.rank=16 lora.alpha=32 --json "$LOGS/s_slots.log.json"
   stage b b_bench_before bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 3 --warmup 1 "${OLD[@]}" --json "$LOGS/b_bench_before.log.json"
   stage c c_lora_end run 300 60 "$R/c_lora" -- $PY -m tinker_exp lora=r8 "${CPU[@]}" trainer.steps=4 trainer.eval_every=2 checkpoint.every_steps=2 hydra.run.dir="$R/c_lora"
   stage e e_pool_start text 400 60 "" -- env TINKER_EXP_POOL=auto $PY benchmarks/pool.py start --pairs 1 --no-bare --set backend=cpu --set backend.num_workers=1 --set logger=none
@@ -161,6 +165,7 @@ if [ "$EMU" = 1 ]; then
   stage d d_bench_packed bench 300 60 "" -- $PY benchmarks/gpu.py --tiny --device cpu --no-bare --steps 3 --warmup 1 --set backend.padding_free=true --json "$LOGS/d_bench_packed.log.json"
 else
   stage a a_bench bench 140 80 "" -- $PY benchmarks/gpu.py --steps 5 "${PEAK[@]}" --json "$LOGS/a_bench.log.json"
+  stage s s_slots slots 150 90 "" -- $PY benchmarks/slots.py --shape 1.5b --device cuda --slots 1,16 --rows 2 --seq 1024 --rounds 3 --warmup 1 --no-gain lora.rank=16 lora.alpha=32 "${PEAK[@]}" --json "$LOGS/s_slots.log.json"
   stage b b_bench_before bench 80 45 "" -- $PY benchmarks/gpu.py --no-bare --steps 3 --warmup 1 "${OLD[@]}" "${PEAK[@]}" --json "$LOGS/b_bench_before.log.json"
   stage c c_lora_end run 80 40 "$R/c_lora" -- $PY -m tinker_exp lora=r8 trainer.steps=10 backend.num_workers=1 logger=none hydra.run.dir="$R/c_lora"
   stage e e_pool_start text 140 90 "" -- env TINKER_EXP_POOL=auto $PY benchmarks/pool.py start --pairs 1 --no-bare --set backend.num_workers=1 --set logger=none
