@@ -834,3 +834,36 @@ def test_a_sweeps_jobs_that_name_pools_run_at_most_one_a_pool_at_once():
     assert named_pools([one, one, one]) == 1 and named_pools([one, other]) == 2
     assert named_pools([one, compose()]) == 0 and named_pools([compose("backend.pool=none")]) == 0  # not all name one
     assert named_pools([compose("backend.pool=/tmp/a/pool.sock", "dry_run=true")]) == 0  # a dry run trains nowhere
+
+
+def test_a_runs_output_reaches_a_client_that_reads_slowly_whole_and_its_stop_still_arrives():
+    """The pool watches a run's client (its stop, its heartbeat) on the socket its run's output goes out on. A client
+    that stops reading for a while (a full pipe, a paused terminal) holds the output back; it must not cut a message in
+    two (a send that times out halfway leaves every later message unreadable: a Ctrl-C'd run then never stopped).
+    Real sockets; the host's own watch and Outbox."""
+    import socket as socket_module
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from tinker_exp.pool import wire
+    from tinker_exp.pool.host import Host, Job, Outbox
+
+    pool_end, client_end = socket_module.socketpair()
+    client_end.settimeout(20)  # a stream cut halfway would leave this side waiting for bytes that never come
+    stopped: list[int] = []
+    job = Job("run", {}, pool_end)
+    host = SimpleNamespace(lease_timeout_s=60.0, holder=None, _stop_job=lambda job, signum: (stopped.append(signum), job.done.set()))
+    watched = threading.Thread(target=Host._watch, args=(host, pool_end, job), daemon=True)
+    watched.start()
+    out = Outbox(pool_end)
+    lines = [f"{i:05d} " + "x" * 20_000 for i in range(60)]  # 1.2 MB: far past the sockets' buffers
+    sender = threading.Thread(target=lambda: [out.send(("stdout", line)) for line in lines], daemon=True)
+    sender.start()
+    time.sleep(1.5)  # the client reads nothing for 3 x the watch's poll: the sends wait, whole
+    received = [wire.recv(client_end) for _ in lines]
+    sender.join(timeout=30)
+    assert received == [("stdout", line) for line in lines]
+    wire.send(client_end, ("stop", "SIGINT"))
+    watched.join(timeout=30)
+    assert stopped == [signal.SIGINT] and not watched.is_alive()

@@ -17,6 +17,7 @@ import importlib
 import logging
 import os
 import queue
+import select
 import signal
 import socket
 import sys
@@ -47,6 +48,8 @@ LEASE_TIMEOUT_S = 60.0
 """A client that holds the pool and says nothing (not even its heartbeat, client.HEARTBEAT_S) for this long is taken
 for gone: its run is stopped as on SIGTERM and the pool is free again. TINKER_EXP_POOL_LEASE_TIMEOUT_S sets it."""
 LEASE_TIMEOUT_ENV = "TINKER_EXP_POOL_LEASE_TIMEOUT_S"
+WATCH_POLL_S = 0.5
+"""How often a run's watch looks at the time between its client's messages (its stop, its heartbeat)."""
 
 
 @dataclass(eq=False)
@@ -286,17 +289,20 @@ class Host:
     def _watch(self, sock: socket.socket, job: Job) -> Any:
         """Until the job is done: a stop from the client, or its end (killed), stops the run; so does its silence for
         lease_timeout_s (a stopped or hung client: its heartbeat stopped too). Returns the client's message that is
-        neither (None if none came): after a check, its run may come before the check's job is done."""
-        sock.settimeout(0.5)
+        neither (None if none came): after a check, its run may come before the check's job is done.
+
+        It waits for the client's next message with `select`, not a timeout on the socket: the run's output goes to the
+        client on this socket meanwhile (Outbox), and a send that timed out halfway (a client that reads slowly: a full
+        pipe, a paused terminal) would leave half a message in the stream, and every later one unreadable."""
+        sock.settimeout(None)
         heard, pending = time.monotonic(), None
         while not job.done.is_set():
-            try:
-                message = wire.recv(sock)
-            except socket.timeout:
+            if not select.select([sock], [], [], WATCH_POLL_S)[0]:
                 if time.monotonic() - heard > self.lease_timeout_s and not job.cancelled:
                     log.info(f"pool: the client (pid {(self.holder or {}).get('pid')}) said nothing for {self.lease_timeout_s:g} s: its run is stopped")
                     self._stop_job(job, STOP_SIGNAL)
                 continue
+            message = wire.recv(sock)  # a client sends each message whole
             heard = time.monotonic()
             if message[0] == "stop":
                 self._stop_job(job, STOP_SIGNAL if message[1] == "SIGTERM" else signal.SIGINT)
