@@ -101,17 +101,23 @@ def build_model(shape: dict, cache: Path, dtype: str) -> tuple[Path, int]:
     """overhead.py's model (a Qwen2 of `shape`, random weights, cached; built on the GPU when there is one) and its
     parameter count, read from the weights file's header (tied: the shared matrix once)."""
     import torch
-    from safetensors import safe_open
 
     from overhead import bench_model
 
     model = bench_model(shape, cache, dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    return model, parameter_count(model)
+
+
+def parameter_count(model: Path) -> int:
+    """A model dir's parameters, read from its weights files' headers (a tied matrix once)."""
+    from safetensors import safe_open
+
     n_params = 0
     for weights in sorted(model.glob("*.safetensors")):
         with safe_open(str(weights), framework="pt") as f:
             for name in f.keys():
                 n_params += math.prod(f.get_slice(name).get_shape())
-    return model, n_params
+    return n_params
 
 
 def build_data(path: Path, rows: int, chars: int) -> Path:

@@ -102,19 +102,6 @@ def shape_overrides(args, counts: list[int], tmp: Path) -> tuple[list[str], int 
             f"trainer.batch_size={args.rows}"], n_params  # fmt: skip
 
 
-def base_parameters(model_path: Path) -> int:
-    """The model's parameters, read from its weights' headers (a tied matrix once)."""
-    import math
-
-    from safetensors import safe_open
-
-    count = 0
-    for weights in sorted(model_path.glob("*.safetensors")):
-        with safe_open(str(weights), framework="pt") as f:
-            count += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-    return count
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
@@ -146,6 +133,8 @@ def measure(args, counts: list[int], overrides: list[str], n_params: int | None)
     from tinker_exp.runtime.workers import TinkerWorkers
     from tinker_exp.train.data import dataset_rows
 
+    from gpu import parameter_count
+
     cfg = load(overrides)
     plan = validate(cfg)
     model_path = model_dir(cfg.model)
@@ -153,7 +142,7 @@ def measure(args, counts: list[int], overrides: list[str], n_params: int | None)
     examples = pool[: cfg.trainer.batch_size]
     params = plan[0]
     workers = TinkerWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_path), plan.optimizer_values, args.device, lora=cfg.lora)
-    n_params = n_params or base_parameters(model_path)
+    n_params = n_params or parameter_count(model_path)
     peak, peak_source = spec_peak_of(args)
     figures: dict = {"args": vars(args), "overrides": overrides, "lora_rank": cfg.lora.rank, "n_params": n_params,
                      "flops_per_token_basis": "4 x N (LoRA: no weight gradients of the frozen base)",
