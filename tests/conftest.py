@@ -29,17 +29,19 @@ os.environ.setdefault("TINKER_EXP_CACHE", str(REPO / ".cache"))
 # developer's own pool never serves the suite's runs (tests/test_pool.py starts pools of its own). Short: a socket's
 # path holds at most 107 bytes.
 os.environ["TINKER_EXP_POOL_DIR"] = __import__("tempfile").mkdtemp(prefix="txp-pool-", dir="/tmp")
-# ... and the suite's runs and sweeps start cold (backend.pool's default from the environment): their jobs fork from
-# a zygote and join the session's Ray cluster, cheaper here than a sweep's own pool with its own cluster. The tests of
-# pools (tests/test_pool.py, test_sweeps.py's local Ctrl-C sweep, test_serve.py's kept workers) ask for them.
+# ... and a run names where it trains: the suite's warm pool (`suite_pool` below: the production path, for the runs
+# whose tests claim nothing of a cold start), else cold (backend.pool's default from the environment), its workers
+# and its sweep's jobs forked from zygotes on the session's Ray cluster. The tests of pools (tests/test_pool.py,
+# test_sweeps.py's local Ctrl-C sweep, test_serve.py's kept workers) start pools of their own.
 os.environ["TINKER_EXP_POOL"] = "none"
 
 
-REAL_FIXTURES = {"ray_address", "slurm_env", "postgres_url"}
-"""A test that uses one of these (directly or through another fixture) starts real work: verl's workers on Ray, jobs
-on the local Slurm cluster, a PostgreSQL server. It is marked `real`; `make test-fast` (pytest -m "not real") leaves
-it out. A test that starts real work otherwise (a CLI run with its own Ray, a server asked for through
-request.getfixturevalue) carries the marker itself: @pytest.mark.real, or marks=pytest.mark.real on its param."""
+REAL_FIXTURES = {"ray_address", "suite_pool", "slurm_env", "postgres_url"}
+"""A test that uses one of these (directly or through another fixture) starts real work: verl's workers on Ray (the
+session's cluster, or a warm pool's), jobs on the local Slurm cluster, a PostgreSQL server. It is marked `real`;
+`make test-fast` (pytest -m "not real") leaves it out. A test that starts real work otherwise (a CLI run with its own
+Ray, a server asked for through request.getfixturevalue) carries the marker itself: @pytest.mark.real, or
+marks=pytest.mark.real on its param."""
 
 
 def pytest_configure(config):
@@ -184,6 +186,30 @@ def ray_address(pytestconfig):
         start_zygote(pytestconfig, "job")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def suite_pool():
+    """A warm pool of this test process's (`python -m tinker_exp.pool up`, in a folder of its own, on its own Ray
+    cluster), and the environment a run needs to train on it: the suite's real runs take the production default's
+    path (backend.pool: a run hands its training to the user's pool) where their test claims nothing of a cold start.
+    The pool keeps a group per key (the least recently used freed past --max-groups), so a module's runs of one
+    config build their workers once. Named by its address: a run it cannot take fails (exit 2), never goes cold."""
+    import shutil
+    import tempfile
+
+    from helpers import run_module
+
+    folder = Path(tempfile.mkdtemp(prefix="txp-suite-", dir="/tmp"))  # short: a socket's path holds 107 bytes
+    env = {"TINKER_EXP_POOL": str(folder / "pool.sock"), "TINKER_EXP_POOL_DIR": str(folder), "RAY_ADDRESS": None}
+    # The group most of its runs ask for first (one worker, full fine-tuning); others are built as runs ask.
+    up = run_module("tinker_exp.pool", "up", "--idle-min", "20", "--max-groups", "6", "backend.num_workers=1", env=env, timeout=400)
+    log = folder / "pool.log"
+    assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
+    yield env
+    down = run_module("tinker_exp.pool", "down", env=env, timeout=120)
+    assert "pool down" in down.stdout, down.stdout + down.stderr
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

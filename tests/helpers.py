@@ -62,12 +62,59 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
     return run_module("tinker_exp", *args, env=env, timeout=timeout, cwd=cwd)
 
 
-def trained_run(run_dir: Path, ray_address: str, *command: str) -> Path:
-    """A real CLI run of `command` into `run_dir` on the session's Ray cluster, finished with exit 0 (a module's
-    shared run, asserted on by several tests)."""
-    result = run_cli(*command, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+def trained_run(run_dir: Path, where: dict, *command: str) -> Path:
+    """A real CLI run of `command` into `run_dir`, finished with exit 0 (a module's shared run, asserted on by several
+    tests). `where`: the environment that says where it trains (the suite's pool, conftest.py `suite_pool`, or the
+    session's Ray cluster as RAY_ADDRESS: cold)."""
+    on_pool(run_cli(*command, f"hydra.run.dir={run_dir}", env=where, timeout=600), where)
     return run_dir
+
+
+POOL_LINES = ("pool: training on the warm workers of", "pool: training on the workers just built", "pool: slot ")
+"""How a run says it trains on a pool (the first line of each kind)."""
+
+
+def on_the_pool(where: dict) -> list[str]:
+    """The overrides that send an in-process run (tinker_exp.run.run) to the pool `where` names: its address, and no
+    Ray cluster of its own to join (a run that joins one starts cold)."""
+    return [f"backend.pool={where['TINKER_EXP_POOL']}", "backend.ray_address=null"]
+
+
+def run_on_pool(dcfg, run_dir: Path, where: dict) -> dict:
+    """An in-process run (tinker_exp.run.run) of `dcfg` on the pool `where` names; its last row, or its error. Asserted
+    to have said it trains there (the pool's line, logged in this process)."""
+    import logging
+
+    from tinker_exp.run import run
+
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger()  # the root's level is the one the pool's process takes for the run
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        return run(dcfg, run_dir)
+    finally:  # its error (the test's to assert) goes on once this holds
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        assert any(line in text for text in said for line in POOL_LINES), said
+
+
+def trained_on_pool(run_dir: Path, where: dict) -> None:
+    """A sweep's job's run trained on the pool `where` names, when it names one (its run's log says so)."""
+    if where.get("TINKER_EXP_POOL", "none") != "none":
+        log = (run_dir / "tinker_exp.log").read_text()
+        assert any(line in log for line in POOL_LINES), log[-3000:]
+
+
+def on_pool(result: subprocess.CompletedProcess, where: dict) -> subprocess.CompletedProcess:
+    """`result`, asserted finished with exit 0, and on the pool `where` names when it names one."""
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    if where.get("TINKER_EXP_POOL", "none") != "none":
+        assert any(line in result.stdout for line in POOL_LINES), result.stdout[-3000:]
+    return result
 
 
 def run_module(module: str, *args: str, env: dict | None = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
