@@ -869,3 +869,59 @@ def test_a_runs_output_reaches_a_client_that_reads_slowly_whole_and_its_stop_sti
     wire.send(client_end, ("stop", "SIGINT"))
     watched.join(timeout=30)
     assert stopped == [signal.SIGINT] and not watched.is_alive()
+
+
+def test_a_run_that_waits_for_the_run_before_to_end_waits_past_its_connections_timeout():
+    """A run that leases the pool while the run before is still ending (its client killed or stopped; it closes its
+    files) waits for it and then trains there, however long that takes within the pool's bound: the pool says
+    `waiting` at once and the client waits for as long as the pool may (it waited only the connection's 5 s, and took
+    a pool slow to end a killed run, under load, for gone: `pool: none is up, starting cold`). Real sockets, the
+    host's own lease; a connection timeout of 0.2 s stands for the 5 s."""
+    import threading
+    import time
+
+    from tinker_exp.pool import wire
+    from tinker_exp.pool.host import Host
+
+    address = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp")) / "ending.sock"
+    host = Host(address, idle_s=600.0)
+    server = host.listen()
+    host.holder = {"who": "a killed run's", "pid": 1, "since": time.time(), "ending": True}
+    answers: list = []
+    sock = wire.connect(address, 0.2)
+    wire.send(sock, ("lease", {"code": wire.code_fingerprint(), "pid": 2, "who": "the next run"}))
+    client = threading.Thread(target=lambda: answers.append(wire.lease_answer(sock)), daemon=True)
+    client.start()
+    try:
+        time.sleep(0.6)  # 3 x the connection's timeout: the client still waits (told to by the pool)
+        assert client.is_alive() and answers == []
+        with host.free:  # the run before has ended
+            host.holder = None
+            host.free.notify_all()
+        client.join(30)
+        assert answers and answers[0][0] == "leased" and host.holder["who"] == "the next run", answers
+    finally:
+        sock.close()
+        host.stopping.set()
+        server.close()
+        shutil.rmtree(address.parent, ignore_errors=True)
+
+
+def test_a_lease_answer_reads_past_the_pools_waiting():
+    """The client's side of that: `wire.lease_answer` reads every `waiting` and returns the answer after them, its
+    socket's timeout the pool's bound plus a margin (None: a sweep's trial waiting for a slot waits as long as it
+    must)."""
+    import socket as socket_module
+
+    from tinker_exp.pool import wire
+
+    pool_end, client_end = socket_module.socketpair()
+    client_end.settimeout(0.2)
+    wire.send(pool_end, ("waiting", {"for": "the run before to end", "bound_s": 60.0}))
+    wire.send(pool_end, ("waiting", {"for": "a slot", "bound_s": None}))
+    wire.send(pool_end, ("leased", {"pid": 1}))
+    assert wire.lease_answer(client_end) == ("leased", {"pid": 1}) and client_end.gettimeout() is None
+    wire.send(pool_end, ("waiting", {"for": "the run before to end", "bound_s": 60.0}))
+    wire.send(pool_end, ("busy", {}))
+    assert wire.lease_answer(client_end) == ("busy", {}) and client_end.gettimeout() == 60.0 + wire.WAITING_MARGIN_S
+    pool_end.close(), client_end.close()

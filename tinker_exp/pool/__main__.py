@@ -139,7 +139,7 @@ def up(args: list[str]) -> int:
                 started = None
         sock = wire.connect(address, None)
         wire.send(sock, ("prepare", {"code": wire.code_fingerprint(), "pid": os.getpid(), "who": "pool up", **run_payload((cfg,), cfg)}))
-        reply = wire.recv(sock)
+        reply = wire.lease_answer(sock)
         if reply[0] == "stale" and restarts == 0:
             sock.close()
             print(f"pool: the pool at {address} runs the code of before a change: ending it, starting another")

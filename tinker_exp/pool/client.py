@@ -84,7 +84,7 @@ def attach(cfg: Any, wait_for_slot: bool = False) -> "Lease | Cold":
             sock = wire.connect(address)
             wire.send(sock, ("lease", {"code": wire.code_fingerprint(), "pid": os.getpid(), "who": who(),
                                        "slot": slot_terms(cfg), "wait": wait_for_slot}))  # fmt: skip
-            reply = wire.recv(sock)
+            reply = wire.lease_answer(sock)
         except wire.UntrustedPool as e:
             if explicit:
                 raise wire.UntrustedPool(f"backend.pool={setting}: {e}") from None

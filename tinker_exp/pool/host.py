@@ -159,10 +159,17 @@ class Host:
         wanted = self._slot_terms(request) if kind == "lease" else None
         holder = {"who": request.get("who", ""), "pid": request.get("pid"), "since": time.time(), "ending": False}
         with self.free:
-            # A run whose client has gone (killed) or stopped it is ending: the next one waits for it, not refused.
-            self.free.wait_for(lambda: self.holder is None or not self.holder["ending"], timeout=ENDING_WAIT_S)
+            # A run whose client has gone (killed) or stopped it is ending: the next one waits for it, not refused
+            # (told so first: it waits for our answer as long as we may, wire.lease_answer).
+            ended = lambda: self.holder is None or not self.holder["ending"]  # noqa: E731
+            if not ended():
+                wire.send(sock, ("waiting", {"for": "the run before to end", "bound_s": ENDING_WAIT_S}))
+            self.free.wait_for(ended, timeout=ENDING_WAIT_S)
             if request.get("wait") and wanted is not None:  # a sweep's trial: waits for a slot of its sweep's runs
-                self.free.wait_for(lambda: self.stopping.is_set() or not self._all_taken_by_peers(wanted))
+                slot_free = lambda: self.stopping.is_set() or not self._all_taken_by_peers(wanted)  # noqa: E731
+                if not slot_free():
+                    wire.send(sock, ("waiting", {"for": "a slot", "bound_s": None}))
+                self.free.wait_for(slot_free)
             sharing = self._admit(wanted)
             if sharing is None and (self.holder is not None or self.sharing is not None or self.stopping.is_set()):
                 wire.send(sock, ("busy", self._busy_info()))

@@ -261,6 +261,23 @@ def connect(address: Path, timeout_s: float | None = 5.0) -> socket.socket:
     return sock
 
 
+WAITING_MARGIN_S = 30.0
+"""How much longer than the wait a pool announces a client waits for its answer (a loaded machine's slack)."""
+
+
+def lease_answer(sock: socket.socket) -> Any:
+    """The pool's answer to a lease, read past any ("waiting", {"for": what, "bound_s": seconds or None}) it sends
+    first: it answers at once unless a run before is still ending (killed or stopped: it closes its files) or, for a
+    sweep's trial, every slot is held by its sweep; then it says so and the client waits for as long as the pool may
+    (plus a margin), not just the connection's timeout (a run that waited 5 s took the pool for gone: cold)."""
+    answer = recv(sock)
+    while answer[0] == "waiting":
+        bound = answer[1].get("bound_s")
+        sock.settimeout(None if bound is None else bound + WAITING_MARGIN_S)
+        answer = recv(sock)
+    return answer
+
+
 def ask(address: Path, message: Any, timeout_s: float | None = 5.0) -> Any:
     """One request, one reply."""
     with connect(address, timeout_s) as sock:
