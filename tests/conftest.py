@@ -191,25 +191,20 @@ def ray_address(pytestconfig):
 @pytest.fixture(scope="session")
 def suite_pool():
     """A warm pool of this test process's (`python -m tinker_exp.pool up`, in a folder of its own, on its own Ray
-    cluster), and the environment a run needs to train on it: the suite's real runs take the production default's
+    cluster), as the environment a run needs to train on it: the suite's real runs take the production default's
     path (backend.pool: a run hands its training to the user's pool) where their test claims nothing of a cold start.
     The pool keeps a group per key (the least recently used freed past --max-groups), so a module's runs of one
-    config build their workers once. Named by its address: a run it cannot take fails (exit 2), never goes cold."""
+    config build their workers once. Named by its address: a run it cannot take fails (exit 2), never goes cold. Up
+    when first read, idle out after a few minutes without a run, up again when read again (helpers.SuitePool)."""
     import shutil
     import tempfile
 
-    from helpers import run_module
+    from helpers import SuitePool
 
-    folder = Path(tempfile.mkdtemp(prefix="txp-suite-", dir="/tmp"))  # short: a socket's path holds 107 bytes
-    env = {"TINKER_EXP_POOL": str(folder / "pool.sock"), "TINKER_EXP_POOL_DIR": str(folder), "RAY_ADDRESS": None}
-    # The group most of its runs ask for first (one worker, full fine-tuning); others are built as runs ask.
-    up = run_module("tinker_exp.pool", "up", "--idle-min", "20", "--max-groups", "6", "backend.num_workers=1", env=env, timeout=400)
-    log = folder / "pool.log"
-    assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
-    yield env
-    down = run_module("tinker_exp.pool", "down", env=env, timeout=120)
-    assert "pool down" in down.stdout, down.stdout + down.stderr
-    shutil.rmtree(folder, ignore_errors=True)
+    pool = SuitePool(Path(tempfile.mkdtemp(prefix="txp-suite-", dir="/tmp")))  # short: a socket's path holds 107 bytes
+    yield pool
+    pool.down()
+    shutil.rmtree(pool.folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterable
 
@@ -68,6 +69,57 @@ def trained_run(run_dir: Path, where: dict, *command: str) -> Path:
     session's Ray cluster as RAY_ADDRESS: cold)."""
     on_pool(run_cli(*command, f"hydra.run.dir={run_dir}", env=where, timeout=600), where)
     return run_dir
+
+
+class SuitePool(Mapping):
+    """The suite's warm pool (conftest.py `suite_pool`), as the environment a run needs to train on it. It idles out
+    after IDLE_MIN without a run (an idle pool's Ray cluster costs about 0.12 of a core: for the rest of a 20-minute
+    suite, more than starting it again); reading the mapping (a run's environment) brings it up first, a new one in
+    its folder if it has ended or is about to (within ENDING_MARGIN_S of its idle time: never taken while it ends)."""
+
+    IDLE_MIN = 3.0
+    ENDING_MARGIN_S = 60.0
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.address = folder / "pool.sock"
+        self.env = {"TINKER_EXP_POOL": str(self.address), "TINKER_EXP_POOL_DIR": str(folder), "RAY_ADDRESS": None}
+        self.ups = 0
+        """How many times it was brought up (each a group build)."""
+
+    def up(self) -> None:
+        from tinker_exp.pool import wire
+
+        try:
+            info = wire.ask(self.address, ("status",))
+        except (OSError, EOFError):
+            info = None
+        if info is not None and info["idle_for_s"] > info["idle_s"] - self.ENDING_MARGIN_S:
+            self.down()  # about to end by itself: not one a run should lease
+            info = None
+        if info is None:
+            # The group most of its runs ask for first (one worker, full fine-tuning); others are built as runs ask.
+            up = run_module("tinker_exp.pool", "up", "--idle-min", f"{self.IDLE_MIN:g}", "--max-groups", "6",
+                            "backend.num_workers=1", env=self.env, timeout=400)  # fmt: skip
+            log = self.folder / "pool.log"
+            assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
+            self.ups += 1
+
+    def down(self) -> None:
+        """Down, if up (one that idled out has ended by itself)."""
+        down = run_module("tinker_exp.pool", "down", env=self.env, timeout=120)
+        assert down.returncode == 0 and ("pool down" in down.stdout or "no pool is up" in down.stdout.lower()), down.stdout + down.stderr
+
+    def __getitem__(self, key: str):
+        self.up()
+        return self.env[key]
+
+    def __iter__(self):
+        self.up()
+        return iter(self.env)
+
+    def __len__(self) -> int:
+        return len(self.env)
 
 
 POOL_LINES = ("pool: training on the warm workers of", "pool: training on the workers just built", "pool: slot ")

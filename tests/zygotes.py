@@ -139,6 +139,11 @@ RAY_WORKER_PRELOAD = (
 )  # fmt: skip
 """What a CPU worker imports that imports no Ray (about 6 of its 8 CPU-s of imports)."""
 
+APPLIED_IN_THE_CHILD = ("PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+"""Start-up variables that change nothing the imports did: a forked worker sets sys.dont_write_bytecode itself, and
+its streams are the child's own (block-buffered, as they were). A warm pool's workers have neither (a pool passes its
+runs' environment on, not these) where the suite's processes may: they forked fresh for that alone."""
+
 RAY_WORKER_UNSAFE_ENV = ("HF_", "TRANSFORMERS", "PYTHON", "OPENBLAS", "MKL", "NUMPY", "TORCH", "PYTORCH", "TENSORDICT", "KMP_", "GOMP")
 """Variables those imports read. OMP_NUM_THREADS, which Ray sets per worker, is applied with torch.set_num_threads."""
 
@@ -184,7 +189,7 @@ def differs(kind: str, env: dict[str, str], imports_set: dict[str, str]) -> list
         unsafe, safe = ZYGOTE_UNSAFE_ENV, {*ZYGOTE_SAFE_ENV, JOB_CONFIG_ENV}
         seen = {**platform_env("cpu"), **imports_set}  # the imports ran with the first and set the second
     else:
-        unsafe, safe, seen = RAY_WORKER_UNSAFE_ENV, {"PYTHONBREAKPOINT"}, imports_set  # Ray sets it; read at breakpoint()
+        unsafe, safe, seen = RAY_WORKER_UNSAFE_ENV, {"PYTHONBREAKPOINT", *APPLIED_IN_THE_CHILD}, imports_set  # Ray sets it; read at breakpoint()
     keys = {key for key in (*env, *os.environ, *seen) if key.startswith(unsafe) and key not in safe}
     if set(python_path(env)) <= {REPO} and not os.environ.get("PYTHONPATH"):  # the checkout: put on sys.path
         keys.discard("PYTHONPATH")  # (the benchmarks set it; what the imports found there is what they found)
@@ -221,7 +226,8 @@ def become(kind: str, request: dict, imports_set: dict[str, str]) -> None:
     for key, value in imports_set.items():  # as the imports would have set them
         os.environ.setdefault(key, value)
     sys.stdin = open(0, closefd=False)
-    unbuffered = kind == "job"  # its command's -u
+    unbuffered = kind == "job"  # its command's -u (a worker's streams stay as they were before PYTHONUNBUFFERED was safe)
+    sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
     sys.stdout, sys.stderr = _stream(1, unbuffered), _stream(2, unbuffered)
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:  # OpenMP read it when torch was imported here
