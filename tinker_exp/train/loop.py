@@ -14,6 +14,7 @@ from tinker_exp.train.checkpoints import Checkpointer, restore, saved_loop_state
 from tinker_exp.train.evaluation import Evaluation
 from tinker_exp.train.judges import GO_ON, Decision, Judge, Judges
 from tinker_exp.train.protocols import BatchSource, TableSink, Workers
+from tinker_exp.train.signals import stop_if_terminated
 from tinker_exp.train.start import StartPoint
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ def train(
     plan, nonfinite_steps = follow(opening, workers, batches, plan, start.loop_state.get("nonfinite_steps", 0))
     row: dict[str, Any] = {}
     for step in range(start.step, trainer.steps):
+        stop_if_terminated()  # a SIGTERM whose exception a library lost still stops the run, here
         batch = batches.batch(step)
         requested = plan[step]
 
