@@ -29,19 +29,17 @@ os.environ.setdefault("TINKER_EXP_CACHE", str(REPO / ".cache"))
 # developer's own pool never serves the suite's runs (tests/test_pool.py starts pools of its own). Short: a socket's
 # path holds at most 107 bytes.
 os.environ["TINKER_EXP_POOL_DIR"] = __import__("tempfile").mkdtemp(prefix="txp-pool-", dir="/tmp")
-# ... and a run names where it trains: the suite's warm pool (`suite_pool` below: the production path, for the runs
-# whose tests claim nothing of a cold start), else cold (backend.pool's default from the environment), its workers
-# and its sweep's jobs forked from zygotes on the session's Ray cluster. The tests of pools (tests/test_pool.py,
-# test_sweeps.py's local Ctrl-C sweep, test_serve.py's kept workers) start pools of their own.
+# ... and the suite's runs and sweeps start cold (backend.pool's default from the environment): their jobs fork from
+# a zygote and join the session's Ray cluster, cheaper here than a sweep's own pool with its own cluster. The tests of
+# pools (tests/test_pool.py, test_sweeps.py's local Ctrl-C sweep, test_serve.py's kept workers) ask for them.
 os.environ["TINKER_EXP_POOL"] = "none"
 
 
-REAL_FIXTURES = {"ray_address", "suite_pool", "slurm_env", "postgres_url"}
-"""A test that uses one of these (directly or through another fixture) starts real work: verl's workers on Ray (the
-session's cluster, or a warm pool's), jobs on the local Slurm cluster, a PostgreSQL server. It is marked `real`;
-`make test-fast` (pytest -m "not real") leaves it out. A test that starts real work otherwise (a CLI run with its own
-Ray, a server asked for through request.getfixturevalue) carries the marker itself: @pytest.mark.real, or
-marks=pytest.mark.real on its param."""
+REAL_FIXTURES = {"ray_address", "slurm_env", "postgres_url"}
+"""A test that uses one of these (directly or through another fixture) starts real work: verl's workers on Ray, jobs
+on the local Slurm cluster, a PostgreSQL server. It is marked `real`; `make test-fast` (pytest -m "not real") leaves
+it out. A test that starts real work otherwise (a CLI run with its own Ray, a server asked for through
+request.getfixturevalue) carries the marker itself: @pytest.mark.real, or marks=pytest.mark.real on its param."""
 
 
 def pytest_configure(config):
@@ -186,25 +184,6 @@ def ray_address(pytestconfig):
         start_zygote(pytestconfig, "job")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def suite_pool():
-    """A warm pool of this test process's (`python -m tinker_exp.pool up`, in a folder of its own, on its own Ray
-    cluster), as the environment a run needs to train on it: the suite's real runs take the production default's
-    path (backend.pool: a run hands its training to the user's pool) where their test claims nothing of a cold start.
-    The pool keeps a group per key (the least recently used freed past --max-groups), so a module's runs of one
-    config build their workers once. Named by its address: a run it cannot take fails (exit 2), never goes cold. Up
-    when first read, idle out after a few minutes without a run, up again when read again (helpers.SuitePool)."""
-    import shutil
-    import tempfile
-
-    from helpers import SuitePool
-
-    pool = SuitePool(Path(tempfile.mkdtemp(prefix="txp-suite-", dir="/tmp")))  # short: a socket's path holds 107 bytes
-    yield pool
-    pool.down()
-    shutil.rmtree(pool.folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterable
 
@@ -63,110 +62,12 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
     return run_module("tinker_exp", *args, env=env, timeout=timeout, cwd=cwd)
 
 
-def trained_run(run_dir: Path, where: dict, *command: str) -> Path:
-    """A real CLI run of `command` into `run_dir`, finished with exit 0 (a module's shared run, asserted on by several
-    tests). `where`: the environment that says where it trains (the suite's pool, conftest.py `suite_pool`, or the
-    session's Ray cluster as RAY_ADDRESS: cold)."""
-    on_pool(run_cli(*command, f"hydra.run.dir={run_dir}", env=where, timeout=600), where)
+def trained_run(run_dir: Path, ray_address: str, *command: str) -> Path:
+    """A real CLI run of `command` into `run_dir` on the session's Ray cluster, finished with exit 0 (a module's
+    shared run, asserted on by several tests)."""
+    result = run_cli(*command, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
-
-
-class SuitePool(Mapping):
-    """The suite's warm pool (conftest.py `suite_pool`), as the environment a run needs to train on it. It idles out
-    after IDLE_MIN without a run (an idle pool's Ray cluster costs about 0.12 of a core: for the rest of a 20-minute
-    suite, more than starting it again); reading the mapping (a run's environment) brings it up first, a new one in
-    its folder if it has ended or is about to (within ENDING_MARGIN_S of its idle time: never taken while it ends)."""
-
-    IDLE_MIN = 3.0
-    ENDING_MARGIN_S = 60.0
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.address = folder / "pool.sock"
-        self.env = {"TINKER_EXP_POOL": str(self.address), "TINKER_EXP_POOL_DIR": str(folder), "RAY_ADDRESS": None}
-        self.ups = 0
-        """How many times it was brought up (each a group build)."""
-
-    def up(self) -> None:
-        from tinker_exp.pool import wire
-
-        try:
-            info = wire.ask(self.address, ("status",))
-        except (OSError, EOFError):
-            info = None
-        if info is not None and info["idle_for_s"] > info["idle_s"] - self.ENDING_MARGIN_S:
-            self.down()  # about to end by itself: not one a run should lease
-            info = None
-        if info is None:
-            # The group most of its runs ask for first (one worker, full fine-tuning); others are built as runs ask.
-            up = run_module("tinker_exp.pool", "up", "--idle-min", f"{self.IDLE_MIN:g}", "--max-groups", "6",
-                            "backend.num_workers=1", env=self.env, timeout=400)  # fmt: skip
-            log = self.folder / "pool.log"
-            assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
-            self.ups += 1
-
-    def down(self) -> None:
-        """Down, if up (one that idled out has ended by itself)."""
-        down = run_module("tinker_exp.pool", "down", env=self.env, timeout=120)
-        assert down.returncode == 0 and ("pool down" in down.stdout or "no pool is up" in down.stdout.lower()), down.stdout + down.stderr
-
-    def __getitem__(self, key: str):
-        self.up()
-        return self.env[key]
-
-    def __iter__(self):
-        self.up()
-        return iter(self.env)
-
-    def __len__(self) -> int:
-        return len(self.env)
-
-
-POOL_LINES = ("pool: training on the warm workers of", "pool: training on the workers just built", "pool: slot ")
-"""How a run says it trains on a pool (the first line of each kind)."""
-
-
-def on_the_pool(where: dict) -> list[str]:
-    """The overrides that send an in-process run (tinker_exp.run.run) to the pool `where` names: its address, and no
-    Ray cluster of its own to join (a run that joins one starts cold)."""
-    return [f"backend.pool={where['TINKER_EXP_POOL']}", "backend.ray_address=null"]
-
-
-def run_on_pool(dcfg, run_dir: Path, where: dict) -> dict:
-    """An in-process run (tinker_exp.run.run) of `dcfg` on the pool `where` names; its last row, or its error. Asserted
-    to have said it trains there (the pool's line, logged in this process)."""
-    import logging
-
-    from tinker_exp.run import run
-
-    said: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: said.append(record.getMessage())
-    logger = logging.getLogger()  # the root's level is the one the pool's process takes for the run
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        return run(dcfg, run_dir)
-    finally:  # its error (the test's to assert) goes on once this holds
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-        assert any(line in text for text in said for line in POOL_LINES), said
-
-
-def trained_on_pool(run_dir: Path, where: dict) -> None:
-    """A sweep's job's run trained on the pool `where` names, when it names one (its run's log says so)."""
-    if where.get("TINKER_EXP_POOL", "none") != "none":
-        log = (run_dir / "tinker_exp.log").read_text()
-        assert any(line in log for line in POOL_LINES), log[-3000:]
-
-
-def on_pool(result: subprocess.CompletedProcess, where: dict) -> subprocess.CompletedProcess:
-    """`result`, asserted finished with exit 0, and on the pool `where` names when it names one."""
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    if where.get("TINKER_EXP_POOL", "none") != "none":
-        assert any(line in result.stdout for line in POOL_LINES), result.stdout[-3000:]
-    return result
 
 
 def run_module(module: str, *args: str, env: dict | None = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:

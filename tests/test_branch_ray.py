@@ -1,5 +1,4 @@
-"""Real branches: verl's workers (2 Ray CPU gloo workers) load another run's checkpoint and go on with a plan. The
-branches train on the suite's warm pool (conftest.py suite_pool: a run's default path) from a trunk that trained cold.
+"""Real branches: verl's workers (2 Ray CPU gloo workers) load another run's checkpoint and go on with a plan.
 
 One trunk per module, every branch from it: with the trunk's config a branch is the trunk from step N on, bitwise;
 with another plan it starts from the very same state (its first step is the trunk's, bitwise) and then applies its
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import COSINE_TRUNK, metrics_rows, on_pool, planned, read_jsonl, run_cli, trained_on_pool, wandb_run_file, wandb_records, wandb_run_record
+from helpers import COSINE_TRUNK, metrics_rows, planned, read_jsonl, run_cli, wandb_run_file, wandb_records, wandb_run_record
 
 STEPS, AT = 12, 4
 BASE = [f"trainer.steps={STEPS}", "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
@@ -25,8 +24,10 @@ def values(rows: list[dict]) -> list[list]:
     return [[row.get(key) for key in KEYS] for row in rows]
 
 
-def cli(run_dir: Path, where: dict, *args: str):
-    return on_pool(run_cli(*args, f"hydra.run.dir={run_dir}", env=where), where)
+def cli(run_dir: Path, ray_address: str, *args: str):
+    result = run_cli(*args, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +37,17 @@ def trunk(cosine_trunk) -> Path:
     return cosine_trunk[0]
 
 
-def test_a_branch_with_the_trunks_config_is_the_trunk_from_step_n_on_bitwise(trunk, suite_pool, tmp_path):
-    cli(tmp_path, suite_pool, *TRUNK, "logger=none", f"branch.from={trunk}", f"branch.step={AT}")
+def test_a_branch_with_the_trunks_config_is_the_trunk_from_step_n_on_bitwise(trunk, ray_address, tmp_path):
+    cli(tmp_path, ray_address, *TRUNK, "logger=none", f"branch.from={trunk}", f"branch.step={AT}")
     rows = metrics_rows(tmp_path)
     assert [row["train/step"] for row in rows] == list(range(AT, STEPS))
     assert values(rows) == values(metrics_rows(trunk)[AT:])
 
 
-def test_a_branch_with_another_plan_starts_from_the_trunks_state_then_applies_its_own(trunk, suite_pool, tmp_path):
+def test_a_branch_with_another_plan_starts_from_the_trunks_state_then_applies_its_own(trunk, ray_address, tmp_path):
     trunk_files = {p: p.stat().st_mtime_ns for p in trunk.rglob("*") if p.is_file()}
     branch = ["+override=lr_wsd", "override.lr.decay_steps=6", *BASE, "trainer.steps=14", f"branch.from={trunk}", f"branch.step={AT}"]
-    result = cli(tmp_path, suite_pool, *branch)
+    result = cli(tmp_path, ray_address, *branch)
     rows, trunk_rows = metrics_rows(tmp_path), metrics_rows(trunk)
     assert [row["train/step"] for row in rows] == list(range(AT, 14))
     # the very same state: step N's forward and backward are the trunk's, before any value of the new plan acts
@@ -85,7 +86,6 @@ def branch_sweep(trunk: Path, sweep_dir: Path, env: dict) -> None:
     ats = []
     for job in summary:  # sorted by objective
         run_dir = Path(job["run_dir"])
-        trained_on_pool(run_dir, env)
         at = json.loads((run_dir / "job.json").read_text())["branch"]["step"]
         ats.append(at)
         assert f"branch.step={at}" in job["overrides"]
@@ -98,9 +98,8 @@ def branch_sweep(trunk: Path, sweep_dir: Path, env: dict) -> None:
     assert sorted(ats) == [4, 8]
 
 
-def test_a_sweep_of_decay_branches_on_the_presets_local_launcher(trunk, suite_pool, tmp_path):
+def test_a_sweep_of_decay_branches_on_the_presets_local_launcher(trunk, ray_address, tmp_path):
     """The one real branch sweep, on the preset's own launcher (local; that it is the preset's is a compose test in
     test_branch.py). It ran on the local Slurm cluster too: the same jobs, whose Slurm side (a job per point, its own
-    Ray in its allocation) the Slurm sweep, study, population and preemption tests hold. Its jobs name the suite's
-    pool: each a thread of the sweep's process, leasing the pool in turn."""
-    branch_sweep(trunk, tmp_path, suite_pool)
+    Ray in its allocation) the Slurm sweep, study, population and preemption tests hold."""
+    branch_sweep(trunk, tmp_path, {"RAY_ADDRESS": ray_address})

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import metrics_rows, on_pool, read_jsonl, run_cli, wandb_records, wandb_run_file, wandb_run_record
+from helpers import metrics_rows, read_jsonl, run_cli, wandb_records, wandb_run_file, wandb_run_record
 from tinker_exp.sweep.jobs import sweep_group
 from tinker_exp.sweep.pbt import POPULATION_ENV, POPULATION_FILE, lineage_rows, realized_values
 from tinker_exp.sweep.pbt_report import replay_command
@@ -111,21 +111,20 @@ def test_an_exploit_continues_from_the_donors_state_in_the_same_job(members):
     assert checked >= 1
 
 
-def test_the_best_members_printed_replay_and_a_three_run_lineage_replay_bitwise(local_population, members, suite_pool, tmp_path):
+def test_the_best_members_printed_replay_and_a_three_run_lineage_replay_bitwise(local_population, members, ray_address, tmp_path):
     """The printed replay command of the best member, and the same command for the member whose lineage spans three
-    run dirs (forced), run as ordinary runs from step 0 on the suite's warm pool (conftest.py suite_pool; the
-    population's jobs trained cold): bitwise their lineages' losses, grad norms, val losses and
+    run dirs (forced), run as ordinary runs from step 0: bitwise their lineages' losses, grad norms, val losses and
     requested and applied values at every step."""
     from omegaconf import OmegaConf
 
     sweep, _ = local_population
     saved = OmegaConf.to_container(OmegaConf.load(sweep / "population_results.yaml"))
     best = sweep / str(saved["best_member"])
-    assert compared(replay(saved["replay_command"], tmp_path / "best", suite_pool)) == compared(lineage_rows(best))
+    assert compared(replay(saved["replay_command"], tmp_path / "best", ray_address)) == compared(lineage_rows(best))
     member, donor = members[LOCAL_FORCED["member"]], members[LOCAL_FORCED["donor"]]
     assert any(r["exploit"] and r["step"] < LOCAL_FORCED["step"] for r in read_jsonl(donor / POPULATION_FILE)), "a lineage of two"
     lineage = lineage_rows(member)
-    assert compared(replay(replay_command(str(member), saved["replay_overrides"]), tmp_path / "forced", suite_pool)) == compared(lineage)
+    assert compared(replay(replay_command(str(member), saved["replay_overrides"]), tmp_path / "forced", ray_address)) == compared(lineage)
     assert len(set(realized_values(member)["lr"][2:])) > 1
 
 
@@ -216,13 +215,14 @@ def check_population(sweep, out: str, forced: dict) -> dict:
     return saved
 
 
-def replay(command: str, run_dir, where: dict) -> list[dict]:
+def replay(command: str, run_dir, ray_address: str) -> list[dict]:
     """A printed replay command run as an ordinary run (no population in its environment), from step 0."""
     import shlex
 
     args = shlex.split(command)
     assert args[:3] == ["python", "-m", "tinker_exp"]
-    on_pool(run_cli(*args[3:], f"hydra.run.dir={run_dir}", env={**where, POPULATION_ENV: None}, timeout=600), where)
+    result = run_cli(*args[3:], f"hydra.run.dir={run_dir}", env={POPULATION_ENV: None, "RAY_ADDRESS": ray_address}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
     assert "boundary" not in (run_dir / "tinker_exp.log").read_text()  # an ordinary run
     return read_jsonl(run_dir / "metrics.jsonl")
 

@@ -20,11 +20,9 @@ from helpers import (
     compose,
     environment,
     metrics_rows,
-    on_the_pool,
     planned,
     read_jsonl,
     run_cli,
-    run_on_pool,
     wait_until,
     wandb_history,
     wandb_records,
@@ -87,28 +85,27 @@ def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uni
     assert second == list(range(resumed_from, STEPS))
 
 
-def test_a_checkpoint_that_does_not_load_is_a_clear_error(suite_pool, cosine_trunk, tmp_path):
+def test_a_checkpoint_that_does_not_load_is_a_clear_error(ray_address, cosine_trunk, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(cosine_trunk[0], run_dir)  # a copy of the shared run (12 steps, checkpoints at 4, 8 and 12)
     for step in (8, 12):  # as if killed after step 11 with step 4's checkpoint its newest
         (run_dir / "checkpoints" / f"step_{step:08d}").rename(tmp_path / f"elsewhere_{step}")
     shard = run_dir / "checkpoints" / "step_00000004" / "workers" / "model_world_size_2_rank_0.pt"
     shard.write_bytes(b"\x00" * shard.stat().st_size)  # same size: passes the manifest's size check
-    # From this process, on the suite's pool (its workers fail to load it there): the CLI prints `tinker_exp: <label>:
-    # <message>` and exits with the error's exit_code, as for every stop (tinker_exp.errors).
+    # In this process (joining the shared Ray): the CLI prints `tinker_exp: <label>: <message>` and exits with the
+    # error's exit_code, as for every stop (tinker_exp.errors).
     with pytest.raises(CheckpointError) as info:
-        run_on_pool(compose(*COMMON, "logger=none", *on_the_pool(suite_pool)), run_dir, suite_pool)
+        run(compose(*COMMON, "logger=none"), run_dir)
     assert (info.value.exit_code, info.value.label) == (5, "checkpoint error")
     assert str(info.value).startswith(f"{shard.parent.parent}: verl could not load it"), str(info.value)
     assert [row["train/step"] for row in metrics_rows(run_dir)] == list(range(STEPS))  # nothing logged is lost
 
 
-def test_non_finite_steps_stop_the_run_keeping_the_last_good_checkpoint(suite_pool, tmp_path):
+def test_non_finite_steps_stop_the_run_keeping_the_last_good_checkpoint(ray_address, tmp_path):
     # lr jumps to 1e30 for step 4: its update blows the weights up, so step 5's gradients are not finite.
-    with pytest.raises(NonFiniteError) as info:  # from this process, on the suite's pool (the CLI: exit 4, one line)
-        run_on_pool(compose("trainer.steps=10", "checkpoint.every_steps=2", "logger=none", "backend.num_workers=1",
-                            "+override.lr={schedule:keyframes,points:{0:0.001,3:0.001,4:1e30,9:1e30}}", *on_the_pool(suite_pool)),
-                    tmp_path, suite_pool)  # fmt: skip
+    with pytest.raises(NonFiniteError) as info:  # in this process, joining the shared Ray (the CLI: exit 4, one line)
+        run(compose("trainer.steps=10", "checkpoint.every_steps=2", "logger=none", "backend.num_workers=1",
+                    "+override.lr={schedule:keyframes,points:{0:0.001,3:0.001,4:1e30,9:1e30}}"), tmp_path)  # fmt: skip
     assert (info.value.exit_code, info.value.label) == (4, "stopped on non-finite values")
     assert re.match(r"step 5: loss=\S+, grad_norm=nan; 1 non-finite", str(info.value)), str(info.value)
     rows = metrics_rows(tmp_path)

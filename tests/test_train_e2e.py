@@ -1,7 +1,5 @@
 """Real runs: verl TinkerTrainingWorkers (FSDP2) on Ray CPU gloo workers, sharing one Ray cluster: 2 where a test
-holds every rank (the constant run, a drifting rank 1), 1 where it claims nothing of ranks. The runs that claim nothing
-of a cold start (one key at a time, evaluations between steps, validation batches) train on the suite's warm pool
-(conftest.py suite_pool: a run's default path), one group for all of them."""
+holds every rank (the constant run, a drifting rank 1), 1 where it claims nothing of ranks."""
 
 import json
 import os
@@ -14,11 +12,9 @@ from helpers import (
     compose,
     environment,
     metrics_rows,
-    on_the_pool,
     planned,
     read_jsonl,
     run_cli,
-    run_on_pool,
     wandb_finished_records,
     wandb_history,
     wait_until,
@@ -228,14 +224,12 @@ def test_a_group_that_does_not_hold_what_was_sent_stops_the_run_with_exit_3(ray_
 
 
 @pytest.fixture(scope="module")
-def three_step_losses(suite_pool, tmp_path_factory):
-    """Short real runs from the same init and data on the suite's warm pool (one group): no override, then one key at
-    a time."""
+def three_step_losses(ray_address, tmp_path_factory):
+    """Three short real runs from the same init and data: no override, then one key at a time."""
 
     def losses(*overrides: str) -> list[float]:
         run_dir = tmp_path_factory.mktemp("update")
-        run_on_pool(compose(*overrides, "trainer.steps=3", "backend.num_workers=1", "logger=none", "checkpoint.every_steps=0",
-                            "checkpoint.at_end=false", *on_the_pool(suite_pool)), run_dir, suite_pool)  # fmt: skip
+        run(compose(*overrides, "trainer.steps=3", "backend.num_workers=1", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false"), run_dir)
         rows = read_jsonl(run_dir / "metrics.jsonl")
         assert len(rows) == 3
         return [row["train/loss"] for row in rows]
@@ -252,13 +246,11 @@ def test_betas_eps_and_weight_decay_overrides_change_the_update(three_step_losse
     assert changed[2] != baseline[2]
 
 
-def test_evaluation_between_steps_leaves_training_bitwise_unchanged(suite_pool, tmp_path):
-    """verl's infer_batch (eval mode, no_grad) after every step vs only after the last: the same training (on the
-    suite's warm pool: each run from the state a cold start leaves)."""
-    common = ["+override=lr_cosine", "trainer.steps=4", "backend.num_workers=1", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false",
-              *on_the_pool(suite_pool)]  # fmt: skip
-    run_on_pool(compose(*common, "trainer.eval_every=1"), tmp_path / "every", suite_pool)
-    run_on_pool(compose(*common, "trainer.eval_every=0"), tmp_path / "last", suite_pool)
+def test_evaluation_between_steps_leaves_training_bitwise_unchanged(ray_address, tmp_path):
+    """verl's infer_batch (eval mode, no_grad) after every step vs only after the last: the same training."""
+    common = ["+override=lr_cosine", "trainer.steps=4", "backend.num_workers=1", "logger=none", "checkpoint.every_steps=0", "checkpoint.at_end=false"]
+    run(compose(*common, "trainer.eval_every=1"), tmp_path / "every")
+    run(compose(*common, "trainer.eval_every=0"), tmp_path / "last")
     every, last = read_jsonl(tmp_path / "every" / "metrics.jsonl"), read_jsonl(tmp_path / "last" / "metrics.jsonl")
     keys = ("train/loss", "train/grad_norm", "applied/lr", "applied/beta2")
     assert [[row[k] for k in keys] for row in every] == [[row[k] for k in keys] for row in last]
@@ -267,12 +259,12 @@ def test_evaluation_between_steps_leaves_training_bitwise_unchanged(suite_pool, 
     assert every[-1]["val/loss"] < every[0]["val/loss"]  # and it falls as the model trains
 
 
-def test_the_validation_loss_is_token_weighted_over_the_whole_set(suite_pool, tmp_path):
+def test_the_validation_loss_is_token_weighted_over_the_whole_set(ray_address, tmp_path):
     """With lr 0 the weights never move: batches of 8 or of 4 must give the same loss over the same validation
-    tokens (a mean of per-batch means would not: the batches hold different numbers of tokens). On the suite's pool."""
-    common = ["+override.lr=0", "trainer.steps=1", "backend.num_workers=1", "logger=none", "checkpoint.at_end=false", *on_the_pool(suite_pool)]
-    run_on_pool(compose(*common, "trainer.batch_size=8"), tmp_path / "eight", suite_pool)
-    run_on_pool(compose(*common, "trainer.batch_size=4"), tmp_path / "four", suite_pool)
+    tokens (a mean of per-batch means would not: the batches hold different numbers of tokens)."""
+    common = ["+override.lr=0", "trainer.steps=1", "backend.num_workers=1", "logger=none", "checkpoint.at_end=false"]
+    run(compose(*common, "trainer.batch_size=8"), tmp_path / "eight")
+    run(compose(*common, "trainer.batch_size=4"), tmp_path / "four")
     eight, four = read_jsonl(tmp_path / "eight" / "metrics.jsonl")[-1], read_jsonl(tmp_path / "four" / "metrics.jsonl")[-1]
     assert eight["val/tokens"] == four["val/tokens"] > 0
     assert eight["val/loss"] == pytest.approx(four["val/loss"], rel=1e-6)  # fp32 sums in another order
