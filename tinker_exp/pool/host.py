@@ -159,17 +159,10 @@ class Host:
         wanted = self._slot_terms(request) if kind == "lease" else None
         holder = {"who": request.get("who", ""), "pid": request.get("pid"), "since": time.time(), "ending": False}
         with self.free:
-            # A run whose client has gone (killed) or stopped it is ending: the next one waits for it, not refused
-            # (told so first: it waits for our answer as long as we may, wire.lease_answer).
-            ended = lambda: self.holder is None or not self.holder["ending"]  # noqa: E731
-            if not ended():
-                wire.send(sock, ("waiting", {"for": "the run before to end", "bound_s": ENDING_WAIT_S}))
-            self.free.wait_for(ended, timeout=ENDING_WAIT_S)
+            # A run whose client has gone (killed) or stopped it is ending: the next one waits for it, not refused.
+            self._wait_told(sock, lambda: self.holder is None or not self.holder["ending"], "the run before to end", ENDING_WAIT_S)
             if request.get("wait") and wanted is not None:  # a sweep's trial: waits for a slot of its sweep's runs
-                slot_free = lambda: self.stopping.is_set() or not self._all_taken_by_peers(wanted)  # noqa: E731
-                if not slot_free():
-                    wire.send(sock, ("waiting", {"for": "a slot", "bound_s": None}))
-                self.free.wait_for(slot_free)
+                self._wait_told(sock, lambda: self.stopping.is_set() or not self._all_taken_by_peers(wanted), "a slot", None)
             sharing = self._admit(wanted)
             if sharing is None and (self.holder is not None or self.sharing is not None or self.stopping.is_set()):
                 wire.send(sock, ("busy", self._busy_info()))
@@ -219,6 +212,13 @@ class Host:
                         self.sharing = None
                 self.free.notify_all()
             self.last_used = time.monotonic()
+
+    def _wait_told(self, sock: socket.socket, ready: Any, what: str, bound_s: float | None) -> None:
+        """Under `free`: until `ready()` (at most `bound_s`), the client told first that it waits and for how long
+        we may, so that it waits for our answer that long (wire.lease_answer), not its connection's timeout."""
+        if not ready():
+            wire.send(sock, ("waiting", {"for": what, "bound_s": bound_s}))
+        self.free.wait_for(ready, timeout=bound_s)
 
     def _slot_terms(self, request: dict[str, Any]) -> tuple[dict[str, Any], tuple] | None:
         """(its group's key, its context) for a run that may train on a slot here, else None: a pool of one slot, a
