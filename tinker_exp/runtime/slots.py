@@ -263,7 +263,6 @@ class SlotGroup:
         self.loaded: int | None = None
         self.built_averaged = workers.averaged
         self.on_free = on_free
-        self.loading: list = []  # a swap asked and not yet checked (runtime/workers.py slot_load)
         self.keep_saved = keep_saved
         self.holding: dict[int, tuple[int, int, int]] = {}
         """Slot index -> the checkpoint folder (its identity, `folder_identity`) that slot saved last, while its state
@@ -565,23 +564,16 @@ class SlotGroup:
         """Under the lock: `slot`'s trial in the engine."""
         self._check(slot)
         if self.loaded != slot.index:
-            self.loading = self.workers.group.slot_load(slot.index)  # each rank's ref; the slot's call runs after it
+            self.workers.group.slot_load(slot.index)  # done on every rank before the slot's call is asked
             self.loaded = slot.index
         self.workers.averaged = slot.averaged
 
     def _on(self, slot: "Slot", call: Callable[[], Any]) -> Any:
-        """`call` (a group call) on `slot`'s trial, under the lock; a swap it needed is checked after it."""
+        """`call` (a group call) on `slot`'s trial, under the lock."""
         self._elsewhere(slot)
         with self.lock:
             self._use(slot)
-            try:
-                return call()
-            finally:
-                loading, self.loading = self.loading, []
-                if loading:
-                    import ray
-
-                    ray.get(loading)
+            return call()
 
     def _free(self, slot: "Slot") -> None:
         self._elsewhere(slot)

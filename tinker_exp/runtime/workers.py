@@ -341,9 +341,10 @@ def worker_extras(mesh: str):
         def slot_fill(self, index: int, optimizer_config, seed: int) -> None:
             self._swapping().fill(index, optimizer_config, seed)
 
-        # Not waited for: the slot's call that follows runs after it on each rank (an actor runs its calls in order),
-        # so a swap costs its copy and no round trip of its own; its result is checked after that call (SlotGroup).
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        # Waited for, not sent ahead of the slot's call: the RL worker is an asyncio actor (verl's update_weights is
+        # async), whose calls Ray does not run in the order they were sent, so a swap sent ahead could run after that
+        # call (an RL trial on slots then sampled from another slot's adapter: seen in CI).
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def slot_load(self, index: int) -> None:
             self._swapping().load(index)
 
@@ -556,7 +557,8 @@ class TinkerWorkers:
         init = RayClassWithInitArgs(cls=ray.remote(worker_cls), **self._init_args(worker_config))
         # worker_env reaches the workers even when we join a cluster someone else started.
         self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=self.device, worker_env=env)
-        # Each rank builds model, FSDP2 and optimizer; asked now, awaited in ready() (an actor runs its calls in order).
+        # Each rank builds model, FSDP2 and optimizer; asked now, awaited in ready() (this synchronous actor runs its
+        # calls in order; the RL worker, an asyncio actor, is asked one call: rl_workers.py).
         self.pending = self._build_model()
 
     def _init_args(self, worker_config: Any) -> dict[str, Any]:
