@@ -53,17 +53,16 @@ def uninterrupted(cosine_trunk):
 def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uninterrupted, tmp_path):
     driver = launch(tmp_path, ray_address)
     try:
-        # a checkpoint at 4 steps, and steps 4 and 5 logged after it; and W&B's first part there (W&B starts beside
-        # the workers and no step waits for it: on a loaded machine it can come after step 5)
-        first_part = lambda: any((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # noqa: E731
-        wait_until(lambda: len(metrics_rows(tmp_path)) >= 6 and first_part(), 240,
-                   "the run never got to step 6 with its W&B run started", driver, poll=0.1)  # fmt: skip
+        # a checkpoint at 4 steps, and steps 4 and 5 logged after it. Not waited for: W&B's first part (W&B starts
+        # beside the workers and no step waits for it: on a loaded machine the 12 steps can end before it has)
+        wait_until(lambda: len(metrics_rows(tmp_path)) >= 6, 240, "the run never got to step 6", driver, poll=0.1)
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
     finally:
         driver.kill()
     killed_at = len(metrics_rows(tmp_path))
     assert 6 <= killed_at < STEPS and (tmp_path / "checkpoints" / "step_00000004" / "MANIFEST.json").exists()
+    first_parts = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # the killed run's, if W&B had started
 
     result = run_cli(*COMMON, f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})  # the same command
     assert result.returncode == 0, result.stderr[-3000:]
@@ -77,11 +76,12 @@ def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uni
     for got, want in zip(rows, uninterrupted):
         assert (got["train/loss"], got["train/grad_norm"]) == (want["train/loss"], want["train/grad_norm"])
 
-    # W&B: one run id, resumed; offline it is two parts (W&B appends them when synced).
+    # W&B: one run id, resumed; offline the rerun's is one more part (W&B appends them when synced)
     parts = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     run_id = (tmp_path / "wandb_run_id").read_text()
-    assert len(parts) == 2 and all(part.name == f"run-{run_id}.wandb" for part in parts)
-    second = [row["train/step"] for row in wandb_history(wandb_records(parts[1])) if "train/loss" in row]
+    assert parts[:-1] == first_parts and len(parts) in (1, 2), (first_parts, parts)
+    assert all(part.name == f"run-{run_id}.wandb" for part in parts)
+    second = [row["train/step"] for row in wandb_history(wandb_records(parts[-1])) if "train/loss" in row]
     assert second == list(range(resumed_from, STEPS))
 
 

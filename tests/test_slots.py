@@ -39,6 +39,9 @@ TRIALS = {
     "D": ["trainer.eval_every=0", "trainer.seed=4", "trainer.steps=2", "+override.lr=1e-2"],
 }
 ADAPTER = "adapter/adapter_model.safetensors"
+FIRST_STEP_RELATIVE = 1e-6
+"""A packed first step's loss against alone's: one forward at the same weights, only the matrix products' sizes differ
+(bitwise on some CPUs; 8.0e-8 on an AVX-512 AMD EPYC, 2026-12-07)."""
 WAIT_S = 300  # a margin, never a pace: events end every wait
 
 
@@ -280,8 +283,8 @@ def test_packed_steps_are_each_trial_alone_within_the_bound(trained, tmp_path):
     """Trials A, B and C (their seeds, lrs, schedules, clips; 21 planned steps, each its own batches) step by step:
     each alone on a slot (time-shared: bitwise a run alone), then the three again on fresh slots, packed in every
     step: 20 steps in the group's cycle (`train_steps`), the 21st through each trial's `Slot.train_step` in its own
-    thread, the three waiting for one cycle. The first step's losses bitwise, every loss and grad norm within
-    PACKED_RELATIVE, the exported adapters within PACKED_ADAPTER_RELATIVE, the applied values equal; the group counts
+    thread, the three waiting for one cycle. The first step's losses within FIRST_STEP_RELATIVE, every loss and grad
+    norm within PACKED_RELATIVE, the exported adapters within PACKED_ADAPTER_RELATIVE, the applied values equal; the group counts
     21 packed steps of 3. Each row's first token is in the loss, so a slot's last label counts (a mutation that drops
     `roll_within` fails it, and so does one that normalises a slot's loss by all slots' tokens). Then each trial's
     evaluation of its own batch, alone and then the three packed in one forward: each within PACKED_RELATIVE."""
@@ -328,7 +331,9 @@ def test_packed_steps_are_each_trial_alone_within_the_bound(trained, tmp_path):
         assert relative(mine, theirs) <= PACKED_RELATIVE, (evaluated_packed, evaluated_alone)
     worst = {"loss": 0.0, "grad_norm": 0.0, "adapter": 0.0}
     for k in range(3):
-        assert packed[0][k].loss == alone[k][0].loss  # the first step's forward: bitwise (the same weights)
+        # the first step's forward: the same weights, only the products' sizes differ (bitwise on some CPUs; 8e-8 on
+        # an AVX-512 AMD EPYC, whose kernels block a longer product otherwise)
+        assert relative(packed[0][k].loss, alone[k][0].loss) <= FIRST_STEP_RELATIVE, (packed[0][k].loss, alone[k][0].loss)
         for step in range(steps):
             mine, theirs = packed[step][k], alone[k][step]
             assert mine.applied == theirs.applied, (k, step)
