@@ -614,3 +614,23 @@ def test_packing_is_refused_where_rows_cannot_be_mixed(change, why):
         assert refusal(engine, partial(sft_loss, config=None), False).startswith("the padded layout")
         engine.ulysses_sequence_parallel_size = 2
         assert refusal(engine, partial(sft_loss, config=None), True).startswith("sequence parallel 2")
+
+
+def test_a_slots_swap_is_waited_for_on_every_worker_class_as_the_rl_worker_is_an_asyncio_actor():
+    """verl's RL worker has an async method (update_weights), so Ray makes it an asyncio actor, whose calls it does not
+    run in the order they were sent: a slot's swap sent ahead of the slot's call ran after that call now and then (an
+    RL trial on slots sampled one step from another slot's adapter). So every worker class's `slot_load` is a blocking
+    call (SlotGroup's `_use` asks the slot's call once it returns). The behaviour itself is tested end to end by
+    tests/test_rl_ray.py's RL trials on slots, each bitwise its run alone; the race is too narrow to hit on demand."""
+    import inspect
+
+    from verl.single_controller.base.decorator import MAGIC_ATTR
+
+    from tinker_exp.runtime.rl_workers import _rl_worker_class
+    from tinker_exp.runtime.serve_workers import _serve_worker_class
+    from tinker_exp.runtime.workers import _worker_class
+
+    asyncio_methods = [name for name, method in inspect.getmembers(_rl_worker_class()) if inspect.iscoroutinefunction(method)]
+    assert asyncio_methods, "the RL worker has no async method any more: Ray would order its calls"
+    for worker_class in (_worker_class(), _rl_worker_class(), _serve_worker_class()):
+        assert getattr(worker_class.slot_load, MAGIC_ATTR)["blocking"] is True, worker_class.__name__
