@@ -22,6 +22,10 @@ os.environ.update(
     RAY_prestart_worker_first_driver="0",
     RAY_enable_metrics_collection="0",
     RAY_event_stats="0",
+    # No cluster of the suite's holds the port of Ray's dashboard metrics server (44227, one a machine; the product
+    # turns it off too: runtime/ray_cluster.py NO_METRICS_SERVER), so a pool's test sees it free, as on a user's
+    # machine (tests/test_pool.py: the pool's environment lacks this).
+    DASHBOARD_METRIC_PORT="-1",
 )
 # The tiny model is built once and reused across test runs.
 os.environ.setdefault("TINKER_EXP_CACHE", str(REPO / ".cache"))

@@ -43,7 +43,8 @@ def pool(ray_address, tmp_path_factory):
     Its own Ray cluster: never the session's (no RAY_ADDRESS)."""
 
     folder = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp"))
-    env = {"TINKER_EXP_POOL_DIR": str(folder), "TINKER_EXP_POOL": "auto", "RAY_ADDRESS": None}
+    # DASHBOARD_METRIC_PORT as a user's environment has it (unset): the pool's Ray turns off what listens there
+    env = {"TINKER_EXP_POOL_DIR": str(folder), "TINKER_EXP_POOL": "auto", "RAY_ADDRESS": None, "DASHBOARD_METRIC_PORT": None}
     up = run_module("tinker_exp.pool", "up", "--idle-min", "15", "--max-groups", "3", env=env, timeout=400)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:] + (folder / "pool.log").read_text()[-3000:]
     assert "pool up at" in up.stdout and "2 x TinkerTrainingWorker on cpu" in up.stdout
@@ -307,7 +308,9 @@ def command_line(pid: int) -> str:
 def test_the_pools_ray_runs_no_dashboard(pool):
     """Ray's dashboard (a job-submission API any local user can reach) is off: no process of the pool's tree listens
     on its port, and Ray's dashboard process, which include_dashboard=False still starts (its usage stats only,
-    `--modules-to-load=UsageStatsHead`), listens on nothing; the check sees the ports the pool's Ray does listen on."""
+    `--modules-to-load=UsageStatsHead`), listens on nothing: not even its Prometheus metrics server, which it opens on
+    port 44227 of every interface whenever that port is free (no Ray of the suite's holds it: conftest.py); the check
+    sees the ports the pool's Ray does listen on."""
     tree = pool_tree(pool_status(pool)["pid"])
     commands = {pid: command_line(pid) for pid in tree}
     assert any("raylet" in command for command in commands.values()), commands

@@ -113,7 +113,7 @@ def start_ray(address: str | None, env: dict[str, str], num_cpus: int | None = N
     import ray
 
     auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    with sigterm_handler_kept(), ignored_by_children(), dropped(auth_log, DEFAULT_TOKEN_AUTH):
+    with sigterm_handler_kept(), ignored_by_children(), dropped(auth_log, DEFAULT_TOKEN_AUTH), environ(NO_METRICS_SERVER):
         ray.init(
             address=address or "local",
             num_cpus=num_cpus,
@@ -122,6 +122,28 @@ def start_ray(address: str | None, env: dict[str, str], num_cpus: int | None = N
             log_to_driver=True,  # worker output reaches the driver, which writes it to workers.log
             configure_logging=False,
         )
+
+
+NO_METRICS_SERVER = {"DASHBOARD_METRIC_PORT": "-1"}
+"""For Ray's daemons: the dashboard process, which Ray starts even with include_dashboard=False (for its usage
+stats), serves Prometheus metrics over HTTP on port 44227 of every interface of the node, to anyone who can reach it,
+whenever that port is free. Ray has no setting to turn it off; a port it cannot bind does (the dashboard's log says
+so once, with the bind's error)."""
+
+
+@contextmanager
+def environ(variables: Mapping[str, str]) -> Iterator[None]:
+    """`variables` in this process's environment while the block runs (what it starts inherits them), then as before."""
+    before = {key: os.environ.get(key) for key in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 DEFAULT_TOKEN_AUTH = "Token authentication is enabled for this Ray cluster."
@@ -229,7 +251,8 @@ def ray_process(command: list[str], allocation: Allocation) -> Iterator[tuple[su
     output goes on to this task's, and the event is set once it has printed STARTED."""
     with ignored_by_children():  # submitit's time-limit USR2 reaches every process of the job
         process = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, errors="replace")  # fmt: skip
+                                   stderr=subprocess.STDOUT, text=True, errors="replace",
+                                   env={**os.environ, **NO_METRICS_SERVER})  # fmt: skip
     started = threading.Event()
 
     def relay() -> None:
