@@ -39,9 +39,9 @@ os.environ["TINKER_EXP_POOL_DIR"] = __import__("tempfile").mkdtemp(prefix="txp-p
 os.environ["TINKER_EXP_POOL"] = "none"
 
 
-REAL_FIXTURES = {"ray_address", "slurm_env", "postgres_url"}
-"""A test that uses one of these (directly or through another fixture) starts real work: verl's workers on Ray, jobs
-on the local Slurm cluster, a PostgreSQL server. It is marked `real`; `make test-fast` (pytest -m "not real") leaves
+REAL_FIXTURES = {"ray_address", "slurm_env", "postgres_url", "warm_pool"}
+"""A test that uses one of these (directly or through another fixture) starts real work: verl's workers on Ray (the
+session's cluster, or this process's warm pool), jobs on the local Slurm cluster, a PostgreSQL server. It is marked `real`; `make test-fast` (pytest -m "not real") leaves
 it out. A test that starts real work otherwise (a CLI run with its own Ray, a server asked for through
 request.getfixturevalue) carries the marker itself: @pytest.mark.real, or marks=pytest.mark.real on its param."""
 
@@ -74,6 +74,19 @@ def pytest_collection_finish(session):
 
     if "+cpu" in importlib.metadata.version("torch") and any(item.get_closest_marker("real") for item in session.items):
         start_zygote(session.config, "ray_worker")
+    on_the_pool = [item for item in session.items if "warm_pool" in getattr(item, "fixturenames", ())]
+    session.config._last_on_the_pool = on_the_pool[-1].nodeid if on_the_pool else None
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The warm pool ends as soon as the last test that trains on it has run (they run together, on one worker: the
+    warm pool's group), not at the session's end: idle, its Ray daemons take about 2 CPU-s a minute and each of its
+    workers 0.6, CPU the tests after them would otherwise share."""
+    yield
+    if item.nodeid == getattr(item.config, "_last_on_the_pool", None):
+        for down in getattr(item.config, "_warm_pool_down", []):
+            down()
 
 
 def start_zygote(config, kind: str) -> None:
@@ -109,10 +122,13 @@ def pytest_unconfigure(config):
 
 
 SLURM_GROUP = "slurm"
+WARM_GROUP = "warm_pool"
 GROUPS_FILE_ENV = "TINKER_EXP_TEST_GROUPS"
 """`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`), each group of tests whole on one of them:
 every test that uses the local Slurm cluster in one group, so Slurm tests never overlap (they share 2 nodes, and some
-assert what the queue holds); every other test in its file's group, so a module fixture is built once. xdist's own
+assert what the queue holds); the other tests of every file that trains on the warm pool in one group, so that one
+pool serves them (a pool trains one run at a time: a second worker's run would start cold); every other test in its
+file's group, so a module fixture is built once. xdist's own
 loadgroup (xdist_group marks) does not group under pytest 9.2 (nodeids are no longer xdist's to suffix): the workers
 write each test's group to this file (its path from the controller, in the environment) and `GroupScheduling`
 reads it."""
@@ -123,15 +139,17 @@ def pytest_collection_modifyitems(config, items):
     import json
 
     groups = {}
+    on_the_pool = {item.path for item in items if "warm_pool" in getattr(item, "fixturenames", ())}
     for item in items:
         names = getattr(item, "fixturenames", ())
         if REAL_FIXTURES.intersection(names):
             item.add_marker(pytest.mark.real)
-        groups[item] = SLURM_GROUP if "slurm_env" in names else item.path.name
+        groups[item] = SLURM_GROUP if "slurm_env" in names else WARM_GROUP if item.path in on_the_pool else item.path.name
     # Longest first, so that the two workers end together (`--no-loadscope-reorder` keeps this order): the Slurm
-    # group, then the files that hold real work, then the rest. Stable: a file's tests stay together and in order.
+    # group, then the files that hold real work (those on the warm pool first, together: its pool ends after their
+    # last test), then the rest. Stable: a file's tests stay together and in order.
     real_groups = {groups[item] for item in items if item.get_closest_marker("real")}
-    items.sort(key=lambda item: (groups[item] != SLURM_GROUP, groups[item] not in real_groups))
+    items.sort(key=lambda item: (groups[item] != SLURM_GROUP, groups[item] not in real_groups, groups[item] != WARM_GROUP))
     if hasattr(config, "workerinput") and GROUPS_FILE_ENV in os.environ:  # both workers write the same: atomically
         path = Path(os.environ[GROUPS_FILE_ENV])
         written = path.with_name(f"{path.name}.{config.workerinput['workerid']}")
@@ -188,6 +206,37 @@ def ray_address(pytestconfig):
         start_zygote(pytestconfig, "job")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def warm_pool(pytestconfig):
+    """This test process's warm pool (`python -m tinker_exp.pool up`, the product's, in a folder of its own), up from
+    the first test that asks until the last one has run (pytest_runtest_teardown): the environment a CLI run needs to train on it as a user's run
+    does with a pool up (backend.pool=auto, the default; no RAY_ADDRESS: a pool runs its own Ray cluster). The
+    suite's real CLI runs that claim nothing of a cold start train here, each a lease of the pool's kept groups (a
+    group a key, built at the key's first run) or, for LoRA SFT, a slot of one; a warm run is its cold run, bitwise
+    (tests/test_pool.py checks that against cold runs, and keeps the cold path's own tests cold)."""
+    import shutil
+    import tempfile
+
+    from helpers import run_module
+
+    folder = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp"))  # short: a socket's path holds at most 107 bytes
+    env = {"TINKER_EXP_POOL_DIR": str(folder), "TINKER_EXP_POOL": "auto", "RAY_ADDRESS": None}
+    # Idle for as long as a loaded suite could leave it; groups for every key the routed runs use (SFT with 1 and 2
+    # workers, RL, RL with LoRA), so that none is built twice.
+    up = run_module("tinker_exp.pool", "up", "--idle-min", "120", "--max-groups", "6", env=env, timeout=600)
+    if up.returncode != 0 or "pool up at" not in up.stdout:
+        log = folder / "pool.log"
+        pytest.fail(f"the suite's warm pool did not start:\n{up.stdout[-2000:]}{up.stderr[-3000:]}{log.read_text()[-3000:] if log.exists() else ''}")
+    def down() -> None:
+        if folder.exists():
+            run_module("tinker_exp.pool", "down", env=env, timeout=120)
+            shutil.rmtree(folder, ignore_errors=True)
+
+    pytestconfig._warm_pool_down = [down]
+    yield env
+    down()
 
 
 @pytest.fixture(scope="session")

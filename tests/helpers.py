@@ -62,11 +62,23 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
     return run_module("tinker_exp", *args, env=env, timeout=timeout, cwd=cwd)
 
 
-def trained_run(run_dir: Path, ray_address: str, *command: str) -> Path:
-    """A real CLI run of `command` into `run_dir` on the session's Ray cluster, finished with exit 0 (a module's
-    shared run, asserted on by several tests)."""
-    result = run_cli(*command, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+WARM_LINES = ("pool: training on the warm workers of", "pool: training on the workers just built", "pool: slot ")
+"""A run's line when it trains on a pool: on a group the pool kept, on one it built for the run, on a slot."""
+
+
+def run_warm(pool: dict, *args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m tinker_exp ARGS` on a warm pool (`pool`: the environment that finds it, conftest.py warm_pool's or
+    a test's own), finished with exit 0 and said to have trained there."""
+    result = run_cli(*args, env=pool, timeout=timeout, **kwargs)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert any(line in result.stdout for line in WARM_LINES), result.stdout[-3000:]
+    return result
+
+
+def trained_run(run_dir: Path, pool: dict, *command: str) -> Path:
+    """A real CLI run of `command` into `run_dir` on the session's warm pool, finished with exit 0 (a module's shared
+    run, asserted on by several tests)."""
+    run_warm(pool, *command, f"hydra.run.dir={run_dir}")
     return run_dir
 
 

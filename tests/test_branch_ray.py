@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import COSINE_TRUNK, metrics_rows, planned, read_jsonl, run_cli, wandb_run_file, wandb_records, wandb_run_record
+from helpers import COSINE_TRUNK, metrics_rows, planned, read_jsonl, run_cli, run_warm, wandb_run_file, wandb_records, wandb_run_record
 
 STEPS, AT = 12, 4
 BASE = [f"trainer.steps={STEPS}", "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
@@ -24,10 +24,9 @@ def values(rows: list[dict]) -> list[list]:
     return [[row.get(key) for key in KEYS] for row in rows]
 
 
-def cli(run_dir: Path, ray_address: str, *args: str):
-    result = run_cli(*args, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+def cli(run_dir: Path, pool: dict, *args: str):
+    """A branch's run, on the session's warm pool (the trunk is a cold run: warm and cold are bitwise the same)."""
+    return run_warm(pool, *args, f"hydra.run.dir={run_dir}")
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +36,17 @@ def trunk(cosine_trunk) -> Path:
     return cosine_trunk[0]
 
 
-def test_a_branch_with_the_trunks_config_is_the_trunk_from_step_n_on_bitwise(trunk, ray_address, tmp_path):
-    cli(tmp_path, ray_address, *TRUNK, "logger=none", f"branch.from={trunk}", f"branch.step={AT}")
+def test_a_branch_with_the_trunks_config_is_the_trunk_from_step_n_on_bitwise(trunk, warm_pool, tmp_path):
+    cli(tmp_path, warm_pool, *TRUNK, "logger=none", f"branch.from={trunk}", f"branch.step={AT}")
     rows = metrics_rows(tmp_path)
     assert [row["train/step"] for row in rows] == list(range(AT, STEPS))
     assert values(rows) == values(metrics_rows(trunk)[AT:])
 
 
-def test_a_branch_with_another_plan_starts_from_the_trunks_state_then_applies_its_own(trunk, ray_address, tmp_path):
+def test_a_branch_with_another_plan_starts_from_the_trunks_state_then_applies_its_own(trunk, warm_pool, tmp_path):
     trunk_files = {p: p.stat().st_mtime_ns for p in trunk.rglob("*") if p.is_file()}
     branch = ["+override=lr_wsd", "override.lr.decay_steps=6", *BASE, "trainer.steps=14", f"branch.from={trunk}", f"branch.step={AT}"]
-    result = cli(tmp_path, ray_address, *branch)
+    result = cli(tmp_path, warm_pool, *branch)
     rows, trunk_rows = metrics_rows(tmp_path), metrics_rows(trunk)
     assert [row["train/step"] for row in rows] == list(range(AT, 14))
     # the very same state: step N's forward and backward are the trunk's, before any value of the new plan acts

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import metrics_rows, run_cli, run_module
+from helpers import metrics_rows, run_module, run_warm
 
 from tinker_exp.forecast.__main__ import main as forecast_main
 from tinker_exp.forecast.fit import FORMAT, read_law
@@ -186,19 +186,17 @@ def test_a_law_that_does_not_converge_says_so_and_writes_no_law(tmp_path, monkey
     assert not (tmp_path / "law" / "law.json").exists()
 
 
-def test_a_trunk_and_a_branch_from_the_real_cli_fit_propose_and_the_proposal_runs(ray_address, tmp_path):
-    """The cheapest fitting set, tiny: a constant trunk (WSD without decay) and a decay branch off its step 8."""
+def test_a_trunk_and_a_branch_from_the_real_cli_fit_propose_and_the_proposal_runs(warm_pool, tmp_path):
+    """The cheapest fitting set, tiny: a constant trunk (WSD without decay) and a decay branch off its step 8, both on
+    the session's warm pool, as is the proposal's run."""
     start = time.monotonic()
-    env = {"RAY_ADDRESS": ray_address}
     quiet = ["logger=none", "trainer.eval_every=0", "data.val_fraction=null", "backend.num_workers=1"]
     trunk, branch = tmp_path / "trunk", tmp_path / "branch"
     wsd_args = ["+override=lr_wsd", "trainer.steps=14", "override.lr.warmup_steps=2"]
-    made = run_cli(*wsd_args, "override.lr.decay_steps=0", "checkpoint.every_steps=8", *quiet, f"hydra.run.dir={trunk}", env=env)
-    assert made.returncode == 0, made.stderr[-2000:]
+    run_warm(warm_pool, *wsd_args, "override.lr.decay_steps=0", "checkpoint.every_steps=8", *quiet, f"hydra.run.dir={trunk}")
     phases = {"trunk": time.monotonic() - start}
-    made = run_cli(*wsd_args, "override.lr.decay_steps=6", f"branch.from={trunk}", "branch.step=8", "checkpoint.every_steps=0", *quiet,
-                   f"hydra.run.dir={branch}", env=env)  # fmt: skip
-    assert made.returncode == 0, made.stderr[-2000:]
+    run_warm(warm_pool, *wsd_args, "override.lr.decay_steps=6", f"branch.from={trunk}", "branch.step=8", "checkpoint.every_steps=0", *quiet,
+             f"hydra.run.dir={branch}")  # fmt: skip
     phases["branch"] = time.monotonic() - start
     fitted = cli("fit", str(trunk), str(branch), "--law", "momentum", "--refits", "4", "--out", str(tmp_path / "law"))
     assert fitted.returncode == 0, fitted.stderr
@@ -213,9 +211,8 @@ def test_a_trunk_and_a_branch_from_the_real_cli_fit_propose_and_the_proposal_run
     assert proposed.returncode == 0, proposed.stderr
     assert "+override=proposed" in proposed.stdout
     phases["fit, propose"] = time.monotonic() - start
-    ran = run_cli("--config-dir", str(tmp_path / "proposal"), "+override=proposed", *quiet, "checkpoint.every_steps=0",
-                  f"hydra.run.dir={tmp_path / 'proposed'}", env=env)  # fmt: skip
-    assert ran.returncode == 0, ran.stderr[-2000:]
+    run_warm(warm_pool, "--config-dir", str(tmp_path / "proposal"), "+override=proposed", *quiet, "checkpoint.every_steps=0",
+             f"hydra.run.dir={tmp_path / 'proposed'}")  # fmt: skip
     rows = metrics_rows(tmp_path / "proposed")
     spec = json.loads((tmp_path / "proposal" / "propose.json").read_text())["proposed"]["spec"]
     assert [r["train/step"] for r in rows] == list(range(10))

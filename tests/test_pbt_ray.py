@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import metrics_rows, read_jsonl, run_cli, wandb_records, wandb_run_file, wandb_run_record
+from helpers import metrics_rows, read_jsonl, run_cli, run_warm, wandb_records, wandb_run_file, wandb_run_record
 from tinker_exp.sweep.jobs import sweep_group
 from tinker_exp.sweep.pbt import POPULATION_ENV, POPULATION_FILE, lineage_rows, realized_values
 from tinker_exp.sweep.pbt_report import replay_command
@@ -111,20 +111,21 @@ def test_an_exploit_continues_from_the_donors_state_in_the_same_job(members):
     assert checked >= 1
 
 
-def test_the_best_members_printed_replay_and_a_three_run_lineage_replay_bitwise(local_population, members, ray_address, tmp_path):
+def test_the_best_members_printed_replay_and_a_three_run_lineage_replay_bitwise(local_population, members, warm_pool, tmp_path):
     """The printed replay command of the best member, and the same command for the member whose lineage spans three
     run dirs (forced), run as ordinary runs from step 0: bitwise their lineages' losses, grad norms, val losses and
-    requested and applied values at every step."""
+    requested and applied values at every step. They train on the session's warm pool, as a user's replay would with
+    a pool up."""
     from omegaconf import OmegaConf
 
     sweep, _ = local_population
     saved = OmegaConf.to_container(OmegaConf.load(sweep / "population_results.yaml"))
     best = sweep / str(saved["best_member"])
-    assert compared(replay(saved["replay_command"], tmp_path / "best", ray_address)) == compared(lineage_rows(best))
+    assert compared(replay(saved["replay_command"], tmp_path / "best", warm_pool)) == compared(lineage_rows(best))
     member, donor = members[LOCAL_FORCED["member"]], members[LOCAL_FORCED["donor"]]
     assert any(r["exploit"] and r["step"] < LOCAL_FORCED["step"] for r in read_jsonl(donor / POPULATION_FILE)), "a lineage of two"
     lineage = lineage_rows(member)
-    assert compared(replay(replay_command(str(member), saved["replay_overrides"]), tmp_path / "forced", ray_address)) == compared(lineage)
+    assert compared(replay(replay_command(str(member), saved["replay_overrides"]), tmp_path / "forced", warm_pool)) == compared(lineage)
     assert len(set(realized_values(member)["lr"][2:])) > 1
 
 
@@ -215,14 +216,13 @@ def check_population(sweep, out: str, forced: dict) -> dict:
     return saved
 
 
-def replay(command: str, run_dir, ray_address: str) -> list[dict]:
-    """A printed replay command run as an ordinary run (no population in its environment), from step 0."""
+def replay(command: str, run_dir, pool: dict) -> list[dict]:
+    """A printed replay command run as an ordinary run (no population in its environment), from step 0, on `pool`."""
     import shlex
 
     args = shlex.split(command)
     assert args[:3] == ["python", "-m", "tinker_exp"]
-    result = run_cli(*args[3:], f"hydra.run.dir={run_dir}", env={POPULATION_ENV: None, "RAY_ADDRESS": ray_address}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_warm({**pool, POPULATION_ENV: None}, *args[3:], f"hydra.run.dir={run_dir}")
     assert "boundary" not in (run_dir / "tinker_exp.log").read_text()  # an ordinary run
     return read_jsonl(run_dir / "metrics.jsonl")
 

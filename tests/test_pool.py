@@ -28,6 +28,7 @@ from helpers import (
     metrics_rows,
     run_cli,
     run_module,
+    run_warm,
     wait_until,
     without_timings,
 )
@@ -52,14 +53,6 @@ def pool(ray_address, tmp_path_factory):
     down = run_module("tinker_exp.pool", "down", env=env, timeout=120)
     assert "pool down" in down.stdout, down.stdout + down.stderr
     shutil.rmtree(folder, ignore_errors=True)
-
-
-def warm(pool: dict, *args: str, **kwargs) -> subprocess.CompletedProcess:
-    result = run_cli(*args, env=pool, **kwargs)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    trained = ("pool: training on the warm workers of", "pool: training on the workers just built", "pool: slot ")
-    assert any(line in result.stdout for line in trained), result.stdout[-3000:]
-    return result
 
 
 def cold(ray_address: str, *args: str) -> subprocess.CompletedProcess:
@@ -115,7 +108,7 @@ def test_a_killed_run_leaves_the_pool_usable_a_second_run_trains_cold_or_is_refu
 
     # The next run waits for the killed one to end, then trains exactly as the suite's cold run of its command.
     run_dir = tmp_path / "after"
-    warm(pool, *COSINE_TRUNK, f"hydra.run.dir={run_dir}")
+    run_warm(pool, *COSINE_TRUNK, f"hydra.run.dir={run_dir}")
     assert without_timings(metrics_rows(run_dir)) == without_timings(metrics_rows(cosine_trunk[0]))
     status = run_module("tinker_exp.pool", "status", env=pool)
     assert "runs served: 2" in status.stdout and "now idle" in status.stdout
@@ -127,13 +120,13 @@ def test_resume_and_a_branch_on_the_pool_are_bitwise_cold_ones(pool, cosine_trun
     shutil.copytree(trunk, resumed)
     for step in (8, 12):  # as if it had been stopped after its step-4 checkpoint
         shutil.rmtree(resumed / "checkpoints" / f"step_{step:08d}")
-    result = warm(pool, *COSINE_TRUNK, f"hydra.run.dir={resumed}")
+    result = run_warm(pool, *COSINE_TRUNK, f"hydra.run.dir={resumed}")
     assert "at step 4" in result.stdout
     assert without_timings(metrics_rows(resumed)) == without_timings(metrics_rows(trunk))
 
     branch = ["+override=lr_wsd", "trainer.steps=7", f"branch.from={trunk}", "branch.step=4"]
     cold(ray_address, *branch, f"hydra.run.dir={tmp_path / 'cold_branch'}")
-    warm(pool, *branch, f"hydra.run.dir={tmp_path / 'warm_branch'}")
+    run_warm(pool, *branch, f"hydra.run.dir={tmp_path / 'warm_branch'}")
     cold_rows, warm_rows = (without_timings(metrics_rows(tmp_path / name)) for name in ("cold_branch", "warm_branch"))
     assert [row["train/step"] for row in warm_rows] == [4, 5, 6] and warm_rows == cold_rows
 
@@ -144,7 +137,7 @@ def test_a_worker_that_died_is_replaced_and_the_next_run_is_the_cold_run(pool, c
     assert len(pids) >= 2, status
     pids = pids[:2]  # the default SFT group's (the most recently used: listed first)
     os.kill(pids[1], signal.SIGKILL)  # a rank lost (out of memory, say) between two runs
-    result = warm(pool, *COSINE_TRUNK, f"hydra.run.dir={tmp_path}")
+    result = run_warm(pool, *COSINE_TRUNK, f"hydra.run.dir={tmp_path}")
     assert "pool: a worker had died" in result.stdout and "building the group again" in result.stdout
     assert without_timings(metrics_rows(tmp_path)) == without_timings(metrics_rows(cosine_trunk[0]))
     assert str(pids[1]) not in run_module("tinker_exp.pool", "status", env=pool).stdout
@@ -174,8 +167,8 @@ def test_lora_and_rl_on_the_pool_are_bitwise_cold_runs(pool, ray_address, tmp_pa
         cold_dir = tmp_path / "cold"
         cold(ray_address, *command, f"hydra.run.dir={cold_dir}")
         kill_a_warm_run_mid_run(pool, tmp_path / "killed")
-    first = warm(pool, *command, f"hydra.run.dir={tmp_path / 'warm'}")
-    again = warm(pool, *command, f"hydra.run.dir={tmp_path / 'again'}")  # the kept group, fresh state
+    first = run_warm(pool, *command, f"hydra.run.dir={tmp_path / 'warm'}")
+    again = run_warm(pool, *command, f"hydra.run.dir={tmp_path / 'again'}")  # the kept group, fresh state
     trains = "pool: slot 1 of 4 on the pool at " if command == LORA else "pool: training on the workers just built on"
     said = ("pool: no kept group fits this run", "pool: group built in", trains)
     assert all(line in first.stdout for line in said), first.stdout[-3000:]
@@ -270,7 +263,7 @@ def test_a_client_killed_right_after_sending_its_run_leaves_the_pool_free_and_th
         pass
 
     run_dir = tmp_path / "next"
-    warm(pool, *COSINE_TRUNK, f"hydra.run.dir={run_dir}")
+    run_warm(pool, *COSINE_TRUNK, f"hydra.run.dir={run_dir}")
     assert without_timings(metrics_rows(run_dir)) == without_timings(metrics_rows(cosine_trunk[0]))
 
 
@@ -365,9 +358,9 @@ def test_a_then_b_then_a_trains_a_on_its_kept_group_without_a_rebuild(pool, cosi
     rows: bitwise the cold run of its command."""
     before = {what: (built, pids) for what, built, pids in kept_groups(pool)}
     full = next(what for what in before if "TinkerTrainingWorker" in what and "full fine-tuning" in what)
-    b = warm(pool, "lora=r8", "trainer.steps=1", "logger=none", "checkpoint.at_end=false", f"hydra.run.dir={tmp_path / 'b'}")
+    b = run_warm(pool, "lora=r8", "trainer.steps=1", "logger=none", "checkpoint.at_end=false", f"hydra.run.dir={tmp_path / 'b'}")
     assert "LoRA rank 8" in kept_groups(pool)[0][0], b.stdout
-    a = warm(pool, *COSINE_TRUNK, f"hydra.run.dir={tmp_path / 'a'}")
+    a = run_warm(pool, *COSINE_TRUNK, f"hydra.run.dir={tmp_path / 'a'}")
     assert "pool: training on the warm workers of" in a.stdout and "a kept group" in a.stdout
     assert "group built" not in a.stdout and "no kept group fits" not in a.stdout and "freed a group" not in a.stdout
     after = kept_groups(pool)

@@ -1,5 +1,5 @@
 """Off-policy RL for real (rl.max_steps_off_policy=2, loss=stable_reinforce): verl's workers on 2 CPU gloo ranks
-through the shared Ray cluster while the driver's sampling thread samples ahead. One 12-step run is read by every
+on the session's warm pool while the driver's sampling thread samples ahead. One 12-step run is read by every
 test here: its staleness, its checkpoint's batches in flight, a resume of it from step 6 and a branch of it at step 6.
 """
 
@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from helpers import metrics_rows, planned, run_cli, trained_run
+from helpers import metrics_rows, planned, run_warm, trained_run
 
 K, STEPS, AT = 2, 12, 6
 COMMAND = ["env=digits", "loss=stable_reinforce", "+override=lr_cosine", f"trainer.steps={STEPS}",
@@ -20,8 +20,8 @@ SAME = ("train/reward", "train/reward_std", "train/loss", "train/grad_norm", "tr
 
 
 @pytest.fixture(scope="module")
-def off_policy_run(ray_address, tmp_path_factory):
-    return trained_run(tmp_path_factory.mktemp("off_policy_run"), ray_address, *COMMAND)
+def off_policy_run(warm_pool, tmp_path_factory):
+    return trained_run(tmp_path_factory.mktemp("off_policy_run"), warm_pool, *COMMAND)
 
 
 def test_each_batch_is_sampled_k_steps_behind_and_every_override_is_applied(off_policy_run):
@@ -37,7 +37,7 @@ def test_each_batch_is_sampled_k_steps_behind_and_every_override_is_applied(off_
     assert state["prompt_cursor"] == (AT + K) * 4
 
 
-def test_an_off_policy_run_resumed_mid_run_trains_bitwise_as_the_uninterrupted_one(off_policy_run, ray_address, tmp_path):
+def test_an_off_policy_run_resumed_mid_run_trains_bitwise_as_the_uninterrupted_one(off_policy_run, warm_pool, tmp_path):
     """The run's dir as it stood at its checkpoint 6 (copied), the same command again: it trains on the two batches
     in flight from the checkpoint, samples batch 8 from the checkpoint's weights, and every later row is the
     uninterrupted run's, bit for bit (evaluations included)."""
@@ -47,8 +47,7 @@ def test_an_off_policy_run_resumed_mid_run_trains_bitwise_as_the_uninterrupted_o
     shutil.rmtree(resumed_dir / "checkpoints" / f"step_{STEPS:08d}")
     lines = (resumed_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
     (resumed_dir / "metrics.jsonl").write_text("".join(lines[:AT]))
-    result = run_cli(*COMMAND, f"hydra.run.dir={resumed_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_warm(warm_pool, *COMMAND, f"hydra.run.dir={resumed_dir}")
     assert f"at step {AT}" in result.stdout, result.stdout[-3000:]
     rows = metrics_rows(resumed_dir)
     assert [row["train/step"] for row in rows] == list(range(STEPS))
@@ -56,13 +55,12 @@ def test_an_off_policy_run_resumed_mid_run_trains_bitwise_as_the_uninterrupted_o
     assert [row.get("eval/reward") for row in rows] == [row.get("eval/reward") for row in uninterrupted]
 
 
-def test_a_branch_trains_on_the_trunks_batches_in_flight_then_its_own(off_policy_run, ray_address, tmp_path):
+def test_a_branch_trains_on_the_trunks_batches_in_flight_then_its_own(off_policy_run, warm_pool, tmp_path):
     """branch.step=6 with a shorter cosine: steps 6 and 7 train on the trunk's batches in flight (the same rewards,
     bitwise; step 6 the same loss and gradient too, from the same weights), then the branch's own lr parts them."""
     branch = [*COMMAND[:3], "trainer.steps=9", f"rl.max_steps_off_policy={K}", "logger=none", "env.eval_prompts=null",
               f"branch.from={off_policy_run}", f"branch.step={AT}"]  # fmt: skip
-    result = run_cli(*branch, f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_warm(warm_pool, *branch, f"hydra.run.dir={tmp_path}")
     rows, trunk = metrics_rows(tmp_path), metrics_rows(off_policy_run)
     assert [row["train/step"] for row in rows] == [6, 7, 8]
     assert [row["train/reward"] for row in rows[:2]] == [row["train/reward"] for row in trunk[AT : AT + 2]]

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from helpers import compose, metrics_rows, run_cli, trained_run
+from helpers import compose, metrics_rows, run_warm, trained_run
 
 K = 4
 PPO_COMMAND = ["env=digits", "loss=ppo", f"rl.updates_per_batch={K}", "rl.kl_coef=0.1", "trainer.steps=6",
@@ -23,8 +23,8 @@ LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
 
 
 @pytest.fixture(scope="module")
-def ppo_run(ray_address, tmp_path_factory):
-    return trained_run(tmp_path_factory.mktemp("ppo_run"), ray_address, *PPO_COMMAND)
+def ppo_run(warm_pool, tmp_path_factory):
+    return trained_run(tmp_path_factory.mktemp("ppo_run"), warm_pool, *PPO_COMMAND)
 
 
 def test_on_one_sampled_batch_the_losses_agree_on_policy_and_part_once_the_ratio_leaves_1(ray_address):
@@ -109,7 +109,7 @@ def test_a_batch_is_trained_on_by_k_updates_with_the_ratio_against_the_sampler_a
     assert held == {2: True, 4: False, 6: True}
 
 
-def test_a_run_resumed_mid_batch_trains_on_the_kept_batch_bitwise(ppo_run, ray_address, tmp_path):
+def test_a_run_resumed_mid_batch_trains_on_the_kept_batch_bitwise(ppo_run, warm_pool, tmp_path):
     """The run as it stood at its checkpoint after step 2 (mid-batch: updates 2 and 3 of the first batch to go),
     resumed with the same command: it trains on the batch from loop.json (its rollouts, sampler and reference
     log-probs), then samples the next one as the uninterrupted run did: every figure the same, bit for bit."""
@@ -119,8 +119,7 @@ def test_a_run_resumed_mid_batch_trains_on_the_kept_batch_bitwise(ppo_run, ray_a
         shutil.rmtree(resumed / "checkpoints" / f"step_{step:08d}")
     lines = (resumed / "metrics.jsonl").read_text().splitlines(keepends=True)
     (resumed / "metrics.jsonl").write_text("".join(lines[:2]))
-    result = run_cli(*PPO_COMMAND, f"hydra.run.dir={resumed}", env={"RAY_ADDRESS": ray_address}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_warm(warm_pool, *PPO_COMMAND, f"hydra.run.dir={resumed}")
     assert "at step 2" in result.stdout, result.stdout[-3000:]
     same = ("train/update", "train/reward", "train/loss", "train/pg_loss", "train/grad_norm", "train/mismatch", "train/ratio_mean",
             "train/ratio_min", "train/ratio_max", "train/clip_fraction", "train/kl_ref", "train/kl_loss")  # fmt: skip

@@ -1,10 +1,11 @@
-"""RL for real: verl's TinkerActorRolloutRefWorker (role "actor") on 2 CPU gloo ranks through the shared Ray cluster,
-the driver sampling from the weights the workers export after every optimizer step.
+"""RL for real: verl's TinkerActorRolloutRefWorker (role "actor") on 2 CPU gloo ranks, the driver sampling from the
+weights the workers export after every optimizer step.
 
-One CLI run (README's RL command: env=digits loss=importance_sampling +override=lr_cosine trainer.steps=40, with the
-objective eval/reward maximised and the best checkpoint kept, every checkpoint kept) is read by every test here; a
-copy of it at step 30 is resumed, killed with SIGKILL after its next checkpoint and resumed again; one run branches it
-at step 10.
+One CLI run on the session's warm pool (README's RL command: env=digits loss=importance_sampling +override=lr_cosine
+trainer.steps=40, with the objective eval/reward maximised and the best checkpoint kept, every checkpoint kept) is
+read by every test here; a
+copy of it at step 30 is resumed, killed with SIGKILL after its next checkpoint and resumed again (cold: a process of
+its own, its Ray cluster the session's); one run branches it at step 10.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, environment, metrics_rows, planned, read_jsonl, run_cli, wait_until, wandb_train_rows, without_timings
+from helpers import REPO, environment, metrics_rows, planned, read_jsonl, run_cli, run_warm, wait_until, wandb_train_rows, without_timings
 
 RL_COMMAND = ["env=digits", "loss=importance_sampling", "+override=lr_cosine", "trainer.steps=40"]
 EXTRA = ["trainer.objective=eval/reward", "trainer.objective_mode=max", "checkpoint.keep_best=true", "checkpoint.keep_last=0"]
@@ -26,12 +27,10 @@ STEPS = 40
 
 
 @pytest.fixture(scope="module")
-def rl_run(ray_address, tmp_path_factory):
-    """(run dir, finished process) of the one real RL run."""
+def rl_run(warm_pool, tmp_path_factory):
+    """(run dir, finished process) of the one real RL run, on the session's warm pool."""
     run_dir = tmp_path_factory.mktemp("rl_run")
-    result = run_cli(*RL_COMMAND, *EXTRA, f"hydra.run.dir={run_dir}", env={"RAY_ADDRESS": ray_address}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir, result
+    return run_dir, run_warm(warm_pool, *RL_COMMAND, *EXTRA, f"hydra.run.dir={run_dir}")
 
 
 def test_the_toy_task_learns_through_verls_actor_worker_with_every_override_applied(rl_run):
@@ -123,15 +122,14 @@ def test_a_run_killed_with_sigkill_after_its_checkpoint_resumes_bitwise(rl_run, 
     assert [row.get("eval/reward") for row in rows] == [row.get("eval/reward") for row in uninterrupted]
 
 
-def test_a_branch_of_an_rl_run_starts_from_its_checkpoint_bitwise_then_applies_its_own_plan(rl_run, ray_address, tmp_path):
+def test_a_branch_of_an_rl_run_starts_from_its_checkpoint_bitwise_then_applies_its_own_plan(rl_run, warm_pool, tmp_path):
     """branch.step=10 with a shorter cosine (12 steps, no evaluation): the branch's step 10 samples the trunk's
     prompts and responses from the trunk's weights (sampler RNG and prompt cursor from the checkpoint), so its
     reward, loss and grad norm are the trunk's bit for bit; from there its own plan's lr is applied and the runs part."""
     trunk, _ = rl_run
     at, steps = 10, 12
     branch = [*RL_COMMAND[:-1], f"trainer.steps={steps}", "logger=none", "env.eval_prompts=null", f"branch.from={trunk}", f"branch.step={at}"]
-    result = run_cli(*branch, f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_warm(warm_pool, *branch, f"hydra.run.dir={tmp_path}")
     rows, trunk_rows = metrics_rows(tmp_path), metrics_rows(trunk)
     assert [row["train/step"] for row in rows] == list(range(at, steps))
     same = ("train/reward", "train/reward_std", "train/loss", "train/grad_norm", "train/mismatch", "train/response_length")
