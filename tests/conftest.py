@@ -41,8 +41,8 @@ os.environ["TINKER_EXP_POOL"] = "none"
 
 REAL_FIXTURES = {"ray_address", "slurm_env", "postgres_url", "warm_pool"}
 """A test that uses one of these (directly or through another fixture) starts real work: verl's workers on Ray (the
-session's cluster, or this process's warm pool), jobs on the local Slurm cluster, a PostgreSQL server. It is marked `real`; `make test-fast` (pytest -m "not real") leaves
-it out. A test that starts real work otherwise (a CLI run with its own Ray, a server asked for through
+session's cluster, or this process's warm pool), jobs on the local Slurm cluster, a PostgreSQL server. It is marked
+`real`; `make test-fast` (pytest -m "not real") leaves it out. A test that starts real work otherwise (a CLI run with its own Ray, a server asked for through
 request.getfixturevalue) carries the marker itself: @pytest.mark.real, or marks=pytest.mark.real on its param."""
 
 
@@ -211,8 +211,9 @@ def ray_address(pytestconfig):
 @pytest.fixture(scope="session")
 def warm_pool(pytestconfig):
     """This test process's warm pool (`python -m tinker_exp.pool up`, the product's, in a folder of its own), up from
-    the first test that asks until the last one has run (pytest_runtest_teardown): the environment a CLI run needs to train on it as a user's run
-    does with a pool up (backend.pool=auto, the default; no RAY_ADDRESS: a pool runs its own Ray cluster). The
+    the first test that asks until the last one has run (pytest_runtest_teardown): the environment a CLI run needs
+    to train on it as a user's run does with a pool up (backend.pool=auto, the default; no RAY_ADDRESS: a pool runs
+    its own Ray cluster). The
     suite's real CLI runs that claim nothing of a cold start train here, each a lease of the pool's kept groups (a
     group a key, built at the key's first run) or, for LoRA SFT, a slot of one; a warm run is its cold run, bitwise
     (tests/test_pool.py checks that against cold runs, and keeps the cold path's own tests cold)."""
@@ -223,12 +224,13 @@ def warm_pool(pytestconfig):
 
     folder = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp"))  # short: a socket's path holds at most 107 bytes
     env = {"TINKER_EXP_POOL_DIR": str(folder), "TINKER_EXP_POOL": "auto", "RAY_ADDRESS": None}
-    # Idle for as long as a loaded suite could leave it; groups for every key the routed runs use (SFT with 1 and 2
-    # workers, RL, RL with LoRA), so that none is built twice.
+    # Idle for as long as a loaded suite could leave it; a group for every key the runs on it use (full fine-tuning on
+    # 1 and 2 workers, RL, LoRA's slots), so that none is built twice.
     up = run_module("tinker_exp.pool", "up", "--idle-min", "120", "--max-groups", "6", env=env, timeout=600)
     if up.returncode != 0 or "pool up at" not in up.stdout:
         log = folder / "pool.log"
         pytest.fail(f"the suite's warm pool did not start:\n{up.stdout[-2000:]}{up.stderr[-3000:]}{log.read_text()[-3000:] if log.exists() else ''}")
+
     def down() -> None:
         if folder.exists():
             run_module("tinker_exp.pool", "down", env=env, timeout=120)
