@@ -143,8 +143,10 @@ def _run_forked(command: list[str], env: dict | None, timeout: float, cwd: Path)
 ZYGOTE_UNSAFE_ENV = ("HF_", "TRANSFORMERS", "PYTHON", "OMP_", "OPENBLAS", "MKL", "NUMPY", "TORCH", "HYDRA", "VERL", "RAY_", "MPL")
 """Variables read while the zygote imports the CLI's modules: a call that changes one gets a fresh process. Not W&B's:
 the zygote does not import wandb (cli_zygote.preload), a run reads them when it starts W&B."""
-ZYGOTE_SAFE_ENV = {"RAY_ADDRESS"}
-"""Of those, the ones read only later (ray.init), never at import."""
+ZYGOTE_SAFE_ENV = {"RAY_ADDRESS", "TORCHINDUCTOR_CACHE_DIR"}
+"""Of those, the ones read only later (ray.init; the inductor's cache when something compiles), never at import.
+`import torch._dynamo` sets TORCHINDUCTOR_CACHE_DIR from TMPDIR, so a process that imported it with another TMPDIR
+would otherwise have sent every worker it started fresh."""
 
 
 class ForkedProcess:

@@ -181,15 +181,16 @@ def preload(kind: str) -> dict[str, str]:
 
 def differs(kind: str, env: dict[str, str], imports_set: dict[str, str]) -> list[str]:
     """The variables the imports read whose value in `env` is not the one they saw here."""
-    if kind == "job":
-        from helpers import ZYGOTE_SAFE_ENV, ZYGOTE_UNSAFE_ENV
+    from helpers import ZYGOTE_SAFE_ENV, ZYGOTE_UNSAFE_ENV
 
+    if kind == "job":
         from tinker_exp.runtime.workers import platform_env
 
         unsafe, safe = ZYGOTE_UNSAFE_ENV, {*ZYGOTE_SAFE_ENV, JOB_CONFIG_ENV}
         seen = {**platform_env("cpu"), **imports_set}  # the imports ran with the first and set the second
-    else:
-        unsafe, safe, seen = RAY_WORKER_UNSAFE_ENV, {"PYTHONBREAKPOINT", *APPLIED_IN_THE_CHILD}, imports_set  # Ray sets it; read at breakpoint()
+    else:  # PYTHONBREAKPOINT: Ray sets it; read at breakpoint()
+        unsafe, safe = RAY_WORKER_UNSAFE_ENV, {*ZYGOTE_SAFE_ENV, "PYTHONBREAKPOINT", *APPLIED_IN_THE_CHILD}
+        seen = imports_set
     keys = {key for key in (*env, *os.environ, *seen) if key.startswith(unsafe) and key not in safe}
     if set(python_path(env)) <= {REPO} and not os.environ.get("PYTHONPATH"):  # the checkout: put on sys.path
         keys.discard("PYTHONPATH")  # (the benchmarks set it; what the imports found there is what they found)
