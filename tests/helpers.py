@@ -145,8 +145,8 @@ ZYGOTE_UNSAFE_ENV = ("HF_", "TRANSFORMERS", "PYTHON", "OMP_", "OPENBLAS", "MKL",
 the zygote does not import wandb (cli_zygote.preload), a run reads them when it starts W&B."""
 ZYGOTE_SAFE_ENV = {"RAY_ADDRESS", "TORCHINDUCTOR_CACHE_DIR"}
 """Of those, the ones read only later (ray.init; the inductor's cache when something compiles), never at import.
-`import torch._dynamo` sets TORCHINDUCTOR_CACHE_DIR from TMPDIR, so a process that imported it with another TMPDIR
-would otherwise have sent every worker it started fresh."""
+`import torch._dynamo` sets TORCHINDUCTOR_CACHE_DIR, so a server started by a process that had imported torch has it
+where a worker's environment may not: such workers started fresh for it (42 of 311 in one CI)."""
 
 
 class ForkedProcess:
