@@ -42,8 +42,9 @@ os.environ["TINKER_EXP_POOL"] = "none"
 REAL_FIXTURES = {"ray_address", "slurm_env", "postgres_url", "warm_pool"}
 """A test that uses one of these (directly or through another fixture) starts real work: verl's workers on Ray (the
 session's cluster, or this process's warm pool), jobs on the local Slurm cluster, a PostgreSQL server. It is marked
-`real`; `make test-fast` (pytest -m "not real") leaves it out. A test that starts real work otherwise (a CLI run with its own Ray, a server asked for through
-request.getfixturevalue) carries the marker itself: @pytest.mark.real, or marks=pytest.mark.real on its param."""
+`real`; `make test-fast` (pytest -m "not real") leaves it out. A test that starts real work otherwise (a CLI run with
+its own Ray, a server asked for through request.getfixturevalue) carries the marker itself: @pytest.mark.real, or
+marks=pytest.mark.real on its param."""
 
 
 def pytest_configure(config):
@@ -85,7 +86,8 @@ def pytest_runtest_teardown(item, nextitem):
     workers 0.6, CPU the tests after them would otherwise share."""
     yield
     if item.nodeid == getattr(item.config, "_last_on_the_pool", None):
-        for down in getattr(item.config, "_warm_pool_down", []):
+        down = getattr(item.config, "_warm_pool_down", None)
+        if down is not None:
             down()
 
 
@@ -213,10 +215,10 @@ def warm_pool(pytestconfig):
     """This test process's warm pool (`python -m tinker_exp.pool up`, the product's, in a folder of its own), up from
     the first test that asks until the last one has run (pytest_runtest_teardown): the environment a CLI run needs
     to train on it as a user's run does with a pool up (backend.pool=auto, the default; no RAY_ADDRESS: a pool runs
-    its own Ray cluster). The
-    suite's real CLI runs that claim nothing of a cold start train here, each a lease of the pool's kept groups (a
-    group a key, built at the key's first run) or, for LoRA SFT, a slot of one; a warm run is its cold run, bitwise
-    (tests/test_pool.py checks that against cold runs, and keeps the cold path's own tests cold)."""
+    its own Ray cluster). The suite's real CLI runs that claim nothing of a cold start train here, each a lease of
+    the pool's kept groups (a group a key, built at the key's first run) or, for LoRA SFT, a slot of one; a warm run
+    is its cold run, bitwise (tests/test_pool.py checks that against cold runs, and keeps the cold path's own tests
+    cold)."""
     import shutil
     import tempfile
 
@@ -236,7 +238,7 @@ def warm_pool(pytestconfig):
             run_module("tinker_exp.pool", "down", env=env, timeout=120)
             shutil.rmtree(folder, ignore_errors=True)
 
-    pytestconfig._warm_pool_down = [down]
+    pytestconfig._warm_pool_down = down
     yield env
     down()
 

@@ -3,8 +3,7 @@ weights the workers export after every optimizer step.
 
 One CLI run on the session's warm pool (README's RL command: env=digits loss=importance_sampling +override=lr_cosine
 trainer.steps=40, with the objective eval/reward maximised and the best checkpoint kept, every checkpoint kept) is
-read by every test here; a
-copy of it at step 30 is resumed, killed with SIGKILL after its next checkpoint and resumed again (cold: a process of
+read by every test here; a copy of it at step 30 is resumed, killed with SIGKILL after its next checkpoint and resumed again (cold: a process of
 its own, its Ray cluster the session's); one run branches it at step 10.
 """
 
