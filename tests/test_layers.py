@@ -12,7 +12,7 @@ from helpers import REPO
 PACKAGE = REPO / "tinker_exp"
 HEAVY = ("torch", "verl", "ray", "transformers", "tokenizers", "peft")
 PURE = ["tinker_exp.config", "tinker_exp.optim", "tinker_exp.train", "tinker_exp.sweep", "tinker_exp.errors", "tinker_exp.memory",
-        "tinker_exp.formats", "tinker_exp.rl", "tinker_exp.main", "tinker_exp.run", "tinker_exp.place", "tinker_exp.forecast", "tinker_exp.pool", "hydra_plugins.tinker_exp_plugins"]  # fmt: skip
+        "tinker_exp.formats", "tinker_exp.threads", "tinker_exp.rl", "tinker_exp.main", "tinker_exp.run", "tinker_exp.place", "tinker_exp.forecast", "tinker_exp.pool", "hydra_plugins.tinker_exp_plugins"]  # fmt: skip
 
 
 def modules(package: str) -> list[str]:
@@ -62,7 +62,7 @@ def test_only_the_runtime_imports_verl_ray_or_torch():
 # Each module's layer; a module may import its own layer and those below it, never one above, and no set of
 # modules may import each other in a circle (lazy, function-level imports count: they run too).
 LAYERS = [
-    ("tinker_exp", "tinker_exp.errors", "tinker_exp.formats", "tinker_exp.memory"),  # plain helpers every layer uses
+    ("tinker_exp", "tinker_exp.errors", "tinker_exp.formats", "tinker_exp.memory", "tinker_exp.threads"),  # plain helpers every layer uses
     ("tinker_exp.optim",),  # the per-step plan: schedules, converter, checks, preview (numpy)
     ("tinker_exp.config",),  # schema, validation, compose errors, --help (shows the plan's keys and kinds)
     ("tinker_exp.train", "tinker_exp.rl"),  # the loop and its protocols, sinks, checkpoints, data, start point; RL envs

@@ -30,6 +30,9 @@ from helpers import (
     run_module,
     run_warm,
     wait_until,
+    wandb_finished_records,
+    wandb_history,
+    wandb_run_record,
     without_timings,
 )
 from tinker_exp.config.rl import RLConfig
@@ -447,12 +450,13 @@ def test_a_studys_trials_on_slots_train_at_once_each_its_cold_run(cold_lora, col
     third trial takes the slot it freed. Each run dir says which slot its trial held and keeps its own log records;
     the sweep's terminal says the trials' ends, not their lines."""
     sweep = tmp_path / "study"
-    result = run_cli(*SLOT_STUDY, f"hydra.sweep.dir={sweep}", env={"RAY_ADDRESS": ray_address}, timeout=600)
+    result = run_cli(*with_wandb(SLOT_STUDY), f"hydra.sweep.dir={sweep}", env={"RAY_ADDRESS": ray_address}, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "study 'tinker_exp' (" in output and "3 trials, 2 at a time" in output, output[-3000:]
     assert "hydra.launcher.slots=auto: 2 trials at once on slots of one group (at most 8, the sweep's 3 trials, max_parallel=2; about " in output, output[-3000:]
     assert "pool:" not in output and "optimizer built with" not in output and "workers: " not in output  # no pool; no trial's own lines (its group's build's too)
+    assert "W&B run" not in output, output[-3000:]  # a trial's W&B run starts in a thread of its run's: its line is the trial's
     import optuna
 
     from tinker_exp.sweep.study import open_storage, sweep_storage
@@ -468,6 +472,7 @@ def test_a_studys_trials_on_slots_train_at_once_each_its_cold_run(cold_lora, col
     for seed, text in said.items():  # each log holds its own trial's records only
         assert f"trainer.seed={seed}" in (seeds[seed] / ".hydra" / "overrides.yaml").read_text().replace("- ", "")
         assert text.count("optimizer built with") == 1 and f"{seeds[seed]}/metrics.jsonl" in text, text[-2000:]
+        assert_own_wandb_run(seeds[seed], text)
     adapter = "adapter/adapter_model.safetensors"
 
     def trained(rows: list[dict]) -> list[dict]:  # the training part of each row (the cold runs evaluate at their end only)
@@ -480,6 +485,21 @@ def test_a_studys_trials_on_slots_train_at_once_each_its_cold_run(cold_lora, col
     assert_adapters_close(seeds[0] / adapter, cold_lora / adapter)
     assert_rows_close(trained(metrics_rows(seeds[7])), trained(cold_rows[7])[:1])  # pruned after its first step
     assert [len(metrics_rows(seeds[seed])) for seed in (7, 3)] == [1, 1]
+
+
+def with_wandb(args: list[str]) -> list[str]:
+    """`args` with W&B's logger (offline in the suite) for logger=none."""
+    return ["logger=wandb" if arg == "logger=none" else arg for arg in args]
+
+
+def assert_own_wandb_run(run_dir: Path, logged: str) -> None:
+    """A run that trained beside others in one process had a W&B run of its own (not the one another run had active
+    then), holding its own rows, and its log (`logged`) says so: the line W&B's start-up thread logs is the run's."""
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    assert re.search(rf"W&B run {run_id} \(offline\): {re.escape(str(run_dir))}/wandb/", logged), logged[-3000:]
+    records = wandb_finished_records(run_dir)
+    assert wandb_run_record(records).run_id == run_id
+    assert [row["train/loss"] for row in wandb_history(records) if "train/loss" in row] == [row["train/loss"] for row in metrics_rows(run_dir)]
 
 
 POOL_SLOT_SWEEP = ["-m", *LORA, "trainer.seed=0,7"]
@@ -504,7 +524,7 @@ def test_lora_runs_at_once_on_the_pools_slots_are_each_their_cold_run_and_a_ctrl
         wait_until(lambda: len(metrics_rows(long_dir)) >= 2, 240, "the long run never logged 2 steps", long_run)
         # a process of its own, as the long run's (a run forked from the tests' CLI zygote has another sys.path, and
         # runs at once on slots share theirs)
-        sweep = subprocess.run([sys.executable, "-m", "tinker_exp", *POOL_SLOT_SWEEP, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        sweep = subprocess.run([sys.executable, "-m", "tinker_exp", *with_wandb(POOL_SLOT_SWEEP), f"hydra.sweep.dir={tmp_path / 'sweep'}"],
                                cwd=REPO, env=environment(pool), capture_output=True, text=True, timeout=400)  # fmt: skip
         status = run_module("tinker_exp.pool", "status", env=pool)
         long_run.send_signal(signal.SIGINT)
@@ -521,8 +541,10 @@ def test_lora_runs_at_once_on_the_pools_slots_are_each_their_cold_run_and_a_ctrl
     slots = set()
     for point, cold_dir in (("0", cold_lora), ("1", cold_lora_seed_7)):
         run_dir = tmp_path / "sweep" / point
-        line = re.search(r"pool: slot (\d) of 4 on the pool at .*: a kept group \(built .*\), beside (\d) other runs?", (run_dir / "tinker_exp.log").read_text())
-        assert line is not None, (run_dir / "tinker_exp.log").read_text()[-3000:]
+        logged = (run_dir / "tinker_exp.log").read_text()
+        line = re.search(r"pool: slot (\d) of 4 on the pool at .*: a kept group \(built .*\), beside (\d) other runs?", logged)
+        assert line is not None, logged[-3000:]
+        assert_own_wandb_run(run_dir, logged)  # started in a thread of its run's in the pool's process: its line came back
         slots.add(line.group(1))
         assert_rows_close(metrics_rows(run_dir), metrics_rows(cold_dir))  # runs at once: their steps may pack
         assert_adapters_close(run_dir / adapter, cold_dir / adapter)
@@ -924,3 +946,21 @@ def test_a_lease_answer_reads_past_the_pools_waiting():
     wire.send(pool_end, ("busy", {}))
     assert wire.lease_answer(client_end) == ("busy", {}) and client_end.gettimeout() == 60.0 + wire.WAITING_MARGIN_S
     pool_end.close(), client_end.close()
+
+
+def test_a_run_told_the_pools_slots_are_busy_is_told_why_it_cannot_join_them(tmp_path):
+    """A run refused by a pool whose slots hold runs hears how many are held and why it cannot take one: none free
+    (a run like theirs), another group or context (what differs), or a run that needs the whole group. The host's own
+    answer; the sharing's key and contexts as `_slot_terms` makes them."""
+    import time
+
+    from tinker_exp.pool.host import Host, Sharing
+
+    host = Host(tmp_path / "pool.sock", idle_s=600.0, slots=2)
+    key, context = {"lora": {"rank": 8}}, ((), "/home/me/project", ("/home/me/project",))
+    host.sharing = Sharing(key, context, holders=[{"who": "lora=r8 trainer.seed=1", "pid": 1, "since": time.time()}])
+    elsewhere = (key, ((), "/home/me/other", ("/home/me/other",)))
+    assert host._busy_info(elsewhere)["slots"] == "1 of 2 slots held; the runs on slots come from another working dir"
+    assert host._busy_info(None)["slots"] == "1 of 2 slots held; this run needs the whole group (slots hold LoRA SFT runs on one node)"
+    host.sharing.holders.append({"who": "lora=r8 trainer.seed=2", "pid": 2, "since": time.time()})
+    assert host._busy_info((key, context)) == {**host.sharing.holders[0], "slots": "2 of 2 slots held"}

@@ -572,3 +572,41 @@ def test_a_trial_on_a_slot_starts_from_the_composition_its_check_made_as_from_it
     assert OmegaConf.to_yaml(once.task) == OmegaConf.to_yaml(own.task) and once.hydra_files == own.hydra_files
     assert (once.run_dir, once.choices, once.job, once.log_file) == (own.run_dir, own.choices, own.job, own.log_file)
     assert once.run_dir == tmp_path / "3" and "override.lr.value=0.0006466422717414558" in once.hydra_files["overrides.yaml"]
+
+
+def test_a_slot_trials_helper_threads_write_to_its_own_log_not_the_sweeps(tmp_path):
+    """Trials as threads of one process (slot_jobs.py's routers): a thread a trial starts for its run (sinks.py's
+    `Background`, which starts its W&B run; the RL sampler) logs and prints into that trial's files, as the trial's
+    own thread does; a thread nobody's run started (a library's) still goes to the sweep's terminal."""
+    import io
+    import logging
+    import threading
+
+    from hydra_plugins.tinker_exp_plugins.slot_jobs import ByThread, NotFromTrials, RoutedStream, TrialRecords
+
+    from tinker_exp.train.sinks import Background
+
+    routes, terminal = ByThread(), io.StringIO()
+    sweeps = logging.StreamHandler(terminal)
+    sweeps.addFilter(NotFromTrials(routes))
+    logger = logging.getLogger("test_slot_helper_threads")
+    logger.handlers, logger.propagate, logger.level = [TrialRecords(routes), sweeps], False, logging.INFO
+    stream = RoutedStream(routes, terminal)
+    both_routed = threading.Barrier(2)  # the two trials' helpers run while both trials are routed
+
+    def trial(n: int) -> None:
+        routes.add(open(tmp_path / f"{n}.out", "w"), tmp_path / f"{n}.log")
+        both_routed.wait(timeout=30)
+        Background(lambda: (logger.info(f"W&B run of trial {n}"), stream.write(f"printed by trial {n}'s helper\n")))()
+        library = threading.Thread(target=lambda: logger.info(f"a library's thread beside trial {n}"))
+        library.start(), library.join()
+        routes.remove()
+
+    trials = [threading.Thread(target=trial, args=(n,)) for n in (0, 1)]
+    [t.start() for t in trials], [t.join(timeout=60) for t in trials]
+    for n, other in ((0, 1), (1, 0)):
+        said, printed = (tmp_path / f"{n}.log").read_text(), (tmp_path / f"{n}.out").read_text()
+        assert f"W&B run of trial {n}" in said and f"trial {other}" not in said, said
+        assert printed == f"printed by trial {n}'s helper\n", printed
+    assert "W&B run" not in terminal.getvalue() and "printed by" not in terminal.getvalue(), terminal.getvalue()
+    assert terminal.getvalue().count("a library's thread beside trial") == 2, terminal.getvalue()

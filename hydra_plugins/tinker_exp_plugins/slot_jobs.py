@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence, TextIO
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from tinker_exp import threads
+
 JOB_LOGS = ".slots"
 """In the sweep dir: each slot job's stdout and stderr (`<num>.log`), and what the group's workers print."""
 
@@ -75,7 +77,7 @@ class RoutedStream:
         self.routes, self.underlying = routes, underlying
 
     def write(self, text: str) -> int:
-        stream = self.routes.files.get(threading.get_ident())
+        stream = self.routes.files.get(threads.owner())
         (stream or self.underlying).write(text)
         if stream is not None:
             stream.flush()
@@ -85,7 +87,7 @@ class RoutedStream:
         self.underlying.flush()
 
     def isatty(self) -> bool:
-        return threading.get_ident() not in self.routes.files and self.underlying.isatty()
+        return threads.owner() not in self.routes.files and self.underlying.isatty()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.underlying, name)
@@ -99,7 +101,7 @@ class TrialRecords(logging.Handler):
         self.routes = routes
 
     def emit(self, record: logging.LogRecord) -> None:
-        handler = self.routes.records.get(record.thread or 0)
+        handler = self.routes.records.get(threads.owner(record.thread or 0))
         if handler is not None:
             handler.handle(record)
 
@@ -112,7 +114,7 @@ class NotFromTrials(logging.Filter):
         self.routes = routes
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.thread not in self.routes.records
+        return threads.owner(record.thread or 0) not in self.routes.records
 
 
 class Written:

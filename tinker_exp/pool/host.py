@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from tinker_exp import threads
 from tinker_exp.errors import STOPS, Terminated
 from tinker_exp.pool import wire
 from tinker_exp.train.rundir_lock import written_by_pool
@@ -165,7 +166,7 @@ class Host:
                 self._wait_told(sock, lambda: self.stopping.is_set() or not self._all_taken_by_peers(wanted), "a slot", None)
             sharing = self._admit(wanted)
             if sharing is None and (self.holder is not None or self.sharing is not None or self.stopping.is_set()):
-                wire.send(sock, ("busy", self._busy_info()))
+                wire.send(sock, ("busy", self._busy_info(wanted)))
                 return
             if sharing is None:
                 self.holder = holder
@@ -276,14 +277,16 @@ class Host:
         sharing = self.sharing
         return sharing is not None and (sharing.key, sharing.context) == wanted and len(sharing.holders) >= self.slots
 
-    def _busy_info(self) -> dict[str, Any]:
-        """Who a refused run is told holds the pool: its run alone, or (with how many) the runs on its slots."""
+    def _busy_info(self, wanted: tuple[dict[str, Any], tuple] | None) -> dict[str, Any]:
+        """Who a refused run (`wanted`: its slot terms, None for a run that needs the whole group) is told holds the
+        pool: its run alone, or the runs on its slots, how many, and why this run cannot join them."""
         if self.holder is not None:
             return self.holder
         if self.sharing is not None and self.sharing.holders:
-            holders = self.sharing.holders
-            return {**holders[0], "slots": f"{len(holders)} of {self.slots} slots held, by runs of another LoRA group "
-                    "or another working dir or environment than this one's, or all"}  # fmt: skip
+            why = ("this run needs the whole group (slots hold LoRA SFT runs on one node)" if wanted is None
+                   else None if self._all_taken_by_peers(wanted) else self._why_not_beside(wanted))
+            held = f"{len(self.sharing.holders)} of {self.slots} slots held"
+            return {**self.sharing.holders[0], "slots": held + (f"; {why}" if why else "")}
         return {"who": "its own end", "pid": os.getpid(), "since": time.time()}
 
     def _start(self, job: Job) -> None:
@@ -673,7 +676,7 @@ class RoutedStream:
         self.routes, self.name, self.underlying = routes, name, underlying
 
     def _target(self) -> Any:
-        forwarded = self.routes.get(threading.get_ident())
+        forwarded = self.routes.get(threads.owner())
         return self.underlying if forwarded is None else getattr(forwarded, self.name)
 
     def write(self, text: str) -> int:
@@ -698,7 +701,7 @@ class RoutedRecords(logging.Handler):
         self.routes, self.handlers = routes, handlers
 
     def emit(self, record: logging.LogRecord) -> None:
-        forwarded = self.routes.get(record.thread or 0)
+        forwarded = self.routes.get(threads.owner(record.thread or 0))
         if forwarded is not None:
             forwarded.records.emit(record)
             return

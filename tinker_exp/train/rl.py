@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from tinker_exp import threads
 from tinker_exp.rl.advantages import group_advantages
 from tinker_exp.rl.prompts import PromptRow
 from tinker_exp.train.protocols import Batch
@@ -334,8 +335,7 @@ class OffPolicyBatches(RLBatches):
     def _start_thread(self) -> None:
         if self._thread is None:
             self._stopping = False
-            self._thread = threading.Thread(target=self._sample_ahead, name="rl-sampling", daemon=True)
-            self._thread.start()
+            self._thread = threads.start(self._sample_ahead, "rl-sampling")  # a reward's prints are its run's
 
     def _sample_ahead(self) -> None:
         try:

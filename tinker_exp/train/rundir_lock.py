@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+from tinker_exp import threads
 from tinker_exp.errors import ConfigError
 
 LOCK_FILE = "tinker_exp.lock"
@@ -173,8 +174,7 @@ class RunDirLock:
         turns = 5  # each turn: create it, or judge its holder (another contender may change it meanwhile)
         for turn in range(turns):
             if self._create():
-                self._heartbeat = threading.Thread(target=self._beat, name="run-dir-lock-heartbeat", daemon=True)
-                self._heartbeat.start()
+                self._heartbeat = threads.start(self._beat, "run-dir-lock-heartbeat")  # its warnings are the run's
                 return
             found = read_holder(self.path)
             if found is None:

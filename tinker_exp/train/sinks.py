@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
+from tinker_exp import threads
 from tinker_exp.config import LoggerConfig
 from tinker_exp.errors import one_line
 from tinker_exp.formats import read_jsonl
@@ -146,6 +147,9 @@ class WandbSink:
             run = wandb.init(
                 id=id_file.read_text().strip(),
                 resume="allow",
+                # runs at once in one process (a sweep's trials on slots, a pool's runs on slots) each their own: by
+                # default W&B hands a second init the run already active in the process, and finishes it with it
+                reinit="create_new",
                 project=logger_cfg.project,
                 entity=logger_cfg.entity,
                 group=logger_cfg.group,
@@ -248,8 +252,7 @@ class Background:
 
     def __init__(self, work: Callable[[], Any]):
         self.box: dict[str, Any] = {}
-        self.thread = threading.Thread(target=self._run, args=(work,), name="driver-start-up", daemon=True)
-        self.thread.start()
+        self.thread = threads.start(lambda: self._run(work), "driver-start-up")  # its lines are the run's
 
     def _run(self, work: Callable[[], Any]) -> None:
         if sys.platform == "linux":  # Linux: per-thread niceness (a child process started here inherits it)
