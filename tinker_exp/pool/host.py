@@ -34,6 +34,7 @@ from tinker_exp import threads
 from tinker_exp.errors import STOPS, Terminated
 from tinker_exp.pool import wire
 from tinker_exp.train.rundir_lock import written_by_pool
+from tinker_exp.train.sinks import end_wandb_service
 from tinker_exp.train.signals import SIGTERM_RECEIVED, sigterm_raises
 
 log = logging.getLogger(__name__)
@@ -790,6 +791,7 @@ def serve(address: Path, idle_s: float, parent_pid: int | None, max_groups: int 
         server.close()
         if address.exists():
             address.unlink()
+        end_wandb_service()  # before its children are ended: W&B's service is one of them
         descendants = descendant_pids(os.getpid())
         host.group.close()
         ended_all(descendants)  # Ray's agents end with the pool, not minutes later

@@ -56,6 +56,18 @@ def keep_rows_before(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def end_wandb_service() -> None:
+    """W&B's service process (started by the first W&B run in this process) ended now, as W&B's exit hook would end
+    it: a process that ends its own children before it exits (a pool's, at its end) otherwise leaves that hook only
+    a traceback, its service gone. Nothing when no run here used W&B."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None:
+        try:
+            wandb.teardown()
+        except Exception as e:  # noqa: BLE001  (the process is ending: say it, go on)
+            log.warning(f"W&B's service did not end cleanly ({type(e).__name__}: {e})")
+
+
 def wandb_environment(run_dir: Path, mode: str) -> dict[str, str]:
     """Keep W&B's files inside the run dir, and offline runs off the network (set before import)."""
     wandb_dir = run_dir / "wandb_files"
