@@ -819,7 +819,8 @@ def test_pool_commands_mistakes_and_a_closed_pipe_are_one_line(tmp_path):
         assert not (tmp_path / value).exists()
     for args, line in ((["--max-groups", "0"], "--max-groups=0: must be >= 1"), (["--memory-mb=lots"], "--memory-mb=lots: not a number of MiB"),
                        (["--idle-min", "-1"], "--idle-min=-1: must be > 0"),
-                       (["--slots", "0"], "--slots=0: must be >= 1 (1: one run at a time)")):  # fmt: skip
+                       (["--slots", "0"], "--slots=0: must be >= 1 (1: one run at a time)"),
+                       (["--slots"], "--slots: no value given (it takes a whole number)")):  # fmt: skip
         up = run_module("tinker_exp.pool", "up", *args, env=env)
         assert up.returncode == 2 and up.stderr == f"tinker_exp: config error: {line}\n", up.stderr
     assert not (tmp_path / "pools").exists()  # refused before anything was made

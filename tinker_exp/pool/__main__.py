@@ -110,8 +110,10 @@ def up_options(args: list[str]) -> tuple[UpOptions, list[str]]:
         if flag not in flags:
             rest.append(arg)
             continue
-        value = value if equals else next(items, "")
+        value = value if equals else next(items, None)
         name, kind, what = flags[flag]
+        if value is None:
+            raise ConfigError(f"{flag}: no value given (it takes {what})")
         try:
             values[name] = kind(value)
         except ValueError:
