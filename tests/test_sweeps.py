@@ -511,6 +511,34 @@ def test_ctrl_c_in_the_submitting_process_cancels_the_jobs(slurm_env, tmp_path):
     wait_until(lambda: states() == ["CANCELLED", "CANCELLED"], 120, f"not cancelled in sacct: {states()}", poll=1)
 
 
+def test_sigterm_on_a_sweep_of_trials_on_slots_stops_them_as_ctrl_c_does_and_exits_143(ray_address, tmp_path):
+    """SIGTERM (`timeout`, a batch system) to a sweep's process whose trials are threads on slots of its own LoRA
+    group (Ray's driver started in a thread of that process): every trial stops at its next step as a run stops on
+    SIGTERM (its run dir's lock removed), and the process exits 143 with the line that continues the sweep, no stack
+    dump. Before, the process ended at once (Ray's failure handler, then the default action), trials and all."""
+    import signal
+
+    command = [
+        sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", "lora=r8",
+        "trainer.seed=0,7", "trainer.steps=1000", "logger=none", "checkpoint.every_steps=0",
+    ]  # fmt: skip
+    driver = subprocess.Popen(command, cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_until(lambda: all(len(metrics_rows(tmp_path / n)) >= 1 for n in "01"), 300, "the trials never trained", driver)
+        driver.send_signal(signal.SIGTERM)
+        output, _ = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    assert driver.returncode == 143 and "2 local jobs, 2 at a time on the slots of one group" in output, output[-3000:]
+    assert "interrupted: cancelled slot-job-0, slot-job-1" in output, output[-3000:]
+    continued = "tinker_exp: terminated (SIGTERM); continue it with: python -m tinker_exp " + shlex.join([*(a for a in command[3:] if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={tmp_path}"])
+    assert "Traceback" not in output and "SIGTERM received" not in output and output.strip().splitlines()[-1] == continued, output[-3000:]
+    for n in "01":
+        assert len(metrics_rows(tmp_path / n)) < 1000 and not (tmp_path / n / "tinker_exp.lock").exists()
+        assert "tinker_exp: stopped: terminated by SIGTERM" in (tmp_path / ".slots" / f"{n}.log").read_text()
+
+
 def test_ctrl_c_in_a_local_sweep_stops_the_running_point_and_starts_no_other(ray_address, tmp_path):
     """hydra.launcher.max_parallel=1, on the sweep's own warm pool: each job a thread of the sweep's process leasing
     the pool (no process a job). Point 1 waits for point 0; Ctrl-C while point 0 trains stops it on the pool, and

@@ -28,6 +28,7 @@ from tinker_exp.formats import not_a_folder
 from tinker_exp.run import hydra_output_files, name_sweep_job, run_and_score, sweep_job
 from tinker_exp.sweep.jobs import job_info
 from tinker_exp.train.checkpoints import resume_point
+from tinker_exp.train.signals import SIGTERM_RECEIVED, sigterm_as_ctrl_c
 
 
 
@@ -158,12 +159,13 @@ def main() -> None:
     config.cli_help.show_if_asked(sys.argv[1:])
     warnings.formatwarning = one_line_warning
     try:
-        with one_line_compose_errors():  # Hydra's compose errors: one line and exit 2, like every config error
+        with one_line_compose_errors(), sigterm_as_ctrl_c():  # compose errors: one line and exit 2, as every config error
             refuse_unknown_flags(sys.argv[1:])
             _hydra_main()
-    except KeyboardInterrupt as e:  # Ctrl-C: what was running is stopped (a sweep's jobs cancelled); no traceback
-        print("tinker_exp: interrupted (Ctrl-C)" + (f"; {e}" if str(e) else ""), file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM): what was running is stopped (a sweep's jobs cancelled); no traceback
+        stopped, status = ("terminated (SIGTERM)", 143) if SIGTERM_RECEIVED.is_set() else ("interrupted (Ctrl-C)", 130)
+        print(f"tinker_exp: {stopped}" + (f"; {e}" if str(e) else ""), file=sys.stderr)
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,12 @@ def start_ray(address: str | None, env: dict[str, str], num_cpus: int | None = N
     import logging
 
     import ray
+    from ray._private import ray_constants
 
+    # The driver's SIGTERM is ours (train/signals.py: a run stops, a sweep stops its trials); Ray's failure handler
+    # (absl's) chains to it, but printed a crash's stack dump first wherever it stayed installed (a sweep starts Ray
+    # in a thread, where sigterm_handler_kept cannot put ours back). Ray's own processes keep theirs.
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
     with sigterm_handler_kept(), ignored_by_children(), dropped(auth_log, DEFAULT_TOKEN_AUTH), environ(NO_METRICS_SERVER):
         ray.init(

@@ -52,6 +52,35 @@ def sigterm_raises() -> Iterator[None]:
 
 
 @contextmanager
+def sigterm_as_ctrl_c() -> Iterator[None]:
+    """Within (the CLI's main thread): SIGTERM does what Ctrl-C would do at that moment (SIGINT's handler then: a
+    sweep notes Ctrl-C, or defers it around what must not be cut), once, and sets SIGTERM_RECEIVED: the process then
+    ends 143, not 130. A run's own `sigterm_raises` replaces it while the run trains; a sweep's process has none, and
+    would otherwise end at once, its trials in threads on slots with it (their run dirs' locks left, W&B runs not
+    finished). Ray's driver, started later in the process, chains its own handler to this one. Where Ctrl-C is
+    ignored (a job started in the background), SIGTERM still raises KeyboardInterrupt."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if SIGTERM_RECEIVED.is_set():
+            return  # already stopping: a second SIGTERM must not cut the clean-up short
+        SIGTERM_RECEIVED.set()
+        ctrl_c = signal.getsignal(signal.SIGINT)
+        if callable(ctrl_c):
+            ctrl_c(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
 def sigterm_deferred() -> Iterator[None]:
     """Within: a SIGTERM waits until the block is done, then acts as it would have, so what the block writes is
     written whole (a row reaches every sink or none: the last row of a stopped run is in metrics.jsonl and W&B)."""
