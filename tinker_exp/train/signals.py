@@ -57,8 +57,8 @@ def sigterm_as_ctrl_c() -> Iterator[None]:
     sweep notes Ctrl-C, or defers it around what must not be cut), once, and sets SIGTERM_RECEIVED: the process then
     ends 143, not 130. A run's own `sigterm_raises` replaces it while the run trains; a sweep's process has none, and
     would otherwise end at once, its trials in threads on slots with it (their run dirs' locks left, W&B runs not
-    finished). Ray's driver, started later in the process, chains its own handler to this one. Where Ctrl-C is
-    ignored (a job started in the background), SIGTERM still raises KeyboardInterrupt."""
+    finished). Ray's driver, started later in a thread, puts none of its own over it (runtime/ray_cluster.py
+    `start_ray`). Where Ctrl-C is ignored (a job started in the background), SIGTERM still raises KeyboardInterrupt."""
 
     def handler(signum: int, frame: Any) -> None:
         if SIGTERM_RECEIVED.is_set():
