@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from tinker_exp.config import CONF_DIR
 from tinker_exp.forecast.runs import ForecastError, flat, run_settings
 
 
@@ -27,22 +26,10 @@ class Candidate:
 
 
 def compose_config(overrides: list[str], config_dir: Path | None = None) -> Any:
-    """The typed Config a run with these command-line overrides gets (Hydra's compose API on conf/)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """The typed Config a run with these command-line overrides gets (conf/, and `config_dir`'s presets first)."""
+    from tinker_exp.config import compose
 
-    from tinker_exp.config import load, register
-    from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
-
-    register()
-    extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR, job_name="forecast"):
-            dcfg = compose("config", overrides=[*overrides, *extra])
-        return load(dcfg)
-    except COMPOSE_ERRORS as e:
-        raise as_config_error(e) from None
+    return compose(overrides, config_dir, job_name="forecast")
 
 
 def plan_lr(text: str, config_dir: Path | None = None) -> Candidate:

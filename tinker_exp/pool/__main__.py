@@ -173,17 +173,10 @@ def up(args: list[str]) -> int:
 
 def checked_config(overrides: list[str]):
     """The typed config of `python -m tinker_exp OVERRIDES`, checked (its plan too) as a run checks it."""
-    from hydra import compose, initialize_config_dir
-
     from tinker_exp import config
-    from tinker_exp.config import CONF_DIR
-    from tinker_exp.config.compose_errors import one_line_compose_errors
     from tinker_exp.run import validate
 
-    config.register()
-    with one_line_compose_errors(), initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        dcfg = compose(config_name="config", overrides=overrides)
-    cfg = config.load(dcfg)
+    cfg = config.compose(overrides)
     validate(cfg)
     return cfg
 

@@ -168,10 +168,7 @@ def listen(serve: ServeConfig):
 def main(args: list[str]) -> None:
     import datetime
 
-    from hydra import compose, initialize_config_dir
-
     from tinker_exp import config
-    from tinker_exp.config import CONF_DIR
 
     serve, overrides = serve_config(args)
     scrub_key(serve)  # from here the key is in `serve` alone: not in sys.argv, nor in the workers' environment
@@ -179,17 +176,7 @@ def main(args: list[str]) -> None:
     run_dir = Path(serve.run_dir or f"outputs/serve/{datetime.datetime.now():%Y-%m-%d/%H-%M-%S-%f}")
     check_run_dir(run_dir)
     listener = listen(serve)  # a port in use, a host not ours: one line, before any worker
-    config.register()
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from tinker_exp.config.compose_errors import as_config_error
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        try:
-            composed = compose(config_name="config", overrides=overrides)
-        except (HydraException, OmegaConfBaseException) as e:  # the override grammar's mistakes, as a run's
-            raise as_config_error(e) from None
+    composed = config.compose_dict(overrides)
     cfg = config.load(composed)
     config.check(cfg)
     if cfg.env.active:
