@@ -603,32 +603,34 @@ def test_a_trial_on_a_slot_starts_from_the_composition_its_check_made_as_from_it
 
 
 def test_a_slot_trials_helper_threads_write_to_its_own_log_not_the_sweeps(tmp_path):
-    """Trials as threads of one process (slot_jobs.py's routers): a thread a trial starts for its run (sinks.py's
-    `Background`, which starts its W&B run; the RL sampler) logs and prints into that trial's files, as the trial's
-    own thread does; a thread nobody's run started (a library's) still goes to the sweep's terminal."""
+    """Trials as threads of one process (the one router, threads.py, as slot_jobs.py installs it): a thread a trial
+    starts for its run (sinks.py's `Background`, which starts its W&B run; the RL sampler) logs and prints into that
+    trial's files, as the trial's own thread does; a thread nobody's run started (a library's) still goes to the
+    sweep's terminal."""
     import io
     import logging
     import threading
 
-    from hydra_plugins.tinker_exp_plugins.slot_jobs import ByThread, NotFromTrials, RoutedStream, TrialRecords
-
+    from tinker_exp import threads
     from tinker_exp.train.sinks import Background
 
-    routes, terminal = ByThread(), io.StringIO()
+    router, terminal = threads.Router(), io.StringIO()
     sweeps = logging.StreamHandler(terminal)
-    sweeps.addFilter(NotFromTrials(routes))
+    sweeps.addFilter(threads.NotRouted(router))
     logger = logging.getLogger("test_slot_helper_threads")
-    logger.handlers, logger.propagate, logger.level = [TrialRecords(routes), sweeps], False, logging.INFO
-    stream = RoutedStream(routes, terminal)
+    logger.handlers, logger.propagate, logger.level = [threads.RoutedRecords(router), sweeps], False, logging.INFO
+    stream = threads.RoutedStream(router, "stdout", terminal)
     both_routed = threading.Barrier(2)  # the two trials' helpers run while both trials are routed
 
     def trial(n: int) -> None:
-        routes.add(open(tmp_path / f"{n}.out", "w"), tmp_path / f"{n}.log")
+        printed = open(tmp_path / f"{n}.out", "w")
+        router.add(threads.Route(printed, printed, threads.run_log(tmp_path / f"{n}.log")))
         both_routed.wait(timeout=30)
         Background(lambda: (logger.info(f"W&B run of trial {n}"), stream.write(f"printed by trial {n}'s helper\n")))()
         library = threading.Thread(target=lambda: logger.info(f"a library's thread beside trial {n}"))
         library.start(), library.join()
-        routes.remove()
+        route = router.remove()
+        route.records.close(), printed.close()
 
     trials = [threading.Thread(target=trial, args=(n,)) for n in (0, 1)]
     [t.start() for t in trials], [t.join(timeout=60) for t in trials]

@@ -40,6 +40,7 @@ from hydra_plugins.tinker_exp_plugins.launchers import (
     job_run_dir,
     save_multirun,
 )
+from tinker_exp import threads
 from tinker_exp.errors import ConfigError, TinkerExpError
 from tinker_exp.formats import read_json
 from tinker_exp.sweep.jobs import JOB_FILE, read_outcome, summary_table, write_summary
@@ -441,7 +442,7 @@ def worker_log() -> logging.Logger:
     said = logging.getLogger("tinker_exp.study_worker")
     if not said.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        handler.setFormatter(logging.Formatter(threads.RUN_LOG_FORMAT))
         said.addHandler(handler)
         said.setLevel(logging.INFO)
         said.propagate = False

@@ -14,11 +14,10 @@ Cancelled (Ctrl-C, a failed study): its slot's next step raises KeyboardInterrup
 from __future__ import annotations
 
 import logging
-import sys
 import threading
-from contextlib import contextmanager
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Sequence, TextIO
+from typing import Any, Callable, NamedTuple, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -27,94 +26,6 @@ from tinker_exp import threads
 
 JOB_LOGS = ".slots"
 """In the sweep dir: each slot job's stdout and stderr (`<num>.log`), and what the group's workers print."""
-
-
-class ByThread:
-    """Routes what a trial's thread logs or prints to its own files; every other thread's goes where it went."""
-
-    def __init__(self) -> None:
-        self.files: dict[int, TextIO] = {}
-        self.records: dict[int, logging.Handler] = {}
-        self.lock = threading.Lock()
-
-    def add(self, stream: TextIO, record_file: Path) -> None:
-        """The calling thread's output from now on: what it prints into `stream`, its log records into `record_file`
-        (the format of the run dir's log, conf/hydra/job_logging)."""
-        handler = logging.FileHandler(record_file, delay=True)
-        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-        with self.lock:
-            self.files[threading.get_ident()] = stream
-            self.records[threading.get_ident()] = handler
-
-    @contextmanager
-    def speaking_for(self, thread: int) -> Iterator[None]:
-        """Within: the calling thread's output goes where `thread`'s goes (a group built for that trial's run)."""
-        me = threading.get_ident()
-        with self.lock:
-            if thread in self.files:
-                self.files[me], self.records[me] = self.files[thread], self.records[thread]
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.files.pop(me, None)
-                self.records.pop(me, None)
-
-    def remove(self) -> None:
-        with self.lock:
-            stream = self.files.pop(threading.get_ident(), None)
-            handler = self.records.pop(threading.get_ident(), None)
-        if handler is not None:
-            handler.close()
-        if stream is not None:
-            stream.close()
-
-
-class RoutedStream:
-    """sys.stdout or sys.stderr while trials run in threads: a trial thread's text to its job log."""
-
-    def __init__(self, routes: ByThread, underlying: TextIO) -> None:
-        self.routes, self.underlying = routes, underlying
-
-    def write(self, text: str) -> int:
-        stream = self.routes.files.get(threads.owner())
-        (stream or self.underlying).write(text)
-        if stream is not None:
-            stream.flush()
-        return len(text)
-
-    def flush(self) -> None:
-        self.underlying.flush()
-
-    def isatty(self) -> bool:
-        return threads.owner() not in self.routes.files and self.underlying.isatty()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.underlying, name)
-
-
-class TrialRecords(logging.Handler):
-    """On the root logger: a trial thread's records to its run dir's log."""
-
-    def __init__(self, routes: ByThread) -> None:
-        super().__init__()
-        self.routes = routes
-
-    def emit(self, record: logging.LogRecord) -> None:
-        handler = self.routes.records.get(threads.owner(record.thread or 0))
-        if handler is not None:
-            handler.handle(record)
-
-
-class NotFromTrials(logging.Filter):
-    """On the sweep's own handlers (its terminal, its log): a trial thread's records are not theirs."""
-
-    def __init__(self, routes: ByThread) -> None:
-        super().__init__()
-        self.routes = routes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return threads.owner(record.thread or 0) not in self.routes.records
 
 
 class Written:
@@ -177,14 +88,14 @@ class SlotExecutor:
         self.launcher = launcher
         self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
         self.logs = self.sweep_dir / JOB_LOGS
-        self.routes = ByThread()
+        self.router = threads.Router()
         self.on_pools = capacity == 1
         self.groups = None if self.on_pools else SlotGroups(
-            capacity, verl_workers, self.logs, self.routes.speaking_for, getattr(launcher, "keep_saved_states", False))
+            capacity, verl_workers, self.logs, self.router.speaking_for, getattr(launcher, "keep_saved_states", False))
         self.jobs: list[SlotJob] = []
         self.job_ended = threading.Event()
         """Set as any job ends (the launcher's `wait_any` waits on it instead of polling)."""
-        self.installed: tuple[Any, ...] | None = None
+        self.installed: ExitStack | None = None
 
     def submit(self, launcher: Any, overrides: Sequence[str], dir_key: str, num: int, *rest: Any) -> SlotJob:
         self._install()
@@ -202,7 +113,8 @@ class SlotExecutor:
         from tinker_exp.run import sweep_job
         from tinker_exp.place import OnSlot
 
-        self.routes.add(open(job.paths.stderr, "a", encoding="utf-8"), prepared.log_file)
+        printed = open(job.paths.stderr, "a", encoding="utf-8")
+        self.router.add(threads.Route(printed, printed, threads.run_log(prepared.log_file)))
         try:
             value = sweep_job(
                 prepared.task, prepared.run_dir, prepared.choices, prepared.job, prepared.hydra_files, prepared.made_now,
@@ -217,7 +129,9 @@ class SlotExecutor:
         except BaseException:  # stopped (cancelled): no result, as a process killed leaves none
             job.state = "CANCELLED" if job.stop.is_set() else "FAILED"
         finally:
-            self.routes.remove()
+            route = self.router.remove()
+            route.records.close()
+            route.stdout.close()
             job.ended.set()
             self.job_ended.set()
 
@@ -240,19 +154,10 @@ class SlotExecutor:
         return stopped_with(job, found) if found is not None else None
 
     def _install(self) -> None:
-        """The routes, at the first job: the sweep's handlers leave trial records out, sys.stdout/stderr route."""
-        if self.installed is not None:
-            return
-        root = logging.getLogger()
-        ours = logging.getLogger("tinker_exp")
-        handlers = [*root.handlers, *ours.handlers]
-        keep_out = NotFromTrials(self.routes)
-        for handler in handlers:
-            handler.addFilter(keep_out)
-        trial_records = TrialRecords(self.routes)
-        root.addHandler(trial_records)
-        self.installed = (handlers, keep_out, trial_records, sys.stdout, sys.stderr)
-        sys.stdout, sys.stderr = RoutedStream(self.routes, sys.stdout), RoutedStream(self.routes, sys.stderr)
+        """The router, at the first job: trial threads' prints and records to their own files."""
+        if self.installed is None:
+            self.installed = ExitStack()
+            self.installed.enter_context(self.router.installed())
 
     def close(self, wait_s: float = 120.0) -> None:
         """Every job stopped at its next step (those not ended yet) and waited for (at most `wait_s` each), then the
@@ -265,11 +170,7 @@ class SlotExecutor:
         if self.groups is not None:
             self.groups.close()
         if self.installed is not None:
-            handlers, keep_out, trial_records, stdout, stderr = self.installed
-            for handler in handlers:
-                handler.removeFilter(keep_out)
-            logging.getLogger().removeHandler(trial_records)
-            sys.stdout, sys.stderr = stdout, stderr
+            self.installed.close()
             self.installed = None
 
 

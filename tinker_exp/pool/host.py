@@ -82,7 +82,7 @@ class Sharing:
     context: tuple
     holders: list[dict[str, Any]] = field(default_factory=list)
     jobs: set = field(default_factory=set)
-    routes: dict[int, "Forwarded"] = field(default_factory=dict)
+    router: threads.Router = field(default_factory=threads.Router)
     entered: ExitStack | None = None
 
 
@@ -407,18 +407,18 @@ class Host:
             if sharing.entered is None:
                 stack = ExitStack()
                 stack.enter_context(process_context(job.payload))
-                stack.enter_context(routed_output(sharing.routes))
+                stack.enter_context(sharing.router.installed())
                 sharing.entered = stack
             underlying = sys.stdout.underlying, sys.stderr.underlying
-            sharing.routes[me] = Forwarded(out, job.payload, underlying)
+            sharing.router.add(Forwarded(out, job.payload, underlying).route, me)
             sharing.jobs.add(job)
         try:
             yield
         finally:
             with self.lock:
-                sharing.routes.pop(me, None)
+                sharing.router.remove(me)
                 sharing.jobs.discard(job)
-                if not sharing.routes:
+                if not sharing.router:
                     sharing.entered.close()
                     sharing.entered = None
 
@@ -462,15 +462,11 @@ class Host:
             if ready is None:
                 build = Job("build", {"build": lambda: self.group.slot_group(cfg, plan, model_path, self.workers_dir(), self.slots)},
                             job.sock)  # fmt: skip
-                routes = job.sharing.routes
-                routes[self.main_thread] = routes[threading.get_ident()]  # the build's lines are this run's
-                try:
+                with job.sharing.router.speaking_for(threading.get_ident(), self.main_thread):  # the build's lines are this run's
                     self.jobs.put(build)
                     while not build.done.wait(1.0):
                         if self.stopping.is_set():  # the pool ends: its run stops as on a stop
                             raise KeyboardInterrupt
-                finally:
-                    routes.pop(self.main_thread, None)
                 if "error" in build.kept:
                     raise build.kept["error"]
                 ready = build.kept["built"]
@@ -667,63 +663,8 @@ class Forwarded:
         self.stdout = ForwardedStream(out, "stdout", False, underlying[0])
         self.stderr = ForwardedStream(out, "stderr", payload.get("isatty", False), underlying[1])
         self.records = ForwardedRecords(out)
-
-
-class RoutedStream:
-    """sys.stdout or sys.stderr while runs on slots run: a run's thread's text to its client, any other thread's to
-    the pool's own (its log)."""
-
-    def __init__(self, routes: dict[int, Forwarded], name: str, underlying: Any) -> None:
-        self.routes, self.name, self.underlying = routes, name, underlying
-
-    def _target(self) -> Any:
-        forwarded = self.routes.get(threads.owner())
-        return self.underlying if forwarded is None else getattr(forwarded, self.name)
-
-    def write(self, text: str) -> int:
-        return self._target().write(text)
-
-    def flush(self) -> None:
-        self._target().flush()
-
-    def isatty(self) -> bool:
-        return self._target().isatty()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.underlying, name)
-
-
-class RoutedRecords(logging.Handler):
-    """The root logger's handler while runs on slots run: a record to the client of the run whose thread made it, any
-    other (a library's thread) to the pool's own handlers."""
-
-    def __init__(self, routes: dict[int, Forwarded], handlers: list[logging.Handler]) -> None:
-        super().__init__()
-        self.routes, self.handlers = routes, handlers
-
-    def emit(self, record: logging.LogRecord) -> None:
-        forwarded = self.routes.get(threads.owner(record.thread or 0))
-        if forwarded is not None:
-            forwarded.records.emit(record)
-            return
-        for handler in self.handlers:
-            if record.levelno >= handler.level:
-                handler.handle(record)
-
-
-@contextmanager
-def routed_output(routes: dict[int, Forwarded]) -> Iterator[None]:
-    """sys.stdout, sys.stderr and the root logger's handlers routed by thread (`routes`), until the last run on a
-    slot of a sharing ends."""
-    root = logging.getLogger()
-    handlers, streams = list(root.handlers), (sys.stdout, sys.stderr)
-    root.handlers = [RoutedRecords(routes, handlers)]
-    sys.stdout, sys.stderr = RoutedStream(routes, "stdout", streams[0]), RoutedStream(routes, "stderr", streams[1])
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = streams
-        root.handlers = handlers
+        self.route = threads.Route(self.stdout, self.stderr, self.records)
+        """The same, as a run's route where runs share this process (runs on slots: `threads.Router`)."""
 
 
 def forget_user_modules(names: set[str]) -> None:
