@@ -183,7 +183,7 @@ def pool_slots(args: argparse.Namespace, tmp: Path) -> None:
     """The same study on a warm pool of --trials slots, up before (the user's: `pool up --slots N lora=r8`): one trial
     at a time (a process a trial, each leasing the pool) against packed (hydra.launcher.slots=--trials: every trial a
     thread of the sweep's process on a slot of the pool's group), --pairs times in alternating order."""
-    from tinker_exp.pool import wire
+    from tinker_exp.place import wire
 
     pool_command("up", f"--slots={args.trials}", "lora=r8", "logger=none")
     address = wire.address_of()
@@ -272,7 +272,7 @@ def memory(args: argparse.Namespace, tmp: Path) -> None:
     50 ms, and each process's own peak)."""
     import threading
 
-    from tinker_exp.pool import wire
+    from tinker_exp.place import wire
 
     overrides = ["trainer.steps=2", "checkpoint.every_steps=0", "checkpoint.at_end=false", "logger=none"]
     pool_command("up", *overrides)

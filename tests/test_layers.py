@@ -67,10 +67,10 @@ LAYERS = [
     ("tinker_exp.config",),  # schema, validation, compose errors, --help (shows the plan's keys and kinds)
     ("tinker_exp.train", "tinker_exp.rl"),  # the loop and its protocols, sinks, checkpoints, data, start point; RL envs
     ("tinker_exp.runtime", "tinker_exp.sweep", "tinker_exp.forecast"),  # verl/Ray wiring; sweeps' member and trial sides, reports
-    ("tinker_exp.assemble", "tinker_exp.place", "tinker_exp.pool"),
-    # what a run is put together from; where it trains (the seam); a run's side of a pool (client, wire, local)
+    ("tinker_exp.assemble", "tinker_exp.place"),
+    # what a run is put together from; where it trains (the seam: its places, a pool's lease, the wire, pool processes)
     ("tinker_exp.run",),  # the run's steps: validate, check its inputs, hold its place, record, train, its objective
-    ("tinker_exp.report", "tinker_exp.serve", "tinker_exp.pool.host", "tinker_exp.pool.__main__"),
+    ("tinker_exp.report", "tinker_exp.serve", "tinker_exp.pool"),
     # entry points: reports, the Tinker API server, the pool's process
     ("tinker_exp.main", "tinker_exp.__main__", "tinker_exp.multinode"),  # the CLI: Hydra's entry, its errors and run dirs
     ("hydra_plugins",),  # Hydra's launchers and sweepers, around the entry point
@@ -82,7 +82,7 @@ ENTRY_POINTS = {
     "the sweeps": ("hydra_plugins",),
 }
 """Each asks the run module (and the place seam) and none imports another: a run's side of a pool is the seam's
-(tinker_exp/place.py finds the pool; the sweeps start theirs with pool/local.py), not the CLI's."""
+(tinker_exp/place/ chooses the pool; the sweeps start theirs with place/pools.py), not the CLI's."""
 
 
 def layer_of(module: str) -> int:
@@ -158,22 +158,22 @@ def entry_point_of(module: str) -> str | None:
 
 
 def crossings(graph: dict[str, set[str]]) -> list[str]:
-    """Imports from one entry point into another, and imports of the pool from outside it but for POOL_IMPORTS."""
+    """Imports from one entry point into another, and imports of a pool's wire or processes from outside the seam and
+    the pool's process but for SWEEP_POOLS."""
     found = [f"{name} -> {other}" for name, imports in graph.items() for other in imports
              if entry_point_of(name) and entry_point_of(other) and entry_point_of(name) != entry_point_of(other)]  # fmt: skip
     found += [f"{name} -> {other}" for name, imports in graph.items() for other in imports
-              if other.startswith("tinker_exp.pool") and not name.startswith("tinker_exp.pool")
-              and (name, other) not in POOL_IMPORTS]  # fmt: skip
+              if other in POOL_SIDE and not name.startswith(("tinker_exp.place", "tinker_exp.pool"))
+              and (name, other) not in SWEEP_POOLS]  # fmt: skip
     return sorted(found)
 
 
-POOL_IMPORTS = {("tinker_exp.place", "tinker_exp.pool.client"), ("tinker_exp.place", "tinker_exp.pool"),
-                ("hydra_plugins.tinker_exp_plugins.launchers", "tinker_exp.pool.local"),
-                ("hydra_plugins.tinker_exp_plugins.launchers", "tinker_exp.pool"),
-                ("hydra_plugins.tinker_exp_plugins.optuna_sweeper", "tinker_exp.pool.local"),
-                ("hydra_plugins.tinker_exp_plugins.optuna_sweeper", "tinker_exp.pool")}  # fmt: skip
-"""Who may import the pool from outside it: the seam finds the user's pool for a run (its client); a sweep (and a study
-worker) starts the pools its jobs train on (pool/local.py). The CLI and the run module reach a pool only through the seam."""
+POOL_SIDE = ("tinker_exp.place.wire", "tinker_exp.place.pools")
+"""How a pool is spoken to and started: the seam's own business (`choose` finds the pool, `Lease` holds it)."""
+SWEEP_POOLS = {("hydra_plugins.tinker_exp_plugins.launchers", "tinker_exp.place.pools"),
+               ("hydra_plugins.tinker_exp_plugins.optuna_sweeper", "tinker_exp.place.pools")}  # fmt: skip
+"""Who else may: a sweep (and a study worker) starts the pools its jobs train on (place/pools.py). The CLI and the run
+module reach a pool only through the seam."""
 
 
 def test_the_entry_points_ask_the_run_and_the_seam_and_not_each_other():
@@ -183,13 +183,13 @@ def test_the_entry_points_ask_the_run_and_the_seam_and_not_each_other():
 
 
 def test_the_old_arrangement_fails_the_layer_checks():
-    """main.py as the library of run steps (it imported pool/client.py; pool/host.py ran `main.train_run`), and the
-    run module importing the pool's client itself: each found."""
-    old = {"tinker_exp.main": {"tinker_exp.pool.client", "tinker_exp.train.loop"},
-           "tinker_exp.pool.host": {"tinker_exp.main", "tinker_exp.pool.wire"},
-           "tinker_exp.run": {"tinker_exp.pool.client"}}  # fmt: skip
-    assert crossings(old) == ["tinker_exp.main -> tinker_exp.pool.client", "tinker_exp.pool.host -> tinker_exp.main",
-                              "tinker_exp.run -> tinker_exp.pool.client"]  # fmt: skip
+    """main.py as the library of run steps (it spoke to the pool itself; pool/host.py ran `main.train_run`), and the
+    run module starting pools itself: each found."""
+    old = {"tinker_exp.main": {"tinker_exp.place.wire", "tinker_exp.train.loop"},
+           "tinker_exp.pool.host": {"tinker_exp.main", "tinker_exp.place.wire"},
+           "tinker_exp.run": {"tinker_exp.place.pools"}}  # fmt: skip
+    assert crossings(old) == ["tinker_exp.main -> tinker_exp.place.wire", "tinker_exp.pool.host -> tinker_exp.main",
+                              "tinker_exp.run -> tinker_exp.place.pools"]  # fmt: skip
     assert layer_of("tinker_exp.main") > layer_of("tinker_exp.pool.host")  # the host's import of main is upward
     assert layer_of("tinker_exp.run") > layer_of("tinker_exp.place") > layer_of("tinker_exp.runtime.warm")
 

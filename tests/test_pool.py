@@ -55,7 +55,7 @@ def pool(ray_address, tmp_path_factory):
     yield env
     down = run_module("tinker_exp.pool", "down", env=env, timeout=120)
     assert "pool down" in down.stdout, down.stdout + down.stderr
-    from tinker_exp.pool import wire
+    from tinker_exp.place import wire
 
     pid = int(re.search(r"pool down \(pid (\d+)\)", down.stdout).group(1))
     wait_until(lambda: not wire.alive(pid), 120, "the pool's process never ended")
@@ -227,7 +227,7 @@ def test_a_warm_run_uses_the_reward_file_as_it_is_now_and_checks_its_inputs_once
 
 
 def pool_status(pool: dict) -> dict:
-    from tinker_exp.pool import wire
+    from tinker_exp.place import wire
 
     return wire.ask(Path(pool["TINKER_EXP_POOL_DIR"]) / "pool.sock", ("status",))
 
@@ -240,8 +240,8 @@ def pool_tree(pid: int) -> list[int]:
 
 KILLED_AFTER_SENDING = """
 import os, runpy, signal
-from tinker_exp.pool import client
-sent = client.Lease.train_run
+from tinker_exp.place import lease
+sent = lease.Lease.train_run
 
 
 def train_run(self, *args, **kwargs):  # its check answered and its record written: dies as soon as its run is sent
@@ -249,7 +249,7 @@ def train_run(self, *args, **kwargs):  # its check answered and its record writt
     return sent(self, *args, **kwargs)
 
 
-client.Lease.train_run = train_run
+lease.Lease.train_run = train_run
 runpy.run_module("tinker_exp", run_name="__main__", alter_sys=True)
 """
 """The real CLI (its run dir's lock, its record, its lease, its run sent), SIGKILLed right after `Lease.train_run`
@@ -385,10 +385,10 @@ def test_a_sweep_job_tries_first_the_free_pool_that_keeps_its_group(pool, monkey
     a LoRA rank 8 one) and a pool that keeps none. A job of a kept shape tries the module's pool first; a job of a
     shape neither keeps (LoRA rank 32) tries the empty pool first, so the module's groups stay as they are; a pool
     that does not answer comes last."""
-    from tinker_exp.pool import wire
+    from tinker_exp.place import wire
     from tinker_exp.pool.__main__ import checked_config
-    from tinker_exp.pool.client import best_first
-    from tinker_exp.pool.local import end, start_host
+    from tinker_exp.place.lease import best_first
+    from tinker_exp.place.pools import end, start_host
 
     monkeypatch.setenv("TINKER_EXP_POOL_DIR", pool["TINKER_EXP_POOL_DIR"])
     kept = wire.address_of()
@@ -607,8 +607,8 @@ def test_a_silent_client_loses_its_lease_and_a_pool_left_idle_ends_by_itself(tmp
     """A client that leases the pool and then says nothing (stopped, hung) does not hold it: after the lease timeout
     the pool is free; then `up --idle-min`'s rule: no run for its idle time, it ends and says why."""
 
-    from tinker_exp.pool import wire
-    from tinker_exp.pool.local import start_host
+    from tinker_exp.place import wire
+    from tinker_exp.place.pools import start_host
 
     monkeypatch.setenv("TINKER_EXP_POOL_LEASE_TIMEOUT_S", "2")
     address = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp")) / "idle.sock"
@@ -631,8 +631,8 @@ def test_a_silent_client_loses_its_lease_and_a_pool_left_idle_ends_by_itself(tmp
 @pytest.mark.real  # pool processes (their imports; no workers)
 def test_two_pools_started_at_once_leave_one_and_a_down_while_it_starts_is_kept():
 
-    from tinker_exp.pool import wire
-    from tinker_exp.pool.local import end, start_host
+    from tinker_exp.place import wire
+    from tinker_exp.place.pools import end, start_host
 
     address = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp")) / "pool.sock"
     first, second = (start_host(address, idle_s=600.0, wait=False) for _ in range(2))
@@ -738,8 +738,9 @@ def test_a_pool_planted_by_another_user_gets_nothing_and_the_run_starts_cold(pla
     from helpers import compose
 
     from tinker_exp import config
-    from tinker_exp.pool import wire
-    from tinker_exp.pool.client import Cold, attach
+    from tinker_exp.place import wire
+    from tinker_exp.place import ColdGroup
+    from tinker_exp.place.lease import attach
 
     start, received = planted
     theirs = Path(tempfile_dir())
@@ -750,7 +751,7 @@ def test_a_pool_planted_by_another_user_gets_nothing_and_the_run_starts_cold(pla
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = config.load(compose("backend.pool=auto", "backend.ray_address=null"))
     lease = attach(cfg)
-    assert isinstance(lease, Cold)
+    assert isinstance(lease, ColdGroup)
     assert lease.describe() == f"pool: not trusted, nothing sent to it: {theirs}: owned by uid {NOBODY}, not by you (uid 0) (set TINKER_EXP_POOL_DIR to a folder of yours, or remove it); starting cold"
     explicit = config.load(compose(f"backend.pool={theirs / 'pool.sock'}", "backend.ray_address=null"))
     with pytest.raises(wire.UntrustedPool, match=rf"^backend.pool={theirs}/pool.sock: {theirs}: owned by uid {NOBODY}"):
@@ -788,7 +789,7 @@ def test_a_run_sends_its_pool_only_the_environment_it_needs(monkeypatch):
     from helpers import compose
 
     from tinker_exp import config
-    from tinker_exp.pool.client import run_payload
+    from tinker_exp.place.lease import run_payload
 
     secrets = {"WANDB_API_KEY": "wk", "HF_TOKEN": "hf", "AWS_SECRET_ACCESS_KEY": "aws", "GITHUB_TOKEN": "gh", "MY_PASSWORD": "pw"}
     for name, value in {**secrets, "WANDB_MODE": "offline", "CUDA_VISIBLE_DEVICES": "1", "NCCL_DEBUG": "INFO", "SSH_AUTH_SOCK": "/s"}.items():
@@ -860,7 +861,7 @@ def test_a_sweeps_jobs_that_name_pools_run_at_most_one_a_pool_at_once():
     seen as an RL study with n_jobs=2 on one named pool, 2 of 3 trials FAILED)."""
     from helpers import compose
 
-    from tinker_exp.pool.local import named_pools
+    from tinker_exp.place.pools import named_pools
 
     one, other = compose("backend.pool=/tmp/a/pool.sock"), compose("backend.pool=/tmp/b/pool.sock")
     assert named_pools([one, one, one]) == 1 and named_pools([one, other]) == 2
@@ -878,7 +879,7 @@ def test_a_runs_output_reaches_a_client_that_reads_slowly_whole_and_its_stop_sti
     import time
     from types import SimpleNamespace
 
-    from tinker_exp.pool import wire
+    from tinker_exp.place import wire
     from tinker_exp.pool.host import Host, Job, Outbox
 
     pool_end, client_end = socket_module.socketpair()
@@ -910,7 +911,7 @@ def test_a_run_that_waits_for_the_run_before_to_end_waits_past_its_connections_t
     import threading
     import time
 
-    from tinker_exp.pool import wire
+    from tinker_exp.place import wire
     from tinker_exp.pool.host import Host
 
     address = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp")) / "ending.sock"
@@ -943,7 +944,7 @@ def test_a_lease_answer_reads_past_the_pools_waiting():
     must)."""
     import socket as socket_module
 
-    from tinker_exp.pool import wire
+    from tinker_exp.place import wire
 
     pool_end, client_end = socket_module.socketpair()
     client_end.settimeout(0.2)

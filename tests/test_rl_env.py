@@ -192,7 +192,7 @@ def test_before_any_worker_starts_the_reward_is_tried_on_every_row(tmp_path, mon
 
 
 def test_a_checked_env_travels_to_a_pool_as_its_rows_and_its_rewards_spec(tmp_path, monkeypatch):
-    """What a warm pool gets (pool/client.py pickles the checked env): the rows as read, the reward imported again by
+    """What a warm pool gets (place/lease.py pickles the checked env): the rows as read, the reward imported again by
     its spec (a `module:name` bound to a lambda too, which pickle cannot send by reference), not tried on the rows."""
     import pickle
 

@@ -159,14 +159,14 @@ def test_in_a_slurm_job_auto_trains_cold_unless_the_job_holds_a_pool_of_its_own(
     study worker's pool in its environment (SWEEP_POOLS_ENV), that pool is asked (none answering here: cold, said)."""
     from helpers import compose
     from tinker_exp.config import load
-    from tinker_exp.pool import client, wire
+    from tinker_exp.place import ColdGroup, lease, wire
 
     cfg = load(compose("backend.pool=auto"))
     monkeypatch.setenv("SLURM_JOB_ID", "12")
     monkeypatch.delenv(wire.SWEEP_POOLS_ENV, raising=False)
-    assert client.attach(cfg) == client.Cold()
+    assert lease.attach(cfg) == ColdGroup()
     monkeypatch.setenv(wire.SWEEP_POOLS_ENV, str(tmp_path / "sweep-1-0.sock"))
-    assert client.attach(cfg).why.startswith("pool: none is up, starting cold")
+    assert lease.attach(cfg).why.startswith("pool: none is up, starting cold")
 
 
 @pytest.mark.parametrize(

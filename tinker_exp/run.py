@@ -1,5 +1,5 @@
 """A run's steps, beneath the entry points: validate its config, read and check its inputs, hold the place it trains
-at (tinker_exp/place.py), write its record, train it; the objective a sweeper reads. The CLI (main.py), the pool's
+at (tinker_exp/place/), write its record, train it; the objective a sweeper reads. The CLI (main.py), the pool's
 process, the sweeps and benchmarks call these; where the workers come from is the place's business, not the run's.
 
 Config errors and dry runs import no torch, verl or ray: the runtime is imported only past validation (an RL dry run
@@ -21,7 +21,8 @@ from tinker_exp import config
 from tinker_exp.config import Config
 from tinker_exp.errors import STOPS, Terminated, one_line
 from tinker_exp.formats import masked, read_jsonl
-from tinker_exp.place import ColdGroup, Place, where_to_train
+from tinker_exp.place import ColdGroup, Place, choose
+from tinker_exp.place.lease import Lease
 from tinker_exp.sweep.jobs import job_info, run_name, sweep_group, write_job_info
 from tinker_exp.train.checkpoints import resume_point
 from tinker_exp.train.data import Row, dataset_rows
@@ -107,14 +108,14 @@ def run(
     run_dir: Path,
     choices: dict[str, Any] | None = None,
     job: dict[str, Any] | None = None,
-    place: Place | None = None,
+    place: Place | Lease | None = None,
     hydra_files: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Validate, then train; returns the last metrics row ({} for a dry run). `job`: who runs it (job.json);
     `hydra_files`: Hydra's record of the command (.hydra/). Nothing is written into the run dir before the config,
     its data and its start point are accepted.
 
-    `place`: where it trains (tinker_exp/place.py); None: where the config says (backend.pool), found once the run is
+    `place`: where it trains (tinker_exp/place/); None: where the config says (backend.pool), found once the run is
     accepted to train (a dry run and a run that is done start no workers)."""
     cfg = config.load(dcfg)
     plan = validate(cfg)
@@ -122,16 +123,16 @@ def run(
     resolved = OmegaConf.to_container(dcfg, resolve=True)
     start = start_point(cfg, resolved, run_dir)  # resume or branch: checked against its config, before any worker
     idle = cfg.dry_run or start.complete
-    held = ColdGroup() if idle else place or where_to_train(cfg)  # a busy pool is refused before anything is written
+    held = ColdGroup() if idle else place or choose(cfg)  # a busy pool is refused before anything is written
     try:
-        trains = held.train_run  # a warm pool runs train_run itself, on its workers
-        if trains is None:  # in this process: its device, model, LoRA targets and tokenized data checked before the record
+        if isinstance(held, Lease):  # the pool trains it, on its workers: it checks the inputs too, and keeps them
+            held.check(cfg, rows, start)
+            trains = held.train_run
+        else:  # in this process: its device, model, LoRA targets and tokenized data checked before the record
             from tinker_exp import assemble
 
             given = None if idle else assemble.inputs(cfg, rows, start)
             trains = functools.partial(train_run, given=given)
-        else:
-            held.check(cfg, rows, start)  # the same checks, by the pool, before the record (it keeps what it checked)
         return accepted_run(cfg, plan, rows, start, run_dir, resolved, choices, job, hydra_files, held, trains)
     finally:
         held.release()
@@ -147,7 +148,7 @@ def accepted_run(
     choices: dict[str, Any] | None,
     job: dict[str, Any] | None,
     hydra_files: dict[str, str] | None,
-    place: Place,
+    place: Place | Lease,
     trains: Callable[..., dict[str, Any]],
 ) -> dict[str, Any]:
     """`run` once the command is accepted: its record in the run dir, then the dry run or the training by `trains`
@@ -161,7 +162,7 @@ def accepted_run(
     if not cfg.dry_run:
         from tinker_exp.assemble import WORKERS_LOG
 
-        output = getattr(place, "workers_log", None) or run_dir / WORKERS_LOG  # a slot's group prints into its sweep's
+        output = place.workers_log or run_dir / WORKERS_LOG  # a packed group's workers print into its sweep's or pool's
         log.info(f"worker output: {output}" + ("" if cfg.verbose else " (verbose=true shows it here too)"))
     log.info(describe(plan, cfg.plan_steps, cfg.rl.updates_per_batch if cfg.env.active else 1))
     plan_file = write_plan(plan, run_dir, cfg.plan_steps, start.lineage)
@@ -301,7 +302,7 @@ def run_and_score(
     dcfg: DictConfig, run_dir: Path, choices: dict[str, Any], job: dict[str, Any], hydra_files: dict[str, str], place: Any = None
 ) -> float | None:
     """The run, holding its run dir, and what any Hydra sweeper optimises (lower is better). `place`: where it
-    trains (tinker_exp/place.py; None: where its config says)."""
+    trains (tinker_exp/place/; None: where its config says)."""
     # From the start: Slurm may stop a job while it is still starting up. The lock before anything is written.
     with sigterm_raises(), RunDirLock(run_dir):
         run(dcfg, run_dir, choices, job, place=place, hydra_files=hydra_files)

@@ -36,7 +36,7 @@ from tinker_exp import config as tinker_config
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import ConfigError, TinkerExpError, one_line
 from tinker_exp.formats import masked
-from tinker_exp.pool.local import SweepPools, named, named_pools, wanted
+from tinker_exp.place.pools import SweepPools, named, named_pools, wanted
 from tinker_exp.sweep.jobs import (
     JobOutcome,
     StartedJob,

@@ -472,7 +472,7 @@ class StudyWorker:
         import submitit
         from hydra.core.singleton import Singleton
 
-        from tinker_exp.pool.local import SweepPools
+        from tinker_exp.place.pools import SweepPools
         from tinker_exp.sweep.study import open_storage
         from tinker_exp.sweep.workers import Heartbeat, resumed, work
 
@@ -573,7 +573,7 @@ class StudyWorker:
         trials run the code as it is now). The trial takes it as `auto` takes a sweep's pool (SWEEP_POOLS_ENV), so
         its overrides, config and W&B name are those a job of its own would have."""
         from hydra_plugins.tinker_exp_plugins.launchers import point_error
-        from tinker_exp.pool.local import wanted
+        from tinker_exp.place.pools import wanted
 
         if pools.stale():
             worker_log().info("study worker: the code changed since its pool started; a new pool for the next trials")

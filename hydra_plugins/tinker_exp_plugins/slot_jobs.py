@@ -109,18 +109,14 @@ class SlotExecutor:
         return job
 
     def _run(self, job: SlotJob, prepared: "Prepared") -> None:
-        from tinker_exp.assemble import WORKERS_LOG
         from tinker_exp.run import sweep_job
-        from tinker_exp.place import OnSlot
 
         printed = open(job.paths.stderr, "a", encoding="utf-8")
         self.router.add(threads.Route(printed, printed, threads.run_log(prepared.log_file)))
         try:
-            value = sweep_job(
-                prepared.task, prepared.run_dir, prepared.choices, prepared.job, prepared.hydra_files, prepared.made_now,
-                self._pool(job, prepared) if self.groups is None
-                else self._pool_slot(job, prepared) or OnSlot(self.groups, job.stop, self.logs / WORKERS_LOG),
-            )  # fmt: skip
+            place = self._place(job, prepared)
+            value = sweep_job(prepared.task, prepared.run_dir, prepared.choices, prepared.job, prepared.hydra_files,
+                              prepared.made_now, place)  # fmt: skip
             job.ret = JobReturn(overrides=list(prepared.overrides), status=JobStatus.COMPLETED, _return_value=value)
             job.state = "COMPLETED"
         except Exception as e:  # what the job raised, as its process returns it: the launcher says it with its run dir
@@ -135,23 +131,17 @@ class SlotExecutor:
             job.ended.set()
             self.job_ended.set()
 
-    def _pool(self, job: SlotJob, prepared: "Prepared") -> Any:
-        """Where the trial trains, as its own process would find it (tinker_exp/place.py `where_to_train`): a free pool
-        of the sweep's (`backend.pool=auto`), its Ctrl-C sent there; should none take it, a cold group."""
+    def _place(self, job: SlotJob, prepared: "Prepared") -> Any:
+        """Where the trial trains (tinker_exp/place/ `choose`, as its own process would choose, offered this process's
+        own slot when the sweep is on slots); a pool's lease is told to stop the run when the job is cancelled."""
         from tinker_exp import config
-        from tinker_exp.place import where_to_train
+        from tinker_exp.assemble import WORKERS_LOG
+        from tinker_exp.place import SweepSlot, choose
+        from tinker_exp.place.lease import Lease
 
-        found = where_to_train(config.load(prepared.task))
-        return stopped_with(job, found) if found.train_run is not None else found
-
-    def _pool_slot(self, job: SlotJob, prepared: "Prepared") -> Any:
-        """The trial's slot on the user's warm pool (tinker_exp/place.py `on_a_pool_slot`), its Ctrl-C sent there;
-        else None (a slot of this process's own group)."""
-        from tinker_exp import config
-        from tinker_exp.place import on_a_pool_slot
-
-        found = on_a_pool_slot(config.load(prepared.task))
-        return stopped_with(job, found) if found is not None else None
+        own = None if self.groups is None else SweepSlot(self.groups, job.stop, self.logs / WORKERS_LOG)
+        place = choose(config.load(prepared.task), own)
+        return stopped_with(job, place) if isinstance(place, Lease) else place
 
     def _install(self) -> None:
         """The router, at the first job: trial threads' prints and records to their own files."""
@@ -175,7 +165,7 @@ class SlotExecutor:
 
 
 def stopped_with(job: SlotJob, lease: Any) -> Any:
-    """`lease` (a pool's, pool/client.py `Lease`), told to stop its run when `job` is cancelled (now, if it is)."""
+    """`lease` (a pool's, place/lease.py `Lease`), told to stop its run when `job` is cancelled (now, if it is)."""
     job.on_cancel.append(lease.ask_stop)
     if job.stop.is_set():
         lease.ask_stop()

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from tinker_exp.errors import STOPS, ConfigError, one_line, suggest
 from tinker_exp.formats import masked
-from tinker_exp.pool import wire
+from tinker_exp.place import wire
 from tinker_exp.pool.host import SLOTS
-from tinker_exp.pool.local import answers, end, start_host
+from tinker_exp.place.pools import answers, end, start_host
 
 IDLE_MIN = 60.0
 """A pool with no run for this long frees its workers and ends (`up --idle-min`)."""
@@ -95,7 +95,7 @@ class UpOptions:
             raise ConfigError(f"--slots={self.slots}: must be >= 1 (1: one run at a time)")
 
     def host_args(self) -> list[str]:
-        """What the pool's process is started with besides its address (pool/local.py start_host)."""
+        """What the pool's process is started with besides its address (place/pools.py start_host)."""
         return [str(self.max_groups or 0), str(self.memory_mb or 0), str(self.slots)]  # 0: the default
 
 
@@ -124,8 +124,8 @@ def up_options(args: list[str]) -> tuple[UpOptions, list[str]]:
 def up(args: list[str]) -> int:
     """Check the overrides as a run would (nothing started on a mistake), start the pool if none answers, and have
     it build the group for runs like these. Another `up` building at the same time is waited for (its pool serves)."""
-    from tinker_exp.pool.client import Lease, run_payload
-    from tinker_exp.pool.local import START_TIMEOUT_S
+    from tinker_exp.place.lease import Lease, run_payload
+    from tinker_exp.place.pools import START_TIMEOUT_S
 
     options, overrides = up_options(args)
     idle = options.idle_min

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 from tinker_exp import threads
 from tinker_exp.errors import STOPS, Terminated
-from tinker_exp.pool import wire
+from tinker_exp.place import wire
 from tinker_exp.train.rundir_lock import written_by_pool
 from tinker_exp.train.sinks import end_wandb_service
 from tinker_exp.train.signals import SIGTERM_RECEIVED, sigterm_raises

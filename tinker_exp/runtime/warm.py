@@ -39,7 +39,7 @@ PER_RUN_BACKEND = ("pool", "nodes_timeout_s", "ray_address")
 def group_key(cfg: Config, model_path: Path, choice: Any, worker_env: dict[str, str], worker: str | None = None) -> dict[str, Any]:
     """What the workers of a run like `cfg` are built with (runtime/workers.py `worker_config`), less what a fresh
     state sets per run (optimizer values, seed, steps, gradient clip): two runs with the same key share a group.
-    `worker_env`: the run's environment that reaches the workers (pool/wire.py `worker_environment`); `worker`: the
+    `worker_env`: the run's environment that reaches the workers (place/wire.py `worker_environment`); `worker`: the
     worker class's name where it is not a run's (the server's)."""
     backend = {k: v for k, v in dataclasses.asdict(cfg.backend).items() if k not in PER_RUN_BACKEND}
     rl = cfg.rl

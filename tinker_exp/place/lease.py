@@ -1,6 +1,8 @@
-"""A run's side of a pool: find one (`attach`, per `backend.pool`), hold it for the run, hand it the run and show
-what it says (its log records, the progress bar) as a cold run would show them; Ctrl-C and SIGTERM reach the run
-there, and it stops as a cold run does. Pure Python: no torch, verl or ray in this process.
+"""A run's side of a warm pool: a `Lease`, the pool training the run in its own process.
+
+Find one (`attach`, per `backend.pool`), hold it for the run, hand it the run and show what it says (its log records,
+the progress bar) as a cold run would show them; Ctrl-C and SIGTERM reach the run there, and it stops as a cold run
+does. Pure Python: no torch, verl or ray in this process.
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ import pickle
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tinker_exp.errors import ConfigError, Terminated, TinkerExpError
 from tinker_exp.formats import masked
-from tinker_exp.pool import wire
+import tinker_exp.place.wire as wire  # the wire alone: the seam (place/__init__.py) imports this module
+from tinker_exp.place.this_process import ColdGroup
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +47,7 @@ def sweep_addresses() -> list[Path]:
     return [Path(a) for a in os.environ.get(wire.SWEEP_POOLS_ENV, "").split(":") if a]
 
 
-@dataclass(frozen=True)
-class Cold:
-    """A cold start: the run starts its own workers; `why`, when not empty, is its one line saying so."""
-
-    why: str = ""
-    train_run = None  # run.train_run, in this process
-
-    def describe(self) -> str:
-        return self.why
-
-    def release(self) -> None:
-        pass
-
-
-def attach(cfg: Any, wait_for_slot: bool = False) -> "Lease | Cold":
+def attach(cfg: Any, wait_for_slot: bool = False) -> "Lease | ColdGroup":
     """The pool this run trains on, held for it, or a cold start. backend.pool: none, auto or an address.
     auto: a free pool of this sweep's, else this user's pool if up, else a cold start (said in one line, when the run
     trains). A pool that is busy, runs older code, or is not this user's alone (`wire.connect`) is skipped (auto:
@@ -70,13 +58,13 @@ def attach(cfg: Any, wait_for_slot: bool = False) -> "Lease | Cold":
     setting = cfg.backend.pool
     # A Slurm job trains in its own allocation: cold, unless it holds a pool of its own there (a study worker's).
     if setting == "none" or (setting == "auto" and "SLURM_JOB_ID" in os.environ and not sweep_addresses()):
-        return Cold()
+        return ColdGroup()
     explicit = setting != "auto"
     if cfg.backend.ray_address:
         line = f"backend.ray_address={cfg.backend.ray_address}: the run joins that Ray cluster, and a pool runs its own"
         if explicit:
             raise ConfigError(f"backend.pool={setting}: {line} (backend.pool=none, or no backend.ray_address)")
-        return Cold(f"pool: {line}; starting cold")
+        return ColdGroup(f"pool: {line}; starting cold")
     addresses = [Path(setting).expanduser()] if explicit else best_first(sweep_addresses(), cfg) or [wire.address_of()]
     answers: list[tuple[Path, Any]] = []
     for address in addresses:
@@ -110,19 +98,19 @@ def attach(cfg: Any, wait_for_slot: bool = False) -> "Lease | Cold":
                 "environment on its slots: run again when it ends, or with backend.pool=none (a cold start)"
             )
         on_slots = f"; {holder['slots']}" if "slots" in holder else ""
-        return Cold(f"pool: busy with {holder_of(holder)} (pid {holder['pid']}, since {since}{on_slots}), starting cold")
+        return ColdGroup(f"pool: busy with {holder_of(holder)} (pid {holder['pid']}, since {since}{on_slots}), starting cold")
     untrusted = [reply[1] for _, reply in answers if reply[0] == "untrusted"]
     if untrusted:
-        return Cold(f"pool: not trusted, nothing sent to it: {untrusted[0]}; starting cold")
+        return ColdGroup(f"pool: not trusted, nothing sent to it: {untrusted[0]}; starting cold")
     stale = [address for address, reply in answers if reply[0] == "stale"]
     if stale:
         line = f"the pool at {stale[0]} runs the code of before a change: python -m tinker_exp.pool down, then up again"
         if explicit:
             raise ConfigError(f"backend.pool={setting}: {line}")
-        return Cold(f"pool: {line}; starting cold")
+        return ColdGroup(f"pool: {line}; starting cold")
     if explicit:
         raise ConfigError(f"backend.pool={setting}: no pool answers there (python -m tinker_exp.pool up starts one)")
-    return Cold("pool: none is up, starting cold (python -m tinker_exp.pool up keeps workers warm between runs)")
+    return ColdGroup("pool: none is up, starting cold (python -m tinker_exp.pool up keeps workers warm between runs)")
 
 
 def slot_terms(cfg: Any) -> dict[str, Any] | None:

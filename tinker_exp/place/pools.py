@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tinker_exp.errors import TinkerExpError
-from tinker_exp.pool import wire
+from tinker_exp.place import wire
 
 log = logging.getLogger(__name__)
 
