@@ -637,8 +637,8 @@ def test_two_pools_started_at_once_leave_one_and_a_down_while_it_starts_is_kept(
     address = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp")) / "pool.sock"
     first, second = (start_host(address, idle_s=600.0, wait=False) for _ in range(2))
     try:
-        wait_until(lambda: wire.holder_of(address) is not None, 60, "no pool process took the address")
-        holder = wire.holder_of(address)
+        wait_until(lambda: wire.pid_holding(address) is not None, 60, "no pool process took the address")
+        holder = wire.pid_holding(address)
         assert holder in (first.pid, second.pid)
         other = second if holder == first.pid else first
         assert other.wait(timeout=120) == wire.ALREADY_EXIT  # the second one ends at once: no orphan pool
@@ -649,7 +649,7 @@ def test_two_pools_started_at_once_leave_one_and_a_down_while_it_starts_is_kept(
         first.kill(), second.kill()
     log = wire.log_of(address).read_text()
     assert "another pool process holds" in log and "pool: stopping: SIGTERM while it started" in log and "pool: down" in log, log
-    assert not address.exists() and wire.holder_of(address) is None
+    assert not address.exists() and wire.pid_holding(address) is None
     shutil.rmtree(address.parent, ignore_errors=True)
 
 
@@ -740,7 +740,7 @@ def test_a_pool_planted_by_another_user_gets_nothing_and_the_run_starts_cold(pla
     from tinker_exp import config
     from tinker_exp.place import wire
     from tinker_exp.place import ColdGroup
-    from tinker_exp.place.lease import attach
+    from tinker_exp.place.lease import lease_a_pool
 
     start, received = planted
     theirs = Path(tempfile_dir())
@@ -750,12 +750,12 @@ def test_a_pool_planted_by_another_user_gets_nothing_and_the_run_starts_cold(pla
     monkeypatch.setenv("TINKER_EXP_POOL_DIR", str(theirs))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = config.load(compose("backend.pool=auto", "backend.ray_address=null"))
-    lease = attach(cfg)
+    lease = lease_a_pool(cfg)
     assert isinstance(lease, ColdGroup)
     assert lease.describe() == f"pool: not trusted, nothing sent to it: {theirs}: owned by uid {NOBODY}, not by you (uid 0) (set TINKER_EXP_POOL_DIR to a folder of yours, or remove it); starting cold"
     explicit = config.load(compose(f"backend.pool={theirs / 'pool.sock'}", "backend.ray_address=null"))
     with pytest.raises(wire.UntrustedPool, match=rf"^backend.pool={theirs}/pool.sock: {theirs}: owned by uid {NOBODY}"):
-        attach(explicit)
+        lease_a_pool(explicit)
     status = run_module("tinker_exp.pool", "status", env={"TINKER_EXP_POOL_DIR": str(theirs)})
     assert status.returncode == 2 and status.stderr.count("\n") == 1 and "pool refused" in status.stderr, status.stderr
     assert received(listener) == (0, 0)  # never connected to
@@ -766,7 +766,7 @@ def test_a_pool_planted_by_another_user_gets_nothing_and_the_run_starts_cold(pla
     os.rename(theirs / "peer.sock", ours / "pool.sock")
     os.chown(ours / "pool.sock", 0, 0)
     monkeypatch.setenv("TINKER_EXP_POOL_DIR", str(ours))
-    lease = attach(cfg)
+    lease = lease_a_pool(cfg)
     assert lease.describe() == f"pool: not trusted, nothing sent to it: {ours}/pool.sock: the process listening there runs as uid {NOBODY}, not as you (uid 0); starting cold"
     accepted, size = received(listener)
     assert accepted == 1 and size == 0  # connected, checked, closed: nothing sent

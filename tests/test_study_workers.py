@@ -164,9 +164,9 @@ def test_in_a_slurm_job_auto_trains_cold_unless_the_job_holds_a_pool_of_its_own(
     cfg = load(compose("backend.pool=auto"))
     monkeypatch.setenv("SLURM_JOB_ID", "12")
     monkeypatch.delenv(wire.SWEEP_POOLS_ENV, raising=False)
-    assert lease.attach(cfg) == ColdGroup()
+    assert lease.lease_a_pool(cfg) == ColdGroup()
     monkeypatch.setenv(wire.SWEEP_POOLS_ENV, str(tmp_path / "sweep-1-0.sock"))
-    assert lease.attach(cfg).why.startswith("pool: none is up, starting cold")
+    assert lease.lease_a_pool(cfg).why.startswith("pool: none is up, starting cold")
 
 
 @pytest.mark.parametrize(

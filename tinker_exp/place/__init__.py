@@ -54,13 +54,13 @@ def choose(cfg: Config, sweep_slot: SweepSlot | None = None) -> Place | Lease:
     - a pool named by backend.pool, or found (auto: a free pool of the sweep's, else the user's): a lease, of the whole
       group or (a LoRA SFT run) of a slot beside the pool's other runs on slots; a trial of a sweep on slots waits for
       a pool's slot and never leases a pool whole. A named pool that cannot take the run is refused in one line
-      (lease.py `attach`), before the run writes anything;
+      (lease.py `lease_a_pool`), before the run writes anything;
     - else the sweep's own slot, or a cold group with the one line why no pool took it."""
     if cfg.backend.nodes > 1:
         return ColdGroup()
-    from tinker_exp.place.lease import Lease, attach
+    from tinker_exp.place.lease import Lease, lease_a_pool
 
-    found = attach(cfg, wait_for_slot=sweep_slot is not None)
+    found = lease_a_pool(cfg, wait_for_slot=sweep_slot is not None)
     if isinstance(found, Lease) and (sweep_slot is None or found.info.get("slot")):
         return found
     if isinstance(found, Lease):  # the pool would lend its group whole: a trial on slots takes the sweep's own slot

@@ -1,6 +1,6 @@
 """A run's side of a warm pool: a `Lease`, the pool training the run in its own process.
 
-Find one (`attach`, per `backend.pool`), hold it for the run, hand it the run and show what it says (its log records,
+Find one (`lease_a_pool`, per `backend.pool`), hold it for the run, hand it the run and show what it says (its log records,
 the progress bar) as a cold run would show them; Ctrl-C and SIGTERM reach the run there, and it stops as a cold run
 does. Pure Python: no torch, verl or ray in this process.
 """
@@ -47,7 +47,7 @@ def sweep_addresses() -> list[Path]:
     return [Path(a) for a in os.environ.get(wire.SWEEP_POOLS_ENV, "").split(":") if a]
 
 
-def attach(cfg: Any, wait_for_slot: bool = False) -> "Lease | ColdGroup":
+def lease_a_pool(cfg: Any, wait_for_slot: bool = False) -> "Lease | ColdGroup":
     """The pool this run trains on, held for it, or a cold start. backend.pool: none, auto or an address.
     auto: a free pool of this sweep's, else this user's pool if up, else a cold start (said in one line, when the run
     trains). A pool that is busy, runs older code, or is not this user's alone (`wire.connect`) is skipped (auto:
@@ -92,13 +92,13 @@ def attach(cfg: Any, wait_for_slot: bool = False) -> "Lease | ColdGroup":
         since = time.strftime("%H:%M:%S", time.localtime(holder["since"]))
         if explicit:
             raise PoolBusyError(
-                f"backend.pool={setting}: the pool at {address} is running another run ({holder_of(holder)}, pid "
+                f"backend.pool={setting}: the pool at {address} is running another run ({busy_with(holder)}, pid "
                 f"{holder['pid']}, since {since}" + (f"; {holder['slots']}" if "slots" in holder else "")
                 + "); one run at a time on its workers, or LoRA SFT runs of one group and one working dir and "
                 "environment on its slots: run again when it ends, or with backend.pool=none (a cold start)"
             )
         on_slots = f"; {holder['slots']}" if "slots" in holder else ""
-        return ColdGroup(f"pool: busy with {holder_of(holder)} (pid {holder['pid']}, since {since}{on_slots}), starting cold")
+        return ColdGroup(f"pool: busy with {busy_with(holder)} (pid {holder['pid']}, since {since}{on_slots}), starting cold")
     untrusted = [reply[1] for _, reply in answers if reply[0] == "untrusted"]
     if untrusted:
         return ColdGroup(f"pool: not trusted, nothing sent to it: {untrusted[0]}; starting cold")
@@ -126,7 +126,7 @@ def slot_terms(cfg: Any) -> dict[str, Any] | None:
     return {"config": cfg, "worker_env": payload["worker_env"], "context": context}
 
 
-def holder_of(holder: dict[str, Any]) -> str:
+def busy_with(holder: dict[str, Any]) -> str:
     """The run a busy pool trains, as a refused run is told: its run dir, else its command line."""
     return holder.get("run_dir") or masked(holder["who"]) or "a run without overrides"
 

@@ -58,7 +58,7 @@ def wait_listening(process: subprocess.Popen, address: Path) -> None:
     log_path = wire.log_of(address)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not answers(address):
-        if process.poll() == wire.ALREADY_EXIT and wire.holder_of(address) is not None:
+        if process.poll() == wire.ALREADY_EXIT and wire.pid_holding(address) is not None:
             pass  # another `up` started one at the same time: that one serves; wait for it to listen
         elif process.poll() is not None:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
@@ -77,7 +77,7 @@ def end(address: Path, process: subprocess.Popen | None = None, wait_s: float = 
     try:
         _, pid = wire.ask(address, ("down",))
     except (OSError, EOFError):
-        pid = wire.holder_of(address)  # a pool still starting (not listening yet): its SIGTERM stops it once it can
+        pid = wire.pid_holding(address)  # a pool still starting (not listening yet): its SIGTERM stops it once it can
         if pid is not None:
             try:
                 os.kill(pid, signal.SIGTERM)

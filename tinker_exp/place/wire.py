@@ -165,7 +165,7 @@ def hold_address(address: Path) -> Any:
     return file
 
 
-def holder_of(address: Path) -> int | None:
+def pid_holding(address: Path) -> int | None:
     """The pid of the pool process that holds `address` (listening or still starting), None if none does."""
     import fcntl
 
