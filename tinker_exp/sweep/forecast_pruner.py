@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 FIT_SECONDS = 60.0
 """A fit's time bound: past it no further start or refit begins (fit_law's `deadline`; too few refits left: no law
 this time). Fits on a study's val/loss curves took 1.3-7.5 s (2 trials of the tiny model, 15-28 points) and
-6.5-24 s (curves drawn from the law: 2 to 10 trials of 60 points) on this 2-core machine at load 6-9, all 16
-refits in each: the bound is above the slowest, so it cuts no normal fit and stops one that went astray. A run's
+6.5-24 s (curves drawn from the law: 2 to 10 trials of 60 points) on this 2-core machine at load 6-9, 16 refits
+asked in each: the bound is above the slowest, so it cuts no normal fit and stops one that went astray. A run's
 points are binned to at most 80, so the cost grows with the trials, not with their length."""
 REFIT_GROWTH = 0.1
 """A group's law is fitted again once its points have grown by this fraction since its last fit (or a decay is
@@ -227,7 +227,7 @@ class ForecastPruner:
             law = self.fitter(self.kind, as_curves, self.metric, refits=self.refits, from_step=self.from_step, deadline=began + self.fit_seconds)
         except ForecastError as e:
             return Fitted(None, f"the fit failed: {e}", points, decays, len(curves))
-        log.debug(f"forecast pruner: {self.kind} law fitted to {len(curves)} trials' {points} points in {time.monotonic() - began:.1f} s")
+        log.debug(f"forecast pruner: {self.kind} law fitted to {points} points of {len(curves)} trial(s) in {time.monotonic() - began:.1f} s")
         enough = max(2, self.refits // 2)
         if len(law.refits) < enough:
             why = (f"{len(law.refits)} of {self.refits} refits converged within fit_seconds={self.fit_seconds:g}; an interval needs {enough}")
