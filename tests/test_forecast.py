@@ -482,3 +482,23 @@ def test_rank_warns_of_a_plan_on_other_data_than_the_fitted_runs_as_of_another_p
     monkeypatch.setattr(sys, "argv", ["tinker_exp", "+override=lr_cosine", "trainer.steps=100", "dry_run=true", f"hydra.run.dir={dry}"])
     run_main_entry()
     assert [w.split(":")[1] for w in warned_by(["rank", str(fixed_law), str(dry)])] == [" data.path is builtin"]
+
+
+def test_a_forecast_over_chosen_updates_and_a_fit_past_its_time_bound(tmp_path):
+    """What a study's forecast pruner asks of a law: the lowest of the curve over given update counts (a run judged
+    by its min), and a fit with a deadline: past it no refit begins (the first start still runs), those skipped
+    counted."""
+    law = read_law(_law_with_refits(tmp_path, "law", [1.99, 2.01], 1.0))
+    lr = cosine(200)
+    updates = np.array([50, 100, 200])
+    curve = law.curve(lr, updates)
+    lowest = law.forecast(lr, updates, np.min)
+    assert lowest["predicted"] == pytest.approx(curve.min()) and lowest["predicted"] != pytest.approx(curve.mean())
+    assert law.forecast(lr)["predicted"] == pytest.approx(law.curve(lr, [199])[0])  # the default: its final window (train/loss at step 199)
+    from tinker_exp.forecast.fit import fit_law
+    from tinker_exp.forecast.runs import read_curve
+
+    runs = [read_curve(generated_run(tmp_path, n, "mpl", lr, 0.003, i), "train/loss") for i, (n, lr) in enumerate({"constant": wsd(200, 0), "wsd": wsd(200, 40)}.items())]
+    hurried = fit_law("mpl", runs, "train/loss", refits=4, deadline=time.monotonic())
+    assert hurried.refits == [] and hurried.record["fit"]["refits_skipped"] == 4 and len(hurried.record["fit"]["start_messages"]) == 1
+    assert fit_law("mpl", runs, "train/loss", refits=2).record["fit"]["refits_skipped"] == 0

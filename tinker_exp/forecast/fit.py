@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -67,24 +68,28 @@ class Law:
         steps = np.arange(max(0, total_steps - self.final_window), total_steps)
         return np.clip(updates_seen(self.metric, steps), 1, total_steps)
 
-    def final(self, lr: np.ndarray) -> tuple[float, float, float]:
-        """The predicted final loss of a schedule: (the fit's, the 5th and 95th percentile over the refits)."""
-        updates = self.final_updates(len(lr))
+    def final(self, lr: np.ndarray, updates: np.ndarray | None = None, reduce: Callable[[np.ndarray], Any] = np.mean) -> tuple[float, float, float]:
+        """The predicted final loss of a schedule: (the fit's, the 5th and 95th percentile over the refits).
+        `updates`, `reduce`: the loss taken as `reduce` over the curve at these update counts instead (default: the
+        mean over the last `final_window` steps; a study's objective_mode=min: the min over the evaluations left)."""
+        updates = self.final_updates(len(lr)) if updates is None else np.asarray(updates, dtype=np.int64)
         f = features(np.asarray(lr) / self.lr_scale, updates)
-        point = float(np.mean(self.law.predict(self.params, f)))
-        spread = [float(np.mean(self.law.predict(p, f))) for p in self.refits] or [point]
+        point = float(reduce(self.law.predict(self.params, f)))
+        spread = [float(reduce(self.law.predict(p, f))) for p in self.refits] or [point]
         return point, float(np.percentile(spread, 5)), float(np.percentile(spread, 95))
 
-    def forecast(self, lr: np.ndarray) -> dict[str, Any]:
+    def forecast(self, lr: np.ndarray, updates: np.ndarray | None = None, reduce: Callable[[np.ndarray], Any] = np.mean) -> dict[str, Any]:
         """The final loss of a schedule with its interval (refits' 5-95 %, widened by `misfit`), or the reason
         there is none: "reason" is None for a forecast. No forecast when the schedule decays and the fitted runs
         did not (the decay terms are their starting values), when the interval holds a negative loss, or when it
-        is wider than the fitted losses' whole spread (it says nothing the fitted curves did not)."""
-        point, low, high = self.final(lr)
+        is wider than the fitted losses' whole spread (it says nothing the fitted curves did not). `updates`,
+        `reduce`: as `final`'s."""
+        point, low, high = self.final(lr, updates, reduce)
         low, high = min(low, point) - self.misfit, max(high, point) + self.misfit
         reason = None
         unidentified = self.record.get("fit", {}).get("unidentified", [])
-        if unidentified and features(np.asarray(lr) / self.lr_scale, self.final_updates(len(lr))).decays:
+        at = self.final_updates(len(lr)) if updates is None else np.asarray(updates, dtype=np.int64)
+        if unidentified and features(np.asarray(lr) / self.lr_scale, at).decays:
             reason = f"the schedule decays and {', '.join(unidentified)} were not identified: no fitted run decays (fit a decay branch too)"
         elif low < 0:
             reason = f"interval [{low:.4g}, {high:.4g}] holds negative losses (the refits disagree)"
@@ -130,8 +135,13 @@ def binned(updates: np.ndarray, loss: np.ndarray, most: int = MAX_FIT_POINTS) ->
             np.array([float(np.mean(loss[g])) for g in groups]))  # fmt: skip
 
 
-def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, seed: int = 0, from_step: int = 0) -> Law:
-    """Fit `kind` to the curves; NotConverged when no start converges, ForecastError on too few points."""
+def fit_law(
+    kind: str, curves: list[Curve], metric: str, refits: int = REFITS, seed: int = 0, from_step: int = 0, deadline: float | None = None
+) -> Law:  # fmt: skip
+    """Fit `kind` to the curves; NotConverged when no start converges, ForecastError on too few points.
+
+    `deadline` (time.monotonic()): past it no further start or refit begins (the first start always runs); the
+    refits not begun are counted in law.json's `fit.refits_skipped` (a study's forecast pruner bounds its fits)."""
     law_kind = LAWS[kind]
     lr_scale = max(c.peak for c in curves)
     chosen = _fit_points(curves, metric, from_step)
@@ -169,6 +179,8 @@ def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, s
     # is flat in its curvature and the solver stops where it began; then the Huber fit from there.
     best, messages = None, []
     for start in law_kind.starts(np.exp(measured)):
+        if best is not None and deadline is not None and time.monotonic() > deadline:
+            break
         result = solve(problem, solve(problem, start, False, 1000).x, True, 1000)
         if result.status > 0 and np.all(np.isfinite(result.x)) and (best is None or result.cost < best.cost):
             best = result
@@ -181,9 +193,12 @@ def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, s
         if polished.status > 0 and np.all(np.isfinite(polished.x)):
             best = polished
     rng = np.random.default_rng(seed)
-    refitted, failed = [], 0
+    refitted, failed, skipped = [], 0, 0
     shape = np.arange(len(best.x)) >= 2  # L0 and A are well determined; the rest is where starts disagree
     for _ in range(refits):
+        if deadline is not None and time.monotonic() > deadline:
+            skipped += 1
+            continue
         weights = np.sqrt(np.bincount(rng.integers(0, len(measured), len(measured)), minlength=len(measured)).astype(float))
         start = best.x * np.where(shape, np.exp(rng.uniform(-0.7, 0.7, len(best.x))), 1.0)
         result = solve(problem, start, True, REFIT_EVALUATIONS, weights)
@@ -199,7 +214,7 @@ def fit_law(kind: str, curves: list[Curve], metric: str, refits: int = REFITS, s
         "runs": [{"run": str(c.path), "name": c.name, "steps": len(c.lr), "points": len(c.steps), "fitted_points": len(k)} for c, k in chosen],
         "settings": _common_settings(curves),
         "fit": {"cost": float(best.cost), "start_messages": messages, "refits": len(refitted), "refits_asked": refits, "refits_not_converged": failed,
-                "unidentified": unidentified, "loss_spread": float(np.ptp(np.exp(measured)))},  # fmt: skip
+                "refits_skipped": skipped, "unidentified": unidentified, "loss_spread": float(np.ptp(np.exp(measured)))},  # fmt: skip
     }
     law.record["fit"]["runs"] = [errors_of(law, c) for c in curves]
     return law

@@ -16,6 +16,7 @@ import statistics
 import warnings
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -73,6 +74,7 @@ PRUNERS = {
     "hyperband": "HyperbandPruner",
     "threshold": "ThresholdPruner",
     "patient": "PatientPruner",
+    "forecast": "OptunaForecast",  # ours: tinker_exp/sweep/forecast_pruner.py
 }
 
 
@@ -99,12 +101,26 @@ def study_direction(direction: str | None, metric: str, objective_mode: Any) -> 
 
 def evaluations_error(pruner: str, config: Any) -> str | None:
     """Why a pruner would have nothing to judge in runs of `config` (the sweep's config: trainer, data, env), or
-    None. An RL run (an env with prompts) is evaluated on its held-out prompts, any other run on validation data."""
+    None. An RL run (an env with prompts) is evaluated on its held-out prompts, any other run on validation data.
+    The forecast pruner also needs an objective its laws forecast (forecast_pruner.objective_error)."""
     if why := missing_evaluation_data(config):
         return f"hydra.sweeper.pruner={pruner}: the pruner needs evaluations, and {why}"
     if not config.trainer.eval_every:
         return f"hydra.sweeper.pruner={pruner}: trainer.eval_every=0 evaluates only after the last step; the pruner has nothing to judge"
+    if pruner == "forecast":
+        from tinker_exp.sweep.forecast_pruner import objective_error
+
+        return objective_error(config)
     return None
+
+
+def pruner_class(name: str) -> type:
+    """The class of pruner `name`: Optuna's, or ours (forecast)."""
+    if name == "forecast":
+        from tinker_exp.sweep.forecast_pruner import OptunaForecast
+
+        return OptunaForecast
+    return getattr(optuna.pruners, PRUNERS[name])
 
 
 def pruner_arguments(name: str) -> dict[str, bool]:
@@ -112,7 +128,7 @@ def pruner_arguments(name: str) -> dict[str, bool]:
     each with whether it is required."""
     import inspect
 
-    taken = {p.name: p.default is p.empty for p in inspect.signature(getattr(optuna.pruners, PRUNERS[name])).parameters.values()}
+    taken = {p.name: p.default is p.empty for p in inspect.signature(pruner_class(name)).parameters.values()}
     if name == "patient":
         del taken["wrapped_pruner"]
         taken |= {"wrapped": False, "wrapped_args": False}
@@ -120,14 +136,15 @@ def pruner_arguments(name: str) -> dict[str, bool]:
 
 
 def make_pruner(name: str, args: Mapping[str, Any], where: str = PRUNER_ARGS) -> optuna.pruners.BasePruner:
-    """Optuna's pruner of that name, built from hydra.sweeper.pruner_args (its own keyword arguments; `patient`
-    also takes `wrapped`, a pruner name, and `wrapped_args`). An argument it does not take is named with those it
-    does; Optuna's own checks give the message for a value. `where`: the arguments' key, named in errors."""
+    """Optuna's pruner of that name (or ours: forecast), built from hydra.sweeper.pruner_args (its own keyword
+    arguments; `patient` also takes `wrapped`, a pruner name, and `wrapped_args`). An argument it does not take is
+    named with those it does; the pruner's own checks give the message for a value. `where`: the arguments' key,
+    named in errors."""
     from tinker_exp.errors import suggest
 
     if name not in PRUNERS:
         key = "hydra.sweeper.pruner" if where == PRUNER_ARGS else f"{where.rpartition('.')[0]}.wrapped"
-        known = PRUNERS if where == PRUNER_ARGS else [p for p in PRUNERS if p not in ("none", "patient")]
+        known = PRUNERS if where == PRUNER_ARGS else [p for p in PRUNERS if p not in ("none", "patient", "forecast")]
         raise ConfigError(f"{key}: {name} is not a pruner" + suggest(str(name), known, "pruners:"))
     takes = pruner_arguments(name)
     for key in args:
@@ -141,10 +158,12 @@ def make_pruner(name: str, args: Mapping[str, Any], where: str = PRUNER_ARGS) ->
     kwargs = dict(args)
     if name == "patient":
         wrapped = kwargs.pop("wrapped", "median")
-        if wrapped in ("none", "patient"):
-            raise ConfigError(f"{where}.wrapped: {wrapped}: patient wraps another pruner (not none or patient)")
+        if wrapped in ("none", "patient", "forecast"):  # forecast judges by its interval, with no patience to add
+            raise ConfigError(f"{where}.wrapped: {wrapped}: patient wraps another pruner (not none, patient or forecast)")
         kwargs["wrapped_pruner"] = make_pruner(wrapped, kwargs.pop("wrapped_args", {}) or {}, f"{where}.wrapped_args")
     for key, value in kwargs.items():  # Optuna compares without checking types: "2" < 0 would be a TypeError
+        if name == "forecast":
+            break  # ours checks its own (a law's name is a string)
         if key == "wrapped_pruner" or value is None or (key in ("min_resource", "max_resource") and value == "auto"):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -152,7 +171,7 @@ def make_pruner(name: str, args: Mapping[str, Any], where: str = PRUNER_ARGS) ->
     try:
         with warnings.catch_warnings():  # PatientPruner is "experimental"
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return getattr(optuna.pruners, PRUNERS[name])(**kwargs)
+            return pruner_class(name)(**kwargs)
     except (TypeError, ValueError) as e:
         given = ", ".join(f"{key}={value}" for key, value in args.items()) or "none given"
         raise ConfigError(f"{where} ({given}) for pruner {name}: {e}") from None
@@ -434,27 +453,37 @@ def steps_line(summary: Mapping[str, Any]) -> str:
 class TrialReport(Judge):
     """Inside a study's job, the judge of its trial (the job's number) in the study's storage: after each evaluation it
     reports the objective metric at the row's train/step and stops the run when the pruner says so (the checkpoint
-    there records `pruned`); a resumed trial reports to the same trial (a step reported before is ignored by Optuna)."""
+    there records `pruned`); a resumed trial reports to the same trial (a step reported before is ignored by Optuna).
+    The forecast pruner is told the objective (metric, mode) and the run dir; what it says without pruning goes to
+    the job's log whenever it says something other than its numbers (no law yet, no forecast and why, ...)."""
 
-    def __init__(self, metric: str, storage: str, study_name: str, number: int, pruner: str, pruner_args: Mapping[str, Any]):
+    def __init__(self, metric: str, storage: str, study_name: str, number: int, pruner: str, pruner_args: Mapping[str, Any],
+                 mode: str = "last", run_dir: Path | None = None):  # fmt: skip
         self.metric, self.number = metric, number
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        self.study = optuna.load_study(study_name=study_name, storage=open_storage(storage), pruner=make_pruner(pruner, pruner_args))
+        self.pruner = make_pruner(pruner, pruner_args)
+        if hasattr(self.pruner, "objective"):  # the forecast pruner
+            self.pruner.objective(metric, mode, run_dir, scope=(storage, study_name))
+        self.study = optuna.load_study(study_name=study_name, storage=open_storage(storage), pruner=self.pruner)
         trial_id = next(t._trial_id for t in self.study.get_trials(deepcopy=False) if t.number == number)
         self.trial = optuna.trial.Trial(self.study, trial_id)
         self.pruned: tuple[int, float] | None = None  # (steps done, value) where it was pruned
+        self.said: str | None = None  # the forecast pruner's last line in the log, its numbers left out
 
     @classmethod
-    def from_environment(cls, metric: str, number: int | None, environ: Mapping[str, str] = os.environ) -> "TrialReport | None":
+    def from_environment(
+        cls, metric: str, number: int | None, environ: Mapping[str, str] = os.environ, mode: str = "last", run_dir: Path | None = None
+    ) -> "TrialReport | None":  # fmt: skip
         """The job's trial when its sweeper prunes (it sets STUDY_ENV), else None."""
         if number is None or STUDY_ENV not in environ:
             return None
         told = json.loads(environ[STUDY_ENV])
-        return cls(metric, told["storage"], told["study_name"], number, told["pruner"], told.get("pruner_args", {}))
+        return cls(metric, told["storage"], told["study_name"], number, told["pruner"], told.get("pruner_args", {}), mode, run_dir)
 
     @classmethod
     def for_run(cls, cfg: Any, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> "TrialReport | None":
-        return cls.from_environment(objective_metric(cfg), job_number)
+        mode = str(getattr(cfg.trainer.objective_mode, "value", cfg.trainer.objective_mode))
+        return cls.from_environment(objective_metric(cfg), job_number, mode=mode, run_dir=run_dir)
 
     def evaluated(self, steps_done: int, row: Mapping[str, Any]) -> Decision:
         if not self.seen(steps_done, row):
@@ -470,9 +499,15 @@ class TrialReport(Judge):
         with warnings.catch_warnings():  # a resumed trial's step reported again: Optuna keeps the first
             warnings.simplefilter("ignore", UserWarning)
             self.trial.report(float(value), int(row["train/step"]))
-        if self.trial.should_prune():
+        prune = self.trial.should_prune()
+        verdict = getattr(self.pruner, "verdict", None)
+        # Said when it says something else, not when only its numbers changed: a line per evaluation would flood the log.
+        if verdict is not None and not prune and (shape := re.sub(r"\d[\d.e+-]*", "N", verdict.line)) != self.said:
+            log.info(f"forecast pruner at step {steps_done}: {verdict.line}")
+            self.said = shape
+        if prune:
             self.pruned = (steps_done, float(value))
-            self.median = self.others_median(int(row["train/step"]))
+            self.median = None if verdict is not None else self.others_median(int(row["train/step"]))
             return True
         return False
 
@@ -485,6 +520,11 @@ class TrialReport(Judge):
         return statistics.median(values) if values else None
 
     def stop_line(self, steps_done: int) -> str:
+        """`pruned at step N: METRIC VALUE`, and why: the forecast pruner's line (its forecast, the best's), or the
+        median of the other trials at that step."""
         _, value = self.pruned
+        verdict = getattr(self.pruner, "verdict", None)
+        if verdict is not None:
+            return f"pruned at step {steps_done}: {self.metric} {value:.6g}; {verdict.line}"
         others = "" if self.median is None else f" (median of the other trials {self.median:.6g})"
         return f"pruned at step {steps_done}: {self.metric} {value:.6g}{others}"
