@@ -591,3 +591,12 @@ def adapters_difference(path: Path, alone_path: Path) -> float:
 def assert_adapters_close(path: Path, alone_path: Path) -> None:
     worst = adapters_difference(path, alone_path)
     assert worst <= PACKED_ADAPTER_RELATIVE, worst
+
+
+def storage_trials(sweep_dir: Path, name: str = "tinker_exp") -> list:
+    """The study as the sweeper left it in its sweep dir: Optuna's journal file, read with Optuna's own classes."""
+    import optuna
+
+    assert (sweep_dir / "optuna.journal").exists() and not (sweep_dir / "optuna.db").exists()
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(sweep_dir / "optuna.journal")))
+    return optuna.load_study(study_name=name, storage=storage).trials

@@ -1,20 +1,23 @@
-"""The forecast pruner's bookkeeping (hydra.sweeper.pruner=forecast), with a fake law: when it prunes, what it says,
-when it fits. No workers; the real study is tests/test_study.py's."""
+"""The forecast pruner (hydra.sweeper.pruner=forecast): its bookkeeping with a fake law (when it prunes, what it says,
+when it fits; no workers), and one real study on the suite's warm pool."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
 import numpy as np
 import optuna
+from optuna.trial import TrialState
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import run_main
+from helpers import run_cli, run_main, storage_trials
+from tinker_exp.formats import read_json
 from tinker_exp.forecast.runs import ForecastError
 from tinker_exp.sweep.forecast_pruner import ForecastPruner, LawCache, OptunaForecast, TrialCurve
 from tinker_exp.sweep.study import STUDY_ENV, TrialReport, open_storage, sweep_storage
@@ -220,3 +223,32 @@ def test_a_forecast_pruner_it_cannot_run_is_one_line_and_exit_2_before_anything(
     assert err.strip().splitlines() == [f"tinker_exp: config error: {line}"] or err.strip().startswith(f"tinker_exp: config error: {line}"), err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in out + err
     assert not (tmp_path / "sweep").exists() and STUDY_ENV not in os.environ
+
+
+def test_a_forecast_pruning_study_stops_a_clearly_bad_schedule_and_its_log_says_why(warm_pool, tmp_path):
+    """hydra.sweeper.pruner=forecast on full fine-tuning (no slots): a grid of two step schedules at one peak lr,
+    one at a time; trial 0 keeps its lr (gamma 1) and completes, trial 1 cuts it to 1 % at step 6 (gamma 0.01) and
+    is pruned once the law fitted to both trials' val/loss sees its decay: its log names its forecast and trial 0's
+    result, the forecast's interval wholly above it. Trial 0's log says it pruned nothing before a law was
+    identified. Its trials train on the suite's warm pool, named (a sweep's own pools would start cold). (fit_seconds
+    generous: a loaded machine does not cut its refits.)"""
+    steps = 24
+    result = run_cli(
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", f"trainer.steps={steps}", "trainer.eval_every=2",
+        "trainer.batch_size=4", "backend.num_workers=1", "logger=none", "+override=lr_step", "override.lr.step_size=0.25",
+        "override.lr.gamma=choice(0.01,1.0)", "hydra.sweeper.sampler=grid", "hydra.sweeper.n_jobs=1", "hydra.sweeper.pruner=forecast",
+        "+hydra.sweeper.pruner_args.fit_seconds=600", f"backend.pool={warm_pool['TINKER_EXP_POOL_DIR']}/pool.sock",
+        env=warm_pool, timeout=900,
+    )  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    trials = storage_trials(tmp_path)
+    assert [(t.params["override.lr.gamma"], t.state) for t in trials] == [(1.0, TrialState.COMPLETE), (0.01, TrialState.PRUNED)]
+    said = (tmp_path / "1" / "tinker_exp.log").read_text()
+    best = f"{trials[0].value:.4g}"
+    stop = re.search(rf"pruned at step (\d+): val/loss [\d.]+; forecast val/loss at its end \({steps} steps\) [\d.]+ in \[([\d.]+), [\d.]+\], "
+                     rf"wholly worse than trial 0's result {re.escape(best)} \(mpl law fitted to 2 trials' \d+ points\)", said)  # fmt: skip
+    assert stop, said[-3000:]
+    assert 6 < int(stop[1]) < steps and float(stop[2]) > trials[0].value  # after its decay, before its end
+    assert read_json(tmp_path / "1" / "objective.json")["pruned_at_step"] == int(stop[1]) and f"trial 1: pruned at step {stop[1]}: " in out
+    assert "forecast pruner at step 2: no law identified yet (0 of the 14 points the mpl law needs" in (tmp_path / "0" / "tinker_exp.log").read_text()

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from helpers import REPO, compose, environment, job_json, read_job_log, read_jsonl, requeue_at_time_limit, run_cli, wait_until
+from helpers import REPO, compose, environment, job_json, read_job_log, read_jsonl, requeue_at_time_limit, run_cli, storage_trials, wait_until
 from tinker_exp.errors import ConfigError
 from tinker_exp.sweep.study import CUT_OFF, SAMPLERS, evaluations_error, grid_size, make_sampler, masked, open_storage, recover, results, search_space, steps_line, study_direction, study_in, sweep_storage
 from tinker_exp.formats import read_json
@@ -33,13 +33,6 @@ from tinker_exp.train.objective import maximised, objective_metric, objective_si
 
 def parse(*overrides: str):
     return OverridesParser.create().parse_overrides(list(overrides))
-
-
-def storage_trials(sweep_dir, name: str = "tinker_exp") -> list:
-    """The study as the sweeper left it in its sweep dir: Optuna's journal file, read with Optuna's own classes."""
-    assert (sweep_dir / "optuna.journal").exists() and not (sweep_dir / "optuna.db").exists()
-    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(sweep_dir / "optuna.journal")))
-    return optuna.load_study(study_name=name, storage=storage).trials
 
 
 # --- pure: the search space and a killed study's bookkeeping ------------------------------------------
@@ -596,33 +589,6 @@ def test_a_pruning_study_stops_trials_at_the_evaluation_its_pruner_judges_and_re
         # Trial 2 judged beside both earlier trials (trial 1 may have been pruned before trial 0 reported step 1).
         median = statistics.median(t.intermediate_values[1] for t in trials[:2])
         assert f"(median of the other trials {median:.6g})" in (tmp_path / "2" / "tinker_exp.log").read_text()
-
-
-def test_a_forecast_pruning_study_stops_a_clearly_bad_schedule_and_its_log_says_why(ray_address, tmp_path):
-    """hydra.sweeper.pruner=forecast on full fine-tuning (no slots): a grid of two step schedules at one peak lr,
-    one at a time; trial 0 keeps its lr (gamma 1) and completes, trial 1 cuts it to 1 % at step 6 (gamma 0.01) and
-    is pruned once the law fitted to both trials' val/loss sees its decay: its log names its forecast and trial 0's
-    result, the forecast's interval wholly above it. Trial 0's log says it pruned nothing before a law was
-    identified. (fit_seconds generous: a loaded machine does not cut its refits.)"""
-    steps = 24
-    result = run_cli(
-        "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", f"trainer.steps={steps}", "trainer.eval_every=2",
-        "trainer.batch_size=4", "backend.num_workers=1", "logger=none", "+override=lr_step", "override.lr.step_size=0.25",
-        "override.lr.gamma=choice(0.01,1.0)", "hydra.sweeper.sampler=grid", "hydra.sweeper.n_jobs=1", "hydra.sweeper.pruner=forecast",
-        "+hydra.sweeper.pruner_args.fit_seconds=600", env={"RAY_ADDRESS": ray_address}, timeout=900,
-    )  # fmt: skip
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-3000:]
-    trials = storage_trials(tmp_path)
-    assert [(t.params["override.lr.gamma"], t.state) for t in trials] == [(1.0, TrialState.COMPLETE), (0.01, TrialState.PRUNED)]
-    said = (tmp_path / "1" / "tinker_exp.log").read_text()
-    best = f"{trials[0].value:.4g}"
-    stop = re.search(rf"pruned at step (\d+): val/loss [\d.]+; forecast val/loss at its end \({steps} steps\) [\d.]+ in \[([\d.]+), [\d.]+\], "
-                     rf"wholly worse than trial 0's result {re.escape(best)} \(mpl law fitted to 2 trials' \d+ points\)", said)  # fmt: skip
-    assert stop, said[-3000:]
-    assert 6 < int(stop[1]) < steps and float(stop[2]) > trials[0].value  # after its decay, before its end
-    assert read_json(tmp_path / "1" / "objective.json")["pruned_at_step"] == int(stop[1]) and f"trial 1: pruned at step {stop[1]}: " in out
-    assert "forecast pruner at step 2: no law identified yet (0 of the 14 points the mpl law needs" in (tmp_path / "0" / "tinker_exp.log").read_text()
 
 
 def slurm_jobs_at_once(job_ids: list[str], slurm_env: dict) -> int:
