@@ -820,9 +820,17 @@ def test_pool_commands_mistakes_and_a_closed_pipe_are_one_line(tmp_path):
     for args, line in ((["--max-groups", "0"], "--max-groups=0: must be >= 1"), (["--memory-mb=lots"], "--memory-mb=lots: not a number of MiB"),
                        (["--idle-min", "-1"], "--idle-min=-1: must be > 0"),
                        (["--slots", "0"], "--slots=0: must be >= 1 (1: one run at a time)"),
-                       (["--slots"], "--slots: no value given (it takes a whole number)")):  # fmt: skip
+                       (["--slots"], "--slots: no value given (it takes a whole number)"),
+                       (["--slot", "4"], "no such flag --slot; did you mean --slots? (pool up's flags: --idle-min, --max-groups, "
+                                         "--memory-mb, --slots)")):  # fmt: skip
         up = run_module("tinker_exp.pool", "up", *args, env=env)
         assert up.returncode == 2 and up.stderr == f"tinker_exp: config error: {line}\n", up.stderr
+    # status and down take no arguments: refused, not ignored (with a pool up, `down lora=r8` ended the whole pool)
+    for command, args, what in (("down", ["lora=r8"], "lora=r8"), ("status", ["lora=r8"], "lora=r8"),
+                                ("down", ["--force"], "no such flag --force")):  # fmt: skip
+        refused = run_module("tinker_exp.pool", command, *args, env=env)
+        assert (refused.returncode, refused.stdout) == (2, "") and refused.stderr == (
+            f"tinker_exp: config error: {what}: pool {command} takes no arguments (overrides are pool up's, and a run's)\n"), refused.stderr
     assert not (tmp_path / "pools").exists()  # refused before anything was made
 
 

@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
 
 
 def command(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or "-h" in argv or "--help" in argv:  # `pool up --help` too: not a mistyped flag
         print(f"usage: python -m tinker_exp.pool up|status|down\n\n{USAGE}")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
@@ -52,8 +52,10 @@ def command(argv: list[str]) -> int:
         if name == "up":
             return up(rest)
         if name == "status":
+            no_arguments(name, rest)
             return status(wire.address_of())
         if name == "down":
+            no_arguments(name, rest)
             return down(wire.address_of())
         if name == "_host":  # the pool's own process, started by `up` or a sweep
             from tinker_exp.pool.host import serve
@@ -99,19 +101,24 @@ class UpOptions:
         return [str(self.max_groups or 0), str(self.memory_mb or 0), str(self.slots)]  # 0: the default
 
 
+UP_FLAGS = {"--idle-min": ("idle_min", float, "a number of minutes"), "--max-groups": ("max_groups", int, "a whole number"),
+            "--memory-mb": ("memory_mb", float, "a number of MiB"), "--slots": ("slots", int, "a whole number")}  # fmt: skip
+"""`up`'s own flags: (UpOptions field, its type, what it takes in words)."""
+
+
 def up_options(args: list[str]) -> tuple[UpOptions, list[str]]:
     """--idle-min N, --max-groups N, --memory-mb N, --slots N (or --name=N) out of `args`; the rest are a run's
-    overrides."""
-    flags = {"--idle-min": ("idle_min", float, "a number of minutes"), "--max-groups": ("max_groups", int, "a whole number"),
-             "--memory-mb": ("memory_mb", float, "a number of MiB"), "--slots": ("slots", int, "a whole number")}  # fmt: skip
+    overrides. Anything else that starts with "-" is a mistyped flag (Hydra would take it for an override)."""
     values, rest, items = {}, [], iter(args)
     for arg in items:
         flag, equals, value = arg.partition("=")
-        if flag not in flags:
+        if flag not in UP_FLAGS:
+            if arg.startswith("-"):
+                raise ConfigError(f"no such flag {flag}" + suggest(flag, UP_FLAGS, "pool up's flags:"))
             rest.append(arg)
             continue
         value = value if equals else next(items, None)
-        name, kind, what = flags[flag]
+        name, kind, what = UP_FLAGS[flag]
         if value is None:
             raise ConfigError(f"{flag}: no value given (it takes {what})")
         try:
@@ -119,6 +126,16 @@ def up_options(args: list[str]) -> tuple[UpOptions, list[str]]:
         except ValueError:
             raise ConfigError(f"{flag}={value}: not {what}") from None
     return UpOptions(**values), rest
+
+
+def no_arguments(command: str, args: list[str]) -> None:
+    """`status` and `down` take no arguments: one given is refused, not ignored (`down lora=r8` would end the whole
+    pool, not a group of it)."""
+    if not args:
+        return
+    flag = args[0].partition("=")[0]
+    what = f"no such flag {flag}" if flag.startswith("-") else masked(" ".join(args))
+    raise ConfigError(f"{what}: pool {command} takes no arguments (overrides are pool up's, and a run's)")
 
 
 def up(args: list[str]) -> int:
