@@ -834,6 +834,32 @@ def test_pool_commands_mistakes_and_a_closed_pipe_are_one_line(tmp_path):
     assert not (tmp_path / "pools").exists()  # refused before anything was made
 
 
+def test_pool_up_refuses_before_it_starts_what_its_pool_would_refuse_only_once_started(tmp_path, monkeypatch, capsys):
+    """`pool up` with what its pool's process refused after it started (the device, a LoRA target: a traceback, exit
+    1) or never (several nodes: it waited for nodes that never join): one line, exit 2, before the pools' folder is
+    made or a pool process started. In this process, as `python -m tinker_exp.pool up` runs it."""
+    from test_cli_errors import refused_on_the_run_path
+
+    from tinker_exp.pool.__main__ import main
+
+    monkeypatch.setenv("TINKER_EXP_POOL_DIR", str(tmp_path / "pools"))
+    given = tmp_path / "given"
+    given.mkdir()
+    refusals = {
+        "Liger on cpu": (["backend.liger=true"], "config error: backend.liger=true: its kernels are Triton, for GPUs only "
+                                                 "(this run: cpu); use null (auto) or false"),
+        "a LoRA target the model lacks": refused_on_the_run_path(given)["a LoRA target the model lacks"],
+        "several nodes": (["backend.nodes=2"], "config error: backend.nodes=2: a pool holds one machine's workers (a run over "
+                                               "several nodes starts its own, cold); pool up takes backend.nodes=1"),
+    }  # fmt: skip
+    for what, (args, line) in refusals.items():
+        assert main(["up", *args]) == 2, what
+        out, err = capsys.readouterr()
+        (said,) = err.splitlines()
+        assert out == "" and said.startswith(f"tinker_exp: {line}"), (what, said)
+        assert not (tmp_path / "pools").exists(), what  # no pool's folder: nothing started, nothing written
+
+
 def test_a_rerun_waits_for_the_pool_that_still_writes_into_its_run_dir(tmp_path):
     """A client SIGKILLed while a pool trains its run: the lock names the pool, so a rerun in that dir waits until
     the pool has released it (then takes the dir, the killed client's lock gone with the pool's release)."""

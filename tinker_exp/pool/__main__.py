@@ -147,6 +147,7 @@ def up(args: list[str]) -> int:
     options, overrides = up_options(args)
     idle = options.idle_min
     cfg = checked_config(overrides)
+    check_for_a_pool(cfg)
     address = wire.address_of()
     wire.make_private(address.parent)  # one line when the folder is not this user's alone
     started, restarts, deadline = None, 0, time.monotonic() + START_TIMEOUT_S
@@ -203,6 +204,18 @@ def checked_config(overrides: list[str]):
     cfg = config.load(dcfg)
     validate(cfg)
     return cfg
+
+
+def check_for_a_pool(cfg) -> None:
+    """What the pool's process would refuse of `up`'s config only once started, refused here before anything starts:
+    several nodes (it would wait for nodes that never join its cluster), then the device, the GPUs of its own Ray
+    cluster, the model and LoRA's targets in it, checked as a run checks them before its workers start."""
+    from tinker_exp.assemble import workers_inputs
+
+    if cfg.backend.nodes > 1:
+        raise ConfigError(f"backend.nodes={cfg.backend.nodes}: a pool holds one machine's workers (a run over several nodes "
+                          "starts its own, cold); pool up takes backend.nodes=1")  # fmt: skip
+    workers_inputs(cfg)
 
 
 def status(address: Path) -> int:
