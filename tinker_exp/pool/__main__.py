@@ -47,7 +47,11 @@ def command(argv: list[str]) -> int:
         print(f"usage: python -m tinker_exp.pool up|status|down\n\n{USAGE}")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the pool's lines as a run shows them
+    terminal = logging.StreamHandler()
+    terminal.setFormatter(logging.Formatter("%(message)s"))  # the pool's lines as a run shows them
+    if name != "_host":  # the pool's own process logs every record into pool.log
+        terminal.addFilter(ours_or_a_warning)
+    logging.basicConfig(level=logging.INFO, handlers=[terminal])
     try:
         if name == "up":
             return up(rest)
@@ -71,6 +75,13 @@ def command(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("tinker_exp: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
+
+
+def ours_or_a_warning(record: logging.LogRecord) -> bool:
+    """What `up`, `status` and `down` print: tinker_exp's own lines, and a library's warnings and errors. A library's
+    info (verl's "Platform override from VERL_PLATFORM: cpu" as the pool builds a group) is left out, as a run's
+    terminal leaves it to the run's log (conf/hydra/job_logging/tinker_exp.yaml)."""
+    return record.name.partition(".")[0] == "tinker_exp" or record.levelno >= logging.WARNING
 
 
 @dataclass(frozen=True)
