@@ -2,7 +2,7 @@
 resumes restore sharded optimizer state; 1 for SGD and RMSprop), sharing one Ray cluster.
 
 Each optimizer trains 6 steps with a scheduled value (applied == requested in every group of every sub-optimizer, at
-every step: the loop checks it and stops otherwise), then resumes from its step-3 checkpoint bitwise. Before the
+every step: the loop checks it and stops otherwise; schedule-free's applied/lr is logged with its own warmup), then resumes from its step-3 checkpoint bitwise. Before the
 workers are freed, every rank reports each sub-optimizer's param-group keys and value types, held to the table.
 
 The CPU defaults' exactness (docs/devices.md#throughput-knobs): one 2-rank group lent, as a pool lends it, to every
@@ -118,14 +118,18 @@ def schedule_free(ray_address, tmp_path_factory):
     )
 
 
-def assert_trains_and_applies(result: dict, scheduled: str, constants: dict[str, float], kept: dict[str, float]) -> None:
-    """`scheduled` and `constants` are sent; `kept` are not, and the groups keep the optimizer's own values."""
+def assert_trains_and_applies(result: dict, scheduled: str, constants: dict[str, float], kept: dict[str, float],
+                              warmup_steps: float = 0.0) -> None:  # fmt: skip
+    """`scheduled` and `constants` are sent; `kept` are not, and the groups keep the optimizer's own values.
+    `warmup_steps`: the optimizer's own lr warmup (schedule-free's): the lr step k applied is the one sent times
+    min(1, (k + 1) / warmup_steps), as the package computes it."""
     rows = result["rows"]
     assert [row["train/step"] for row in rows] == list(range(6))
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
     values = planned(result["dir"], scheduled)
     assert len(set(values)) > 1  # really scheduled
-    assert [row[f"requested/{scheduled}"] for row in rows] == values == [row[f"applied/{scheduled}"] for row in rows]
+    warmed = [value * min(1.0, (k + 1) / warmup_steps) for k, value in enumerate(values)] if warmup_steps else values
+    assert [row[f"requested/{scheduled}"] for row in rows] == values and [row[f"applied/{scheduled}"] for row in rows] == warmed
     for key, value in constants.items():
         assert all(row[f"requested/{key}"] == row[f"applied/{key}"] == value for row in rows)
     for key, value in kept.items():
@@ -376,9 +380,12 @@ def test_adamw_follows_the_plan_on_lr_and_betas(adamw):
 
 def test_schedule_free_adamw_applies_its_values_evaluates_and_resumes_bitwise(schedule_free):
     """optimizer=adamw_schedulefree on 2 ranks: the scheduled lr and its own warmup_steps sent and read back at every
-    step, its other values kept; training and validation losses of the resumed run are the whole run's, bitwise
-    (the checkpoint holds the training point, the evaluations between never moved it)."""
-    assert_trains_and_applies(schedule_free, "lr", {"warmup_steps": 2.0}, {"weight_decay": 0.0, "r": 0.0, "weight_lr_power": 2.0})
+    step, its other values kept, and the lr each step applied logged with that warmup (its first step: half the lr
+    sent); training and validation losses of the resumed run are the whole run's, bitwise (the checkpoint holds the
+    training point, the evaluations between never moved it)."""
+    assert_trains_and_applies(schedule_free, "lr", {"warmup_steps": 2.0}, {"weight_decay": 0.0, "r": 0.0, "weight_lr_power": 2.0},
+                              warmup_steps=2.0)  # fmt: skip
+    assert schedule_free["rows"][0]["applied/lr"] == schedule_free["rows"][0]["requested/lr"] / 2
     assert_resumes_bitwise(schedule_free)
     assert_groups_match_the_table(schedule_free, "AdamWScheduleFree")
     evaluated = [(row["train/step"], row["val/loss"]) for row in schedule_free["rows"] if "val/loss" in row]

@@ -51,7 +51,13 @@ def pool(ray_address, tmp_path_factory):
     env = {"TINKER_EXP_POOL_DIR": str(folder), "TINKER_EXP_POOL": "auto", "RAY_ADDRESS": None, "DASHBOARD_METRIC_PORT": None}
     up = run_module("tinker_exp.pool", "up", "--idle-min", "15", "--max-groups", "3", env=env, timeout=400)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:] + (folder / "pool.log").read_text()[-3000:]
-    assert "pool up at" in up.stdout and "2 x TinkerTrainingWorker on cpu" in up.stdout
+    try:
+        assert "pool up at" in up.stdout and "2 x TinkerTrainingWorker on cpu" in up.stdout
+        # the pool's own lines only: no library's info (verl's "Platform override from VERL_PLATFORM: cpu")
+        assert [line for line in up.stderr.splitlines() if not line.startswith(("pool: ", "workers: "))] == [], up.stderr
+    except AssertionError:
+        run_module("tinker_exp.pool", "down", env=env, timeout=120)  # a pool that came up is not left behind
+        raise
     yield env
     down = run_module("tinker_exp.pool", "down", env=env, timeout=120)
     assert "pool down" in down.stdout, down.stdout + down.stderr
@@ -821,10 +827,44 @@ def test_pool_commands_mistakes_and_a_closed_pipe_are_one_line(tmp_path):
     for args, line in ((["--max-groups", "0"], "--max-groups=0: must be >= 1"), (["--memory-mb=lots"], "--memory-mb=lots: not a number of MiB"),
                        (["--idle-min", "-1"], "--idle-min=-1: must be > 0"),
                        (["--slots", "0"], "--slots=0: must be >= 1 (1: one run at a time)"),
-                       (["--slots"], "--slots: no value given (it takes a whole number)")):  # fmt: skip
+                       (["--slots"], "--slots: no value given (it takes a whole number)"),
+                       (["--slot", "4"], "no such flag --slot; did you mean --slots? (pool up's flags: --idle-min, --max-groups, "
+                                         "--memory-mb, --slots)")):  # fmt: skip
         up = run_module("tinker_exp.pool", "up", *args, env=env)
         assert up.returncode == 2 and up.stderr == f"tinker_exp: config error: {line}\n", up.stderr
+    # status and down take no arguments: refused, not ignored (with a pool up, `down lora=r8` ended the whole pool)
+    for command, args, what in (("down", ["lora=r8"], "lora=r8"), ("status", ["lora=r8"], "lora=r8"),
+                                ("down", ["--force"], "no such flag --force")):  # fmt: skip
+        refused = run_module("tinker_exp.pool", command, *args, env=env)
+        assert (refused.returncode, refused.stdout) == (2, "") and refused.stderr == (
+            f"tinker_exp: config error: {what}: pool {command} takes no arguments (overrides are pool up's, and a run's)\n"), refused.stderr
     assert not (tmp_path / "pools").exists()  # refused before anything was made
+
+
+def test_pool_up_refuses_before_it_starts_what_its_pool_would_refuse_only_once_started(tmp_path, monkeypatch, capsys):
+    """`pool up` with what its pool's process refused after it started (the device, a LoRA target: a traceback, exit
+    1) or never (several nodes: it waited for nodes that never join): one line, exit 2, before the pools' folder is
+    made or a pool process started. In this process, as `python -m tinker_exp.pool up` runs it."""
+    from test_cli_errors import refused_on_the_run_path
+
+    from tinker_exp.pool.__main__ import main
+
+    monkeypatch.setenv("TINKER_EXP_POOL_DIR", str(tmp_path / "pools"))
+    given = tmp_path / "given"
+    given.mkdir()
+    refusals = {
+        "Liger on cpu": (["backend.liger=true"], "config error: backend.liger=true: its kernels are Triton, for GPUs only "
+                                                 "(this run: cpu); use null (auto) or false"),
+        "a LoRA target the model lacks": refused_on_the_run_path(given)["a LoRA target the model lacks"],
+        "several nodes": (["backend.nodes=2"], "config error: backend.nodes=2: a pool holds one machine's workers (a run over "
+                                               "several nodes starts its own, cold); pool up takes backend.nodes=1"),
+    }  # fmt: skip
+    for what, (args, line) in refusals.items():
+        assert main(["up", *args]) == 2, what
+        out, err = capsys.readouterr()
+        (said,) = err.splitlines()
+        assert out == "" and said.startswith(f"tinker_exp: {line}"), (what, said)
+        assert not (tmp_path / "pools").exists(), what  # no pool's folder: nothing started, nothing written
 
 
 def test_a_rerun_waits_for_the_pool_that_still_writes_into_its_run_dir(tmp_path):

@@ -264,6 +264,26 @@ def test_runs_with_and_without_a_schedule_both_draw_their_applied_lr_on_a_log_ax
     assert lr_ax.get_yscale() == "linear"
 
 
+def test_an_lr_axis_with_a_warmup_from_0_draws_no_tick_label_over_another(tmp_path):
+    """A study's report.png: warmups from 0 among lrs over more than a decade (symlog) label 0 and the decades from the
+    least lr up, each apart from the others (a decade just above 0, 1e-05 or 1e-06, was drawn over 0's label)."""
+    from itertools import combinations
+
+    steps = (5.0, 4.5, 4.2, 4.0, 3.9, 3.8)
+    for peaks in ((2e-5, 1e-3), (1e-5, 3e-4, 1e-3), (2e-8, 1e-1)):  # the least lr (the first warmup step's): a decade, between two, far down
+        runs = [make_run(tmp_path / f"{peaks}" / str(n), [f"override.lr.value={peak}"], losses=steps, applied=True,
+                         schedule={"lr": {"schedule": "cosine", "value": peak, "warmup_steps": 2, "min_ratio": 0.1}})
+                for n, peak in enumerate(peaks)]  # fmt: skip
+        fig = draw_report([read_run(run) for run in runs], "study s")
+        (lr_ax,) = [ax for ax in fig.axes if ax.get_ylabel() == "lr"]
+        fig.canvas.draw()
+        low, high = lr_ax.get_ylim()
+        labels = [t for t in lr_ax.get_yticklabels() if t.get_text() and low <= t.get_position()[1] <= high]
+        assert lr_ax.get_yscale() == "symlog" and labels[0].get_position()[1] == 0.0 and len(labels) >= 3, peaks
+        boxes = {t.get_text(): t.get_window_extent() for t in labels}
+        assert [(a, b) for a, b in combinations(boxes, 2) if boxes[a].overlaps(boxes[b])] == [], peaks
+
+
 def test_a_legend_of_long_labels_goes_below_the_plot_short_ones_beside_it(tmp_path):
     keys = ["override.lr.value=0.0006380556092044456", "override.lr.warmup_steps=2", "override.lr.min_ratio=0.32294705653332806"]
     long = [make_run(tmp_path / str(n), [*keys[:2], f"override.lr.min_ratio=0.{n + 1}"] + [f"trainer.seed={n}"]) for n in range(2)]

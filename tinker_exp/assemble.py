@@ -71,25 +71,12 @@ class Inputs:
 def inputs(cfg: Config, rows: "tuple[list[Row], list[Row]] | Env", start: StartPoint) -> Inputs:
     """Device, the start checkpoint's device, model, LoRA targets and tokenized data (an RL run: its env, `rows`):
     a problem stops the run here."""
-    from tinker_exp.runtime.device import resolve
-    from tinker_exp.runtime.inputs import load_examples, model_dir
+    from tinker_exp.runtime.inputs import load_examples
 
     trainer, data = cfg.trainer, cfg.data
-    choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
-    if choice.device == "cuda":
-        from tinker_exp.runtime.device import check_own_cluster, probe
-
-        check_own_cluster(cfg.backend, probe().gpus)
-    said = [f"device: {choice.describe()}"]
-    if start.checkpoint is not None:
-        check_checkpoint_device(start.checkpoint, choice.device)
-    model_path = model_dir(cfg.model)  # on disk before any worker builds it
+    choice, model_path, said = workers_inputs(cfg, start)
     if cfg.env.active:
         return rl_inputs(cfg, choice, model_path, rows, said)
-    if cfg.lora.rank:
-        from tinker_exp.runtime import lora
-
-        said.append(f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}: {lora.check(cfg.lora, model_path)}")
     train_set, val_set = load_examples(data, model_path, *rows)
     said.append(f"data: training {train_set.describe(data)}" + (f"; validation {val_set.describe(data)}" if rows[1] else ""))
     evaluation = None
@@ -97,6 +84,29 @@ def inputs(cfg: Config, rows: "tuple[list[Row], list[Row]] | Env", start: StartP
         evaluation = Evaluation(eval_batches(val_set.examples, trainer.batch_size), trainer.eval_every, trainer.steps)
     batches = DataFileBatches(train_set.examples, trainer.batch_size, trainer.seed, data.shuffle)
     return Inputs(choice, model_path, batches, evaluation, tuple(said))
+
+
+def workers_inputs(cfg: Config, start: StartPoint | None = None) -> tuple[Any, Path, list[str]]:
+    """What the workers are built from, each checked before any of them starts: the device (on cuda, the GPUs of a Ray
+    cluster of the run's own), the start checkpoint's device, the model dir and (SFT) LoRA's targets in it; returned
+    with what the run says of them. A run's `inputs`, and `pool up` before it starts a pool (pool/__main__.py)."""
+    from tinker_exp.runtime.device import resolve
+    from tinker_exp.runtime.inputs import model_dir
+
+    choice = resolve(cfg.backend)  # before Ray starts: a torch that cannot drive the device asked for stops here
+    if choice.device == "cuda":
+        from tinker_exp.runtime.device import check_own_cluster, probe
+
+        check_own_cluster(cfg.backend, probe().gpus)
+    said = [f"device: {choice.describe()}"]
+    if start is not None and start.checkpoint is not None:
+        check_checkpoint_device(start.checkpoint, choice.device)
+    model_path = model_dir(cfg.model)  # on disk before any worker builds it
+    if cfg.lora.rank and not cfg.env.active:
+        from tinker_exp.runtime import lora
+
+        said.append(f"LoRA rank {cfg.lora.rank}, alpha {cfg.lora.alpha}: {lora.check(cfg.lora, model_path)}")
+    return choice, model_path, said
 
 
 def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env, said: list[str]) -> Inputs:

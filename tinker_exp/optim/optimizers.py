@@ -25,6 +25,9 @@ AUTO = "None"  # torch's "pick for me" (foreach, fused)
 STATE = "running state"  # schedule-free's weight_sum, lr_max, scheduled_lr: floats the optimizer updates itself
 
 SENDABLE_KINDS = (FLOAT, PAIR)
+SCHEDULED_LR = "scheduled_lr"
+"""Where an optimizer that scales its lr itself keeps the lr its last step applied (schedule-free AdamW: its lr times
+its own warmup's factor). Read back with the groups after each step, it is that step's applied/lr (train/loop.py)."""
 
 _ADAM_GROUP = {
     "lr": FLOAT, "betas": PAIR, "eps": FLOAT, "weight_decay": FLOAT, "amsgrad": FLAG, "maximize": FLAG,
@@ -160,7 +163,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                 "AdamWScheduleFree": SubOptimizer(
                     "schedulefree.AdamWScheduleFree",
                     {"lr": FLOAT, "betas": PAIR, "eps": FLOAT, "r": FLOAT, "k": INT, "warmup_steps": FLOAT,
-                     "train_mode": FLAG, "weight_sum": STATE, "lr_max": STATE, "scheduled_lr": STATE,
+                     "train_mode": FLAG, "weight_sum": STATE, "lr_max": STATE, SCHEDULED_LR: STATE,
                      "weight_lr_power": FLOAT, "weight_decay": FLOAT, "foreach": FLAG},
                 )
             },

@@ -43,17 +43,23 @@ def main(argv: list[str]) -> int:
 
 
 def command(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or "-h" in argv or "--help" in argv:  # `pool up --help` too: not a mistyped flag
         print(f"usage: python -m tinker_exp.pool up|status|down\n\n{USAGE}")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the pool's lines as a run shows them
+    terminal = logging.StreamHandler()
+    terminal.setFormatter(logging.Formatter("%(message)s"))  # the pool's lines as a run shows them
+    if name != "_host":  # the pool's own process logs every record into pool.log
+        terminal.addFilter(ours_or_a_warning)
+    logging.basicConfig(level=logging.INFO, handlers=[terminal])
     try:
         if name == "up":
             return up(rest)
         if name == "status":
+            no_arguments(name, rest)
             return status(wire.address_of())
         if name == "down":
+            no_arguments(name, rest)
             return down(wire.address_of())
         if name == "_host":  # the pool's own process, started by `up` or a sweep
             from tinker_exp.pool.host import serve
@@ -69,6 +75,13 @@ def command(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("tinker_exp: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
+
+
+def ours_or_a_warning(record: logging.LogRecord) -> bool:
+    """What `up`, `status` and `down` print: tinker_exp's own lines, and a library's warnings and errors. A library's
+    info (verl's "Platform override from VERL_PLATFORM: cpu" as the pool builds a group) is left out, as a run's
+    terminal leaves it to the run's log (conf/hydra/job_logging/tinker_exp.yaml)."""
+    return record.name.partition(".")[0] == "tinker_exp" or record.levelno >= logging.WARNING
 
 
 @dataclass(frozen=True)
@@ -99,19 +112,24 @@ class UpOptions:
         return [str(self.max_groups or 0), str(self.memory_mb or 0), str(self.slots)]  # 0: the default
 
 
+UP_FLAGS = {"--idle-min": ("idle_min", float, "a number of minutes"), "--max-groups": ("max_groups", int, "a whole number"),
+            "--memory-mb": ("memory_mb", float, "a number of MiB"), "--slots": ("slots", int, "a whole number")}  # fmt: skip
+"""`up`'s own flags: (UpOptions field, its type, what it takes in words)."""
+
+
 def up_options(args: list[str]) -> tuple[UpOptions, list[str]]:
     """--idle-min N, --max-groups N, --memory-mb N, --slots N (or --name=N) out of `args`; the rest are a run's
-    overrides."""
-    flags = {"--idle-min": ("idle_min", float, "a number of minutes"), "--max-groups": ("max_groups", int, "a whole number"),
-             "--memory-mb": ("memory_mb", float, "a number of MiB"), "--slots": ("slots", int, "a whole number")}  # fmt: skip
+    overrides. Anything else that starts with "-" is a mistyped flag (Hydra would take it for an override)."""
     values, rest, items = {}, [], iter(args)
     for arg in items:
         flag, equals, value = arg.partition("=")
-        if flag not in flags:
+        if flag not in UP_FLAGS:
+            if arg.startswith("-"):
+                raise ConfigError(f"no such flag {flag}" + suggest(flag, UP_FLAGS, "pool up's flags:"))
             rest.append(arg)
             continue
         value = value if equals else next(items, None)
-        name, kind, what = flags[flag]
+        name, kind, what = UP_FLAGS[flag]
         if value is None:
             raise ConfigError(f"{flag}: no value given (it takes {what})")
         try:
@@ -119,6 +137,16 @@ def up_options(args: list[str]) -> tuple[UpOptions, list[str]]:
         except ValueError:
             raise ConfigError(f"{flag}={value}: not {what}") from None
     return UpOptions(**values), rest
+
+
+def no_arguments(command: str, args: list[str]) -> None:
+    """`status` and `down` take no arguments: one given is refused, not ignored (`down lora=r8` would end the whole
+    pool, not a group of it)."""
+    if not args:
+        return
+    flag = args[0].partition("=")[0]
+    what = f"no such flag {flag}" if flag.startswith("-") else masked(" ".join(args))
+    raise ConfigError(f"{what}: pool {command} takes no arguments (overrides are pool up's, and a run's)")
 
 
 def up(args: list[str]) -> int:
@@ -130,6 +158,7 @@ def up(args: list[str]) -> int:
     options, overrides = up_options(args)
     idle = options.idle_min
     cfg = checked_config(overrides)
+    check_for_a_pool(cfg)
     address = wire.address_of()
     wire.make_private(address.parent)  # one line when the folder is not this user's alone
     started, restarts, deadline = None, 0, time.monotonic() + START_TIMEOUT_S
@@ -179,6 +208,18 @@ def checked_config(overrides: list[str]):
     cfg = config.compose(overrides)
     validate(cfg)
     return cfg
+
+
+def check_for_a_pool(cfg) -> None:
+    """What the pool's process would refuse of `up`'s config only once started, refused here before anything starts:
+    several nodes (it would wait for nodes that never join its cluster), then the device, the GPUs of its own Ray
+    cluster, the model and LoRA's targets in it, checked as a run checks them before its workers start."""
+    from tinker_exp.assemble import workers_inputs
+
+    if cfg.backend.nodes > 1:
+        raise ConfigError(f"backend.nodes={cfg.backend.nodes}: a pool holds one machine's workers (a run over several nodes "
+                          "starts its own, cold); pool up takes backend.nodes=1")  # fmt: skip
+    workers_inputs(cfg)
 
 
 def status(address: Path) -> int:

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 from tinker_exp.config import BackendConfig, LoraConfig, OptimizerConfig, TrainerConfig
 from tinker_exp.optim.convert import OVERRIDE_KEYS
-from tinker_exp.optim.optimizers import spec_of, verl_optimizer_fields
+from tinker_exp.optim.optimizers import SCHEDULED_LR, spec_of, verl_optimizer_fields
 from tinker_exp.runtime import lora as lora_adapters
 from tinker_exp.runtime.device import DeviceChoice, check_gpus, check_placement
 from tinker_exp.runtime.ray_cluster import start_ray, wait_for_nodes
@@ -113,11 +113,12 @@ def engine_device_info(engine: Any) -> dict[str, Any]:
 
 
 def param_group_values(engine: Any) -> list[dict[str, Any]]:
-    """The override keys each of the engine's optimizer param groups holds (the read-back of optimizer_step)."""
+    """The override keys each of the engine's optimizer param groups holds, and the lr its last step applied where
+    the optimizer scales it itself (SCHEDULED_LR: schedule-free's warmup); the read-back of optimizer_step."""
     from verl.workers.engine_workers_tinker import _iter_optimizer_param_groups
 
     groups = _iter_optimizer_param_groups(engine.optimizer)
-    return [{key: group[key] for key in OVERRIDE_KEYS if key in group} for group in groups]
+    return [{key: group[key] for key in (*OVERRIDE_KEYS, SCHEDULED_LR) if key in group} for group in groups]
 
 
 def optimizer_step_with_clip(step: Any, engine: Any, optim_step_params: dict[str, Any] | None) -> dict[str, Any]:

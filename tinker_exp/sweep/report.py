@@ -306,13 +306,21 @@ def _sent_series(run: RunInfo, rows: Sequence[dict[str, Any]], key: str, part: P
 
 def _log_axis_over_a_decade(ax: Any) -> None:
     """A log y axis when the positive values drawn span more than a decade (learning rates of a sweep); with a 0
-    among them (a warmup from 0), symlog: linear from 0 up to the least positive value, logarithmic above it."""
+    among them (a warmup from 0), symlog: linear from 0 up to the least positive value (as tall as a decade),
+    logarithmic above it, labelled at 0 and at the decades from that value up (a decade below it would sit on 0's
+    label)."""
+    from matplotlib.ticker import FixedLocator
+
     values = [float(v) for line in ax.get_lines() for v in line.get_ydata() if _finite(float(v))]
     positive = [v for v in values if v > 0]
     if not positive or min(values) < 0 or max(positive) / min(positive) <= 10:
         return
     if min(values) == 0:
-        ax.set_yscale("symlog", linthresh=min(positive), linscale=0.3)
+        least = min(positive)
+        ax.set_yscale("symlog", linthresh=least, linscale=1.0)
+        decades = range(math.ceil(math.log10(least)), math.ceil(math.log10(max(positive))) + 1)
+        every = math.ceil(len(decades) / 6)  # at most 6 decades labelled in a panel's height
+        ax.yaxis.set_major_locator(FixedLocator([0.0, *(10.0**k for k in decades[::every])]))
     else:
         ax.set_yscale("log")
 

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from tinker_exp.config import TrainerConfig
 from tinker_exp.errors import AppliedMismatchError, NonFiniteError
 from tinker_exp.optim import Plan, flat_values
+from tinker_exp.optim.optimizers import SCHEDULED_LR
 from tinker_exp.train.checkpoints import Checkpointer, restore, saved_loop_state
 from tinker_exp.train.evaluation import Evaluation
 from tinker_exp.train.judges import GO_ON, Decision, Judge, Judges
@@ -23,7 +24,9 @@ BATCH_SOURCE = "batch_source"
 
 
 def check_applied(step: int, requested: dict[str, Any], applied: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Every param group on every rank holds exactly the requested value and type; return rank 0's group 0."""
+    """Every param group on every rank holds exactly the requested value and type; return rank 0's group 0 as its
+    step applied it: the lr is the one the optimizer scaled itself where it does (SCHEDULED_LR, schedule-free's
+    warmup), not the one it holds."""
     for rank, groups in enumerate(applied):
         for index, group in enumerate(groups):
             for key, want in requested.items():
@@ -33,7 +36,8 @@ def check_applied(step: int, requested: dict[str, Any], applied: list[list[dict[
                         f"step {step}: rank {rank} param group {index} holds {key}={got!r}, "
                         f"but {want!r} was requested"
                     )
-    return applied[0][0]
+    first = applied[0][0]
+    return {**first, "lr": first[SCHEDULED_LR]} if SCHEDULED_LR in first else first
 
 
 def train(
