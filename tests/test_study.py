@@ -256,6 +256,9 @@ def test_each_sampler_is_optunas_seeded_and_given_its_startup_trials_and_argumen
         ("random", "numbers", {"popsize": 4}, "hydra.sweeper.sampler_args.popsize: sampler random has no argument popsize; random takes none but the seed"),
         ("tpe", "numbers", {"n_ei_candidates": "many"}, "hydra.sweeper.sampler_args.n_ei_candidates: 'many' must be an int"),
         ("gp", "numbers", {"deterministic_objective": 1}, "hydra.sweeper.sampler_args.deterministic_objective: 1 must be true or false"),
+        # Optuna 5 gives these a default of None: their annotations say what they take
+        ("tpe", "numbers", {"multivariate": "yes"}, "hydra.sweeper.sampler_args.multivariate: 'yes' must be true or false, or null"),
+        ("cmaes", "numbers", {"popsize": 4.5}, "hydra.sweeper.sampler_args.popsize: 4.5 must be an int, or null"),
         ("cmaes", "numbers", {"sigma0": 0.5}, "hydra.sweeper.sampler_args (sigma0=0.5) for sampler cmaes: `sigma0` has been deprecated in v4.9.0."),
     ],
 )

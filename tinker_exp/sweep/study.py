@@ -192,23 +192,43 @@ SWEEPER_GIVES = {"seed", "n_startup_trials", "search_space", "independent_sample
 
 def sampler_arguments(name: str) -> dict[str, Any]:
     """The keyword arguments sampler `name` takes from hydra.sweeper.sampler_args (its Optuna class's, less those the
-    sweeper gives), each with its default."""
+    sweeper gives), each with its signature's parameter (its annotation and default)."""
     import inspect
 
     params = inspect.signature(getattr(optuna.samplers, SAMPLERS[name])).parameters
-    return {p.name: p.default for p in params.values() if p.name not in SWEEPER_GIVES}
+    return {p.name: p for p in params.values() if p.name not in SWEEPER_GIVES}
 
 
-def wrong_type(value: Any, default: Any) -> str | None:
-    """What `value` must be where the argument's default is a bool or a number (Optuna checks few types before it
-    samples: a string would fail mid-study), or None."""
-    if isinstance(default, bool):
-        return None if isinstance(value, bool) else "true or false"
-    if isinstance(default, int):
-        return None if isinstance(value, int) and not isinstance(value, bool) else "an int"
-    if isinstance(default, float):
-        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
-    return None
+CHECKED_TYPES = {
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "None": (lambda v: v is None, "null"),
+}
+"""A sampler argument's annotated types that `wrong_type` checks a value against, and what it says the value must be."""
+
+
+def wrong_type(value: Any, param: Any) -> str | None:
+    """What `value` must be for a sampler's argument (`param`, its signature's parameter), or None where it fits or
+    the argument's type is not one checked here (a dict, a callable). Its annotation says (Optuna 5 gives many a
+    default of None: `multivariate: bool | None = None`); without one, its default's type. Optuna checks few types
+    before it samples: a string where a bool belongs would fail mid-study, or be taken as true."""
+    import inspect
+
+    annotation = param.annotation
+    if annotation is inspect.Parameter.empty:
+        default = param.default
+        types = ["bool"] if isinstance(default, bool) else [type(default).__name__] if isinstance(default, (int, float)) else []
+    else:  # Optuna's annotations are strings (`from __future__ import annotations`): 'bool | None'
+        text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+        types = [part.strip() for part in text.replace("Optional[", "None | ").rstrip("]").split("|")]
+    if not types or any(kind not in CHECKED_TYPES for kind in types):
+        return None
+    if any(CHECKED_TYPES[kind][0](value) for kind in types):
+        return None
+    musts = [CHECKED_TYPES[kind][1] for kind in types if kind != "None"]
+    return " or ".join(musts) + (", or null" if "None" in types else "")
 
 
 def space_error(name: str, space: Mapping[str, BaseDistribution]) -> str | None:
