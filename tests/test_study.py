@@ -370,6 +370,9 @@ def test_a_dry_run_study_plans_its_trials_and_records_nothing(tmp_path):
     result = run_cli(*args, f"hydra.sweep.dir={tmp_path / 'good'}")
     assert result.returncode == 0, result.stderr
     assert f"dry run: 2 trials planned in {tmp_path / 'good'}; nothing trained" in result.stdout
+    # the 10 startup trials (the default) are the whole study: said in its first line, not a silent random search
+    assert ("at a time, sampler tpe: every trial random (hydra.sweeper.n_startup_trials=10 >= the 2 trials); "
+            "set hydra.sweeper.n_startup_trials lower for tpe to model the results") in result.stdout, result.stdout
     assert not list((tmp_path / "good").glob("optuna.*")) and not (tmp_path / "good" / "optimization_results.yaml").exists()
     for trial in ("0", "1"):
         assert (tmp_path / "good" / trial / "plan.json").is_file() and not (tmp_path / "good" / trial / "metrics.jsonl").exists()

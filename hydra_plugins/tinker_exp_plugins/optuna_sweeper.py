@@ -118,6 +118,7 @@ class OptunaSweeper(Sweeper):
             recover,
             results,
             search_space,
+            startup_note,
             steps_line,
             sweep_storage,
             trial_overrides,
@@ -172,7 +173,8 @@ class OptunaSweeper(Sweeper):
             log.info(f"continuing study {self.study_name!r} ({shown}): {len(finished(study))} of {self.n_trials} trials done")
         else:
             at_once = f"on {self._workers()} worker jobs" if self._workers() else f"{self._at_once()} at a time"
-            log.info(f"study {self.study_name!r} ({shown}): {self.n_trials} trials, {at_once}, sampler {self.sampler}")
+            startup = startup_note(self.sampler, self.n_startup_trials, self.n_trials)
+            log.info(f"study {self.study_name!r} ({shown}): {self.n_trials} trials, {at_once}, sampler {self.sampler}{startup}")
         log.info("search space: " + ", ".join(f"{k}: {d}" for k, d in space.items()))
 
         if self._workers():

@@ -310,6 +310,18 @@ def make_sampler(
         raise ConfigError(f"{SAMPLER_ARGS} ({given}) for sampler {name}: {e}") from None
 
 
+def startup_note(name: str, n_startup_trials: int, n_trials: int) -> str:
+    """What the study's first line says of sampler `name`'s startup trials (random, before it models the results:
+    tpe, gp, cmaes): how many, or that they are every trial of the study (`hparams_search=lr_cosine
+    hydra.sweeper.n_trials=8`: 10 startup trials leave TPE nothing to model); nothing for random and grid."""
+    if name not in ("tpe", "gp", "cmaes"):
+        return ""
+    if n_startup_trials >= n_trials:
+        return (f": every trial random (hydra.sweeper.n_startup_trials={n_startup_trials} >= the {n_trials} trials); set "
+                f"hydra.sweeper.n_startup_trials lower for {name} to model the results")  # fmt: skip
+    return f" (its first {n_startup_trials} trials random: hydra.sweeper.n_startup_trials)"
+
+
 def distribution(override: Override) -> BaseDistribution:
     """One search dimension: `interval(a, b)` (float; int when both ends are ints, e.g. `int(interval(0, 5))`),
     `tag(log, interval(...))` (log scale), `range(a, b[, step])` (ints, b excluded as in Python), and
