@@ -164,7 +164,18 @@ class SweepLauncher(BaseSubmititLauncher):
     (one job, returns at once), `wait_any` (the jobs that have ended, with what each came to), `cancel_running`
     (every started job not yet returned by `wait_any`), and `capacity` (how many may run at once here)."""
 
+    _CONF: Any = None
+    """The launcher's keys (launcher_conf.py): any other key given (`+hydra.launcher.KEY=...`) is refused, not ignored."""
+
     def __init__(self, **params: Any) -> None:
+        if self._CONF is not None:
+            import dataclasses
+
+            from tinker_exp.config.compose_errors import no_such_key
+
+            known = [f.name for f in dataclasses.fields(self._CONF) if f.name != "_target_"]
+            if unknown := [key for key in params if key not in known]:
+                raise ConfigError(no_such_key(f"hydra.launcher.{unknown[0]}", unknown[0], known))
         timeout_s, delay_s = params.get("timeout_min", 0) * 60, params.get("signal_delay_s")
         if delay_s is not None and delay_s >= timeout_s:
             # submitit would signal the job before it starts and then refuse to requeue it.
@@ -759,10 +770,14 @@ class OneAtATime:
 
 
 class SlurmSweepLauncher(SweepLauncher):
+    from hydra_plugins.tinker_exp_plugins.launcher_conf import SlurmLauncherConf as _CONF
+
     _EXECUTOR = "slurm"
 
 
 class LocalSweepLauncher(SweepLauncher):
+    from hydra_plugins.tinker_exp_plugins.launcher_conf import LocalLauncherConf as _CONF
+
     _EXECUTOR = "local"
 
 
