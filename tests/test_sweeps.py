@@ -24,6 +24,7 @@ from helpers import (
     read_job_log,
     read_jsonl,
     run_cli,
+    run_main,
     squeue,
     wait_until,
     wandb_train_rows,
@@ -203,23 +204,44 @@ def test_max_parallel_is_checked_before_anything_runs(tmp_path):
     assert not (tmp_path / "s" / ".submitit").exists()
 
 
+FULL_FINE_TUNING = "hydra.launcher.slots={}: lora.rank=0: full fine-tuning keeps one trial per group; slots hold LoRA trials (1: one trial a group)"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["hydra.launcher.slots=0"], "hydra.launcher.slots=0: must be an int >= 1 (1: one trial a group) or auto"),
         (["hydra.launcher.slots=many"], "hydra.launcher.slots=many: must be an int >= 1 (1: one trial a group) or auto"),
-        (["hydra.launcher.slots=2", "trainer.seed=0,1"],
-         "hydra.launcher.slots=2: lora.rank=0: full fine-tuning keeps one trial per group; slots hold LoRA trials (1: one trial a group)"),
+        (["hydra.launcher.slots=2", "trainer.seed=0,1"], FULL_FINE_TUNING.format(2)),
+        # a population's members: checked against the slots before multirun.yaml is written, as a grid's points
+        (["hparams_search=pbt_lr_cosine", "hydra.launcher.slots=2"], FULL_FINE_TUNING.format(2)),
     ],
-    ids=["zero", "not-a-number", "full-fine-tuning"],
+    ids=["zero", "not-a-number", "full-fine-tuning", "a-population-of-full-fine-tuning"],
 )  # fmt: skip
-def test_slots_are_refused_for_points_that_cannot_share_a_group_before_anything_runs(tmp_path, args, message):
-    """hydra.launcher.slots > 1 holds LoRA trials only: a grid or a study of other points is refused in one line
-    (every bad point named), exit 2, nothing written."""
-    result = run_cli("-m", "hydra/launcher=local", *args, f"hydra.sweep.dir={tmp_path / 's'}")
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "s").exists()
+def test_slots_are_refused_for_points_that_cannot_share_a_group_before_anything_runs(monkeypatch, capsys, tmp_path, args, message):
+    """hydra.launcher.slots > 1 holds LoRA trials only: a grid or a population of other points is refused (every
+    bad point named), exit 2, nothing written."""
+    code, out, err = run_main(monkeypatch, capsys, "-m", "hydra/launcher=local", *args, f"hydra.sweep.dir={tmp_path / 's'}")
+    assert code == 2, err
+    assert message in err, err
+    assert "Traceback" not in out + err and not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    "args, slots",
+    [
+        ([], 3),  # trials on the local launcher's slots
+        (["hydra/launcher=slurm_local", "hydra.launcher.workers=2"], 2),  # on each study worker's: refused before sbatch
+    ],
+    ids=["local", "study-workers"],
+)
+def test_a_study_none_of_whose_points_can_take_the_slots_is_refused_as_a_grid_is(monkeypatch, capsys, tmp_path, args, slots):
+    """hparams_search=lr_cosine without LoRA on slots: every trial would be refused (it searches no key that makes a
+    point LoRA), so the study is, in one line, before anything is written (no multirun.yaml, journal or summary)."""
+    code, out, err = run_main(monkeypatch, capsys, "-m", "hparams_search=lr_cosine", *args, f"hydra.launcher.slots={slots}",
+                              f"hydra.sweep.dir={tmp_path / 's'}")  # fmt: skip
+    assert code == 2 and err.strip().splitlines() == [f"tinker_exp: config error: {FULL_FINE_TUNING.format(slots)}"], err
+    assert not (tmp_path / "s").exists()
 
 
 def test_a_job_python_that_is_no_command_is_refused_before_anything_runs(tmp_path):

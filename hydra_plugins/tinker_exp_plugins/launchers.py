@@ -573,6 +573,26 @@ class SweepLauncher(BaseSubmititLauncher):
         another on its pool."""
         return (self.decided_slots or 1) if self.workers() else 1
 
+    def point_slots(self) -> int:
+        """Trials a group trains at once where this sweep's points train (the local launcher's slots, or each study or
+        population worker's): what every point is checked against (`slot_error`); 1: each trains alone."""
+        return max(self.slots(), self.worker_slots())
+
+    def check_study_points(self, fixed: Sequence[str], searched: Sequence[str]) -> None:
+        """A study none of whose points can take the slots asked for is refused as a grid of them is (`slot_error`),
+        before anything is written: its base point (`fixed`) cannot take a slot, and no searched key sets what that
+        depends on (validate.py SLOT_KEYS). A study that searches one of those keys has each point checked as it
+        comes (a refused one fails its trial)."""
+        from tinker_exp.config.validate import SLOT_KEYS
+
+        slots = self.point_slots()
+        keys = [key.lstrip("+~") for key in searched]
+        if slots <= 1 or any(key == k or k.startswith(key + ".") or key.startswith(k + ".") for key in keys for k in SLOT_KEYS):
+            return
+        cfg, _ = point_error(self.hydra_context, self.config, self.job_points([fixed])[0], self.data_checked)
+        if cfg is not None and (why := slot_error(cfg, slots)):
+            raise ConfigError(why)
+
     def submit_workers(self, worker: Callable[[int], Any], count: int) -> list[Any]:
         """`count` study worker jobs, one Slurm job array (one sbatch): job i runs `worker(i)`. Returns at once."""
         if self.stream_executor is None:

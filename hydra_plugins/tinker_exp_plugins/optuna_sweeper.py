@@ -133,6 +133,7 @@ class OptunaSweeper(Sweeper):
             )
         make_sampler(self.sampler, self.sampler_args, space, self.seed, self.n_startup_trials)  # refused before anything is written
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        self._refuse_before_writing(fixed, space, sweep_dir)
         made_now = not sweep_dir.exists()
         sweep_dir.mkdir(parents=True, exist_ok=True)  # a study's default storage is a file in it
         self.dry_run = bool(self.config.get("dry_run"))
@@ -199,6 +200,12 @@ class OptunaSweeper(Sweeper):
             f"({summary['n_complete']} of {summary['n_trials']} trials completed); {sweep_dir / RESULTS_FILE}"
         )
         return summary
+
+    def _refuse_before_writing(self, fixed: list[str], space: dict[str, Any], sweep_dir: Path) -> None:
+        """What no trial of the study could get past, refused before anything is written: slots none of its points
+        can take (as a grid's are)."""
+        if isinstance(self.launcher, SweepLauncher):
+            self.launcher.check_study_points(fixed, list(space))
 
     def _end_dry_run(self, study: Any, sweep_dir: Path) -> dict[str, Any]:
         """A dry run's end: each trial's job planned its point (plan.json in its run dir), or failed it, named."""

@@ -256,8 +256,9 @@ class PBTSweeper(Sweeper):
         points = [[*fixed, *(as_override(key, value) for key, value in values.items())] for values in starts]
         job_points = self.launcher.job_points(points) if hasattr(self.launcher, "job_points") else points
         workers = self._workers(self.config)
-        # every bad member named (one that cannot take the slots asked for on workers too)
-        configs = check_points(self.hydra_context, self.config, job_points, 0, self._worker_slots() if workers else 1)
+        # every bad member named, one that cannot take the slots asked for too (local, or on workers)
+        slots = self.launcher.point_slots() if hasattr(self.launcher, "point_slots") else 1
+        configs = check_points(self.hydra_context, self.config, job_points, 0, slots)
         if workers and hasattr(self.launcher, "decide_slots"):  # auto: each worker's share at once, where they can share a group
             self.launcher.decide_slots(configs, math.ceil(self.population / workers), space)
         auto = self.config.hydra.launcher.get("slots") == AUTO
