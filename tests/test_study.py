@@ -346,6 +346,49 @@ def test_a_bad_study_is_one_line_and_exit_2_before_any_trial(tmp_path, args, mes
     assert "hunter2" not in result.stdout + result.stderr + "".join(p.read_text() for p in tmp_path.rglob("*.yaml"))
 
 
+UNREACHABLE = [
+    (["hydra/launcher=slurm_local", "hydra.launcher.workers=2", "hydra.sweeper.storage=sqlite://"],
+     "hydra.sweeper.storage=sqlite://: an in-memory database, which the study's worker jobs (hydra.launcher.workers=2) cannot "
+     "open (each process would open a new, empty one); give a file or a server URL, or leave it null (a journal file in the sweep dir)"),
+    (["hydra/launcher=local", "hydra.sweeper.pruner=median", "hydra.sweeper.storage=sqlite:///:memory:"],
+     "hydra.sweeper.storage=sqlite:///:memory:: an in-memory database, which the trials' jobs (they report to it for "
+     "hydra.sweeper.pruner=median) cannot open"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args, line", UNREACHABLE, ids=["study-workers", "pruned-trials"])
+def test_a_storage_the_studys_other_processes_cannot_open_is_one_line_before_anything_is_written(monkeypatch, capsys, tmp_path, args, line):
+    """Study workers, and jobs that report to their trials, open the study themselves: an in-memory database is the
+    sweep process's alone (each other process would open a new, empty one). Refused before anything is written or
+    submitted (no multirun.yaml, no .submitit/)."""
+    from helpers import run_main
+
+    code, out, err = run_main(monkeypatch, capsys, "-m", "hydra/sweeper=optuna", *args, "+override=constant", "override.lr=interval(1e-4,1e-3)",
+                              f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.strip().startswith(f"tinker_exp: config error: {line}"), err
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_study_file_in_a_nodes_own_memory_is_refused_for_workers_on_other_nodes(tmp_path):
+    """A journal or SQLite file on a tmpfs (this node's memory) that the sweep dir is not on: out of other nodes'
+    reach. The same file is fine for jobs on this machine, and on the sweep dir's own file system (the run dirs are
+    there too, so every node sees it)."""
+    from tinker_exp.sweep.study import unreachable_storage
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\ntmpfs {tmp_path}/shm tmpfs rw 0 0\ntmpfs {tmp_path}/ram\\040disk ramfs rw 0 0\n")
+    workers = "the study's worker jobs (hydra.launcher.workers=2)"
+    for url in (f"journal://{tmp_path}/shm/study.journal", f"sqlite:///{tmp_path}/shm/sub/optuna.db", f"journal://{tmp_path}/ram disk/j"):
+        why = unreachable_storage(url, tmp_path / "sweep", workers, True, mounts)
+        assert why is not None and f"which {workers} on other nodes cannot open; put the file in a folder every node sees" in why, url
+    assert "shm is a tmpfs, this node's own memory" in unreachable_storage(f"journal://{tmp_path}/shm/j", tmp_path, workers, True, mounts)
+    assert unreachable_storage(f"journal://{tmp_path}/shm/j", tmp_path / "sweep", workers, False, mounts) is None  # jobs on this node
+    assert unreachable_storage(f"journal://{tmp_path}/shm/j", tmp_path / "shm" / "sweep", workers, True, mounts) is None  # the sweep dir's
+    assert unreachable_storage(f"journal://{tmp_path}/j", tmp_path / "sweep", workers, True, mounts) is None
+    assert unreachable_storage(None, tmp_path, workers, True, mounts) is None  # the journal in the sweep dir
+    assert unreachable_storage("postgresql://bob:pw@db/s", tmp_path, workers, True, mounts) is None
+
+
 def test_failed_trials_are_recorded_and_the_study_goes_on_exit_1_when_none_completed(tmp_path):
     """Every point is a config error (an odd batch does not split over 2 workers): each trial fails before any
     job, the study asks every trial anyway, names the failures and exits 1."""

@@ -203,9 +203,20 @@ class OptunaSweeper(Sweeper):
 
     def _refuse_before_writing(self, fixed: list[str], space: dict[str, Any], sweep_dir: Path) -> None:
         """What no trial of the study could get past, refused before anything is written: slots none of its points
-        can take (as a grid's are)."""
-        if isinstance(self.launcher, SweepLauncher):
+        can take (as a grid's are), and a storage that its workers, or its jobs reporting to their trials, cannot open."""
+        from tinker_exp.sweep.study import unreachable_storage
+
+        ours = isinstance(self.launcher, SweepLauncher)
+        if ours:
             self.launcher.check_study_points(fixed, list(space))
+        if self.config.get("dry_run"):  # its study is in memory, and nothing reports to it
+            return
+        workers = self.launcher.workers() if ours else 0
+        opened_by = (f"the study's worker jobs (hydra.launcher.workers={workers})" if workers else
+                     f"the trials' jobs (they report to it for hydra.sweeper.pruner={self.pruner})" if self.pruner != "none" else None)  # fmt: skip
+        on_slurm = ours and self.launcher._EXECUTOR == "slurm"
+        if opened_by and (why := unreachable_storage(self.storage, sweep_dir, opened_by, on_slurm)):
+            raise ConfigError(why)
 
     def _end_dry_run(self, study: Any, sweep_dir: Path) -> dict[str, Any]:
         """A dry run's end: each trial's job planned its point (plan.json in its run dir), or failed it, named."""

@@ -66,6 +66,58 @@ def open_storage(url: str) -> Any:
     return url
 
 
+NODE_LOCAL = ("tmpfs", "ramfs")
+"""File systems in a node's own memory: a study file there is out of other nodes' reach, whatever its path."""
+
+
+def unreachable_storage(url: str | None, sweep_dir: Path, opened_by: str, other_nodes: bool,
+                        mounts: Path = Path("/proc/mounts")) -> str | None:  # fmt: skip
+    """Why processes other than the sweep's (`opened_by`: its worker jobs, or its jobs reporting to their trials;
+    `other_nodes`: on Slurm) cannot open the study at hydra.sweeper.storage `url`, or None (None: the journal in the
+    sweep dir, which every node sees). An in-memory database is the sweep process's alone; a journal or SQLite file on
+    a file system in a node's memory (tmpfs, where the sweep dir is not) is that node's alone. Whether any other
+    folder is shared cannot be told from here."""
+    if url is None:
+        return None
+    shown = f"hydra.sweeper.storage={masked(url)}"
+    path: str | None = None
+    if url.startswith(JOURNAL):
+        path = url[len(JOURNAL) :]
+    elif url.startswith("sqlite:"):
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            path = make_url(url).database or ""
+        except ArgumentError:
+            return None  # said by create_study, as any URL that does not parse
+        if path in ("", ":memory:") or path.startswith("file::memory:") or "mode=memory" in url:
+            return (f"{shown}: an in-memory database, which {opened_by} cannot open (each process would open a new, "
+                    "empty one); give a file or a server URL, or leave it null (a journal file in the sweep dir)")  # fmt: skip
+    if not path or not other_nodes:
+        return None
+    where, kind = mount_of(Path(path).absolute(), mounts)
+    if kind in NODE_LOCAL and where != mount_of(sweep_dir.absolute(), mounts)[0]:
+        return (f"{shown}: {where} is a {kind}, this node's own memory, which {opened_by} on other nodes cannot open; "
+                "put the file in a folder every node sees (null: a journal file in the sweep dir)")  # fmt: skip
+    return None
+
+
+def mount_of(path: Path, mounts: Path = Path("/proc/mounts")) -> tuple[str, str]:
+    """(mount point, file system type) of the file system that holds `path` (the longest mount point above it, in the
+    `mounts` table); ("", "") where the table cannot be read."""
+    try:
+        table = [line.split()[1:3] for line in mounts.read_text().splitlines() if len(line.split()) > 2]
+    except OSError:
+        return "", ""
+    found = ("", "")
+    for where, kind in table:
+        where = where.replace("\\040", " ")  # the table's escape for a space
+        if (path == Path(where) or Path(where) in path.parents) and len(where) >= len(found[0]):
+            found = (where, kind)
+    return found
+
+
 PRUNERS = {
     "none": "NopPruner",
     "median": "MedianPruner",
