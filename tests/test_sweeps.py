@@ -408,6 +408,42 @@ def test_slurm_sweep_with_bad_points_is_refused_before_any_job(slurm_env, tmp_pa
     assert_refused_before_any_job(result, sweep)
 
 
+SBATCH_REFUSES = [
+    ["optimizer.lr=1e-3,1e-4", "dry_run=true"],  # a grid: one job array
+    ["hparams_search=lr_cosine", "hydra.sweeper.n_trials=2"],  # a study's first trial: one sbatch
+    ["hparams_search=lr_cosine", "hydra.launcher.workers=2"],  # its workers: one job array
+    ["hparams_search=pbt_lr_cosine"],  # a population: one job array, a job a member
+]
+
+
+@pytest.mark.parametrize("args", SBATCH_REFUSES, ids=["grid", "study", "study-workers", "population"])
+def test_a_partition_sbatch_refuses_is_sbatchs_one_line_and_the_sweep_leaves_nothing(slurm_env, monkeypatch, capsys, tmp_path, args):
+    """sbatch's own message (was submitit's FailedJobError traceback), naming the key it is about, exit 2; the sweep dir
+    this command made (multirun.yaml, .submitit/, a study's journal, a population's ledger) is removed: no job was
+    submitted. The local cluster answers at once: nothing waits."""
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+    code, out, err = run_main(monkeypatch, capsys, "-m", "hydra/launcher=slurm_local", "hydra.launcher.partition=nope", *args,
+                              f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
+    assert code == 2 and err.strip().splitlines() == [
+        "tinker_exp: config error: hydra.launcher.partition=nope: sbatch refused the sweep's jobs: sbatch: error: invalid "
+        "partition specified: nope; sbatch: error: Batch job submission failed: Invalid partition name specified"
+    ], err
+    assert "Traceback" not in out and not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("args", SBATCH_REFUSES[:3], ids=["grid", "study", "study-workers"])
+def test_a_slurm_sweep_where_slurm_has_no_commands_is_one_line_and_leaves_nothing(monkeypatch, capsys, tmp_path, args):
+    """No srun or sbatch on PATH (submitit's RuntimeError traceback before): one line, exit 2, the sweep dir removed."""
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    code, out, err = run_main(monkeypatch, capsys, "-m", "hydra/launcher=slurm_local", *args, f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert code == 2 and err.strip().splitlines() == [
+        "tinker_exp: config error: hydra/launcher=slurm_local: Slurm's commands (srun, sbatch) are not on PATH here; submit "
+        "from a machine of the cluster, or use hydra/launcher=local"
+    ], err
+    assert "Traceback" not in out and not (tmp_path / "sweep").exists()
+
+
 def test_sweep_with_a_point_failing_in_its_job_fails_that_job_and_completes_the_others(slurm_env, tmp_path):
     """resume=must passes the checks before the sweep (it depends on the run dir) and fails in its job."""
     result = run_cli(

@@ -38,6 +38,7 @@ from hydra_plugins.tinker_exp_plugins.launchers import (
     continue_line,
     job_objective,
     job_run_dir,
+    nothing_left_unsubmitted,
     save_multirun,
 )
 from tinker_exp import threads
@@ -178,11 +179,12 @@ class OptunaSweeper(Sweeper):
             log.info(f"study {self.study_name!r} ({shown}): {self.n_trials} trials, {at_once}, sampler {self.sampler}{startup}")
         log.info("search space: " + ", ".join(f"{k}: {d}" for k, d in space.items()))
 
-        if self._workers():
-            self._run_workers(study, StudyWorker(self.launcher, self, storage, space, fixed, len(study.trials)), sweep_dir)
-        else:
-            self._run_trials(study, space, fixed, shown)
-            self.jobs.end_slots()
+        with nothing_left_unsubmitted(sweep_dir, made_now):  # sbatch took no job: as if refused before writing
+            if self._workers():
+                self._run_workers(study, StudyWorker(self.launcher, self, storage, space, fixed, len(study.trials)), sweep_dir)
+            else:
+                self._run_trials(study, space, fixed, shown)
+                self.jobs.end_slots()
         if self.dry_run:
             return self._end_dry_run(study, sweep_dir)
         summary = results(study, shown)

@@ -29,7 +29,14 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, check_points, job_objective, job_run_dir, save_multirun
+from hydra_plugins.tinker_exp_plugins.launchers import (
+    SweepFailedError,
+    check_points,
+    job_objective,
+    job_run_dir,
+    nothing_left_unsubmitted,
+    save_multirun,
+)
 from hydra_plugins.tinker_exp_plugins.optuna_sweeper import StudyWorker
 from tinker_exp.errors import ConfigError, TinkerExpError
 from tinker_exp.sweep.pbt import EXPLORES, POPULATION_ENV, numeric_keys
@@ -202,6 +209,7 @@ class PBTSweeper(Sweeper):
 
         fixed, space, starts, points, cfg = self._checked_members(arguments)  # raises before anything is written
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        made_now = not sweep_dir.exists()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         save_multirun(self.config, sweep_dir)
         log.info(
@@ -222,7 +230,8 @@ class PBTSweeper(Sweeper):
             "force_exploit": self.force_exploit,
             "explore": self.explore,
         }
-        with environment(POPULATION_ENV, json.dumps(told)):  # each member's job gets it (local: its process; Slurm: sbatch's)
+        # each member's job gets it (local: its process; Slurm: sbatch's); sbatch taking no job leaves nothing behind
+        with environment(POPULATION_ENV, json.dumps(told)), nothing_left_unsubmitted(sweep_dir, made_now):
             returns = self._run_on_workers(sweep_dir, points, fixed, space) if self._workers(cfg) else self._launch(points)
         if cfg.dry_run:  # each member checked and planned with its start values (plan.json); nothing trained
             log.info(f"dry run: {self.population} members planned in {sweep_dir}; nothing trained")
