@@ -36,7 +36,7 @@ from tinker_exp import config as tinker_config
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import ConfigError, TinkerExpError, one_line
 from tinker_exp.formats import masked
-from tinker_exp.place.pools import SweepPools, named, named_pools, wanted
+from tinker_exp.place.pools import SweepPools, named, named_pools, slot_pool, wanted
 from tinker_exp.sweep.jobs import (
     JobOutcome,
     StartedJob,
@@ -281,6 +281,7 @@ class SweepLauncher(BaseSubmititLauncher):
         self.stream_executor: Any = None
         self.pools = SweepPools()  # a streaming sweep's (a study's) warm pools: started at its first local job
         self.slot_jobs: Any = None  # with slots: the executor running jobs as threads on slots (slot_jobs.py)
+        self.pool_slots: tuple[Path, int] | None = None  # with slots: the warm pool whose slots they take (address, slots)
         self.composed: dict[tuple, DictConfig] = {}  # local: a point `start` checked, composed, for its job on a thread
         # True (a population's sweeper sets it): with slots, each slot keeps its state at its last checkpoint, so
         # that a member's exploit of another member on the group is an in-place copy (runtime/slots.py `SlotGroup`).
@@ -334,6 +335,11 @@ class SweepLauncher(BaseSubmititLauncher):
                 from hydra_plugins.tinker_exp_plugins.slot_jobs import SlotExecutor
 
                 self.slot_jobs = SlotExecutor(self, self.slots())
+                self.pool_slots = slot_pool(str(self.config.backend.pool)) if self.slots() > 1 else None
+                if self.pool_slots is not None:
+                    address, slots = self.pool_slots
+                    log.info(f"slots: the trials train on the slots of the warm pool at {address} ({slots} slots; one it "
+                             "cannot take trains on a group this process builds)")  # fmt: skip
             return self.slot_jobs
         import submitit
 
@@ -428,7 +434,8 @@ class SweepLauncher(BaseSubmititLauncher):
                     pools.start(min(at_once, len(args)))
                 executor = self._executor(on_pools=bool(pools.processes) or named(configs))  # its jobs threads leasing them
                 if self.slots() > 1:
-                    log.info(f"{len(args)} local jobs, {at_once} at a time on the slots of one group (hydra.launcher.slots)")
+                    group = f"the warm pool at {self.pool_slots[0]}" if self.pool_slots else "one group"
+                    log.info(f"{len(args)} local jobs, {at_once} at a time on the slots of {group} (hydra.launcher.slots)")
                 elif named(configs):
                     log.info(f"{len(args)} local jobs, at most {at_once} at a time (one a pool named in backend.pool: a pool trains one run at a time)")
                 else:
