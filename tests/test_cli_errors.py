@@ -164,6 +164,45 @@ def test_a_key_added_with_plus_where_the_schema_has_none_is_refused(monkeypatch,
     assert not (tmp_path / "plan.json").exists()
 
 
+def plugin_keys(target: str) -> str:
+    """The keys a sweeper or launcher of ours takes, as the line lists them: its constructor's, or its config's."""
+    import dataclasses
+    import inspect
+
+    from hydra.utils import get_class
+
+    plugin = get_class(target)
+    if getattr(plugin, "_CONF", None) is not None:  # our launchers take **params: their config dataclass says which
+        return ", ".join(f.name for f in dataclasses.fields(plugin._CONF) if f.name != "_target_")
+    return ", ".join(inspect.signature(plugin).parameters)
+
+
+PLUGINS = "hydra_plugins.tinker_exp_plugins."
+UNKNOWN_PLUGIN_KEYS = [
+    (["hparams_search=lr_cosine", "+hydra.sweeper.kappa=2.0"],
+     f"hydra.sweeper.kappa: hydra.sweeper has no key kappa (hydra.sweeper's keys: {plugin_keys(PLUGINS + 'optuna_sweeper.OptunaSweeper')})"),
+    (["hparams_search=pbt_lr_cosine", "+hydra.sweeper.populaton=2"],
+     "hydra.sweeper.populaton: hydra.sweeper has no key populaton; did you mean population? "
+     f"(hydra.sweeper's keys: {plugin_keys(PLUGINS + 'pbt_sweeper.PBTSweeper')})"),
+    (["optimizer.lr=1e-3,1e-4", "+hydra.sweeper.max_batch=2"],  # the grid (Hydra's basic sweeper's keys)
+     "hydra.sweeper.max_batch: hydra.sweeper has no key max_batch; did you mean max_batch_size? (hydra.sweeper's keys: max_batch_size, params)"),
+    (["optimizer.lr=1e-3,1e-4", "+hydra.launcher.max_paralel=2"],  # was taken without a word, and ignored
+     "hydra.launcher.max_paralel: hydra.launcher has no key max_paralel; did you mean max_parallel? "
+     f"(hydra.launcher's keys: {plugin_keys(PLUGINS + 'launchers.LocalSweepLauncher')})"),
+    (["hydra/launcher=slurm_local", "optimizer.lr=1e-3,1e-4", "+hydra.launcher.partion=debug"],
+     "hydra.launcher.partion: hydra.launcher has no key partion; did you mean partition? "
+     f"(hydra.launcher's keys: {plugin_keys(PLUGINS + 'launchers.SlurmSweepLauncher')})"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args, line", UNKNOWN_PLUGIN_KEYS, ids=["optuna", "pbt", "grid", "local-launcher", "slurm-launcher"])
+def test_a_key_our_sweeper_or_launcher_does_not_take_is_one_line_naming_those_it_does(monkeypatch, capsys, tmp_path, args, line):
+    """Added with +: Hydra's "Error in call to target ... unexpected keyword argument" over several lines (exit 1), or
+    for a launcher nothing at all. Ours: the key, did-you-mean, the keys there are; exit 2, nothing written."""
+    check_one_line(*run_main(monkeypatch, capsys, "-m", *args, f"hydra.sweep.dir={tmp_path / 'sweep'}"), line)
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_data_path_that_is_a_directory_says_so(monkeypatch, capsys, tmp_path):
     line = f"data.path: '{tmp_path}' is a directory, not a JSONL or Parquet file"
     check_one_line(*run_main(monkeypatch, capsys, f"data.path={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}", "dry_run=true"), line)

@@ -84,7 +84,7 @@ def test_each_optimizer_accepts_its_own_keys(name, sendable):
          "override.eps: optimizer Muon: eps means different things in its sub-optimizers (muon: the Newton-Schulz "
          "iteration's eps; adamw: the usual one); one value cannot serve both; keys Muon accepts: lr, weight_decay, grad_clip_norm"),
         ("Muon", {"momentum": 0.9}, "override.momentum: optimizer Muon: its sub-optimizer adamw has no param-group key momentum"),
-        ("Muon", {"ns_steps": 3}, "override.ns_steps: optimizer Muon holds ns_steps as a int: only float keys can be sent per step"),
+        ("Muon", {"ns_steps": 3}, "override.ns_steps: optimizer Muon holds ns_steps as an int: only float keys can be sent per step"),
         ("SGD", {"betas": [0.9, 0.95]}, "override.betas: optimizer SGD has no param-group key betas; keys SGD accepts: lr, weight_decay, momentum, dampening, grad_clip_norm"),
         ("SGD", {"nesterov": True}, "override.nesterov: optimizer SGD holds nesterov as a bool: only float keys can be sent per step"),
         ("AdamW", {"amsgrad": True}, "override.amsgrad: optimizer AdamW holds amsgrad as a bool: only float keys"),

@@ -71,7 +71,7 @@ def test_zero_lr_is_allowed():
 def test_check_like_verl_rejects_wrong_types_and_missing_keys():
     group_types = {"lr": float, "betas": tuple, "eps": float, "weight_decay": float}
     check_like_verl({"lr": 1e-3, "betas": (0.9, 0.95)}, group_types, "AdamW")
-    with pytest.raises(ConfigError, match=r"override.lr: 1 is a int; AdamW's param groups hold float"):
+    with pytest.raises(ConfigError, match=r"override.lr: 1 is an int; AdamW's param groups hold float"):
         check_like_verl({"lr": 1}, group_types, "AdamW")
     with pytest.raises(ConfigError, match=r"override.betas: \[0.9, 0.95\] is a list; .* hold tuple"):
         check_like_verl({"betas": [0.9, 0.95]}, group_types, "AdamW")

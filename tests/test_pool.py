@@ -547,6 +547,9 @@ def test_lora_runs_at_once_on_the_pools_slots_are_each_their_cold_run_and_a_ctrl
         long_run.kill()
     assert sweep.returncode == 0, sweep.stdout[-2000:] + sweep.stderr[-3000:]
     assert "hydra.launcher.slots=auto: 2 trials at once on slots of one group (at most 8, the sweep's 2 trials; about " in sweep.stdout, sweep.stdout[-3000:]
+    address = Path(pool["TINKER_EXP_POOL_DIR"]) / "pool.sock"  # the sweep names the pool whose slots it takes
+    assert f"slots: the trials train on the slots of the warm pool at {address} (4 slots;" in sweep.stdout, sweep.stdout[-3000:]
+    assert f"2 local jobs, 2 at a time on the slots of the warm pool at {address} (hydra.launcher.slots)" in sweep.stdout
     assert long_run.returncode == 130, out[-2000:] + err[-2000:]
     said = re.search(r"pool: slot (\d) of 4 on the pool at \S+: (a group built for this run|a kept group)", out)
     assert said is not None, out[-3000:]
@@ -697,6 +700,37 @@ def planted():
     for pid in children:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def test_a_sweep_on_slots_finds_the_warm_pool_whose_slots_its_trials_take():
+    """`slot_pool` (the sweep's line naming the pool): the pool backend.pool names (auto: the user's) when it answers
+    `status` with more than one slot; none where it keeps one slot, where nothing answers, or with backend.pool=none."""
+    import socket
+    import threading
+
+    from tinker_exp.place import wire
+    from tinker_exp.place.pools import slot_pool
+
+    folder = Path(tempfile.mkdtemp(prefix="txp-", dir="/tmp"))  # private (0700), short enough for a socket's path
+    try:
+        answers = {"four": 4, "one": 1}
+        for name in answers:
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.bind(str(folder / f"{name}.sock"))
+            server.listen(4)
+
+            def serve(server=server, slots=answers[name]) -> None:  # a pool's `status` answer, once
+                conn, _ = server.accept()
+                with conn:
+                    assert wire.recv(conn) == ("status",)
+                    wire.send(conn, {"pid": os.getpid(), "slots": slots})
+
+            threading.Thread(target=serve, daemon=True).start()
+        assert slot_pool(str(folder / "four.sock")) == (folder / "four.sock", 4)
+        assert slot_pool(str(folder / "one.sock")) is None
+        assert slot_pool(str(folder / "none-there.sock")) is None and slot_pool("none") is None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def listen_as_another_user(socket_path: Path, ready_w: int, done_r: int, out_w: int) -> None:

@@ -137,7 +137,7 @@ NOT_A_FUNCTION = 3
          "or an installed package)"),  # fmt: skip
         ("my_rewards:exakt", "env.reward: module 'my_rewards' has no 'exakt'; did you mean exact? (its callables: exact, "
          "flag, nan, one_arg, says)"),  # fmt: skip
-        ("my_rewards:NOT_A_FUNCTION", "env.reward: my_rewards:NOT_A_FUNCTION is a int, not a function"),
+        ("my_rewards:NOT_A_FUNCTION", "env.reward: my_rewards:NOT_A_FUNCTION is an int, not a function"),
         ("my_rewards:one_arg", "env.reward: my_rewards:one_arg must take (row, response); its signature is (row)"),
         ("broken_rewards:f", "env.reward: importing 'broken_rewards' raised ZeroDivisionError: division by zero"),
     ],

@@ -514,3 +514,9 @@ def test_a_phase_a_short_run_rounds_away_warns_in_one_line(tmp_path):
     assert planned(tmp_path, "lr") == pytest.approx([1e-3] * 4)  # what the warning says: the peak at every step
     quiet = run_cli("+override=lr_wsd", "dry_run=true", f"hydra.run.dir={tmp_path / 'default'}")  # 20 steps: 1 and 4
     assert quiet.returncode == 0 and "warning" not in quiet.stderr, quiet.stderr
+
+
+@pytest.mark.parametrize("steps, said", [(8, "in an 8-step schedule"), (11, "in an 11-step schedule"), (9, "in a 9-step schedule")])
+def test_the_warning_puts_the_right_article_before_the_schedules_length(steps, said):
+    with pytest.warns(UserWarning, match=f"^override.lr: {said}, warmup_steps=0.04 rounds to 0 steps"):
+        compile_schedule({"schedule": "cosine", "value": 1e-3, "warmup_steps": 0.04}, steps, "override.lr")

@@ -3,6 +3,7 @@ continued, and real studies with the local launcher and on the local Slurm clust
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -241,6 +242,8 @@ def test_each_sampler_is_optunas_seeded_and_given_its_startup_trials_and_argumen
         assert not make_sampler(name, {"multivariate": False}, space, 0, 10)._is_multivariate(optuna.create_study())
     if name == "cmaes":
         assert make_sampler(name, {"popsize": 5}, space, 0, 2)._popsize == 5
+    if name == "gp":  # its acquisition's starts optimised together (optuna._gp.batched_lbfgsb), without Optuna's warning
+        assert importlib.util.find_spec("greenlet") is not None, "greenlet (pyproject.toml) is not installed"
 
 
 @pytest.mark.parametrize(
@@ -256,6 +259,9 @@ def test_each_sampler_is_optunas_seeded_and_given_its_startup_trials_and_argumen
         ("random", "numbers", {"popsize": 4}, "hydra.sweeper.sampler_args.popsize: sampler random has no argument popsize; random takes none but the seed"),
         ("tpe", "numbers", {"n_ei_candidates": "many"}, "hydra.sweeper.sampler_args.n_ei_candidates: 'many' must be an int"),
         ("gp", "numbers", {"deterministic_objective": 1}, "hydra.sweeper.sampler_args.deterministic_objective: 1 must be true or false"),
+        # Optuna 5 gives these a default of None: their annotations say what they take
+        ("tpe", "numbers", {"multivariate": "yes"}, "hydra.sweeper.sampler_args.multivariate: 'yes' must be true or false, or null"),
+        ("cmaes", "numbers", {"popsize": 4.5}, "hydra.sweeper.sampler_args.popsize: 4.5 must be an int, or null"),
         ("cmaes", "numbers", {"sigma0": 0.5}, "hydra.sweeper.sampler_args (sigma0=0.5) for sampler cmaes: `sigma0` has been deprecated in v4.9.0."),
     ],
 )
@@ -340,6 +346,49 @@ def test_a_bad_study_is_one_line_and_exit_2_before_any_trial(tmp_path, args, mes
     assert "hunter2" not in result.stdout + result.stderr + "".join(p.read_text() for p in tmp_path.rglob("*.yaml"))
 
 
+UNREACHABLE = [
+    (["hydra/launcher=slurm_local", "hydra.launcher.workers=2", "hydra.sweeper.storage=sqlite://"],
+     "hydra.sweeper.storage=sqlite://: an in-memory database, which the study's worker jobs (hydra.launcher.workers=2) cannot "
+     "open (each process would open a new, empty one); give a file or a server URL, or leave it null (a journal file in the sweep dir)"),
+    (["hydra/launcher=local", "hydra.sweeper.pruner=median", "hydra.sweeper.storage=sqlite:///:memory:"],
+     "hydra.sweeper.storage=sqlite:///:memory:: an in-memory database, which the trials' jobs (they report to it for "
+     "hydra.sweeper.pruner=median) cannot open"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args, line", UNREACHABLE, ids=["study-workers", "pruned-trials"])
+def test_a_storage_the_studys_other_processes_cannot_open_is_one_line_before_anything_is_written(monkeypatch, capsys, tmp_path, args, line):
+    """Study workers, and jobs that report to their trials, open the study themselves: an in-memory database is the
+    sweep process's alone (each other process would open a new, empty one). Refused before anything is written or
+    submitted (no multirun.yaml, no .submitit/)."""
+    from helpers import run_main
+
+    code, out, err = run_main(monkeypatch, capsys, "-m", "hydra/sweeper=optuna", *args, "+override=constant", "override.lr=interval(1e-4,1e-3)",
+                              f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.strip().startswith(f"tinker_exp: config error: {line}"), err
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_study_file_in_a_nodes_own_memory_is_refused_for_workers_on_other_nodes(tmp_path):
+    """A journal or SQLite file on a tmpfs (this node's memory) that the sweep dir is not on: out of other nodes'
+    reach. The same file is fine for jobs on this machine, and on the sweep dir's own file system (the run dirs are
+    there too, so every node sees it)."""
+    from tinker_exp.sweep.study import unreachable_storage
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\ntmpfs {tmp_path}/shm tmpfs rw 0 0\ntmpfs {tmp_path}/ram\\040disk ramfs rw 0 0\n")
+    workers = "the study's worker jobs (hydra.launcher.workers=2)"
+    for url in (f"journal://{tmp_path}/shm/study.journal", f"sqlite:///{tmp_path}/shm/sub/optuna.db", f"journal://{tmp_path}/ram disk/j"):
+        why = unreachable_storage(url, tmp_path / "sweep", workers, True, mounts)
+        assert why is not None and f"which {workers} on other nodes cannot open; put the file in a folder every node sees" in why, url
+    assert "shm is a tmpfs, this node's own memory" in unreachable_storage(f"journal://{tmp_path}/shm/j", tmp_path, workers, True, mounts)
+    assert unreachable_storage(f"journal://{tmp_path}/shm/j", tmp_path / "sweep", workers, False, mounts) is None  # jobs on this node
+    assert unreachable_storage(f"journal://{tmp_path}/shm/j", tmp_path / "shm" / "sweep", workers, True, mounts) is None  # the sweep dir's
+    assert unreachable_storage(f"journal://{tmp_path}/j", tmp_path / "sweep", workers, True, mounts) is None
+    assert unreachable_storage(None, tmp_path, workers, True, mounts) is None  # the journal in the sweep dir
+    assert unreachable_storage("postgresql://bob:pw@db/s", tmp_path, workers, True, mounts) is None
+
+
 def test_failed_trials_are_recorded_and_the_study_goes_on_exit_1_when_none_completed(tmp_path):
     """Every point is a config error (an odd batch does not split over 2 workers): each trial fails before any
     job, the study asks every trial anyway, names the failures and exits 1."""
@@ -367,6 +416,9 @@ def test_a_dry_run_study_plans_its_trials_and_records_nothing(tmp_path):
     result = run_cli(*args, f"hydra.sweep.dir={tmp_path / 'good'}")
     assert result.returncode == 0, result.stderr
     assert f"dry run: 2 trials planned in {tmp_path / 'good'}; nothing trained" in result.stdout
+    # the 10 startup trials (the default) are the whole study: said in its first line, not a silent random search
+    assert ("at a time, sampler tpe: every trial random (hydra.sweeper.n_startup_trials=10 >= the 2 trials); "
+            "set hydra.sweeper.n_startup_trials lower for tpe to model the results") in result.stdout, result.stdout
     assert not list((tmp_path / "good").glob("optuna.*")) and not (tmp_path / "good" / "optimization_results.yaml").exists()
     for trial in ("0", "1"):
         assert (tmp_path / "good" / trial / "plan.json").is_file() and not (tmp_path / "good" / trial / "metrics.jsonl").exists()

@@ -24,6 +24,7 @@ from helpers import (
     read_job_log,
     read_jsonl,
     run_cli,
+    run_main,
     squeue,
     wait_until,
     wandb_train_rows,
@@ -203,23 +204,44 @@ def test_max_parallel_is_checked_before_anything_runs(tmp_path):
     assert not (tmp_path / "s" / ".submitit").exists()
 
 
+FULL_FINE_TUNING = "hydra.launcher.slots={}: lora.rank=0: full fine-tuning keeps one trial per group; slots hold LoRA trials (1: one trial a group)"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["hydra.launcher.slots=0"], "hydra.launcher.slots=0: must be an int >= 1 (1: one trial a group) or auto"),
         (["hydra.launcher.slots=many"], "hydra.launcher.slots=many: must be an int >= 1 (1: one trial a group) or auto"),
-        (["hydra.launcher.slots=2", "trainer.seed=0,1"],
-         "hydra.launcher.slots=2: lora.rank=0: full fine-tuning keeps one trial per group; slots hold LoRA trials (1: one trial a group)"),
+        (["hydra.launcher.slots=2", "trainer.seed=0,1"], FULL_FINE_TUNING.format(2)),
+        # a population's members: checked against the slots before multirun.yaml is written, as a grid's points
+        (["hparams_search=pbt_lr_cosine", "hydra.launcher.slots=2"], FULL_FINE_TUNING.format(2)),
     ],
-    ids=["zero", "not-a-number", "full-fine-tuning"],
+    ids=["zero", "not-a-number", "full-fine-tuning", "a-population-of-full-fine-tuning"],
 )  # fmt: skip
-def test_slots_are_refused_for_points_that_cannot_share_a_group_before_anything_runs(tmp_path, args, message):
-    """hydra.launcher.slots > 1 holds LoRA trials only: a grid or a study of other points is refused in one line
-    (every bad point named), exit 2, nothing written."""
-    result = run_cli("-m", "hydra/launcher=local", *args, f"hydra.sweep.dir={tmp_path / 's'}")
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "s").exists()
+def test_slots_are_refused_for_points_that_cannot_share_a_group_before_anything_runs(monkeypatch, capsys, tmp_path, args, message):
+    """hydra.launcher.slots > 1 holds LoRA trials only: a grid or a population of other points is refused (every
+    bad point named), exit 2, nothing written."""
+    code, out, err = run_main(monkeypatch, capsys, "-m", "hydra/launcher=local", *args, f"hydra.sweep.dir={tmp_path / 's'}")
+    assert code == 2, err
+    assert message in err, err
+    assert "Traceback" not in out + err and not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    "args, slots",
+    [
+        ([], 3),  # trials on the local launcher's slots
+        (["hydra/launcher=slurm_local", "hydra.launcher.workers=2"], 2),  # on each study worker's: refused before sbatch
+    ],
+    ids=["local", "study-workers"],
+)
+def test_a_study_none_of_whose_points_can_take_the_slots_is_refused_as_a_grid_is(monkeypatch, capsys, tmp_path, args, slots):
+    """hparams_search=lr_cosine without LoRA on slots: every trial would be refused (it searches no key that makes a
+    point LoRA), so the study is, in one line, before anything is written (no multirun.yaml, journal or summary)."""
+    code, out, err = run_main(monkeypatch, capsys, "-m", "hparams_search=lr_cosine", *args, f"hydra.launcher.slots={slots}",
+                              f"hydra.sweep.dir={tmp_path / 's'}")  # fmt: skip
+    assert code == 2 and err.strip().splitlines() == [f"tinker_exp: config error: {FULL_FINE_TUNING.format(slots)}"], err
+    assert not (tmp_path / "s").exists()
 
 
 def test_a_job_python_that_is_no_command_is_refused_before_anything_runs(tmp_path):
@@ -384,6 +406,42 @@ def test_slurm_sweep_with_bad_points_is_refused_before_any_job(slurm_env, tmp_pa
     sweep = tmp_path / "sweep"
     result = run_cli("-m", "hydra/launcher=slurm_local", f"hydra.sweep.dir={sweep}", *BAD_POINTS, env=slurm_env)
     assert_refused_before_any_job(result, sweep)
+
+
+SBATCH_REFUSES = [
+    ["optimizer.lr=1e-3,1e-4", "dry_run=true"],  # a grid: one job array
+    ["hparams_search=lr_cosine", "hydra.sweeper.n_trials=2"],  # a study's first trial: one sbatch
+    ["hparams_search=lr_cosine", "hydra.launcher.workers=2"],  # its workers: one job array
+    ["hparams_search=pbt_lr_cosine"],  # a population: one job array, a job a member
+]
+
+
+@pytest.mark.parametrize("args", SBATCH_REFUSES, ids=["grid", "study", "study-workers", "population"])
+def test_a_partition_sbatch_refuses_is_sbatchs_one_line_and_the_sweep_leaves_nothing(slurm_env, monkeypatch, capsys, tmp_path, args):
+    """sbatch's own message (was submitit's FailedJobError traceback), naming the key it is about, exit 2; the sweep dir
+    this command made (multirun.yaml, .submitit/, a study's journal, a population's ledger) is removed: no job was
+    submitted. The local cluster answers at once: nothing waits."""
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+    code, out, err = run_main(monkeypatch, capsys, "-m", "hydra/launcher=slurm_local", "hydra.launcher.partition=nope", *args,
+                              f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
+    assert code == 2 and err.strip().splitlines() == [
+        "tinker_exp: config error: hydra.launcher.partition=nope: sbatch refused the sweep's jobs: sbatch: error: invalid "
+        "partition specified: nope; sbatch: error: Batch job submission failed: Invalid partition name specified"
+    ], err
+    assert "Traceback" not in out and not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("args", SBATCH_REFUSES[:3], ids=["grid", "study", "study-workers"])
+def test_a_slurm_sweep_where_slurm_has_no_commands_is_one_line_and_leaves_nothing(monkeypatch, capsys, tmp_path, args):
+    """No srun or sbatch on PATH (submitit's RuntimeError traceback before): one line, exit 2, the sweep dir removed."""
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    code, out, err = run_main(monkeypatch, capsys, "-m", "hydra/launcher=slurm_local", *args, f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert code == 2 and err.strip().splitlines() == [
+        "tinker_exp: config error: hydra/launcher=slurm_local: Slurm's commands (srun, sbatch) are not on PATH here; submit "
+        "from a machine of the cluster, or use hydra/launcher=local"
+    ], err
+    assert "Traceback" not in out and not (tmp_path / "sweep").exists()
 
 
 def test_sweep_with_a_point_failing_in_its_job_fails_that_job_and_completes_the_others(slurm_env, tmp_path):

@@ -100,6 +100,16 @@ def suggest(name: str, known: Iterable[str], label: str) -> str:
     return (f"; did you mean {close[0]}?" if close else "") + f" ({label} {', '.join(known)})"
 
 
+def a_or_an(word: str) -> str:
+    """`word` after its indefinite article, as a message says it: an int, a float, an 8-step, an 11-step, a 100-step."""
+    digits = word[: len(word) - len(word.lstrip("0123456789"))]
+    if digits:  # as read aloud: eight..., eleven, eighteen (and their thousands, millions)
+        vowel = digits.startswith("8") or (digits[:2] in ("11", "18") and len(digits) % 3 == 2)
+    else:
+        vowel = word[:1].lower() in "aeio" or (word[:1].lower() == "u" and not word.lower().startswith(("uni", "use", "usu")))
+    return f"{'an' if vowel and word else 'a'} {word}"
+
+
 def one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:
     """Our own warnings (a broken checkpoint skipped, a leftover schedule parameter) as one line, as our errors
     are; a library's keep Python's form, with its file and line."""

@@ -36,7 +36,7 @@ from tinker_exp import config as tinker_config
 from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import ConfigError, TinkerExpError, one_line
 from tinker_exp.formats import masked
-from tinker_exp.place.pools import SweepPools, named, named_pools, wanted
+from tinker_exp.place.pools import SweepPools, named, named_pools, slot_pool, wanted
 from tinker_exp.sweep.jobs import (
     JobOutcome,
     StartedJob,
@@ -66,6 +66,62 @@ class SweepFailedError(TinkerExpError):
 
 class BadPointsError(ConfigError):
     """Sweep points that would stop their jobs before any worker starts: every one named, nothing launched."""
+
+
+class SubmitError(TinkerExpError):
+    """sbatch did not take a sweep's jobs (a bad partition, no cluster): sbatch's own message as one line, instead of
+    submitit's traceback. Exit 2 where Slurm refused what the launcher's keys ask for, 1 where sbatch could not be run
+    or reach its controller. `submitted`: jobs of this sweep submitted before (none: the sweep leaves nothing behind,
+    `nothing_left_unsubmitted`)."""
+
+    def __init__(self, message: str, exit_code: int, submitted: int) -> None:
+        super().__init__(message)
+        self.exit_code, self.submitted = exit_code, submitted
+        self.label = "config error" if exit_code == 2 else "error"
+
+
+UNREACHED = ("Unable to contact slurm controller", "Socket timed out", "Zero Bytes were transmitted", "temporarily unable",
+             "Connection refused", "Could not establish a configuration source")  # fmt: skip
+"""sbatch's words where it could not ask the controller (no cluster there, no slurm.conf): not the launcher keys' fault."""
+
+
+@contextmanager
+def sbatch_said(params: dict[str, Any], submitted: int) -> Iterator[None]:
+    """Within: sbatch failing (submitit's FailedJobError, or no sbatch on PATH) is a `SubmitError` naming the launcher
+    key sbatch's message is about, where it names one; what submitit prints of it first is kept off the terminal."""
+    import io
+    from contextlib import redirect_stderr
+
+    from submitit.core.utils import FailedJobError
+
+    try:
+        with redirect_stderr(io.StringIO()):  # submitit prints sbatch's stderr, then raises it: said once, below
+            yield
+    except FailedJobError as e:
+        said = "; ".join(dict.fromkeys(line.strip() for line in str(e).splitlines() if line.strip())) or "no message"
+        if any(words in said for words in UNREACHED):
+            raise SubmitError(f"sbatch could not reach Slurm, no job submitted: {said}", 1, submitted) from None
+        key = next((k for k in ("partition", "account", "qos", "constraint", "gres") if k in said.lower() and params.get(k)), None)
+        where = f"hydra.launcher.{key}={params[key]}" if key else "hydra.launcher"
+        raise SubmitError(f"{where}: sbatch refused the sweep's jobs: {said}", 2, submitted) from None
+    except FileNotFoundError as e:
+        if "sbatch" not in str(e):
+            raise
+        raise SubmitError("sbatch: not found on PATH (hydra/launcher=slurm submits with Slurm's sbatch)", 1, submitted) from None
+
+
+@contextmanager
+def nothing_left_unsubmitted(sweep_dir: Path, made_now: bool) -> Iterator[None]:
+    """Within: a sweep whose jobs sbatch did not take, none of them submitted, leaves nothing behind: its sweep dir
+    (multirun.yaml, .submitit/, a study's journal) is removed when this command made it."""
+    import shutil
+
+    try:
+        yield
+    except SubmitError as e:
+        if made_now and not e.submitted:
+            shutil.rmtree(sweep_dir, ignore_errors=True)
+        raise
 
 
 def slot_error(cfg: Any, slots: int) -> str | None:
@@ -164,7 +220,18 @@ class SweepLauncher(BaseSubmititLauncher):
     (one job, returns at once), `wait_any` (the jobs that have ended, with what each came to), `cancel_running`
     (every started job not yet returned by `wait_any`), and `capacity` (how many may run at once here)."""
 
+    _CONF: Any = None
+    """The launcher's keys (launcher_conf.py): any other key given (`+hydra.launcher.KEY=...`) is refused, not ignored."""
+
     def __init__(self, **params: Any) -> None:
+        if self._CONF is not None:
+            import dataclasses
+
+            from tinker_exp.config.compose_errors import no_such_key
+
+            known = [f.name for f in dataclasses.fields(self._CONF) if f.name != "_target_"]
+            if unknown := [key for key in params if key not in known]:
+                raise ConfigError(no_such_key(f"hydra.launcher.{unknown[0]}", unknown[0], known))
         timeout_s, delay_s = params.get("timeout_min", 0) * 60, params.get("signal_delay_s")
         if delay_s is not None and delay_s >= timeout_s:
             # submitit would signal the job before it starts and then refuse to requeue it.
@@ -209,10 +276,12 @@ class SweepLauncher(BaseSubmititLauncher):
         # True: a bad point refuses the whole launch. False (a study): it fails its own trial, without a job.
         self.refuse_bad_points = True
         self.running: list[StartedJob] = []  # started by `start`, not yet returned by `wait_any`
+        self.submitted = 0  # jobs sbatch took so far (a refused first submission leaves nothing: `nothing_left_unsubmitted`)
         self.data_checked: set[str] = set()  # the data settings `start` found good (a data set is read once)
         self.stream_executor: Any = None
         self.pools = SweepPools()  # a streaming sweep's (a study's) warm pools: started at its first local job
         self.slot_jobs: Any = None  # with slots: the executor running jobs as threads on slots (slot_jobs.py)
+        self.pool_slots: tuple[Path, int] | None = None  # with slots: the warm pool whose slots they take (address, slots)
         self.composed: dict[tuple, DictConfig] = {}  # local: a point `start` checked, composed, for its job on a thread
         # True (a population's sweeper sets it): with slots, each slot keeps its state at its last checkpoint, so
         # that a member's exploit of another member on the group is an in-place copy (runtime/slots.py `SlotGroup`).
@@ -266,12 +335,24 @@ class SweepLauncher(BaseSubmititLauncher):
                 from hydra_plugins.tinker_exp_plugins.slot_jobs import SlotExecutor
 
                 self.slot_jobs = SlotExecutor(self, self.slots())
+                self.pool_slots = slot_pool(str(self.config.backend.pool)) if self.slots() > 1 else None
+                if self.pool_slots is not None:
+                    address, slots = self.pool_slots
+                    log.info(f"slots: the trials train on the slots of the warm pool at {address} ({slots} slots; one it "
+                             "cannot take trains on a group this process builds)")  # fmt: skip
             return self.slot_jobs
         import submitit
 
         init_keys, ours = {"max_num_timeout", "python"}, {"max_parallel", "workers", "slots"}
         init = {f"{self._EXECUTOR}_{k}": v for k, v in self.params.items() if k in init_keys}
-        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=self.params["submitit_folder"], **init)
+        try:
+            executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=self.params["submitit_folder"], **init)
+        except RuntimeError as e:  # submitit's: 'Could not detect "srun", are you indeed on a slurm cluster?'
+            if self._EXECUTOR != "slurm" or "srun" not in str(e):
+                raise
+            chosen = OmegaConf.select(self.config, "hydra.runtime.choices", default={}).get("hydra/launcher", "slurm")
+            raise SubmitError(f"hydra/launcher={chosen}: Slurm's commands (srun, sbatch) are not on PATH here; submit "
+                              "from a machine of the cluster, or use hydra/launcher=local", 2, self.submitted) from None  # fmt: skip
         common = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(
             **{
@@ -353,7 +434,8 @@ class SweepLauncher(BaseSubmititLauncher):
                     pools.start(min(at_once, len(args)))
                 executor = self._executor(on_pools=bool(pools.processes) or named(configs))  # its jobs threads leasing them
                 if self.slots() > 1:
-                    log.info(f"{len(args)} local jobs, {at_once} at a time on the slots of one group (hydra.launcher.slots)")
+                    group = f"the warm pool at {self.pool_slots[0]}" if self.pool_slots else "one group"
+                    log.info(f"{len(args)} local jobs, {at_once} at a time on the slots of {group} (hydra.launcher.slots)")
                 elif named(configs):
                     log.info(f"{len(args)} local jobs, at most {at_once} at a time (one a pool named in backend.pool: a pool trains one run at a time)")
                 else:
@@ -462,8 +544,9 @@ class SweepLauncher(BaseSubmititLauncher):
                 self.stream_executor = self._executor(on_pools)
             arg = (list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state())
             # As in `_submit`: a Ctrl-C inside sbatch would leave a job we never learn the id of.
-            with sigint_deferred() as interrupted, ray_token(self.nodes() > 1), controller_stderr(self.controllers_log()):
+            with sigint_deferred() as interrupted, ray_token(self.nodes() > 1), controller_stderr(self.controllers_log()), self._sbatch():
                 handle.job = self.stream_executor.submit(self, *arg)
+            self.submitted += 1
             self.composed.pop(tuple(overrides), None)  # a process job composes its own
             self.running.append(handle)
             if interrupted():
@@ -562,24 +645,52 @@ class SweepLauncher(BaseSubmititLauncher):
         another on its pool."""
         return (self.decided_slots or 1) if self.workers() else 1
 
+    def point_slots(self) -> int:
+        """Trials a group trains at once where this sweep's points train (the local launcher's slots, or each study or
+        population worker's): what every point is checked against (`slot_error`); 1: each trains alone."""
+        return max(self.slots(), self.worker_slots())
+
+    def check_study_points(self, fixed: Sequence[str], searched: Sequence[str]) -> None:
+        """A study none of whose points can take the slots asked for is refused as a grid of them is (`slot_error`),
+        before anything is written: its base point (`fixed`) cannot take a slot, and no searched key sets what that
+        depends on (validate.py SLOT_KEYS). A study that searches one of those keys has each point checked as it
+        comes (a refused one fails its trial)."""
+        from tinker_exp.config.validate import SLOT_KEYS
+
+        slots = self.point_slots()
+        keys = [key.lstrip("+~") for key in searched]
+        if slots <= 1 or any(key == k or k.startswith(key + ".") or key.startswith(k + ".") for key in keys for k in SLOT_KEYS):
+            return
+        cfg, _ = point_error(self.hydra_context, self.config, self.job_points([fixed])[0], self.data_checked)
+        if cfg is not None and (why := slot_error(cfg, slots)):
+            raise ConfigError(why)
+
     def submit_workers(self, worker: Callable[[int], Any], count: int) -> list[Any]:
         """`count` study worker jobs, one Slurm job array (one sbatch): job i runs `worker(i)`. Returns at once."""
         if self.stream_executor is None:
             self.stream_executor = self._executor()
-        with sigint_deferred() as interrupted:  # as in `_submit`: job ids we would never learn
+        with sigint_deferred() as interrupted, self._sbatch():  # as in `_submit`: job ids we would never learn
             jobs = self.stream_executor.map_array(worker, list(range(count)))
+        self.submitted += len(jobs)
         if interrupted():
             cancel(jobs)
             raise KeyboardInterrupt
         return jobs
+
+    def _sbatch(self) -> Any:
+        """Around a submission: on Slurm, sbatch's failure as one line (`sbatch_said`); locally nothing."""
+        from contextlib import nullcontext
+
+        return sbatch_said(self.params, self.submitted) if self._EXECUTOR == "slurm" else nullcontext()
 
     def _submit(self, executor: Any, args: Sequence[tuple]) -> list[Any]:
         """Every job at once (a Slurm job array): the scheduler decides when each runs."""
         if not args:
             return []
         # A Ctrl-C inside sbatch would leave jobs we never learn the ids of; multi-node jobs need their Ray token.
-        with sigint_deferred() as interrupted, ray_token(self.nodes() > 1):
+        with sigint_deferred() as interrupted, ray_token(self.nodes() > 1), self._sbatch():
             jobs = executor.map_array(self, *zip(*args))
+        self.submitted += len(jobs)
         if interrupted():
             cancel(jobs)
             raise KeyboardInterrupt(continue_line(str(self.config.hydra.sweep.dir)))
@@ -759,10 +870,14 @@ class OneAtATime:
 
 
 class SlurmSweepLauncher(SweepLauncher):
+    from hydra_plugins.tinker_exp_plugins.launcher_conf import SlurmLauncherConf as _CONF
+
     _EXECUTOR = "slurm"
 
 
 class LocalSweepLauncher(SweepLauncher):
+    from hydra_plugins.tinker_exp_plugins.launcher_conf import LocalLauncherConf as _CONF
+
     _EXECUTOR = "local"
 
 
@@ -786,17 +901,19 @@ class GridSweeper(BasicSweeper):
         check_points(self.hydra_context, self.config, self.launcher.job_points(points) if self.ours else points, 0,
                      self.launcher.slots() if self.ours else 1)  # fmt: skip
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        made_now = not sweep_dir.exists()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         save_multirun(self.config, sweep_dir)
         returns, first = [], 0
-        while not self.is_done():
-            batch = self.get_job_batch()
-            results = self.launcher.launch(batch, initial_job_idx=first)
-            if not self.ours:  # another launcher: Hydra's way, the first failed job raises
-                for result in results:
-                    _ = result.return_value
-            first += len(batch)
-            returns.append(results)
+        with nothing_left_unsubmitted(sweep_dir, made_now):
+            while not self.is_done():
+                batch = self.get_job_batch()
+                results = self.launcher.launch(batch, initial_job_idx=first)
+                if not self.ours:  # another launcher: Hydra's way, the first failed job raises
+                    for result in results:
+                        _ = result.return_value
+                first += len(batch)
+                returns.append(results)
         if self.ours:
             self.launcher.finish([r for results in returns for r in results])
         return returns

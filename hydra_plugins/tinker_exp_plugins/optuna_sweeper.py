@@ -38,6 +38,7 @@ from hydra_plugins.tinker_exp_plugins.launchers import (
     continue_line,
     job_objective,
     job_run_dir,
+    nothing_left_unsubmitted,
     save_multirun,
 )
 from tinker_exp import threads
@@ -118,6 +119,7 @@ class OptunaSweeper(Sweeper):
             recover,
             results,
             search_space,
+            startup_note,
             steps_line,
             sweep_storage,
             trial_overrides,
@@ -132,6 +134,7 @@ class OptunaSweeper(Sweeper):
             )
         make_sampler(self.sampler, self.sampler_args, space, self.seed, self.n_startup_trials)  # refused before anything is written
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        self._refuse_before_writing(fixed, space, sweep_dir)
         made_now = not sweep_dir.exists()
         sweep_dir.mkdir(parents=True, exist_ok=True)  # a study's default storage is a file in it
         self.dry_run = bool(self.config.get("dry_run"))
@@ -172,14 +175,16 @@ class OptunaSweeper(Sweeper):
             log.info(f"continuing study {self.study_name!r} ({shown}): {len(finished(study))} of {self.n_trials} trials done")
         else:
             at_once = f"on {self._workers()} worker jobs" if self._workers() else f"{self._at_once()} at a time"
-            log.info(f"study {self.study_name!r} ({shown}): {self.n_trials} trials, {at_once}, sampler {self.sampler}")
+            startup = startup_note(self.sampler, self.n_startup_trials, self.n_trials)
+            log.info(f"study {self.study_name!r} ({shown}): {self.n_trials} trials, {at_once}, sampler {self.sampler}{startup}")
         log.info("search space: " + ", ".join(f"{k}: {d}" for k, d in space.items()))
 
-        if self._workers():
-            self._run_workers(study, StudyWorker(self.launcher, self, storage, space, fixed, len(study.trials)), sweep_dir)
-        else:
-            self._run_trials(study, space, fixed, shown)
-            self.jobs.end_slots()
+        with nothing_left_unsubmitted(sweep_dir, made_now):  # sbatch took no job: as if refused before writing
+            if self._workers():
+                self._run_workers(study, StudyWorker(self.launcher, self, storage, space, fixed, len(study.trials)), sweep_dir)
+            else:
+                self._run_trials(study, space, fixed, shown)
+                self.jobs.end_slots()
         if self.dry_run:
             return self._end_dry_run(study, sweep_dir)
         summary = results(study, shown)
@@ -197,6 +202,23 @@ class OptunaSweeper(Sweeper):
             f"({summary['n_complete']} of {summary['n_trials']} trials completed); {sweep_dir / RESULTS_FILE}"
         )
         return summary
+
+    def _refuse_before_writing(self, fixed: list[str], space: dict[str, Any], sweep_dir: Path) -> None:
+        """What no trial of the study could get past, refused before anything is written: slots none of its points
+        can take (as a grid's are), and a storage that its workers, or its jobs reporting to their trials, cannot open."""
+        from tinker_exp.sweep.study import unreachable_storage
+
+        ours = isinstance(self.launcher, SweepLauncher)
+        if ours:
+            self.launcher.check_study_points(fixed, list(space))
+        if self.config.get("dry_run"):  # its study is in memory, and nothing reports to it
+            return
+        workers = self.launcher.workers() if ours else 0
+        opened_by = (f"the study's worker jobs (hydra.launcher.workers={workers})" if workers else
+                     f"the trials' jobs (they report to it for hydra.sweeper.pruner={self.pruner})" if self.pruner != "none" else None)  # fmt: skip
+        on_slurm = ours and self.launcher._EXECUTOR == "slurm"
+        if opened_by and (why := unreachable_storage(self.storage, sweep_dir, opened_by, on_slurm)):
+            raise ConfigError(why)
 
     def _end_dry_run(self, study: Any, sweep_dir: Path) -> dict[str, Any]:
         """A dry run's end: each trial's job planned its point (plan.json in its run dir), or failed it, named."""

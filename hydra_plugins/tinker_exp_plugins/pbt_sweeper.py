@@ -29,7 +29,14 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from hydra_plugins.tinker_exp_plugins.launchers import SweepFailedError, check_points, job_objective, job_run_dir, save_multirun
+from hydra_plugins.tinker_exp_plugins.launchers import (
+    SweepFailedError,
+    check_points,
+    job_objective,
+    job_run_dir,
+    nothing_left_unsubmitted,
+    save_multirun,
+)
 from hydra_plugins.tinker_exp_plugins.optuna_sweeper import StudyWorker
 from tinker_exp.errors import ConfigError, TinkerExpError
 from tinker_exp.sweep.pbt import EXPLORES, POPULATION_ENV, numeric_keys
@@ -202,6 +209,7 @@ class PBTSweeper(Sweeper):
 
         fixed, space, starts, points, cfg = self._checked_members(arguments)  # raises before anything is written
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        made_now = not sweep_dir.exists()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         save_multirun(self.config, sweep_dir)
         log.info(
@@ -222,7 +230,8 @@ class PBTSweeper(Sweeper):
             "force_exploit": self.force_exploit,
             "explore": self.explore,
         }
-        with environment(POPULATION_ENV, json.dumps(told)):  # each member's job gets it (local: its process; Slurm: sbatch's)
+        # each member's job gets it (local: its process; Slurm: sbatch's); sbatch taking no job leaves nothing behind
+        with environment(POPULATION_ENV, json.dumps(told)), nothing_left_unsubmitted(sweep_dir, made_now):
             returns = self._run_on_workers(sweep_dir, points, fixed, space) if self._workers(cfg) else self._launch(points)
         if cfg.dry_run:  # each member checked and planned with its start values (plan.json); nothing trained
             log.info(f"dry run: {self.population} members planned in {sweep_dir}; nothing trained")
@@ -256,8 +265,9 @@ class PBTSweeper(Sweeper):
         points = [[*fixed, *(as_override(key, value) for key, value in values.items())] for values in starts]
         job_points = self.launcher.job_points(points) if hasattr(self.launcher, "job_points") else points
         workers = self._workers(self.config)
-        # every bad member named (one that cannot take the slots asked for on workers too)
-        configs = check_points(self.hydra_context, self.config, job_points, 0, self._worker_slots() if workers else 1)
+        # every bad member named, one that cannot take the slots asked for too (local, or on workers)
+        slots = self.launcher.point_slots() if hasattr(self.launcher, "point_slots") else 1
+        configs = check_points(self.hydra_context, self.config, job_points, 0, slots)
         if workers and hasattr(self.launcher, "decide_slots"):  # auto: each worker's share at once, where they can share a group
             self.launcher.decide_slots(configs, math.ceil(self.population / workers), space)
         auto = self.config.hydra.launcher.get("slots") == AUTO

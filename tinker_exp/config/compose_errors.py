@@ -319,6 +319,32 @@ def config_dir_message(argv: list[str]) -> str:
     return f"{flag} {given}: {not_a_folder(Path(given)) or 'no such folder' + where}"
 
 
+UNEXPECTED = re.compile(r"unexpected keyword argument '(?P<name>[^']+)'")
+TARGET = re.compile(r"Error in call to target '(?P<target>[^']+)'")
+FULL_KEY = re.compile(r"full_key: (?P<key>\S+)")
+
+
+def unknown_argument(error: BaseException) -> str | None:
+    """The line for a key its plugin does not take (`+hydra.sweeper.kappa=2.0`: Hydra's "Error in call to target ...
+    unexpected keyword argument", over several lines): the key as typed, and the keys the plugin takes (its
+    constructor's); None for any other error."""
+    import inspect
+
+    from hydra.utils import get_class
+
+    text = str(error)
+    unexpected, target, full_key = UNEXPECTED.search(str(error.__cause__)), TARGET.search(text), FULL_KEY.search(text)
+    if not (isinstance(error.__cause__, TypeError) and unexpected and target and full_key):
+        return None
+    try:
+        takes = inspect.signature(get_class(target.group("target"))).parameters.values()
+    except Exception:  # noqa: BLE001 - a target that cannot be looked up: Hydra's own words stay
+        return None
+    known = [p.name for p in takes if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    name = unexpected.group("name")
+    return no_such_key(f"{full_key.group('key')}.{name}", name, known)
+
+
 def as_config_error(error: BaseException) -> ConfigError:
     return ConfigError(compose_message(error))
 
@@ -339,9 +365,11 @@ def one_line_compose_errors() -> Iterator[None]:
             try:
                 return func()
             except InstantiationException as e:  # a launcher or sweeper refusing its keys: ours in one line
-                if not isinstance(e.__cause__, TinkerExpError):
+                if isinstance(e.__cause__, TinkerExpError):
+                    stop(e.__cause__)
+                if (line := unknown_argument(e)) is None:
                     raise
-                stop(e.__cause__)
+                stop(ConfigError(line))
             except (*COMPOSE_ERRORS, TinkerExpError) as e:  # ours too: a sweeper's config error (its search space)
                 stop(e if isinstance(e, TinkerExpError) else as_config_error(e))
             except SearchPathException:  # the only one Hydra raises before composing: --config-dir is not a folder

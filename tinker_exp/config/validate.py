@@ -184,6 +184,10 @@ def load(dcfg: DictConfig) -> Config:
     return cfg
 
 
+SLOT_KEYS = ("lora.rank", "backend.nodes")
+"""What `why_not_on_slot` reads: a sweep that varies neither (nor a group holding one) has all its points judged alike."""
+
+
 def why_not_on_slot(cfg: Config) -> str | None:
     """Why a run cannot train on a slot of a shared group (runtime/slots.py), or None: slots hold LoRA runs (SFT, or
     RL with its sampler in its own driver thread) on one node."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from tinker_exp.errors import ConfigError
+from tinker_exp.errors import ConfigError, a_or_an
 
 from tinker_exp.optim.optimizers import GROUP_KEYS, TINKER_SPELLINGS, VOCABULARY, WORKER_KEYS
 
@@ -170,7 +170,7 @@ def check_like_verl(params: Mapping[str, Any], group_types: Mapping[str, type], 
             )
         if not isinstance(value, group_types[key]):
             raise ConfigError(
-                f"override.{key}: {value!r} is a {type(value).__name__}; "
+                f"override.{key}: {value!r} is {a_or_an(type(value).__name__)}; "
                 f"{optimizer}'s param groups hold {group_types[key].__name__}"
             )
 

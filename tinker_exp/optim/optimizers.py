@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from tinker_exp.errors import a_or_an
+
 FLOAT = "float"  # a float in every group: can be sent and scheduled
 PAIR = "pair of floats"  # betas: a tuple of two floats, each component scheduled on its own
 FLAG = "bool"
@@ -83,7 +85,7 @@ class OptimizerSpec:
             return f"optimizer {self.name} updates {key} itself at every step (its running state): it cannot be sent"
         if not kinds <= set(SENDABLE_KINDS):
             kind = " and ".join(sorted(kinds))
-            return f"optimizer {self.name} holds {key} as a {kind}: only float keys can be sent per step"
+            return f"optimizer {self.name} holds {key} as {a_or_an(kind)}: only float keys can be sent per step"
         lacking = [name for name, part in self.parts.items() if key not in part.keys]
         if lacking:
             return f"optimizer {self.name}: its sub-optimizer {', '.join(lacking)} has no param-group key {key}"

@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from tinker_exp.errors import ConfigError
+from tinker_exp.errors import ConfigError, a_or_an
 from tinker_exp.optim.convert import Range, number
 
 
@@ -405,7 +405,7 @@ def _warn_vanished_phases(kind: str, params: dict[str, Any], fractions: Mapping[
                 "this one never lowers the value)"
             )
     if notes:
-        warnings.warn(f"{where}: in a {total}-step schedule, {' and '.join(notes)}", stacklevel=3)
+        warnings.warn(f"{where}: in {a_or_an(f'{total}-step')} schedule, {' and '.join(notes)}", stacklevel=3)
 
 
 @dataclass(frozen=True)

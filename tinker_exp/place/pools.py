@@ -140,6 +140,20 @@ class SweepPools:
         log.info(f"pool: the sweep's {len(processes)} pool(s) ended")
 
 
+def slot_pool(setting: str) -> tuple[Path, int] | None:
+    """(address, slots) of the warm pool whose slots a sweep's trials on slots train on (place/__init__.py `choose`):
+    the one their backend.pool names, or with auto the user's own, when it answers and keeps more than one slot;
+    None: they train on a group the sweep's process builds."""
+    if setting == "none":
+        return None
+    address = wire.address_of() if setting == "auto" else Path(setting).expanduser()
+    try:
+        slots = int(wire.ask(address, ("status",), timeout_s=2.0).get("slots", 1))
+    except (OSError, EOFError, wire.UntrustedPool):
+        return None
+    return (address, slots) if slots > 1 else None
+
+
 def wanted(configs: Sequence[Any]) -> bool:
     """Whether a sweep's jobs would take a sweep pool: their backend.pool is auto (none: cold; an address: that pool)."""
     return any(cfg is not None and cfg.backend.pool == "auto" and cfg.backend.nodes == 1 and not cfg.dry_run for cfg in configs)

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from tinker_exp.errors import ConfigError, RewardError, suggest
+from tinker_exp.errors import ConfigError, RewardError, a_or_an, suggest
 from tinker_exp.rl.prompts import PromptRow
 
 SPEC = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<name>[A-Za-z_]\w*)$")
@@ -88,7 +88,7 @@ def load_reward(spec: str, key: str = "env.reward") -> Reward:
         raise ConfigError(f"{key}: module {module_name!r} has no {name!r}" + listed)
     fn = getattr(module, name)
     if not callable(fn):
-        raise ConfigError(f"{key}: {spec} is a {type(fn).__name__}, not a function")
+        raise ConfigError(f"{key}: {spec} is {a_or_an(type(fn).__name__)}, not a function")
     try:
         inspect.signature(fn).bind({}, "")
     except TypeError:

@@ -66,6 +66,58 @@ def open_storage(url: str) -> Any:
     return url
 
 
+NODE_LOCAL = ("tmpfs", "ramfs")
+"""File systems in a node's own memory: a study file there is out of other nodes' reach, whatever its path."""
+
+
+def unreachable_storage(url: str | None, sweep_dir: Path, opened_by: str, other_nodes: bool,
+                        mounts: Path = Path("/proc/mounts")) -> str | None:  # fmt: skip
+    """Why processes other than the sweep's (`opened_by`: its worker jobs, or its jobs reporting to their trials;
+    `other_nodes`: on Slurm) cannot open the study at hydra.sweeper.storage `url`, or None (None: the journal in the
+    sweep dir, which every node sees). An in-memory database is the sweep process's alone; a journal or SQLite file on
+    a file system in a node's memory (tmpfs, where the sweep dir is not) is that node's alone. Whether any other
+    folder is shared cannot be told from here."""
+    if url is None:
+        return None
+    shown = f"hydra.sweeper.storage={masked(url)}"
+    path: str | None = None
+    if url.startswith(JOURNAL):
+        path = url[len(JOURNAL) :]
+    elif url.startswith("sqlite:"):
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            path = make_url(url).database or ""
+        except ArgumentError:
+            return None  # said by create_study, as any URL that does not parse
+        if path in ("", ":memory:") or path.startswith("file::memory:") or "mode=memory" in url:
+            return (f"{shown}: an in-memory database, which {opened_by} cannot open (each process would open a new, "
+                    "empty one); give a file or a server URL, or leave it null (a journal file in the sweep dir)")  # fmt: skip
+    if not path or not other_nodes:
+        return None
+    where, kind = mount_of(Path(path).absolute(), mounts)
+    if kind in NODE_LOCAL and where != mount_of(sweep_dir.absolute(), mounts)[0]:
+        return (f"{shown}: {where} is a {kind}, this node's own memory, which {opened_by} on other nodes cannot open; "
+                "put the file in a folder every node sees (null: a journal file in the sweep dir)")  # fmt: skip
+    return None
+
+
+def mount_of(path: Path, mounts: Path = Path("/proc/mounts")) -> tuple[str, str]:
+    """(mount point, file system type) of the file system that holds `path` (the longest mount point above it, in the
+    `mounts` table); ("", "") where the table cannot be read."""
+    try:
+        table = [line.split()[1:3] for line in mounts.read_text().splitlines() if len(line.split()) > 2]
+    except OSError:
+        return "", ""
+    found = ("", "")
+    for where, kind in table:
+        where = where.replace("\\040", " ")  # the table's escape for a space
+        if (path == Path(where) or Path(where) in path.parents) and len(where) >= len(found[0]):
+            found = (where, kind)
+    return found
+
+
 PRUNERS = {
     "none": "NopPruner",
     "median": "MedianPruner",
@@ -192,23 +244,43 @@ SWEEPER_GIVES = {"seed", "n_startup_trials", "search_space", "independent_sample
 
 def sampler_arguments(name: str) -> dict[str, Any]:
     """The keyword arguments sampler `name` takes from hydra.sweeper.sampler_args (its Optuna class's, less those the
-    sweeper gives), each with its default."""
+    sweeper gives), each with its signature's parameter (its annotation and default)."""
     import inspect
 
     params = inspect.signature(getattr(optuna.samplers, SAMPLERS[name])).parameters
-    return {p.name: p.default for p in params.values() if p.name not in SWEEPER_GIVES}
+    return {p.name: p for p in params.values() if p.name not in SWEEPER_GIVES}
 
 
-def wrong_type(value: Any, default: Any) -> str | None:
-    """What `value` must be where the argument's default is a bool or a number (Optuna checks few types before it
-    samples: a string would fail mid-study), or None."""
-    if isinstance(default, bool):
-        return None if isinstance(value, bool) else "true or false"
-    if isinstance(default, int):
-        return None if isinstance(value, int) and not isinstance(value, bool) else "an int"
-    if isinstance(default, float):
-        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
-    return None
+CHECKED_TYPES = {
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "None": (lambda v: v is None, "null"),
+}
+"""A sampler argument's annotated types that `wrong_type` checks a value against, and what it says the value must be."""
+
+
+def wrong_type(value: Any, param: Any) -> str | None:
+    """What `value` must be for a sampler's argument (`param`, its signature's parameter), or None where it fits or
+    the argument's type is not one checked here (a dict, a callable). Its annotation says (Optuna 5 gives many a
+    default of None: `multivariate: bool | None = None`); without one, its default's type. Optuna checks few types
+    before it samples: a string where a bool belongs would fail mid-study, or be taken as true."""
+    import inspect
+
+    annotation = param.annotation
+    if annotation is inspect.Parameter.empty:
+        default = param.default
+        types = ["bool"] if isinstance(default, bool) else [type(default).__name__] if isinstance(default, (int, float)) else []
+    else:  # Optuna's annotations are strings (`from __future__ import annotations`): 'bool | None'
+        text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+        types = [part.strip() for part in text.replace("Optional[", "None | ").rstrip("]").split("|")]
+    if not types or any(kind not in CHECKED_TYPES for kind in types):
+        return None
+    if any(CHECKED_TYPES[kind][0](value) for kind in types):
+        return None
+    musts = [CHECKED_TYPES[kind][1] for kind in types if kind != "None"]
+    return " or ".join(musts) + (", or null" if "None" in types else "")
 
 
 def space_error(name: str, space: Mapping[str, BaseDistribution]) -> str | None:
@@ -288,6 +360,18 @@ def make_sampler(
         raise ConfigError(f"{SAMPLER_ARGS} ({given}) for sampler {name}: {str(e).split(' See ')[0]}") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{SAMPLER_ARGS} ({given}) for sampler {name}: {e}") from None
+
+
+def startup_note(name: str, n_startup_trials: int, n_trials: int) -> str:
+    """What the study's first line says of sampler `name`'s startup trials (random, before it models the results:
+    tpe, gp, cmaes): how many, or that they are every trial of the study (`hparams_search=lr_cosine
+    hydra.sweeper.n_trials=8`: 10 startup trials leave TPE nothing to model); nothing for random and grid."""
+    if name not in ("tpe", "gp", "cmaes"):
+        return ""
+    if n_startup_trials >= n_trials:
+        return (f": every trial random (hydra.sweeper.n_startup_trials={n_startup_trials} >= the {n_trials} trials); set "
+                f"hydra.sweeper.n_startup_trials lower for {name} to model the results")  # fmt: skip
+    return f" (its first {n_startup_trials} trials random: hydra.sweeper.n_startup_trials)"
 
 
 def distribution(override: Override) -> BaseDistribution:
