@@ -1,5 +1,6 @@
-"""Plain-text formats shared by runs and sweeps: JSON files, JSONL rows (ours, and a user's data and prompt files),
-right-aligned tables and run dirs' names. Pure Python."""
+"""Plain-text formats shared by runs and sweeps; pure Python.
+
+JSON files, JSONL rows (ours, and a user's data and prompt files), right-aligned tables and run dirs' names."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ _CREDENTIALS = re.compile(r"""(?<![^\s:/@'"=])([^\s:/@'"=]*):(?!//)[^\s'"]*@""")
 
 
 def masked(text: str) -> str:
-    """Text as printed and saved: the password of every credential-shaped `user:password@` in it (a study's database
-    URL, parseable or mistyped) replaced by ***."""
+    """Text as printed and saved, with the passwords of credentials masked.
+
+    The password of every credential-shaped `user:password@` in it (a study's database URL, parseable or mistyped) is
+    replaced by ***."""
     return _CREDENTIALS.sub(r"\1:***@", text)
 
 
@@ -45,8 +48,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def jsonl_records(path: Path, key: str) -> Iterator[tuple[str, Any]]:
-    """A user's JSONL file (a data set, an env's prompts), record by record: ("FILE:LINE", its JSON value). Text that
-    is not UTF-8, or a line that is not JSON, is a ConfigError naming `key` (the setting that names the file)."""
+    """A user's JSONL file (a data set, an env's prompts), record by record: ("FILE:LINE", its JSON value).
+
+    Text that is not UTF-8, or a line that is not JSON, is a ConfigError naming `key` (the setting that names the
+    file)."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -82,8 +87,9 @@ def text_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def not_a_folder(path: Path) -> str | None:
-    """Why `path` cannot be (or be made) a folder: it, or a folder above it, is a file (None: it can). Checked before
-    anything is written, for a one-line error instead of mkdir's traceback."""
+    """Why `path` cannot be (or be made) a folder: it, or a folder above it, is a file (None: it can).
+
+    Checked before anything is written, for a one-line error instead of mkdir's traceback."""
     for at in (Path(path), *Path(path).parents):
         if at.exists() or at.is_symlink():
             if at.is_dir():

@@ -1,5 +1,7 @@
-"""The CLI: `python -m tinker_exp OVERRIDES`. Hydra composes the config; the run's steps (tinker_exp/run.py) validate
-and train it; errors become one line and an exit code; a refused command leaves nothing behind (RunDirCheck).
+"""The CLI: `python -m tinker_exp OVERRIDES`.
+
+Hydra composes the config; the run's steps (tinker_exp/run.py) validate and train it; errors become one line and an exit
+code; a refused command leaves nothing behind (RunDirCheck).
 
 Config errors and dry runs import no torch, verl or ray (see tinker_exp/run.py).
 """
@@ -49,16 +51,19 @@ PROCESS_START = time.time()
 
 
 def made_for_this_command(run_dir: Path) -> bool:
-    """Whether Hydra made a sweep job's (empty) run dir for this command: Hydra makes it before the task runs.
-    Told by its change time, as Hydra does not say; on a shared file system whose clock runs ahead, an empty dir made
-    just before may count as made now (and an empty dir is all that goes). A run's: `RunDirCheck` knows."""
+    """Whether Hydra made a sweep job's (empty) run dir for this command.
+
+    Hydra makes it before the task runs. Told by its change time, as Hydra does not say; on a shared file system whose
+    clock runs ahead, an empty dir made just before may count as made now (and an empty dir is all that goes). A run's:
+    `RunDirCheck` knows."""
     return run_dir.is_dir() and not any(run_dir.iterdir()) and run_dir.stat().st_ctime >= PROCESS_START
 
 
 class RunDirCheck(Callback):
-    """Hydra's callback (conf/config.yaml: hydra.callbacks), called before Hydra makes a run's dir (or a sweep's):
-    a dir that cannot be a folder (a file is there, or above it) is refused in one line, and the topmost folder
-    Hydra is about to make for a run is noted, so that a refused command removes what Hydra made, and only that."""
+    """Hydra's callback (conf/config.yaml: hydra.callbacks), called before Hydra makes a run's dir (or a sweep's).
+
+    A dir that cannot be a folder (a file is there, or above it) is refused in one line, and the topmost folder Hydra is
+    about to make for a run is noted, so that a refused command removes what Hydra made, and only that."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         global HYDRA_MADE
@@ -84,8 +89,9 @@ def refuse_a_file(path: str, key: str) -> None:
 
 
 def remove_what_hydra_made(run_dir: Path, in_sweep: bool, made_now: bool) -> None:
-    """A refused command's run dir, made by Hydra for it and left empty, goes; a run's parents Hydra made too
-    (outputs/runs/DATE), each only while empty."""
+    """Remove a refused command's run dir, made by Hydra for it and left empty.
+
+    A run's parents Hydra made too (outputs/runs/DATE) go as well, each only while empty."""
     if not made_now:
         return
     top = run_dir if in_sweep or HYDRA_MADE is None else HYDRA_MADE
@@ -99,8 +105,10 @@ def remove_what_hydra_made(run_dir: Path, in_sweep: bool, made_now: bool) -> Non
 
 
 def drop_log_files_in(run_dir: Path) -> None:
-    """Close and detach the log files Hydra set up in a run dir that goes (never opened: nothing was logged there
-    yet), so that a later record in this process does not fail on, or make again, a file in a removed dir."""
+    """Close and detach the log files Hydra set up in a run dir that goes.
+
+    They were never opened: nothing was logged there yet. Detached so that a later record in this process does not fail
+    on, or make again, a file in a removed dir."""
     loggers = [logging.getLogger(), *(l for l in logging.Logger.manager.loggerDict.values() if isinstance(l, logging.Logger))]
     for logger in loggers:
         for handler in list(logger.handlers):
@@ -146,10 +154,11 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
 
 @functools.cache
 def freeze_heap_at_exit() -> None:
-    """At the process's exit, leave every object to the OS: the interpreter's last garbage collections walk all
-    that torch, verl and Ray built (3.7 s after `import verl...` alone, 11 s at a run's end on a busy 2-core
-    machine; 0.2-1.2 s frozen) for memory the OS frees at once. Registered once; runs after the run is over (its
-    files closed, its workers freed), so it changes nothing a run writes."""
+    """At the process's exit, leave every object to the OS instead of collecting it.
+
+    The interpreter's last garbage collections walk all that torch, verl and Ray built, for memory the OS frees at once
+    (docs/devices.md has the times). Registered once; runs after the run is over (its files closed, its workers freed),
+    so it changes nothing a run writes."""
     atexit.register(gc.freeze)
 
 

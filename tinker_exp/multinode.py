@@ -1,7 +1,8 @@
-"""`srun python -m tinker_exp.multinode OVERRIDES` (launchers/slurm_multinode.sbatch): one run over all nodes of an
-allocation, one task a node. Task 0 starts the Ray head and runs `python -m tinker_exp backend.nodes=<nodes>
-OVERRIDES` in it; every other task is a Ray node of it (tinker_exp.runtime.ray_cluster). An entry point beside
-main.py: the runtime is handed the driver as a callable and never imports the entry point."""
+"""`srun python -m tinker_exp.multinode OVERRIDES`: one run over all nodes of an allocation, one task a node.
+
+Used by launchers/slurm_multinode.sbatch. Task 0 starts the Ray head and runs `python -m tinker_exp
+backend.nodes=<nodes> OVERRIDES` in it; every other task is a Ray node of it (tinker_exp.runtime.ray_cluster). An entry
+point beside main.py: the runtime is handed the driver as a callable and never imports the entry point."""
 
 from __future__ import annotations
 

@@ -35,8 +35,10 @@ def jobs_of(sweep_dir: Path) -> list[Path]:
 
 
 def runs_of(paths: Sequence[Path]) -> list[tuple[str, Path]]:
-    """(name, run dir) for every run the paths stand for. One sweep: its jobs named by number ("job 3", a study's
-    "trial 3"); several paths: each run named by the end of its path that tells it apart."""
+    """(name, run dir) for every run the paths stand for.
+
+    One sweep: its jobs named by number ("job 3", a study's "trial 3"); several paths: each run named by the end of its
+    path that tells it apart."""
     dirs: list[Path] = []
     for path in paths:
         if not path.exists():
@@ -56,8 +58,10 @@ def runs_of(paths: Sequence[Path]) -> list[tuple[str, Path]]:
 
 
 def distinct_names(dirs: Sequence[Path]) -> list[str]:
-    """Short names that tell the dirs apart: a sweep's job with its sweep (08-37-19/1), a run by its own name
-    (08-36-42-416363); longer ends of their names below outputs/ where those are alike."""
+    """Short names that tell the dirs apart.
+
+    A sweep's job with its sweep (08-37-19/1), a run by its own name (08-36-42-416363); longer ends of their names below
+    outputs/ where those are alike."""
     parts = [display_name(d).split("/") for d in dirs]
     for extra in range(max(len(p) for p in parts)):
         names = ["/".join(p[-(extra + (2 if p[-1].isdigit() else 1)) :]) for p in parts]

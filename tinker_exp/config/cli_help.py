@@ -94,8 +94,9 @@ def help_section(name: str) -> str:
 
 
 def show_if_asked(argv: list[str]) -> None:
-    """SHOWN: whether Hydra's own parser reads `--help` in these arguments (as it will: `-h`, `--help`, or what
-    argparse takes for them)."""
+    """Set SHOWN: whether Hydra's own parser reads `--help` in these arguments.
+
+    As it will: `-h`, `--help`, or what argparse takes for them."""
     import contextlib
     import io
 

@@ -210,9 +210,11 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    """The worker's optimizer. Its float values are converted (float, tuple) and range-checked by the same converter
-    as overrides (tinker_exp.optim.convert), so its param groups hold exactly those types. Each optimizer is built
-    with the fields its entry in tinker_exp.optim.optimizers.OPTIMIZERS lists (built_with); the others are unused."""
+    """The worker's optimizer.
+
+    Its float values are converted (float, tuple) and range-checked by the same converter as overrides
+    (tinker_exp.optim.convert), so its param groups hold exactly those types. Each optimizer is built with the fields
+    its entry in tinker_exp.optim.optimizers.OPTIMIZERS lists (built_with); the others are unused."""
 
     name: OptimizerName = OptimizerName.AdamW
     """The optimizer verl builds: a torch.optim class, Muon (Muon + AdamW) or AdamWScheduleFree."""
@@ -267,8 +269,10 @@ class OptimizerConfig:
 
     @property
     def max_grad_norm(self) -> float:
-        """The max_norm verl's engine clips with: clip_grad, or inf for no clipping (verl always clips, and a
-        max_norm of 0 would zero every gradient; inf scales them by 1 and still reports the norm)."""
+        """The max_norm verl's engine clips with: clip_grad, or inf for no clipping.
+
+        verl always clips, and a max_norm of 0 would zero every gradient; inf scales them by 1 and still reports the
+        norm."""
         return float(self.clip_grad) if self.clip_grad else math.inf
 
     def __post_init__(self) -> None:
@@ -469,8 +473,10 @@ BRANCH_KEYS = ("from", "step")
 
 @dataclass
 class BranchConfig:
-    """Start a new run from another run's checkpoint (`branch.from=<run dir> branch.step=N`). Built from the
-    `branch` node by ``Config.__post_init__``: `from` is a Python keyword, so the node is a plain mapping."""
+    """Start a new run from another run's checkpoint (`branch.from=<run dir> branch.step=N`).
+
+    Built from the `branch` node by ``Config.__post_init__``: `from` is a Python keyword, so the node is a plain
+    mapping."""
 
     source: Optional[str] = None
     """`branch.from`: the trunk's run dir (a run's or a sweep job's); None: not a branch."""

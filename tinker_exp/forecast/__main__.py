@@ -29,8 +29,9 @@ OUTPUTS = ("law.json", "fit.png", "check.json", "rank.json", "propose.json", "ov
 
 
 def out_folder(given: str, flag: str, *inside: str) -> Path:
-    """An output folder given (and the folders to be made in it), checked before anything is read or written: a file
-    where a folder is expected is one line, not mkdir's traceback."""
+    """An output folder given (and the folders to be made in it), checked before anything is read or written.
+
+    A file where a folder is expected is one line, not mkdir's traceback."""
     why = next((w for w in (not_a_folder(Path(given, *inside[:i])) for i in range(len(inside) + 1)) if w), None)
     if why:
         raise ForecastError(f"{flag}: {why}")
@@ -78,9 +79,10 @@ def refits_line(law: Law) -> str:
 
 
 def warn_if_another_regime(law: Law, name: str, peak: float, settings: dict | None, plan: bool = False) -> None:
-    """A run checked or a `plan` ranked at another peak lr than the law's, or with another model, data set, batch
-    size or optimizer than the fitted runs' (their config.yaml): the forecast is an extrapolation, said in a warning
-    (a plan's says what to add to it)."""
+    """Warn when a run checked or a `plan` ranked is outside the regime the law was fitted in.
+
+    Another peak lr than the law's, or another model, data set, batch size or optimizer than the fitted runs' (their
+    config.yaml): the forecast is an extrapolation, said in a warning (a plan's says what to add to it)."""
     if abs(peak - law.lr_scale) > 1e-9 * law.lr_scale:
         warnings.warn(f"{name}: peak lr {peak:g}, the law was fitted at {law.lr_scale:g}: an extrapolation", stacklevel=1)
     fitted = law.record.get("settings", {})
@@ -114,9 +116,11 @@ def cmd_check(args: argparse.Namespace) -> None:
 
 
 def ranked(law: Law, candidates: list[Candidate]) -> list[dict]:
-    """Candidates with a forecast sorted by it, each with its interval (refits' 5-95 %, widened by the fit's own
-    final-loss error on its runs) and the candidates it cannot be told from (intervals overlap); then those with
-    none ("no forecast": its reason), unranked."""
+    """Candidates with a forecast sorted by it, then those with none, unranked.
+
+    Each ranked candidate has its interval (refits' 5-95 %, widened by the fit's own final-loss error on its runs) and
+    the candidates it cannot be told from (intervals overlap); each without a forecast says why ("no forecast": its
+    reason)."""
     rows = [{"plan": c.name, "steps": len(c.lr), **law.forecast(c.lr), "spec": c.spec} for c in candidates]
     rows.sort(key=lambda r: (r["reason"] is not None, r["predicted"]))
     known = [r for r in rows if r["reason"] is None]

@@ -1,5 +1,7 @@
-"""A generated SFT corpus in the laws' regime: distinct rows (sums, reversals, spellings, counts over random
-words), so a run of up to train_rows / batch_size steps sees no row twice, and a held-out file for val/loss.
+"""A generated SFT corpus in the laws' regime, with a held-out file for val/loss.
+
+Distinct rows (sums, reversals, spellings, counts over random words), so a run of up to train_rows / batch_size steps
+sees no row twice.
 
 The shipped 256-row set is seen ~6 times in 200 steps: the tiny model memorises it, which no loss-curve law
 describes (docs/forecast.md). Deterministic for a seed: the same rows on every machine. Pure Python.

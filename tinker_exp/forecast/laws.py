@@ -42,8 +42,9 @@ cosine run has tens of millions (memory, not time, is what this bounds)."""
 
 @dataclass(frozen=True)
 class Features:
-    """What a law needs of one or more schedules at the update counts it is evaluated at (precomputed once per
-    fit: a fit evaluates the law thousands of times on the same schedules).
+    """What a law needs of one or more schedules at the update counts it is evaluated at.
+
+    Precomputed once per fit: a fit evaluates the law thousands of times on the same schedules.
 
     The multi-power law's decay sum runs over the (point n, change point k < n) pairs only, packed flat row by
     row (`row_ptr`): a dense [point, change point] matrix would be half zeros and, evaluated at every step of a
@@ -117,9 +118,11 @@ def features(lr: np.ndarray, updates: np.ndarray, resolution: float | None = Non
 
 
 def _blocks(changed: np.ndarray, drops: np.ndarray, updates: np.ndarray, resolution: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per point n, the blocks of change points k < n of `features(resolution=...)`: (each pair's |drop|-weighted
-    middle step, its drop, the number of pairs per point). Distances n - k in [d_i, d_{i+1}), d_{i+1} = d_i + max(1,
-    floor(resolution d_i)): one ladder for every point, so a [point, block] matrix of prefix sums does it."""
+    """Per point n, the blocks of change points k < n of `features(resolution=...)`.
+
+    Returns (each pair's |drop|-weighted middle step, its drop, the number of pairs per point). Distances n - k in [d_i,
+    d_{i+1}), d_{i+1} = d_i + max(1, floor(resolution d_i)): one ladder for every point, so a [point, block] matrix of
+    prefix sums does it."""
     ladder = [1]
     while ladder[-1] <= int(updates.max(initial=1)):
         ladder.append(ladder[-1] + max(1, int(resolution * ladder[-1])))

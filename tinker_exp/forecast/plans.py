@@ -71,8 +71,10 @@ FAMILIES = ("wsd", "cosine", "linear")
 
 
 def family_specs(family: str, steps: int, peak: float, warmup: int) -> list[dict[str, Any]]:
-    """The lr overrides `propose` compares: for WSD decay fraction x shape x final ratio; for cosine and linear
-    the final ratio. Lengths in steps (a file that runs as is for exactly `steps` steps)."""
+    """The lr overrides `propose` compares for a family.
+
+    For WSD decay fraction x shape x final ratio; for cosine and linear the final ratio. Lengths in steps (a file that
+    runs as is for exactly `steps` steps)."""
     warmup = min(warmup, steps - 1)
     if family == "wsd":
         return [{"schedule": "wsd", "value": peak, "warmup_steps": warmup, "decay_steps": max(1, round(fraction * steps)),
@@ -105,9 +107,10 @@ REPEATED_SETTINGS = ("data.path", "data.val_path", "data.val_fraction", "trainer
 
 
 def write_proposed(spec: dict[str, Any], steps: int, settings: dict[str, Any], header: list[str], out_dir: Path) -> Path:
-    """DIR/override/proposed.yaml: a global-package override file that runs as is with
-    `--config-dir DIR +override=proposed`: the lr schedule, trainer.steps, and the fitted runs' data and batch
-    settings that differ from a default run's."""
+    """Write DIR/override/proposed.yaml, a global-package override file of the proposed schedule.
+
+    It runs as is with `--config-dir DIR +override=proposed`: the lr schedule, trainer.steps, and the fitted runs' data
+    and batch settings that differ from a default run's."""
     import yaml
     from omegaconf import OmegaConf
 

@@ -1,5 +1,7 @@
-"""fit.png: each run's measured curve (points) and the law's curve over every step (a line of the same colour),
-labelled by run and its final-loss error; the lr of each run below. matplotlib, imported when drawn."""
+"""fit.png: each run's measured curve and the law's curve over every step.
+
+The measured points and the law's line in the same colour, labelled by run and its final-loss error; the lr of each run
+below. matplotlib, imported when drawn."""
 
 from __future__ import annotations
 

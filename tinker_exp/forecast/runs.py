@@ -40,15 +40,18 @@ class NotConverged(ForecastError):
 
 
 def updates_seen(metric: str, steps: np.ndarray) -> np.ndarray:
-    """Updates behind a logged loss: train/loss at step t is computed before step t's update (t), val/loss after
-    it (t + 1)."""
+    """Updates behind a logged loss, at each of `steps`.
+
+    train/loss at step t is computed before step t's update (t), val/loss after it (t + 1)."""
     return steps + (1 if metric.startswith("val/") else 0)
 
 
 @dataclass
 class Curve:
-    """One run: `lr[i]` the lr sent with update i (steps 0..len-1), the metric at `steps`, and for each point the
-    run dir (or file) that logged it (a branch's points before its branch step are its trunk's)."""
+    """One run's lr at every update and its metric where logged.
+
+    `lr[i]` the lr sent with update i (steps 0..len-1), the metric at `steps`, and for each point the run dir (or file)
+    that logged it (a branch's points before its branch step are its trunk's)."""
 
     name: str
     path: Path
@@ -124,8 +127,9 @@ def _rows_of(path: Path) -> list[tuple[str, dict[str, Any]]]:
 
 
 def read_curve(path: Path, metric: str) -> Curve:
-    """The run's lr at every step and its metric where logged. ForecastError naming the file when the lr is not
-    there at every step from 0 or the metric never is."""
+    """The run's lr at every step and its metric where logged.
+
+    ForecastError naming the file when the lr is not there at every step from 0 or the metric never is."""
     where = path / METRICS if path.is_dir() else path
     rows = _rows_of(path)
     lr: dict[int, float] = {}
@@ -162,9 +166,10 @@ def read_curve(path: Path, metric: str) -> Curve:
 
 
 def refuse_rl(curves: list[Curve]) -> None:
-    """An RL run's train/loss is a policy-gradient surrogate (often <= 0), not the loss the laws describe: refused
-    by its config or, for a metrics.jsonl file alone, by its rows (they log train/reward), whatever the sign of its
-    losses."""
+    """Refuse RL runs: their train/loss is a policy-gradient surrogate (often <= 0), not the loss the laws describe.
+
+    Refused by its config or, for a metrics.jsonl file alone, by its rows (they log train/reward), whatever the sign of
+    its losses."""
     for curve in curves:
         prompts = curve.settings.get("env.prompts")
         if prompts or curve.rewarded:

@@ -77,8 +77,10 @@ def number(value: Any, key: str) -> float:
 
 @dataclass(frozen=True)
 class Range:
-    """An interval a number must lie in. ``contains`` takes a float or a numpy array (a whole plan's column, checked
-    at once), so the plain values, schedule parameters and every step of a plan share one rule and one message."""
+    """An interval a number must lie in.
+
+    ``contains`` takes a float or a numpy array (a whole plan's column, checked at once), so the plain values, schedule
+    parameters and every step of a plan share one rule and one message."""
 
     low: float | None = None
     high: float | None = None

@@ -68,8 +68,10 @@ class OptimizerSpec:
 
     @property
     def sendable(self) -> tuple[str, ...]:
-        """The keys an override may send: held by every sub-optimizer as a float (or pair), with one meaning; and
-        the keys our worker applies itself (WORKER_KEYS)."""
+        """The keys an override may send.
+
+        Those held by every sub-optimizer as a float (or pair), with one meaning; and the keys our worker applies itself
+        (WORKER_KEYS)."""
         first = next(iter(self.parts.values()))
         return tuple(key for key in VOCABULARY if (key in first.keys or key in WORKER_KEYS) and self.refusal(key) is None)
 
@@ -206,8 +208,9 @@ VERL_ARGUMENTS = ("lr", "weight_decay", "betas")
 
 
 def verl_optimizer_fields(name: str, values: Mapping[str, object]) -> dict[str, object]:
-    """The FSDPOptimizerConfig fields that make verl's build_optimizer build optimizer `name` from `values` (the
-    converted constructor values, tinker_exp.optim.plan.optimizer_values); the rest goes through
+    """The FSDPOptimizerConfig fields that make verl's build_optimizer build optimizer `name` from `values`.
+
+    `values`: the converted constructor values (tinker_exp.optim.plan.optimizer_values); the rest goes through
     override_optimizer_config."""
     spec = OPTIMIZERS[name]
     class_name = spec.class_name or spec.name

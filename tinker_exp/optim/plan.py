@@ -39,8 +39,9 @@ Column = float | np.ndarray
 
 @dataclass(frozen=True)
 class Plan:
-    """What is sent with each ``optimizer_step``: one column per value sent, by its flat name (lr, beta1, beta2,
-    eps, weight_decay). No column: nothing sent (``plan[step]`` is ``{}``).
+    """What is sent with each ``optimizer_step``: one column per value sent, by its flat name.
+
+    The names: lr, beta1, beta2, eps, weight_decay. No column: nothing sent (``plan[step]`` is ``{}``).
 
     A step's ``OptimStepParams`` is built when it is needed (``plan[step]``) from builtin floats and tuples only:
     verl's check takes a numpy float64 where a float belongs (a float subclass), the param group then holds a
@@ -83,8 +84,10 @@ MUON_FIELDS = {"muon_momentum": "momentum", "muon_eps": "eps"}
 
 
 def optimizer_values(optimizer_cfg: Any) -> dict[str, Any]:
-    """The values the optimizer's constructor is given (its spec's built_with), floats and tuples converted and
-    range-checked like overrides; flags, counts and names as the typed schema holds them.
+    """The values the optimizer's constructor is given (its spec's built_with).
+
+    Floats and tuples converted and range-checked like overrides; flags, counts and names as the typed schema holds
+    them.
 
     The worker builds the optimizer from this dict, so its param groups hold these types and verl's check at
     the worker agrees with ours.
@@ -108,8 +111,9 @@ def _name(optimizer_cfg: Any) -> str:
 
 
 def group_types(spec: OptimizerSpec) -> dict[str, type]:
-    """The types every param group holds for each key an override may send (the table's kinds; a worker key is a
-    float, as the worker reads it back)."""
+    """The types every param group holds for each key an override may send.
+
+    The table's kinds; a worker key is a float, as the worker reads it back."""
     first = spec.parts[next(iter(spec.parts))]
     return {key: tuple if key not in WORKER_KEYS and first.keys[key] == PAIR else float for key in spec.sendable}
 
@@ -125,9 +129,11 @@ def check_sendable(override: Mapping[str, Any], spec: OptimizerSpec) -> None:
 def verl_names(
     override: Mapping[str, Any], values: Mapping[str, Any], spec: OptimizerSpec
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """Tinker's AdamParams spellings (learning_rate, beta1, beta2) as verl's lr and betas; a beta given alone keeps
-    the optimizer's own other beta. The same value in both spellings is an error. Also returns each value's name
-    as the user spelled it (verl's label -> Tinker's: "betas[0]" -> "beta1"), for errors to name it as typed."""
+    """Tinker's AdamParams spellings (learning_rate, beta1, beta2) as verl's lr and betas.
+
+    A beta given alone keeps the optimizer's own other beta. The same value in both spellings is an error. Also returns
+    each value's name as the user spelled it (verl's label -> Tinker's: "betas[0]" -> "beta1"), for errors to name it as
+    typed."""
     out, spelled = dict(override), {}
     if out.get("learning_rate") is not None:
         if out.get("lr") is not None:
@@ -157,10 +163,11 @@ def _labels(key: str) -> tuple[str, ...]:
 def _sources(
     override: Mapping[str, Any], run_steps: int, values: Mapping[str, Any], spelled: Mapping[str, str]
 ) -> dict[str, tuple[str, str, float | Schedule, str]]:
-    """flat name -> (override key, label, a converted and checked constant or a compiled schedule, its name in
-    errors: `spelled`'s, as the user typed it). A schedule's peak defaults to the optimizer's value for its key
-    (`values`: lr, or betas[i] for a betas component); its parameters that are values of the key are held to the
-    key's range."""
+    """Each value sent, by flat name, with where it comes from and what gives it.
+
+    flat name -> (override key, label, a converted and checked constant or a compiled schedule, its name in errors:
+    `spelled`'s, as the user typed it). A schedule's peak defaults to the optimizer's value for its key (`values`: lr,
+    or betas[i] for a betas component); its parameters that are values of the key are held to the key's range."""
     sources: dict[str, tuple[str, str, float | Schedule, str]] = {}
     for key, spec in override.items():
         if spec is None:
@@ -181,8 +188,9 @@ def _sources(
 
 
 def _first_error(columns: dict[str, np.ndarray], sources: dict[str, tuple[str, str, Any, str]]) -> ConfigError | None:
-    """The error at the earliest step where any schedule gives a value that is not finite or not in its key's
-    range (ties: in the order of the keys), naming the key, the step and the schedule; None when there is none."""
+    """The error at the earliest step where any schedule gives a value not finite or not in its key's range.
+
+    Ties: in the order of the keys. It names the key, the step and the schedule; None when there is none."""
     first: tuple[int, str] | None = None
     for name in (name for key in OVERRIDE_KEYS for name in FLAT_NAMES[key] if name in columns):
         key = sources[name][0]
@@ -215,8 +223,10 @@ def build_plan(override_node: Any, optimizer_cfg: Any, total_steps: int) -> Plan
 def plan_for(
     override: Mapping[str, Any], values: dict[str, Any], total_steps: int, optimizer: str, clip_grad: float = 0.0
 ) -> Plan:
-    """The plan of an override mapping for an optimizer built from `values` (`optimizer` names it in errors);
-    `clip_grad`: the engine's own clip (0: none), a grad_clip_norm schedule's peak unless it gives one."""
+    """The plan of an override mapping for an optimizer built from `values`.
+
+    `optimizer` names it in errors; `clip_grad`: the engine's own clip (0: none), a grad_clip_norm schedule's peak
+    unless it gives one."""
     spec = spec_of(optimizer)
     override, spelled = verl_names(override, values, spec)
     check_sendable(override, spec)
@@ -239,8 +249,9 @@ def plan_for(
 
 
 def override_config(plan: Plan, fractions: bool = False) -> dict[str, Any]:
-    """The override as the plan uses it, one entry per value sent (the W&B run config's `override` section, and
-    plan.json's: the plan is rebuilt from it).
+    """The override as the plan uses it, one entry per value sent.
+
+    The W&B run config's `override` section, and plan.json's: the plan is rebuilt from it.
 
     Every key sent maps to its schedule: ``{"schedule": kind, <every parameter of the kind, converted, defaults
     filled in, lengths in steps>, "total_steps": n}``; a plain value is ``{"schedule": "constant", "value": v}`` (a

@@ -1,5 +1,6 @@
-"""See the plan before spending GPU hours: a compact table, plan.json (the plan in a form a person reads and the
-plan is rebuilt from) and a PNG plot.
+"""See the plan before spending GPU hours: a compact table, plan.json and a PNG plot.
+
+plan.json holds the plan in a form a person reads and the plan is rebuilt from.
 
 numpy only, no torch, verl or ray (matplotlib, imported for the plot).
 
@@ -40,8 +41,10 @@ def plan_table(plan: Plan, extra: Iterable[int] = ()) -> tuple[list[str], list[l
 
 
 def format_table(plan: Plan, extra: Iterable[int] = (), updates_per_batch: int = 1) -> str:
-    """`updates_per_batch` > 1 (an RL run's rl.updates_per_batch): each row also says which sampled batch its
-    optimizer step trains on and which update of it that is; the plan stays indexed by optimizer steps."""
+    """The plan's table as text, with the `extra` steps too.
+
+    `updates_per_batch` > 1 (an RL run's rl.updates_per_batch): each row also says which sampled batch its optimizer
+    step trains on and which update of it that is; the plan stays indexed by optimizer steps."""
     header, rows = plan_table(plan, extra)
     batches = [] if updates_per_batch == 1 else [
         f"RL: a batch is sampled every {updates_per_batch} optimizer steps; step s trains batch s // "
@@ -63,8 +66,10 @@ _LENGTHS = {"warmup_steps": "warmup", "stable_steps": "stable", "decay_steps": "
 
 
 def describe(schedule: Schedule, detail: bool = False) -> str:
-    """A schedule in words with its lengths in steps as resolved: "wsd (warmup 1, decay 4, 1-sqrt)" (the plot's
-    title); `detail` (the table's): "wsd over 20 steps (warmup 1 = 0.05, decay 4 = 0.2, 1-sqrt)"."""
+    """A schedule in words, with its lengths in steps as resolved.
+
+    "wsd (warmup 1, decay 4, 1-sqrt)" (the plot's title); `detail` (the table's): "wsd over 20 steps (warmup 1 = 0.05,
+    decay 4 = 0.2, 1-sqrt)"."""
     params, given = schedule.params, schedule.fractions
     parts = []
     for name, word in _LENGTHS.items():
@@ -94,9 +99,11 @@ def file_steps(plan: Plan, extra: Iterable[int] = ()) -> list[int]:
 
 
 def write_plan_file(plan: Plan, path: Path, extra: Iterable[int] = ()) -> None:
-    """plan.json: the schedule of every value sent (as the W&B config has it), the phase boundaries and the values
-    at some steps (the table's and evenly spaced ones). Kilobytes for any number of steps; the plan is rebuilt
-    from it (``read_plan_file``), and the listed values check that the rebuilt plan is the run's."""
+    """Write plan.json: the schedule of every value sent, the phase boundaries and the values at some steps.
+
+    The schedules as the W&B config has them; the values at the table's steps and evenly spaced ones. Kilobytes for any
+    number of steps; the plan is rebuilt from it (``read_plan_file``), and the listed values check that the rebuilt plan
+    is the run's."""
     head = {
         "format": FORMAT,
         "steps": len(plan),
@@ -113,8 +120,10 @@ def write_plan_file(plan: Plan, path: Path, extra: Iterable[int] = ()) -> None:
 
 
 def _spec(entry: Any) -> Any:
-    """An override_config entry as an override value: a constant's value, a schedule's mapping (its lengths in
-    steps as resolved; the fractions they were given from are only shown)."""
+    """An override_config entry as an override value.
+
+    A constant's value, a schedule's mapping (its lengths in steps as resolved; the fractions they were given from are
+    only shown)."""
     if isinstance(entry, list):
         return [_spec(item) for item in entry]
     if entry["schedule"] == "constant":
@@ -123,8 +132,10 @@ def _spec(entry: Any) -> Any:
 
 
 def read_plan_file(path: Path) -> Plan:
-    """The plan of a run, rebuilt from its plan.json. ValueError when the file is not a plan or the rebuilt values
-    differ (beyond 1e-12 relative) from those it lists: written by a version whose formulas differ."""
+    """The plan of a run, rebuilt from its plan.json.
+
+    ValueError when the file is not a plan or the rebuilt values differ (beyond 1e-12 relative) from those it lists:
+    written by a version whose formulas differ."""
     doc = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not a plan file ({FORMAT!r})")
@@ -142,9 +153,11 @@ PLOT_POINTS = 2000
 
 
 def plot_steps(plan: Plan, points: int = PLOT_POINTS) -> np.ndarray:
-    """The steps to draw: every step of a short plan. Of a long one, the lowest and highest value of every
-    column in each of `points // 2` equal slices, the first and last step, and each phase boundary and the step
-    before it: a line through them looks like the line through every step, jumps and all."""
+    """The steps to draw: every step of a short plan, a sample of a long one that draws the same line.
+
+    Of a long one: the lowest and highest value of every column in each of `points // 2` equal slices, the first and
+    last step, and each phase boundary and the step before it: a line through them looks like the line through every
+    step, jumps and all."""
     n = len(plan)
     if n <= points:
         return np.arange(n)
@@ -163,8 +176,9 @@ TITLE_WIDTH = 90
 
 
 def plot_title(plan: Plan) -> str:
-    """The schedule of each key sent ("lr: wsd (warmup 1, decay 4, 1-sqrt), betas[1]: linear"; a constant is
-    "eps: constant"), wrapped to the figure's width between keys, never inside one."""
+    """The schedule of each key sent, wrapped to the figure's width between keys, never inside one.
+
+    "lr: wsd (warmup 1, decay 4, 1-sqrt), betas[1]: linear"; a constant is "eps: constant"."""
     labels = [label for key in plan.keys for label in (("betas[0]", "betas[1]") if key == "betas" else (key,))]
     named = [f"{label}: {describe(plan.schedules[label]) if label in plan.schedules else 'constant'}" for label in labels]
     lines = [named[0]]
@@ -190,8 +204,9 @@ class Part:
 
 
 def branch_of(run_dir: Path) -> dict[str, Any] | None:
-    """A branch's lineage as its plan.json has it ({from, step, checkpoint, trunk_wandb_run_id}); None for a run
-    from step 0 (or a run dir without a readable plan.json)."""
+    """A branch's lineage as its plan.json has it ({from, step, checkpoint, trunk_wandb_run_id}).
+
+    None for a run from step 0 (or a run dir without a readable plan.json)."""
     try:
         doc = json.loads((Path(run_dir) / PLAN_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -201,9 +216,11 @@ def branch_of(run_dir: Path) -> dict[str, Any] | None:
 
 
 def history(run_dir: Path) -> list[Part]:
-    """Where each step of a run was trained, oldest first: a run from step 0 is [itself]; a branch at step N is
-    its trunk's history before N, then itself from N (a branch of a branch: recursively). A trunk that is gone
-    (moved, deleted) leaves only the branch's own part, from N, and a warning: a picture never fails a run."""
+    """Where each step of a run was trained, oldest first.
+
+    A run from step 0 is [itself]; a branch at step N is its trunk's history before N, then itself from N (a branch of a
+    branch: recursively). A trunk that is gone (moved, deleted) leaves only the branch's own part, from N, and a
+    warning: a picture never fails a run."""
     return _history(Path(run_dir), set())
 
 
@@ -233,8 +250,10 @@ BRANCH_LINE = {"color": "0.15", "linewidth": 1.0, "linestyle": "--"}
 
 
 def plot_plan(plan: Plan, path: Path, parts: list[Part] | None = None) -> Path | None:
-    """plan.png: one panel per value sent; None when nothing is sent. `parts`: where the run's steps were trained
-    (None: read from the plan.json beside `path`, which a run writes first)."""
+    """Draw plan.png: one panel per value sent; None when nothing is sent.
+
+    `parts`: where the run's steps were trained (None: read from the plan.json beside `path`, which a run writes
+    first)."""
     fig = draw_plan(plan, parts if parts is not None else history(Path(path).parent))
     if fig is None:
         return None
@@ -246,9 +265,11 @@ def plot_plan(plan: Plan, path: Path, parts: list[Part] | None = None) -> Path |
 
 
 def draw_plan(plan: Plan, parts: list[Part]) -> Any:
-    """The figure (not saved; a matplotlib Figure) of plan.png, None when nothing is sent. A branch's (`parts`
-    from `history`) draws its trunk's plan before the branch step (grey, from the trunk's plan.json), a dashed
-    line at the step and its own plan from there; each line's label (and the line's gid) says whose it is."""
+    """The figure of plan.png (a matplotlib Figure, not saved); None when nothing is sent.
+
+    A branch's (`parts` from `history`) draws its trunk's plan before the branch step (grey, from the trunk's
+    plan.json), a dashed line at the step and its own plan from there; each line's label (and the line's gid) says whose
+    it is."""
     keys = list(flat_values("", plan[0]))
     if not keys:
         return None
@@ -299,8 +320,9 @@ def draw_plan(plan: Plan, parts: list[Part]) -> Any:
 
 
 def _trunk_plan(run_dir: Path) -> Plan | None:
-    """A trunk's plan from its plan.json; None (with a warning) when it cannot be rebuilt: the branch's own part is
-    still drawn."""
+    """A trunk's plan from its plan.json.
+
+    None (with a warning) when it cannot be rebuilt: the branch's own part is still drawn."""
     try:
         return read_plan_file(run_dir / PLAN_FILE)
     except (OSError, ValueError, KeyError, TypeError) as e:

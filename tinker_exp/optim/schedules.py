@@ -174,8 +174,10 @@ def keyframes(step: Steps, total: int, *, points: Mapping[int, float]) -> np.nda
 
 def _one_cycle_phases(step: Steps, total: int, starts_ends: list[tuple[float, float]], pct_start: float,
                       anneal: str, three_phase: bool) -> np.ndarray:
-    """torch's OneCycleLR: phase i runs from the previous end step to its own end step (pct_start * T - 1, then
-    2 * pct_start * T - 2 in three phases, then T - 1), annealing from its start to its end value."""
+    """The values of torch's OneCycleLR at each step.
+
+    Phase i runs from the previous end step to its own end step (pct_start * T - 1, then 2 * pct_start * T - 2 in three
+    phases, then T - 1), annealing from its start to its end value."""
     ends = [pct_start * total - 1, 2 * pct_start * total - 2, total - 1] if three_phase else [pct_start * total - 1, total - 1]
     values = np.empty(step.shape)
     done = np.zeros(step.shape, dtype=bool)
@@ -236,9 +238,10 @@ class Param:
     of_key: bool = False  # a value the key itself takes (a peak, an end, keyframes' values): in the key's range
 
     def convert(self, value: Any, where: str, total: int, key_range: Range | None = None) -> Any:
-        """The converted value; a length (or each of lengths) resolved to steps of a `total`-step schedule. A value
-        of the key is held to `key_range` (the override key's: a negative peak lr is named here, as given, not at
-        the first step it reaches)."""
+        """The converted value; a length (or each of lengths) resolved to steps of a `total`-step schedule.
+
+        A value of the key is held to `key_range` (the override key's: a negative peak lr is named here, as given, not
+        at the first step it reaches)."""
         if self.kind == "number":
             converted = number(value, where)
             if self.of_key and key_range is not None:
@@ -389,9 +392,11 @@ def _check_consistency(kind: str, params: dict[str, Any], total: int, where: str
 
 
 def _warn_vanished_phases(kind: str, params: dict[str, Any], fractions: Mapping[str, Any], total: int, where: str) -> None:
-    """Phases given as fractions that a short schedule rounds away (`+override=lr_wsd trainer.steps=4`: no warmup,
-    a 1-step decay) say so in one warning: the run is valid, and not what the preset describes. A decay reaches its
-    floor at step total_steps, one past the last step run, so a 1-step decay never lowers the value."""
+    """Warn once about phases given as fractions that a short schedule rounds away.
+
+    E.g. `+override=lr_wsd trainer.steps=4`: no warmup, a 1-step decay. The run is valid, and not what the preset
+    describes. A decay reaches its floor at step total_steps, one past the last step run, so a 1-step decay never lowers
+    the value."""
     notes = []
     for name, given in fractions.items():
         if name not in ("warmup_steps", "stable_steps", "decay_steps") or not given:
@@ -419,8 +424,9 @@ class Schedule:
     fractions: Mapping[str, Any] = field(default_factory=dict)  # lengths given as fractions, as given (resolved in params)
 
     def values(self, steps: np.ndarray) -> np.ndarray:
-        """The value at each step (float64), unchecked: inf or nan where the parameters overflow (the plan reports
-        the first such step)."""
+        """The value at each step (float64), unchecked.
+
+        inf or nan where the parameters overflow (the plan reports the first such step)."""
         with np.errstate(all="ignore"):  # branches not taken may overflow; what is taken is checked by the plan
             return np.asarray(self.function(np.asarray(steps, dtype=np.int64)), dtype=np.float64)
 
@@ -451,9 +457,10 @@ def _boundaries(kind: str, params: dict[str, Any], total: int) -> tuple[int, ...
 def compile_schedule(
     spec: Mapping[str, Any], run_steps: int, where: str, peak: float | None = None, key_range: Range | None = None
 ) -> Schedule:
-    """A schedule mapping from the config -> a step -> value function; parameters converted and checked up front
-    (the values of the key in `key_range`, the key's), lengths resolved to steps, and each ``PEAK`` parameter not
-    given set to `peak` (the optimizer's value)."""
+    """A schedule mapping from the config -> a step -> value function.
+
+    Parameters converted and checked up front (the values of the key in `key_range`, the key's), lengths resolved to
+    steps, and each ``PEAK`` parameter not given set to `peak` (the optimizer's value)."""
     spec = dict(spec)
     kind = spec.pop("schedule", None)
     if not isinstance(kind, str) or kind not in SCHEDULES:

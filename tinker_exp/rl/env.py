@@ -18,8 +18,10 @@ class Env:
 
 
 def load_env(env: EnvConfig) -> Env:
-    """Read and check the prompt rows, import the reward and try it on every row with an empty response: every
-    bad input is a one-line ConfigError (RewardError for the reward's own failures) here, not in the run."""
+    """Load and check an env before any worker starts.
+
+    Read and check the prompt rows, import the reward and try it on every row with an empty response: every bad input is
+    a one-line ConfigError (RewardError for the reward's own failures) here, not in the run."""
     train, held_out = env_rows(env)
     assert env.reward is not None  # EnvConfig requires it with prompts
     reward = load_reward(env.reward)

@@ -29,7 +29,8 @@ def digit_share(row: dict[str, Any], response: str) -> float:
 
 
 def arithmetic_answer(row: dict[str, Any], response: str) -> float:
-    """env=arithmetic: 1.0 when the last integer in the response equals the row's "answer", else 0.0 (verifiable;
-    made for real models, the tiny one does not learn it)."""
+    """env=arithmetic's reward: 1.0 when the last integer in the response equals the row's "answer", else 0.0.
+
+    Verifiable; made for real models, the tiny one does not learn it."""
     found = INTEGER.findall(response)
     return 1.0 if found and int(found[-1]) == int(row["answer"]) else 0.0

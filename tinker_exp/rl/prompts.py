@@ -34,8 +34,9 @@ class PromptRow:
 
 
 def read_prompt_rows(path: str, key: str) -> list[PromptRow]:
-    """Every row of a JSONL prompt file ("builtin:NAME": shipped), checked; `key` (env.prompts, env.eval_prompts)
-    names it in errors."""
+    """Every row of a JSONL prompt file ("builtin:NAME": shipped), checked.
+
+    `key` (env.prompts, env.eval_prompts) names it in errors."""
     resolved = data_path(path, key)
     if resolved.stat().st_size == 0:
         raise ConfigError(f"{key}: {resolved} is empty")
@@ -62,8 +63,9 @@ def env_rows(env: EnvConfig) -> tuple[list[PromptRow], list[PromptRow]]:
 
 
 def check_prompt_lengths(rows: list[PromptRow], prompt_tokens: list[int], max_new_tokens: int, positions: int) -> None:
-    """Each prompt (`prompt_tokens[i]` tokens as the sampler renders it) plus env.max_new_tokens fits the model's
-    `positions`; the first that does not is named."""
+    """Check that each prompt plus env.max_new_tokens fits the model's `positions`; the first that does not is named.
+
+    `prompt_tokens[i]`: prompt i's tokens as the sampler renders it."""
     for row, tokens in zip(rows, prompt_tokens, strict=True):
         if tokens + max_new_tokens > positions:
             raise ConfigError(

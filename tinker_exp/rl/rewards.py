@@ -45,8 +45,10 @@ class Reward:
     key: str = "env.reward"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Sent to another process (a warm pool) as its spec, imported there as here: a function is pickled by
-        its module and name, which a `module:name` bound to a lambda or an instance does not have."""
+        """Pickle as the spec, imported again in the other process (a warm pool) as here.
+
+        A function is pickled by its module and name, which a `module:name` bound to a lambda or an instance does not
+        have."""
         return (load_reward, (self.spec, self.key))
 
     def __call__(self, row: PromptRow, response: str) -> float:
@@ -67,8 +69,9 @@ class Reward:
 
 
 def load_reward(spec: str, key: str = "env.reward") -> Reward:
-    """Import `package.module:function` (from where the run starts: the current dir or an installed package) and
-    check that it can be called with (row, response)."""
+    """Import the reward `package.module:function` and check that it can be called with (row, response).
+
+    Imported from where the run starts: the current dir or an installed package."""
     match = SPEC.match(spec)
     if match is None:
         raise ConfigError(f"{key}: {spec!r} is not package.module:function")
@@ -99,7 +102,8 @@ def load_reward(spec: str, key: str = "env.reward") -> Reward:
 
 
 def check_reward(reward: Reward, rows: Iterable[PromptRow]) -> None:
-    """Before any worker starts: the reward gives a finite number for every row and an empty response (which a
-    model can produce), or the first failure is a RewardError."""
+    """Check, before any worker starts, that the reward gives a finite number for every row and an empty response.
+
+    An empty response is one a model can produce. The first failure is a RewardError."""
     for row in rows:
         reward(row, "")

@@ -9,8 +9,9 @@ from typing import Iterator
 
 @contextmanager
 def no_progress_bars() -> Iterator[None]:
-    """transformers' progress bars off while a small model is saved or loaded ("Writing model shards", "Loading
-    weights": a bar for one file, on a run's terminal)."""
+    """transformers' progress bars off while a small model is saved or loaded.
+
+    "Writing model shards", "Loading weights": a bar for one file, on a run's terminal."""
     from transformers.utils import logging as hf_logging
 
     shown = hf_logging.is_progress_bar_enabled()

@@ -59,8 +59,10 @@ class DeviceChoice:
 
 
 def choose_device(requested: str, build: TorchBuild) -> tuple[str, str | None]:
-    """backend.device -> (cpu or cuda, a warning or None). cuda with a torch that cannot drive CUDA is refused
-    here: verl would ask for cuda:nccl inside every worker and crash there."""
+    """backend.device -> (cpu or cuda, a warning or None).
+
+    cuda with a torch that cannot drive CUDA is refused here: verl would ask for cuda:nccl inside every worker and crash
+    there."""
     if requested == "cpu":
         return "cpu", None
     if requested == "cuda":
@@ -82,8 +84,10 @@ def choose_device(requested: str, build: TorchBuild) -> tuple[str, str | None]:
 
 
 def choose_precision(requested: str, device: str, bf16: bool | None, gpu: str = "GPU 0") -> str:
-    """backend.precision -> fp32 or bf16. auto: bf16 on a GPU with native bf16 (or one not seen from the driver),
-    else fp32. bf16 asked for on a GPU without it is refused (emulated, slow, some kernels missing)."""
+    """backend.precision -> fp32 or bf16.
+
+    auto: bf16 on a GPU with native bf16 (or one not seen from the driver), else fp32. bf16 asked for on a GPU without
+    it is refused (emulated, slow, some kernels missing)."""
     if requested == "auto":
         return "bf16" if device == "cuda" and bf16 is not False else "fp32"
     if requested == "bf16" and device == "cuda" and bf16 is False:
@@ -92,10 +96,11 @@ def choose_precision(requested: str, device: str, bf16: bool | None, gpu: str = 
 
 
 def choose_attention(device: str, precision: str, bf16: bool | None, flash_attn: bool, requested: str = "auto") -> str:
-    """backend.attention -> the attention transformers builds. auto: flash-attn only for bf16 on a GPU known to
-    support it, when it imports against this torch (it has no fp32 kernels: precision=fp32 would fail at the first
-    forward); torch's SDPA everywhere else. flash_attention_2 asked for where it cannot run is refused; sdpa and
-    eager are taken as asked."""
+    """backend.attention -> the attention transformers builds.
+
+    auto: flash-attn only for bf16 on a GPU known to support it, when it imports against this torch (it has no fp32
+    kernels: precision=fp32 would fail at the first forward); torch's SDPA everywhere else. flash_attention_2 asked for
+    where it cannot run is refused; sdpa and eager are taken as asked."""
     can_flash = device == "cuda" and precision == "bf16" and bf16 is not False
     if requested == "auto":
         return FLASH if can_flash and bf16 is True and flash_attn else SDPA
@@ -110,8 +115,10 @@ def choose_attention(device: str, precision: str, bf16: bool | None, flash_attn:
 
 
 def choose_liger(requested: bool | None, device: str, importable: bool) -> bool:
-    """backend.liger -> whether verl patches Liger's kernels in. None: on cuda when liger_kernel imports; true where
-    it cannot run is refused (its kernels are Triton: a CPU run would fail in every worker's model build)."""
+    """backend.liger -> whether verl patches Liger's kernels in.
+
+    None: on cuda when liger_kernel imports; true where it cannot run is refused (its kernels are Triton: a CPU run
+    would fail in every worker's model build)."""
     if requested is None:
         return device == "cuda" and importable
     if requested and not (device == "cuda" and importable):
@@ -129,8 +136,10 @@ def needs_flash_probe(device: str, precision: str, bf16: bool | None, requested:
 
 
 def check_gpus(per_node: Sequence[float], num_workers: int, nodes: int) -> None:
-    """Each node's placement group packs `num_workers` one-GPU workers onto one node (verl's STRICT_PACK), and
-    there are `nodes` of them: a cluster that cannot hold them would leave Ray waiting forever."""
+    """Refuse a cluster that cannot hold `nodes` placement groups of `num_workers` one-GPU workers each.
+
+    Each node's placement group packs `num_workers` one-GPU workers onto one node (verl's STRICT_PACK), and there are
+    `nodes` of them: a cluster that cannot hold them would leave Ray waiting forever."""
     groups = sum(int(gpus // num_workers) for gpus in per_node)
     if groups >= nodes:
         return
@@ -144,17 +153,20 @@ def check_gpus(per_node: Sequence[float], num_workers: int, nodes: int) -> None:
 
 
 def check_own_cluster(backend: BackendConfig, gpus: int) -> None:
-    """A cuda run that starts a Ray cluster of its own (no backend.ray_address, one node) gets the `gpus` this
-    machine shows its driver: more workers than that are refused before the run's record is written, as check_gpus
-    would refuse them once Ray reports the same GPUs (a cluster joined is checked then)."""
+    """Refuse more cuda workers than the `gpus` this machine shows, for a run that starts its own Ray cluster.
+
+    Such a run (no backend.ray_address, one node) gets the GPUs this machine shows its driver: more workers than that
+    are refused before the run's record is written, as check_gpus would refuse them once Ray reports the same GPUs (a
+    cluster joined is checked then)."""
     if not backend.ray_address and backend.nodes == 1:
         check_gpus([gpus], backend.num_workers, 1)
 
 
 def check_placement(device: str, ranks: Sequence[dict], nodes: int = 1) -> str:
-    """Each rank's report (TinkerExpWorker.device_info) against the device asked for: verl's platform, on cuda
-    parameters on the rank's own current GPU, and the ranks spread over `nodes` Ray nodes. Returns a one-line
-    summary; raises RuntimeError naming the rank."""
+    """Check each rank's report (TinkerExpWorker.device_info) against the device asked for.
+
+    Checked: verl's platform, on cuda parameters on the rank's own current GPU, and the ranks spread over `nodes` Ray
+    nodes. Returns a one-line summary; raises RuntimeError naming the rank."""
     for rank, info in enumerate(ranks):
         where = info.get("parameters", "?")
         if info.get("platform") != device:
@@ -193,8 +205,10 @@ def resolve(backend: BackendConfig, build: TorchBuild | None = None) -> DeviceCh
 
 
 def check_cpu_settings(backend: BackendConfig) -> None:
-    """backend.device=cpu, resolved without torch (no build can change a CPU run's choice): a GPU-only setting asked
-    for with it (flash_attention_2) is refused by a dry run, and before a warm pool's run is recorded, as by a run."""
+    """Refuse GPU-only settings with backend.device=cpu, resolved without torch.
+
+    No build can change a CPU run's choice: a GPU-only setting asked for with it (flash_attention_2) is refused by a dry
+    run, and before a warm pool's run is recorded, as by a run."""
     if backend.device.value == "cpu":
         resolve(backend, TorchBuild(version="(not asked)", cuda=None))
 
@@ -217,8 +231,9 @@ def probe() -> TorchBuild:
 
 
 def flash_attn_usable() -> bool:
-    """transformers' own check (package, version, CUDA), then the import itself: a wheel built against another
-    torch is found by find_spec but fails to load its CUDA extension."""
+    """Whether flash-attn can be used: transformers' own check (package, version, CUDA), then the import itself.
+
+    A wheel built against another torch is found by find_spec but fails to load its CUDA extension."""
     from transformers.utils import is_flash_attn_2_available
 
     if not is_flash_attn_2_available():
@@ -242,8 +257,9 @@ def liger_usable() -> bool:
 
 @dataclass(frozen=True)
 class Throughput:
-    """The throughput knobs of a run (backend.micro_batch_tokens, ...), resolved for its device: what
-    `worker_config` hands verl. Pure: tested on CPU for both devices."""
+    """The throughput knobs of a run (backend.micro_batch_tokens, ...), resolved for its device.
+
+    What `worker_config` hands verl. Pure: tested on CPU for both devices."""
 
     micro_batch_tokens: int
     """0: micro batches of backend.micro_batch_size sequences; else verl's use_dynamic_bsz at this many tokens."""
@@ -266,11 +282,12 @@ class Throughput:
 
 
 def throughput(backend: BackendConfig, device: str, optimizer_name: str, attention: str = SDPA) -> Throughput:
-    """backend's throughput knobs for `device` (cpu, cuda), optimizer.name and the attention chosen: auto values
-    resolved. On cpu every default steps bitwise as the CPU runs did before these knobs (by sequences,
-    padding-free, no checkpointing, no compile, the for loop, resharded after forward): the two that are faster
-    there, parameters kept gathered to the backward and foreach where it is exact (CPU_FOREACH_EXACT), move data
-    or batch the same operations only (tests/test_optimizers_ray.py checks both bitwise)."""
+    """backend's throughput knobs for `device`, optimizer.name and the attention chosen, auto values resolved.
+
+    `device`: cpu or cuda. On cpu every default steps bitwise as the plain settings do (by sequences, padding-free, no
+    checkpointing, no compile, the for loop, resharded after forward): the two defaults that differ there, being faster,
+    parameters kept gathered to the backward and foreach where it is exact (CPU_FOREACH_EXACT), move data or batch the
+    same operations only (tests/test_optimizers_ray.py checks both bitwise)."""
     from tinker_exp.config.schema import CPU_FOREACH_EXACT, FUSED_OPTIMIZERS, OptimizerKernel
 
     kernel = backend.optimizer_kernel

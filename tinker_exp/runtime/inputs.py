@@ -13,8 +13,10 @@ if TYPE_CHECKING:
 
 
 def model_dir(model: ModelConfig) -> Path:
-    """model.path (a local dir, or a hub id from the cache, downloaded if need be: before any worker starts), or
-    the tiny model built offline (tokenizer trained on the shipped data sets) and cached."""
+    """The model's dir: model.path (a local dir, or a hub id from the cache), or the tiny model built offline.
+
+    A hub id not cached is downloaded if need be, before any worker starts; the tiny model (tokenizer trained on the
+    shipped data sets) is built offline and cached."""
     if model.path:
         return resolve_model_path(model.path, download=True)
     from tinker_exp.runtime.tiny_model import ensure_tiny_model
@@ -31,9 +33,11 @@ def load_examples(data: DataConfig, model_path: Path, train: list[Row], val: lis
 
 
 def check_env_fits_model(cfg: Config, env: Env) -> None:
-    """A dry run's check of what an RL run checks once it has its sampler (assemble.rl_inputs), without the model's
-    weights or any worker: each prompt, rendered with the model's tokenizer and chat template as the sampler renders
-    it, plus env.max_new_tokens fits the model's positions (max_position_embeddings, what the sampler reads)."""
+    """Check, in a dry run, that each prompt plus env.max_new_tokens fits the model's positions.
+
+    What an RL run checks once it has its sampler (assemble.rl_inputs), without the model's weights or any worker: each
+    prompt, rendered with the model's tokenizer and chat template as the sampler renders it, plus env.max_new_tokens
+    fits the model's positions (max_position_embeddings, what the sampler reads)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from tinker_exp.rl.prompts import check_prompt_lengths

@@ -53,9 +53,11 @@ class LoraSize:
 
 
 def check(lora: LoraConfig, model_path: Path) -> LoraSize:
-    """peft on the model's architecture built on the meta device (no weights read, no memory): a listed module
-    name that matches nothing, or targets that leave no module, are a ConfigError here, not a failure on every
-    worker after launch. Returns the adapters' size."""
+    """Check the LoRA settings against the model's architecture and return the adapters' size.
+
+    peft on the model's architecture built on the meta device (no weights read, no memory): a listed module name that
+    matches nothing, or targets that leave no module, are a ConfigError here, not a failure on every worker after
+    launch."""
     import torch
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -79,8 +81,10 @@ def check(lora: LoraConfig, model_path: Path) -> LoraSize:
 
 
 def export_adapter(module, folder: str) -> int | None:
-    """On every rank (FSDP2 keeps each adapter tensor sharded over the ranks: the gather is collective); rank 0
-    writes `folder` with peft. Returns the number of adapter parameters on rank 0, None elsewhere."""
+    """Export the trained adapter: rank 0 writes `folder` with peft; called on every rank.
+
+    FSDP2 keeps each adapter tensor sharded over the ranks: the gather is collective. Returns the number of adapter
+    parameters on rank 0, None elsewhere."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -98,12 +102,13 @@ def export_adapter(module, folder: str) -> int | None:
 
 
 def init_adapters(module, seed: int) -> None:
-    """A trial's initial adapters, the one rule for every path (a cold build, a pool's fresh start, a slot's fill):
-    drawn from a generator seeded with the trial's `seed`, in the module's parameter order, as peft draws them
-    (lora_A: kaiming-uniform with a = sqrt(5); lora_B: zeros; an embedding's A zeros and B normal), not from torch's
-    global RNG as peft does, so that K slots on one built model each start as their own cold run would: a global
-    draw depends on everything the build drew before it. Every rank draws the full tensors and keeps its own shards
-    (no communication). Full fine-tuning (no adapters): nothing."""
+    """A trial's initial adapters, the one rule for every path (a cold build, a pool's fresh start, a slot's fill).
+
+    Drawn from a generator seeded with the trial's `seed`, in the module's parameter order, as peft draws them (lora_A:
+    kaiming-uniform with a = sqrt(5); lora_B: zeros; an embedding's A zeros and B normal), not from torch's global RNG
+    as peft does, so that K slots on one built model each start as their own cold run would: a global draw depends on
+    everything the build drew before it. Every rank draws the full tensors and keeps its own shards (no communication).
+    Full fine-tuning (no adapters): nothing."""
     import math
 
     import torch
@@ -127,9 +132,10 @@ def init_adapters(module, seed: int) -> None:
 
 
 def start_trial(module, seed: int) -> None:
-    """A trial's start on a built model: its initial adapters (`init_adapters`, the one rule) and torch's RNG seeded
-    with `seed`. A cold build, a pool's rebuild for another seed and a slot's fill all end here, so each starts
-    bitwise where the others do."""
+    """A trial's start on a built model: its initial adapters and torch's RNG seeded with `seed`.
+
+    The adapters by `init_adapters`, the one rule. A cold build, a pool's rebuild for another seed and a slot's fill all
+    end here, so each starts bitwise where the others do."""
     import torch
 
     init_adapters(module, seed)
@@ -142,8 +148,10 @@ PEFT_PREFIX = "base_model.model."
 
 @dataclass(frozen=True)
 class Adapter:
-    """An adapter as export_adapter writes it (peft's format), read back: each adapted layer's (A, B) by the base
-    weight it adapts, and its scale (lora_alpha / r). What an RL run's workers export to the driver's sampler."""
+    """An adapter as export_adapter writes it (peft's format), read back.
+
+    Each adapted layer's (A, B) by the base weight it adapts, and its scale (lora_alpha / r). What an RL run's workers
+    export to the driver's sampler."""
 
     layers: dict[str, tuple[Any, Any]]
     """'<module>.weight' (the base model's name) -> (lora_A, lora_B)."""
@@ -170,6 +178,7 @@ class Adapter:
 
 
 def merge_adapter(base: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """The model's tensors with the adapter in `folder` (peft's format, as export_adapter writes it) merged in float32:
-    W + (B @ A) * lora_alpha / r for each adapted layer; `base` is left as it is."""
+    """The model's tensors with the adapter in `folder` merged in float32; `base` is left as it is.
+
+    The adapter in peft's format, as export_adapter writes it: W + (B @ A) * lora_alpha / r for each adapted layer."""
     return {**base, **Adapter.read(folder).merged(base)}

@@ -27,8 +27,9 @@ def goes_to_muon(name: str, ndim: int) -> bool:
 
 
 def parameter_names(model_path: str) -> list[list[Any]]:
-    """[name, shape] of each parameter of the model verl will build from `model_path`, in parameters() order
-    (built on the meta device: no weights are read)."""
+    """[name, shape] of each parameter of the model verl will build from `model_path`, in parameters() order.
+
+    Built on the meta device: no weights are read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
@@ -38,8 +39,9 @@ def parameter_names(model_path: str) -> list[list[Any]]:
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """torch.optim.Muon on the blocks' matrices and torch.optim.AdamW on the rest, with one lr: Muon's update is
-    scaled to AdamW's RMS (adjust_lr_fn="match_rms_adamw")."""
+    """torch.optim.Muon on the blocks' matrices and torch.optim.AdamW on the rest, with one lr.
+
+    Muon's update is scaled to AdamW's RMS (adjust_lr_fn="match_rms_adamw")."""
 
     _is_multi_optimizer = True  # verl flattens optimizers_dict's param groups
 

@@ -39,10 +39,11 @@ SLOT = "slot"
 
 
 def refusal(engine: Any, loss_fn: Any, padding_free: bool, per_token: Sequence[Any] = ()) -> str | None:
-    """Why this rank's slots cannot be packed (a row's output would depend on which rows share its micro-batch, or
-    its loss is not a per-token sum), or None when they can. `padding_free`: the worker's layout (verl's
-    use_remove_padding); `per_token`: the worker's own losses that are per-token sums of a micro-batch alone, besides
-    verl's sft_loss (the Tinker server's cross_entropy)."""
+    """Why this rank's slots cannot be packed, or None when they can.
+
+    They cannot when a row's output would depend on which rows share its micro-batch, or its loss is not a per-token
+    sum. `padding_free`: the worker's layout (verl's use_remove_padding); `per_token`: the worker's own losses that are
+    per-token sums of a micro-batch alone, besides verl's sft_loss (the Tinker server's cross_entropy)."""
     from peft.tuners.lora import LoraLayer
     from peft.tuners.lora import Linear as LoraLinear
     from verl.workers.utils.losses import sft_loss
@@ -102,8 +103,10 @@ def shard_rows(rows: int, size: int, rank: int) -> tuple[int, int]:
 
 
 def gather_adapters(shards: Sequence[Sequence[Any]], group: Any, grad: bool = True) -> list[list[torch.Tensor]]:
-    """Every slot's full adapter tensors (leaves that require grad, with `grad`) from its DTensor shards (`shards[k]`:
-    slot k's, in the module's order), in one all-gather for all of them: each shard padded to its largest rank's rows."""
+    """Every slot's full adapter tensors from its DTensor shards, in one all-gather for all of them.
+
+    Leaves that require grad, with `grad`; `shards[k]`: slot k's, in the module's order. Each shard is padded to its
+    largest rank's rows."""
     size = dist.get_world_size(group)
     flat = []
     for tensors in shards:
@@ -132,8 +135,10 @@ def gather_adapters(shards: Sequence[Sequence[Any]], group: Any, grad: bool = Tr
 
 
 def reduce_gradients(full: Sequence[Sequence[torch.Tensor]], like: Sequence[Any], group: Any) -> list[list[Any]]:
-    """Every slot's adapter gradients averaged over dp (FSDP2's reduction: verl's loss carries the dp factor), one
-    all-reduce for all slots; returns this rank's shards as DTensors laid out as the parameters `like`."""
+    """Every slot's adapter gradients averaged over dp, in one all-reduce for all slots.
+
+    FSDP2's reduction: verl's loss carries the dp factor. Returns this rank's shards as DTensors laid out as the
+    parameters `like`."""
     from torch.distributed.tensor import DTensor
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -155,10 +160,11 @@ def reduce_gradients(full: Sequence[Sequence[torch.Tensor]], like: Sequence[Any]
 
 @contextmanager
 def mixed_adapters(layers: Sequence[tuple[Any, int, int]], adapters: Sequence[Sequence[torch.Tensor]], where: dict) -> Iterator[None]:
-    """Inside, every lora.Linear of `layers` computes its base layer once for all tokens, then each segment of
-    `where["segments"]` (set per micro-batch) through its own slot's adapters: lora_B(lora_A(x)) * scaling, as
-    peft's forward adds it, the pieces joined with torch.cat. `where["padding_free"]`: tokens along dim 1 (1, T, H),
-    else rows along dim 0."""
+    """Within, every lora.Linear of `layers` runs each segment of rows through its own slot's adapters.
+
+    Each computes its base layer once for all tokens, then each segment of `where["segments"]` (set per micro-batch)
+    through its own slot's adapters: lora_B(lora_A(x)) * scaling, as peft's forward adds it, the pieces joined with
+    torch.cat. `where["padding_free"]`: tokens along dim 1 (1, T, H), else rows along dim 0."""
 
     def forward_of(layer: Any, a: int, b: int):
         scaling = layer.scaling[ADAPTER]
@@ -188,9 +194,10 @@ def mixed_adapters(layers: Sequence[tuple[Any, int, int]], adapters: Sequence[Se
 
 
 def roll_within(rolled: torch.Tensor, input_ids: torch.Tensor, segments: Sequence[Segment]) -> None:
-    """verl's labels (its input ids rolled by one over the micro-batch's flattened tokens) as each slot's micro-batch
-    alone has them: a slot's last token is labelled with its own micro-batch's first token (where alone the roll
-    wraps), not the next slot's."""
+    """Set verl's labels as each slot's micro-batch alone has them.
+
+    verl's labels are its input ids rolled by one over the micro-batch's flattened tokens: a slot's last token is
+    labelled with its own micro-batch's first token (where alone the roll wraps), not the next slot's."""
     flat = input_ids.values() if input_ids.is_nested else input_ids.reshape(-1)
     for segment in segments:
         start, end = segment.tokens
@@ -199,13 +206,14 @@ def roll_within(rolled: torch.Tensor, input_ids: torch.Tensor, segments: Sequenc
 
 def forward_backward(worker: Any, engine: Any, loss_fn: Any, shards_of: dict[int, Sequence[Any]], trained: Sequence[Any], data: Any,
                      forward_only: bool = False, log_probs: bool = False) -> dict[int, tuple[list[Any] | None, float, Any]]:  # fmt: skip
-    """The packed forward and backward of this rank's rows `data` (slot after slot; its `SLOT` column says whose):
-    slot index -> its gradients (its shards, laid out as the parameters `trained`), its `loss` metric (verl's: the
-    sum of its micro-batches' losses, averaged over dp) and, with `log_probs`, its rows' token log-probs in its rows'
-    order (a nested tensor, what verl's forward_backward returns a client: the Tinker server's), else None.
-    `shards_of`: each slot's adapter shards; `worker`: verl's TinkerTrainingWorker (the batch keys its
-    forward_backward sets). `forward_only`: verl's infer_batch instead (an evaluation: eval mode, its micro-batch
-    settings, no gradient; None for each slot's gradients)."""
+    """The packed forward and backward of this rank's rows `data`, slot after slot.
+
+    Its `SLOT` column says whose each row is. Returns slot index -> its gradients (its shards, laid out as the
+    parameters `trained`), its `loss` metric (verl's: the sum of its micro-batches' losses, averaged over dp) and, with
+    `log_probs`, its rows' token log-probs in its rows' order (a nested tensor, what verl's forward_backward returns a
+    client: the Tinker server's), else None. `shards_of`: each slot's adapter shards; `worker`: verl's
+    TinkerTrainingWorker (the batch keys its forward_backward sets). `forward_only`: verl's infer_batch instead (an
+    evaluation: eval mode, its micro-batch settings, no gradient; None for each slot's gradients)."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_id
     from verl.utils.seqlen_balancing import restore_dynamic_batch

@@ -1,11 +1,13 @@
-"""The Ray cluster of a run: a local one started for it or one it joins (:func:`start_ray`), and one over a Slurm
-allocation of several nodes (:func:`run_on_allocation`), whose nodes the driver waits for (:func:`wait_for_nodes`).
+"""The Ray cluster of a run: a local one started for it, one it joins, or one over a Slurm allocation.
 
-Over an allocation, every task of the job (one per node) calls :func:`run_on_allocation`: task 0 starts the Ray head in its
-allocation and runs the tinker_exp driver, which joins it; each other task starts a Ray node that joins the
-head and blocks until the driver is done (the head gone), then exits. Used by `launchers/slurm_multinode.sbatch`
-(`srun python -m tinker_exp.multinode OVERRIDES`, which hands it the driver) and by a multi-node sweep point (the submitit
-launchers run their job function once per task).
+Started or joined by :func:`start_ray`; over a Slurm allocation of several nodes by :func:`run_on_allocation`, whose
+nodes the driver waits for (:func:`wait_for_nodes`).
+
+Over an allocation, every task of the job (one per node) calls :func:`run_on_allocation`: task 0 starts the Ray head in
+its allocation and runs the tinker_exp driver, which joins it; each other task starts a Ray node that joins the head and
+blocks until the driver is done (the head gone), then exits. Used by `launchers/slurm_multinode.sbatch` (`srun python -m
+tinker_exp.multinode OVERRIDES`, which hands it the driver) and by a multi-node sweep point (the submitit launchers run
+their job function once per task).
 
 Each Ray node takes the CPUs and GPUs Slurm gave its task (`--num-cpus`, `--num-gpus`), so Ray places as many
 workers on it as the allocation holds, and free ports of its own: several nodes may share one host (the local
@@ -103,7 +105,8 @@ def wait_for_nodes(nodes: int, timeout_s: float) -> None:
 
 
 def start_ray(address: str | None, env: dict[str, str], num_cpus: int | None = None) -> None:
-    """ray.init: a new local cluster (address None), never one found through /tmp/ray/ray_current_cluster;
+    """ray.init: a new local cluster (address None), never one found through /tmp/ray/ray_current_cluster.
+
     `num_cpus`: the CPUs it counts (None: the machine's; a pool counts more, for the groups it keeps idle).
 
     The daemons it starts ignore Slurm's USR1/USR2 (inherited SIG_IGN): submitit's time-limit USR2 reaches every
@@ -171,8 +174,10 @@ def dropped(logger: "logging.Logger", start: str) -> Iterator[None]:
 
 
 def run_on_allocation(driver: Callable[[], T], rendezvous: Path) -> T | None:
-    """Task 0: the Ray head, then `driver()` (its return value returned), which finds the head in RAY_ADDRESS;
-    other tasks: a Ray node until the head is gone (None)."""
+    """Run this task's part of the allocation's cluster: the head and the driver on task 0, a Ray node elsewhere.
+
+    Task 0: the Ray head, then `driver()` (its return value returned), which finds the head in RAY_ADDRESS; other tasks:
+    a Ray node until the head is gone (None)."""
     allocation = Allocation.from_env()
     ensure_token()
     if allocation.rank == 0:
@@ -183,8 +188,10 @@ def run_on_allocation(driver: Callable[[], T], rendezvous: Path) -> T | None:
 
 
 def ensure_token() -> None:
-    """Ray clusters started by `ray start` take clients with the cluster's token only: one per job, in the
-    environment of every task (a launcher sets it before submitting; srun passes it on)."""
+    """Ensure the job's Ray cluster token is in the environment.
+
+    Ray clusters started by `ray start` take clients with the cluster's token only: one per job, in the environment of
+    every task (a launcher sets it before submitting; srun passes it on)."""
     os.environ["RAY_AUTH_MODE"] = "token"
     if not os.environ.get("RAY_AUTH_TOKEN"):
         raise RuntimeError("RAY_AUTH_TOKEN is not set in this job's environment: every task needs the same token")
@@ -208,8 +215,10 @@ def free_port() -> int:
 
 
 def free_ports(count: int, besides: int | None = None) -> list[int]:
-    """`count` distinct free ports, none of them `besides`: every socket is held until all are chosen, as a port
-    closed at once may be handed out again (a head's node manager and object manager once got the same one)."""
+    """`count` distinct free ports, none of them `besides`.
+
+    Every socket is held until all are chosen, as a port closed at once may be handed out again (else a head's node
+    manager and object manager can get the same one)."""
     from contextlib import ExitStack
 
     ports: list[int] = []
@@ -223,8 +232,9 @@ def free_ports(count: int, besides: int | None = None) -> list[int]:
 
 
 def ray_start_command(allocation: Allocation, ip: str, head_port: int | None = None, head: str | None = None) -> list[str]:
-    """`ray start --block` for this node: the head (head_port) or a node joining `head`; CPUs and GPUs from the
-    allocation, free ports for whatever Ray would otherwise put on a fixed port."""
+    """`ray start --block` for this node: the head (head_port) or a node joining `head`.
+
+    CPUs and GPUs from the allocation, free ports for whatever Ray would otherwise put on a fixed port."""
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--log-color=false", f"--node-ip-address={ip}"]
     command += [f"--num-cpus={allocation.cpus}", f"--num-gpus={allocation.gpus}", f"--temp-dir={allocation.temp_dir()}"]
     names = ["node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent"]
@@ -252,8 +262,9 @@ STARTED = "Ray runtime started."
 
 @contextmanager
 def ray_process(command: list[str], allocation: Allocation) -> Iterator[tuple[subprocess.Popen, threading.Event]]:
-    """`ray start --block` in a process group of its own, stopped with everything it started on the way out; its
-    output goes on to this task's, and the event is set once it has printed STARTED."""
+    """`ray start --block` in a process group of its own, stopped with everything it started on the way out.
+
+    Its output goes on to this task's, and the event is set once it has printed STARTED."""
     with ignored_by_children():  # submitit's time-limit USR2 reaches every process of the job
         process = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, errors="replace",
@@ -276,8 +287,10 @@ def ray_process(command: list[str], allocation: Allocation) -> Iterator[tuple[su
 
 
 def stop_group(process: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the Ray node's process group, SIGKILL what is left after `grace_s` (a node whose head is gone
-    cannot drain itself and would wait on the GCS; after a SIGTERM of our own, Slurm's KillWait is running)."""
+    """SIGTERM the Ray node's process group, SIGKILL what is left after `grace_s`.
+
+    A node whose head is gone cannot drain itself and would wait on the GCS; after a SIGTERM of our own, Slurm's
+    KillWait is running."""
     for sig, wait_s in ((signal.SIGTERM, cleanup_wait(grace_s)), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(process.pid, sig)
@@ -301,9 +314,10 @@ def group_alive(pgid: int) -> bool:
 
 @contextmanager
 def ray_head(allocation: Allocation, rendezvous: Path) -> Iterator[str]:
-    """Task 0: the Ray head, its address left for the other tasks and set as RAY_ADDRESS while inside. A head whose
-    `ray start` exits before it has started (its raylet has a fixed 30 s to register with its GCS, which a loaded
-    machine misses) starts again on a new port, up to NODE_STARTS starts: nothing has used it yet."""
+    """Task 0: the Ray head, its address left for the other tasks and set as RAY_ADDRESS while inside.
+
+    A head whose `ray start` exits before it has started (its raylet has a fixed 30 s to register with its GCS, which a
+    loaded machine misses) starts again on a new port, up to NODE_STARTS starts: nothing has used it yet."""
     ip = node_ip()
     for start in range(1, NODE_STARTS + 1):
         port = free_port()
@@ -347,9 +361,10 @@ def head_address_shared(address: str, allocation: Allocation, rendezvous: Path) 
 
 
 def ray_node(allocation: Allocation, rendezvous: Path) -> None:
-    """Another task: a Ray node that joins the head and runs until the head stops answering. A node that exits while
-    the head answers joins again, up to NODE_STARTS starts: `ray start` gives its raylet a fixed 30 s to register
-    with the head, which a loaded machine misses (the driver is still waiting for the node then)."""
+    """Another task: a Ray node that joins the head and runs until the head stops answering.
+
+    A node that exits while the head answers joins again, up to NODE_STARTS starts: `ray start` gives its raylet a fixed
+    30 s to register with the head, which a loaded machine misses (the driver is still waiting for the node then)."""
     head_file = allocation.head_file(rendezvous)
     deadline = time.monotonic() + HEAD_WAIT_S
     while not head_file.exists():

@@ -70,16 +70,18 @@ def dro_terms(log_prob, old_log_prob, advantages, mask, *, beta: float):
 
 
 def sequence_log_ratio(log_prob, old_log_prob, mask):
-    """Each sequence's mean of log p - log q over its response tokens (B, 1): the log of GSPO's geometric-mean
-    ratio s = (p(y) / q(y)) ^ (1 / |y|). No gradient flows through it."""
+    """Each sequence's mean of log p - log q over its response tokens (B, 1); no gradient flows through it.
+
+    The log of GSPO's geometric-mean ratio s = (p(y) / q(y)) ^ (1 / |y|)."""
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)
     return ((log_prob - old_log_prob).detach() * mask).sum(-1, keepdim=True) / lengths
 
 
 def gspo_terms(log_prob, old_log_prob, advantages, mask, *, clip_low_threshold: float, clip_high_threshold: float):
-    """GSPO-token per token (the GSPO paper's token form, verl's ``gspo``): -min(s_t * A, clip(s_t, low, high) * A)
-    with s_t = sg(s) * exp(log p - sg(log p)): its value is the sequence's ratio s, its gradient s * d log p. A
-    sequence is clipped whole (every token where the clipped term is smaller)."""
+    """GSPO-token per token (the GSPO paper's token form, verl's ``gspo``).
+
+    -min(s_t * A, clip(s_t, low, high) * A) with s_t = sg(s) * exp(log p - sg(log p)): its value is the sequence's ratio
+    s, its gradient s * d log p. A sequence is clipped whole (every token where the clipped term is smaller)."""
     import torch
 
     ratio = torch.exp(sequence_log_ratio(log_prob, old_log_prob, mask) + log_prob - log_prob.detach())
@@ -89,10 +91,11 @@ def gspo_terms(log_prob, old_log_prob, advantages, mask, *, clip_low_threshold: 
 
 
 def stable_reinforce_terms(log_prob, old_log_prob, advantages, mask, *, ratio_cap: float, sequence_ratio_bound: float):
-    """Our stable_reinforce per token (Tinker does not publish its formula; docs/rl-losses.md): REINFORCE weighted
-    by the truncated, detached importance ratio, -m * sg(min(r, ratio_cap)) * log p * A, where m drops a whole
-    sequence (0) whose geometric-mean ratio s lies outside [1 / sequence_ratio_bound, sequence_ratio_bound]. Counted
-    as clipped: a truncated token, and every token of a dropped sequence."""
+    """Our stable_reinforce per token (Tinker does not publish its formula; docs/rl-losses.md).
+
+    REINFORCE weighted by the truncated, detached importance ratio, -m * sg(min(r, ratio_cap)) * log p * A, where m
+    drops a whole sequence (0) whose geometric-mean ratio s lies outside [1 / sequence_ratio_bound,
+    sequence_ratio_bound]. Counted as clipped: a truncated token, and every token of a dropped sequence."""
     import torch
 
     ratio = torch.exp(log_prob - old_log_prob).detach()
@@ -173,8 +176,10 @@ def tinker_rl_loss(model_output, data, dp_group=None, *, loss: str, kl_coef: flo
 
 
 def build_loss_fn(name: str, params: dict[str, Any], kl_coef: float = 0.0, kl_estimator: str = "k3") -> Callable:
-    """The loss function for ``set_loss_fn``: a picklable partial of ``tinker_rl_loss`` with this loss's parameters
-    and the KL penalty's (rl.kl_coef, rl.kl_estimator).
+    """The loss function for ``set_loss_fn``.
+
+    A picklable partial of ``tinker_rl_loss`` with this loss's parameters and the KL penalty's (rl.kl_coef,
+    rl.kl_estimator).
 
     `params` holds exactly the loss's parameters (LOSS_PARAMS[name]); their values are the config's to check (it
     names the key as typed), so they are taken as they are.
@@ -189,9 +194,11 @@ def build_loss_fn(name: str, params: dict[str, Any], kl_coef: float = 0.0, kl_es
 
 
 def batch_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """The worker's ``forward_backward`` metrics reduced to floats as verl reduces them: a list of per-rank
-    ``Metric``s through ``Metric.aggregate_dp`` (sum over micro batches, mean over ranks), a single ``Metric``
-    through ``aggregate``, (nested) lists of numbers to their mean, a number as it is; anything else is left out."""
+    """The worker's ``forward_backward`` metrics reduced to floats as verl reduces them.
+
+    A list of per-rank ``Metric``s through ``Metric.aggregate_dp`` (sum over micro batches, mean over ranks), a single
+    ``Metric`` through ``aggregate``, (nested) lists of numbers to their mean, a number as it is; anything else is left
+    out."""
     from verl.utils.metric import Metric
 
     def numbers(value) -> list[float]:  # a plain metric: a number, or lists of them (per micro batch, per rank)

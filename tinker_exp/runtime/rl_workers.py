@@ -46,8 +46,9 @@ def _rl_worker_class():
     from verl.workers.engine_workers_tinker import TinkerActorRolloutRefWorker
 
     class TinkerExpActorWorker(worker_extras("actor"), TinkerActorRolloutRefWorker):
-        """verl's RL worker with this project's extras (runtime/workers.py `worker_extras`: the weight export for
-        the driver's sampler among them), its loss installed at the build."""
+        """verl's RL worker with this project's extras, its loss installed at the build.
+
+        The extras: runtime/workers.py `worker_extras`, the weight export for the driver's sampler among them."""
 
         def _trained_engine(self) -> Any:
             return self.actor.engine
@@ -67,8 +68,10 @@ def _rl_worker_class():
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def init_model_with_loss(self, loss_fn):
-            """verl's init_model (which installs its ppo_loss), then our loss, in one call: verl's worker is an async
-            Ray actor (its update_weights is a coroutine), which does not run two calls in the order they were sent."""
+            """verl's init_model (which installs its ppo_loss), then our loss, in one call.
+
+            verl's worker is an async Ray actor (its update_weights is a coroutine), which does not run two calls in the
+            order they were sent."""
             torch.manual_seed(self.config.actor.fsdp_config.seed)  # as the SFT worker's reset: the same start
             TinkerActorRolloutRefWorker.init_model(self)
             lora_adapters.start_trial(self.actor.engine.module, self.config.actor.fsdp_config.seed)
@@ -76,8 +79,10 @@ def _rl_worker_class():
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def fresh_state(self, config, loss_fn, seed: int) -> None:
-            """A pool's run starts here: the actor's engine as a cold build with `seed` leaves it, a new optimizer
-            built from `config` (this run's actor_rollout_ref section) as init_model builds it, the run's loss."""
+            """Start a pool's run: the engine as a cold build with `seed` leaves it, a new optimizer, the run's loss.
+
+            The engine is the actor's; the optimizer is built from `config` (this run's actor_rollout_ref section) as
+            init_model builds it."""
             from verl.utils.config import omega_conf_to_dataclass
 
             optimizer_config = omega_conf_to_dataclass(config.actor).optim
@@ -103,8 +108,9 @@ def rl_loss_fn(loss: Any, rl: Any):
 
 
 def actor_rollout_ref_config(sft_config: Any, backend: Any, batch_size: int, group_size: int):
-    """verl's generated `actor_rollout_ref` defaults, with the SFT run's model, engine and optimizer laid over them:
-    an RL run builds the model and optimizer an SFT run with the same config would."""
+    """verl's generated `actor_rollout_ref` defaults, with the SFT run's model, engine and optimizer laid over them.
+
+    An RL run builds the model and optimizer an SFT run with the same config would."""
     from dataclasses import fields
 
     from omegaconf import OmegaConf
@@ -140,6 +146,7 @@ def actor_rollout_ref_config(sft_config: Any, backend: Any, batch_size: int, gro
 
 class RLWorkers(TinkerWorkers):
     """A Ray worker group of TinkerActorRolloutRefWorkers (role "actor") with one FSDP2 engine over all ranks.
+
     `loss_fn`: the picklable loss installed once on every rank; `rl`: the run's RLConfig."""
 
     def __init__(self, *args: Any, loss_fn: Any, rl: Any, **kwargs: Any):
@@ -164,8 +171,10 @@ class RLWorkers(TinkerWorkers):
         return omega_conf_to_dataclass(worker_config.actor).optim  # as init_model and `fresh_state` build it
 
     def for_run(self, cfg: Any) -> None:
-        """A pool's group lent to another run: that run's loss (its parameters, its KL penalty) and sampling
-        temperature, installed by the fresh start that follows (`_fresh_state`), not the first run's."""
+        """Take another run's loss and sampling temperature, for a pool's group lent to it.
+
+        That run's loss (its parameters, its KL penalty) and sampling temperature, installed by the fresh start that
+        follows (`_fresh_state`), not the first run's."""
         self.loss_fn, self.rl = rl_loss_fn(cfg.loss, cfg.rl), cfg.rl
 
     def _build_model(self) -> list:
@@ -187,8 +196,9 @@ class RLWorkers(TinkerWorkers):
         return self.group.execute_all_async("fresh_state", worker_config, self.loss_fn, seed)
 
     def export_weights(self) -> "dict[str, Any] | lora_adapters.Adapter":
-        """The full model's tensors by name, gathered from every rank (rank 0's copy); with LoRA, the adapter (the
-        sampler merges it into its base weights: runtime/sampler.py)."""
+        """The full model's tensors by name, gathered from every rank (rank 0's copy); with LoRA, the adapter.
+
+        The sampler merges an adapter into its base weights (runtime/sampler.py)."""
         if self.lora_rank == 0:
             return self.group.export_weights()[0]
         import tempfile
@@ -199,8 +209,9 @@ class RLWorkers(TinkerWorkers):
             return lora_adapters.Adapter.read(Path(folder) / "adapter")
 
     def train_step(self, examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult:
-        """forward_backward on the sampled batch (`examples`: train.rl.Rollout), then optimizer_step(override);
-        the loss's own metrics and the two calls' times join the result."""
+        """forward_backward on the sampled batch, then optimizer_step(override).
+
+        `examples`: train.rl.Rollout. The loss's own metrics and the two calls' times join the result."""
         start = time.perf_counter()
         output = self.group.forward_backward(self._batch(examples)).get()
         backward_done = time.perf_counter()
@@ -218,8 +229,10 @@ class RLWorkers(TinkerWorkers):
         raise NotImplementedError("an RL run evaluates by sampling (train.rl.RLEvaluation), not by NLL")
 
     def _batch(self, rollouts: Sequence[Any]):
-        """The RL TensorDict verl's actor takes (the shape VeRL-Tinker builds from Tinker datums): the full
-        sequences nested, and (B, R) response masks, sampler log-probs and advantages, R the longest response."""
+        """The RL TensorDict verl's actor takes (the shape VeRL-Tinker builds from Tinker datums).
+
+        The full sequences nested, and (B, R) response masks, sampler log-probs and advantages, R the longest
+        response."""
         import torch
         from verl.utils import tensordict_utils as tu
 

@@ -56,8 +56,10 @@ class HFSampler:
     """A driver-side copy of the model that samples; `load` takes the workers' exported tensors."""
 
     def __init__(self, model_path: Path, seed: int, reference: bool = False):
-        """`reference`: also keep a frozen copy of the initial model (the model dir's weights, the start of every
-        run, resumed, branched or pooled alike) for `reference_log_probs` (rl.kl_coef, rl.log_kl_ref)."""
+        """The model and tokenizer of `model_path` on the driver, sampling from `seed`.
+
+        `reference`: also keep a frozen copy of the initial model (the model dir's weights, the start of every run,
+        resumed, branched or pooled alike) for `reference_log_probs` (rl.kl_coef, rl.log_kl_ref)."""
         import copy
 
         import torch
@@ -89,8 +91,10 @@ class HFSampler:
         return chat_prompt_ids(self.tokenizer, text)
 
     def load(self, tensors: "dict[str, Any] | Adapter") -> None:
-        """The workers' exported tensors into the driver's model (rotary buffers are not parameters: not sent); an
-        adapter (a LoRA run's export) merged into the base weights the model started with (runtime/lora.py)."""
+        """Load the workers' exported tensors, or an adapter merged into the base weights, into the driver's model.
+
+        Rotary buffers are not parameters: not sent. An adapter (a LoRA run's export) is merged into the base weights
+        the model started with (runtime/lora.py)."""
         from tinker_exp.runtime.lora import Adapter
 
         start = time.perf_counter()
@@ -108,9 +112,10 @@ class HFSampler:
 
     def sample(self, prompt_ids: Sequence[int], n: int, max_new_tokens: int, temperature: float, *,
                stop: Sequence[int] | Sequence[str] | None = None, top_k: int = 0, top_p: float = 1.0) -> list[Sample]:
-        """`n` responses to one prompt, from this sampler's random state (which it advances). `stop`: None, the
-        model's stop tokens; else exactly these token ids, or these strings (a response ends with the token that
-        completes one); [] none. `top_k` (0: no limit) and `top_p` (1: no limit) narrow each draw."""
+        """`n` responses to one prompt, from this sampler's random state (which it advances).
+
+        `stop`: None, the model's stop tokens; else exactly these token ids, or these strings (a response ends with the
+        token that completes one); [] none. `top_k` (0: no limit) and `top_p` (1: no limit) narrow each draw."""
         import torch
         from transformers import GenerationConfig
 
@@ -147,8 +152,9 @@ class HFSampler:
         return samples
 
     def reference_log_probs(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float) -> list[list[float]]:
-        """Each response token's log-prob under the initial model, softmax(logits / temperature) as the trainer
-        computes the policy's: one forward pass of the prompt's responses, right-padded."""
+        """Each response token's log-prob under the initial model, softmax(logits / temperature).
+
+        As the trainer computes the policy's: one forward pass of the prompt's responses, right-padded."""
         import torch
 
         assert self.reference is not None, "built without a reference (HFSampler(reference=True))"
@@ -164,8 +170,9 @@ class HFSampler:
         return [row[: len(r)] for row, r in zip(picked.tolist(), responses)]
 
     def prompt_log_probs(self, prompt_ids: Sequence[int]) -> list[float]:
-        """Each prompt token's log-prob under the model given the tokens before it (softmax of the logits, no
-        temperature); NaN for the first, which has none before it. One forward pass."""
+        """Each prompt token's log-prob under the model given the tokens before it; NaN for the first.
+
+        Softmax of the logits, no temperature; the first token has none before it. One forward pass."""
         import torch
 
         ids = torch.tensor([list(prompt_ids)])

@@ -37,8 +37,9 @@ class AdamWScheduleFree(_PackageAdamWScheduleFree):
 
     @torch.no_grad()
     def to_averaged(self) -> None:
-        """The parameters to the averaged weights x (for an evaluation or an export), y kept aside. Before the first
-        step (no z) x is y."""
+        """Move the parameters to the averaged weights x (for an evaluation or an export), y kept aside.
+
+        Before the first step (no z) x is y."""
         if self.training_point is not None:
             return
         self.training_point = [p.detach().clone() for group in self.param_groups for p in group["params"]]

@@ -1,5 +1,4 @@
-"""The served model's sampler: the driver's HFSampler (runtime/sampler.py) and the weights each sampling session
-samples from.
+"""The served model's sampler: the driver's HFSampler (runtime/sampler.py) and each sampling session's weights.
 
 `save_weights_for_sampler` writes what the workers export into a folder: the LoRA adapter (peft's format) for a LoRA
 model, the full tensors (safetensors) otherwise; a sampling session's weights are the base model with that adapter
@@ -59,9 +58,10 @@ class ServedSampler:
 
     def sample(self, prompt: Sequence[int], n: int, max_tokens: int, temperature: float, seed: int | None,
                **limits: Any) -> list:
-        """`n` responses (runtime/sampler.py Sample); with `seed`, from that seed's random state, the sampler's own
-        state left as it was; without, from the sampler's state, which it advances. `limits`: HFSampler.sample's
-        stop, top_k, top_p."""
+        """`n` responses (runtime/sampler.py Sample), from `seed`'s random state or the sampler's own.
+
+        With `seed`, from that seed's random state, the sampler's own state left as it was; without, from the sampler's
+        state, which it advances. `limits`: HFSampler.sample's stop, top_k, top_p."""
         if seed is None:
             return self.sampler.sample(prompt, n, max_tokens, temperature, **limits)
         running = self.sampler.rng_state()

@@ -103,8 +103,10 @@ def _build(model_cfg: dict[str, Any], out: Path) -> None:
 
 
 def cache_dir(value: str) -> Path:
-    """model.cache_dir as a folder: resolved as Hydra would (the default of a ModelConfig made in Python is still
-    the interpolation of TINKER_EXP_CACHE, which was once created literally in the working directory)."""
+    """model.cache_dir as a folder, resolved as Hydra would.
+
+    The default of a ModelConfig made in Python is still the interpolation of TINKER_EXP_CACHE, which unresolved would
+    be created literally in the working directory."""
     from omegaconf import OmegaConf
 
     return Path(os.path.expanduser(OmegaConf.create({"cache_dir": value}).cache_dir))
@@ -116,8 +118,9 @@ transformers' lazy modules at once fail (seen: `cannot import name 'LlamaConfig'
 
 
 def ensure_tiny_model(model_cfg: dict[str, Any]) -> Path:
-    """Return the cached model dir, building it first if needed (atomic: concurrent jobs are safe; one build at a
-    time in a process: concurrent threads too)."""
+    """Return the cached tiny model's dir, building it first if needed.
+
+    Atomic: concurrent jobs are safe; one build at a time in a process: concurrent threads too."""
     cache = cache_dir(model_cfg["cache_dir"]) / "models"
     target = cache / f"{model_cfg['name']}-{_cache_key(model_cfg)}"
     if (target / "config.json").exists():

@@ -49,8 +49,9 @@ DEVICE_ENV = "TINKER_EXP_DEVICE"
 
 
 def platform_env(device: str) -> dict[str, str]:
-    """Environment for the driver and every worker; set before verl is imported anywhere. The platform is named
-    for cuda too: an earlier CPU run in this process (a test session, an in-process sweep) leaves
+    """Environment for the driver and every worker; set before verl is imported anywhere.
+
+    The platform is named for cuda too: an earlier CPU run in this process (a test session, an in-process sweep) leaves
     VERL_PLATFORM=cpu in os.environ, which the workers would inherit."""
     env = {**(CPU_PLATFORM_ENV if device == "cpu" else {}), "VERL_PLATFORM": VERL_PLATFORMS[device], DEVICE_ENV: device}
     # Offline W&B must never look anything up, in workers too.
@@ -61,8 +62,9 @@ def platform_env(device: str) -> dict[str, str]:
 
 
 def use_platform(device: str) -> None:
-    """Make the driver's verl resolve `device`'s platform (the placement groups' bundles follow it). verl caches
-    its platform for the life of the process: one resolved for an earlier run is replaced."""
+    """Make the driver's verl resolve `device`'s platform (the placement groups' bundles follow it).
+
+    verl caches its platform for the life of the process: one resolved for an earlier run is replaced."""
     os.environ.update(platform_env(device))
     if device == "cpu":
         import tinker_exp.runtime.cpu_platform  # noqa: F401  (registers it even if verl was imported earlier)
@@ -152,11 +154,12 @@ def engine_tensors(engine: Any) -> list:
 
 
 def reshard(module: Any) -> None:
-    """Every FSDP2 module of `module` back to its shards. With backend.reshard_after_forward off (the CPU default)
-    FSDP2 keeps a layer's gathered parameters from its forward to its backward; a forward with no backward (an
-    evaluation) leaves them gathered, registered in place of the shards: what writes the shards then (a pool's fresh
-    start, schedule-free's move to its averaged weights and back) would not reach the next forward, which reuses
-    them. Values are unchanged: the gathered copies are freed."""
+    """Every FSDP2 module of `module` back to its shards; values are unchanged, the gathered copies freed.
+
+    With backend.reshard_after_forward off (the CPU default) FSDP2 keeps a layer's gathered parameters from its forward
+    to its backward; a forward with no backward (an evaluation) leaves them gathered, registered in place of the shards:
+    what writes the shards then (a pool's fresh start, schedule-free's move to its averaged weights and back) would not
+    reach the next forward, which reuses them."""
     from torch.distributed.fsdp import FSDPModule
 
     for part in module.modules():
@@ -165,8 +168,9 @@ def reshard(module: Any) -> None:
 
 
 def keep_initial_state(engine: Any, seed: int) -> dict[str, Any]:
-    """What a cold build with `seed` leaves on this rank: a copy of its weights (on their device) and torch's RNG, so
-    that a later run starts from exactly there without building again (`restore_initial_state`)."""
+    """What a cold build with `seed` leaves on this rank: a copy of its weights (on their device) and torch's RNG.
+
+    Kept so that a later run starts from exactly there without building again (`restore_initial_state`)."""
     import torch
 
     with torch.no_grad():
@@ -176,8 +180,9 @@ def keep_initial_state(engine: Any, seed: int) -> dict[str, Any]:
 
 
 def restore_initial_state(engine: Any, kept: dict[str, Any], optimizer_config: Any) -> None:
-    """This rank as a cold build left it (`kept`), with a new optimizer (zero state) and lr scheduler built from
-    `optimizer_config` as verl's engine builds them, and no gradients."""
+    """Put this rank back as a cold build left it (`kept`), with a new optimizer and lr scheduler and no gradients.
+
+    The optimizer (zero state) and lr scheduler are built from `optimizer_config` as verl's engine builds them."""
     import torch
 
     with torch.no_grad():
@@ -195,9 +200,10 @@ def restore_initial_state(engine: Any, kept: dict[str, Any], optimizer_config: A
 
 
 def fresh_engine(engine: Any, kept: dict[str, Any] | None, optimizer_config: Any, seed: int) -> dict[str, Any]:
-    """A run's start on a kept engine, exactly a cold one's: restored from the copy kept at the build when the seed
-    is the build's, else built again from the model dir (the seed draws LoRA's initial matrices); returns what is
-    kept now."""
+    """A run's start on a kept engine, exactly a cold one's; returns what is kept now.
+
+    Restored from the copy kept at the build when the seed is the build's, else built again from the model dir (the seed
+    draws LoRA's initial matrices)."""
     import torch
 
     if kept is not None and kept["seed"] == seed:
@@ -211,12 +217,14 @@ def fresh_engine(engine: Any, kept: dict[str, Any] | None, optimizer_config: Any
 
 
 def worker_extras(mesh: str):
-    """What every worker class of this project adds to its verl base, in one place (`mesh`: the dispatch mesh of
-    the base's forward_backward, "train" or "actor"): gloo start-up on CPU, the kept initial state of a pool's group,
-    metrics-only forward_backward results, the optimizer step at the step's clip with the param groups read back,
-    the device report, the LoRA and full-weight exports, schedule-free's averaged weights, and the slots
-    (runtime/slots.py). A class puts it first among its bases and says where its engine is (`_trained_engine`),
-    its build seed (`_build_seed`) and how verl runs a forward_backward (`_verl_forward_backward`)."""
+    """What every worker class of this project adds to its verl base, in one place.
+
+    `mesh`: the dispatch mesh of the base's forward_backward, "train" or "actor". The extras: gloo start-up on CPU, the
+    kept initial state of a pool's group, metrics-only forward_backward results, the optimizer step at the step's clip
+    with the param groups read back, the device report, the LoRA and full-weight exports, schedule-free's averaged
+    weights, and the slots (runtime/slots.py). A class puts it first among its bases and says where its engine is
+    (`_trained_engine`), its build seed (`_build_seed`) and how verl runs a forward_backward
+    (`_verl_forward_backward`)."""
     from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
     from verl.utils import tensordict_utils as tu
 
@@ -300,8 +308,9 @@ def worker_extras(mesh: str):
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def enable_slots(self) -> str | None:
-            """This rank holds slots from now on (runtime/slots.py): none filled yet. Returns why their steps cannot
-            be packed (runtime/packed.py `refusal`), or None."""
+            """Make this rank hold slots from now on (runtime/slots.py), none filled yet.
+
+            Returns why their steps cannot be packed (runtime/packed.py `refusal`), or None."""
             from tinker_exp.runtime.packed import refusal
 
             self.slots = WorkerSlots(self._trained_engine())
@@ -311,6 +320,7 @@ def worker_extras(mesh: str):
         @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name=mesh), blocking=False)
         def slots_forward_backward(self, data):
             """One packed forward and backward of several slots' rows (runtime/packed.py): slot index -> its loss.
+
             The batch's `slots_forward_only`: their evaluation (verl's infer_batch: eval mode, no gradient);
             `slots_log_probs`: every row's log-probs back too, in the batch's row order (the Tinker server's)."""
             import torch
@@ -326,8 +336,10 @@ def worker_extras(mesh: str):
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def slots_optimizer_step(self, steps: list) -> list[dict]:
-            """Each (slot index, optim_step_params) of `steps` in turn: the slot loaded (its pending gradients with
-            it), then its optimizer step at its own values and clip (`optimizer_step`'s result)."""
+            """Each (slot index, optim_step_params) of `steps` in turn: the slot loaded, then its optimizer step.
+
+            The slot is loaded with its pending gradients; its optimizer step runs at its own values and clip
+            (`optimizer_step`'s result)."""
             results = []
             for index, optim_step_params in steps:
                 self._swapping().load(index)
@@ -374,8 +386,9 @@ def _worker_class():
     from verl.workers.engine_workers_tinker import TinkerTrainingWorker
 
     class TinkerExpWorker(worker_extras("train"), TinkerTrainingWorker):
-        """verl's worker with this project's extras (`worker_extras`), its seeded reset and the evaluation's
-        forward pass."""
+        """verl's worker with this project's extras (`worker_extras`).
+
+        Its seeded reset and the evaluation's forward pass too."""
 
         def _trained_engine(self) -> Any:
             return self.engine
@@ -480,8 +493,9 @@ def worker_config(
 
 
 def port_taken(error: BaseException) -> bool:
-    """Whether a worker's start failed because its rendezvous address was in use: rank 0's TCPStore could not bind
-    (torch's DistNetworkError, EADDRINUSE, as Ray reports the actor's death)."""
+    """Whether a worker's start failed because its rendezvous address was in use.
+
+    Rank 0's TCPStore could not bind (torch's DistNetworkError, EADDRINUSE, as Ray reports the actor's death)."""
     text = str(error)
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
@@ -503,9 +517,11 @@ class TinkerWorkers:
         output: WorkerOutput | None = None,
         lora: LoraConfig | None = None,
     ):
-        """`device`: the resolved choice, or a device name (its precision and attention resolved here);
-        `output`: where what the workers print goes (None: the terminal, as Ray prints it); `lora`: None or
-        rank 0 for full fine-tuning."""
+        """Ask every worker to build its model (`ready()` waits for them).
+
+        `device`: the resolved choice, or a device name (its precision and attention resolved here); `output`: where
+        what the workers print goes (None: the terminal, as Ray prints it); `lora`: None or rank 0 for full
+        fine-tuning."""
         if isinstance(device, str):
             from dataclasses import replace
 
@@ -576,12 +592,14 @@ class TinkerWorkers:
         ]
 
     def ready(self) -> None:
-        """Wait until every worker has built its model (a worker's start-up error is raised here), then check that
-        each rank's model sits where it was asked to (its own GPU on cuda).
+        """Wait until every worker has built its model, then check where each rank's model sits.
 
-        The rendezvous port verl picks (get_master_addr_port: one the OS says is free on rank 0's node, closed again)
-        is not held: on a busy machine another process may take it before rank 0 binds it (EADDRINUSE). The group is then started once more, on a new port; a second clash is
-        one line (WorkersStartError) saying so."""
+        A worker's start-up error is raised here. Each rank's model must sit where it was asked to (its own GPU on
+        cuda).
+
+        The rendezvous port verl picks (get_master_addr_port: one the OS says is free on rank 0's node, closed again) is
+        not held: on a busy machine another process may take it before rank 0 binds it (EADDRINUSE). The group is then
+        started once more, on a new port; a second clash is one line (WorkersStartError) saying so."""
         import ray
 
         pending, self.pending = self.pending, []
@@ -611,8 +629,9 @@ class TinkerWorkers:
         log.info(f"workers: {self.placement}")
 
     def say_installed(self) -> None:
-        """Say what the workers hold for this run beyond their placement, as they report it (RL: the loss); a group
-        lent by a warm pool says it for each run it is lent to."""
+        """Say what the workers hold for this run beyond their placement, as they report it (RL: the loss).
+
+        A group lent by a warm pool says it for each run it is lent to."""
 
     def _free_group(self) -> None:
         """The group's actors and placement groups freed, Ray left running (a start again follows)."""
@@ -637,12 +656,15 @@ class TinkerWorkers:
         self.group.keep_initial_state()
 
     def for_run(self, cfg: Any) -> None:
-        """A pool's group lent to another run: what that run sets beyond the group's key (an RL run's loss), taken
-        by the fresh start that follows; an SFT run sets nothing more."""
+        """Take what another run sets beyond the group's key, for a pool's group lent to it.
+
+        An RL run's loss, taken by the fresh start that follows; an SFT run sets nothing more."""
 
     def start_fresh(self, optimizer: OptimizerConfig, trainer: TrainerConfig, optimizer_values: dict[str, Any], output: WorkerOutput) -> None:
-        """A new run on these workers (a pool's): what they print from now on goes to `output`; each rank's engine
-        as a cold start with this run's optimizer and seed leaves it (runtime/workers.py `fresh_engine`)."""
+        """Start a new run on these workers (a pool's), as a cold start with this run's optimizer and seed.
+
+        What they print from now on goes to `output`; each rank's engine is left as a cold start with this run's
+        optimizer and seed leaves it (runtime/workers.py `fresh_engine`)."""
         import ray
 
         if output is not self.output:
@@ -681,8 +703,9 @@ class TinkerWorkers:
         self.group.load_checkpoint(local_path=str(folder))
 
     def export_adapter(self, folder: Path) -> int:
-        """The trained adapter in peft's format into `folder` (written aside, then renamed into place); returns
-        its number of parameters."""
+        """Export the trained adapter in peft's format into `folder`; returns its number of parameters.
+
+        Written aside, then renamed into place."""
         partial = folder.with_name(f".{folder.name}.partial")
         if partial.exists():
             shutil.rmtree(partial)
@@ -694,8 +717,10 @@ class TinkerWorkers:
         return parameters
 
     def train_step(self, examples: list, optim_step_params: dict[str, Any] | None) -> StepResult:
-        """forward_backward (verl splits it into micro batches) -> optimizer_step(override), which zeroes the
-        grads on its way out: the next step starts from none (see the module's docstring)."""
+        """forward_backward, then optimizer_step(override), which zeroes the grads on its way out.
+
+        verl splits forward_backward into micro batches. The next step starts from no gradients (see the module's
+        docstring)."""
         output = self.group.forward_backward(self._batch(examples)).get()
         per_rank = self.group.optimizer_step(optim_step_params=optim_step_params or None)
         loss = _loss(output)
@@ -703,8 +728,9 @@ class TinkerWorkers:
         return StepResult(loss=loss, grad_norm=grad_norm, applied=[r["param_groups"] for r in per_rank])
 
     def evaluate(self, examples: list) -> float:
-        """verl's forward-only path (eval mode, no_grad): the batch's loss, token-weighted (verl's sft_loss); a
-        schedule-free optimizer's at its averaged weights."""
+        """The batch's loss, token-weighted (verl's sft_loss), by verl's forward-only path (eval mode, no_grad).
+
+        A schedule-free optimizer's at its averaged weights."""
         with self.averaged_weights():
             return _loss(self.group.infer_batch(self._batch(examples)).get())
 
@@ -713,8 +739,9 @@ class TinkerWorkers:
 
     @contextmanager
     def averaged_weights(self) -> Iterator[None]:
-        """With a schedule-free optimizer: the averaged weights in the parameters inside, the training point
-        restored bitwise after (an error too); with any other optimizer, nothing."""
+        """Within, a schedule-free optimizer's averaged weights in the parameters.
+
+        The training point is restored bitwise after (an error too); with any other optimizer, nothing."""
         if not self.averaged:
             yield
             return
@@ -742,8 +769,10 @@ class TinkerWorkers:
         )
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Free the workers. Bounded: under Slurm, scancel and requeue SIGTERM Ray's own daemons too, and a
-        call to a dead GCS would block until Slurm's SIGKILL (then no exit code, no closed logs)."""
+        """Free the workers, within `timeout_s`.
+
+        Bounded: under Slurm, scancel and requeue SIGTERM Ray's own daemons too, and a call to a dead GCS would block
+        until Slurm's SIGKILL (then no exit code, no closed logs)."""
         try:
             self._free(timeout_s)
         finally:

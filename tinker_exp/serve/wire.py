@@ -69,8 +69,9 @@ def check_vocabulary(tokens: Sequence[int], vocab_size: int | None, field: str) 
 
 
 def forward_backward_data(request: Any, vocab_size: int | None = None) -> list[Datum]:
-    """A ForwardBackwardRequest's data as the workers take them, every input checked (token ids against
-    `vocab_size`)."""
+    """A ForwardBackwardRequest's data as the workers take them, every input checked.
+
+    Token ids are checked against `vocab_size`."""
     import numpy as np
 
     if request.loss_fn not in LOSS_INPUTS:
@@ -117,7 +118,8 @@ def forward_backward_data(request: Any, vocab_size: int | None = None) -> list[D
 
 
 def loss_params(request: Any) -> dict[str, float]:
-    """The RL loss's parameters from loss_fn_config, checked and with Tinker's defaults filled in (as loss.* are);
+    """The RL loss's parameters from loss_fn_config, checked and with Tinker's defaults filled in (as loss.* are).
+
     cross_entropy takes none."""
     from tinker_exp.config.rl import LossConfig, LossName
     from tinker_exp.errors import ConfigError
@@ -160,8 +162,10 @@ def forward_backward_output(loss: float, logprobs: Sequence[Sequence[float]]) ->
 
 
 def sample_response(samples: Sequence[Any], prompt_logprobs: Sequence[float] | None = None) -> bytes:
-    """The SampleResponse protobuf: each sequence's tokens (int32), their log-probs (float32) and stop_reason (stop
-    when it ended at a stop, else length); the prompt's log-probs (float32, NaN first) when asked for."""
+    """The SampleResponse protobuf of `samples`, with the prompt's log-probs when asked for.
+
+    Each sequence's tokens (int32), their log-probs (float32) and stop_reason (stop when it ended at a stop, else
+    length); the prompt's log-probs (float32, NaN first) when asked for."""
     import numpy as np
 
     pb = proto_module()
@@ -192,8 +196,9 @@ def sampling_limits(params: dict) -> dict[str, Any]:
 
 
 def prompt_tokens(prompt: Any, field: str = "prompt", vocab_size: int | None = None) -> list[int]:
-    """A ModelInput in JSON ({"chunks": [{"type": "encoded_text", "tokens": [...]}]}) -> its tokens (each in the
-    vocabulary)."""
+    """A ModelInput in JSON -> its tokens, each checked to be in the vocabulary.
+
+    The JSON: {"chunks": [{"type": "encoded_text", "tokens": [...]}]}."""
     chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
     if not isinstance(chunks, list) or not chunks:
         raise BadRequest(f"{field}.chunks: missing or empty (a ModelInput of encoded text)")

@@ -90,8 +90,10 @@ class JobOutcome:
 
 @dataclass(eq=False)  # a handle is itself: a dict key, found by identity
 class StartedJob:
-    """A job that a launcher's `start` (hydra_plugins/tinker_exp_plugins/launchers.py) started: its number, its overrides, and submitit's job; `job` None: the
-    point was refused by the checks (`refused` says why) and has ended already, without a job."""
+    """A job that a launcher's `start` (hydra_plugins/tinker_exp_plugins/launchers.py) started.
+
+    Its number, its overrides, and submitit's job; `job` None: the point was refused by the checks (`refused` says why)
+    and has ended already, without a job."""
 
     num: int
     overrides: list[str]
@@ -134,14 +136,17 @@ def read_outcome(
 
 
 def ranked(outcomes: Sequence[JobOutcome]) -> list[JobOutcome]:
-    """Best objective (lowest, or highest when maximised) first; jobs without one (failed, dry runs) after, in job
-    order."""
+    """Best objective (lowest, or highest when maximised) first.
+
+    Jobs without one (failed, dry runs) after, in job order."""
     return sorted(outcomes, key=lambda o: (o.objective is None, ranking_key(o.objective, o.higher_is_better), o.num))
 
 
 def branches_line(branches: Sequence[tuple[str, int]]) -> str | None:
-    """(trunk, branch step) of each branch, said once: "branch of T at step 4", "branches of T at steps 4, 8"
-    ("; of " between trunks); None for no branch. The sweep's summary and its report.png say it so."""
+    """(trunk, branch step) of each branch, said once; None for no branch.
+
+    "branch of T at step 4", "branches of T at steps 4, 8" ("; of " between trunks). The sweep's summary and its
+    report.png say it so."""
     steps_of: dict[str, set[int]] = {}
     for trunk, step in branches:
         steps_of.setdefault(trunk, set()).add(step)
@@ -153,9 +158,10 @@ def branches_line(branches: Sequence[tuple[str, int]]) -> str | None:
 
 
 def budget_groups(outcomes: Sequence[JobOutcome]) -> list[list[JobOutcome]]:
-    """Branches of more than one branch step, grouped by it (their budget: the trunk's steps they start from),
-    earliest first, each group ranked: decays of one budget are compared with each other, not with another budget's.
-    Anything else: one group, ranked."""
+    """Branches of more than one branch step, grouped by it, earliest first, each group ranked.
+
+    The branch step is their budget: the trunk's steps they start from. Decays of one budget are compared with each
+    other, not with another budget's. Anything else: one group, ranked."""
     steps = {(o.branch_from, o.branch_step) for o in outcomes if o.branch_from is not None}
     if len(steps) < 2 or any(o.branch_from is None for o in outcomes):
         return [ranked(outcomes)]
@@ -164,9 +170,10 @@ def budget_groups(outcomes: Sequence[JobOutcome]) -> list[list[JobOutcome]]:
 
 
 def summary_table(outcomes: Sequence[JobOutcome]) -> str:
-    """Sorted by objective, the best job marked with `*`; a sweep of branches says once where they came from,
-    above the table (its steps column counts each branch's own steps), and branches of several branch steps are
-    grouped by it, the best of each group marked."""
+    """The sweep's summary table, sorted by objective, the best job marked with `*`.
+
+    A sweep of branches says once where they came from, above the table (its steps column counts each branch's own
+    steps), and branches of several branch steps are grouped by it, the best of each group marked."""
     rl = any(o.final_reward is not None for o in outcomes)  # an RL sweep: its reward, not its policy-gradient loss
     header = ["job", "overrides", "status", "steps", "final reward" if rl else "final loss",
               objective_header([(o.metric, o.mode) for o in outcomes if o.objective is not None]), "job id", "run dir"]  # fmt: skip
@@ -195,8 +202,9 @@ def summary_table(outcomes: Sequence[JobOutcome]) -> str:
 
 
 def objective_header(judged: Sequence[tuple[str | None, str | None]]) -> str:
-    """The objective column's name: the metric and mode every judged run shares ("objective: eval/reward (max)");
-    plain "objective" when they differ or no run says."""
+    """The objective column's name: the metric and mode every judged run shares.
+
+    E.g. "objective: eval/reward (max)"; plain "objective" when they differ or no run says."""
     if len(set(judged)) != 1 or None in judged[0]:
         return "objective"
     metric, mode = judged[0]
@@ -221,8 +229,10 @@ def write_summary_files(sweep_dir: Path, table: str, failures: Sequence[str], ro
 
 
 def points_at_once(cpus: int | None, workers_per_point: int, max_parallel: int | None) -> int:
-    """How many points the local launcher runs at once: hydra.launcher.max_parallel when set, else as many as the
-    machine's CPUs hold at one CPU a worker (more would only slow every point down, and can run it out of memory)."""
+    """How many points the local launcher runs at once.
+
+    hydra.launcher.max_parallel when set, else as many as the machine's CPUs hold at one CPU a worker (more would only
+    slow every point down, and can run it out of memory)."""
     if max_parallel is not None:
         return max_parallel
     return max(1, (cpus or 1) // max(1, workers_per_point))

@@ -1,6 +1,8 @@
-"""PB2's explore step (Parker-Holder et al. 2020, "Provably Efficient Online Hyperparameter Optimization with
-Population-Based Bandits"): a Gaussian-process bandit over the members' recent improvements proposes the values an
-exploiting member trains with next. Pure numpy/scipy.
+"""PB2's explore step: a Gaussian-process bandit proposes the values an exploiting member trains with next.
+
+Parker-Holder et al. 2020, "Provably Efficient Online Hyperparameter Optimization with Population-Based Bandits": a
+Gaussian-process bandit over the members' recent improvements proposes the values an exploiting member trains with next.
+Pure numpy/scipy.
 
 The data: one point per (member, boundary) whose interval's start score is known, x = the values the member trained
 that interval with (each numeric key scaled to [0, 1] within the space's bounds, a log key in log space), t = the

@@ -1,5 +1,7 @@
-"""Population-based training, the member's side: the board, the exploit decision, explore, the realized schedule and
-the lineage files. Pure Python (Optuna's distributions for the space); `Member` is a judge of the loop (train/judges.py).
+"""Population-based training, the member's side.
+
+The board, the exploit decision, explore, the realized schedule and the lineage files. Pure Python (Optuna's
+distributions for the space); `Member` is a judge of the loop (train/judges.py).
 
 A member is an ordinary run whose job was told of its population (POPULATION_ENV, set by the pbt sweeper). Every
 `interval` steps, at an evaluation, it saves a checkpoint, posts its score to the board and decides against the
@@ -130,10 +132,11 @@ def write_atomically(path: Path, text: str) -> None:
 
 def post(board: Path, member: int, step: int, score: float, checkpoint: Path, values: Mapping[str, Any], sign: int = 1,
          start: Mapping[str, int] | None = None) -> Path:  # fmt: skip
-    """The member's score at a boundary, with its checkpoint there and the values it trained the steps before with;
-    `sign` -1: a higher score is better (trainer.objective_mode=max); `start`: the post {member, step} whose
-    checkpoint those steps trained from (its own previous one, or a donor's), None for the first boundary: PB2's
-    improvement over the interval is measured from its score."""
+    """Post the member's score at a boundary, with its checkpoint there and the values it trained the steps before with.
+
+    `sign` -1: a higher score is better (trainer.objective_mode=max); `start`: the post {member, step} whose checkpoint
+    those steps trained from (its own previous one, or a donor's), None for the first boundary: PB2's improvement over
+    the interval is measured from its score."""
     path = board / str(member) / f"{step}.json"
     doc = {"member": member, "step": step, "score": score, "sign": sign, "checkpoint": str(Path(checkpoint).resolve()),
            "values": dict(values), "time": time.time(), "start": None if start is None else dict(start)}  # fmt: skip
@@ -183,8 +186,10 @@ def rng_for(population: Population, member: int, step: int, what: str) -> random
 
 
 def decide(population: Population, member: int, step: int, posts: Mapping[int, Mapping[str, Any]]) -> BoundaryDecision:
-    """Rank the posts at `step` (lower score is better, higher with objective_mode=max; non-finite ones last, ties by member number); a member in the
-    bottom q takes a donor chosen (seeded) from the top q. force_exploit overrides it for one (member, step)."""
+    """Rank the posts at `step`; a member in the bottom q takes a donor chosen (seeded) from the top q.
+
+    Lower score is better, higher with objective_mode=max; non-finite ones last, ties by member number. force_exploit
+    overrides it for one (member, step)."""
     ranked = sorted(posts.values(), key=_sort_key)
     order = [int(p["member"]) for p in ranked]
     if member not in order:
@@ -208,8 +213,10 @@ workers reach a boundary in no set order."""
 
 
 def wait_for_forced_donor(population: Population, member: int, step: int, wait_s: float = FORCED_WAIT_S) -> None:
-    """force_exploit (test-only) names this member and step: wait (bounded, polling the board) until the donor has
-    posted there, so a forced exploit does not depend on which member got there first; `decide` says it if never."""
+    """Wait (bounded, polling the board) until a forced exploit's donor has posted at this member's step.
+
+    Only when force_exploit (test-only) names this member and step, so a forced exploit does not depend on which member
+    got there first; `decide` says it if never."""
     force = population.force_exploit
     if force is None or (force["member"], force["step"]) != (member, step):
         return
@@ -222,9 +229,10 @@ def wait_for_forced_donor(population: Population, member: int, step: int, wait_s
 
 
 def valid_range(key: str, override: Mapping[str, Any], total_steps: int) -> tuple[Any, int | None]:
-    """(the Range a value of `key` must lie in, the most steps it may count when it is a length in steps):
-    override.K is key K's range; override.K.P a parameter of K's schedule: the key's range for its value parameters,
-    the parameter's own for the others (a length within the schedule). None: no rule known here (the plan checks)."""
+    """(the Range a value of `key` must lie in, the most steps it may count when it is a length in steps).
+
+    override.K is key K's range; override.K.P a parameter of K's schedule: the key's range for its value parameters, the
+    parameter's own for the others (a length within the schedule). None: no rule known here (the plan checks)."""
     from tinker_exp.optim.convert import RANGES, Range
     from tinker_exp.optim.schedules import PARAMS
 
@@ -263,9 +271,11 @@ def _on_grid(value: float, low: float, high: float, step: float | int | None) ->
 def explored(
     values: Mapping[str, Any], population: Population, member: int, step: int, override: Mapping[str, Any], total_steps: int
 ) -> dict[str, Any]:
-    """The donor's values explored: each key resampled from the space with resample_probability, else multiplied by a
-    factor from `perturb` (a categorical moves to a neighbouring choice); then clipped to the space's bounds (ints
-    rounded, onto the step grid) and to the key's valid range. Seeded by (seed, member, step)."""
+    """The donor's values explored: each key resampled or perturbed, then clipped. Seeded by (seed, member, step).
+
+    Each key is resampled from the space with resample_probability, else multiplied by a factor from `perturb` (a
+    categorical moves to a neighbouring choice); then clipped to the space's bounds (ints rounded, onto the step grid)
+    and to the key's valid range."""
     from optuna.distributions import CategoricalDistribution
 
     rng = rng_for(population, member, step, "explore")
@@ -292,8 +302,9 @@ def explored(
 
 
 def into_space(key: str, dist: Any, new: float, override: Mapping[str, Any], total_steps: int) -> float | int:
-    """A proposed value of a numeric key clipped to the space's bounds (ints rounded, onto the step grid) and to the
-    key's valid range (a length at most the schedule's)."""
+    """A proposed value of a numeric key clipped to the space's bounds and to the key's valid range.
+
+    Ints rounded, onto the step grid; a length at most the schedule's."""
     from optuna.distributions import IntDistribution
 
     low, high = dist.low, dist.high
@@ -329,9 +340,10 @@ def from_unit(dist: Any, unit: float) -> float:
 
 
 def improvements(board: Path, step: int, population: Population) -> list[tuple[list[float], float, float]]:
-    """PB2's data, from the board's posts up to `step`: (the numeric values a member trained an interval with on
-    [0, 1], the interval's end as a boundary index, its improvement: start score - score, sign applied), for every
-    post whose start is known and both scores finite."""
+    """PB2's data, from the board's posts up to `step`.
+
+    For every post whose start is known and both scores finite: (the numeric values a member trained an interval with on
+    [0, 1], the interval's end as a boundary index, its improvement: start score - score, sign applied)."""
     keys = numeric_keys(population.space)
     posts = [read_json(path) for path in sorted(board.glob("*/*.json"))] if board.is_dir() else []
     by_key = {(int(p["member"]), int(p["step"])): p for p in posts if isinstance(p, dict)}
@@ -351,10 +363,11 @@ def improvements(board: Path, step: int, population: Population) -> list[tuple[l
 def pb2_explored(
     values: Mapping[str, Any], population: Population, member: int, step: int, override: Mapping[str, Any], total_steps: int
 ) -> tuple[dict[str, Any], str]:
-    """The donor's values explored by PB2: the numeric keys proposed by the GP bandit over the improvements posted so
-    far (tinker_exp/sweep/pb2.py), at the next boundary's time, then fitted into the space as `explored` does; a
-    choice explored as PBT does. With fewer than 2 improvements known (the first boundary): PBT's explore. Seeded by
-    (seed, member, step). Returns the values and a note for the log."""
+    """The donor's values explored by PB2; returns the values and a note for the log.
+
+    The numeric keys proposed by the GP bandit over the improvements posted so far (tinker_exp/sweep/pb2.py), at the
+    next boundary's time, then fitted into the space as `explored` does; a choice explored as PBT does. With fewer than
+    2 improvements known (the first boundary): PBT's explore. Seeded by (seed, member, step)."""
     import numpy as np
 
     from tinker_exp.sweep.pb2 import propose
@@ -423,8 +436,9 @@ def _column_override(column: Sequence[float]) -> Any:
 
 
 def realized_override(sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The override mapping whose plan sends exactly `sent` (one params dict per step, from step 0): each key a
-    constant or keyframes; betas as its two components."""
+    """The override mapping whose plan sends exactly `sent` (one params dict per step, from step 0).
+
+    Each key a constant or keyframes; betas as its two components."""
     if not sent:
         return {}
     out: dict[str, Any] = {}
@@ -476,9 +490,10 @@ def run_dir_of(checkpoint: Path) -> Path:
 
 
 def lineage_rows(run_dir: Path, until: int | None = None) -> list[dict[str, Any]]:
-    """The metrics rows of the member's lineage for steps < `until` (None: all it has): its last donor's lineage
-    before that exploit's step (recursively), then its own rows. An exploit at step s changes the steps >= s only: the
-    checkpoint a member posted at s holds what it trained before it exploited there."""
+    """The metrics rows of the member's lineage for steps < `until` (None: all it has).
+
+    Its last donor's lineage before that exploit's step (recursively), then its own rows. An exploit at step s changes
+    the steps >= s only: the checkpoint a member posted at s holds what it trained before it exploited there."""
     run_dir = Path(run_dir)
     rows = read_jsonl(run_dir / METRICS) if (run_dir / METRICS).exists() else []
     end = until if until is not None else (max((row["train/step"] for row in rows), default=-1) + 1)
@@ -514,11 +529,12 @@ def _short(value: Any) -> str:
 
 
 class Member(Judge):
-    """One member of a population inside its job, a judge of the loop: it wants a checkpoint at each boundary (an
-    evaluation step), then posts it and decides (`saved`): carry on, or load a donor's checkpoint with a new plan.
-    Before the first step a restarted member takes back its values and plan (`begin`); after the last it writes its
-    realized schedule (`end`). Its values live here; each plan is built by the same converter and checks as any
-    override."""
+    """One member of a population inside its job, a judge of the loop.
+
+    It wants a checkpoint at each boundary (an evaluation step), then posts it and decides (`saved`): carry on, or load
+    a donor's checkpoint with a new plan. Before the first step a restarted member takes back its values and plan
+    (`begin`); after the last it writes its realized schedule (`end`). Its values live here; each plan is built by the
+    same converter and checks as any override."""
 
     def __init__(self, population: Population, number: int, run_dir: Path, override: Mapping[str, Any],
                  optimizer_cfg: Any, total_steps: int, metric: str, sign: int = 1):  # fmt: skip
@@ -551,8 +567,10 @@ class Member(Judge):
 
     @classmethod
     def for_run(cls, cfg: Any, run_dir: Path, job_number: int | None, wandb_config: dict[str, Any]) -> "Member | None":
-        """The member this job is, with what being one changes in its run: every boundary checkpoint stays (other
-        members may load it), as any the user keeps; W&B's config names the member and its board."""
+        """The member this job is, with what being one changes in its run.
+
+        Every boundary checkpoint stays (other members may load it), as any the user keeps; W&B's config names the
+        member and its board."""
         member = cls.from_environment(cfg, run_dir, job_number, objective_metric(cfg))
         if member is not None:
             cfg.checkpoint.keep_every = math.gcd(cfg.checkpoint.keep_every, member.population.interval)
@@ -569,8 +587,10 @@ class Member(Judge):
         return self.population.is_boundary(steps_done, self.total_steps)
 
     def saved(self, steps_done: int, row: Mapping[str, Any], checkpoint: Path) -> Decision:
-        """At a boundary: post the score with the checkpoint saved at this step, decide, and on an exploit explore the
-        donor's values into a new plan; records the row of population.jsonl and override/realized.yaml. One log line."""
+        """At a boundary: post the score and checkpoint, decide, and on an exploit explore the donor's values.
+
+        The checkpoint is the one saved at this step; the explored values make a new plan. Records the row of
+        population.jsonl and override/realized.yaml. One log line."""
         score = float(row[self.metric])
         earlier = [r for r in population_rows(self.run_dir) if r["step"] < steps_done]
         start = None if not earlier else (  # what these steps trained from: the donor's post, or its own previous one
@@ -603,8 +623,10 @@ class Member(Judge):
         return turn
 
     def valid(self, base: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
-        """The explored values and their plan; where the plan's checks refuse them (e.g. warmup + decay past the end),
-        keys are given back the donor's values one at a time, in the space's order, until they pass."""
+        """The explored values and their plan, the donor's values given back key by key until the plan's checks pass.
+
+        Where the plan's checks refuse them (e.g. warmup + decay past the end), keys are given back the donor's values
+        one at a time, in the space's order, until they pass."""
         candidate = dict(new)
         for key in (None, *self.population.space):
             if key is not None:
@@ -616,9 +638,10 @@ class Member(Judge):
         raise AssertionError("the donor's own values must give a valid plan")
 
     def begin(self, start: StartPoint) -> Decision:
-        """A member restarted at its newest checkpoint: the values and plan population.jsonl says it had there, and the
-        donor's checkpoint when it exploited at that very step (its own there is from before). A boundary saved but
-        never decided (killed in between) is decided now."""
+        """A member restarted at its newest checkpoint: its values, plan and checkpoint there, as population.jsonl says.
+
+        The checkpoint is the donor's when it exploited at that very step (its own there is from before). A boundary
+        saved but never decided (killed in between) is decided now."""
         step, own_checkpoint = start.step, start.checkpoint.path if start.kind == "resume" and start.checkpoint else None
         if step == 0 or own_checkpoint is None:
             return continue_from(self.plan)

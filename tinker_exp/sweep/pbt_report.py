@@ -1,7 +1,8 @@
-"""The end of a PBT sweep: what each member came to, read back from its run dir, as a table (printed, summary.md,
-summary.jsonl), population_results.yaml (the best member, its values at the end, the command that replays it from
-step 0) and report.png (every member's objective over steps with its exploits, and each searched key's realized
-values over steps, per member).
+"""The end of a PBT sweep: what each member came to, read back from its run dir.
+
+As a table (printed, summary.md, summary.jsonl), population_results.yaml (the best member, its values at the end, the
+command that replays it from step 0) and report.png (every member's objective over steps with its exploits, and each
+searched key's realized values over steps, per member).
 
 What a member's run dir holds is the member side's (tinker_exp/sweep/pbt.py): population.jsonl (a row per
 boundary: its score, rank, the exploit it made or null, the values it went on with), override/realized.yaml and
@@ -79,8 +80,9 @@ def read_member(member: int, start: Mapping[str, Any], run_dir: Path, objective:
 
 
 def realized_of(run_dir: Path) -> dict[str, list[Any]]:
-    """What the member's lineage sent at every step, by the sent value's name (lr, weight_decay, beta1, ...):
-    the member side's `realized_values`; {} when a donor's run dir is gone or the member trained nothing."""
+    """What the member's lineage sent at every step, by the sent value's name (lr, weight_decay, beta1, ...).
+
+    The member side's `realized_values`; {} when a donor's run dir is gone or the member trained nothing."""
     from tinker_exp.sweep.pbt import realized_values
 
     try:
@@ -90,8 +92,10 @@ def realized_of(run_dir: Path) -> dict[str, list[Any]]:
 
 
 def sent_names(key: str) -> list[str]:
-    """The sent values a searched key sets: override.lr.value and override.lr.warmup_steps -> lr,
-    +override.weight_decay -> weight_decay, override.betas -> beta1, beta2."""
+    """The sent values a searched key sets.
+
+    override.lr.value and override.lr.warmup_steps -> lr, +override.weight_decay -> weight_decay, override.betas ->
+    beta1, beta2."""
     parts = key.lstrip("+~").split(".")
     name = parts[1] if len(parts) > 1 and parts[0] == "override" else parts[-1]
     return ["beta1", "beta2"] if name == "betas" else [name]
@@ -139,10 +143,12 @@ def write_summary(sweep_dir: Path, members: Sequence[Member]) -> Path:
 
 
 def replay_overrides(fixed: Sequence[str], override_in_defaults: bool) -> list[str]:
-    """The overrides that replay a member from its realized schedule: the sweep's fixed ones without any override
-    selection or override key (realized.yaml holds every value sent), then the realized file itself: `+override=`
-    adds the group; a preset that selects an override in its defaults (hparams_search=...) is overridden without +,
-    and, since a preset is a sweep with or without -m (its hydra.mode), hydra.mode=RUN makes the replay one run."""
+    """The overrides that replay a member from its realized schedule.
+
+    The sweep's fixed ones without any override selection or override key (realized.yaml holds every value sent), then
+    the realized file itself: `+override=` adds the group; a preset that selects an override in its defaults
+    (hparams_search=...) is overridden without +, and, since a preset is a sweep with or without -m (its hydra.mode),
+    hydra.mode=RUN makes the replay one run."""
     kept = [o for o in fixed if not _is_override(o)]
     selected = any(o.split("=", 1)[0] == "+override" for o in fixed)
     realized = f"override={REALIZED}" if override_in_defaults and not selected else f"+override={REALIZED}"
@@ -163,8 +169,10 @@ def replay_command(run_dir: str, overrides: Sequence[str]) -> str:
 
 def results(members: Sequence[Member], fixed: Sequence[str], population: int, interval: int,
             override_in_defaults: bool = False) -> dict[str, Any]:  # fmt: skip
-    """What population_results.yaml holds: the best member (its final objective, values at the end, run dir and
-    replay command), every member ranked with its exploits, and the failed ones with why."""
+    """What population_results.yaml holds.
+
+    The best member (its final objective, values at the end, run dir and replay command), every member ranked with its
+    exploits, and the failed ones with why."""
     ordered = ranked(members)
     best = ordered[0] if ordered and ordered[0].ok else None
     replay = replay_overrides(fixed, override_in_defaults)
@@ -210,12 +218,13 @@ def score_at(member: Member, step: int) -> float | None:
 
 
 def draw_report(members: Sequence[Member], log_scale: Mapping[str, bool], title: str) -> Figure | None:
-    """The objective panel (every member's evaluations; at each exploit an x on the member's curve at the boundary
-    and a thin dotted line from the donor's point there to the member's next evaluation, which continues the
-    donor's weights), then one panel per value the searched keys set (override.lr.value: the lr sent): each
-    member's lineage's realized value at every step (log scale for log dimensions; `log_scale`: searched key,
-    without +, -> a log dimension). Lines carry gids ("member 2", "exploit 2<-0@4") so that what is drawn can be read back.
-    None when no member logged an evaluation."""
+    """The figure of report.png: the objective panel, then one panel per value the searched keys set.
+
+    The objective panel: every member's evaluations; at each exploit an x on the member's curve at the boundary and a
+    thin dotted line from the donor's point there to the member's next evaluation, which continues the donor's weights.
+    A value's panel (override.lr.value: the lr sent): each member's lineage's realized value at every step (log scale
+    for log dimensions; `log_scale`: searched key, without +, -> a log dimension). Lines carry gids ("member 2",
+    "exploit 2<-0@4") so that what is drawn can be read back. None when no member logged an evaluation."""
     drawn = [m for m in members if objective_points(m)[0]]
     if not drawn:
         return None

@@ -31,10 +31,12 @@ recomputation (Korthikanti et al. 2022, the s*b*h term; flash attention drops th
 
 def auto_slots(configs: Sequence[Any], trials: int, swept: Iterable[str], at_most: int | None, free_mb: float | None,
                device: str) -> tuple[int, str]:  # fmt: skip
-    """(K, why) for hydra.launcher.slots=auto: K LoRA trials at once on one group, 1 (one trial a group, as with
-    slots=1) where the trials cannot share one. `configs`: the points known (a grid's every point; a study's base
-    point); `trials`: how many the sweep runs; `swept`: the keys it varies; `at_most`: hydra.launcher.max_parallel;
-    `free_mb`: memory free where the group lives (None: unknown); `device`: cpu or cuda, the workers'."""
+    """(K, why) for hydra.launcher.slots=auto: K LoRA trials at once on one group.
+
+    1 (one trial a group, as with slots=1) where the trials cannot share one. `configs`: the points known (a grid's
+    every point; a study's base point); `trials`: how many the sweep runs; `swept`: the keys it varies; `at_most`:
+    hydra.launcher.max_parallel; `free_mb`: memory free where the group lives (None: unknown); `device`: cpu or cuda,
+    the workers'."""
     if trials < 2:
         return 1, "one trial"
     for cfg in configs:
@@ -57,8 +59,10 @@ def auto_slots(configs: Sequence[Any], trials: int, swept: Iterable[str], at_mos
 
 
 def model_sizes(model: Any) -> tuple[int, int, int, int] | None:
-    """(hidden, intermediate, layers, vocab) of a run's model: the tiny model's config, or a local Hugging Face
-    dir's config.json; None where neither is at hand (a hub id not in a local dir)."""
+    """(hidden, intermediate, layers, vocab) of a run's model.
+
+    From the tiny model's config, or a local Hugging Face dir's config.json; None where neither is at hand (a hub id not
+    in a local dir)."""
     if model.path is None:
         return model.hidden_size, model.intermediate_size, model.num_layers, model.vocab_size
     config = Path(str(model.path)).expanduser() / "config.json"
@@ -70,10 +74,11 @@ def model_sizes(model: Any) -> tuple[int, int, int, int] | None:
 
 
 def slot_mb(cfg: Any, device: str) -> float | None:
-    """About what one slot adds to its group, in MiB: its adapters on every linear layer of each decoder layer (an
-    upper bound for fewer target modules) in fp32 with their gradients and AdamW's two moments, and its rows'
-    activations in a packed step (a micro batch's tokens through every layer, or only each layer's input with
-    backend.gradient_checkpointing, and their fp32 logits)."""
+    """About what one slot adds to its group, in MiB.
+
+    Its adapters on every linear layer of each decoder layer (an upper bound for fewer target modules) in fp32 with
+    their gradients and AdamW's two moments, and its rows' activations in a packed step (a micro batch's tokens through
+    every layer, or only each layer's input with backend.gradient_checkpointing, and their fp32 logits)."""
     sizes = model_sizes(cfg.model)
     if sizes is None:
         return None
@@ -100,8 +105,9 @@ def base_mb(cfg: Any, device: str) -> float | None:
 
 
 def varied_keys(points: Sequence[Sequence[str]]) -> set[str]:
-    """The keys whose values differ between a sweep's points (each a list of `key=value` overrides; a key one point
-    sets and another does not differs too)."""
+    """The keys whose values differ between a sweep's points.
+
+    Each point is a list of `key=value` overrides; a key one point sets and another does not differs too."""
     each = [dict((k.lstrip("+~"), v) for k, _, v in (o.partition("=") for o in overrides)) for overrides in points]
     keys = set().union(*each) if each else set()
     return {key for key in keys if len({point.get(key) for point in each}) > 1}

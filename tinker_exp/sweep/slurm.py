@@ -15,8 +15,10 @@ ACTIVE_STATES = {
 
 
 class Settling:
-    """When one job's ended-looking Slurm state can be believed: once it has held for `settle_s` (a requeued job
-    passes through PREEMPTED or FAILED on its way back to PENDING; submitit's own wait takes the first one)."""
+    """When one job's ended-looking Slurm state can be believed: once it has held for `settle_s`.
+
+    A requeued job passes through PREEMPTED or FAILED on its way back to PENDING; submitit's own wait takes the first
+    one."""
 
     def __init__(self, settle_s: float = 20.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.settle_s, self.clock = settle_s, clock
@@ -35,10 +37,11 @@ class Settling:
 
 
 class Verdicts:
-    """Jobs' verdicts: None once a job's result is written; else Slurm's end state, taken only once it has held for
-    `settle_s` (so a requeued job is waited for again rather than reported from a state it passed through on the
-    way). Settled side by side: asking for one job's looks at every job still undecided each poll (their states in
-    one call), so jobs that ended without a result settle together, not `settle_s` one after another."""
+    """Jobs' verdicts: None once a job's result is written; else Slurm's end state, once it has held for `settle_s`.
+
+    Held for `settle_s` so a requeued job is waited for again rather than reported from a state it passed through on the
+    way. Settled side by side: asking for one job's looks at every job still undecided each poll (their states in one
+    call), so jobs that ended without a result settle together, not `settle_s` one after another."""
 
     def __init__(
         self,
@@ -74,8 +77,10 @@ SLURM_CALL_TIMEOUT_S = 60.0
 
 
 def slurm_state(job_id: str, timeout_s: float = SLURM_CALL_TIMEOUT_S, env: Mapping[str, str] | None = None) -> str:
-    """The job's state: squeue's while the job is in the queue (a requeued job is PENDING there again, whatever
-    its last start ended with), else the accounting's: CANCELLED ("CANCELLED by 0" -> CANCELLED), TIMEOUT, ...
+    """The job's state: squeue's while the job is in the queue, else the accounting's.
+
+    A requeued job is PENDING in squeue again, whatever its last start ended with; the accounting's: CANCELLED
+    ("CANCELLED by 0" -> CANCELLED), TIMEOUT, ...
 
     UNKNOWN (an active state: asked again later) when a command fails or does not answer in time."""
     queued = _run(["squeue", "--noheader", "--jobs", job_id, "--format", "%T"], timeout_s, env)
@@ -89,8 +94,9 @@ def slurm_state(job_id: str, timeout_s: float = SLURM_CALL_TIMEOUT_S, env: Mappi
 
 
 def slurm_states(job_ids: Sequence[str], timeout_s: float = SLURM_CALL_TIMEOUT_S, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Each job's state as `slurm_state` tells it, for many jobs with one squeue call (and one sacct call for the
-    jobs no longer queued): what a sweeper waiting for any of its jobs asks at every poll."""
+    """Each job's state as `slurm_state` tells it, for many jobs with one squeue call.
+
+    One sacct call too for the jobs no longer queued: what a sweeper waiting for any of its jobs asks at every poll."""
     if not job_ids:
         return {}
     states = {job_id: "UNKNOWN" for job_id in job_ids}

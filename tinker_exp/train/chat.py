@@ -1,5 +1,6 @@
-"""Conversations -> token ids and loss mask through the tokenizer's own chat template. Pure Python: the tokenizer
-is passed in (any HF fast tokenizer).
+"""Conversations -> token ids and loss mask through the tokenizer's own chat template.
+
+Pure Python: the tokenizer is passed in (any HF fast tokenizer).
 
 The ids are the template's rendering of the whole conversation, tokenized: what ``apply_chat_template(messages)``
 gives. The mask is 1 on every assistant turn, from its content to its end-of-turn token included (the first

@@ -72,8 +72,9 @@ def _fsync(path: Path) -> None:
 
 
 def commit_save(tmp: Path, step: int, loop_state: dict[str, Any], hashes: bool = False, final: Path | None = None) -> Path:
-    """Write loop.json and the manifest (last), flush everything to disk, then rename into place (`final`: a folder
-    of another name than the step's, e.g. a served checkpoint's)."""
+    """Write loop.json and the manifest (last), flush everything to disk, then rename into place.
+
+    `final`: a folder of another name than the step's, e.g. a served checkpoint's."""
     (tmp / LOOP_STATE).write_text(json.dumps({"step": step, **loop_state}, indent=1) + "\n")
     manifest = {}
     for path in _files(tmp):
@@ -162,8 +163,9 @@ def step_of(checkpoint: Path) -> int:
 
 
 def rotate(root: Path, keep_last: int, keep_every: int = 0, keep: tuple[int, ...] = ()) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints (0: keep all), sparing every step that is a
-    multiple of `keep_every` (branch points) and the steps in `keep` (the best); returns what was deleted."""
+    """Delete all but the newest `keep_last` complete checkpoints (0: keep all); returns what was deleted.
+
+    Spared: every step that is a multiple of `keep_every` (branch points) and the steps in `keep` (the best)."""
     if keep_last <= 0:
         return []
     complete = [p for p in saved_steps(root) if (p / MANIFEST).is_file()]
@@ -189,9 +191,10 @@ def best_checkpoint(root: Path) -> dict[str, Any] | None:
 
 
 def check_checkpoint_device(point: ResumePoint, device: str) -> None:
-    """A checkpoint loads only on the device kind it was saved from: verl loads its shards without map_location
-    (cuda tensors on a CPU machine fail; CPU ones on GPUs would land beside the model). Checked before any worker
-    starts. Checkpoints from before the device was recorded are let through."""
+    """Refuse a checkpoint saved from another device kind, before any worker starts.
+
+    verl loads its shards without map_location (cuda tensors on a CPU machine fail; CPU ones on GPUs would land beside
+    the model). Checkpoints from before the device was recorded are let through."""
     saved = point.state.get("device")
     if saved is not None and saved != device:
         raise ConfigError(

@@ -126,8 +126,9 @@ def read_rows(path: Path, data: DataConfig, key: str = "data.path") -> list[Row]
 
 
 def split_rows(rows: list[Row], fraction: float, seed: int) -> tuple[list[Row], list[Row]]:
-    """(training rows, held-out rows), file order kept on both sides: round(fraction * distinct rows) distinct rows
-    picked by `seed`, each with all its copies, so no validation row is also a training row."""
+    """(training rows, held-out rows), file order kept on both sides; no validation row is also a training row.
+
+    round(fraction * distinct rows) distinct rows are picked by `seed`, each with all its copies."""
     keys = [row.identity for row in rows]
     distinct = list(dict.fromkeys(keys))
     held_out = set(random.Random(seed).sample(distinct, round(fraction * len(distinct))))
@@ -178,8 +179,10 @@ def _prompt_response_tokens(row: Row, tokenizer: Any) -> tuple[list[int], list[i
 
 
 def tokenize(rows: list[Row], tokenizer: Any, data: DataConfig, name: str = "training") -> Tokenized:
-    """The rows as examples: prompt/response joined by a newline (bos, eos added), messages through the tokenizer's
-    chat template; then data.truncation for rows longer than data.max_length. `name`: the set, in errors."""
+    """The rows as examples, then data.truncation for rows longer than data.max_length.
+
+    prompt/response joined by a newline (bos, eos added), messages through the tokenizer's chat template. `name`: the
+    set, in errors."""
     conversation, specials = next((row for row in rows if row.messages is not None), None), set()
     if conversation is not None:
         check_chat_tokenizer(tokenizer, conversation.where)
@@ -213,8 +216,9 @@ def tokenize(rows: list[Row], tokenizer: Any, data: DataConfig, name: str = "tra
 
 
 def eval_batches(examples: list[Example], batch_size: int) -> list[list[Example]]:
-    """The validation set in batches of the training batch size (so they split over the workers like training
-    batches); the last one is filled up with copies that carry no loss tokens."""
+    """The validation set in batches of the training batch size, so they split over the workers like training batches.
+
+    The last one is filled up with copies that carry no loss tokens."""
     batches = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
     filler = Example(examples[0].input_ids, [0] * len(examples[0].loss_mask))
     batches[-1] = batches[-1] + [filler] * (batch_size - len(batches[-1]))
@@ -238,8 +242,9 @@ def batch_for_step(examples: list[Example], step: int, batch_size: int, seed: in
 
 @dataclass(frozen=True)
 class DataFileBatches:
-    """The data file as a batch source (train/protocols.py `BatchSource`): step s's batch is `batch_for_step`'s, a
-    function of (examples, batch size, seed, s), so it keeps no state."""
+    """The data file as a batch source (train/protocols.py `BatchSource`); it keeps no state.
+
+    Step s's batch is `batch_for_step`'s, a function of (examples, batch size, seed, s)."""
 
     examples: list[Example]
     batch_size: int

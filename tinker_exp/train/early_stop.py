@@ -17,8 +17,10 @@ STATE = "watch"
 
 
 def check_early_stop(cfg: Config) -> None:
-    """Early stop counts evaluations: it needs validation data, and evaluations before the last step (patience
-    of them after the first, without improvement, stop the run; the evaluation after the last step stops nothing)."""
+    """Refuse early stop without validation data or evaluations before the last step.
+
+    Early stop counts evaluations: patience of them after the first, without improvement, stop the run; the evaluation
+    after the last step stops nothing."""
     trainer = cfg.trainer
     patience = trainer.early_stop.patience
     if not patience:
@@ -43,9 +45,11 @@ def check_early_stop(cfg: Config) -> None:
 
 
 class EarlyStop(Judge):
-    """The objective metric at each evaluation (lower is better; higher with objective_mode=max): the best so far and its step, and whether
-    `patience` evaluations in a row brought no improvement of at least `min_delta`. Its state goes into every
-    checkpoint, so a resumed run counts on."""
+    """Stop a run whose objective has not improved for `patience` evaluations in a row.
+
+    It follows the objective metric at each evaluation (lower is better; higher with objective_mode=max): the best so
+    far and its step, and whether `patience` evaluations in a row brought no improvement of at least `min_delta`. Its
+    state goes into every checkpoint, so a resumed run counts on."""
 
     def __init__(self, metric: str, patience: int, min_delta: float, sign: int = 1):
         self.metric, self.patience, self.min_delta = metric, patience, min_delta

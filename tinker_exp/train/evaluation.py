@@ -11,9 +11,11 @@ from tinker_exp.train.protocols import Workers
 
 
 def missing_evaluation_data(config: Any) -> str | None:
-    """What a run of `config` (typed or a DictConfig: trainer, data, env) lacks to be evaluated, or None: an RL run
-    (an env with prompts) is evaluated on its held-out prompts, any other run on validation data. One rule for every
-    search method that judges runs at evaluations (a study's pruner, a population's boundaries)."""
+    """What a run of `config` lacks to be evaluated, or None.
+
+    `config`: typed or a DictConfig (trainer, data, env). An RL run (an env with prompts) is evaluated on its held-out
+    prompts, any other run on validation data. One rule for every search method that judges runs at evaluations (a
+    study's pruner, a population's boundaries)."""
     env = getattr(config, "env", None)
     if getattr(env, "prompts", None) is not None:
         return None if env.eval_prompts is not None else "the env has no held-out prompts (env.eval_prompts)"
@@ -34,7 +36,9 @@ class Evaluation:
         return bool(self.every and steps_done % self.every == 0) or steps_done == self.total_steps
 
     def run(self, workers: Workers, steps_done: int | None = None) -> dict[str, Any]:
-        """verl's loss of a batch is its token-weighted mean NLL (sft_loss divides by the batch's loss tokens), so
+        """val/loss over every validation token, with the evaluation's token count and time.
+
+        verl's loss of a batch is its token-weighted mean NLL (sft_loss divides by the batch's loss tokens), so
         weighting each batch by its loss tokens gives the mean over every validation token, not a mean of means."""
         start = time.perf_counter()
         nll, tokens = 0.0, 0

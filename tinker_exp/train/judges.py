@@ -73,8 +73,9 @@ class Judge(Protocol):
     """What acts at an evaluation. Subclass it and override what you need: every hook's default does nothing."""
 
     def begin(self, start: StartPoint) -> Decision:
-        """Before the first step, the workers ready (a resume's checkpoint not yet loaded: a `continue_from` with a
-        checkpoint loads that one instead)."""
+        """Before the first step, the workers ready.
+
+        A resume's checkpoint is not yet loaded: a `continue_from` with a checkpoint loads that one instead."""
         return GO_ON
 
     def evaluated(self, steps_done: int, row: Mapping[str, Any]) -> Decision:

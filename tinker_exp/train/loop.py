@@ -119,10 +119,12 @@ def train(
 
 
 def follow(decision: Decision, workers: Workers, batches: BatchSource, plan: Plan, nonfinite_steps: int) -> tuple[Plan, int]:
-    """The plan and non-finite count after a judge's decision; its checkpoint, if any, loaded into the workers and
-    the batch source. A checkpoint is a run's whole state: an exploit continues the donor's run (its weights,
-    optimizer and RNG, and its batch source's state: an RL run's prompt cursor and sampler RNG) with a new plan, so
-    a member's lineage is one run whose plan changed, and its realized schedule replays it from step 0."""
+    """The plan and non-finite count after a judge's decision, its checkpoint (if any) loaded.
+
+    The checkpoint is loaded into the workers and the batch source. A checkpoint is a run's whole state: an exploit
+    continues the donor's run (its weights, optimizer and RNG, and its batch source's state: an RL run's prompt cursor
+    and sampler RNG) with a new plan, so a member's lineage is one run whose plan changed, and its realized schedule
+    replays it from step 0."""
     if decision.checkpoint is not None:
         restore(workers, decision.checkpoint)
         batches.restore(saved_loop_state(decision.checkpoint).get(BATCH_SOURCE, {}))

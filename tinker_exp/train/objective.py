@@ -32,8 +32,10 @@ def has_validation(cfg: Config) -> bool:
 
 
 def objective_metric(cfg: Config) -> str:
-    """trainer.objective, checked against what the run logs; by default val/loss (train/loss without validation),
-    for RL eval/reward (train/reward without held-out prompts). `cfg`: the typed config or a sweep's DictConfig."""
+    """trainer.objective, checked against what the run logs.
+
+    By default val/loss (train/loss without validation), for RL eval/reward (train/reward without held-out prompts).
+    `cfg`: the typed config or a sweep's DictConfig."""
     rl = getattr(cfg.env, "prompts", None) is not None
     logged = TRAIN_METRICS + (RL_TRAIN_METRICS if rl else ()) + (((RL_EVAL_METRICS if rl else VAL_METRICS)) if has_validation(cfg) else ())
     metric = cfg.trainer.objective or (
@@ -46,8 +48,10 @@ def objective_metric(cfg: Config) -> str:
 
 
 def maximised(metric: str, mode: str) -> bool:
-    """Whether a run's objective is maximised: with objective_mode=max, and with last on a reward (HIGHER_IS_BETTER);
-    never with min. Early stop, keep_best, a study's direction, a population's ranking and the summaries follow it."""
+    """Whether a run's objective is maximised: with objective_mode=max, and with last on a reward; never with min.
+
+    The rewards: HIGHER_IS_BETTER. Early stop, keep_best, a study's direction, a population's ranking and the summaries
+    follow it."""
     return mode == "max" or (mode == "last" and metric in HIGHER_IS_BETTER)
 
 
@@ -69,9 +73,10 @@ def write_objective(
     run_dir: Path, metric: str, mode: str, value: float | None, best: dict[str, Any] | None = None,
     steps: dict[str, Any] | None = None,
 ) -> None:  # fmt: skip
-    """Written when a run completed: what it returned (a study continued after a kill reads it back). `best`:
-    the kept best checkpoint (checkpoint.keep_best), its step, value and path. `steps`: steps trained and planned,
-    and pruned_at_step when its study's pruner stopped it."""
+    """Write objective.json when a run completed: what it returned.
+
+    A study continued after a kill reads it back. `best`: the kept best checkpoint (checkpoint.keep_best), its step,
+    value and path. `steps`: steps trained and planned, and pruned_at_step when its study's pruner stopped it."""
     doc = {"metric": metric, "mode": mode, "maximised": maximised(metric, mode), "value": value, **({"best_checkpoint": best} if best else {}), **(steps or {})}
     (run_dir / OBJECTIVE_FILE).write_text(json.dumps(doc) + "\n")
 
@@ -88,21 +93,24 @@ def read_run_end(run_dir: Path) -> dict[str, Any]:
 
 
 def was_maximised(end: Mapping[str, Any]) -> bool:
-    """Whether a run's objective was maximised, as its objective.json (`end`) says (a file from before "maximised":
-    its mode max): the summaries and report.png rank runs by it."""
+    """Whether a run's objective was maximised, as its objective.json (`end`) says.
+
+    A file from before "maximised": its mode max. The summaries and report.png rank runs by it."""
     return bool(end.get("maximised", end.get("mode") == "max"))
 
 
 def ranking_key(objective: float | None, higher: bool) -> float:
-    """Sort key of an objective, best first: lower, or higher when maximised; None (no objective) is the caller's to
-    put last."""
+    """Sort key of an objective, best first: lower, or higher when maximised.
+
+    None (no objective) is the caller's to put last."""
     return 0.0 if objective is None else (-objective if higher else objective)
 
 
 def came_to(rows: Sequence[dict[str, Any]]) -> str:
-    """What a run came to, in words (its last line, an RL run's report title): an RL run's reward first (its last
-    step's train/reward, its highest eval/reward over `rows`), not its policy-gradient loss; an SFT run's final
-    train and val loss."""
+    """What a run came to, in words (its last line, an RL run's report title).
+
+    An RL run's reward first (its last step's train/reward, its highest eval/reward over `rows`), not its
+    policy-gradient loss; an SFT run's final train and val loss."""
     last = rows[-1]
     if "train/reward" in last:
         evaluated = [row for row in rows if "eval/reward" in row]

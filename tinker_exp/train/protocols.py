@@ -1,5 +1,6 @@
-"""The seams of the training layer: what the loop needs from the workers and its batch source, and what it hands to
-sinks (what acts at an evaluation: train/judges.py).
+"""The seams of the training layer: what the loop needs from the workers and its batch source, and gives sinks.
+
+What acts at an evaluation: train/judges.py.
 
 The real ``Workers`` is ``tinker_exp.runtime.workers.TinkerWorkers`` (verl on Ray); tests stand in a fake to
 check the loop's bookkeeping without a Ray cluster.
@@ -38,8 +39,9 @@ class Workers(Protocol):
         ...
 
     def evaluate_batches(self, batches: Sequence[Sequence[Any]]) -> list[float]:
-        """`evaluate` of each batch, in one call: a slot's whole evaluation is one cycle of its group
-        (runtime/slots.py), not a cycle a batch."""
+        """`evaluate` of each batch, in one call.
+
+        A slot's whole evaluation is one cycle of its group (runtime/slots.py), not a cycle a batch."""
         ...
 
     def save_checkpoint(self, folder: Path, step: int) -> None: ...

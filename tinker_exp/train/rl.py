@@ -64,8 +64,9 @@ class Sampler(Protocol):
     def sample(self, prompt_ids: Sequence[int], n: int, max_new_tokens: int, temperature: float) -> list[Sampled]: ...
 
     def reference_log_probs(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float) -> list[list[float]]:
-        """Each response token's log-prob under the initial model (softmax(logits / temperature)), whatever weights
-        the sampler has loaded since."""
+        """Each response token's log-prob under the initial model (softmax(logits / temperature)).
+
+        Whatever weights the sampler has loaded since."""
         ...
 
     def rng_state(self) -> str: ...
@@ -98,8 +99,10 @@ class Exporting(Protocol):
 
 
 class Weights:
-    """The sampler's weights, loaded from the workers' export whenever their weights changed (an evaluation and the
-    next step share one export; a checkpoint a member loads mid-run is exported before its next batch)."""
+    """The sampler's weights, loaded from the workers' export whenever their weights changed.
+
+    An evaluation and the next step share one export; a checkpoint a member loads mid-run is exported before its next
+    batch."""
 
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
@@ -123,8 +126,9 @@ class Weights:
         self.loaded = ("workers", self.workers.weights_version)
 
     def load_step(self, step: int, tensors: Any) -> float:
-        """The weights the workers had at the start of optimizer step `step` (exported then) into the sampler,
-        unless it holds them; the load's time."""
+        """Load the weights the workers had at the start of optimizer step `step`; returns the load's time.
+
+        The weights were exported then; nothing is loaded when the sampler holds them already."""
         if self.loaded == ("step", step):
             return 0.0
         start = time.perf_counter()
@@ -136,8 +140,10 @@ class Weights:
 def sample_groups(
     weights: Weights, prompts: Sequence[Prompt], reward: Reward, rl: Any, max_new_tokens: int,
 ) -> tuple[list[Rollout], list[Any], dict[str, Any]]:  # fmt: skip
-    """Each prompt sampled rl.group_size times, rewarded, advantaged (rl.advantage within each group); the
-    rollouts, the (prompt, sample) pairs and what was measured."""
+    """Each prompt sampled rl.group_size times, rewarded and advantaged.
+
+    Advantages by rl.advantage within each group. Returns the rollouts, the (prompt, sample) pairs and what was
+    measured."""
     start = time.perf_counter()
     samples, rewards = [], []
     for prompt in prompts:
@@ -199,8 +205,9 @@ class SampledBatch:
     """What sampling it measured (rewards, lengths; its times are those of its first step only)."""
 
     def to_json(self) -> dict[str, Any]:
-        """Ints and floats only: Python floats round-trip exactly through JSON (repr), so a resumed run trains on
-        the same bits."""
+        """The batch as JSON: ints and floats only.
+
+        Python floats round-trip exactly through JSON (repr), so a resumed run trains on the same bits."""
         return {"first_step": self.first_step, "rollouts": [asdict(r) for r in self.rollouts], "measured": self.measured}
 
     @classmethod
@@ -209,9 +216,10 @@ class SampledBatch:
 
 
 class RLBatches:
-    """The BatchSource of an RL run (train/protocols.py). `rl.updates_per_batch` (K) optimizer steps per sampled
-    batch: a batch is sampled at each step that is a multiple of K (or when none is kept: a run branched from a
-    batch's end with another K), and kept for the steps up to the next multiple."""
+    """The BatchSource of an RL run (train/protocols.py), with `rl.updates_per_batch` (K) optimizer steps per batch.
+
+    A batch is sampled at each step that is a multiple of K (or when none is kept: a run branched from a batch's end
+    with another K), and kept for the steps up to the next multiple."""
 
     def __init__(self, prompts: Sequence[Prompt], weights: Weights, reward: Reward, rl: Any, max_new_tokens: int, seed: int):
         self.prompts, self.weights, self.reward = list(prompts), weights, reward
@@ -255,8 +263,9 @@ class RLBatches:
         return Batch(rollouts, {**row, **times, "train/update": 0})
 
     def state(self) -> dict[str, Any]:
-        """The prompt cursor and the sampler's random state; mid-batch (the next step trains on the kept batch),
-        the batch too."""
+        """The prompt cursor and the sampler's random state; mid-batch, the batch too.
+
+        Mid-batch: the next step trains on the kept batch."""
         state: dict[str, Any] = {"prompt_cursor": self.cursor, "sampler_rng": self.weights.sampler.rng_state()}
         if self.current is not None and self.next_step % self.rl.updates_per_batch:
             state["batch"] = self.current.to_json()
@@ -274,8 +283,9 @@ class RLBatches:
 
 
 class OffPolicyBatches(RLBatches):
-    """The BatchSource of an off-policy run (rl.max_steps_off_policy = k >= 1): a sampling thread in the driver
-    samples the next batches while the workers train on the current one.
+    """The BatchSource of an off-policy run (rl.max_steps_off_policy = k >= 1).
+
+    A sampling thread in the driver samples the next batches while the workers train on the current one.
 
     Step s's batch is sampled from the weights the workers had at the start of step v(s) = max(s - k, first), where
     `first` is the step the run (or a resume without batches in flight) started at: past its first k steps every
@@ -382,8 +392,9 @@ class OffPolicyBatches(RLBatches):
                 raise self._error
 
     def state(self) -> dict[str, Any]:
-        """The prompt cursor and the sampler's random state after the batches in flight, and those batches (each
-        with the step of the weights it was sampled from); what sampling them measured is kept with them."""
+        """The prompt cursor and the sampler's random state after the batches in flight, and those batches.
+
+        Each batch with the step of the weights it was sampled from; what sampling them measured is kept with them."""
         self._in_flight_through(self.next_step + self.k - 1)
         with self._changed, self.weights.lock:
             in_flight = [{"step": step, "batch": sampled.to_json(), "times": times}
@@ -391,8 +402,10 @@ class OffPolicyBatches(RLBatches):
             return {"prompt_cursor": self.cursor, "sampler_rng": self.weights.sampler.rng_state(), "in_flight": in_flight}
 
     def restore(self, state: Mapping[str, Any]) -> None:
-        """A checkpoint's state ({} at step 0): the thread stops (what it sampled is dropped) and starts again at the
-        next batch, after the batches in flight."""
+        """Take a checkpoint's state ({} at step 0).
+
+        The thread stops (what it sampled is dropped) and starts again at the next batch, after the batches in
+        flight."""
         self._stop_thread()
         self._exported, self._ready, self._next, self._error = {}, {}, None, None
         if state:
@@ -419,6 +432,7 @@ class OffPolicyBatches(RLBatches):
 
 class RLEvaluation:
     """Held-out prompts sampled every trainer.eval_every steps (and after the last): eval/reward, their mean reward.
+
     Seeded sampling at the run's temperature, from the same seed at every evaluation, so that two evaluations differ
     only by the weights; the training sampler's random state is left as it was."""
 

@@ -93,8 +93,10 @@ class Holder:
 
 
 def process_started(pid: int) -> int | None:
-    """The start time of a running process of this host (clock ticks since boot); None when there is none with this
-    pid, or it is a zombie (killed, not yet waited for). Off Linux (no /proc): 0 for any live pid."""
+    """The start time of a running process of this host (clock ticks since boot).
+
+    None when there is none with this pid, or it is a zombie (killed, not yet waited for). Off Linux (no /proc): 0 for
+    any live pid."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
@@ -202,8 +204,9 @@ class RunDirLock:
         raise RunDirInUse(f"{self.path.parent}: its lock kept changing hands; try again")
 
     def _wait_for_pool(self, holder: Holder) -> None:
-        """Until the pool training `holder`'s run (whose process is gone) has released the dir; RunDirInUse after
-        POOL_RELEASE_WAIT_S."""
+        """Wait until the pool training `holder`'s run (whose process is gone) has released the dir.
+
+        RunDirInUse after POOL_RELEASE_WAIT_S."""
         log.info(f"{self.path.parent}: its run (pid {holder.pid}) is gone, and the warm pool (pid {holder.pool_pid}) still "
                  "stops it there: waiting for the pool to release the dir")  # fmt: skip
         deadline = time.monotonic() + POOL_RELEASE_WAIT_S
@@ -225,8 +228,10 @@ class RunDirLock:
         return True
 
     def _remove_stale(self, judged: Holder | None) -> bool:
-        """Move the stale lock aside under a unique name (one contender's rename wins), and check that what was
-        moved is the lock judged (another contender may have taken it over in between: then it is put back)."""
+        """Move the stale lock aside under a unique name (one contender's rename wins), and check what was moved.
+
+        What was moved must be the lock judged: another contender may have taken it over in between, and then it is put
+        back."""
         aside = self.path.with_name(f"{LOCK_FILE}.stale.{self.me.token}")
         try:
             os.rename(self.path, aside)
@@ -273,9 +278,11 @@ class RunDirLock:
 
 @contextmanager
 def written_by_pool(run_dir: Path, client_pid: int | None) -> Iterator[None]:
-    """A warm pool's hold on a run dir its client locked: the lock says the pool (this process) writes into it, so a
-    rerun after a killed client waits for the pool instead of taking the dir over; at the end the pool's mark goes
-    (and the lock with it when the client is gone: no one else would remove it)."""
+    """A warm pool's hold on a run dir its client locked.
+
+    The lock says the pool (this process) writes into it, so a rerun after a killed client waits for the pool instead of
+    taking the dir over; at the end the pool's mark goes (and the lock with it when the client is gone: no one else
+    would remove it)."""
     path = run_dir / LOCK_FILE
     found = read_holder(path)
     holder = found[0] if found else None

@@ -1,5 +1,6 @@
-"""SIGTERM as an exception in the main thread, from the moment a job starts (Slurm may stop it while starting);
-Slurm's warning signals kept from Ray's processes."""
+"""SIGTERM as an exception in the main thread, from the moment a job starts; Slurm's warning signals kept from Ray.
+
+Slurm may stop a job while it is starting; its warning signals are kept from Ray's processes."""
 
 from __future__ import annotations
 
@@ -53,11 +54,12 @@ def sigterm_raises() -> Iterator[None]:
 
 @contextmanager
 def sigterm_as_ctrl_c() -> Iterator[None]:
-    """Within (the CLI's main thread): SIGTERM does what Ctrl-C would do at that moment (SIGINT's handler then: a
-    sweep notes Ctrl-C, or defers it around what must not be cut), once, and sets SIGTERM_RECEIVED: the process then
-    ends 143, not 130. A run's own `sigterm_raises` replaces it while the run trains; a sweep's process has none, and
-    would otherwise end at once, its trials in threads on slots with it (their run dirs' locks left, W&B runs not
-    finished). Ray's driver, started later in a thread, puts none of its own over it (runtime/ray_cluster.py
+    """Within (the CLI's main thread): SIGTERM does what Ctrl-C would do at that moment, once.
+
+    SIGINT's handler then: a sweep notes Ctrl-C, or defers it around what must not be cut. It sets SIGTERM_RECEIVED: the
+    process then ends 143, not 130. A run's own `sigterm_raises` replaces it while the run trains; a sweep's process has
+    none, and would otherwise end at once, its trials in threads on slots with it (their run dirs' locks left, W&B runs
+    not finished). Ray's driver, started later in a thread, puts none of its own over it (runtime/ray_cluster.py
     `start_ray`). Where Ctrl-C is ignored (a job started in the background), SIGTERM still raises KeyboardInterrupt."""
 
     def handler(signum: int, frame: Any) -> None:
@@ -82,8 +84,10 @@ def sigterm_as_ctrl_c() -> Iterator[None]:
 
 @contextmanager
 def sigterm_deferred() -> Iterator[None]:
-    """Within: a SIGTERM waits until the block is done, then acts as it would have, so what the block writes is
-    written whole (a row reaches every sink or none: the last row of a stopped run is in metrics.jsonl and W&B)."""
+    """Within: a SIGTERM waits until the block is done, then acts as it would have.
+
+    So what the block writes is written whole (a row reaches every sink or none: the last row of a stopped run is in
+    metrics.jsonl and W&B)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -120,8 +124,10 @@ the job. Slurm delivers them to every process of the job step, and SIGUSR2's def
 
 @contextmanager
 def ignored_by_children(signums: tuple[int, ...] = SIGNALS_FOR_THE_DRIVER) -> Iterator[None]:
-    """Within: these signals are ignored, so processes started meanwhile (Ray's GCS, raylet and, through them,
-    its workers) inherit SIG_IGN and outlive them; the driver's handlers are put back afterwards."""
+    """Within: these signals are ignored, so processes started meanwhile inherit SIG_IGN.
+
+    Those processes (Ray's GCS, raylet and, through them, its workers) outlive the signals; the driver's handlers are
+    put back afterwards."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -134,11 +140,12 @@ def ignored_by_children(signums: tuple[int, ...] = SIGNALS_FOR_THE_DRIVER) -> It
 
 
 def stop_if_terminated() -> None:
-    """Terminated, in the main thread, once SIGTERM has arrived: at a step's start, for a SIGTERM whose exception was
-    lost on its way (raised by the handler inside a library's own call that caught it). The handler ignores every
-    later SIGTERM (a second one must not cut the clean-up short), so such a run trained on to its end and exited 0
-    (seen once in CI: tests/test_train_e2e.py's SIGTERM test). Other threads (a pool's runs on slots) never stop so:
-    the flag is the main thread's run's."""
+    """Raise Terminated in the main thread once SIGTERM has arrived, at a step's start.
+
+    For a SIGTERM whose exception was lost on its way (raised by the handler inside a library's own call that caught
+    it). The handler ignores every later SIGTERM (a second one must not cut the clean-up short), so without this such a
+    run would train on to its end and exit 0. Other threads (a pool's runs on slots) never stop so: the flag is the main
+    thread's run's."""
     if SIGTERM_RECEIVED.is_set() and RAISING and threading.current_thread() is threading.main_thread():
         raise Terminated()
 

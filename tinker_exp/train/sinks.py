@@ -57,9 +57,10 @@ def keep_rows_before(path: Path, step: int) -> None:
 
 
 def end_wandb_service() -> None:
-    """W&B's service process (started by the first W&B run in this process) ended now, as W&B's exit hook would end
-    it: a process that ends its own children before it exits (a pool's, at its end) otherwise leaves that hook only
-    a traceback, its service gone. Nothing when no run here used W&B."""
+    """End W&B's service process now, as W&B's exit hook would end it; nothing when no run here used W&B.
+
+    The service is started by the first W&B run in this process. A process that ends its own children before it exits (a
+    pool's, at its end) otherwise leaves that hook only a traceback, its service gone."""
     wandb = sys.modules.get("wandb")
     if wandb is not None:
         try:
@@ -84,8 +85,9 @@ def wandb_environment(run_dir: Path, mode: str) -> dict[str, str]:
 
 
 def flat_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """{'a': {'b': [1, {'c': 2}]}} -> {'a.b.0': 1, 'a.b.1.c': 2}: every leaf under its dotted path, a list's items
-    under their index; an empty mapping or list stays a value ({'tags': []})."""
+    """Every leaf of a nested config under its dotted path, a list's items under their index.
+
+    {'a': {'b': [1, {'c': 2}]}} -> {'a.b.0': 1, 'a.b.1.c': 2}; an empty mapping or list stays a value ({'tags': []})."""
     flat: dict[str, Any] = {}
 
     def walk(value: Any, path: str) -> None:
@@ -104,9 +106,10 @@ def flat_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def wandb_run_config(resolved: Mapping[str, Any], plan: Plan, choices: Mapping[str, Any] | None, job: Any) -> dict[str, Any]:
-    """The W&B run config, one flat key per value (W&B's parallel coordinates, grouping and filters work on
-    keys): the resolved config with its override section as the plan uses it (`override_config`: a schedule's
-    kind and every parameter, defaults filled in; a plain value is a constant), Hydra's choices and the job."""
+    """The W&B run config, one flat key per value (W&B's parallel coordinates, grouping and filters work on keys).
+
+    The resolved config with its override section as the plan uses it (`override_config`: a schedule's kind and every
+    parameter, defaults filled in; a plain value is a constant), Hydra's choices and the job."""
     config = {key: value for key, value in resolved.items() if key != "override"}
     if plan.keys:
         config["override"] = override_config(plan)
@@ -120,9 +123,11 @@ WANDB_SUMMARY_ONLY = ("train/nonfinite_steps", "val/tokens")
 
 
 def summary_ops(objective: str, mode: str, rl: bool = False) -> dict[str, str]:
-    """What the W&B run's summary keeps of a metric (W&B's summary ops, comma-separated): an SFT run's val/loss its
-    lowest, as always; an RL run's rewards (train/reward, eval/reward) their highest and last, so the summary shows
-    the best evaluation; the run's objective (trainer.objective) also by its mode (min or max), beside its last."""
+    """What the W&B run's summary keeps of each metric (W&B's summary ops, comma-separated).
+
+    An SFT run's val/loss its lowest; an RL run's rewards (train/reward, eval/reward) their highest and last, so the
+    summary shows the best evaluation; the run's objective (trainer.objective) also by its mode (min or max), beside its
+    last."""
     ops = {"train/reward": "max,last", "eval/reward": "max,last"} if rl else {"val/loss": "min"}
     if mode in ("min", "max"):
         ops[objective] = ",".join(dict.fromkeys([mode, *ops.get(objective, "last").split(","), "last"]))
@@ -141,6 +146,7 @@ class WandbSink:
     def start(cls, logger_cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], name: str,
               summaries: Mapping[str, str] | None = None) -> "WandbSink | None":  # fmt: skip
         """Start a W&B run; on any failure warn and return None (training goes on, JSONL is complete).
+
         `summaries`: metric -> what the run's summary keeps of it (`summary_ops`).
 
         One W&B run id per run dir (kept in `wandb_run_id`): a run continued in the same dir (resume, a
@@ -184,8 +190,10 @@ class WandbSink:
             return None
 
     def attach_plan(self, header: list[str], rows: list[list], plot: Path | None) -> None:
-        """The override plan's table (in the run summary: a table in the history would chart its row and column
-        counts) and plot (an image, in the history once before step 0: a media panel, no chart)."""
+        """Attach the override plan's table (in the run summary) and plot (in the history, once before step 0).
+
+        The table goes in the summary: a table in the history would chart its row and column counts. The plot is an
+        image: a media panel, no chart."""
         import wandb
 
         self._call(self.run.summary.update, {"plan/table": wandb.Table(columns=header, data=rows)})
@@ -210,8 +218,9 @@ class WandbSink:
         self._call(self.run.finish, exit_code=exit_code)
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> None:
-        """W&B failing mid-run (its service killed, a full disk) warns once and stops the sink, never training:
-        metrics.jsonl holds every step either way."""
+        """Call W&B's `method`; W&B failing mid-run warns once and stops the sink, never training.
+
+        Its service killed, a full disk: metrics.jsonl holds every step either way."""
         if self.broken:
             return
         try:
@@ -249,8 +258,10 @@ class ProgressBar:
 
 
 def progress_fields(row: dict[str, Any], last_eval: float | None = None) -> dict[str, Any]:
-    """What the bar shows of a step, in order: an RL run's reward first (and `last_eval`, its latest eval/reward),
-    not its loss (a policy-gradient surrogate near 0); an SFT run's loss, as before."""
+    """What the progress bar shows of a step, in order.
+
+    An RL run's reward first (and `last_eval`, its latest eval/reward), not its loss (a policy-gradient surrogate near
+    0); an SFT run's loss."""
     lr = f"{row.get('applied/lr', float('nan')):.3g}"
     if "train/reward" in row:
         evaluated = {} if last_eval is None else {"eval_reward": f"{last_eval:.4f}"}
@@ -259,8 +270,10 @@ def progress_fields(row: dict[str, Any], last_eval: float | None = None) -> dict
 
 
 class Background:
-    """Work running in a thread at a lower CPU priority: the driver's own start-up work then takes only the CPU the
-    workers' start-up leaves (on a machine of few cores they would otherwise share it)."""
+    """Work running in a thread at a lower CPU priority.
+
+    The driver's own start-up work then takes only the CPU the workers' start-up leaves (on a machine of few cores they
+    would otherwise share it)."""
 
     def __init__(self, work: Callable[[], Any]):
         self.box: dict[str, Any] = {}
@@ -290,9 +303,10 @@ class Background:
 
 class StartingSink:
     """A sink that starts in the background (W&B's run, started beside the workers), so that no step waits for it.
-    Rows wait, in order, until it is there; the thread that started it then hands it the waiting rows. Closing
-    waits for it (at most 10 s when the run failed). A start that gave no sink (W&B warned and is left out) or
-    failed drops the rows."""
+
+    Rows wait, in order, until it is there; the thread that started it then hands it the waiting rows. Closing waits for
+    it (at most 10 s when the run failed). A start that gave no sink (W&B warned and is left out) or failed drops the
+    rows."""
 
     def __init__(self, start: Callable[[], Any]):
         self.lock = threading.Lock()

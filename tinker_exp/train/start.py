@@ -95,9 +95,10 @@ def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def differing(saved: Mapping[str, Any], now: Mapping[str, Any], compared: Any) -> list[str]:
-    """`key: saved -> now` for each key, selected by `compared(key)`, whose values differ. A key only one side has
-    counts (as None) under `override`, where keys come and go with the plan; elsewhere it is a key the schema gained
-    since the saved config was written, which then held its default."""
+    """`key: saved -> now` for each key, selected by `compared(key)`, whose values differ.
+
+    A key only one side has counts (as None) under `override`, where keys come and go with the plan; elsewhere it is a
+    key the schema gained since the saved config was written, which then held its default."""
     old, new = flat(saved), flat(now)
     both = lambda key: (key in old and key in new) or key.split(".")[0] == "override"  # noqa: E731
     keys = sorted(key for key in old.keys() | new.keys() if both(key) and compared(key))
@@ -129,8 +130,9 @@ def read_saved_config(run_dir: Path) -> dict[str, Any] | None:
 
 
 def start_point(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> StartPoint:
-    """Where this run starts; `resolved`: its config as config.yaml will hold it. Raises ConfigError (one line,
-    naming the keys) when the run dir or the trunk cannot start this config."""
+    """Where this run starts; `resolved`: its config as config.yaml will hold it.
+
+    Raises ConfigError (one line, naming the keys) when the run dir or the trunk cannot start this config."""
     own = resume_point(run_dir / cfg.checkpoint.dir, cfg.resume.value)  # a killed branch resumes from its own
     if own is not None:
         return resumed(cfg, resolved, run_dir, own)
@@ -140,8 +142,9 @@ def start_point(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> Star
 
 
 def _send_instead(changed: list[str], override: Any) -> str:
-    """For optimizer values an override can send (lr, betas, ...): how to change them in a branch, in the form the
-    branch's override takes (a key it schedules: the schedule's value; one it sets: itself; one it lacks: with +)."""
+    """How to change optimizer values an override can send (lr, betas, ...) in a branch, in its override's form.
+
+    A key the branch's override schedules: the schedule's value; one it sets: itself; one it lacks: with +."""
     from tinker_exp.optim.convert import OVERRIDE_KEYS
 
     keys = [key for key in dict.fromkeys(line.split(":")[0].split(".")[1] for line in changed if line.startswith("optimizer."))
@@ -216,8 +219,10 @@ def checkpoints_of(run_dir: Path, saved_config: Mapping[str, Any]) -> Path:
 
 
 def branch_step(run_dir: Path) -> int | None:
-    """The step a branch of `run_dir` starts at by default (its newest usable checkpoint), or None: it is no run dir,
-    has no usable checkpoint, or has one only at its last step (a branch would train nothing)."""
+    """The step a branch of `run_dir` starts at by default (its newest usable checkpoint), or None.
+
+    None: it is no run dir, has no usable checkpoint, or has one only at its last step (a branch would train
+    nothing)."""
     saved = read_saved_config(run_dir) if run_dir.is_dir() else None
     if saved is None:
         return None
