@@ -11,7 +11,10 @@ Who does what, so that nothing is run twice and nothing is lost:
 - only the sweep's own process fails a trial whose worker is gone (`lose`): its job ended (scancel, kill -9, node
   failure) or its heartbeat stopped; it enqueues a retry (a new trial number with the same values) that the next
   free worker takes first, and runs from the lost trial's newest checkpoint (`retry_start`: a branch of its run dir),
-  or from step 0 where it saved none.
+  or from step 0 where it saved none;
+- a worker that stops (its job requeued, cancelled) tells none of the trials it stopped and takes no new one: a
+  requeued worker takes its trials back (`resumed`); the trials of a sweep stopped by Ctrl-C are cut off and the
+  same command continues them, each at its point in its run dir (tinker_exp/sweep/study.py `continue_cut_off`).
 
 Work known up front (a PBT population's members) runs on the same machinery: each member is a trial enqueued in a
 ledger of the sweep's (`items_study`, a journal file in the sweep dir) with its number as the one parameter ITEM, so
@@ -31,14 +34,12 @@ from typing import Any, Callable, Iterator, Sequence
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from tinker_exp.sweep.study import finished, open_storage
+from tinker_exp.sweep.study import RETRY_OF, open_storage, settled  # noqa: F401 (RETRY_OF, settled: the workers' names too)
 
 WORKER_ATTR = "worker"
 """A running trial's system attribute: the Slurm job id of the worker that runs it."""
 SEEN_ATTR = "worker_seen"
 """A running trial's system attribute: when its worker last said it is alive (time.time())."""
-RETRY_OF = "retry_of"
-"""A retry's user attribute: the number of the lost trial it runs again."""
 ASK_LOCK = "optuna.ask"
 """In the sweep dir: the lock file (`<this>.lock`) that makes a worker's check-and-ask one step."""
 HEARTBEAT_S = 5.0
@@ -54,17 +55,6 @@ ITEM = "item"
 """A work item's one parameter in a ledger of work known up front (`items_study`): its number (a member's)."""
 ITEMS_JOURNAL = "items.journal"
 """In the sweep dir: the ledger of work items (a population's members), one Optuna study per launch of the sweep."""
-
-
-def retried(trials: Sequence[FrozenTrial]) -> set[int]:
-    """Numbers of the lost trials that a retry runs again."""
-    return {t.user_attrs[RETRY_OF] for t in trials if RETRY_OF in t.user_attrs}
-
-
-def settled(study: optuna.Study) -> list[FrozenTrial]:
-    """Finished trials that count towards n_trials: complete, pruned, or failed and not retried."""
-    again = retried(study.get_trials(deepcopy=False))
-    return [t for t in finished(study) if t.number not in again]
 
 
 def retries_before(trials: Sequence[FrozenTrial], trial: FrozenTrial) -> int:
@@ -140,11 +130,13 @@ def work(
     worker: str,
     sweep_dir: Path,
     wait_s: float = WAIT_S,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> int:
     """A worker's life: take a trial, run it (`run` tells the study what it came to), until the study has its
-    n_trials. Returns how many trials this worker ran."""
+    n_trials, or until the worker is `stopping` (requeued, cancelled: it takes no new trial). Returns how many trials
+    this worker ran."""
     ran = 0
-    while True:
+    while not stopping():
         trial = take(study, n_trials, ask, worker, sweep_dir)
         if trial is None:
             return ran
@@ -154,6 +146,7 @@ def work(
         with Heartbeat(trial):
             run(trial)
         ran += 1
+    return ran
 
 
 def retry_start(study: optuna.Study, trial: Any) -> list[str]:
