@@ -374,15 +374,14 @@ def run_workers(launcher: SweepLauncher, study: Any, worker: "StudyWorker", coun
     the study has its n_trials (a population's ledger: its members). A trial whose worker is gone (its job ended, or
     not seen for STALE_S) is failed and retried here (tinker_exp.sweep.workers.lose; `label` names it in the line).
     Every worker ended: the study stops where it is (the same command continues it). Ctrl-C (or any error): the
-    running trials failed (cut off), then every worker job cancelled (one scancel). `who`, `what`: the line that
-    names the jobs."""
-    import optuna
-
+    running trials failed (cut off) and no new one asked (`stop_workers`), then every worker job cancelled (one
+    scancel). `who`, `what`: the line that names the jobs."""
     from hydra_plugins.tinker_exp_plugins.launchers import POLL_S, cancel, sigint_deferred
     from tinker_exp.sweep.slurm import ACTIVE_STATES, Settling, slurm_states
     from tinker_exp.sweep.study import finished, running
-    from tinker_exp.sweep.workers import lose, lost, settled
+    from tinker_exp.sweep.workers import STOPPED_ATTR, lose, lost, settled, stop_workers
 
+    study._storage.set_study_system_attr(study._study_id, STOPPED_ATTR, False)  # a continued study's workers ask again
     jobs = launcher.submit_workers(worker, count)
     ids = [job.job_id for job in jobs]
     log.info(f"{who}: {count} Slurm jobs ({', '.join(ids)}), {what}")
@@ -415,14 +414,7 @@ def run_workers(launcher: SweepLauncher, study: Any, worker: "StudyWorker", coun
                 time.sleep(POLL_S)
             workers_ended(jobs)
         except BaseException as e:
-            # Cut off: failed without an error (the same command continues them), before the workers are cancelled: a
-            # trial whose workers die of the scancel fails with an error its worker can no longer record. A retry or
-            # continuation not started stays WAITING: the same command's workers run it first.
-            for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-                try:
-                    study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL)
-                except optuna.exceptions.UpdateFinishedTrialError:
-                    pass  # told by its worker just now
+            stop_workers(study, sweep_dir)  # the running trials cut off, no new one asked; then the workers cancelled
             cancel(jobs)
             if isinstance(e, KeyboardInterrupt) and not str(e):
                 raise KeyboardInterrupt(continue_line(str(sweep_dir))) from None
@@ -558,7 +550,10 @@ class StudyWorker:
                     return
             try:
                 tell(study, trial, ret)
-            except optuna.exceptions.UpdateFinishedTrialError:  # the sweep took this worker for lost meanwhile
+            except (optuna.exceptions.UpdateFinishedTrialError, ValueError):  # Optuna's "Cannot tell a FAIL trial" too
+                if not study._storage.get_trial(trial._trial_id).state.is_finished():
+                    raise
+                # the sweep failed it meanwhile: lost (retried), or cut off by the sweep's stop (continued)
                 said.warning(f"{self.who} {worker}: {name} was failed by the sweep meanwhile (lost, or cut off by its stop)")
 
         def trials_of(taken_back: list[Any]) -> int:

@@ -13,8 +13,10 @@ Who does what, so that nothing is run twice and nothing is lost:
   free worker takes first, and runs from the lost trial's newest checkpoint (`retry_start`: a branch of its run dir),
   or from step 0 where it saved none;
 - a worker that stops (its job requeued, cancelled) tells none of the trials it stopped and takes no new one: a
-  requeued worker takes its trials back (`resumed`); the trials of a sweep stopped by Ctrl-C are cut off and the
-  same command continues them, each at its point in its run dir (tinker_exp/sweep/study.py `continue_cut_off`).
+  requeued worker takes its trials back (`resumed`);
+- a sweep that stops (Ctrl-C, SIGTERM) fails its running trials, cut off, and marks the study stopped before it
+  cancels its workers (`stop_workers`: none asks a trial after that), and the same command continues those trials,
+  each at its point in its run dir (tinker_exp/sweep/study.py `continue_cut_off`).
 
 Work known up front (a PBT population's members) runs on the same machinery: each member is a trial enqueued in a
 ledger of the sweep's (`items_study`, a journal file in the sweep dir) with its number as the one parameter ITEM, so
@@ -51,6 +53,9 @@ MAX_RETRIES = 2
 """Times a lost trial is run again: a trial that kills its worker each time (out of memory) stops after these."""
 WAIT_S = 2.0
 """How often an idle worker looks again while the last trials run elsewhere (one of them may be lost and retried)."""
+STOPPED_ATTR = "sweep_stopped"
+"""The study's system attribute, True while its sweep is stopped (Ctrl-C, SIGTERM, an error): a worker asks no trial
+then (`take`); it lives on until Slurm kills it, KillWait after the scancel. Set False as a sweep submits its workers."""
 ITEM = "item"
 """A work item's one parameter in a ledger of work known up front (`items_study`): its number (a member's)."""
 ITEMS_JOURNAL = "items.journal"
@@ -82,12 +87,13 @@ def ask_lock(sweep_dir: Path) -> Iterator[None]:
 
 def take(study: optuna.Study, n_trials: int, ask: Callable[[], optuna.Trial], worker: str, sweep_dir: Path) -> optuna.Trial | None | bool:
     """The next trial for this worker (a retry waiting first, else a new one), marked as its; None when the study has
-    its n_trials (the worker may end); False when every trial still wanted runs elsewhere (look again later)."""
+    its n_trials or its sweep has stopped (the worker may end); False when every trial still wanted runs elsewhere
+    (look again later)."""
     with ask_lock(sweep_dir):
         trials = study.get_trials(deepcopy=False)
         done, running = len(settled(study)), [t for t in trials if t.state == TrialState.RUNNING]
         waiting = any(t.state == TrialState.WAITING for t in trials)
-        if done >= n_trials:
+        if done >= n_trials or study._storage.get_study_system_attrs(study._study_id).get(STOPPED_ATTR):
             return None
         if not waiting and done + len(running) >= n_trials:
             return False
@@ -147,6 +153,20 @@ def work(
             run(trial)
         ran += 1
     return ran
+
+
+def stop_workers(study: optuna.Study, sweep_dir: Path) -> None:
+    """The sweep stops (Ctrl-C, SIGTERM, an error) before it cancels its workers: under the ask lock, the study marked
+    stopped (a worker asks no trial after it, `take`) and every running trial failed without an error (cut off: the
+    same command continues it), so that a trial whose training dies of the scancel is not told a failure of its
+    own (its worker's tell is refused). A retry or continuation not started stays WAITING."""
+    with ask_lock(sweep_dir):
+        study._storage.set_study_system_attr(study._study_id, STOPPED_ATTR, True)
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            try:
+                study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # told by its worker just now
 
 
 def retry_start(study: optuna.Study, trial: Any) -> list[str]:
