@@ -125,7 +125,8 @@ def test_a_killed_study_is_continued_from_its_storage_and_run_dirs(tmp_path):
     finite value -> failed with why (its own failure, counted); cut off (no objective.json) -> failed, and its point
     enqueued again as a new trial that runs as its job (the same overrides and run dir, its intermediate values
     carried) and is asked before any new one. The cut-off trial counts neither towards n_trials nor as a failure of
-    the study's; its continuation does once it ends. Recovering again enqueues nothing twice."""
+    the study's once its continuation runs; the continuation counts once it ends. Recovering again enqueues nothing
+    twice."""
     from tinker_exp.sweep.study import CONTINUES, JOB, settled, trial_point
 
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
@@ -160,8 +161,8 @@ def test_a_killed_study_is_continued_from_its_storage_and_run_dirs(tmp_path):
     summary = results(continued, storage)
     assert summary["n_trials"] == 3 and summary["best_value"] == 1.5 and summary["best_trial"] == 1
     assert summary["best_run_dir"] == str(tmp_path / "1") and summary["best_overrides"] == trials[1].user_attrs["overrides"]
-    # trial 2 has a continuation: no failure of the study's; trial 3's is its own
-    assert [(f["trial"], f["error"]) for f in summary["failed"]] == [(3, "the run returned no finite objective (None)")]
+    # trial 3's failure is its own; trial 2's point is cut off until its continuation runs (then it is no failure)
+    assert [(f["trial"], f["error"]) for f in summary["failed"]] == [(2, CUT_OFF), (3, "the run returned no finite objective (None)")]
     assert recover(continued) == ["trial 4: waiting (continues cut-off trial 2); run first"]  # nothing enqueued twice
     assert len(continued.trials) == 5
 

@@ -468,9 +468,10 @@ def settled(study: optuna.Study) -> list[FrozenTrial]:
 
 
 def superseded(trials: Sequence[FrozenTrial]) -> set[int]:
-    """Cut-off trials that another trial continues: not a row of their own in the summary (their point's is the
-    trial that continued them), though the storage keeps them as they ended."""
-    return {t.number for t in trials if cut_off(t)} & continued(trials)
+    """Cut-off trials that another trial continues (asked: a continuation still waiting, as when n_trials was lowered,
+    leaves the cut-off trial its point's row): not a row of their own in the summary (their point's is the trial that
+    continued them), though the storage keeps them as they ended."""
+    return {t.number for t in trials if cut_off(t)} & continued([t for t in trials if t.state != TrialState.WAITING])
 
 
 def continue_cut_off(study: optuna.Study) -> list[str]:
