@@ -251,11 +251,12 @@ class OptunaSweeper(Sweeper):
         return min(self.n_jobs, self.jobs.capacity(self.config) or self.n_jobs)
 
     def _run_trials(self, study: Any, space: dict[str, Any], fixed: list[str], shown: str) -> None:
-        """Keep `_at_once()` trials running until n_trials have finished and count (`settled`): as soon as one ends
-        (completes, fails or is pruned) it is told and the next one asked and started, so no slot waits for a slower
-        trial. Trials waiting (a cut-off trial's continuation) are asked first. Ctrl-C (or any error): the running
-        trials' jobs are cancelled and the trials failed (cut off: the same command continues them), then it is
-        raised."""
+        """Keep `_at_once()` trials running until n_trials have finished and count (`settled`).
+
+        As soon as one ends (completes, fails or is pruned) it is told and the next one asked and started, so no slot
+        waits for a slower trial. Trials waiting (a cut-off trial's continuation) are asked first. Ctrl-C (or any
+        error): the running trials' jobs are cancelled and the trials failed (cut off: the same command continues
+        them), then it is raised."""
         import optuna
 
         from tinker_exp.sweep.study import finished, settled, trial_point
@@ -318,10 +319,11 @@ class OptunaSweeper(Sweeper):
         finished_line(study, study._storage.get_trial(trial._trial_id))
 
     def _stop_cut_off_jobs(self, study: Any) -> None:
-        """Slurm jobs of trials a killed study left running, not completed, are cancelled: those trials are
-        marked failed, cut off, and continued in their run dirs (`recover`), where nothing of theirs may run on; so
-        the study goes on once those jobs have left the queue (bounded: a run still holding its run dir then refuses
-        its continuation with why)."""
+        """Cancel the Slurm jobs of trials a killed study left running, not completed, and wait for them to leave.
+
+        Those trials are marked failed, cut off, and continued in their run dirs (`recover`), where nothing of theirs
+        may run on; so the study goes on once those jobs have left the queue (bounded: a run still holding its run
+        dir then refuses its continuation with why)."""
         from tinker_exp.sweep.slurm import LEAVE_QUEUE_S, left_queue
         from tinker_exp.sweep.study import running, trial_run_dir
 
@@ -337,9 +339,10 @@ class OptunaSweeper(Sweeper):
                 log.warning(f"Slurm jobs {', '.join(still)} still in the queue {LEAVE_QUEUE_S:.0f} s after their scancel; check squeue")
 
     def _write_summary(self, study: Any, sweep_dir: Path) -> None:
-        """summary.md/jsonl and report.png over every trial of the study (a continued study's earlier ones too),
-        each labelled by its searched values; a cut-off trial that another continued is no row of its own (its point's
-        row is the continuation's, in the same run dir)."""
+        """summary.md/jsonl and report.png over every trial of the study, each labelled by its searched values.
+
+        A continued study's earlier trials too; a cut-off trial that another continued is no row of its own (its
+        point's row is the continuation's, in the same run dir)."""
         from optuna.trial import TrialState
 
         from tinker_exp.sweep.study import CONTINUES, job_number, superseded, trial_error, trial_label, trial_run_dir
@@ -370,12 +373,13 @@ class OptunaSweeper(Sweeper):
 
 def run_workers(launcher: SweepLauncher, study: Any, worker: "StudyWorker", count: int, n_trials: int, sweep_dir: Path,
                 say: Callable[[Any], None], who: str, what: str, label: Callable[[Any], str] | None = None) -> None:  # fmt: skip
-    """Submit `count` worker jobs (one sbatch) and wait, saying each trial's end as the storage shows it (`say`), until
-    the study has its n_trials (a population's ledger: its members). A trial whose worker is gone (its job ended, or
-    not seen for STALE_S) is failed and retried here (tinker_exp.sweep.workers.lose; `label` names it in the line).
-    Every worker ended: the study stops where it is (the same command continues it). Ctrl-C (or any error): the
-    running trials failed (cut off) and no new one asked (`stop_workers`), then every worker job cancelled (one
-    scancel). `who`, `what`: the line that names the jobs."""
+    """Submit `count` worker jobs (one sbatch) and wait until the study has its n_trials, saying each trial's end.
+
+    Each trial's end as the storage shows it (`say`), until the study has its n_trials (a population's ledger: its
+    members). A trial whose worker is gone (its job ended, or not seen for STALE_S) is failed and retried here
+    (tinker_exp.sweep.workers.lose; `label` names it in the line). Every worker ended: the study stops where it is (the
+    same command continues it). Ctrl-C (or any error): the running trials failed (cut off) and no new one asked
+    (`stop_workers`), then every worker job cancelled (one scancel). `who`, `what`: the line that names the jobs."""
     from hydra_plugins.tinker_exp_plugins.launchers import POLL_S, cancel, sigint_deferred
     from tinker_exp.sweep.slurm import ACTIVE_STATES, Settling, slurm_states
     from tinker_exp.sweep.study import finished, running
@@ -594,9 +598,11 @@ class StudyWorker:
         return study.ask(self.space)
 
     def point(self, study: Any, trial: Any) -> tuple[list[str], int, str]:
-        """(the overrides the trial runs with, its job number, its name in lines): a retry starts where the lost
-        trial left off (`retry_start`); job number = trial number, but for a cut-off trial's continuation, which runs
-        as that trial's job, with its overrides (`trial_point`: it resumes in its run dir)."""
+        """(the overrides the trial runs with, its job number, its name in lines).
+
+        A retry starts where the lost trial left off (`retry_start`); job number = trial number, but for a cut-off
+        trial's continuation, which runs as that trial's job, with its overrides (`trial_point`: it resumes in its run
+        dir)."""
         from tinker_exp.sweep.study import trial_point
         from tinker_exp.sweep.workers import retry_start
 
@@ -634,9 +640,11 @@ class StudyWorker:
 
 
 def slot_return(job: Any, overrides: list[str], stopping: bool) -> JobReturn | None:
-    """What a worker's trial on a slot came to (its JobReturn); None when it has none because its worker is stopping
-    (the job requeued at its time limit, or cancelled): the trial is not told, so it stays RUNNING under the worker's
-    job id, for the requeued worker to take back (`resumed`) or the sweep to record cut off."""
+    """What a worker's trial on a slot came to (its JobReturn); None when its worker's stop cut it off.
+
+    The worker stops when its job is requeued at its time limit, or cancelled: the trial is not told, so it stays
+    RUNNING under the worker's job id, for the requeued worker to take back (`resumed`) or the sweep to record cut
+    off."""
     if job.ret is not None:
         return job.ret
     if stopping:

@@ -76,8 +76,10 @@ class RunInfo:
 
     @property
     def ended_early(self) -> str:
-        """" (stopped after N of M steps)" for a run that logged steps and ended before its last without completing
-        (killed, cut off by its sweep's stop, failed): its curves end short, and its label says why; "" otherwise."""
+        """What its label adds when it did not complete: " (stopped after N of M steps)", else "".
+
+        A run that logged steps and ended before its last without completing (killed, cut off by its sweep's stop,
+        failed): its curves end short, and its label says why."""
         steps = self.settings.get("trainer.steps", "")
         if self.completed or not self.rows or not steps.isdigit():
             return ""
@@ -170,8 +172,8 @@ def _short(value: Any) -> str:
 def label_runs(runs: Sequence[RunInfo]) -> None:
     """Each run's label: what differs between the runs. The command-line overrides first (a run without one
     shows its config's value); where they leave runs alike, every config key that differs; where even that
-    does, the run dir. One run: its overrides, else its schedules. A run that did not complete says where it
-    stopped (`ended_early`)."""
+    does, the run dir. One run: its overrides, else its schedules. A run that did not complete says where it stopped
+    (`ended_early`)."""
     if len(runs) == 1:
         run = runs[0]
         shown = [f"{key}={_short(value)}" if sep else key
@@ -579,8 +581,10 @@ def _wrap(text: str, width: int) -> str:
 
 
 def write_report(runs: Sequence[tuple[str, Path]], path: Path, title: str, completed: bool | None = None) -> Path | None:
-    """`runs`: (name, run dir); the name ("job 3", "" for none) leads the run's label. None when no run logged
-    a step. `completed`: True from a run that has just ended by its own rule, before its objective.json is written."""
+    """report.png of `runs` ((name, run dir); the name, "job 3" or "" for none, leads the run's label) at `path`.
+
+    None when no run logged a step. `completed`: True from a run that has just ended by its own rule, before its
+    objective.json is written."""
     fig = draw_report([read_run(run_dir, name, completed) for name, run_dir in runs], title)
     if fig is None:
         return None

@@ -141,9 +141,10 @@ def left_queue(
     job_ids: Sequence[str], wait_s: float = LEAVE_QUEUE_S, poll_s: float = 1.0, states_of: Callable[[list[str]], dict[str, str]] | None = None,
     clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
 ) -> list[str]:  # fmt: skip
-    """Wait, bounded, until the jobs are no longer active in Slurm (a cancelled job's processes take SIGTERM and stop
-    within Slurm's KillWait): those still active after `wait_s` (none: every one has left; a state Slurm does not
-    tell counts as left)."""
+    """Wait, bounded, until the jobs are no longer active in Slurm; those still active after `wait_s`.
+
+    A cancelled job's processes take SIGTERM and stop within Slurm's KillWait. None returned: every one has left (a
+    state Slurm does not tell counts as left)."""
     deadline = clock() + wait_s
     while True:
         states = (states_of or slurm_states)(list(job_ids))

@@ -449,8 +449,9 @@ def job_number(trial: FrozenTrial | optuna.Trial) -> int:
 
 
 def cut_off(trial: FrozenTrial) -> bool:
-    """Failed without an error of its own: the study stopped while it ran (Ctrl-C, SIGTERM, a kill); a continued
-    study runs its point again (`continue_cut_off`)."""
+    """Whether the trial failed without an error of its own: the study stopped while it ran.
+
+    Ctrl-C, SIGTERM or a kill of the study's process; a continued study runs its point again (`continue_cut_off`)."""
     return trial.state == TrialState.FAIL and "error" not in trial.user_attrs
 
 
@@ -460,25 +461,28 @@ def continued(trials: Sequence[FrozenTrial]) -> set[int]:
 
 
 def settled(study: optuna.Study) -> list[FrozenTrial]:
-    """Finished trials that count towards n_trials: complete, pruned, or failed of their own (an error); not one cut
-    off by the study's stop (its point runs again), nor a lost one that was retried (its retry counts)."""
+    """Finished trials that count towards n_trials: complete, pruned, or failed of their own (an error).
+
+    Not one cut off by the study's stop (its point runs again), nor a lost one that was retried (its retry counts)."""
     trials = study.get_trials(deepcopy=False)
     again = {t.user_attrs[RETRY_OF] for t in trials if RETRY_OF in t.user_attrs}
     return [t for t in finished(study) if t.number not in again and not cut_off(t)]
 
 
 def superseded(trials: Sequence[FrozenTrial]) -> set[int]:
-    """Cut-off trials that another trial continues (asked: a continuation still waiting, as when n_trials was lowered,
-    leaves the cut-off trial its point's row): not a row of their own in the summary (their point's is the trial that
-    continued them), though the storage keeps them as they ended."""
+    """Cut-off trials that an asked trial continues: no row of their own in the summary, the continuation has it.
+
+    The storage keeps them as they ended. A continuation still waiting (n_trials lowered since) leaves the cut-off
+    trial its point's row."""
     return {t.number for t in trials if cut_off(t)} & continued([t for t in trials if t.state != TrialState.WAITING])
 
 
 def continue_cut_off(study: optuna.Study) -> list[str]:
-    """Each cut-off trial not continued yet: a new trial enqueued at the same point (asked before any new one), that
-    runs as the cut-off trial's job (the same overrides, the same run dir, so it resumes from the checkpoint kept
-    there, else from step 0) and carries its intermediate values (a pruner judges the run's whole history). One
-    line each."""
+    """Enqueue each cut-off trial not continued yet at its point again; one line each.
+
+    The new trial is asked before any new one and runs as the cut-off trial's job: the same overrides, the same run
+    dir, so it resumes from the checkpoint kept there, else from step 0. It carries the cut-off trial's intermediate
+    values (a pruner judges the run's whole history)."""
     from tinker_exp.train.start import branch_step
 
     trials = study.get_trials(deepcopy=False)
@@ -499,16 +503,18 @@ def continue_cut_off(study: optuna.Study) -> list[str]:
 
 
 def trial_of_job(trials: Sequence[FrozenTrial], number: int) -> FrozenTrial:
-    """The trial job `number` runs for: the newest trial running as that job (a cut-off trial's continuation), else
-    the trial of that number."""
+    """The trial job `number` runs for: the newest trial running as that job, else the trial of that number.
+
+    A trial running as another trial's job is a cut-off trial's continuation."""
     of_job = [t for t in trials if job_number(t) == number]
     return next((t for t in reversed(of_job) if t.state == TrialState.RUNNING), None) or next(t for t in trials if t.number == number)
 
 
 def trial_point(trial: FrozenTrial | optuna.Trial, fixed: Sequence[str]) -> tuple[list[str], int]:
-    """(the overrides a trial runs with, its job number): a continuation's are its cut-off trial's, as that one
-    started (the same point, resumed in its run dir); any other trial's, its params after the fixed overrides, as job
-    number its own."""
+    """(the overrides a trial runs with, its job number).
+
+    A continuation's are its cut-off trial's, as that one started (the same point, resumed in its run dir); any other
+    trial's, its params after the fixed overrides, its own number as job number."""
     if CONTINUES in trial.user_attrs and "overrides" in trial.user_attrs:
         return list(trial.user_attrs["overrides"]), job_number(trial)
     return trial_overrides(fixed, trial.params), job_number(trial)
@@ -530,12 +536,13 @@ def trial_error(trial: FrozenTrial) -> str | None:
 
 
 def recover(study: optuna.Study, keep_waiting: bool = False) -> list[str]:
-    """Trials a killed study left RUNNING: recorded from their run dirs when the run completed meanwhile (failed
-    with why when it returned no finite objective), else failed (cut off). Then every cut-off trial (these, and
-    those a stopped study failed) is continued: its point enqueued again, to run in its run dir
-    (`continue_cut_off`). Returns one line per trial, for the log. Trials left WAITING: a continuation stays (it is
-    asked first); a lost trial's retry (enqueued by study workers, not run yet) is kept for the study's workers to
-    run first (`keep_waiting`), else failed (a job-per-trial study runs no retries)."""
+    """Record what a killed or stopped study left unfinished, and continue its cut-off trials; one line per trial.
+
+    Trials left RUNNING: recorded from their run dirs when the run completed meanwhile (failed with why when it
+    returned no finite objective), else failed (cut off). Then every cut-off trial (these, and those a stopped study
+    failed) is continued: its point enqueued again, to run in its run dir (`continue_cut_off`). Trials left WAITING:
+    a continuation stays (it is asked first); a lost trial's retry (enqueued by study workers, not run yet) is kept
+    for the study's workers to run first (`keep_waiting`), else failed (a job-per-trial study runs no retries)."""
     lines = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
         if CONTINUES in trial.user_attrs:
@@ -577,9 +584,11 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
 
 
 def results(study: optuna.Study, storage: str) -> dict[str, Any]:
-    """What optimization_results.yaml holds: the best trial (params, value, the overrides that reproduce it,
-    its run dir), every pruned trial with where it stopped, every failed trial with why (not a cut-off one that a
-    later trial continued), the trials that count towards n_trials, and the steps trained."""
+    """What optimization_results.yaml holds.
+
+    The best trial (params, value, the overrides that reproduce it, its run dir), every pruned trial with where it
+    stopped, every failed trial with why (not a cut-off one that a later trial continued), the trials that count
+    towards n_trials, and the steps trained."""
     best = best_trial(study)
     gone = superseded(study.get_trials(deepcopy=False))
     failed = [t for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)) if t.number not in gone]
@@ -623,12 +632,14 @@ def steps_line(summary: Mapping[str, Any]) -> str:
 
 
 class TrialReport(Judge):
-    """Inside a study's job, the judge of its trial (the job's number's: `trial_of_job`, a cut-off trial's continuation
-    where one runs) in the study's storage: after each evaluation it reports the objective metric at the row's
-    train/step and stops the run when the pruner says so (the checkpoint there records `pruned`); a resumed trial
-    reports to the same trial (a step reported before is ignored by Optuna). The forecast pruner is told the objective
-    (metric, mode) and the run dir; what it says without pruning goes to the job's log whenever it says something
-    other than its numbers (no law yet, no forecast and why, ...)."""
+    """Inside a study's job, the judge of its trial in the study's storage: reports each evaluation, stops when pruned.
+
+    Its trial is the job number's (`trial_of_job`: a cut-off trial's continuation where one runs). After each
+    evaluation it reports the objective metric at the row's train/step and stops the run when the pruner says so (the
+    checkpoint there records `pruned`); a resumed trial reports to the same trial (a step reported before is ignored
+    by Optuna). The forecast pruner is told the objective (metric, mode) and the run dir; what it says without
+    pruning goes to the job's log whenever it says something other than its numbers (no law yet, no forecast and
+    why, ...)."""
 
     def __init__(self, metric: str, storage: str, study_name: str, number: int, pruner: str, pruner_args: Mapping[str, Any],
                  mode: str = "last", run_dir: Path | None = None):  # fmt: skip

@@ -54,8 +54,10 @@ MAX_RETRIES = 2
 WAIT_S = 2.0
 """How often an idle worker looks again while the last trials run elsewhere (one of them may be lost and retried)."""
 STOPPED_ATTR = "sweep_stopped"
-"""The study's system attribute, True while its sweep is stopped (Ctrl-C, SIGTERM, an error): a worker asks no trial
-then (`take`); it lives on until Slurm kills it, KillWait after the scancel. Set False as a sweep submits its workers."""
+"""The study's system attribute, True while its sweep is stopped (Ctrl-C, SIGTERM, an error): no worker asks a trial.
+
+A worker lives on until Slurm kills it, KillWait after the scancel (`take` asks nothing then). Set False as a sweep
+submits its workers."""
 ITEM = "item"
 """A work item's one parameter in a ledger of work known up front (`items_study`): its number (a member's)."""
 ITEMS_JOURNAL = "items.journal"
@@ -86,9 +88,10 @@ def ask_lock(sweep_dir: Path) -> Iterator[None]:
 
 
 def take(study: optuna.Study, n_trials: int, ask: Callable[[], optuna.Trial], worker: str, sweep_dir: Path) -> optuna.Trial | None | bool:
-    """The next trial for this worker (a retry waiting first, else a new one), marked as its; None when the study has
-    its n_trials or its sweep has stopped (the worker may end); False when every trial still wanted runs elsewhere
-    (look again later)."""
+    """The next trial for this worker (a retry waiting first, else a new one), marked as its.
+
+    None when the study has its n_trials or its sweep has stopped (the worker may end); False when every trial still
+    wanted runs elsewhere (look again later)."""
     with ask_lock(sweep_dir):
         trials = study.get_trials(deepcopy=False)
         done, running = len(settled(study)), [t for t in trials if t.state == TrialState.RUNNING]
@@ -138,9 +141,9 @@ def work(
     wait_s: float = WAIT_S,
     stopping: Callable[[], bool] = lambda: False,
 ) -> int:
-    """A worker's life: take a trial, run it (`run` tells the study what it came to), until the study has its
-    n_trials, or until the worker is `stopping` (requeued, cancelled: it takes no new trial). Returns how many trials
-    this worker ran."""
+    """A worker's life: take a trial, run it (`run` tells the study what it came to); how many trials it ran.
+
+    Until the study has its n_trials, or until the worker is `stopping` (requeued, cancelled: it takes no new trial)."""
     ran = 0
     while not stopping():
         trial = take(study, n_trials, ask, worker, sweep_dir)
@@ -156,10 +159,12 @@ def work(
 
 
 def stop_workers(study: optuna.Study, sweep_dir: Path) -> None:
-    """The sweep stops (Ctrl-C, SIGTERM, an error) before it cancels its workers: under the ask lock, the study marked
-    stopped (a worker asks no trial after it, `take`) and every running trial failed without an error (cut off: the
-    same command continues it), so that a trial whose training dies of the scancel is not told a failure of its
-    own (its worker's tell is refused). A retry or continuation not started stays WAITING."""
+    """Mark the study stopped and cut its running trials off, before the sweep cancels its workers.
+
+    Under the ask lock: the study marked stopped (a worker asks no trial after it, `take`) and every running trial
+    failed without an error (cut off: the same command continues it), so that a trial whose training dies of the
+    scancel is not told a failure of its own (its worker's tell is refused). A retry or continuation not started
+    stays WAITING."""
     with ask_lock(sweep_dir):
         study._storage.set_study_system_attr(study._study_id, STOPPED_ATTR, True)
         for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
