@@ -208,6 +208,22 @@ def test_a_sweeps_best_job_by_its_objective_is_drawn_thick_and_named(tmp_path):
     assert legend(draw_report([read_run(sweep / str(n), f"job {n}") for n in range(3)], "s"))[2] == "best: job 2: override=constant -> 4"
 
 
+def test_a_run_that_did_not_complete_is_labelled_where_it_stopped(tmp_path):
+    """A run that logged steps but ended before its last without completing (no objective.json: killed, cut off by its
+    study's stop, failed) says so in its label, as many steps done as it logged of trainer.steps; a run that completed
+    (objective.json), also one that stopped early by its own rule (pruned, early stop: fewer steps), says nothing; a
+    run's own report, drawn as it ends and before its objective.json, neither."""
+    sweep = tmp_path / "study"
+    make_run(sweep / "0", ["optimizer.lr=0.001"], (5.0,) * 8, objective=("val/loss", "last", 4.9), num=0)
+    make_run(sweep / "1", ["optimizer.lr=0.002"], (5.0, 4.8, 4.7), config="trainer:\n  steps: 8\n", num=1)
+    make_run(sweep / "2", ["optimizer.lr=0.003"], (5.0, 4.9), objective=("val/loss", "last", 5.1), config="trainer:\n  steps: 8\n", num=2)
+    fig = draw_report([read_run(sweep / str(n), f"trial {n}" + (" (pruned after 2 steps)" if n == 2 else "")) for n in range(3)], "study")
+    assert legend(fig) == ["best: trial 0: optimizer.lr=0.001 -> 4.9", "trial 1: optimizer.lr=0.002 (stopped after 3 of 8 steps)",
+                           "trial 2 (pruned after 2 steps): optimizer.lr=0.003 -> 5.1"]  # fmt: skip
+    assert legend(draw_report([read_run(sweep / "1")], "run")) == ["optimizer.lr=0.002 (stopped after 3 of 8 steps)"]
+    assert legend(draw_report([read_run(sweep / "1", completed=True)], "run")) == ["optimizer.lr=0.002"]
+
+
 def test_runs_judged_by_different_objectives_are_not_ranked(tmp_path):
     a = make_run(tmp_path / "a", ["trainer.objective=train/loss"], objective=("train/loss", "last", 1.0))
     b = make_run(tmp_path / "b", ["trainer.objective=val/loss"], objective=("val/loss", "last", 2.0))
@@ -223,7 +239,7 @@ def test_runs_are_labelled_by_what_differs_between_them(tmp_path):
 
     # A key one run set and another did not: the other shows its config's value; what all share is left out.
     short = make_run(tmp_path / "short", ["+override=lr_cosine", "trainer.steps=4", "optimizer.lr=0.0012345678"])
-    default = make_run(tmp_path / "default", ["+override=lr_cosine"], config="trainer:\n  steps: 10\noptimizer:\n  lr: 0.001\n")
+    default = make_run(tmp_path / "default", ["+override=lr_cosine"], losses=(5.0,) * 10, config="trainer:\n  steps: 10\noptimizer:\n  lr: 0.001\n")
     assert labels(short, default) == ["trainer.steps=4 optimizer.lr=0.00123", "trainer.steps=10 optimizer.lr=0.001"]
     # The same overrides: the config keys that differ (not the W&B names a sweep gives every job).
     a = make_run(tmp_path / "a", ["+override=lr_cosine"], config="data:\n  seed: 1\nlogger:\n  run_name: a\n")
@@ -433,7 +449,8 @@ def test_the_command_draws_runs_of_different_sweeps_together(tmp_path, capsys):
         for n, name in enumerate(("lr_cosine", "lr_wsd")):
             make_run(outputs / "sweeps" / "2026-12-01" / sweep / str(n), [f"+override={name}", f"trainer.steps={steps}"],
                      losses=(5.0,) * steps, objective=("val/loss", "last", 4 + n + steps / 10), num=n)  # fmt: skip
-    single = make_run(outputs / "runs" / "2026-12-01" / "10-00-00-000001", ["+override=lr_cosine"], config="trainer:\n  steps: 10\n")
+    single = make_run(outputs / "runs" / "2026-12-01" / "10-00-00-000001", ["+override=lr_cosine"], losses=(5.0,) * 10,
+                      config="trainer:\n  steps: 10\n")
     out = tmp_path / "together.png"
     paths = [outputs / "sweeps" / "2026-12-01" / "08-00-00", outputs / "sweeps" / "2026-12-01" / "09-00-00" / "1", single]
     assert command.main([*map(str, paths), "-o", str(out)]) == 0

@@ -121,8 +121,14 @@ def test_a_pruner_judges_an_rl_run_on_its_held_out_prompts_and_needs_them():
 
 
 def test_a_killed_study_is_continued_from_its_storage_and_run_dirs(tmp_path):
-    """Trials left RUNNING: completed meanwhile (objective.json in the run dir) -> told its value; cut off (no
-    objective.json) or without a finite value -> failed. None stays running; the best is the storage's minimum."""
+    """Trials left RUNNING: completed meanwhile (objective.json in the run dir) -> told its value; completed without a
+    finite value -> failed with why (its own failure, counted); cut off (no objective.json) -> failed, and its point
+    enqueued again as a new trial that runs as its job (the same overrides and run dir, its intermediate values
+    carried) and is asked before any new one. The cut-off trial counts neither towards n_trials nor as a failure of
+    the study's once its continuation runs; the continuation counts once it ends. Recovering again enqueues nothing
+    twice."""
+    from tinker_exp.sweep.study import CONTINUES, JOB, settled, trial_point
+
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     study = optuna.create_study(study_name="s", storage=storage)
     space = {"x": FloatDistribution(0.0, 1.0)}
@@ -130,7 +136,8 @@ def test_a_killed_study_is_continued_from_its_storage_and_run_dirs(tmp_path):
     for trial in trials:
         (tmp_path / str(trial.number)).mkdir()
         trial.set_user_attr("run_dir", str(tmp_path / str(trial.number)))
-        trial.set_user_attr("overrides", [f"x={trial.params['x']!r}"])
+        trial.set_user_attr("overrides", ["fixed=1", f"x={trial.params['x']!r}"])
+    trials[2].report(3.5, 1)  # an evaluation before it was cut off
     study.tell(trials[0], 2.0)
     write_objective(tmp_path / "1", "val/loss", "last", 1.5)  # finished while the study was down
     write_objective(tmp_path / "3", "val/loss", "last", None)  # completed without a value: a failure
@@ -138,15 +145,61 @@ def test_a_killed_study_is_continued_from_its_storage_and_run_dirs(tmp_path):
 
     continued = optuna.load_study(study_name="s", storage=storage)
     lines = recover(continued)
-    assert [t.state for t in continued.trials] == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.FAIL, TrialState.FAIL]
+    states = [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.FAIL, TrialState.FAIL, TrialState.WAITING]
+    assert [t.state for t in continued.trials] == states
     assert continued.trials[1].value == 1.5 and read_objective(tmp_path / "1") == 1.5
-    assert "trial 1: completed while the study was down" in lines[0] and "trial 2: cut off" in lines[1]
+    assert lines == [
+        f"trial 1: completed while the study was down: 1.5 ({tmp_path / '1'})",
+        f"trial 2: cut off while the study was down ({tmp_path / '2'})",
+        f"trial 3: completed while the study was down without a finite objective: failed ({tmp_path / '3'})",
+        f"trial 2 (cut off): continued as trial 4 at the same point, in {tmp_path / '2'} from step 0 (no checkpoint kept)",
+    ]
+    again = continued.trials[4]
+    assert again.intermediate_values == {1: 3.5}  # its params are fixed when it is asked (below)
+    assert again.user_attrs == {CONTINUES: 2, JOB: 2, "overrides": trials[2].user_attrs["overrides"], "run_dir": str(tmp_path / "2")}
+    assert [t.number for t in settled(continued)] == [0, 1, 3]  # the cut-off trial 2 does not count
     summary = results(continued, storage)
-    values = [t.value for t in optuna.load_study(study_name="s", storage=storage).trials if t.value is not None]
-    assert summary["best_value"] == min(values) == 1.5 and summary["best_trial"] == 1
+    assert summary["n_trials"] == 3 and summary["best_value"] == 1.5 and summary["best_trial"] == 1
     assert summary["best_run_dir"] == str(tmp_path / "1") and summary["best_overrides"] == trials[1].user_attrs["overrides"]
-    assert [(f["trial"], f["error"]) for f in summary["failed"]] == [(2, CUT_OFF), (3, CUT_OFF)]
-    assert recover(continued) == []  # nothing left running
+    # trial 3's failure is its own; trial 2's point is cut off until its continuation runs (then it is no failure)
+    assert [(f["trial"], f["error"]) for f in summary["failed"]] == [(2, CUT_OFF), (3, "the run returned no finite objective (None)")]
+    assert recover(continued) == ["trial 4: waiting (continues cut-off trial 2); run first"]  # nothing enqueued twice
+    assert len(continued.trials) == 5
+
+    asked = continued.ask(space)  # waiting: asked first, as the same job with the cut-off trial's overrides
+    assert asked.number == 4 and asked.params == trials[2].params
+    assert trial_point(asked, ["fixed=2"]) == (trials[2].user_attrs["overrides"], 2)
+    assert trial_point(continued.ask(space), ["fixed=2"])[1] == 5  # a new trial: its own job, the fixed overrides now
+    continued.tell(asked, 1.0)
+    summary = results(continued, storage)
+    assert summary["n_trials"] == 4 and summary["best_trial"] == 4 and [f["trial"] for f in summary["failed"]] == [3]
+
+
+def test_a_continuation_cut_off_again_is_continued_as_the_same_job_and_a_job_reports_to_the_trial_it_runs(tmp_path):
+    """A continuation cut off in its turn: continued again, as the first trial's job (its run dir), the newest
+    continuing the one before. Inside the job, TrialReport (pruning) reports to the trial that runs as the job now,
+    not to the cut-off one of its number; that trial's history holds the earlier evaluations too."""
+    from tinker_exp.sweep.study import CONTINUES, JOB, TrialReport, continue_cut_off, superseded, trial_of_job
+
+    url = f"journal://{tmp_path / 'optuna.journal'}"
+    study = optuna.create_study(study_name="s", storage=open_storage(url))
+    space = {"x": FloatDistribution(0.0, 1.0)}
+    first = study.ask(space)
+    first.report(4.0, 0)
+    study.tell(first, state=TrialState.FAIL)  # Ctrl-C: cut off
+    assert continue_cut_off(study)[0].startswith("trial 0 (cut off): continued as trial 1 at the same point")
+    second = study.ask(space)
+    study.tell(second, state=TrialState.FAIL)  # cut off again
+    continue_cut_off(study)
+    third = study.ask(space)
+    frozen = study.trials
+    assert (frozen[1].user_attrs[CONTINUES], frozen[1].user_attrs[JOB]) == (0, 0)
+    assert (frozen[2].user_attrs[CONTINUES], frozen[2].user_attrs[JOB]) == (1, 0) and third.params == first.params
+    assert superseded(frozen) == {0, 1} and trial_of_job(frozen, 0).number == 2
+    report = TrialReport("val/loss", url, "s", 0, "median", {})
+    assert report.trial.number == 2 and report.number == 2
+    assert report.seen(1, {"train/step": 1, "val/loss": 3.0}) is False
+    assert study.trials[2].intermediate_values == {0: 4.0, 1: 3.0} and study.trials[0].intermediate_values == {0: 4.0}
 
 
 def test_a_study_of_an_earlier_version_keeps_its_sqlite_file_a_new_one_gets_a_journal(tmp_path):
@@ -447,7 +500,7 @@ STUDY = [
     "-m", "hydra/sweeper=optuna", "hydra/launcher=local", "+override=lr_cosine", "trainer.steps=3",
     "trainer.batch_size=4", "logger=none", "checkpoint.every_steps=1", "backend.num_workers=1",  # 2 trials at a time
     "override.lr.value=tag(log,interval(1e-4,3e-3))", "override.lr.warmup_steps=int(interval(0,2))",
-    "hydra.sweeper.n_trials=6", "hydra.sweeper.n_jobs=2",
+    "hydra.sweeper.n_trials=5", "hydra.sweeper.n_jobs=2",
 ]  # fmt: skip
 
 
@@ -459,10 +512,13 @@ def started_and_told(log_text: str) -> tuple[dict[int, int], set[int]]:
 
 def test_a_study_killed_while_trials_run_continues_with_the_same_command(ray_address, tmp_path):
     """SIGKILL of the submitting process while two trials a < b (after the first two) run; a's job finishes
-    meanwhile, b's is killed too (a node lost). The same command continues: a recorded from its run dir, b failed,
-    none run again, new trials in new run dirs (never resuming another trial's checkpoint), 5 of 6 completed. With
+    meanwhile, b's is killed too (a node lost). The same command continues: a recorded from its run dir, b failed (cut
+    off) and its point run first as a new trial in b's run dir (as job b: from its newest checkpoint, each step once),
+    none run twice, new trials in new run dirs (never resuming another trial's checkpoint), 5 of 5 completed. With
     CMA-ES (the study's one real non-default sampler: random until 2 trials ended, then its generations, kept in
-    the storage: trial 3 on)."""
+    the storage: trial 3 on, but for the continuation, whose point is b's)."""
+    from tinker_exp.sweep.study import CONTINUES, job_number
+
     sweep = tmp_path / "study"
     sampler = ["hydra.sweeper.sampler=cmaes", "hydra.sweeper.n_startup_trials=2"]
     command = [sys.executable, "-m", "tinker_exp", *STUDY, *sampler, f"hydra.sweep.dir={sweep}"]
@@ -496,71 +552,123 @@ def test_a_study_killed_while_trials_run_continues_with_the_same_command(ray_add
     psutil.wait_procs([psutil.Process(started[a])] if psutil.pid_exists(started[a]) else [], timeout=300)
     assert read_objective(sweep / str(a)) is not None and read_objective(sweep / str(b)) is None
     before = {n: job_json(sweep / str(n)) for n in started}
+    kept = latest(sweep / str(b) / "checkpoints") if (sweep / str(b) / "checkpoints").is_dir() else None
 
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = result.stdout + result.stderr  # Hydra logs to stdout
     assert result.returncode == 0, out[-3000:]
     assert f"trial {a}: completed while the study was down" in out
-    assert f"trial {b}: cut off while the study was down: failed" in out
-    assert sorted(started_and_told(out)[0]) == list(range(b + 1, 6))  # nothing run twice
+    assert f"trial {b}: cut off while the study was down ({sweep / str(b)})" in out
+    assert f"trial {b} (cut off): continued as trial {b + 1} at the same point, in {sweep / str(b)} from " in out
+    assert sorted(started_and_told(out)[0]) == [b, *range(b + 2, 6)]  # b's point first (as job b), then new trials; none twice
     trials = storage_trials(sweep)
     assert [t.state for t in trials] == [TrialState.FAIL if t.number == b else TrialState.COMPLETE for t in trials]
     assert len(trials) == 6 and trials[a].value == read_objective(sweep / str(a))
-    assert "sampler cmaes" in log.read_text() and all(any(k.startswith("cma:") for k in t.system_attrs) for t in trials[3:])
+    assert trials[b + 1].params == trials[b].params and trials[b + 1].user_attrs[CONTINUES] == b
+    assert "sampler cmaes" in log.read_text()
+    assert all(any(k.startswith("cma:") for k in t.system_attrs) for t in trials[3:] if CONTINUES not in t.user_attrs)
     for trial in trials:
-        run_dir = sweep / str(trial.number)
+        run_dir = sweep / str(job_number(trial))
         assert trial.user_attrs["run_dir"] == str(run_dir)
-        if trial.number in before:
+        if trial.number in before and trial.number != b:
             assert job_json(run_dir) == before[trial.number]  # not started again
-        if trial.state == TrialState.COMPLETE:  # its own run from step 0: no other trial's checkpoint
+        if trial.state == TrialState.COMPLETE:  # its own run, no other trial's checkpoint; b's, resumed: each step once
             rows = read_jsonl(run_dir / "metrics.jsonl")
             assert [row["train/step"] for row in rows] == [0, 1, 2] and rows[-1]["val/loss"] == trial.value
-            assert job_json(run_dir)["num"] == trial.number
+            assert job_json(run_dir)["num"] == job_number(trial)
             assert f"override.lr.value={trial.params['override.lr.value']!r}" in job_json(run_dir)["overrides"]
+    assert not (sweep / str(b + 1)).exists()  # the continuation trained in b's run dir
+    if kept is not None and kept.step < 3:  # b had saved a checkpoint before it was killed: its point resumed there
+        assert f"resuming from {kept.path} at step {kept.step}" in (sweep / str(b) / "tinker_exp.log").read_text()
     values = [t.value for t in trials if t.state == TrialState.COMPLETE]
     saved = OmegaConf.load(sweep / "optimization_results.yaml")
-    assert saved.best_value == min(values) and saved.n_complete == 5 and saved.n_trials == 6
+    assert saved.best_value == min(values) and saved.n_complete == 5 and saved.n_trials == 5
     best = min((t for t in trials if t.value is not None), key=lambda t: t.value)
     assert saved.best_trial == best.number and f"best trial {best.number}: {best.value:.6g}" in out
-    assert [f.trial for f in saved.failed] == [b] and f"failed trial {b}" in out
+    assert list(saved.failed) == [] and "failed trial" not in out
     assert [row["num"] for row in read_jsonl(sweep / "summary.jsonl")][0] == best.number
     assert math.isfinite(best.value) and (sweep / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_ctrl_c_in_a_study_cancels_its_running_trials_and_the_same_command_continues(ray_address, tmp_path):
-    """Ctrl-C while both trials of the first two train: both jobs cancelled at once, both trials failed (cut off),
-    no third started; the same command continues the study: nothing left to run, none run again."""
+def test_a_study_stopped_by_ctrl_c_then_sigterm_finishes_its_cut_off_trial_at_its_point_from_its_checkpoints(ray_address, tmp_path):
+    """A LoRA study of 3 trials on 2 slots of one group (threads of the sweep's process). Ctrl-C once trials 0 and 1
+    are told and trial 2 has saved a checkpoint: trial 2's run stops at its next step, the trial is failed without an
+    error (cut off), exit 130 and the line that continues the study. That command continues it: trial 2's point runs
+    again first, as trial 3, in trial 2's run dir, from its newest checkpoint (n_trials counts 0 and 1, not 2: no
+    new point is asked); SIGTERM once it has saved a newer one: exit 143, its line. Its command finishes the point as
+    trial 4 in the same run dir, again from its newest checkpoint: run dir 2's metrics.jsonl holds every step once
+    and exit 0, the study's storage every trial as it ended (2 and 3 cut off, each continued by the next), its
+    summary and results one completed row per point."""
+    from tinker_exp.sweep.study import CONTINUES, JOB
+
+    steps, every = 24, 4
     command = [
         sys.executable, "-m", "tinker_exp", "-m", "hydra/sweeper=optuna", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}",
-        "trainer.steps=1000", "logger=none", "backend.num_workers=1", "optimizer.lr=tag(log,interval(1e-4,1e-3))",
-        "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2",
+        "lora=r8", "logger=none", f"trainer.steps={steps}", f"checkpoint.every_steps={every}", "hydra.launcher.slots=2",
+        "optimizer.lr=tag(log,interval(1e-4,1e-3))", "hydra.sweeper.n_trials=3",
     ]  # fmt: skip
-    env = environment({"RAY_ADDRESS": ray_address})
-    driver = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
-    try:
-        wait_until(lambda: all((tmp_path / n / "metrics.jsonl").exists() for n in "01"), 600, "two trials training", driver)
-        driver.send_signal(signal.SIGINT)
-        output, _ = driver.communicate(timeout=120)
-    finally:
-        driver.kill()
-    started, told = started_and_told(output)
-    assert driver.returncode == 130 and sorted(started) == [0, 1] and not told, output[-3000:]
-    assert f"interrupted: cancelled {', '.join(str(started[n]) for n in sorted(started))}" in output
-    assert "Traceback" not in output and output.strip().splitlines()[-1] == (  # the sweep dir given: kept as it was
-        "tinker_exp: interrupted (Ctrl-C); continue it with: python -m tinker_exp "
-        + shlex.join([*(a for a in command[3:] if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={tmp_path}"])
-    ), output[-3000:]
-    for pid in started.values():  # gone, or a zombie nobody reaps (on this machine PID 1 is no init system)
-        wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 120, f"job {pid} runs on")
-    assert [t.state for t in storage_trials(tmp_path)] == [TrialState.FAIL] * 2
+    env, run_2 = environment({"RAY_ADDRESS": ray_address}), tmp_path / "2"
 
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    def told(log: Path) -> set[int]:
+        return started_and_told(log.read_text())[1]
+
+    def saved_after(step: int):  # a checkpoint of run dir 2 past `step`, its run still training
+        def saved() -> bool:
+            done = [int(m.parent.name.split("_")[1]) for m in (run_2 / "checkpoints").glob("step_*/MANIFEST.json")]
+            return max(done, default=0) > step and not (run_2 / "objective.json").exists()
+        return saved
+
+    def interrupted(argv: list[str], log: Path, ready, sig: int) -> tuple[str, list[str]]:
+        """The study run with `argv` until `ready`, then signalled: its output, and the command its last line gives."""
+        with open(log, "w") as out:  # SIGINT as a terminal delivers it (a suite run under `&` inherits it ignored)
+            driver = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+            try:
+                wait_until(ready, 600, f"the study did not reach its point to stop ({log.name})", driver)
+                driver.send_signal(sig)
+                driver.wait(timeout=120)
+            finally:
+                driver.kill()
+        output = log.read_text()
+        assert driver.returncode == (130 if sig == signal.SIGINT else 143) and "Traceback" not in output, output[-3000:]
+        assert not (run_2 / "tinker_exp.lock").exists() and not (run_2 / "objective.json").exists()
+        last = output.strip().splitlines()[-1]
+        return last, [sys.executable, *shlex.split(last.split("continue it with: ")[1])[1:]]
+
+    first = tmp_path / "first.log"
+    line, again = interrupted(command, first, lambda: told(first) >= {0, 1} and saved_after(0)(), signal.SIGINT)
+    assert line == "tinker_exp: interrupted (Ctrl-C); continue it with: python -m tinker_exp " + shlex.join(
+        [*(a for a in command[3:] if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={tmp_path}"])
+    assert told(first) == {0, 1} and [t.state for t in storage_trials(tmp_path)] == [TrialState.COMPLETE] * 2 + [TrialState.FAIL]
+    cut_at = max(int(m.parent.name.split("_")[1]) for m in (run_2 / "checkpoints").glob("step_*/MANIFEST.json"))
+
+    second = tmp_path / "second.log"
+    line, third = interrupted(again, second, saved_after(cut_at), signal.SIGTERM)
+    output = second.read_text()
+    assert "continuing study 'tinker_exp' (" in output and "2 of 3 trials done; 1 waiting trials run first" in output, output[-3000:]
+    assert f"trial 2 (cut off): continued as trial 3 at the same point, in {run_2} from its checkpoint at step {cut_at}" in output
+    assert line.startswith("tinker_exp: terminated (SIGTERM); continue it with: ") and third == again
+    assert not (tmp_path / "3").exists() and not told(second)
+
+    result = subprocess.run(again, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = result.stdout + result.stderr
-    assert result.returncode == 1 and "2 of 2 trials done" in out and not started_and_told(out)[0], out[-3000:]
-    assert [(f.trial, f.error) for f in OmegaConf.load(tmp_path / "optimization_results.yaml").failed] == [(0, CUT_OFF), (1, CUT_OFF)]
+    assert result.returncode == 0, out[-3000:]
+    assert "trial 3 (cut off): continued as trial 4 at the same point, in " in out and "3 of 3 trials done" not in out
+    trials = storage_trials(tmp_path)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2 + [TrialState.FAIL] * 2 + [TrialState.COMPLETE], [t.state for t in trials]
+    assert [t.user_attrs.get("error") for t in trials[2:4]] == [None, None]  # cut off: no error of its own
+    assert [(t.user_attrs[CONTINUES], t.user_attrs[JOB]) for t in trials[3:]] == [(2, 2), (3, 2)]
+    assert trials[2].params == trials[3].params == trials[4].params and {t.user_attrs["run_dir"] for t in trials[2:]} == {str(run_2)}
+    assert [row["train/step"] for row in read_jsonl(run_2 / "metrics.jsonl")] == list(range(steps))  # each step once, no gap
+    starts = [int(step) for step in re.findall(r"resuming from \S+ at step (\d+)", (run_2 / "tinker_exp.log").read_text())]
+    assert len(starts) == 2 and starts[0] == cut_at < starts[1] and starts[1] % every == 0, starts  # each from its checkpoint
+    assert not any((tmp_path / str(n)).exists() for n in (3, 4))  # the continuations trained in run dir 2
+    saved = OmegaConf.load(tmp_path / "optimization_results.yaml")
+    assert (saved.n_trials, saved.n_complete, list(saved.failed)) == (3, 3, [])
+    rows = read_jsonl(tmp_path / "summary.jsonl")
+    assert sorted((row["num"], row["status"], row["run_dir"]) for row in rows) == [
+        (0, "COMPLETED", str(tmp_path / "0")), (1, "COMPLETED", str(tmp_path / "1")), (4, "COMPLETED", str(run_2))]  # fmt: skip
+    assert trials[4].value == read_objective(run_2) and "FAILED" not in (tmp_path / "summary.md").read_text()
 
 
 def test_the_hparams_search_preset_on_the_slurm_launcher_searches_its_three_keys():

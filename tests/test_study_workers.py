@@ -117,6 +117,71 @@ def test_a_continued_study_keeps_a_waiting_retry_for_its_workers_and_fails_it_fo
     assert study.trials[1].state == TrialState.FAIL and study.trials[1].user_attrs["error"] == "a retry not run when the study stopped"
 
 
+def test_a_study_on_workers_stopped_continues_its_cut_off_trials_first_each_as_its_job_and_counts_them_once(tmp_path):
+    """Ctrl-C on a study's sweep while two workers run trials 0 and 1 (n_trials=3): before it cancels them, the sweep
+    fails both without an error (cut off) and marks the study stopped, so that a worker still alive until Slurm kills
+    it asks no new trial. The same command continues: each is enqueued again (trials 2 and 3) and the new workers
+    take them before any new trial, each at its cut-off trial's point and as its job (run dir 0, 1: it resumes
+    there); n_trials counts the continuations, not the cut-off trials: one new trial follows, then none."""
+    from hydra_plugins.tinker_exp_plugins.optuna_sweeper import StudyWorker
+    from tinker_exp.sweep.workers import STOPPED_ATTR, stop_workers
+
+    study = journal_study(tmp_path)
+    cut = [take(study, 3, lambda: study.ask(SPACE), worker, tmp_path) for worker in ("9_0", "9_1")]
+    for trial in cut:
+        trial.set_user_attr("overrides", ["lora=r8", f"x={trial.params['x']}"])
+        trial.set_user_attr("run_dir", str(tmp_path / str(trial.number)))
+    stop_workers(study, tmp_path)  # the sweep's Ctrl-C
+    assert [t.state for t in study.trials] == [TrialState.FAIL] * 2 and settled(study) == []  # cut off: not done
+    assert take(study, 3, lambda: study.ask(SPACE), "9_0", tmp_path) is None and len(study.trials) == 2  # no new trial
+
+    study._storage.set_study_system_attr(study._study_id, STOPPED_ATTR, False)  # the continued sweep's workers
+    assert [line.split(" at ")[0] for line in recover(study, keep_waiting=True)] == [
+        "trial 0 (cut off): continued as trial 2", "trial 1 (cut off): continued as trial 3"]  # fmt: skip
+    worker = StudyWorker.__new__(StudyWorker)  # its point only: the overrides and the job number a trial runs with
+    worker.fixed = ["lora=r8"]
+    for cut_off in cut:
+        again = take(study, 3, lambda: study.ask(SPACE), "10_0", tmp_path)
+        assert again.params == cut_off.params
+        assert worker.point(study, again) == (cut_off.user_attrs["overrides"], cut_off.number, f"trial {again.number}")
+        study.tell(again, 1.0)
+    new = take(study, 3, lambda: study.ask(SPACE), "10_0", tmp_path)
+    assert new.number == 4 and worker.point(study, new)[1:] == (4, "trial 4")  # a new point: its own job
+    study.tell(new, 2.0)
+    assert take(study, 3, lambda: study.ask(SPACE), "10_0", tmp_path) is None and len(study.trials) == 5
+    assert [t.number for t in settled(study)] == [2, 3, 4]
+
+
+def test_a_worker_stopping_leaves_its_trial_running_for_its_requeued_start_and_takes_no_new_one(tmp_path):
+    """A worker's job requeued (its time limit's signal) or cancelled while a trial trains on one of its slots: the
+    slot's job ends without a result as the worker closes its slots; that is the worker's stop, not the trial's
+    failure: the trial is not told (it stays RUNNING, the worker's), the worker asks no further trial, and its
+    requeued start takes the trial back to resume it in its run dir. A slot's job that ends without a result while
+    the worker goes on fails its trial, with why."""
+    import threading
+    from types import SimpleNamespace
+
+    from hydra.core.utils import JobStatus
+
+    from hydra_plugins.tinker_exp_plugins.launchers import job_error
+    from hydra_plugins.tinker_exp_plugins.optuna_sweeper import slot_return
+    from tinker_exp.sweep.workers import work
+
+    study = journal_study(tmp_path)
+    stopping, returned = threading.Event(), []
+
+    def run(trial) -> None:  # as StudyWorker's: the worker's SystemExit closes its slots under the running trial
+        stopping.set()
+        returned.append(slot_return(SimpleNamespace(ret=None, state="CANCELLED"), ["x=1"], stopping.is_set()))
+
+    assert work(study, 3, lambda: study.ask(SPACE), run, "9_0", tmp_path, stopping=stopping.is_set) == 1
+    assert returned == [None] and [t.state for t in study.trials] == [TrialState.RUNNING]  # not told; no second trial
+    (back,) = resumed(study, "9_0")
+    assert back.number == 0
+    failed = slot_return(SimpleNamespace(ret=None, state="FAILED"), ["x=1"], False)
+    assert failed.status == JobStatus.FAILED and job_error(failed) == "RuntimeError: stopped on its slot (FAILED)"
+
+
 def test_a_retry_starts_from_the_lost_trials_newest_checkpoint_before_its_end_else_from_step_0(tmp_path):
     """retry_start: a branch of the lost trial's run dir when it saved a usable checkpoint before its last step
     (the newest: 4); none for a trial that is no retry, a lost trial without checkpoints, with only a broken one, or

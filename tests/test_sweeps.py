@@ -138,6 +138,26 @@ def test_jobs_that_ended_without_a_result_settle_side_by_side_not_one_after_anot
     assert clock() == 5 + 20  # one poll running, then one settling time for all three
 
 
+def test_a_continued_study_waits_for_the_jobs_of_its_cut_off_trials_to_leave_the_queue_bounded():
+    """The Slurm jobs of trials cut off, cancelled as a study is continued, are waited for until they have left the
+    queue (their continuations then take their run dirs); one still active after the wait is named."""
+    from tinker_exp.sweep.slurm import left_queue
+
+    seen = {"1": ["RUNNING", "COMPLETING", "CANCELLED"], "2": ["PENDING", "CANCELLED"]}
+    polls = {"t": 0.0}
+
+    def states_of(ids: list[str]) -> dict[str, str]:
+        return {i: seen[i].pop(0) if len(seen[i]) > 1 else seen[i][0] for i in ids}
+
+    def sleep(s: float) -> None:
+        polls["t"] += s
+
+    assert left_queue(["1", "2"], wait_s=60, poll_s=1, states_of=states_of, clock=lambda: polls["t"], sleep=sleep) == []
+    assert polls["t"] == 2  # left at the third look
+    stuck = {"3": ["RUNNING"]}
+    assert left_queue(["3"], wait_s=5, poll_s=1, states_of=lambda ids: {"3": stuck["3"][0]}, clock=lambda: polls["t"], sleep=sleep) == ["3"]
+
+
 def test_slurm_preset_has_the_keys_a_gpu_cluster_needs():
     launcher = compose("hydra/launcher=slurm", "backend.num_workers=8", with_hydra=True).hydra.launcher
     assert launcher._target_.endswith("SlurmSweepLauncher")

@@ -243,7 +243,7 @@ def train_run(
                 workers.shutdown()
         finally:
             sinks.close(exit_code)  # the W&B run is finished (with the exit code) however the job ends
-    report = write_report([("", run_dir)], run_dir / REPORT, f"run {title_name(run_dir)}")
+    report = write_report([("", run_dir)], run_dir / REPORT, f"run {title_name(run_dir)}", completed=True)
     if last:
         rows = read_jsonl(run_dir / "metrics.jsonl")  # a resumed run's earlier steps too: its best evaluation may be there
         log.info(f"done: {last['train/step'] + 1} steps, {came_to(rows or [last])}; {run_dir / 'metrics.jsonl'}; {report}")

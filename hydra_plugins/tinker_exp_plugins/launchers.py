@@ -50,6 +50,7 @@ from tinker_exp.sweep.jobs import (
 from tinker_exp.sweep.report import REPORT, display_name, write_report
 from tinker_exp.sweep.slot_count import AUTO, varied_keys
 from tinker_exp.sweep.slurm import ACTIVE_STATES, Verdicts, cancel_slurm_jobs, slurm_state, slurm_states
+from tinker_exp.train.objective import no_objective
 
 log = logging.getLogger(__name__)
 
@@ -769,7 +770,7 @@ def job_objective(ret: JobReturn) -> tuple[float | None, str | None]:
         return None, job_error(ret)
     value = ret.return_value
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        return None, f"the run returned no finite objective ({value!r})"
+        return None, no_objective(value)
     return float(value), None
 
 

@@ -8,7 +8,9 @@ small: Hydra's override parser gives the search space (tinker_exp/sweep/study.py
 No idle slots: `n_jobs` trials run at all times (fewer where the local launcher runs fewer at once); as soon as
 one ends, the study is told (its value, PRUNED, or FAIL) and the next trial is asked and started, through the
 launcher's streaming calls (`SweepLauncher.start`/`wait_any`). Job number = trial number, so each trial has its
-own run dir and never resumes another's checkpoint. With a pruner (hydra.sweeper.pruner), each job is told its
+own run dir and never resumes another's checkpoint; but a trial cut off by the study's stop (Ctrl-C, SIGTERM, a
+kill) is continued by the same command: its point enqueued again, asked first, run as its job, in its run dir,
+from its checkpoint (tinker_exp/sweep/study.py `continue_cut_off`). With a pruner (hydra.sweeper.pruner), each job is told its
 study through STUDY_ENV and reports every evaluation to its trial; a job its pruner stopped ends cleanly and is
 told PRUNED. At the end: the best trial printed and written to optimization_results.yaml, the failed trials named,
 a summary and report over every trial; exit 0 when at least one trial completed.
@@ -111,7 +113,6 @@ class OptunaSweeper(Sweeper):
             RESULTS_FILE,
             STUDY_ENV,
             best_trial,
-            finished,
             grid_size,
             make_sampler,
             masked,
@@ -119,10 +120,10 @@ class OptunaSweeper(Sweeper):
             recover,
             results,
             search_space,
+            settled,
             startup_note,
             steps_line,
             sweep_storage,
-            trial_overrides,
         )
 
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
@@ -167,12 +168,14 @@ class OptunaSweeper(Sweeper):
             log.info(f"grid of {grid_size(space)} points: the study runs {grid_size(space)} trials, not {self.n_trials}")
             self.n_trials = grid_size(space)
         if isinstance(self.launcher, SweepLauncher) and not self._workers():  # a study worker decides in its job
-            self.launcher.decide_study_slots(fixed, self.n_trials - len(finished(study)), space)
+            self.launcher.decide_study_slots(fixed, self.n_trials - len(settled(study)), space)
         if study.trials:
             self._stop_cut_off_jobs(study)
             for line in recover(study, keep_waiting=bool(self._workers())):
                 log.info(line)
-            log.info(f"continuing study {self.study_name!r} ({shown}): {len(finished(study))} of {self.n_trials} trials done")
+            waiting = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
+            log.info(f"continuing study {self.study_name!r} ({shown}): {len(settled(study))} of {self.n_trials} trials done"
+                     + (f"; {waiting} waiting trials run first" if waiting else ""))  # fmt: skip
         else:
             at_once = f"on {self._workers()} worker jobs" if self._workers() else f"{self._at_once()} at a time"
             startup = startup_note(self.sampler, self.n_startup_trials, self.n_trials)
@@ -248,34 +251,40 @@ class OptunaSweeper(Sweeper):
         return min(self.n_jobs, self.jobs.capacity(self.config) or self.n_jobs)
 
     def _run_trials(self, study: Any, space: dict[str, Any], fixed: list[str], shown: str) -> None:
-        """Keep `_at_once()` trials running until n_trials have finished: as soon as one ends (completes, fails or
-        is pruned) it is told and the next one asked and started, so no slot waits for a slower trial. Ctrl-C (or
-        any error): the running trials' jobs are cancelled and the trials failed, then it is raised."""
+        """Keep `_at_once()` trials running until n_trials have finished and count (`settled`).
+
+        As soon as one ends (completes, fails or is pruned) it is told and the next one asked and started, so no slot
+        waits for a slower trial. Trials waiting (a cut-off trial's continuation) are asked first. Ctrl-C (or any
+        error): the running trials' jobs are cancelled and the trials failed (cut off: the same command continues
+        them), then it is raised."""
         import optuna
 
-        from tinker_exp.sweep.study import finished, trial_overrides
+        from tinker_exp.sweep.study import finished, settled, trial_point
 
         at_once, next_number = self._at_once(), len(study.trials)
         on_slots = isinstance(self.launcher, SweepLauncher) and self.launcher.slots() > 1
+        counted = finished if self.dry_run else settled  # a dry run's planned trials fail without an error: none is cut off
         running: dict[Any, Any] = {}  # the launcher's handle -> its trial
         asked = None  # a trial asked and not started yet
         warming = self.dry_run  # a dry run draws no summary
         try:
             while True:
-                while len(running) < at_once and len(finished(study)) + len(running) < self.n_trials:
+                while len(running) < at_once and len(counted(study)) + len(running) < self.n_trials:
+                    waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+                    expected = waiting[0].number if waiting else next_number  # Optuna asks the first waiting trial first
                     asked = study.ask(space)
-                    if asked.number != next_number:  # trial numbers are job numbers: no other process may ask
+                    if asked.number != expected:  # trial numbers are job numbers: no other process may ask
                         raise ConfigError(
-                            f"hydra.sweeper.storage: trial {asked.number} was asked after trial {next_number - 1}; "
+                            f"hydra.sweeper.storage: trial {asked.number} was asked where trial {expected} was due; "
                             f"is another study running on {shown}?"
                         )
-                    next_number += 1
-                    overrides = trial_overrides(fixed, asked.params)
+                    next_number += not waiting
+                    overrides, num = trial_point(asked, fixed)
                     asked.set_user_attr("overrides", overrides)
                     if not on_slots:  # a job on a slot is composed as it starts (slot_jobs.py `prepare`): once, not thrice
                         self.validate_batch_is_legal([overrides])
-                    handle = self.jobs.start(overrides, asked.number)
-                    asked.set_user_attr("run_dir", str(job_run_dir(self.hydra_context, self.config, overrides, asked.number)))
+                    handle = self.jobs.start(overrides, num)
+                    asked.set_user_attr("run_dir", str(job_run_dir(self.hydra_context, self.config, overrides, num)))
                     running[handle] = asked
                     asked = None
                 if not running:
@@ -310,8 +319,12 @@ class OptunaSweeper(Sweeper):
         finished_line(study, study._storage.get_trial(trial._trial_id))
 
     def _stop_cut_off_jobs(self, study: Any) -> None:
-        """Slurm jobs of trials a killed study left running, not completed, are cancelled: those trials are
-        marked failed (`recover`), so nothing of theirs may run on."""
+        """Cancel the Slurm jobs of trials a killed study left running, not completed, and wait for them to leave.
+
+        Those trials are marked failed, cut off, and continued in their run dirs (`recover`), where nothing of theirs
+        may run on; so the study goes on once those jobs have left the queue (bounded: a run still holding its run
+        dir then refuses its continuation with why)."""
+        from tinker_exp.sweep.slurm import LEAVE_QUEUE_S, left_queue
         from tinker_exp.sweep.study import running, trial_run_dir
 
         ids = []
@@ -322,24 +335,36 @@ class OptunaSweeper(Sweeper):
                 ids.append(slurm["job_id"])
         if ids and cancel_slurm_jobs(ids):
             log.info(f"cancelled Slurm jobs {', '.join(ids)} of trials cut off")
+            if still := left_queue(ids):
+                log.warning(f"Slurm jobs {', '.join(still)} still in the queue {LEAVE_QUEUE_S:.0f} s after their scancel; check squeue")
 
     def _write_summary(self, study: Any, sweep_dir: Path) -> None:
-        """summary.md/jsonl and report.png over every trial of the study (a continued study's earlier ones too),
-        each labelled by its searched values."""
+        """summary.md/jsonl and report.png over every trial of the study, each labelled by its searched values.
+
+        A continued study's earlier trials too; a cut-off trial that another continued is no row of its own (its
+        point's row is the continuation's, in the same run dir)."""
         from optuna.trial import TrialState
 
-        from tinker_exp.sweep.study import trial_error, trial_label, trial_run_dir
+        from tinker_exp.sweep.study import CONTINUES, job_number, superseded, trial_error, trial_label, trial_run_dir
 
-        outcomes = []
+        outcomes, gone = [], superseded(study.get_trials(deepcopy=False))
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
-            run_dir = trial_run_dir(t) or sweep_dir / str(t.number)
+            if t.number in gone:
+                continue
+            run_dir = trial_run_dir(t) or sweep_dir / str(job_number(t))
             status = {TrialState.COMPLETE: "COMPLETED", TrialState.PRUNED: "PRUNED"}.get(t.state, "FAILED")
             outcomes.append(
                 read_outcome(t.number, [trial_label(t.params)], status, run_dir, trial_error(t), t.user_attrs.get("job_id"), t.value)
             )
         summary = write_summary(sweep_dir, outcomes)
-        # Each labelled by what differs; a pruned trial's curve ends where it stopped, and says so.
-        runs = [(f"trial {o.num}" + (f" (pruned after {o.steps} steps)" if o.status == "PRUNED" else ""), Path(o.run_dir)) for o in outcomes]
+        # Each labelled by what differs; a pruned trial's curve ends where it stopped, and says so (a run that did not
+        # complete says so by itself: report.py `ended_early`).
+        by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+        runs = []
+        for o in outcomes:
+            first = by_number[o.num].user_attrs.get(CONTINUES)
+            name = f"trial {o.num}" + (f" (continues trial {first})" if first is not None else "")
+            runs.append((name + (f" (pruned after {o.steps} steps)" if o.status == "PRUNED" else ""), Path(o.run_dir)))
         report = write_report(runs, sweep_dir / REPORT, f"study {display_name(sweep_dir)}")
         slices = write_study_report(study, sweep_dir / STUDY_REPORT, f"study {display_name(sweep_dir)}")
         log.info(f"study summary ({', '.join(str(p) for p in (summary, report, slices) if p)}):\n{summary_table(outcomes)}")
@@ -348,18 +373,19 @@ class OptunaSweeper(Sweeper):
 
 def run_workers(launcher: SweepLauncher, study: Any, worker: "StudyWorker", count: int, n_trials: int, sweep_dir: Path,
                 say: Callable[[Any], None], who: str, what: str, label: Callable[[Any], str] | None = None) -> None:  # fmt: skip
-    """Submit `count` worker jobs (one sbatch) and wait, saying each trial's end as the storage shows it (`say`), until
-    the study has its n_trials (a population's ledger: its members). A trial whose worker is gone (its job ended, or
-    not seen for STALE_S) is failed and retried here (tinker_exp.sweep.workers.lose; `label` names it in the line).
-    Every worker ended: the study stops where it is (the same command continues it). Ctrl-C (or any error): every
-    worker job cancelled (one scancel), their trials failed. `who`, `what`: the line that names the jobs."""
-    import optuna
+    """Submit `count` worker jobs (one sbatch) and wait until the study has its n_trials, saying each trial's end.
 
+    Each trial's end as the storage shows it (`say`), until the study has its n_trials (a population's ledger: its
+    members). A trial whose worker is gone (its job ended, or not seen for STALE_S) is failed and retried here
+    (tinker_exp.sweep.workers.lose; `label` names it in the line). Every worker ended: the study stops where it is (the
+    same command continues it). Ctrl-C (or any error): the running trials failed (cut off) and no new one asked
+    (`stop_workers`), then every worker job cancelled (one scancel). `who`, `what`: the line that names the jobs."""
     from hydra_plugins.tinker_exp_plugins.launchers import POLL_S, cancel, sigint_deferred
     from tinker_exp.sweep.slurm import ACTIVE_STATES, Settling, slurm_states
     from tinker_exp.sweep.study import finished, running
-    from tinker_exp.sweep.workers import lose, lost, settled
+    from tinker_exp.sweep.workers import STOPPED_ATTR, lose, lost, settled, stop_workers
 
+    study._storage.set_study_system_attr(study._study_id, STOPPED_ATTR, False)  # a continued study's workers ask again
     jobs = launcher.submit_workers(worker, count)
     ids = [job.job_id for job in jobs]
     log.info(f"{who}: {count} Slurm jobs ({', '.join(ids)}), {what}")
@@ -392,13 +418,8 @@ def run_workers(launcher: SweepLauncher, study: Any, worker: "StudyWorker", coun
                 time.sleep(POLL_S)
             workers_ended(jobs)
         except BaseException as e:
+            stop_workers(study, sweep_dir)  # the running trials cut off, no new one asked; then the workers cancelled
             cancel(jobs)
-            # Cut off: failed. A retry not started stays WAITING: the same command's workers run it first.
-            for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-                try:
-                    study._storage.set_trial_state_values(trial._trial_id, state=optuna.trial.TrialState.FAIL)
-                except optuna.exceptions.UpdateFinishedTrialError:
-                    pass  # told by its worker just now
             if isinstance(e, KeyboardInterrupt) and not str(e):
                 raise KeyboardInterrupt(continue_line(str(sweep_dir))) from None
             raise
@@ -511,6 +532,8 @@ class StudyWorker:
         slot_jobs = self._slot_jobs(slots) if slots > 1 else None
         composing = threading.Lock()  # with slots, trials start from several threads; Hydra's config loader is one
 
+        stopping = threading.Event()  # the worker's job ends (requeued, cancelled): its loops take no new trial
+
         def run(trial: Any) -> None:
             with composing:
                 overrides, num, name = self.point(study, trial)
@@ -525,19 +548,24 @@ class StudyWorker:
                 ret = self.launcher(*args)
             else:
                 job.wait()
-                ret = job.ret or JobReturn(overrides=overrides, status=JobStatus.FAILED,
-                                           _return_value=RuntimeError(f"stopped on its slot ({job.state})"))
+                ret = slot_return(job, overrides, stopping.is_set())
+                if ret is None:
+                    said.info(f"{self.who} {worker}: {name} stopped with this worker; left running, its own (a requeued worker takes it back)")
+                    return
             try:
                 tell(study, trial, ret)
-            except optuna.exceptions.UpdateFinishedTrialError:  # the sweep took this worker for lost meanwhile
-                said.warning(f"{self.who} {worker}: {name} was failed by the sweep meanwhile (retried)")
+            except (optuna.exceptions.UpdateFinishedTrialError, ValueError):  # Optuna's "Cannot tell a FAIL trial" too
+                if not study._storage.get_trial(trial._trial_id).state.is_finished():
+                    raise
+                # the sweep failed it meanwhile: lost (retried), or cut off by the sweep's stop (continued)
+                said.warning(f"{self.who} {worker}: {name} was failed by the sweep meanwhile (lost, or cut off by its stop)")
 
         def trials_of(taken_back: list[Any]) -> int:
             """One loop of the worker: the trials taken back first, then the study's until it has its n_trials."""
             for trial in taken_back:
                 with Heartbeat(trial):
                     run(trial)
-            return len(taken_back) + work(study, self.n_trials, lambda: self.ask(study), run, worker, sweep_dir)
+            return len(taken_back) + work(study, self.n_trials, lambda: self.ask(study), run, worker, sweep_dir, stopping=stopping.is_set)
 
         try:
             taken_back = resumed(study, worker)  # this job requeued (time limit, preemption): its trials go on
@@ -548,6 +576,7 @@ class StudyWorker:
             else:  # a loop a slot, at once (the study's ask lock orders their asks)
                 ran = sum(at_once([lambda i=i: trials_of(taken_back[i::slots]) for i in range(slots)]))
         finally:
+            stopping.set()  # before the slots close: their trials stopped now are the worker's stop, not theirs
             pools.close()
             if slot_jobs is not None:
                 slot_jobs.close()
@@ -569,12 +598,16 @@ class StudyWorker:
         return study.ask(self.space)
 
     def point(self, study: Any, trial: Any) -> tuple[list[str], int, str]:
-        """(the overrides the trial runs with, its job number, its name in lines): a retry starts where the lost
-        trial left off (`retry_start`); job number = trial number."""
-        from tinker_exp.sweep.study import trial_overrides
+        """(the overrides the trial runs with, its job number, its name in lines).
+
+        A retry starts where the lost trial left off (`retry_start`); job number = trial number, but for a cut-off
+        trial's continuation, which runs as that trial's job, with its overrides (`trial_point`: it resumes in its run
+        dir)."""
+        from tinker_exp.sweep.study import trial_point
         from tinker_exp.sweep.workers import retry_start
 
-        return trial_overrides(self.fixed, trial.params) + retry_start(study, trial), trial.number, f"trial {trial.number}"
+        overrides, num = trial_point(trial, self.fixed)
+        return overrides + retry_start(study, trial), num, f"trial {trial.number}"
 
     def _slot_jobs(self, slots: int) -> Any:
         """The worker's slot executor (slot_jobs.py): its trials threads of this process on slots of one group."""
@@ -604,6 +637,19 @@ class StudyWorker:
             cfg, _ = point_error(self.launcher.hydra_context, self.launcher.config, overrides)
             if wanted([cfg]):
                 pools.start(1)
+
+
+def slot_return(job: Any, overrides: list[str], stopping: bool) -> JobReturn | None:
+    """What a worker's trial on a slot came to (its JobReturn); None when its worker's stop cut it off.
+
+    The worker stops when its job is requeued at its time limit, or cancelled: the trial is not told, so it stays
+    RUNNING under the worker's job id, for the requeued worker to take back (`resumed`) or the sweep to record cut
+    off."""
+    if job.ret is not None:
+        return job.ret
+    if stopping:
+        return None
+    return JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=RuntimeError(f"stopped on its slot ({job.state})"))
 
 
 def at_once(calls: list[Callable[[], Any]]) -> list[Any]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tinker_exp.formats import display_name, read_json, read_jsonl
-from tinker_exp.train.objective import came_to, ranking_key, was_maximised
+from tinker_exp.train.objective import OBJECTIVE_FILE, came_to, ranking_key, was_maximised
 
 if TYPE_CHECKING:  # imported when a report is drawn: Hydra imports this module with its plugins at every start
     from matplotlib.figure import Figure
@@ -67,14 +67,28 @@ class RunInfo:
     schedules: str  # the plan's schedules in words ("lr: cosine"); "" when it sends nothing
     parts: list[Part]  # where its steps were trained (preview.history): [itself], or a branch's trunks then itself
     label: str = field(default="")
+    completed: bool = True  # it wrote objective.json: it ran to its end, stopped early by its own rule, or was pruned
 
     @property
     def first(self) -> int:
         """The first step the run trained itself (its branch step; 0 for a run from step 0)."""
         return self.parts[-1].first
 
+    @property
+    def ended_early(self) -> str:
+        """What its label adds when it did not complete: " (stopped after N of M steps)", else "".
 
-def read_run(run_dir: Path, name: str = "") -> RunInfo:
+        A run that logged steps and ended before its last without completing (killed, cut off by its sweep's stop,
+        failed): its curves end short, and its label says why."""
+        steps = self.settings.get("trainer.steps", "")
+        if self.completed or not self.rows or not steps.isdigit():
+            return ""
+        done = int(_step(self.rows[-1])) + 1
+        return f" (stopped after {done} of {steps} steps)" if done < int(steps) else ""
+
+
+def read_run(run_dir: Path, name: str = "", completed: bool | None = None) -> RunInfo:
+    """What the report draws of a run dir; `completed` None: whether the run completed, as its objective.json says."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     job = read_json(run_dir / "job.json") or {}
@@ -93,7 +107,7 @@ def read_run(run_dir: Path, name: str = "") -> RunInfo:
     from tinker_exp.optim.preview import history
 
     return RunInfo(run_dir, name, read_jsonl(metrics) if metrics.exists() else [], _plan(run_dir), command_line, overrides,
-                   settings, objective, _schedules(run_dir), history(run_dir))  # fmt: skip
+                   settings, objective, _schedules(run_dir), history(run_dir), completed=(run_dir / OBJECTIVE_FILE).exists() if completed is None else completed)  # fmt: skip
 
 
 def _read_yaml(path: Path) -> Any:
@@ -158,7 +172,8 @@ def _short(value: Any) -> str:
 def label_runs(runs: Sequence[RunInfo]) -> None:
     """Each run's label: what differs between the runs. The command-line overrides first (a run without one
     shows its config's value); where they leave runs alike, every config key that differs; where even that
-    does, the run dir. One run: its overrides, else its schedules."""
+    does, the run dir. One run: its overrides, else its schedules. A run that did not complete says where it stopped
+    (`ended_early`)."""
     if len(runs) == 1:
         run = runs[0]
         shown = [f"{key}={_short(value)}" if sep else key
@@ -166,7 +181,7 @@ def label_runs(runs: Sequence[RunInfo]) -> None:
         if len(run.parts) > 1:  # a branch: its trunk as the trunk's legend entry names it, not a whole path
             shown = [f"branch.from={display_name(run.parts[-2].run_dir)}" if item.startswith("branch.from=") else item
                      for item in shown]  # fmt: skip
-        run.label = " ".join(shown) or run.schedules or "defaults, no override"
+        run.label = (" ".join(shown) or run.schedules or "defaults, no override") + run.ended_early
         return
 
     def value(run: RunInfo, key: str) -> str:
@@ -194,7 +209,7 @@ def label_runs(runs: Sequence[RunInfo]) -> None:
     if len(set(labels)) < len(runs):
         labels = [f"{label} {display_name(run.dir)}".strip() for label, run in zip(labels, runs)]
     for run, label in zip(runs, labels):
-        run.label = ": ".join(part for part in (run.name, label) if part)
+        run.label = ": ".join(part for part in (run.name, label) if part) + run.ended_early
 
 
 def by_branch_step(runs: Sequence[RunInfo]) -> list[list[RunInfo]]:
@@ -565,10 +580,12 @@ def _wrap(text: str, width: int) -> str:
     return "\n".join(textwrap.wrap(text, width)) or text
 
 
-def write_report(runs: Sequence[tuple[str, Path]], path: Path, title: str) -> Path | None:
-    """`runs`: (name, run dir); the name ("job 3", "" for none) leads the run's label. None when no run logged
-    a step."""
-    fig = draw_report([read_run(run_dir, name) for name, run_dir in runs], title)
+def write_report(runs: Sequence[tuple[str, Path]], path: Path, title: str, completed: bool | None = None) -> Path | None:
+    """report.png of `runs` ((name, run dir); the name, "job 3" or "" for none, leads the run's label) at `path`.
+
+    None when no run logged a step. `completed`: True from a run that has just ended by its own rule, before its
+    objective.json is written."""
+    fig = draw_report([read_run(run_dir, name, completed) for name, run_dir in runs], title)
     if fig is None:
         return None
     fig.savefig(path, dpi=100, bbox_inches="tight")

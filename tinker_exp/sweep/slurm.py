@@ -131,3 +131,24 @@ def cancel_slurm_jobs(job_ids: list[str], timeout_s: float = SLURM_CALL_TIMEOUT_
     """One scancel for all of them; True once Slurm took it (False: it failed or did not answer in time)."""
     done = _run(["scancel", *job_ids], timeout_s, None)
     return done is not None and done.returncode == 0
+
+
+LEAVE_QUEUE_S = 60.0
+"""How long a study waits for the Slurm jobs it cancelled (of trials cut off) to leave the queue before it goes on."""
+
+
+def left_queue(
+    job_ids: Sequence[str], wait_s: float = LEAVE_QUEUE_S, poll_s: float = 1.0, states_of: Callable[[list[str]], dict[str, str]] | None = None,
+    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+) -> list[str]:  # fmt: skip
+    """Wait, bounded, until the jobs are no longer active in Slurm; those still active after `wait_s`.
+
+    A cancelled job's processes take SIGTERM and stop within Slurm's KillWait. None returned: every one has left (a
+    state Slurm does not tell counts as left)."""
+    deadline = clock() + wait_s
+    while True:
+        states = (states_of or slurm_states)(list(job_ids))
+        active = [job_id for job_id in job_ids if states[job_id] in ACTIVE_STATES and states[job_id] != "UNKNOWN"]
+        if not active or clock() >= deadline:
+            return active
+        sleep(poll_s)

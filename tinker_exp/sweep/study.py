@@ -4,7 +4,8 @@ Pure Python (optuna, Hydra's parser; no torch, verl or ray). The Hydra sweeper p
 (hydra_plugins/tinker_exp_plugins/optuna_sweeper.py) keeps n_jobs trials running as jobs of any launcher: as one
 ends, it tells the study what the job returned and asks and starts the next. The study lives in Optuna's journal file in
 the sweep dir (many jobs on a shared file system may write to it; an older study's optuna.db is still read), or at
-any Optuna storage URL, so the same command continues a killed study (`recover`). With a pruner, each job reports
+any Optuna storage URL, so the same command continues a killed or stopped study (`recover`): a trial it cut off runs
+again at its point, in its run dir, before any new one (`continue_cut_off`). With a pruner, each job reports
 its evaluations to its trial (`TrialReport`) and stops when the pruner says so.
 """
 
@@ -28,7 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 from tinker_exp.errors import ConfigError
 from tinker_exp.formats import masked  # noqa: F401 (the sweeper's and the tests' name for it)
 from tinker_exp.train.judges import GO_ON, Decision, Judge, stop
-from tinker_exp.train.objective import maximised, objective_metric, read_objective, read_run_end
+from tinker_exp.train.objective import maximised, no_objective, objective_metric, read_objective, read_run_end
 from tinker_exp.train.evaluation import missing_evaluation_data
 
 RESULTS_FILE = "optimization_results.yaml"
@@ -37,6 +38,12 @@ SQLITE_FILE = "optuna.db"  # what studies of earlier versions used: still read a
 JOURNAL = "journal://"  # our URL for a journal file (Optuna's own URLs are for databases)
 STUDY_ENV = "TINKER_EXP_STUDY"  # what a job is told of its study: {"storage": URL, "study_name": ...} as JSON
 CUT_OFF = "cut off: the study stopped while it ran"  # a failed trial without an error of its own
+CONTINUES = "continues"
+"""A trial's user attribute: the number of the cut-off trial it continues, at the same point, in that trial's run dir."""
+JOB = "job"
+"""A continuing trial's user attribute: the job number it runs as (its cut-off trial's: the run dir it resumes)."""
+RETRY_OF = "retry_of"
+"""A retry's user attribute: the number of the lost trial it runs again (tinker_exp/sweep/workers.py `lose`)."""
 
 log = logging.getLogger(__name__)
 
@@ -436,6 +443,83 @@ def trial_overrides(fixed: Sequence[str], params: Mapping[str, Any]) -> list[str
     return list(fixed) + [as_override(key, value) for key, value in params.items()]
 
 
+def job_number(trial: FrozenTrial | optuna.Trial) -> int:
+    """The job number a trial runs as (its run dir): its own number, or a continuing trial's cut-off trial's."""
+    return trial.user_attrs.get(JOB, trial.number)
+
+
+def cut_off(trial: FrozenTrial) -> bool:
+    """Whether the trial failed without an error of its own: the study stopped while it ran.
+
+    Ctrl-C, SIGTERM or a kill of the study's process; a continued study runs its point again (`continue_cut_off`)."""
+    return trial.state == TrialState.FAIL and "error" not in trial.user_attrs
+
+
+def continued(trials: Sequence[FrozenTrial]) -> set[int]:
+    """Numbers of the cut-off trials that a later trial continues (asked, or waiting to be)."""
+    return {t.user_attrs[CONTINUES] for t in trials if CONTINUES in t.user_attrs}
+
+
+def settled(study: optuna.Study) -> list[FrozenTrial]:
+    """Finished trials that count towards n_trials: complete, pruned, or failed of their own (an error).
+
+    Not one cut off by the study's stop (its point runs again), nor a lost one that was retried (its retry counts)."""
+    trials = study.get_trials(deepcopy=False)
+    again = {t.user_attrs[RETRY_OF] for t in trials if RETRY_OF in t.user_attrs}
+    return [t for t in finished(study) if t.number not in again and not cut_off(t)]
+
+
+def superseded(trials: Sequence[FrozenTrial]) -> set[int]:
+    """Cut-off trials that an asked trial continues: no row of their own in the summary, the continuation has it.
+
+    The storage keeps them as they ended. A continuation still waiting (n_trials lowered since) leaves the cut-off
+    trial its point's row."""
+    return {t.number for t in trials if cut_off(t)} & continued([t for t in trials if t.state != TrialState.WAITING])
+
+
+def continue_cut_off(study: optuna.Study) -> list[str]:
+    """Enqueue each cut-off trial not continued yet at its point again; one line each.
+
+    The new trial is asked before any new one and runs as the cut-off trial's job: the same overrides, the same run
+    dir, so it resumes from the checkpoint kept there, else from step 0. It carries the cut-off trial's intermediate
+    values (a pruner judges the run's whole history)."""
+    from tinker_exp.train.start import branch_step
+
+    trials = study.get_trials(deepcopy=False)
+    already, lines = continued(trials), []
+    for trial in trials:
+        if not cut_off(trial) or trial.number in already:
+            continue
+        kept = {key: trial.user_attrs[key] for key in ("overrides", "run_dir") if key in trial.user_attrs}
+        study.enqueue_trial(dict(trial.params), user_attrs={CONTINUES: trial.number, JOB: job_number(trial), **kept})
+        again = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))[-1]
+        for step, value in trial.intermediate_values.items():
+            study._storage.set_trial_intermediate_value(again._trial_id, step, value)
+        run_dir = trial_run_dir(trial)
+        step = branch_step(run_dir) if run_dir is not None else None
+        start = f"from its checkpoint at step {step}" if step is not None else "from step 0 (no checkpoint kept)"
+        lines.append(f"trial {trial.number} (cut off): continued as trial {again.number} at the same point, in {run_dir or 'its run dir'} {start}")
+    return lines
+
+
+def trial_of_job(trials: Sequence[FrozenTrial], number: int) -> FrozenTrial:
+    """The trial job `number` runs for: the newest trial running as that job, else the trial of that number.
+
+    A trial running as another trial's job is a cut-off trial's continuation."""
+    of_job = [t for t in trials if job_number(t) == number]
+    return next((t for t in reversed(of_job) if t.state == TrialState.RUNNING), None) or next(t for t in trials if t.number == number)
+
+
+def trial_point(trial: FrozenTrial | optuna.Trial, fixed: Sequence[str]) -> tuple[list[str], int]:
+    """(the overrides a trial runs with, its job number).
+
+    A continuation's are its cut-off trial's, as that one started (the same point, resumed in its run dir); any other
+    trial's, its params after the fixed overrides, its own number as job number."""
+    if CONTINUES in trial.user_attrs and "overrides" in trial.user_attrs:
+        return list(trial.user_attrs["overrides"]), job_number(trial)
+    return trial_overrides(fixed, trial.params), job_number(trial)
+
+
 def running(study: optuna.Study) -> list[FrozenTrial]:
     """Trials asked and not told: a killed study's in-flight trials."""
     return study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
@@ -452,13 +536,18 @@ def trial_error(trial: FrozenTrial) -> str | None:
 
 
 def recover(study: optuna.Study, keep_waiting: bool = False) -> list[str]:
-    """Trials a killed study left RUNNING: recorded from their run dirs when the run completed meanwhile,
-    failed otherwise (cut off). Returns one line per trial, for the log. None is run again. Trials left WAITING (a
-    lost trial's retry, enqueued by study workers and not run yet): kept for the study's workers to run first
-    (`keep_waiting`), else failed (a job-per-trial study asks new trials only)."""
+    """Record what a killed or stopped study left unfinished, and continue its cut-off trials; one line per trial.
+
+    Trials left RUNNING: recorded from their run dirs when the run completed meanwhile (failed with why when it
+    returned no finite objective), else failed (cut off). Then every cut-off trial (these, and those a stopped study
+    failed) is continued: its point enqueued again, to run in its run dir (`continue_cut_off`). Trials left WAITING:
+    a continuation stays (it is asked first); a lost trial's retry (enqueued by study workers, not run yet) is kept
+    for the study's workers to run first (`keep_waiting`), else failed (a job-per-trial study runs no retries)."""
     lines = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-        if keep_waiting:
+        if CONTINUES in trial.user_attrs:
+            lines.append(f"trial {trial.number}: waiting (continues cut-off trial {trial.user_attrs[CONTINUES]}); run first")
+        elif keep_waiting:
             lines.append(f"trial {trial.number}: waiting (a retry); the study's workers run it first")
         else:
             study._storage.set_trial_user_attr(trial._trial_id, "error", "a retry not run when the study stopped")
@@ -466,18 +555,22 @@ def recover(study: optuna.Study, keep_waiting: bool = False) -> list[str]:
             lines.append(f"trial {trial.number}: a retry not run when the study stopped: failed")
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         run_dir = trial_run_dir(trial)
+        end = {} if run_dir is None else read_run_end(run_dir)  # objective.json: the run completed
         value = None if run_dir is None else read_objective(run_dir)
-        pruned_at = None if run_dir is None else read_run_end(run_dir).get("pruned_at_step")
-        if value is not None and pruned_at is not None:
+        if value is not None and end.get("pruned_at_step") is not None:
             study.tell(trial.number, state=TrialState.PRUNED)
-            lines.append(f"trial {trial.number}: pruned at step {pruned_at} while the study was down: {value:.6g} ({run_dir})")
+            lines.append(f"trial {trial.number}: pruned at step {end['pruned_at_step']} while the study was down: {value:.6g} ({run_dir})")
         elif value is not None:
             study.tell(trial.number, value)
             lines.append(f"trial {trial.number}: completed while the study was down: {value:.6g} ({run_dir})")
+        elif end:  # completed without a finite objective: a failure of its own, as its job would have been told
+            study._storage.set_trial_user_attr(trial._trial_id, "error", no_objective(end.get("value")))
+            study.tell(trial.number, state=TrialState.FAIL)
+            lines.append(f"trial {trial.number}: completed while the study was down without a finite objective: failed ({run_dir})")
         else:
             study.tell(trial.number, state=TrialState.FAIL)
-            lines.append(f"trial {trial.number}: cut off while the study was down: failed ({run_dir})")
-    return lines
+            lines.append(f"trial {trial.number}: cut off while the study was down ({run_dir})")
+    return lines + continue_cut_off(study)
 
 
 def finished(study: optuna.Study) -> list[FrozenTrial]:
@@ -491,10 +584,14 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
 
 
 def results(study: optuna.Study, storage: str) -> dict[str, Any]:
-    """What optimization_results.yaml holds: the best trial (params, value, the overrides that reproduce it,
-    its run dir), every pruned trial with where it stopped, every failed trial with why, and the steps trained."""
+    """What optimization_results.yaml holds.
+
+    The best trial (params, value, the overrides that reproduce it, its run dir), every pruned trial with where it
+    stopped, every failed trial with why (not a cut-off one that a later trial continued), the trials that count
+    towards n_trials, and the steps trained."""
     best = best_trial(study)
-    failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+    gone = superseded(study.get_trials(deepcopy=False))
+    failed = [t for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)) if t.number not in gone]
     pruned = study.get_trials(deepcopy=False, states=(TrialState.PRUNED,))
     ends = {t.number: read_run_end(trial_run_dir(t)) if trial_run_dir(t) else {} for t in finished(study)}
     return {
@@ -502,7 +599,7 @@ def results(study: optuna.Study, storage: str) -> dict[str, Any]:
         "study_name": study.study_name,
         "storage": storage,
         "direction": study.direction.name.lower(),
-        "n_trials": len(finished(study)),
+        "n_trials": len(settled(study)),
         "n_complete": len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))),
         "best_trial": None if best is None else best.number,
         "best_value": None if best is None else best.value,
@@ -535,22 +632,26 @@ def steps_line(summary: Mapping[str, Any]) -> str:
 
 
 class TrialReport(Judge):
-    """Inside a study's job, the judge of its trial (the job's number) in the study's storage: after each evaluation it
-    reports the objective metric at the row's train/step and stops the run when the pruner says so (the checkpoint
-    there records `pruned`); a resumed trial reports to the same trial (a step reported before is ignored by Optuna).
-    The forecast pruner is told the objective (metric, mode) and the run dir; what it says without pruning goes to
-    the job's log whenever it says something other than its numbers (no law yet, no forecast and why, ...)."""
+    """Inside a study's job, the judge of its trial in the study's storage: reports each evaluation, stops when pruned.
+
+    Its trial is the job number's (`trial_of_job`: a cut-off trial's continuation where one runs). After each
+    evaluation it reports the objective metric at the row's train/step and stops the run when the pruner says so (the
+    checkpoint there records `pruned`); a resumed trial reports to the same trial (a step reported before is ignored
+    by Optuna). The forecast pruner is told the objective (metric, mode) and the run dir; what it says without
+    pruning goes to the job's log whenever it says something other than its numbers (no law yet, no forecast and
+    why, ...)."""
 
     def __init__(self, metric: str, storage: str, study_name: str, number: int, pruner: str, pruner_args: Mapping[str, Any],
                  mode: str = "last", run_dir: Path | None = None):  # fmt: skip
-        self.metric, self.number = metric, number
+        self.metric = metric
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.pruner = make_pruner(pruner, pruner_args)
         if hasattr(self.pruner, "objective"):  # the forecast pruner
             self.pruner.objective(metric, mode, run_dir, scope=(storage, study_name))
         self.study = optuna.load_study(study_name=study_name, storage=open_storage(storage), pruner=self.pruner)
-        trial_id = next(t._trial_id for t in self.study.get_trials(deepcopy=False) if t.number == number)
-        self.trial = optuna.trial.Trial(self.study, trial_id)
+        trial = trial_of_job(self.study.get_trials(deepcopy=False), number)
+        self.number = trial.number
+        self.trial = optuna.trial.Trial(self.study, trial._trial_id)
         self.pruned: tuple[int, float] | None = None  # (steps done, value) where it was pruned
         self.said: str | None = None  # the forecast pruner's last line in the log, its numbers left out
 

@@ -11,7 +11,12 @@ Who does what, so that nothing is run twice and nothing is lost:
 - only the sweep's own process fails a trial whose worker is gone (`lose`): its job ended (scancel, kill -9, node
   failure) or its heartbeat stopped; it enqueues a retry (a new trial number with the same values) that the next
   free worker takes first, and runs from the lost trial's newest checkpoint (`retry_start`: a branch of its run dir),
-  or from step 0 where it saved none.
+  or from step 0 where it saved none;
+- a worker that stops (its job requeued, cancelled) tells none of the trials it stopped and takes no new one: a
+  requeued worker takes its trials back (`resumed`);
+- a sweep that stops (Ctrl-C, SIGTERM) fails its running trials, cut off, and marks the study stopped before it
+  cancels its workers (`stop_workers`: none asks a trial after that), and the same command continues those trials,
+  each at its point in its run dir (tinker_exp/sweep/study.py `continue_cut_off`).
 
 Work known up front (a PBT population's members) runs on the same machinery: each member is a trial enqueued in a
 ledger of the sweep's (`items_study`, a journal file in the sweep dir) with its number as the one parameter ITEM, so
@@ -31,14 +36,12 @@ from typing import Any, Callable, Iterator, Sequence
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from tinker_exp.sweep.study import finished, open_storage
+from tinker_exp.sweep.study import RETRY_OF, open_storage, settled  # noqa: F401 (RETRY_OF, settled: the workers' names too)
 
 WORKER_ATTR = "worker"
 """A running trial's system attribute: the Slurm job id of the worker that runs it."""
 SEEN_ATTR = "worker_seen"
 """A running trial's system attribute: when its worker last said it is alive (time.time())."""
-RETRY_OF = "retry_of"
-"""A retry's user attribute: the number of the lost trial it runs again."""
 ASK_LOCK = "optuna.ask"
 """In the sweep dir: the lock file (`<this>.lock`) that makes a worker's check-and-ask one step."""
 HEARTBEAT_S = 5.0
@@ -50,21 +53,15 @@ MAX_RETRIES = 2
 """Times a lost trial is run again: a trial that kills its worker each time (out of memory) stops after these."""
 WAIT_S = 2.0
 """How often an idle worker looks again while the last trials run elsewhere (one of them may be lost and retried)."""
+STOPPED_ATTR = "sweep_stopped"
+"""The study's system attribute, True while its sweep is stopped (Ctrl-C, SIGTERM, an error): no worker asks a trial.
+
+A worker lives on until Slurm kills it, KillWait after the scancel (`take` asks nothing then). Set False as a sweep
+submits its workers."""
 ITEM = "item"
 """A work item's one parameter in a ledger of work known up front (`items_study`): its number (a member's)."""
 ITEMS_JOURNAL = "items.journal"
 """In the sweep dir: the ledger of work items (a population's members), one Optuna study per launch of the sweep."""
-
-
-def retried(trials: Sequence[FrozenTrial]) -> set[int]:
-    """Numbers of the lost trials that a retry runs again."""
-    return {t.user_attrs[RETRY_OF] for t in trials if RETRY_OF in t.user_attrs}
-
-
-def settled(study: optuna.Study) -> list[FrozenTrial]:
-    """Finished trials that count towards n_trials: complete, pruned, or failed and not retried."""
-    again = retried(study.get_trials(deepcopy=False))
-    return [t for t in finished(study) if t.number not in again]
 
 
 def retries_before(trials: Sequence[FrozenTrial], trial: FrozenTrial) -> int:
@@ -91,13 +88,15 @@ def ask_lock(sweep_dir: Path) -> Iterator[None]:
 
 
 def take(study: optuna.Study, n_trials: int, ask: Callable[[], optuna.Trial], worker: str, sweep_dir: Path) -> optuna.Trial | None | bool:
-    """The next trial for this worker (a retry waiting first, else a new one), marked as its; None when the study has
-    its n_trials (the worker may end); False when every trial still wanted runs elsewhere (look again later)."""
+    """The next trial for this worker (a retry waiting first, else a new one), marked as its.
+
+    None when the study has its n_trials or its sweep has stopped (the worker may end); False when every trial still
+    wanted runs elsewhere (look again later)."""
     with ask_lock(sweep_dir):
         trials = study.get_trials(deepcopy=False)
         done, running = len(settled(study)), [t for t in trials if t.state == TrialState.RUNNING]
         waiting = any(t.state == TrialState.WAITING for t in trials)
-        if done >= n_trials:
+        if done >= n_trials or study._storage.get_study_system_attrs(study._study_id).get(STOPPED_ATTR):
             return None
         if not waiting and done + len(running) >= n_trials:
             return False
@@ -140,11 +139,13 @@ def work(
     worker: str,
     sweep_dir: Path,
     wait_s: float = WAIT_S,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> int:
-    """A worker's life: take a trial, run it (`run` tells the study what it came to), until the study has its
-    n_trials. Returns how many trials this worker ran."""
+    """A worker's life: take a trial, run it (`run` tells the study what it came to); how many trials it ran.
+
+    Until the study has its n_trials, or until the worker is `stopping` (requeued, cancelled: it takes no new trial)."""
     ran = 0
-    while True:
+    while not stopping():
         trial = take(study, n_trials, ask, worker, sweep_dir)
         if trial is None:
             return ran
@@ -154,6 +155,23 @@ def work(
         with Heartbeat(trial):
             run(trial)
         ran += 1
+    return ran
+
+
+def stop_workers(study: optuna.Study, sweep_dir: Path) -> None:
+    """Mark the study stopped and cut its running trials off, before the sweep cancels its workers.
+
+    Under the ask lock: the study marked stopped (a worker asks no trial after it, `take`) and every running trial
+    failed without an error (cut off: the same command continues it), so that a trial whose training dies of the
+    scancel is not told a failure of its own (its worker's tell is refused). A retry or continuation not started
+    stays WAITING."""
+    with ask_lock(sweep_dir):
+        study._storage.set_study_system_attr(study._study_id, STOPPED_ATTR, True)
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            try:
+                study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # told by its worker just now
 
 
 def retry_start(study: optuna.Study, trial: Any) -> list[str]:

@@ -87,6 +87,11 @@ def read_objective(run_dir: Path) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
 
 
+def no_objective(value: Any) -> str:
+    """Why a run that completed fails its trial: it returned no finite objective (`value`: what it returned)."""
+    return f"the run returned no finite objective ({value!r})"
+
+
 def read_run_end(run_dir: Path) -> dict[str, Any]:
     """objective.json of a run that completed ({} otherwise): its steps trained and planned, pruned_at_step."""
     return read_json(run_dir / OBJECTIVE_FILE) or {}
