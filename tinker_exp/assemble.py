@@ -1,6 +1,7 @@
-"""What a run is put together from: its judges, inputs (device, model, data), batch source, sinks, workers and
-checkpointer, each built from the config (and the job's environment). `run.train_run` calls these in order, so
-neither it nor the loop names a judge, a sink or a batch source.
+"""What a run is put together from: its judges, inputs, batch source, sinks, workers and checkpointer.
+
+Its inputs: device, model, data. Each is built from the config (and the job's environment). `run.train_run` calls these
+in order, so neither it nor the loop names a judge, a sink or a batch source.
 
 torch, verl and ray (tinker_exp/runtime/) are imported inside the functions that start them.
 """
@@ -69,8 +70,9 @@ class Inputs:
 
 
 def inputs(cfg: Config, rows: "tuple[list[Row], list[Row]] | Env", start: StartPoint) -> Inputs:
-    """Device, the start checkpoint's device, model, LoRA targets and tokenized data (an RL run: its env, `rows`):
-    a problem stops the run here."""
+    """Device, the start checkpoint's device, model, LoRA targets and tokenized data: a problem stops the run here.
+
+    An RL run: its env, `rows`."""
     from tinker_exp.runtime.inputs import load_examples
 
     trainer, data = cfg.trainer, cfg.data
@@ -87,9 +89,10 @@ def inputs(cfg: Config, rows: "tuple[list[Row], list[Row]] | Env", start: StartP
 
 
 def workers_inputs(cfg: Config, start: StartPoint | None = None) -> tuple[Any, Path, list[str]]:
-    """What the workers are built from, each checked before any of them starts: the device (on cuda, the GPUs of a Ray
-    cluster of the run's own), the start checkpoint's device, the model dir and (SFT) LoRA's targets in it; returned
-    with what the run says of them. A run's `inputs`, and `pool up` before it starts a pool (pool/__main__.py)."""
+    """What the workers are built from, each checked before any of them starts; returned with what the run says of them.
+
+    The device (on cuda, the GPUs of a Ray cluster of the run's own), the start checkpoint's device, the model dir and
+    (SFT) LoRA's targets in it. A run's `inputs`, and `pool up` before it starts a pool (pool/__main__.py)."""
     from tinker_exp.runtime.device import resolve
     from tinker_exp.runtime.inputs import model_dir
 
@@ -110,8 +113,10 @@ def workers_inputs(cfg: Config, start: StartPoint | None = None) -> tuple[Any, P
 
 
 def rl_inputs(cfg: Config, choice: Any, model_path: Path, env: Env, said: list[str]) -> Inputs:
-    """An RL run's batch source and evaluation: the env's prompts (in the model's chat template), its reward, the
-    driver's sampler (its weights come from the workers once they run: `attach`)."""
+    """An RL run's batch source and evaluation.
+
+    The env's prompts (in the model's chat template), its reward, the driver's sampler (its weights come from the
+    workers once they run: `attach`)."""
     from tinker_exp.rl.prompts import check_prompt_lengths
     from tinker_exp.runtime.sampler import HFSampler
     from tinker_exp.train.rl import OffPolicyBatches, Prompt, RLBatches, RLEvaluation, Weights
@@ -160,6 +165,7 @@ def sinks(cfg: Config, run_dir: Path, first_step: int) -> Sinks:
 
 def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choice: Any = None) -> Workers:
     """verl's Tinker workers on a Ray worker group; what they print goes to the run dir's workers.log.
+
     `choice`: the resolved device (runtime.device.DeviceChoice; None: resolved here)."""
     from tinker_exp.runtime.device import resolve
     from tinker_exp.runtime.worker_output import WorkerOutput
@@ -177,8 +183,10 @@ def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choic
 
 
 def start_wandb(into: Sinks, cfg: Config, plan: Plan, run_dir: Path, wandb_config: dict[str, Any]) -> None:
-    """The plan's plot and W&B, started beside the workers' start: no step waits for them (W&B's rows wait until its
-    run is there), and neither can stop the run (W&B warns and is left out)."""
+    """The plan's plot and W&B, started beside the workers' start.
+
+    No step waits for them (W&B's rows wait until its run is there), and neither can stop the run (W&B warns and is left
+    out)."""
     from tinker_exp.optim.preview import plan_table, plot_plan
 
     def plot_and_wandb() -> WandbSink | None:

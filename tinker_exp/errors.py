@@ -29,8 +29,9 @@ class ConfigError(TinkerExpError, ValueError):
 
 class RewardError(ConfigError):
     """An env's reward function failed on a prompt row: it raised, or returned a non-number or a non-finite value.
-    The message names env.reward, the row and the response. Found before any worker starts (the reward is tried on
-    every prompt row) or during a run (the run stops; its last checkpoint stays as it was)."""
+
+    The message names env.reward, the row and the response. Found before any worker starts (the reward is tried on every
+    prompt row) or during a run (the run stops; its last checkpoint stays as it was)."""
 
     label = "reward error"
 
@@ -111,8 +112,9 @@ def a_or_an(word: str) -> str:
 
 
 def one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:
-    """Our own warnings (a broken checkpoint skipped, a leftover schedule parameter) as one line, as our errors
-    are; a library's keep Python's form, with its file and line."""
+    """Our own warnings as one line, as our errors are; a library's keep Python's form, with its file and line.
+
+    Our own warnings: a broken checkpoint skipped, a leftover schedule parameter."""
     if Path(filename).resolve().is_relative_to(Path(__file__).resolve().parent):
         return f"tinker_exp: warning: {message}\n"
     return _python_format_warning(message, category, filename, lineno, line)

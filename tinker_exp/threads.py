@@ -23,8 +23,10 @@ _owners: dict[int, int] = {}
 
 
 def owner(ident: int | None = None) -> int:
-    """The thread that thread `ident` (the calling thread by default) works for: the one that started it with
-    `start` (or started its starter), else itself. Output routers look lines up by this id."""
+    """The thread that thread `ident` (the calling thread by default) works for.
+
+    The one that started it with `start` (or started its starter), else itself. Output routers look lines up by this
+    id."""
     ident = threading.get_ident() if ident is None else ident
     return _owners.get(ident, ident)
 
@@ -62,9 +64,11 @@ def run_log(path: Path) -> logging.Handler:
 
 
 class Router:
-    """The process's one router of output by thread (`owner`): a routed thread's prints and log records go to its run's
-    `Route`, every other thread's where they went. Used wherever runs share a process: a pool's runs on slots
-    (pool/host.py), a sweep's trials as threads (hydra_plugins/tinker_exp_plugins/slot_jobs.py)."""
+    """The process's one router of output by thread (`owner`).
+
+    A routed thread's prints and log records go to its run's `Route`, every other thread's where they went. Used
+    wherever runs share a process: a pool's runs on slots (pool/host.py), a sweep's trials as threads
+    (hydra_plugins/tinker_exp_plugins/slot_jobs.py)."""
 
     def __init__(self) -> None:
         self.routes: dict[int, Route] = {}
@@ -89,8 +93,9 @@ class Router:
 
     @contextmanager
     def speaking_for(self, thread: int, speaker: int | None = None) -> Iterator[None]:
-        """Within: `speaker`'s output (the calling thread's by default) goes where `thread`'s goes (a group built on
-        another thread for that run)."""
+        """Within: `speaker`'s output (the calling thread's by default) goes where `thread`'s goes.
+
+        E.g. a group built on another thread for that run."""
         speaker = threading.get_ident() if speaker is None else speaker
         with self.lock:
             if thread in self.routes:
@@ -102,8 +107,10 @@ class Router:
 
     @contextmanager
     def installed(self, loggers: tuple[str, ...] = ("tinker_exp",)) -> Iterator[None]:
-        """Within: sys.stdout and sys.stderr route by thread; the handlers of the root logger and of `loggers` leave a
-        routed thread's records out, and one more on the root logger hands those to their route."""
+        """Within: sys.stdout and sys.stderr route by thread, and so do log records.
+
+        The handlers of the root logger and of `loggers` leave a routed thread's records out, and one more on the root
+        logger hands those to their route."""
         handlers = [*logging.getLogger().handlers, *(h for name in loggers for h in logging.getLogger(name).handlers)]
         unrouted, routed = NotRouted(self), RoutedRecords(self)
         for handler in handlers:
@@ -121,8 +128,9 @@ class Router:
 
 
 class RoutedStream:
-    """sys.stdout or sys.stderr while a `Router` is installed: a routed thread's text to its route, any other's to the
-    stream it replaced."""
+    """sys.stdout or sys.stderr while a `Router` is installed.
+
+    A routed thread's text to its route, any other's to the stream it replaced."""
 
     def __init__(self, router: Router, name: str, underlying: TextIO) -> None:
         self.router, self.name, self.underlying = router, name, underlying

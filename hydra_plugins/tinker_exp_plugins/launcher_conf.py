@@ -1,10 +1,13 @@
-"""Schemas stored in Hydra's ConfigStore: hydra/launcher=local (submitit's local keys, ours on top), also as
-hydra/launcher=basic, the launcher `-m` uses unless told otherwise (Hydra's own runs the jobs in this process, with
-no summary and no report), and hydra/sweeper=basic, the sweeper `-m` uses unless told otherwise, as our GridSweeper.
+"""Schemas stored in Hydra's ConfigStore: hydra/launcher=local, also as hydra/launcher=basic, and hydra/sweeper=basic.
+
+hydra/launcher=local: submitit's local keys, ours on top; also stored as hydra/launcher=basic, the launcher `-m` uses
+unless told otherwise (Hydra's own runs the jobs in this process, with no summary and no report). hydra/sweeper=basic,
+the sweeper `-m` uses unless told otherwise, is our GridSweeper.
 
 Why `basic` is replaced rather than a `grid` (or `local`) default picked: a default picked in conf/config.yaml's
-defaults list would win over the `override /hydra/sweeper: optuna` (or a launcher) of an hparams_search preset
-(Hydra applies the primary config's overrides last). Hydra scans its core plugins before hydra_plugins, so this entry is the one it keeps.
+defaults list would win over the `override /hydra/sweeper: optuna` (or a launcher) of an hparams_search preset (Hydra
+applies the primary config's overrides last). Hydra scans its core plugins before hydra_plugins, so this entry is the
+one it keeps.
 
 In a module of its own, without `from __future__ import annotations`: Hydra's plugin scan imports these modules
 outside sys.modules, where a dataclass cannot resolve string annotations.

@@ -81,8 +81,9 @@ def frozen_key_error(key: str) -> str | None:
 
 
 def missing_key_error(config: DictConfig, key: str, written: str) -> str | None:
-    """Said once for the space, not per member with a sampled value: a key without + that the selected override
-    does not set (each member's compose would fail on it)."""
+    """The error for a key without + that the selected override does not set, said once for the space.
+
+    Not per member with a sampled value: each member's compose would fail on it."""
     if key.startswith(("+", "~")) or OmegaConf.select(config, key, default=_MISSING) is not _MISSING:
         return None
     if OmegaConf.select(config, "override") is None:
@@ -124,6 +125,7 @@ def settings_error(population: Any, interval: Any, quantile: Any, perturb: Any, 
 
 def boundary_error(cfg: Any, interval: int) -> str | None:
     """Why the members' config cannot have a boundary every `interval` steps that is an evaluation step, or None.
+
     `cfg`: a member's typed config (what PBT needs of it is the same for every member: none of it is searched)."""
     from tinker_exp.train.evaluation import missing_evaluation_data
 
@@ -239,8 +241,10 @@ class PBTSweeper(Sweeper):
         return self._finish(sweep_dir, fixed, space, starts, points, returns)
 
     def _checked_members(self, arguments: list[str]) -> tuple[list[str], dict[str, Any], list[dict[str, Any]], list[list[str]], Any]:
-        """(the fixed overrides, the space, each member's start values and overrides, member 0's typed config),
-        once every check passed: the space, every member's point (as any run's), the boundaries, force_exploit."""
+        """(the fixed overrides, the space, each member's start values and overrides, member 0's typed config).
+
+        Returned once every check passed: the space, every member's point (as any run's), the boundaries,
+        force_exploit."""
         from tinker_exp.sweep.study import as_override, expression, search_space
 
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
@@ -284,8 +288,10 @@ class PBTSweeper(Sweeper):
         return fixed, space, starts, points, cfg
 
     def _workers(self, cfg: Any) -> int:
-        """Population worker jobs (hydra.launcher.workers on Slurm); 0: a job per member. A dry run keeps a job per
-        member (each plans its point; nothing trains, so nothing to share)."""
+        """Population worker jobs (hydra.launcher.workers on Slurm).
+
+        0: a job per member. A dry run keeps a job per member (each plans its point; nothing trains, so nothing to
+        share)."""
         return 0 if cfg.dry_run or not hasattr(self.launcher, "workers") else self.launcher.workers()
 
     def _worker_slots(self) -> int:
@@ -295,10 +301,12 @@ class PBTSweeper(Sweeper):
     def _run_on_workers(
         self, sweep_dir: Path, points: Sequence[Sequence[str]], fixed: Sequence[str], space: Mapping[str, Any]
     ) -> list[JobReturn]:
-        """The members on `workers` Slurm jobs (one sbatch), each member claimed from a ledger in the sweep dir by one
-        worker (tinker_exp/sweep/workers.py `items_study`), which runs it as its own job would (run dir, number,
-        files); the sweep waits as a study on workers does (`run_workers`): a member whose worker is gone runs again
-        in its run dir, from its newest checkpoint, on a worker with room. Every member's JobReturn, as `_launch`'s."""
+        """The members on `workers` Slurm jobs (one sbatch); every member's JobReturn, as `_launch`'s.
+
+        Each member is claimed from a ledger in the sweep dir by one worker (tinker_exp/sweep/workers.py `items_study`),
+        which runs it as its own job would (run dir, number, files); the sweep waits as a study on workers does
+        (`run_workers`): a member whose worker is gone runs again in its run dir, from its newest checkpoint, on a
+        worker with room."""
         from hydra_plugins.tinker_exp_plugins.optuna_sweeper import run_workers
         from tinker_exp.sweep.slurm import cancel_slurm_jobs
         from tinker_exp.sweep.workers import ITEM, ITEMS_JOURNAL, items_study, workers_of_earlier_launches
@@ -317,6 +325,7 @@ class PBTSweeper(Sweeper):
 
     def _launch(self, points: Sequence[Sequence[str]]) -> Sequence[JobReturn]:
         """Every member at once, as one batch of jobs (local: max_parallel at a time; Slurm: one job array).
+
         Our launchers raise at a failed job (right for a grid); a population goes on with the others."""
         try:
             return self.launcher.launch(points, initial_job_idx=0)
@@ -325,8 +334,9 @@ class PBTSweeper(Sweeper):
 
     def _finish(self, sweep_dir: Path, fixed: Sequence[str], space: Mapping[str, Any], starts: Sequence[Mapping[str, Any]],
                 points: Sequence[Sequence[str]], returns: Sequence[JobReturn]) -> dict[str, Any]:  # fmt: skip
-        """The members ranked (table printed, summary.md/jsonl), population_results.yaml, the replay line,
-        report.png; raises PopulationFailedError when no member completed."""
+        """The members ranked, and the population's files: population_results.yaml, the replay line, report.png.
+
+        The members ranked: table printed, summary.md/jsonl. Raises PopulationFailedError when no member completed."""
         from tinker_exp.sweep import pbt_report
 
         outcomes = getattr(self.launcher, "outcomes", {})  # ours: the scheduler's word for a job it ended
@@ -362,8 +372,9 @@ LEDGER = "population"
 
 
 def workers_error(workers: int, slots: int, population: int, auto: bool = False) -> str | None:
-    """Why `workers` jobs of `slots` slots each (`auto`: what hydra.launcher.slots=auto came to) cannot train the
-    population's members side by side, or None (0 workers: a job a member). Members rank against each other at every
+    """Why `workers` jobs of `slots` slots each cannot train the population's members side by side, or None.
+
+    `auto`: what hydra.launcher.slots=auto came to; 0 workers: a job a member. Members rank against each other at every
     boundary, so all must train at once: a member left to wait for another's end would decide alone (its peers' posts
     long written) and train after them."""
     if not workers or workers * slots >= population:
@@ -374,8 +385,10 @@ def workers_error(workers: int, slots: int, population: int, auto: bool = False)
 
 
 def member_return(ledger: Any, member: int, overrides: Sequence[str]) -> JobReturn:
-    """What a member came to on the workers, as its job's JobReturn: its last run's objective, or why it failed
-    (lost past its retries, cut off, or never run because every worker ended first)."""
+    """What a member came to on the workers, as its job's JobReturn.
+
+    Its last run's objective, or why it failed (lost past its retries, cut off, or never run because every worker ended
+    first)."""
     from hydra.core.utils import JobStatus
     from optuna.trial import TrialState
 
@@ -410,9 +423,11 @@ def member_line(trial: Any) -> None:
 
 
 class PopulationWorker(StudyWorker):
-    """A population worker job's work: a study worker's (warm workers started once in its allocation, K loops on
-    slots), whose trials are the members it claims from the population's ledger (each once, a lost one again), each
-    run as its own job would run it: its point, job number = member number, its run dir."""
+    """A population worker job's work: a study worker's, whose trials are the members it claims from the ledger.
+
+    A study worker: warm workers started once in its allocation, K loops on slots. Its trials are the members it claims
+    from the population's ledger (each once, a lost one again), each run as its own job would run it: its point, job
+    number = member number, its run dir."""
 
     who, items = "population worker", "members"
 
@@ -431,8 +446,10 @@ class PopulationWorker(StudyWorker):
         return ask_item(study, self.n_trials)
 
     def point(self, study: Any, trial: Any) -> tuple[list[str], int, str]:
-        """(the member's point, its number as the job number, its name); a lost member run again waits for the run
-        dir lock its lost run left (another host: until it is stale), so that it resumes rather than being refused."""
+        """(the member's point, its number as the job number, its name).
+
+        A lost member run again waits for the run dir lock its lost run left (another host: until it is stale), so that
+        it resumes rather than being refused."""
         from tinker_exp.sweep.workers import ITEM, RETRY_OF, lost_lock_freed
 
         member = trial.params[ITEM]

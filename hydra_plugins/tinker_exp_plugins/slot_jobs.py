@@ -1,7 +1,8 @@
-"""A local sweep's trials as threads of the sweep's own process, not a process each: on slots (hydra.launcher.slots=K),
-each job's run on a slot of one LoRA group that process keeps (runtime/warm.py `SlotGroups`) or of the user's pool;
-one trial a group (slots 1, its sweep's pools up), each job's run on one of the sweep's pools, which it leases as a
-process of its own would (`backend.pool=auto`), its process's start saved.
+"""A local sweep's trials as threads of the sweep's own process, not a process each.
+
+On slots (hydra.launcher.slots=K), each job's run on a slot of one LoRA group that process keeps (runtime/warm.py
+`SlotGroups`) or of the user's pool; one trial a group (slots 1, its sweep's pools up), each job's run on one of the
+sweep's pools, which it leases as a process of its own would (`backend.pool=auto`), its process's start saved.
 
 `SlotExecutor.submit` looks like submitit's to the launcher (a job with `done`, `results`, `cancel`, `wait`,
 `state`, `paths`), so the grid's and the study's loops are the same. A job runs what a job's own process runs
@@ -77,9 +78,11 @@ class SlotJob:
 
 
 class SlotExecutor:
-    """submitit's executor as the local launcher uses it, for trials as threads: `submit(launcher, *args)` starts the
-    job's thread and returns it; `close` waits for every job (bounded), then frees the group. `capacity`: the trials a
-    group trains at once on its slots; 1: each trial leases one of the sweep's pools, whole (`on_pools`)."""
+    """submitit's executor as the local launcher uses it, for trials as threads.
+
+    `submit(launcher, *args)` starts the job's thread and returns it; `close` waits for every job (bounded), then frees
+    the group. `capacity`: the trials a group trains at once on its slots; 1: each trial leases one of the sweep's
+    pools, whole (`on_pools`)."""
 
     def __init__(self, launcher: Any, capacity: int) -> None:
         from tinker_exp.assemble import verl_workers
@@ -132,8 +135,10 @@ class SlotExecutor:
             self.job_ended.set()
 
     def _place(self, job: SlotJob, prepared: "Prepared") -> Any:
-        """Where the trial trains (tinker_exp/place/ `choose`, as its own process would choose, offered this process's
-        own slot when the sweep is on slots); a pool's lease is told to stop the run when the job is cancelled."""
+        """Where the trial trains (tinker_exp/place/ `choose`, as its own process would choose).
+
+        It is offered this process's own slot when the sweep is on slots; a pool's lease is told to stop the run when
+        the job is cancelled."""
         from tinker_exp import config
         from tinker_exp.assemble import WORKERS_LOG
         from tinker_exp.place import SweepSlot, choose
@@ -150,8 +155,9 @@ class SlotExecutor:
             self.installed.enter_context(self.router.installed())
 
     def close(self, wait_s: float = 120.0) -> None:
-        """Every job stopped at its next step (those not ended yet) and waited for (at most `wait_s` each), then the
-        group freed and the routes taken down."""
+        """Every job stopped at its next step and waited for, then the group freed and the routes taken down.
+
+        Those not ended yet are stopped, and each waited for at most `wait_s`."""
         for job in self.jobs:
             if not job.done():
                 job.cancel()
@@ -187,9 +193,11 @@ class Prepared(NamedTuple):
 
 
 def prepare(hydra_context: Any, config: DictConfig, overrides: Sequence[str], num: int, composed: DictConfig | None = None) -> Prepared:
-    """What Hydra's run_job gives a job's task, without its globals: the job's config (its `hydra` node as job `num`
-    of the sweep), its run dir made, its W&B group and name, its record's files. `composed`: the job's config as
-    composed already (launchers.py `point_error`), else composed here."""
+    """What Hydra's run_job gives a job's task, without its globals.
+
+    The job's config (its `hydra` node as job `num` of the sweep), its run dir made, its W&B group and name, its
+    record's files. `composed`: the job's config as composed already (launchers.py `point_error`), else composed
+    here."""
     from tinker_exp.run import hydra_output_files, name_sweep_job
     from tinker_exp.sweep.jobs import RUN_DIRS, job_info, run_dir_of
 

@@ -28,8 +28,9 @@ def register() -> None:
 
 
 def compose_dict(overrides: list[str], config_dir: str | Path | None = None, job_name: str = "tinker_exp") -> Any:
-    """The DictConfig `python -m tinker_exp OVERRIDES` composes (no `hydra` node), for every composition outside the
-    CLI (the pool, the server, a forecast's plans); a compose error is our one-line ConfigError. `config_dir`: a
+    """The DictConfig `python -m tinker_exp OVERRIDES` composes (no `hydra` node), for compositions outside the CLI.
+
+    Used by the pool, the server, a forecast's plans; a compose error is our one-line ConfigError. `config_dir`: a
     folder searched before conf/ (a forecast's own presets). Hydra's global state is left as it was found."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

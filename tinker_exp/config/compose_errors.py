@@ -25,8 +25,10 @@ COMPOSE_ERRORS = (ConfigCompositionException, OverrideParseException, OmegaConfB
 
 
 def compose_message(error: BaseException) -> str:
-    """One line: what to type instead for a grammar mistake, else the key and what is wrong with its value
-    (OmegaConf's words), else Hydra's first line."""
+    """One line for a compose error.
+
+    What to type instead for a grammar mistake, else the key and what is wrong with its value (OmegaConf's words), else
+    Hydra's first line."""
     grammar = grammar_message(error)
     if grammar is not None:
         return grammar
@@ -60,8 +62,9 @@ KINDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false
 
 
 def type_message(message: str, value: Any) -> str | None:
-    """OmegaConf's words for a value of the wrong type, for every typed key (an int, a float, a bool, a choice, a
-    value that may not be null), in ours: what the key takes and what it got (None: another message)."""
+    """OmegaConf's words for a value of the wrong type, in ours: what the key takes and what it got.
+
+    For every typed key: an int, a float, a bool, a choice, a value that may not be null. None: another message."""
     got = f"{value!r} ({type(value).__name__})"
     if match := NOT_CONVERTED.match(message):
         takes = KINDS.get(match.group("kind"), match.group("kind"))
@@ -124,8 +127,10 @@ def grammar_message(error: BaseException, argv: list[str] | None = None) -> str 
 
 
 def takes_list(key: str) -> bool | None:
-    """Whether a config key (as typed, + and all) takes a list: True or False where the schema (or the override
-    grammar) says, None where it does not know (hydra.*, an untyped field, a key that is not there)."""
+    """Whether a config key (as typed, + and all) takes a list.
+
+    True or False where the schema (or the override grammar) says, None where it does not know (hydra.*, an untyped
+    field, a key that is not there)."""
     import dataclasses
     import typing
 
@@ -245,8 +250,9 @@ def keys_named(name: str) -> list[str]:
 
 
 def refuse_unknown_flags(argv: list[str]) -> None:
-    """A flag Hydra's parser does not know (`--dry-run`, `--steps 10`): one line that says how a key is set
-    (argparse prints its usage and exits 2, naming the program __main__.py)."""
+    """A flag Hydra's parser does not know (`--dry-run`, `--steps 10`): one line that says how a key is set.
+
+    Said instead of argparse's usage and exit 2, which name the program __main__.py."""
     from hydra._internal.utils import get_args_parser
 
     parser = get_args_parser()
@@ -264,8 +270,9 @@ def refuse_unknown_flags(argv: list[str]) -> None:
 
 
 def unknown_key(node: Any, where: str = "") -> str | None:
-    """The line for the first key of a typed group that its dataclass lacks (`+trainer.stpes=3` composes, and
-    OmegaConf.to_object would drop it silently); None when there is none. Interpolations are left unresolved."""
+    """The line for the first key of a typed group that its dataclass lacks; None when there is none.
+
+    `+trainer.stpes=3` composes, and OmegaConf.to_object would drop it silently. Interpolations are left unresolved."""
     import dataclasses
 
     from omegaconf import DictConfig, OmegaConf
@@ -325,9 +332,10 @@ FULL_KEY = re.compile(r"full_key: (?P<key>\S+)")
 
 
 def unknown_argument(error: BaseException) -> str | None:
-    """The line for a key its plugin does not take (`+hydra.sweeper.kappa=2.0`: Hydra's "Error in call to target ...
-    unexpected keyword argument", over several lines): the key as typed, and the keys the plugin takes (its
-    constructor's); None for any other error."""
+    """The line for a key its plugin does not take: the key as typed, and the keys the plugin takes.
+
+    E.g. `+hydra.sweeper.kappa=2.0`: Hydra's "Error in call to target ... unexpected keyword argument", over several
+    lines. The keys the plugin takes are its constructor's. None for any other error."""
     import inspect
 
     from hydra.utils import get_class

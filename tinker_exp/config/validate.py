@@ -18,8 +18,9 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
 def data_path(path: str, key: str = "data.path") -> Path:
-    """A data file (`key` names it in errors): "builtin:NAME" is tinker_exp/assets/NAME; ~ is the home dir (as in
-    model.path); it must exist."""
+    """A data file, which must exist (`key` names it in errors).
+
+    "builtin:NAME" is tinker_exp/assets/NAME; ~ is the home dir (as in model.path)."""
     resolved = ASSETS / path.removeprefix("builtin:") if path.startswith("builtin:") else Path(path).expanduser()
     if resolved.is_dir():
         raise ConfigError(f"{key}: {path!r} is a directory, not a JSONL or Parquet file")
@@ -41,10 +42,11 @@ def is_hub_id(path: str) -> bool:
 
 
 def resolve_model_path(path: str, download: bool, key: str = "model.path") -> Path | None:
-    """`model.path` as a local Hugging Face causal-LM dir: a dir as given, or a hub id ("org/name", or a top-level
-    "name" such as gpt2) from the local Hugging Face cache, downloaded first when `download` (a run; a dry run never
-    downloads: None when the id is not cached yet). A dir that is not a causal LM with weights and a tokenizer is a
-    ConfigError."""
+    """`model.path` as a local Hugging Face causal-LM dir: a dir as given, or a hub id from the local cache.
+
+    The cache is Hugging Face's. A hub id is "org/name", or a top-level "name" such as gpt2; it is downloaded first when
+    `download` (a run; a dry run never downloads: None when the id is not cached yet). A dir that is not a causal LM
+    with weights and a tokenizer is a ConfigError."""
     local = Path(path).expanduser()
     if local.exists() or not is_hub_id(path):
         if not local.is_dir():
@@ -90,9 +92,11 @@ def checked_model_dir(folder: Path, path: str, key: str) -> Path:
 
 
 def check_chat_template(model_path: str | None, where: str | None) -> None:
-    """Chat rows (`where`: the first one) need the model's chat template: known from its files, without loading
-    the tokenizer, so a dry run finds it missing. Skipped for the built tiny model (it has one) and for a hub
-    id not cached yet (checked once downloaded, when the tokenizer is loaded before any worker starts)."""
+    """Chat rows (`where`: the first one) need the model's chat template.
+
+    It is known from its files, without loading the tokenizer, so a dry run finds it missing. Skipped for the built tiny
+    model (it has one) and for a hub id not cached yet (checked once downloaded, when the tokenizer is loaded before any
+    worker starts)."""
     folder = resolve_model_path(model_path, download=False) if where and model_path else None
     if folder is None:
         return
@@ -105,8 +109,10 @@ def check_chat_template(model_path: str | None, where: str | None) -> None:
 
 
 def check(cfg: Config) -> None:
-    """What no single group can check alone: the batch splits over every worker into whole micro batches; the
-    files named exist; the plan steps asked for are steps of the run."""
+    """Check what no single group can check alone.
+
+    That the batch splits over every worker into whole micro batches; the files named exist; the plan steps asked for
+    are steps of the run."""
     from tinker_exp.config.rl import check_rl
 
     check_rl(cfg)  # an RL run's batch is its prompts x group size: checked there
@@ -189,8 +195,9 @@ SLOT_KEYS = ("lora.rank", "backend.nodes")
 
 
 def why_not_on_slot(cfg: Config) -> str | None:
-    """Why a run cannot train on a slot of a shared group (runtime/slots.py), or None: slots hold LoRA runs (SFT, or
-    RL with its sampler in its own driver thread) on one node."""
+    """Why a run cannot train on a slot of a shared group (runtime/slots.py), or None.
+
+    Slots hold LoRA runs (SFT, or RL with its sampler in its own driver thread) on one node."""
     if cfg.lora.rank == 0:
         return "lora.rank=0: full fine-tuning keeps one trial per group"
     if cfg.backend.nodes > 1:

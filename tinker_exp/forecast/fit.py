@@ -70,8 +70,9 @@ class Law:
 
     def final(self, lr: np.ndarray, updates: np.ndarray | None = None, reduce: Callable[[np.ndarray], Any] = np.mean) -> tuple[float, float, float]:
         """The predicted final loss of a schedule: (the fit's, the 5th and 95th percentile over the refits).
-        `updates`, `reduce`: the loss taken as `reduce` over the curve at these update counts instead (default: the
-        mean over the last `final_window` steps; a study's objective_mode=min: the min over the evaluations left)."""
+
+        `updates`, `reduce`: the loss taken as `reduce` over the curve at these update counts instead (default: the mean
+        over the last `final_window` steps; a study's objective_mode=min: the min over the evaluations left)."""
         updates = self.final_updates(len(lr)) if updates is None else np.asarray(updates, dtype=np.int64)
         f = features(np.asarray(lr) / self.lr_scale, updates)
         point = float(reduce(self.law.predict(self.params, f)))
@@ -79,11 +80,12 @@ class Law:
         return point, float(np.percentile(spread, 5)), float(np.percentile(spread, 95))
 
     def forecast(self, lr: np.ndarray, updates: np.ndarray | None = None, reduce: Callable[[np.ndarray], Any] = np.mean) -> dict[str, Any]:
-        """The final loss of a schedule with its interval (refits' 5-95 %, widened by `misfit`), or the reason
-        there is none: "reason" is None for a forecast. No forecast when the schedule decays and the fitted runs
-        did not (the decay terms are their starting values), when the interval holds a negative loss, or when it
-        is wider than the fitted losses' whole spread (it says nothing the fitted curves did not). `updates`,
-        `reduce`: as `final`'s."""
+        """The final loss of a schedule with its interval, or the reason there is none.
+
+        The interval: the refits' 5-95 %, widened by `misfit`. "reason" is None for a forecast. No forecast when the
+        schedule decays and the fitted runs did not (the decay terms are their starting values), when the interval holds
+        a negative loss, or when it is wider than the fitted losses' whole spread (it says nothing the fitted curves did
+        not). `updates`, `reduce`: as `final`'s."""
         point, low, high = self.final(lr, updates, reduce)
         low, high = min(low, point) - self.misfit, max(high, point) + self.misfit
         reason = None
@@ -109,10 +111,11 @@ class Law:
 
 
 def _fit_points(curves: list[Curve], metric: str, from_step: int = 0) -> list[tuple[Curve, np.ndarray]]:
-    """Per curve, the indices of its points the fit uses: after the warmup (the law's sums start there; warmup
-    losses dominate a short run's residuals), and each logged point once (a branch's trunk steps are the trunk's
-    points: fitted once when both are given). `from_step`: no point before it either (an early phase the law does
-    not describe: the tiny model's first fast drop)."""
+    """Per curve, the indices of its points the fit uses.
+
+    After the warmup (the law's sums start there; warmup losses dominate a short run's residuals), and each logged point
+    once (a branch's trunk steps are the trunk's points: fitted once when both are given). `from_step`: no point before
+    it either (an early phase the law does not describe: the tiny model's first fast drop)."""
     seen: set[tuple[str, int]] = set()
     chosen = []
     for curve in curves:
@@ -128,8 +131,9 @@ def _fit_points(curves: list[Curve], metric: str, from_step: int = 0) -> list[tu
 
 
 def binned(updates: np.ndarray, loss: np.ndarray, most: int = MAX_FIT_POINTS) -> tuple[np.ndarray, np.ndarray]:
-    """Consecutive points averaged in groups so that at most `most` remain: the mean loss at the group's middle
-    update (the law is smooth over a few steps)."""
+    """Consecutive points averaged in groups so that at most `most` remain.
+
+    The mean loss at the group's middle update (the law is smooth over a few steps)."""
     groups = np.array_split(np.arange(len(updates)), min(most, len(updates)))
     return (np.array([int(round(np.mean(updates[g]))) for g in groups], dtype=np.int64),
             np.array([float(np.mean(loss[g])) for g in groups]))  # fmt: skip
@@ -221,8 +225,9 @@ def fit_law(
 
 
 class _Problem:
-    """The fit's residuals (log predicted - log measured, times a refit's weights) and their analytic Jacobian:
-    scipy's finite differences would cost one more evaluation of the law per parameter."""
+    """The fit's residuals (log predicted - log measured, times a refit's weights) and their analytic Jacobian.
+
+    Analytic: scipy's finite differences would cost one more evaluation of the law per parameter."""
 
     def __init__(self, law_kind: LawKind, design: Any, measured: np.ndarray) -> None:
         self.law_kind, self.design, self.measured = law_kind, design, measured
@@ -258,9 +263,11 @@ def _common_settings(curves: list[Curve]) -> dict[str, Any]:
 
 
 def errors_of(law: Law, curve: Curve) -> dict[str, Any]:
-    """Predicted against measured over a run's logged points after its warmup (the laws describe the loss from the
-    peak on; at update 1 of a warmup from 0 they are infinite): mean and worst relative error, and the final loss
-    (mean of the last `final_window` points) with its error (predicted - actual)."""
+    """Predicted against measured over a run's logged points after its warmup: mean, worst error and final loss.
+
+    The laws describe the loss from the peak on; at update 1 of a warmup from 0 they are infinite. The errors are
+    relative: the mean and the worst. The final loss is the mean of the last `final_window` points, with its error
+    (predicted - actual)."""
     updates = updates_seen(law.metric, curve.steps)
     first = max(warmup_end(curve.lr), law.from_step)
     at = updates > first

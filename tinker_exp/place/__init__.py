@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 
 
 class Place(Protocol):
-    """Where this process trains a run: it gives the run its workers (`start_workers`, once) and one line about them
-    (`describe`); the run releases it when it ends, however it ends (`release`). A place does not free the workers it
-    gives: the run does (a cold group), or whoever lent them (a pool, the sweep's own group)."""
+    """Where this process trains a run.
+
+    It gives the run its workers (`start_workers`, once) and one line about them (`describe`); the run releases it when
+    it ends, however it ends (`release`). A place does not free the workers it gives: the run does (a cold group), or
+    whoever lent them (a pool, the sweep's own group)."""
 
     workers_log: Path | None
     """Where the workers print, when not the run dir's workers.log (a packed group's: its slots' runs share them)."""
@@ -48,8 +50,9 @@ class Place(Protocol):
 
 
 def choose(cfg: Config, sweep_slot: SweepSlot | None = None) -> Place | Lease:
-    """Where a run with this config trains, held for it; every such decision is made here. `sweep_slot`: the slot of
-    its own packed group that a sweep's trial on slots takes when no pool's slot takes it.
+    """Where a run with this config trains, held for it; every such decision is made here.
+
+    `sweep_slot`: the slot of its own packed group that a sweep's trial on slots takes when no pool's slot takes it.
     - several nodes: a cold group (the run starts a Ray cluster over its allocation);
     - a pool named by backend.pool, or found (auto: a free pool of the sweep's, else the user's): a lease, of the whole
       group or (a LoRA SFT run) of a slot beside the pool's other runs on slots; a trial of a sweep on slots waits for

@@ -48,13 +48,15 @@ def sweep_addresses() -> list[Path]:
 
 
 def lease_a_pool(cfg: Any, wait_for_slot: bool = False) -> "Lease | ColdGroup":
-    """The pool this run trains on, held for it, or a cold start. backend.pool: none, auto or an address.
-    auto: a free pool of this sweep's, else this user's pool if up, else a cold start (said in one line, when the run
-    trains). A pool that is busy, runs older code, or is not this user's alone (`wire.connect`) is skipped (auto:
-    the run starts cold, said in one line; an address: refused, one line, exit 2, nothing written); so is every pool
-    for a run that joins a Ray cluster of its own (backend.ray_address). A LoRA SFT run asks for a slot: it trains
-    beside the pool's other runs on slots when they share its group and its context (`slot_terms`);
-    `wait_for_slot`: while they hold every slot, it waits for one (a sweep's trial) instead of being refused."""
+    """The pool this run trains on, held for it, or a cold start.
+
+    backend.pool: none, auto or an address. auto: a free pool of this sweep's, else this user's pool if up, else a cold
+    start (said in one line, when the run trains). A pool that is busy, runs older code, or is not this user's alone
+    (`wire.connect`) is skipped (auto: the run starts cold, said in one line; an address: refused, one line, exit 2,
+    nothing written); so is every pool for a run that joins a Ray cluster of its own (backend.ray_address). A LoRA SFT
+    run asks for a slot: it trains beside the pool's other runs on slots when they share its group and its context
+    (`slot_terms`); `wait_for_slot`: while they hold every slot, it waits for one (a sweep's trial) instead of being
+    refused."""
     setting = cfg.backend.pool
     # A Slurm job trains in its own allocation: cold, unless it holds a pool of its own there (a study worker's).
     if setting == "none" or (setting == "auto" and "SLURM_JOB_ID" in os.environ and not sweep_addresses()):
@@ -114,9 +116,11 @@ def lease_a_pool(cfg: Any, wait_for_slot: bool = False) -> "Lease | ColdGroup":
 
 
 def slot_terms(cfg: Any) -> dict[str, Any] | None:
-    """What a pool needs to judge whether this run may share its group on a slot: its config, the environment that
-    reaches the workers, and its context (what the run sets process-wide there: the environment sent, the working
-    dir, sys.path; runs on slots at once share it). None: a run that cannot train on a slot."""
+    """What a pool needs to judge whether this run may share its group on a slot.
+
+    Its config, the environment that reaches the workers, and its context (what the run sets process-wide there: the
+    environment sent, the working dir, sys.path; runs on slots at once share it). None: a run that cannot train on a
+    slot."""
     from tinker_exp.config.validate import why_not_on_slot
 
     if why_not_on_slot(cfg) is not None or cfg.env.active:  # a pool's slots hold LoRA SFT runs; an RL run leases it whole
@@ -132,9 +136,11 @@ def busy_with(holder: dict[str, Any]) -> str:
 
 
 def best_first(addresses: list[Path], cfg: Any) -> list[Path]:
-    """A sweep's pools in the order its job tries them: free ones that keep a group for it first, then free ones that
-    keep none, then the others (a pool that does not answer last); so jobs that mix LoRA ranks, say, each go to
-    the pool that has their group instead of building it again on the first free one."""
+    """A sweep's pools in the order its job tries them.
+
+    Free ones that keep a group for it first, then free ones that keep none, then the others (a pool that does not
+    answer last); so jobs that mix LoRA ranks, say, each go to the pool that has their group instead of building it
+    again on the first free one."""
     if len(addresses) < 2:
         return addresses
     request = {"code": wire.code_fingerprint(), "config": cfg, "worker_env": wire.worker_environment(dict(os.environ))}
@@ -157,8 +163,10 @@ def who() -> str:
 
 
 def needed_secrets(cfg: Any) -> tuple[str, ...]:
-    """The secrets of the environment that the run itself uses: W&B's API key for an online W&B run, the Hub's
-    token for a model it may download. No other secret is sent to the pool."""
+    """The secrets of the environment that the run itself uses.
+
+    W&B's API key for an online W&B run, the Hub's token for a model it may download. No other secret is sent to the
+    pool."""
     from tinker_exp.config.schema import LoggerName, WandbMode
 
     needed: tuple[str, ...] = ()
@@ -170,9 +178,11 @@ def needed_secrets(cfg: Any) -> tuple[str, ...]:
 
 
 def run_payload(arguments: tuple, cfg: Any) -> dict[str, Any]:
-    """What the pool needs besides the arguments to run as this process would: the environment the run needs (not
-    the whole: `wire.sent_environment`), where its workers' part is the group's key; the working dir and sys.path it
-    imports user code from (env.reward); its log level and whether its terminal is one."""
+    """What the pool needs besides the arguments to run as this process would.
+
+    The environment the run needs (not the whole: `wire.sent_environment`), where its workers' part is the group's
+    key; the working dir and sys.path it imports user code from (env.reward); its log level and whether its terminal
+    is one."""
     environ = wire.sent_environment(dict(os.environ), needed_secrets(cfg))
     return {
         "arguments": arguments,
@@ -186,8 +196,10 @@ def run_payload(arguments: tuple, cfg: Any) -> dict[str, Any]:
 
 
 class RemoteError(Exception):
-    """An error that is not ours, raised in the pool's run: its traceback as the pool saw it. (Not a frozen
-    dataclass: Python sets an exception's __traceback__ as it passes through a `with`.)"""
+    """An error that is not ours, raised in the pool's run.
+
+    Its traceback as the pool saw it. (Not a frozen dataclass: Python sets an exception's __traceback__ as it passes
+    through a `with`.)"""
 
     def __init__(self, text: str) -> None:
         super().__init__(text)
@@ -222,18 +234,20 @@ class Lease:
 
     @property
     def workers_log(self) -> Path | None:
-        """Where the workers print: on a slot, the pool's own folder (its runs on slots share them); else None (the
-        run dir's, as a cold run's)."""
+        """Where the workers print.
+
+        On a slot, the pool's own folder (its runs on slots share them); else None (the run dir's, as a cold run's)."""
         from tinker_exp.assemble import WORKERS_LOG
 
         return wire.workers_dir_of(self.address) / WORKERS_LOG if self.info.get("slot") else None
 
     def check(self, cfg: Any, rows: Any, start: Any) -> None:
-        """The run's inputs checked by the pool as a cold run checks them here (its device, model, LoRA targets,
-        tokenized data), before the run's record is written: a refusal is one line and writes nothing. The rows (an
-        env: its prompt rows and its reward's spec) go as this process read and checked them, packed: unpacked in the
-        run's context there, where the reward imports from the client's folder; the pool keeps what it checked for the
-        run's training."""
+        """The run's inputs checked by the pool as a cold run checks them here, before the run's record is written.
+
+        Its device, model, LoRA targets, tokenized data. A refusal is one line and writes nothing. The rows (an env: its
+        prompt rows and its reward's spec) go as this process read and checked them, packed: unpacked in the run's
+        context there, where the reward imports from the client's folder; the pool keeps what it checked for the run's
+        training."""
         checked = pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
         self.send(("check", run_payload((cfg, start, checked), cfg)))
         try:
@@ -244,9 +258,10 @@ class Lease:
 
     def train_run(self, cfg: Any, plan: Any, rows: Any, start: Any, run_dir: Path, wandb_config: dict[str, Any],
                   place: Any, job_number: int | None) -> dict[str, Any]:  # fmt: skip
-        """run.train_run, run by the pool on its workers (`place` is this lease) with the inputs its `check` kept;
-        its result, or what it raised, here. The plan is built there again from the config (a plan holds compiled
-        schedules, which do not travel)."""
+        """run.train_run, run by the pool on its workers; its result, or what it raised, here.
+
+        `place` is this lease; the inputs are those its `check` kept. The plan is built there again from the config (a
+        plan holds compiled schedules, which do not travel)."""
         self.send(("run", run_payload((cfg, start, run_dir, wandb_config, job_number), cfg)))
         try:
             return self.follow()
@@ -281,16 +296,19 @@ class Lease:
                 raise RemoteError(message[1])
 
     def ask_stop(self) -> None:
-        """Ctrl-C for the run in the pool, from another thread (a sweep's trial cancelled): it stops at its next
-        step, and its `follow` raises KeyboardInterrupt."""
+        """Ctrl-C for the run in the pool, from another thread (a sweep's trial cancelled).
+
+        It stops at its next step, and its `follow` raises KeyboardInterrupt."""
         try:
             self.send(("stop", "SIGINT"))
         except OSError:
             pass
 
     def _stop(self, signal_name: str) -> None:
-        """Ctrl-C or SIGTERM here: the same reaches the run in the pool, which closes it as a cold run closes; its
-        lines are shown until it has (bounded)."""
+        """Ctrl-C or SIGTERM here.
+
+        The same reaches the run in the pool, which closes it as a cold run closes; its lines are shown until it has
+        (bounded)."""
         try:
             self.send(("stop", signal_name))
             self.sock.settimeout(STOP_WAIT_S)

@@ -1,5 +1,7 @@
-"""Pool processes on this machine: started (`start_host`), asked whether they answer, ended; and a sweep's own pools
-(`SweepPools`): one per job the sweep runs at once, started before its first job and ended with it.
+"""Pool processes on this machine: started, asked whether they answer, ended; and a sweep's own pools.
+
+Pool processes are started by `start_host`. A sweep's own pools (`SweepPools`): one per job the sweep runs at once,
+started before its first job and ended with it.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ def answers(address: Path) -> bool:
 
 def start_host(address: Path, idle_s: float, parent_pid: int | None = None, wait: bool = True,
                host_args: Sequence[str] = ()) -> subprocess.Popen:  # fmt: skip
-    """The pool's process, in a session of its own (a terminal's Ctrl-C is for runs, not for it); returns once it
-    listens (`wait`). Its output goes to its log beside the socket. `parent_pid`: it ends when that process has;
-    `host_args`: the bounds of the groups it keeps (pool/__main__.py UpOptions.host_args; none: the defaults)."""
+    """The pool's process, in a session of its own; returns once it listens (`wait`).
+
+    A terminal's Ctrl-C is for runs, not for it. Its output goes to its log beside the socket. `parent_pid`: it ends
+    when that process has; `host_args`: the bounds of the groups it keeps (pool/__main__.py UpOptions.host_args; none:
+    the defaults)."""
     wire.make_private(address.parent)
     log_path = wire.log_of(address)
     with open(log_path, "ab") as log_file:
@@ -72,8 +76,9 @@ def wait_listening(process: subprocess.Popen, address: Path) -> None:
 
 
 def end(address: Path, process: subprocess.Popen | None = None, wait_s: float = 60.0) -> int | None:
-    """Ask the pool at `address` to end, and wait until its process has (its child `process`: reaped); its pid, or
-    None if none answered."""
+    """Ask the pool at `address` to end, and wait until its process has; its pid, or None if none answered.
+
+    Its child `process`: reaped."""
     try:
         _, pid = wire.ask(address, ("down",))
     except (OSError, EOFError):
@@ -99,10 +104,11 @@ def end(address: Path, process: subprocess.Popen | None = None, wait_s: float = 
 
 
 class SweepPools:
-    """A sweep's own pools: `count` of them on this machine, each serving one of its jobs at a time, reached by the
-    jobs through SWEEP_POOLS_ENV (`backend.pool=auto` takes a free one). Their processes are this sweep's children:
-    ended by `close` (called at exit too, after Ctrl-C or a failed job) or, should this process be killed, by
-    themselves once it is gone."""
+    """A sweep's own pools.
+
+    `count` of them on this machine, each serving one of its jobs at a time, reached by the jobs through SWEEP_POOLS_ENV
+    (`backend.pool=auto` takes a free one). Their processes are this sweep's children: ended by `close` (called at exit
+    too, after Ctrl-C or a failed job) or, should this process be killed, by themselves once it is gone."""
 
     def __init__(self) -> None:
         self.processes: list[tuple[Path, subprocess.Popen]] = []
@@ -141,9 +147,10 @@ class SweepPools:
 
 
 def slot_pool(setting: str) -> tuple[Path, int] | None:
-    """(address, slots) of the warm pool whose slots a sweep's trials on slots train on (place/__init__.py `choose`):
-    the one their backend.pool names, or with auto the user's own, when it answers and keeps more than one slot;
-    None: they train on a group the sweep's process builds."""
+    """(address, slots) of the warm pool whose slots a sweep's trials on slots train on; None: none.
+
+    Used by place/__init__.py `choose`: the one their backend.pool names, or with auto the user's own, when it answers
+    and keeps more than one slot; None: they train on a group the sweep's process builds."""
     if setting == "none":
         return None
     address = wire.address_of() if setting == "auto" else Path(setting).expanduser()
@@ -160,13 +167,16 @@ def wanted(configs: Sequence[Any]) -> bool:
 
 
 def named(configs: Sequence[Any]) -> bool:
-    """Whether every one of a sweep's jobs trains on the pool its backend.pool names (an address): each leases it as
-    a job on the sweep's pools does."""
+    """Whether every one of a sweep's jobs trains on the pool its backend.pool names (an address).
+
+    Each leases it as a job on the sweep's pools does."""
     return bool(configs) and all(cfg is not None and cfg.backend.pool not in ("auto", "none") and cfg.backend.nodes == 1
                                  and not cfg.dry_run for cfg in configs)  # fmt: skip
 
 
 def named_pools(configs: Sequence[Any]) -> int:
-    """How many pools a sweep's jobs name when every job names one (`named`), else 0. A pool trains one run at a time
-    (LoRA runs on its slots aside): that many jobs at once, as a job beyond them would be refused (pool busy)."""
+    """How many pools a sweep's jobs name when every job names one (`named`), else 0.
+
+    A pool trains one run at a time (LoRA runs on its slots aside): that many jobs at once, as a job beyond them would
+    be refused (pool busy)."""
     return len({str(cfg.backend.pool) for cfg in configs}) if named(configs) else 0

@@ -1,5 +1,7 @@
-"""Places where this process trains the run: a cold group it starts, workers another part starts for it, a slot of
-the sweep's own packed group. The `Place` contract they keep is written once, in tinker_exp/place/__init__.py.
+"""Places where this process trains the run: a cold group it starts, workers another part starts for it, a slot.
+
+The slot is one of the sweep's own packed group. The `Place` contract they keep is written once, in
+tinker_exp/place/__init__.py.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ class ColdGroup:
 
 @dataclass(frozen=True)
 class GivenWorkers:
-    """Workers another part starts for the run, in this process: a warm pool's group lent to it, or a slot of one
-    (pool/host.py), a benchmark's wrapped verl group, a test's fakes."""
+    """Workers another part starts for the run, in this process.
+
+    A warm pool's group lent to it, or a slot of one (pool/host.py), a benchmark's wrapped verl group, a test's
+    fakes."""
 
     start: StartWorkers
     why: str = ""
@@ -64,9 +68,10 @@ class GivenWorkers:
 
 @dataclass(frozen=True)
 class SweepSlot:
-    """A slot of a packed group the sweep's own process keeps (runtime/warm.py `SlotGroups`): a sweep's LoRA trials,
-    K at once on one loaded base model, each trial's run in its own thread. The run says which slot it took as its
-    workers start."""
+    """A slot of a packed group the sweep's own process keeps (runtime/warm.py `SlotGroups`).
+
+    A sweep's LoRA trials, K at once on one loaded base model, each trial's run in its own thread. The run says which
+    slot it took as its workers start."""
 
     groups: Any
     """The sweep process's `SlotGroups`."""

@@ -1,7 +1,8 @@
-"""Where pools live and how a run talks to one: a Unix socket in a folder only this user can enter, messages as
-length-prefixed pickles. Both ends are this user's processes running this checkout's code, and a client checks it
-before it sends or reads anything (`connect`): the folder is this user's and private (0700), the socket too, and the
-process listening on it runs as this user (SO_PEERCRED). Pure Python.
+"""Where pools live and how a run talks to one: a Unix socket in a private folder, messages as length-prefixed pickles.
+
+The socket lives in a folder only this user can enter. Both ends are this user's processes running this checkout's code,
+and a client checks it before it sends or reads anything (`connect`): the folder is this user's and private (0700), the
+socket too, and the process listening on it runs as this user (SO_PEERCRED). Pure Python.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def pool_dir() -> Path:
 
 
 class UntrustedPool(TinkerExpError):
-    """A pool's folder or socket that is not this user's alone, or a peer running as another user: nothing is sent
-    to it or read from it."""
+    """A pool's folder or socket that is not this user's alone, or a peer running as another user.
+
+    Nothing is sent to it or read from it."""
 
     exit_code = 2
     label = "pool refused"
@@ -88,8 +90,10 @@ def make_private(folder: Path) -> None:
 
 
 def private_folder_problem(folder: Path) -> str | None:
-    """Why `folder` is not a private folder of this user's (None: it is): not a folder, another owner, or a mode that
-    lets others in. lstat: a symlink planted in its place is not followed."""
+    """Why `folder` is not a private folder of this user's (None: it is).
+
+    Not a folder, another owner, or a mode that lets others in. lstat: a symlink planted in its place is not
+    followed."""
     try:
         info = folder.lstat()
     except FileNotFoundError:
@@ -107,9 +111,10 @@ def private_folder_problem(folder: Path) -> str | None:
 
 
 def socket_problem(address: Path) -> str | None:
-    """Why the socket at `address` is not to be trusted, before connecting: its folder is not this user's private
-    folder, or the socket is another user's. None: nothing to say (no folder or no socket there: the connect's
-    error, no pool)."""
+    """Why the socket at `address` is not to be trusted, before connecting.
+
+    Its folder is not this user's private folder, or the socket is another user's. None: nothing to say (no folder or no
+    socket there: the connect's error, no pool)."""
     if not os.path.lexists(address.parent):
         return None
     problem = private_folder_problem(address.parent)
@@ -125,8 +130,9 @@ def socket_problem(address: Path) -> str | None:
 
 
 def peer_uid(sock: socket.socket) -> int | None:
-    """The uid of the process at the other end of a Unix socket (SO_PEERCRED); None where the system has no such
-    option (then the private folder alone guards the socket)."""
+    """The uid of the process at the other end of a Unix socket (SO_PEERCRED).
+
+    None where the system has no such option (then the private folder alone guards the socket)."""
     try:
         credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (AttributeError, OSError):
@@ -149,8 +155,9 @@ def lock_of(address: Path) -> Path:
 
 
 def hold_address(address: Path) -> Any:
-    """The address's lock, held by this process (an open file: closing it or ending lets go), its pid written in;
-    None when another process holds it."""
+    """The address's lock, held by this process, its pid written in; None when another process holds it.
+
+    The lock is an open file: closing it or ending lets go."""
     import fcntl
 
     file = open(lock_of(address), "a+")
@@ -201,8 +208,10 @@ def workers_dir_of(address: Path) -> Path:
     return log_of(address).parent / f"{address.stem}-workers"
 
 def code_fingerprint() -> str:
-    """This checkout's Python code as it is now (each file's path, size and change time) and the installed versions
-    of LIBRARIES: a pool started before a change would run the old code, so a run refuses it."""
+    """This checkout's Python code as it is now and the installed versions of LIBRARIES.
+
+    Each file's path, size and change time. A pool started before a change would run the old code, so a run refuses
+    it."""
     from importlib.metadata import PackageNotFoundError, version
 
     root = Path(__file__).resolve().parents[2]
@@ -242,9 +251,10 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
 
 
 def connect(address: Path, timeout_s: float | None = 5.0) -> socket.socket:
-    """A connection to the pool at `address`, checked before anything is sent or read: UntrustedPool when the
-    folder or socket is not this user's alone or the listening process runs as another user; OSError: none listens
-    there."""
+    """A connection to the pool at `address`, checked before anything is sent or read.
+
+    UntrustedPool when the folder or socket is not this user's alone or the listening process runs as another user;
+    OSError: none listens there."""
     problem = socket_problem(address)
     if problem:
         raise UntrustedPool(problem)
@@ -266,10 +276,12 @@ WAITING_MARGIN_S = 30.0
 
 
 def lease_answer(sock: socket.socket) -> Any:
-    """The pool's answer to a lease, read past any ("waiting", {"for": what, "bound_s": seconds or None}) it sends
-    first: it answers at once unless a run before is still ending (killed or stopped: it closes its files) or, for a
-    sweep's trial, every slot is held by its sweep; then it says so and the client waits for as long as the pool may
-    (plus a margin), not just the connection's timeout (a run that waited 5 s took the pool for gone: cold)."""
+    """The pool's answer to a lease, read past any "waiting" message it sends first.
+
+    That message is ("waiting", {"for": what, "bound_s": seconds or None}). The pool answers at once unless a run before
+    is still ending (killed or stopped: it closes its files) or, for a sweep's trial, every slot is held by its sweep;
+    then it says so and the client waits for as long as the pool may (plus a margin), not just the connection's timeout
+    (a run that waited only those 5 s would take the pool for gone and start cold)."""
     answer = recv(sock)
     while answer[0] == "waiting":
         bound = answer[1].get("bound_s")

@@ -78,9 +78,10 @@ def command(argv: list[str]) -> int:
 
 
 def ours_or_a_warning(record: logging.LogRecord) -> bool:
-    """What `up`, `status` and `down` print: tinker_exp's own lines, and a library's warnings and errors. A library's
-    info (verl's "Platform override from VERL_PLATFORM: cpu" as the pool builds a group) is left out, as a run's
-    terminal leaves it to the run's log (conf/hydra/job_logging/tinker_exp.yaml)."""
+    """What `up`, `status` and `down` print: tinker_exp's own lines, and a library's warnings and errors.
+
+    A library's info (verl's "Platform override from VERL_PLATFORM: cpu" as the pool builds a group) is left out, as a
+    run's terminal leaves it to the run's log (conf/hydra/job_logging/tinker_exp.yaml)."""
     return record.name.partition(".")[0] == "tinker_exp" or record.levelno >= logging.WARNING
 
 
@@ -118,8 +119,10 @@ UP_FLAGS = {"--idle-min": ("idle_min", float, "a number of minutes"), "--max-gro
 
 
 def up_options(args: list[str]) -> tuple[UpOptions, list[str]]:
-    """--idle-min N, --max-groups N, --memory-mb N, --slots N (or --name=N) out of `args`; the rest are a run's
-    overrides. Anything else that starts with "-" is a mistyped flag (Hydra would take it for an override)."""
+    """--idle-min N, --max-groups N, --memory-mb N, --slots N (or --name=N) out of `args`.
+
+    The rest are a run's overrides. Anything else that starts with "-" is a mistyped flag (Hydra would take it for an
+    override)."""
     values, rest, items = {}, [], iter(args)
     for arg in items:
         flag, equals, value = arg.partition("=")
@@ -140,8 +143,9 @@ def up_options(args: list[str]) -> tuple[UpOptions, list[str]]:
 
 
 def no_arguments(command: str, args: list[str]) -> None:
-    """`status` and `down` take no arguments: one given is refused, not ignored (`down lora=r8` would end the whole
-    pool, not a group of it)."""
+    """`status` and `down` take no arguments: one given is refused, not ignored.
+
+    `down lora=r8` would end the whole pool, not a group of it."""
     if not args:
         return
     flag = args[0].partition("=")[0]
@@ -150,8 +154,9 @@ def no_arguments(command: str, args: list[str]) -> None:
 
 
 def up(args: list[str]) -> int:
-    """Check the overrides as a run would (nothing started on a mistake), start the pool if none answers, and have
-    it build the group for runs like these. Another `up` building at the same time is waited for (its pool serves)."""
+    """Check the overrides as a run would, start the pool if none answers, have it build the group for runs like these.
+
+    Nothing is started on a mistake. Another `up` building at the same time is waited for (its pool serves)."""
     from tinker_exp.place.lease import Lease, run_payload
     from tinker_exp.place.pools import START_TIMEOUT_S
 
@@ -211,9 +216,10 @@ def checked_config(overrides: list[str]):
 
 
 def check_for_a_pool(cfg) -> None:
-    """What the pool's process would refuse of `up`'s config only once started, refused here before anything starts:
-    several nodes (it would wait for nodes that never join its cluster), then the device, the GPUs of its own Ray
-    cluster, the model and LoRA's targets in it, checked as a run checks them before its workers start."""
+    """What the pool's process would refuse of `up`'s config only once started, refused here before anything starts.
+
+    In order: several nodes (it would wait for nodes that never join its cluster), then the device, the GPUs of its own
+    Ray cluster, the model and LoRA's targets in it, checked as a run checks them before its workers start."""
     from tinker_exp.assemble import workers_inputs
 
     if cfg.backend.nodes > 1:

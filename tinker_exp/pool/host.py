@@ -1,6 +1,8 @@
-"""The pool's process: torch, verl and Ray imported once, a Ray cluster and a warm worker group (runtime/warm.py)
-held across runs, and each run a client hands it trained here by `run.train_run`, the very code a cold run runs,
-with its log records, progress bar and errors sent back to the client's terminal.
+"""The pool's process: a Ray cluster and a warm worker group held across runs, each run trained by `run.train_run`.
+
+torch, verl and Ray are imported once, a Ray cluster and a warm worker group (runtime/warm.py) held across runs, and
+each run a client hands it trained here by `run.train_run`, the very code a cold run runs, with its log records,
+progress bar and errors sent back to the client's terminal.
 
 One run at a time on a group (a second client is refused while one holds the pool), executed in this process's
 main thread, so a client's Ctrl-C or SIGTERM (or its end: a killed client) stops it as a cold run stops
@@ -56,8 +58,10 @@ WATCH_POLL_S = 0.5
 
 @dataclass(eq=False)
 class Job:
-    """A request for the main thread: a run (`kind` "run"), its inputs checked before the client records it
-    ("check"), or a group built ahead of runs ("prepare", from `up`)."""
+    """A request for the main thread.
+
+    A run (`kind` "run"), its inputs checked before the client records it ("check"), or a group built ahead of runs
+    ("prepare", from `up`)."""
 
     kind: str
     payload: dict[str, Any]
@@ -74,9 +78,11 @@ class Job:
 
 @dataclass
 class Sharing:
-    """LoRA SFT runs training at once, each on a slot of one group: its key, the context they share (what a run sets
-    process-wide here: the environment sent, the working dir, sys.path), who holds a slot, and while any of them
-    runs, that context entered and each running thread's client (its output and log records go there)."""
+    """LoRA SFT runs training at once, each on a slot of one group.
+
+    Its key, the context they share (what a run sets process-wide here: the environment sent, the working dir,
+    sys.path), who holds a slot, and while any of them runs, that context entered and each running thread's client (its
+    output and log records go there)."""
 
     key: dict[str, Any]
     context: tuple
@@ -89,8 +95,10 @@ class Sharing:
 class Host:
     def __init__(self, address: Path, idle_s: float, parent_pid: int | None = None, max_groups: int | None = None,
                  memory_mb: float | None = None, slots: int = 1) -> None:  # fmt: skip
-        """`max_groups`, `memory_mb`: the kept groups' bounds (runtime/warm.py KeptGroups; None: the defaults);
-        `slots`: LoRA SFT runs trained at once on a group (1: one run at a time, each on the group itself)."""
+        """The pool's host: its kept groups' bounds and how many LoRA SFT runs train at once on a group.
+
+        `max_groups`, `memory_mb`: the kept groups' bounds (runtime/warm.py KeptGroups; None: the defaults); `slots`:
+        LoRA SFT runs trained at once on a group (1: one run at a time, each on the group itself)."""
         from tinker_exp import assemble
         from tinker_exp.runtime.warm import MAX_GROUPS, WarmGroups
 
@@ -216,16 +224,19 @@ class Host:
             self.last_used = time.monotonic()
 
     def _wait_told(self, sock: socket.socket, ready: Any, what: str, bound_s: float | None) -> None:
-        """Under `free`: until `ready()` (at most `bound_s`), the client told first that it waits and for how long
-        we may, so that it waits for our answer that long (wire.lease_answer), not its connection's timeout."""
+        """Under `free`: wait until `ready()` (at most `bound_s`), the client told first that it waits and for how long.
+
+        We tell it how long we may wait, so that it waits for our answer that long (wire.lease_answer), not its
+        connection's timeout."""
         if not ready():
             wire.send(sock, ("waiting", {"for": what, "bound_s": bound_s}))
         self.free.wait_for(ready, timeout=bound_s)
 
     def _slot_terms(self, request: dict[str, Any]) -> tuple[dict[str, Any], tuple] | None:
-        """(its group's key, its context) for a run that may train on a slot here, else None: a pool of one slot, a
-        run that is not LoRA SFT on one node (its client says: `slot`), or one this pool cannot judge (its own checks
-        then say why)."""
+        """(its group's key, its context) for a run that may train on a slot here, else None.
+
+        None for a pool of one slot, a run that is not LoRA SFT on one node (its client says: `slot`), or one this pool
+        cannot judge (its own checks then say why)."""
         wanted = request.get("slot")
         if self.slots < 2 or not wanted:
             return None
@@ -240,8 +251,9 @@ class Host:
         return key, tuple(wanted["context"])
 
     def _admit(self, wanted: tuple[dict[str, Any], tuple] | None) -> "Sharing | None":
-        """Under `free`: the sharing a run on a slot joins (begun for it when the pool is free), or None (the pool
-        held alone, or busy: the caller tells which)."""
+        """Under `free`: the sharing a run on a slot joins (begun for it when the pool is free), or None.
+
+        None: the pool held alone, or busy (the caller tells which)."""
         if wanted is None or self.holder is not None or self.stopping.is_set():
             return None
         if self.sharing is None:
@@ -279,8 +291,10 @@ class Host:
         return sharing is not None and (sharing.key, sharing.context) == wanted and len(sharing.holders) >= self.slots
 
     def _busy_info(self, wanted: tuple[dict[str, Any], tuple] | None) -> dict[str, Any]:
-        """Who a refused run (`wanted`: its slot terms, None for a run that needs the whole group) is told holds the
-        pool: its run alone, or the runs on its slots, how many, and why this run cannot join them."""
+        """Who a refused run is told holds the pool: its run alone, or the runs on its slots and how many.
+
+        `wanted`: the refused run's slot terms, None for a run that needs the whole group. The line also says why this
+        run cannot join the runs on the slots."""
         if self.holder is not None:
             return self.holder
         if self.sharing is not None and self.sharing.holders:
@@ -298,9 +312,11 @@ class Host:
             threading.Thread(target=self._execute_shared, args=(job,), name=f"pool-slot-{job.kind}", daemon=True).start()
 
     def _watch(self, sock: socket.socket, job: Job) -> Any:
-        """Until the job is done: a stop from the client, or its end (killed), stops the run; so does its silence for
-        lease_timeout_s (a stopped or hung client: its heartbeat stopped too). Returns the client's message that is
-        neither (None if none came): after a check, its run may come before the check's job is done.
+        """Until the job is done: watch the client, whose stop, end or silence stops the run.
+
+        A stop from the client, or its end (killed), stops the run; so does its silence for lease_timeout_s (a stopped
+        or hung client: its heartbeat stopped too). Returns the client's message that is neither (None if none came):
+        after a check, its run may come before the check's job is done.
 
         It waits for the client's next message with `select`, not a timeout on the socket: the run's output goes to the
         client on this socket meanwhile (Outbox), and a send that timed out halfway (a client that reads slowly: a full
@@ -384,8 +400,10 @@ class Host:
         out.send(answer)
 
     def _execute_shared(self, job: Job) -> None:
-        """A run on a slot (or its check), in its own thread: the sharing's context entered by the first of its runs
-        and left by the last; what this thread logs and prints goes to its client; a stop is its `stop` event."""
+        """A run on a slot (or its check), in its own thread.
+
+        The sharing's context entered by the first of its runs and left by the last; what this thread logs and prints
+        goes to its client; a stop is its `stop` event."""
         out = Outbox(job.sock)
         answer: Any = None
         try:
@@ -427,8 +445,10 @@ class Host:
             job.running, self.current = False, None
 
     def _check(self, job: Job) -> None:
-        """A run's inputs (device, start checkpoint's device, model, LoRA targets, tokenized data: assemble.inputs),
-        checked as a cold run checks them before its record is written; kept for its training (`_train`)."""
+        """A run's inputs, checked as a cold run checks them before its record is written; kept for `_train`.
+
+        The inputs: device, start checkpoint's device, model, LoRA targets, tokenized data (assemble.inputs); kept for
+        its training."""
         import pickle
 
         from tinker_exp import assemble
@@ -455,8 +475,10 @@ class Host:
             return train_run(cfg, validate(cfg), None, start, run_dir, wandb_config, place, job_number, given=given)
 
     def _take_slot(self, job: Job, cfg: Any, plan: Any, model_path: Path, run_dir: Path) -> Any:
-        """A run's slot on its key's group (built first, on the main thread, when this pool keeps none: Ray's
-        daemons live as long as the thread that started them); the run says which slot, in one line."""
+        """A run's slot on its key's group; the run says which slot, in one line.
+
+        The group is built first, on the main thread, when this pool keeps none: Ray's daemons live as long as the
+        thread that started them."""
         with self.building:
             ready = self.group.slot_group_for(cfg, job.payload.get("worker_env", {}))
             if ready is None:
@@ -493,8 +515,9 @@ class Host:
         return describe_key(kept.key)
 
     def fits(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Whether this pool is free and keeps a group for the run in `request` (its config and worker environment),
-        and how many groups it keeps."""
+        """Whether this pool is free and keeps a group for the run in `request`, and how many groups it keeps.
+
+        `request` holds the run's config and worker environment."""
         try:
             fits = request.get("code") == self.code and self.group.has_group_for(request["config"], request.get("worker_env", {}))
         except Exception:  # a config this pool cannot judge (a model it cannot find): the run's own checks say why
@@ -537,8 +560,9 @@ class Host:
 
 
 def answer_for(error: BaseException) -> tuple[str, Any]:
-    """What the client raises: our own stops as they are (one line and their exit code there, as in a cold run);
-    anything else as its traceback."""
+    """What the client raises.
+
+    Our own stops as they are (one line and their exit code there, as in a cold run); anything else as its traceback."""
     import pickle
 
     if isinstance(error, (*STOPS, KeyboardInterrupt)):
@@ -602,7 +626,9 @@ class ForwardedRecords(logging.Handler):
 
 @contextmanager
 def client_context(payload: dict[str, Any], out: Outbox) -> Iterator[None]:
-    """For one run: the client's environment and working dir, its log level; what the run logs and prints goes to the
+    """The context of one run: the client's environment, working dir and log level; its output and signals.
+
+    For one run: the client's environment and working dir, its log level; what the run logs and prints goes to the
     client; SIGINT and the stop signal raise in this thread as Ctrl-C and SIGTERM do in a cold run."""
     root = logging.getLogger()
     handlers, streams = list(root.handlers), (sys.stdout, sys.stderr)
@@ -631,8 +657,9 @@ def client_context(payload: dict[str, Any], out: Outbox) -> Iterator[None]:
 
 @contextmanager
 def process_context(payload: dict[str, Any]) -> Iterator[None]:
-    """What a client's run sets process-wide here: its environment, working dir, sys.path and log level; its own
-    modules forgotten and warnings shown again after (as in a fresh process)."""
+    """What a client's run sets process-wide here: its environment, working dir, sys.path and log level.
+
+    Its own modules forgotten and warnings shown again after (as in a fresh process)."""
     environ, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
     modules = set(sys.modules)
     root = logging.getLogger()
@@ -668,8 +695,9 @@ class Forwarded:
 
 
 def forget_user_modules(names: set[str]) -> None:
-    """The run's own modules (its reward, what that imports from the user's folders) forgotten once it ends: the
-    next run imports them again as they are then. What the run imported of tinker_exp, hydra_plugins or the
+    """The run's own modules (its reward, what that imports from the user's folders) forgotten once it ends.
+
+    The next run imports them again as they are then. What the run imported of tinker_exp, hydra_plugins or the
     installed packages stays imported (the pool's point), as does a module without a file."""
     for name in names:
         file = getattr(sys.modules.get(name), "__file__", None)
@@ -697,9 +725,10 @@ def reset_warning_registries() -> None:
 
 def serve(address: Path, idle_s: float, parent_pid: int | None, max_groups: int | None = None, memory_mb: float | None = None,
           slots: int = 1) -> None:  # fmt: skip
-    """The pool's process, until it is asked down, idles out or (a sweep's) its sweep ends. One process an address:
-    it holds the address's lock file (flock) from its start to its end, and names itself there (`down` finds a pool
-    that does not listen yet by it)."""
+    """The pool's process, until it is asked down, idles out or (a sweep's) its sweep ends.
+
+    One process an address: it holds the address's lock file (flock) from its start to its end, and names itself there
+    (`down` finds a pool that does not listen yet by it)."""
     import faulthandler
 
     from tinker_exp.errors import one_line_warning

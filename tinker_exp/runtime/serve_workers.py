@@ -29,8 +29,9 @@ LOSS_SUM = "loss:sum"
 
 @dataclass(frozen=True)
 class Datum:
-    """One datum as the workers take it: the sequence (model_input + the last target) and each position's weight
-    (weights[j]: the weight of predicting tokens[j]; 0 at j = 0)."""
+    """One datum as the workers take it: the sequence (model_input + the last target) and each position's weight.
+
+    weights[j]: the weight of predicting tokens[j]; 0 at j = 0."""
 
     tokens: list[int]
     weights: list[float]
@@ -92,8 +93,10 @@ def _serve_worker_class():
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def load_state(self, local_path: str, optimizer: bool) -> None:
-            """verl's load of a checkpoint: with the optimizer's state (and the RNG's), or the weights alone with a
-            fresh optimizer (Tinker's load_state: Adam's moments and step count start again)."""
+            """verl's load of a checkpoint: with the optimizer's state (and the RNG's), or the weights alone.
+
+            The weights alone go with a fresh optimizer (Tinker's load_state: Adam's moments and step count start
+            again)."""
             manager = self.engine.checkpoint_manager
             contents = manager.checkpoint_load_contents
             manager.checkpoint_load_contents = ["model", "optimizer", "extra"] if optimizer else ["model"]
@@ -131,8 +134,9 @@ class ServeWorkers(TinkerWorkers):
             self.installed = wanted
 
     def forward_backward(self, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
-        """The batch's summed loss (the installed loss) and each datum's target log-probs (len(model_input) of
-        them); the gradient accumulates until optimizer_step."""
+        """The batch's summed loss (the installed loss) and each datum's target log-probs (len(model_input) of them).
+
+        The gradient accumulates until optimizer_step."""
         return self._pass("forward_backward", data)
 
     def forward(self, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
@@ -155,8 +159,10 @@ class ServeWorkers(TinkerWorkers):
         return None, None
 
     def padded(self, data: Sequence[Datum]) -> list[Datum]:
-        """`data` padded with zero-weight copies of the first datum to whole micro batches on every rank (verl splits
-        a batch evenly and asserts whole micro batches): a zero weight adds exactly nothing to the gradient."""
+        """`data` padded with zero-weight copies of the first datum to whole micro batches on every rank.
+
+        verl splits a batch evenly and asserts whole micro batches; a zero weight adds exactly nothing to the
+        gradient."""
         return list(data) + [data[0].padding()] * (-len(data) % self.pad_to)
 
     def _pass(self, method: str, data: Sequence[Datum]) -> tuple[float, list[list[float]]]:
@@ -193,8 +199,9 @@ class ServeWorkers(TinkerWorkers):
         )
 
     def _rl_batch(self, data: Sequence[Datum]):
-        """The RL TensorDict runtime/rl_losses.py reads (as runtime/rl_workers.py builds it): each datum's first
-        token is its prompt, every later position its response, masked by its weights."""
+        """The RL TensorDict runtime/rl_losses.py reads (as runtime/rl_workers.py builds it).
+
+        Each datum's first token is its prompt, every later position its response, masked by its weights."""
         import torch
         from verl.utils import tensordict_utils as tu
 
@@ -231,19 +238,21 @@ FORWARD_BACKWARD, FORWARD, OPTIM_STEP = "forward_backward", "forward", "optim_st
 
 
 class ServedSlots(SlotGroup):
-    """The server's LoRA group: its clients' models on slots (runtime/slots.py), and the **cycles** of their calls
-    that wait at once (the server's work thread takes them together: tinker_exp/serve/app.py). Cross_entropy
-    forward_backward calls (and forwards) of several models go through the base model in one packed forward and
-    backward (runtime/packed.py), each model's loss sum and log-probs as its call alone gives them (within the packed
-    bound, docs/slots.md) and its gradients added to its own pending ones; optim_steps of several models run in one
-    round trip, each at its own values (bitwise its step alone). Each request's line on the server's terminal says
-    when it trained in a cycle."""
+    """The server's LoRA group: its clients' models on slots (runtime/slots.py), and the **cycles** of their calls.
+
+    A cycle: their calls that wait at once (the server's work thread takes them together: tinker_exp/serve/app.py).
+    Cross_entropy forward_backward calls (and forwards) of several models go through the base model in one packed
+    forward and backward (runtime/packed.py), each model's loss sum and log-probs as its call alone gives them (within
+    the packed bound, docs/slots.md) and its gradients added to its own pending ones; optim_steps of several models run
+    in one round trip, each at its own values (bitwise its step alone). Each request's line on the server's terminal
+    says when it trained in a cycle."""
 
     def forward_backward_together(self, calls: Sequence[tuple["ServedSlot", Sequence[Datum]]],
                                   forward_only: bool = False) -> list[tuple[float, list[list[float]]]]:
-        """Each (slot, data)'s cross_entropy forward_backward (`forward_only`: forward, no gradient) in one packed
-        pass: each one's summed loss and its datums' target log-probs, as `ServeWorkers.forward_backward` returns
-        them alone."""
+        """Each (slot, data)'s cross_entropy forward_backward in one packed pass.
+
+        `forward_only`: forward, no gradient. Each one's summed loss and its datums' target log-probs, as
+        `ServeWorkers.forward_backward` returns them alone."""
         from verl.utils import tensordict_utils as tu
 
         workers = self.workers
@@ -272,17 +281,19 @@ class ServedSlots(SlotGroup):
 
 
 class ServedSlot(Slot):
-    """A served client's model on a slot of the server's `ServedSlots` group: the server's calls, each on this slot's
-    adapters, optimizer, pending gradients and RNG, so a client's results are those it gets alone; its calls that wait
-    with other models' train with them in one cycle (`cycle`)."""
+    """A served client's model on a slot of the server's `ServedSlots` group.
+
+    The server's calls, each on this slot's adapters, optimizer, pending gradients and RNG, so a client's results are
+    those it gets alone; its calls that wait with other models' train with them in one cycle (`cycle`)."""
 
     given_back: Callable[[], None] | None = None
     """Called once the slot is freed (its client's session ended): the server says so, and keeps its group warm once
     it holds no model."""
 
     def cycle(self, call: str, loss: str) -> tuple[Any, str | None]:
-        """The group whose cycles this model's `call` (with Tinker's loss `loss`) joins, and None; or None and why it
-        runs alone (time-shared), in a line the server says once."""
+        """The group whose cycles this model's `call` joins, and None; or None and why it runs alone (time-shared).
+
+        `loss`: Tinker's loss of the call. Why it runs alone is a line the server says once."""
         if self.group.refused:
             return None, f"the slots' calls are time-shared, not packed: {self.group.refused}"
         if call != OPTIM_STEP and loss != CROSS_ENTROPY:
@@ -314,8 +325,10 @@ class ServedSlot(Slot):
 
 
 def start_served_ray(ray_address: str | None, device: str) -> None:
-    """Ray for the server, from its main thread before it listens: a new local cluster (`ray_address` None) or the
-    one named. The worker groups join it (none owns it); stop_served_ray ends it when the server stops."""
+    """Ray for the server, from its main thread before it listens: a new local cluster or the one named.
+
+    A new local cluster when `ray_address` is None. The worker groups join it (none owns it); stop_served_ray ends it
+    when the server stops."""
     from tinker_exp.runtime.ray_cluster import start_ray
     from tinker_exp.runtime.workers import platform_env, use_platform
 

@@ -47,8 +47,10 @@ GATHER_MAX_S = 0.05
 
 
 def gather_s(last_cycle_s: float) -> float:
-    """How long a cycle waits for the trials (or the Tinker server's models) the last cycle served, back in a moment
-    with their next call, before it runs without them: one that misses a cycle costs a cycle of its own."""
+    """How long a cycle waits for the trials the last cycle served before it runs without them.
+
+    The trials (or the Tinker server's models) are back in a moment with their next call; one that misses a cycle costs
+    a cycle of its own."""
     return min(GATHER_FRACTION * last_cycle_s, GATHER_MAX_S)
 ARRIVAL_GAP_S = 1.0
 """Trials filled less than this apart arrive together (a sweep's first K, each started in turn): while they arrive
@@ -95,9 +97,10 @@ class StepRequest:
 
 
 class WorkerSlots:
-    """A rank's slots over its engine (verl's FSDP engine with LoRA). At most one slot is loaded: its adapters in
-    the parameters, its optimizer, lr scheduler and config the engine's, its RNG torch's. Every other is parked in
-    its `SlotState`."""
+    """A rank's slots over its engine (verl's FSDP engine with LoRA).
+
+    At most one slot is loaded: its adapters in the parameters, its optimizer, lr scheduler and config the engine's, its
+    RNG torch's. Every other is parked in its `SlotState`."""
 
     def __init__(self, engine: Any):
         self.engine = engine
@@ -109,8 +112,9 @@ class WorkerSlots:
         self.loaded: int | None = None
 
     def fill(self, index: int, optimizer_config: Any, seed: int) -> None:
-        """Slot `index` takes a new trial (`seed`, built with `optimizer_config`) and is loaded: its adapters and RNG
-        as a cold run of `seed` starts, a new optimizer (no state) and lr scheduler."""
+        """Slot `index` takes a new trial (`seed`, built with `optimizer_config`) and is loaded.
+
+        Its adapters and RNG as a cold run of `seed` starts, a new optimizer (no state) and lr scheduler."""
         from tinker_exp.runtime.lora import start_trial
 
         self.park()
@@ -148,9 +152,10 @@ class WorkerSlots:
 
     def packed_forward_backward(self, worker: Any, loss_fn: Any, data: Any, forward_only: bool = False,
                                 log_probs: bool = False) -> dict[int, tuple[float, Any]]:
-        """One packed forward and backward of the slots whose rows `data` holds (runtime/packed.py): each slot's
-        gradients left pending in its state (added to any it had, as FSDP accumulates), the engine holding no slot
-        after. Returns slot index -> its loss metric and, with `log_probs`, its rows' log-probs (else None).
+        """One packed forward and backward of the slots whose rows `data` holds (runtime/packed.py).
+
+        Each slot's gradients left pending in its state (added to any it had, as FSDP accumulates), the engine holding
+        no slot after. Returns slot index -> its loss metric and, with `log_probs`, its rows' log-probs (else None).
         `forward_only`: an evaluation (verl's infer_batch), no gradient."""
         from tinker_exp.runtime import packed
 
@@ -164,8 +169,9 @@ class WorkerSlots:
         return {index: (loss, rows) for index, (_, loss, rows) in done.items()}
 
     def park(self) -> None:
-        """The loaded slot's adapters, pending gradients and RNG moved into its state; the engine holds no slot
-        after."""
+        """The loaded slot's adapters, pending gradients and RNG moved into its state.
+
+        The engine holds no slot after."""
         if self.loaded is None:
             return
         import torch
@@ -193,17 +199,20 @@ class WorkerSlots:
         self.kept.pop(index, None)
 
     def copy(self, source: int, target: int, keep_config: bool = False, kept: bool = False) -> None:
-        """Slot `target`'s trial becomes a copy of `source`'s: adapters, optimizer state and param groups, lr
-        scheduler, optimizer config, RNG (a PBT exploit, in place: nothing goes through the driver or a disk).
-        `keep_config`: the target keeps its own optimizer config (its clip when none is sent), as a checkpoint's
-        load leaves it (a checkpoint holds none); `kept`: from the state `source` kept at its last save."""
+        """Slot `target`'s trial becomes a copy of `source`'s: adapters, optimizer, lr scheduler, optimizer config, RNG.
+
+        The copy holds its adapters, optimizer state and param groups, lr scheduler, optimizer config, RNG (a PBT
+        exploit, in place: nothing goes through the driver or a disk). `keep_config`: the target keeps its own optimizer
+        config (its clip when none is sent), as a checkpoint's load leaves it (a checkpoint holds none); `kept`: from
+        the state `source` kept at its last save."""
         self.park()
         src = (self.kept if kept else self.states)[source]
         self.states[target] = self._copied(src, self.states[target].optimizer_config if keep_config else src.optimizer_config)
 
     def keep(self, index: int) -> None:
-        """Slot `index`'s state now (it has just saved a checkpoint) kept aside until its next save, while it trains
-        on: another slot's load of that checkpoint copies it in place (`copy(..., kept=True)`)."""
+        """Slot `index`'s state now (it has just saved a checkpoint) kept aside until its next save, while it trains on.
+
+        Another slot's load of that checkpoint copies it in place (`copy(..., kept=True)`)."""
         self.park()
         self.kept[index] = self._copied(self.states[index], self.states[index].optimizer_config)
 
@@ -219,9 +228,10 @@ class WorkerSlots:
         )
 
     def memory(self) -> dict[str, int]:
-        """This rank's bytes per slot: its adapters' shards and its optimizer's state tensors, and those of its state
-        kept at its last save (the base weights, shared, are not counted); the loaded slot's adapters are the
-        parameters themselves."""
+        """This rank's bytes per slot: its adapters' shards, its optimizer's state tensors, and those of its kept state.
+
+        Its kept state is the one at its last save. The base weights, shared, are not counted; the loaded slot's
+        adapters are the parameters themselves."""
         import torch
 
         def size(tensors) -> int:
@@ -244,15 +254,18 @@ class WorkerSlots:
 
 
 class SlotGroup:
-    """K slots on one LoRA worker group (runtime/workers.py `TinkerWorkers`, built and ready): `fill` gives a trial a
-    `Slot`. Every call of every slot goes through `lock`, which also keeps the loaded slot: a slot's call swaps it
-    in (one round trip) only when another slot's trial is there."""
+    """K slots on one LoRA worker group (runtime/workers.py `TinkerWorkers`, built and ready).
+
+    `fill` gives a trial a `Slot`. Every call of every slot goes through `lock`, which also keeps the loaded slot: a
+    slot's call swaps it in (one round trip) only when another slot's trial is there."""
 
     def __init__(self, workers: Any, capacity: int, on_free: Callable[[], None] | None = None, keep_saved: bool = False):
-        """`workers`: a ready LoRA group, owned by this group from now on (`shutdown` frees it); `capacity`: K;
-        `on_free`: called once a slot is freed (a waiting trial may take it); `keep_saved`: each slot keeps its state
-        as it saved its last checkpoint (as much memory again as the slot's), so that another slot's load of that
-        checkpoint is an in-place copy whatever the saver did since (a population's members)."""
+        """A group of `capacity` slots over `workers`.
+
+        `workers`: a ready LoRA group, owned by this group from now on (`shutdown` frees it); `capacity`: K; `on_free`:
+        called once a slot is freed (a waiting trial may take it); `keep_saved`: each slot keeps its state as it saved
+        its last checkpoint (as much memory again as the slot's), so that another slot's load of that checkpoint is an
+        in-place copy whatever the saver did since (a population's members)."""
         if workers.lora is None:
             raise ConfigError("slots: lora.rank=0 (full fine-tuning) keeps one trial per group; slots need lora.rank > 0")
         if capacity < 1:
@@ -298,10 +311,11 @@ class SlotGroup:
         self, optimizer: OptimizerConfig, trainer: TrainerConfig, optimizer_values: dict[str, Any], index: int | None = None,
         stop: threading.Event | None = None, kind: type["Slot"] | None = None,
     ) -> "Slot":
-        """A new trial (its optimizer, its seed trainer.seed) on a free slot (the lowest, or `index`) while the others
-        train; it starts as a cold run of the same config does. `stop`: once set, the slot's next step or evaluation
-        raises KeyboardInterrupt in its trial (a cancelled trial stops as a Ctrl-C'd run stops). `kind`: the Slot
-        class (a served client's: runtime/serve_workers.py `ServedSlot`)."""
+        """A new trial (its optimizer, its seed trainer.seed) on a free slot while the others train.
+
+        The slot: the lowest free one, or `index`. It starts as a cold run of the same config does. `stop`: once set,
+        the slot's next step or evaluation raises KeyboardInterrupt in its trial (a cancelled trial stops as a Ctrl-C'd
+        run stops). `kind`: the Slot class (a served client's: runtime/serve_workers.py `ServedSlot`)."""
         from tinker_exp.optim.optimizers import spec_of
 
         # Before the lock (it reads the model's config and tokenizer): the other slots' cycles do not wait for it.
@@ -328,10 +342,11 @@ class SlotGroup:
             return slot
 
     def copy(self, source: "Slot", target: "Slot", keep_config: bool = False, kept: bool = False) -> None:
-        """`target`'s trial becomes `source`'s state, in place on every rank (a PBT exploit): its next steps are
-        bitwise the ones `source` would take with the same batches and values. `keep_config`: the target keeps its
-        own optimizer config (its clip when none is sent), as a checkpoint's load does; `kept`: `source`'s state as
-        it saved its last checkpoint (`keep_saved`)."""
+        """`target`'s trial becomes `source`'s state, in place on every rank (a PBT exploit).
+
+        Its next steps are bitwise the ones `source` would take with the same batches and values. `keep_config`: the
+        target keeps its own optimizer config (its clip when none is sent), as a checkpoint's load does; `kept`:
+        `source`'s state as it saved its last checkpoint (`keep_saved`)."""
         with self.lock:
             self.workers.group.slot_copy(source.index, target.index, keep_config, kept)
             self.loaded = None
@@ -340,9 +355,10 @@ class SlotGroup:
             target.averaged = source.averaged
 
     def load(self, slot: "Slot", folder: Path) -> str:
-        """The checkpoint's worker state at `folder` into `slot`: copied in place from the slot that saved it when
-        that slot holds its state as saved (kept, or not changed since: a PBT donor on this group), else loaded from
-        the files. Returns the line that says which."""
+        """The checkpoint's worker state at `folder` into `slot`; returns the line that says how.
+
+        Copied in place from the slot that saved it when that slot holds its state as saved (kept, or not changed since:
+        a PBT donor on this group), else loaded from the files."""
         self._elsewhere(slot)
         with self.lock:
             found = folder_identity(folder)
@@ -374,15 +390,17 @@ class SlotGroup:
             return self.workers.group.slot_memory()[0]
 
     def train_step(self, slot: "Slot", examples: Sequence[Any], optim_step_params: dict[str, Any] | None) -> StepResult:
-        """`slot`'s step in the group's next cycle (Tinker's clock cycle): the step waits for the lock; whichever
-        trial's thread takes it runs every step waiting then, its own among them, as one packed step
-        (`train_steps`), and each waiting thread takes its own result. The cycle first waits a moment for the trials
-        the last cycle served (`gather_s`); no other timer: a cycle packs what is waiting."""
+        """`slot`'s step in the group's next cycle (Tinker's clock cycle).
+
+        The step waits for the lock; whichever trial's thread takes it runs every step waiting then, its own among them,
+        as one packed step (`train_steps`), and each waiting thread takes its own result. The cycle first waits a moment
+        for the trials the last cycle served (`gather_s`); no other timer: a cycle packs what is waiting."""
         return self._cycle(StepRequest(slot, examples, optim_step_params))
 
     def evaluate(self, slot: "Slot", batches: Sequence[Sequence[Any]]) -> list[float]:
-        """`slot`'s evaluation of each of `batches` (their losses) in the group's next cycle, packed with the other
-        evaluations waiting then, as steps are: the cycle's r-th round packs every evaluation's r-th batch
+        """`slot`'s evaluation of each of `batches` (their losses) in the group's next cycle, packed as steps are.
+
+        Packed with the other evaluations waiting then: the cycle's r-th round packs every evaluation's r-th batch
         (`evaluations`), so a trial's whole evaluation costs it one cycle, not one a batch."""
         return self._cycle(StepRequest(slot, batches, None, evaluation=True))
 
@@ -436,9 +454,10 @@ class SlotGroup:
                 self.last_cycle_s = time.monotonic() - began
 
     def _gather(self) -> None:
-        """Under `waiting_changed`, before a cycle: wait for the trials the last cycle served, back from their driver
-        work in a moment (at most `gather_s`), and, while trials arrive together, for the rest of them (until the
-        group is full and each has asked, or `arriving_until`)."""
+        """Under `waiting_changed`, before a cycle: wait for the trials the last cycle served, and for arriving ones.
+
+        The trials the last cycle served are back from their driver work in a moment (at most `gather_s`); while trials
+        arrive together, wait for the rest of them (until the group is full and each has asked, or `arriving_until`)."""
         served_until = time.monotonic() + self.gather_s()
         while True:
             now = time.monotonic()
@@ -453,8 +472,9 @@ class SlotGroup:
             self.waiting_changed.wait(min(deadlines) - now)
 
     def gather_s(self) -> float:
-        """How long a cycle waits for the trials the last one served (their driver work between steps: a metrics
-        row, a progress bar): `gather_s` of the last cycle's time."""
+        """How long a cycle waits for the trials the last one served: `gather_s` of the last cycle's time.
+
+        The trials do their driver work between steps: a metrics row, a progress bar."""
         return gather_s(self.last_cycle_s)
 
     def _elsewhere(self, slot: "Slot") -> None:
@@ -475,10 +495,12 @@ class SlotGroup:
         return losses
 
     def evaluations(self, evaluations: Sequence[tuple["Slot", Sequence[Any]]]) -> list[float]:
-        """Each (slot, examples)'s evaluation loss, at once: the slots' rows through the base model together (one
-        packed forward, verl's infer_batch's settings), each loss as the slot's evaluation alone reports it. A
-        schedule-free slot (evaluated at its averaged weights), a batch that does not split over the ranks, a cycle of
-        one, and every evaluation where packing is refused: the slot's alone, in turn."""
+        """Each (slot, examples)'s evaluation loss, at once.
+
+        The slots' rows through the base model together (one packed forward, verl's infer_batch's settings), each loss
+        as the slot's evaluation alone reports it. A schedule-free slot (evaluated at its averaged weights), a batch
+        that does not split over the ranks, a cycle of one, and every evaluation where packing is refused: the slot's
+        alone, in turn."""
         ranks = self.workers.group.world_size
         with self.lock:
             packable = [] if self.refused else [i for i, (slot, examples) in enumerate(evaluations) if len(examples) % ranks == 0 and not slot.averaged]
@@ -502,8 +524,9 @@ class SlotGroup:
         return [float(losses[slot.index]) for slot, _ in evaluations]
 
     def _packed_batch(self, pairs: Sequence[tuple["Slot", Sequence[Any]]], build: Callable[[list], Any] | None = None) -> Any:
-        """One batch of every (slot, examples)'s rows (`build(rows)`: the workers' batch of them, by default the
-        SFT examples' `_batch`), in `packed_rows`' order, with the `SLOT` column."""
+        """One batch of every (slot, examples)'s rows, in `packed_rows`' order, with the `SLOT` column.
+
+        `build(rows)`: the workers' batch of them, by default the SFT examples' `_batch`."""
         import torch
 
         from tinker_exp.runtime.packed import SLOT
@@ -514,11 +537,12 @@ class SlotGroup:
         return batch
 
     def train_steps(self, steps: Sequence[tuple["Slot", Sequence[Any], dict[str, Any] | None]]) -> list[StepResult]:
-        """One step of each (slot, examples, optim_step_params), at once: the slots' rows through the base model
-        together (one packed forward and backward, runtime/packed.py), then every slot's optimizer step at its own
-        values in one round trip; each result as the slot's step alone reports it. A step whose batch does not split
-        evenly over the ranks, a cycle of one slot, and every step where packing is refused (`refused`): the slot's
-        step alone, in turn (time-sharing)."""
+        """One step of each (slot, examples, optim_step_params), at once.
+
+        The slots' rows through the base model together (one packed forward and backward, runtime/packed.py), then every
+        slot's optimizer step at its own values in one round trip; each result as the slot's step alone reports it. A
+        step whose batch does not split evenly over the ranks, a cycle of one slot, and every step where packing is
+        refused (`refused`): the slot's step alone, in turn (time-sharing)."""
         ranks = self.workers.group.world_size
         with self.lock:
             packable = [] if self.refused else [i for i, (_, examples, _) in enumerate(steps) if len(examples) % ranks == 0]
@@ -545,9 +569,10 @@ class SlotGroup:
                 for (slot, _, _), (grad_norm, applied) in zip(steps, stepped, strict=True)]
 
     def _optimizer_steps(self, steps: Sequence[tuple["Slot", dict[str, Any] | None]]) -> list[tuple[float, list]]:
-        """Under the lock: each (slot, optim_step_params)'s optimizer step at its own values and clip, in one round
-        trip (each slot swapped in with its pending gradients, in turn); each step's grad norm and every rank's param
-        groups."""
+        """Under the lock: each (slot, optim_step_params)'s optimizer step at its own values, in one round trip.
+
+        Each step at its own clip too. Each slot is swapped in with its pending gradients, in turn. Returns each step's
+        grad norm and every rank's param groups."""
         per_rank = self.workers.group.slots_optimizer_step([(slot.index, params or None) for slot, params in steps])
         self.loaded = steps[-1][0].index
         return [(next((float(r[k]["grad_norm"]) for r in per_rank if "grad_norm" in r[k]), float("nan")),
@@ -595,8 +620,10 @@ class SlotGroup:
 
 
 class Slot:
-    """One trial on a `SlotGroup`: the calls the loop makes on a whole group (train/protocols.py `Workers`), each
-    on this slot's adapters, optimizer and RNG alone. `shutdown` frees the slot, not the group."""
+    """One trial on a `SlotGroup`.
+
+    The calls the loop makes on a whole group (train/protocols.py `Workers`), each on this slot's adapters, optimizer
+    and RNG alone. `shutdown` frees the slot, not the group."""
 
     def __init__(self, group: SlotGroup, index: int, averaged: bool, stop: threading.Event | None = None):
         self.group, self.index = group, index
@@ -625,8 +652,9 @@ class Slot:
         return self.evaluate_batches([examples])[0]
 
     def evaluate_batches(self, batches: Sequence[Sequence[Any]]) -> list[float]:
-        """The evaluation of every batch in the group's next cycle, packed with the other slots' evaluations
-        waiting then (`SlotGroup.evaluate`)."""
+        """The evaluation of every batch in the group's next cycle.
+
+        Packed with the other slots' evaluations waiting then (`SlotGroup.evaluate`)."""
         self._stopped()
         return self.group.evaluate(self, batches)
 
@@ -635,8 +663,9 @@ class Slot:
         self.group.save(self, folder, step)
 
     def load_checkpoint(self, folder: Path) -> None:
-        """A checkpoint (this trial's, another's, or a run's alone with the same LoRA shape) into this slot: in place
-        from the slot that saved it while its state as saved is at hand, else from the files (`SlotGroup.load`;
+        """A checkpoint (this trial's, another's, or a run's alone with the same LoRA shape) into this slot.
+
+        In place from the slot that saved it while its state as saved is at hand, else from the files (`SlotGroup.load`;
         either way the same state). One log line says which (a PBT exploit's line in the member's run log)."""
         log.info(f"checkpoint {self.group.load(self, Path(folder))}")
         self.weights_version += 1
@@ -645,8 +674,10 @@ class Slot:
         return self.group._on(self, lambda: self.group.workers.export_adapter(folder))
 
     def export_weights(self) -> Any:
-        """An RL trial's weights for its driver's sampler (runtime/rl_workers.py `RLWorkers.export_weights`: its
-        adapter), whenever `weights_version` has changed (train/rl.py `Weights`)."""
+        """An RL trial's weights for its driver's sampler, whenever `weights_version` has changed.
+
+        Its adapter, as runtime/rl_workers.py `RLWorkers.export_weights` gives it; `weights_version`: train/rl.py
+        `Weights`."""
         return self.group._on(self, self.group.workers.export_weights)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -656,13 +687,17 @@ class Slot:
 
 
 def packed_rows(sizes: Sequence[int], ranks: int) -> list[tuple[int, int]]:
-    """A packed batch's rows as (which of the batches of `sizes` rows, which of its rows): rank after rank, batch after
-    batch, each batch's r-th chunk as verl chunks that batch alone for rank r (each size a multiple of `ranks`)."""
+    """A packed batch's rows as (which of the batches of `sizes` rows, which of its rows).
+
+    Rank after rank, batch after batch, each batch's r-th chunk as verl chunks that batch alone for rank r (each size a
+    multiple of `ranks`)."""
     return [(k, rank * (size // ranks) + i) for rank in range(ranks) for k, size in enumerate(sizes) for i in range(size // ranks)]
 
 
 def folder_identity(folder: Path) -> tuple[int, int, int]:
-    """A folder's identity, kept through its parent's rename (a checkpoint is written aside and renamed into place:
-    train/checkpoints.py): its device, inode and change time (a folder made later on a freed inode has another)."""
+    """A folder's identity, kept through its parent's rename: its device, inode and change time.
+
+    A checkpoint is written aside and renamed into place (train/checkpoints.py). A folder made later on a freed inode
+    has another identity."""
     found = os.stat(folder)
     return found.st_dev, found.st_ino, found.st_ctime_ns

@@ -1,5 +1,7 @@
-"""A worker group kept warm across runs (the pool's: tinker_exp/pool/): built once per key, then every run it is
-lent to starts from exactly the state a cold build of its command leaves (runtime/workers.py `fresh_engine`).
+"""A worker group kept warm across runs (the pool's: tinker_exp/pool/), built once per key.
+
+Every run it is lent to starts from exactly the state a cold build of its command leaves (runtime/workers.py
+`fresh_engine`).
 
 What needs a new group is what the workers are built with, less what a run sends: its optimizer values and seed
 (`group_key`): the config's worker settings, the model's files as they are now, and the environment that reaches
@@ -37,10 +39,12 @@ PER_RUN_BACKEND = ("pool", "nodes_timeout_s", "ray_address")
 
 
 def group_key(cfg: Config, model_path: Path, choice: Any, worker_env: dict[str, str], worker: str | None = None) -> dict[str, Any]:
-    """What the workers of a run like `cfg` are built with (runtime/workers.py `worker_config`), less what a fresh
-    state sets per run (optimizer values, seed, steps, gradient clip): two runs with the same key share a group.
-    `worker_env`: the run's environment that reaches the workers (place/wire.py `worker_environment`); `worker`: the
-    worker class's name where it is not a run's (the server's)."""
+    """What the workers of a run like `cfg` are built with, less what a fresh state sets per run: its group's key.
+
+    The workers' config is runtime/workers.py `worker_config`; a fresh state sets the optimizer values, seed, steps and
+    gradient clip. Two runs with the same key share a group. `worker_env`: the run's environment that reaches the
+    workers (place/wire.py `worker_environment`); `worker`: the worker class's name where it is not a run's (the
+    server's)."""
     backend = {k: v for k, v in dataclasses.asdict(cfg.backend).items() if k not in PER_RUN_BACKEND}
     rl = cfg.rl
     return {
@@ -57,8 +61,10 @@ def group_key(cfg: Config, model_path: Path, choice: Any, worker_env: dict[str, 
 
 
 def slot_group_key(cfg: Config, model_path: Path, choice: Any) -> dict[str, Any]:
-    """A slot group's key: its group's (`group_key`), and for RL trials the loss and RL settings the group installs
-    once for all its slots (runtime/rl_workers.py `RLWorkers`: its loss, its batches' sampling temperature)."""
+    """A slot group's key: its group's (`group_key`), and for RL trials the loss and RL settings the group installs.
+
+    For RL trials the group installs them once for all its slots (runtime/rl_workers.py `RLWorkers`: its loss, its
+    batches' sampling temperature)."""
     key = group_key(cfg, model_path, choice, {})
     if cfg.env.active:
         key.update(rl=dataclasses.asdict(cfg.rl), loss=dataclasses.asdict(cfg.loss))
@@ -66,8 +72,9 @@ def slot_group_key(cfg: Config, model_path: Path, choice: Any) -> dict[str, Any]
 
 
 def model_fingerprint(model_path: Path) -> str:
-    """The model dir's files as they are now (each file's name, size and change time; cheap, no read): weights
-    replaced at the same path are not the ones the kept workers loaded."""
+    """The model dir's files as they are now (each file's name, size and change time; cheap, no read).
+
+    Weights replaced at the same path are not the ones the kept workers loaded."""
     import hashlib
 
     digest = hashlib.sha256()
@@ -99,6 +106,7 @@ def describe_key(key: dict[str, Any]) -> str:
 
 class Lent:
     """The group as one run sees it: the worker group's calls, but `shutdown` gives it back instead of freeing it.
+
     `built`: whether the group was built for this run."""
 
     def __init__(self, workers: TinkerWorkers, built: bool) -> None:
@@ -146,10 +154,11 @@ class Kept:
 
 
 class KeptGroups:
-    """Worker groups kept by key while they fit, the least recently used freed first: at most `max_groups`, their
-    measured memory within `memory_budget_mb`, their workers within the Ray cluster's `capacity` (CPUs on a CPU
-    machine, GPUs on a GPU one). What is freed and why is said in one line. Used by the pool (`WarmGroups`) and by
-    the Tinker server (serve/__main__.py)."""
+    """Worker groups kept by key while they fit, the least recently used freed first.
+
+    At most `max_groups`, their measured memory within `memory_budget_mb`, their workers within the Ray cluster's
+    `capacity` (CPUs on a CPU machine, GPUs on a GPU one). What is freed and why is said in one line. Used by the pool
+    (`WarmGroups`) and by the Tinker server (serve/__main__.py)."""
 
     def __init__(self, max_groups: int, memory_budget_mb: float | None, say: Callable[[str], None]) -> None:
         """`say`: how a line is said (the pool's log, the server's stderr)."""
@@ -174,8 +183,9 @@ class KeptGroups:
         kept.last_used = time.time()
 
     def make_room(self, key: dict[str, Any], slots: float) -> None:
-        """Before a group for `key` is built: the least recently used freed while the new one would not fit (its
-        memory estimated as the largest kept group's)."""
+        """Before a group for `key` is built: the least recently used freed while the new one would not fit.
+
+        The new one's memory is estimated as the largest kept group's."""
         estimate = max((kept.size_mb for kept in self.groups.values()), default=0.0)
         while self.groups:
             held = sum(kept.size_mb for kept in self.groups.values())
@@ -197,8 +207,9 @@ class KeptGroups:
         kept.last_used = time.time()
 
     def take(self, kept: Kept) -> Any:
-        """`kept`'s workers, out of the kept groups while someone holds them (the server's client: `add` gives them
-        back, the most recently used)."""
+        """`kept`'s workers, out of the kept groups while someone holds them.
+
+        Someone: the server's client; `add` gives them back, the most recently used."""
         self.groups.pop(self.name(kept.key), None)
         kept.runs += 1
         return kept.workers
@@ -231,12 +242,16 @@ def rss_mb(pid: int | None) -> float | None:
 
 
 class WarmGroups:
-    """The pool's worker groups, kept by key (`KeptGroups`): each run is lent the group of its key, built for it if
-    none is kept (the least recently used freed first when the new one would not fit), one run at a time."""
+    """The pool's worker groups, kept by key (`KeptGroups`), lent one run at a time.
+
+    Each run is lent the group of its key, built for it if none is kept (the least recently used freed first when the
+    new one would not fit), one run at a time."""
 
     def __init__(self, build: BuildWorkers, workers_log: str, max_groups: int = MAX_GROUPS,
                  memory_budget_mb: float | None = None, where: str = "the pool") -> None:  # fmt: skip
-        """`build`: a cold run's worker group; `workers_log`: the file in a run dir that gets what the workers print;
+        """The pool's groups, each built by `build` and lent to runs.
+
+        `build`: a cold run's worker group; `workers_log`: the file in a run dir that gets what the workers print;
         `where`: the pool, as a run's line names it."""
         self.build, self.workers_log, self.where = build, workers_log, where
         self.kept = KeptGroups(max_groups, memory_budget_mb, say=lambda line: log.info(f"pool: {line}"))
@@ -247,8 +262,9 @@ class WarmGroups:
         """The worker environment the pool's Ray cluster was started with (None: no cluster yet)."""
 
     def lend(self, cfg: Config, plan: Any, model_path: Path, run_dir: Path) -> Lent:
-        """The group for this run, in the state a cold start of it leaves: the kept one of its key, else a new one;
-        what the workers print goes to the run dir from now on."""
+        """The group for this run, in the state a cold start of it leaves: the kept one of its key, else a new one.
+
+        What the workers print goes to the run dir from now on."""
         output = WorkerOutput(run_dir / self.workers_log, echo=cfg.verbose)
 
         def start_fresh() -> tuple[Kept, bool]:
@@ -278,9 +294,10 @@ class WarmGroups:
         return Lent(kept.workers, built)
 
     def has_group_for(self, cfg: Config, worker_env: dict[str, str]) -> bool:
-        """Whether a group for runs like `cfg` (whose environment that reaches the workers is `worker_env`) is kept:
-        a sweep's job asks before it picks a pool. A model not on this machine yet (a hub id not downloaded) has
-        none."""
+        """Whether a group for runs like `cfg` is kept: a sweep's job asks before it picks a pool.
+
+        `worker_env`: the runs' environment that reaches the workers. A model not on this machine yet (a hub id not
+        downloaded) has none."""
         from tinker_exp.config.validate import resolve_model_path
         from tinker_exp.runtime.inputs import model_dir
 
@@ -294,8 +311,9 @@ class WarmGroups:
         return resolve(cfg.backend)
 
     def prepare(self, cfg: Config, plan: Any, model_path: Path, out_dir: Path) -> tuple[Kept, bool]:
-        """The group for runs like `cfg` (and whether it was built now): the kept one of its key, else one built now
-        (what it prints into `out_dir`)."""
+        """The group for runs like `cfg` (and whether it was built now): the kept one of its key, else one built now.
+
+        What a build prints goes into `out_dir`."""
         choice = self.choice(cfg)
         key = group_key(cfg, model_path, choice, self.worker_env)
         kept = self.kept.find(key)
@@ -330,8 +348,9 @@ class WarmGroups:
         return kept, True
 
     def slot_group(self, cfg: Config, plan: Any, model_path: Path, out_dir: Path, capacity: int) -> tuple[SlotGroup, str]:
-        """The slots of the group for runs like `cfg` (LoRA SFT), built now if none is kept (what it prints into
-        `out_dir`), and how it came to be, as a run's line says it."""
+        """The slots of the group for runs like `cfg` (LoRA SFT), built now if none is kept, and how it came to be.
+
+        What a build prints goes into `out_dir`; how it came to be is said as a run's line says it."""
         kept, built = self.prepare(cfg, plan, model_path, out_dir)
         if kept.slot_group is None:
             kept.slot_group = SlotGroup(kept.workers, capacity)
@@ -340,8 +359,9 @@ class WarmGroups:
         return kept.slot_group, "a group built for this run" if built else kept_words(kept)
 
     def slot_group_for(self, cfg: Config, worker_env: dict[str, str]) -> tuple[SlotGroup, str] | None:
-        """The slots of the kept group for runs like `cfg`, if it has them (a run on a slot takes one without a
-        build), and the line's words; else None."""
+        """The slots of the kept group for runs like `cfg`, if it has them, and the line's words; else None.
+
+        A run on a slot takes one without a build."""
         from tinker_exp.runtime.inputs import model_dir
 
         kept = self.kept.find(group_key(cfg, model_dir(cfg.model), self.choice(cfg), worker_env))
@@ -375,9 +395,11 @@ class WarmGroups:
 
 
 def start_own_cluster(device: str, groups: int) -> None:
-    """The pool's own local Ray cluster, started once: never a run's RAY_ADDRESS, whose resources the pool's
-    groups would then hold between runs. On a CPU machine it counts `groups` times its cores, so that that many kept
-    groups (idle but for the one that trains) each hold a CPU a worker, as a cold run's do."""
+    """The pool's own local Ray cluster, started once.
+
+    Never a run's RAY_ADDRESS, whose resources the pool's groups would then hold between runs. On a CPU machine it
+    counts `groups` times its cores, so that that many kept groups (idle but for the one that trains) each hold a CPU a
+    worker, as a cold run's do."""
     import os
 
     import ray
@@ -405,18 +427,21 @@ def is_dead_worker(error: BaseException) -> bool:
 
 
 class SlotGroups:
-    """The slot groups of one process (a sweep's trials on slots): one group at a time, K slots, keyed as the pool
-    keys its groups (runtime/warm.py `group_key`: what the workers are built with, less what a trial sets: its
-    optimizer values, seed, steps, clip). A trial takes a free slot of its key's group (`take`); the group is built
-    at the first trial of its key, and a trial of another key waits until the group holds no trial, which is then
+    """The slot groups of one process (a sweep's trials on slots): one group at a time, K slots.
+
+    Keyed as the pool keys its groups (runtime/warm.py `group_key`: what the workers are built with, less what a trial
+    sets: its optimizer values, seed, steps, clip). A trial takes a free slot of its key's group (`take`); the group is
+    built at the first trial of its key, and a trial of another key waits until the group holds no trial, which is then
     freed and the new key's built. `close` frees the group."""
 
     def __init__(self, capacity: int, build: Callable[..., Any], out_dir: Path, speaking_for: Callable[[int], Any] | None = None,
                  keep_saved: bool = False):  # fmt: skip
-        """`build`: a cold run's worker group (config, plan, model dir, out dir, device choice); `out_dir`: where
-        what the workers print goes (its workers.log); `speaking_for(thread id)`: a context in which the build's
-        thread logs and prints as the trial's thread that asked for it (the build's lines are its trial's);
-        `keep_saved`: each slot keeps its state at its last checkpoint (SlotGroup's: a population's members)."""
+        """The process's slot groups, each built by `build`.
+
+        `build`: a cold run's worker group (config, plan, model dir, out dir, device choice); `out_dir`: where what the
+        workers print goes (its workers.log); `speaking_for(thread id)`: a context in which the build's thread logs and
+        prints as the trial's thread that asked for it (the build's lines are its trial's); `keep_saved`: each slot
+        keeps its state at its last checkpoint (SlotGroup's: a population's members)."""
         from concurrent.futures import ThreadPoolExecutor
 
         self.capacity, self.build, self.out_dir, self.speaking_for = capacity, build, out_dir, speaking_for
@@ -431,8 +456,10 @@ class SlotGroups:
         self.closed = False
 
     def take(self, cfg: Any, plan: Any, model_path: Path, choice: Any, stop: threading.Event) -> tuple["Slot", str]:
-        """A slot for a trial like `cfg` (the one line that says where it trains, with it): waits while the group is
-        full, being built, or of another key in use. `stop` set meanwhile: KeyboardInterrupt (the trial cancelled)."""
+        """A slot for a trial like `cfg`, with the one line that says where it trains.
+
+        Waits while the group is full, being built, or of another key in use. `stop` set meanwhile: KeyboardInterrupt
+        (the trial cancelled)."""
         key = slot_group_key(cfg, model_path, choice)
         with self.changed:
             while True:

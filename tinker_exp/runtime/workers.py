@@ -115,8 +115,9 @@ def engine_device_info(engine: Any) -> dict[str, Any]:
 
 
 def param_group_values(engine: Any) -> list[dict[str, Any]]:
-    """The override keys each of the engine's optimizer param groups holds, and the lr its last step applied where
-    the optimizer scales it itself (SCHEDULED_LR: schedule-free's warmup); the read-back of optimizer_step."""
+    """The override keys each of the engine's optimizer param groups holds: the read-back of optimizer_step.
+
+    With the lr its last step applied where the optimizer scales it itself (SCHEDULED_LR: schedule-free's warmup)."""
     from verl.workers.engine_workers_tinker import _iter_optimizer_param_groups
 
     groups = _iter_optimizer_param_groups(engine.optimizer)

@@ -1,5 +1,6 @@
-"""``python -m tinker_exp.serve [serve.host=H] [serve.port=P] [serve.run_dir=DIR] [OVERRIDES]``: the Tinker API on
-tinker_exp's workers (docs/serve.md).
+"""``python -m tinker_exp.serve [OVERRIDES]``: the Tinker API on tinker_exp's workers (docs/serve.md).
+
+``python -m tinker_exp.serve [serve.host=H] [serve.port=P] [serve.run_dir=DIR] [OVERRIDES]``.
 
 The run's config groups compose as for ``python -m tinker_exp`` (model, optimizer, backend, ...; the same overrides);
 ``serve.*`` are the server's own. Everything is checked before any worker starts; a mistake is one line, exit 2.
@@ -76,8 +77,9 @@ class ServeConfig:
 
 
 def serve_config(args: list[str], environ: dict | None = None) -> tuple[ServeConfig, list[str]]:
-    """The serve.* arguments as a ServeConfig (serve.api_key, else $TINKER_EXP_API_KEY); the rest are the run's
-    overrides."""
+    """The serve.* arguments as a ServeConfig; the rest are the run's overrides.
+
+    serve.api_key, else $TINKER_EXP_API_KEY."""
     import os
 
     environ = os.environ if environ is None else environ
@@ -132,8 +134,9 @@ def check_access(serve: ServeConfig) -> None:
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """serve.run_dir must be a folder (or become one: no file on its way) and not a training run's (or a sweep's)
-    dir: served rows would land in its files."""
+    """serve.run_dir must be a folder (or become one: no file on its way) and not a training run's (or a sweep's) dir.
+
+    Served rows would land in its files."""
     for folder in (run_dir, *run_dir.parents):
         if folder.exists() or folder.is_symlink():
             if not folder.is_dir():
@@ -226,8 +229,10 @@ def main(args: list[str]) -> None:
         return Kept(key, workers, time.time(), pids, resident_mb(pids), workers_each)
 
     def build_workers(rank: int, model_id: str) -> Any:
-        """A client's model: a LoRA model takes a slot of its key's group (held, kept or built); a fully fine-tuned
-        one the kept group of its key in a fresh state, exactly a new build's, else a new group."""
+        """A client's model.
+
+        A LoRA model takes a slot of its key's group (held, kept or built); a fully fine-tuned one the kept group of its
+        key in a fresh state, exactly a new build's, else a new group."""
         model_cfg = replace(cfg, lora=replace(cfg.lora, rank=rank))
         key = group_key(model_cfg, model_path, choice, {}, worker=ServeWorkers.__name__)
         if rank:
@@ -277,8 +282,9 @@ def main(args: list[str]) -> None:
         return ServedSampler(model_path, cfg.trainer.seed)
 
     def open_rows(folder: Path, first_step: int) -> Sinks:
-        """A model's metrics.jsonl (in its own folder; reopened where a load_state rewinds it: rows of first_step
-        and later are replaced, that model's only); the W&B run stays open."""
+        """A model's metrics.jsonl, in its own folder; the W&B run stays open.
+
+        Reopened where a load_state rewinds it: rows of first_step and later are replaced, that model's only."""
         folder.mkdir(parents=True, exist_ok=True)
         return Sinks([JsonlSink(folder / "metrics.jsonl", first_step), wandb and KeptOpen(wandb)])
 
@@ -322,9 +328,10 @@ def main(args: list[str]) -> None:
 
 
 class Lent:
-    """A fully fine-tuned model's workers (a kept group's), as the server calls them; freeing them (its session
-    ended) calls `give_back` instead: the group kept for a later client's model of the same key (runtime/warm.py
-    KeptGroups). (A LoRA model's slot says itself when it is freed: ServedSlot.given_back.)"""
+    """A fully fine-tuned model's workers (a kept group's), as the server calls them.
+
+    Freeing them (its session ended) calls `give_back` instead: the group kept for a later client's model of the same
+    key (runtime/warm.py KeptGroups). (A LoRA model's slot says itself when it is freed: ServedSlot.given_back.)"""
 
     def __init__(self, workers: Any, give_back: Callable[[], None]) -> None:
         self._workers, self._give_back = workers, give_back
@@ -341,8 +348,10 @@ class Stopped(Exception):
 
     @classmethod
     def watch(cls) -> None:
-        """Our handlers under uvicorn's (it restores them, then raises the signal it caught): SIGTERM raises Stopped,
-        SIGINT KeyboardInterrupt, even where the shell that started us ignores SIGINT (a command run with `&`)."""
+        """Our handlers under uvicorn's: SIGTERM raises Stopped, SIGINT KeyboardInterrupt.
+
+        uvicorn restores them, then raises the signal it caught. SIGINT raises even where the shell that started us
+        ignores SIGINT (a command run with `&`)."""
         import signal
 
         def stop(signum, frame):
@@ -353,7 +362,9 @@ class Stopped(Exception):
 
 
 def scrub_key(serve: ServeConfig) -> None:
-    """The key given on the command line is blanked in sys.argv, which W&B records (wandb-metadata.json), and
+    """The API key out of sight: blanked in sys.argv, out of the environment.
+
+    The key given on the command line is blanked in sys.argv, which W&B records (wandb-metadata.json), and
     $TINKER_EXP_API_KEY leaves the environment, which Ray's workers would inherit."""
     import os
 
@@ -363,8 +374,9 @@ def scrub_key(serve: ServeConfig) -> None:
 
 
 def served_wandb(cfg, composed, serve: ServeConfig, run_dir: Path):
-    """With logger=wandb, the served run's W&B run (started in the background, as a run's; None otherwise): each
-    optim_step's row, as in metrics.jsonl, under the config a run would have, plus `serve.*`."""
+    """With logger=wandb, the served run's W&B run (started in the background, as a run's); None otherwise.
+
+    Each optim_step's row, as in metrics.jsonl, under the config a run would have, plus `serve.*`."""
     if cfg.logger.name.value != "wandb":
         return None
     import os

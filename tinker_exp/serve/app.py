@@ -132,8 +132,10 @@ class Model:
 
 @dataclass
 class Cycled:
-    """A model's call that trains in one cycle with other models' calls of its kind waiting at once (the work
-    thread's `_cycle`), where its workers allow (`workers.cycle`): forward_backward, forward or optim_step."""
+    """A model's call that trains in one cycle with other models' calls of its kind waiting at once.
+
+    The work thread's `_cycle` takes them, where its workers allow (`workers.cycle`): forward_backward, forward or
+    optim_step."""
 
     call: str
     """FORWARD_BACKWARD, FORWARD or OPTIM_STEP."""
@@ -179,15 +181,17 @@ class Server:
                  tokenizer_id: str | None = None, say: Callable[[str], None] | None = None,
                  positions: int | None = None, max_num_samples: int = 128, max_body_bytes: int = 32 << 20,
                  results_kept_s: float = RESULTS_KEPT_S, slots: int = 1):
-        """`open_rows(folder, first_step)`: a model's metrics sink in its folder (a JsonlSink: its rows of first_step
-        and later are replaced); `run_dir`: where models/<model>/ and checkpoints/<model>/ go; `make_sampler()`: the
-        driver's sampler (runtime/serve_sampler.py); `max_chunk_datums`: the most datums the SDK is asked to send in
-        one forward_backward (serve.max_chunk_datums); `clock`: the time sessions' heartbeats are kept in;
-        `vocab_size`: token ids at or beyond it are refused; `tokenizer_id`: get_info's (what the SDK's
-        get_tokenizer loads: the model's local dir); `say(line)`: a line on the terminal, one per request;
-        `positions`: the model's positions (a longer datum in forward_backward is refused); `max_num_samples`,
-        `max_body_bytes`: serve.max_num_samples, serve.max_body_bytes (__main__.ServeConfig); `slots`: how many LoRA
-        models of one rank are held at once (serve.slots)."""
+        """The Tinker server's state, from the driver's callables and the serve.* settings.
+
+        `open_rows(folder, first_step)`: a model's metrics sink in its folder (a JsonlSink: its rows of first_step and
+        later are replaced); `run_dir`: where models/<model>/ and checkpoints/<model>/ go; `make_sampler()`: the
+        driver's sampler (runtime/serve_sampler.py); `max_chunk_datums`: the most datums the SDK is asked to send in one
+        forward_backward (serve.max_chunk_datums); `clock`: the time sessions' heartbeats are kept in; `vocab_size`:
+        token ids at or beyond it are refused; `tokenizer_id`: get_info's (what the SDK's get_tokenizer loads: the
+        model's local dir); `say(line)`: a line on the terminal, one per request; `positions`: the model's positions (a
+        longer datum in forward_backward is refused); `max_num_samples`, `max_body_bytes`: serve.max_num_samples,
+        serve.max_body_bytes (__main__.ServeConfig); `slots`: how many LoRA models of one rank are held at once
+        (serve.slots)."""
         self.model_name = model_name
         self.build_workers, self.optim_params, self.open_rows, self.check_applied = (
             build_workers, optim_params, open_rows, check_applied)
@@ -253,9 +257,11 @@ class Server:
                 self.last_cycle_s = time.monotonic() - began
 
     def _gather(self, job: Job) -> None:
-        """Under jobs_changed, before `job`'s cycle is chosen: wait a moment for the next call of each other model the
-        last cycle served (a client awaiting each result sends its next call as its last returns: `gather_s` of the
-        last cycle's time, at most 50 ms), so that clients in step keep training in one cycle."""
+        """Before `job`'s cycle is chosen: wait a moment for the next call of each model the last cycle served.
+
+        Called under jobs_changed. The other models' calls are waited for: a client awaiting each result sends its next
+        call as its last returns: `gather_s` of the last cycle's time, at most 50 ms, so that clients in step keep
+        training in one cycle."""
         if not isinstance(job.work, Cycled) or job.model is None:
             return
         others = self.served - {job.model.model_id}
@@ -267,9 +273,10 @@ class Server:
             self.jobs_changed.wait(left)
 
     def _cycle(self, job: Job) -> list[Job]:
-        """Under jobs_changed: the other models' calls that train with `job`'s in one cycle, taken off the queue:
-        each model's first waiting work, when it is a call of the same kind on the same group (as SlotGroup's
-        cycle: whatever waits once `_gather` has waited its moment). [] when `job` runs alone."""
+        """Under jobs_changed: the other models' calls that train with `job`'s in one cycle, taken off the queue.
+
+        Each model's first waiting work, when it is a call of the same kind on the same group (as SlotGroup's cycle:
+        whatever waits once `_gather` has waited its moment). [] when `job` runs alone."""
         if not isinstance(job.work, Cycled) or job.model is None or job.model.workers is None:
             return []
         group, why = job.model.workers.cycle(job.work.call, job.work.loss)
@@ -316,8 +323,9 @@ class Server:
             self._done(each.future)
 
     def _failed(self, future: Future) -> None:
-        """Inside an except: its request failed (a BadRequest: that line; else a worker's failure: its last line, the
-        traceback kept in the run dir)."""
+        """Inside an except: its request failed.
+
+        A BadRequest: that line; else a worker's failure: its last line, the traceback kept in the run dir."""
         import sys
 
         error = sys.exc_info()[1]
@@ -358,8 +366,10 @@ class Server:
         return request_id, future
 
     def prune(self, now: bool = False) -> None:
-        """Forget what no client will ask for again (at most once a second, unless `now`): results and replies done
-        more than results_kept_s ago, sessions past their heartbeat timeout (their models released)."""
+        """Forget what no client will ask for again (at most once a second, unless `now`).
+
+        Results and replies done more than results_kept_s ago, sessions past their heartbeat timeout (their models
+        released)."""
         if not now and time.monotonic() - self.pruned_at < 1.0:
             return
         self.pruned_at = time.monotonic()
@@ -380,19 +390,22 @@ class Server:
         self.replies[(route, key, hashlib.sha256(body).hexdigest())] = (*answer, time.monotonic())
 
     def submit(self, work: Callable[[], Any], protobuf: bool = False, label: str = "", model: Model | None = None) -> str:
-        """Queue `work` now (a request outside any model's sequence; `model`: the model it builds or frees, whose
-        later calls no cycle takes before it); `label`: its line on the terminal."""
+        """Queue `work` now (a request outside any model's sequence); `label`: its line on the terminal.
+
+        `model`: the model it builds or frees, whose later calls no cycle takes before it."""
         request_id, future = self._future(protobuf, label)
         self._queue(Job(future, work, model))
         return request_id
 
     def in_turn(self, model: Model, seq_id: Any, check: Callable[[], Callable[[], Any]], protobuf: bool = False,
                 method: str = "", body: Any = None) -> str:
-        """A model's request: `check()` refuses it (BadRequest) or gives its work, which is queued in the model's
-        seq_id order: one that comes early waits for its predecessors (SEQ_GAP_TIMEOUT_S at most). Without a seq_id
-        (not the SDK), the work is queued at once. A refused request's turn passes: its successors need not wait.
-        `body` (a JSON dict or protobuf bytes): the request as sent; the same method and body sent again with its
-        seq_id gets what the first got (its future, or its refusal), never a second run; another body, a 400."""
+        """A model's request, queued in the model's seq_id order once `check()` gives its work.
+
+        `check()` refuses it (BadRequest) or gives its work, which is queued in the model's seq_id order: one that comes
+        early waits for its predecessors (SEQ_GAP_TIMEOUT_S at most). Without a seq_id (not the SDK), the work is queued
+        at once. A refused request's turn passes: its successors need not wait. `body` (a JSON dict or protobuf bytes):
+        the request as sent; the same method and body sent again with its seq_id gets what the first got (its future, or
+        its refusal), never a second run; another body, a 400."""
         label = f"{method} model {model.model_id} seq {seq_id}" if method else ""
         if seq_id is None:
             return self.submit(check(), protobuf, label, model)
@@ -441,8 +454,10 @@ class Server:
             timer.start()
 
     def _gap_timed_out(self, model: Model, seq_id: int) -> None:
-        """A request waited SEQ_GAP_TIMEOUT_S for a predecessor that never came: every waiting request of the model
-        fails (none may run out of order), and the sequence goes on after the last of them."""
+        """A request waited SEQ_GAP_TIMEOUT_S for a predecessor that never came.
+
+        Every waiting request of the model fails (none may run out of order), and the sequence goes on after the last of
+        them."""
         with self.lock:
             if model.waiting.get(seq_id) is None:
                 return
@@ -485,8 +500,9 @@ class Server:
             return True
 
     def end_session(self, session_id: str) -> None:
-        """The session ends (finished by its client, or its heartbeats stopped): the models it holds are released:
-        their waiting requests fail, their slots or workers are freed once their queued work is done."""
+        """The session ends (finished by its client, or its heartbeats stopped): the models it holds are released.
+
+        Their waiting requests fail, their slots or workers are freed once their queued work is done."""
         with self.lock:
             self.sessions.pop(session_id, None)
             for dropped in [s for s, held in self.sampling_sessions.items() if held["owner"] == session_id]:
@@ -546,9 +562,10 @@ class Server:
         return model.created
 
     def _claim(self, route: str, body: dict, base_model: str, rank: int) -> Model | str:
-        """A new model for this client's session (the SDK's id: session_id:train:model_seq_id), if it fits beside the
-        held ones (`_no_room`); else refused. The same call sent again (the SDK re-sends one whose reply it lost):
-        the request_id the first one got."""
+        """A new model for this client's session, if it fits beside the held ones (`_no_room`); else refused.
+
+        The model's id is the SDK's: session_id:train:model_seq_id. The same call sent again (the SDK re-sends one whose
+        reply it lost): the request_id the first one got."""
         session_id, seq = body.get("session_id"), body.get("model_seq_id", 0)
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:  # it goes into the model's folder names
             raise BadRequest(f"model_seq_id: {seq!r} is not a model_seq_id (an integer >= 0: the SDK's count of "
@@ -571,8 +588,10 @@ class Server:
             return model
 
     def _no_room(self, rank: int) -> str:
-        """Why a model of LoRA rank `rank` cannot be held now ('' when it can): LoRA models of one rank share one
-        group, each on a slot, `slots` at most; a fully fine-tuned model (rank 0) holds its group alone."""
+        """Why a model of LoRA rank `rank` cannot be held now ('' when it can).
+
+        LoRA models of one rank share one group, each on a slot, `slots` at most; a fully fine-tuned model (rank 0)
+        holds its group alone."""
         held = list(self.models.values())
         if not held or (rank and all(model.lora_rank == rank for model in held) and len(held) < self.slots):
             return ""
@@ -677,8 +696,9 @@ class Server:
         return self.inside(self.checkpoints / on_disk(model_id) / kind / name)
 
     def inside(self, path: Path) -> Path:
-        """`path`, which must be inside the run dir once resolved (the ids and names in it were checked: this is
-        the last guard against a client's name leading elsewhere)."""
+        """`path`, which must be inside the run dir once resolved.
+
+        The ids and names in it were checked: this is the last guard against a client's name leading elsewhere."""
         if not path.resolve().is_relative_to(self.run_dir.resolve()):
             raise BadRequest(f"path: {str(path)!r} is outside the server's run dir")
         return path
@@ -703,8 +723,9 @@ class Server:
         return folder, json.loads((folder / LOOP_STATE).read_text())
 
     def _save(self, model: Model, folder: Path, write: Callable[[Path], None]) -> None:
-        """`write(tmp)` fills a fresh folder beside `folder`, renamed into place after its manifest
-        (train/checkpoints.py): a save that fails leaves no checkpoint of that name."""
+        """`write(tmp)` fills a fresh folder beside `folder`, renamed into place after its manifest.
+
+        The manifest is train/checkpoints.py's. A save that fails leaves no checkpoint of that name."""
         tmp = folder.with_name(f".{folder.name}.partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -732,9 +753,10 @@ class Server:
         return self.in_turn(model, body.get("seq_id"), check, method="save_state", body=body), model.model_id
 
     def load_state(self, body: dict) -> tuple[str, str]:
-        """load_state (weights, a fresh optimizer) or load_state_with_optimizer (`optimizer`: true), onto the
-        client's model (model_id) or onto a new one (session_id, model_seq_id: create_training_client_from_state),
-        built with the checkpoint's LoRA rank."""
+        """load_state (weights, a fresh optimizer) or load_state_with_optimizer (`optimizer`: true), onto a model.
+
+        Onto the client's model (model_id) or onto a new one (session_id, model_seq_id:
+        create_training_client_from_state), built with the checkpoint's LoRA rank."""
         optimizer, path = body.get("optimizer"), body.get("path")
 
         def checked(model: Model | None) -> tuple[Path, dict]:
@@ -779,8 +801,10 @@ class Server:
         return self.sampler
 
     def save_for_sampler(self, body: dict) -> tuple[str, str]:
-        """save_weights_for_sampler(name): the weights as a sampler checkpoint (tinker://.../sampler_weights/name);
-        without a name (save_weights_and_get_sampling_client): a sampling session on these weights, in memory."""
+        """save_weights_for_sampler(name): the weights as a sampler checkpoint, or in memory without a name.
+
+        With a name: tinker://.../sampler_weights/name. Without a name (save_weights_and_get_sampling_client): a
+        sampling session on these weights, in memory."""
         model = self.served_model(body.get("model_id"))
         return (self.in_turn(model, body.get("seq_id"), lambda: self._sampler_save(model, body),
                              method="save_weights_for_sampler", body=body), model.model_id)
@@ -843,8 +867,10 @@ class Server:
         return session
 
     def sample(self, body: dict) -> tuple[str, list[str]]:
-        """asample: num_samples responses to the prompt from the session's weights; SamplingParams max_tokens,
-        temperature (> 0), seed, stop (strings or token ids), top_k and top_p, and the prompt's log-probs."""
+        """asample: num_samples responses to the prompt from the session's weights.
+
+        SamplingParams max_tokens, temperature (> 0), seed, stop (strings or token ids), top_k and top_p, and the
+        prompt's log-probs."""
         session_id = body.get("sampling_session_id")
         session = self.sampling_session(session_id)
         weights = session["weights"]  # held from here: a save queued before this sample may drop the session's
@@ -900,8 +926,10 @@ class Server:
 
 
 class LimitedBody:
-    """ASGI middleware: a request body read past `limit` bytes is a BadRequest (a body with a Content-Length over
-    the limit is refused before it is read, in build_app's key check): no request fills the server's memory."""
+    """ASGI middleware that refuses a request body past `limit` bytes.
+
+    A request body read past `limit` bytes is a BadRequest (a body with a Content-Length over the limit is refused
+    before it is read, in build_app's key check): no request fills the server's memory."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -923,8 +951,9 @@ class LimitedBody:
 
 
 def bad_request_in(error: BaseException, kind: type = BadRequest) -> BaseException | None:
-    """The BadRequest (or `kind`) `error` is or holds (Starlette's middleware raises what its receive raised in an
-    ExceptionGroup)."""
+    """The BadRequest (or `kind`) `error` is or holds.
+
+    Starlette's middleware raises what its receive raised in an ExceptionGroup."""
     if isinstance(error, kind):
         return error
     for inner in getattr(error, "exceptions", ()):
@@ -936,6 +965,7 @@ def bad_request_in(error: BaseException, kind: type = BadRequest) -> BaseExcepti
 
 def build_app(server: Server, api_key: str = ""):
     """The FastAPI app over `server`: each route parses, checks, and answers (a future, or the value itself).
+
     `api_key`: the key every request must carry as X-API-Key (compared in constant time); empty: any tml- key."""
     import json
 
@@ -961,8 +991,10 @@ def build_app(server: Server, api_key: str = ""):
 
     @app.middleware("http")
     async def idempotent(request: Request, call_next):
-        """The SDK retries a POST with the same X-Idempotency-Key: one that was answered gets the same answer (the
-        same future), so a retried forward_backward is not queued twice."""
+        """The SDK retries a POST with the same X-Idempotency-Key: answer it once.
+
+        One that was answered gets the same answer (the same future), so a retried forward_backward is not queued
+        twice."""
         key = request.headers.get("x-idempotency-key")
         if request.method != "POST" or not key or request.url.path in UNCACHED:
             return await call_next(request)
@@ -979,8 +1011,10 @@ def build_app(server: Server, api_key: str = ""):
 
     @app.middleware("http")
     async def key(request: Request, call_next):
-        """With a key, a request without it (or with another) is a 401; without one, any tml- key (loopback only:
-        __main__ refuses another host without a key). The key is never in a line or a log."""
+        """The API key check: with a key, a request without it (or with another) is a 401.
+
+        Without one, any tml- key (loopback only: __main__ refuses another host without a key). The key is never in a
+        line or a log."""
         request.state.start = time.monotonic()
         given = request.headers.get("x-api-key", "")
         if request.url.path.startswith("/api/v1/"):
@@ -1053,8 +1087,9 @@ def build_app(server: Server, api_key: str = ""):
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request):
-        """The SDK's `ServiceClient.close(status)`: the session ends (its heartbeats get 410 from now on) and the
-        model it holds is released."""
+        """The SDK's `ServiceClient.close(status)`.
+
+        The session ends (its heartbeats get 410 from now on) and the model it holds is released."""
         if not server.live_session(session_id):
             return refused(f"session_id: {session_id!r} is not a session of this server", 404)
         server.end_session(session_id)

@@ -1,5 +1,7 @@
-"""The forecast pruner (hydra.sweeper.pruner=forecast): a trial stops when its forecast final objective, with its
-interval, lies wholly worse than the best other trial's result or forecast.
+"""The forecast pruner (hydra.sweeper.pruner=forecast): prunes a trial by the forecast of its final objective.
+
+A trial stops when its forecast final objective, with its interval, lies wholly worse than the best other trial's result
+or forecast.
 
 Pruners that judge a trial by its loss so far misjudge schedules by design: a WSD run looks like the constant run
 until its decay, a cosine run looks good early and loses late. Each trial's plan is known (its plan.json: the lr of
@@ -48,9 +50,11 @@ FORECAST_STEPS = 100
 
 @dataclass(frozen=True)
 class TrialCurve:
-    """One trial as the pruner sees it: its plan's lr at every step, the objective it reported at each train/step,
-    its state and (completed) result, and its group: trials of one group share model, data, batch size, optimizer
-    and peak lr, which one law describes (tinker_exp/forecast/runs.py `shared_keys`)."""
+    """One trial as the pruner sees it: its plan's lr, its reported objective, its state, result and group.
+
+    Its plan's lr at every step, the objective it reported at each train/step, its state and (completed) result, and its
+    group: trials of one group share model, data, batch size, optimizer and peak lr, which one law describes
+    (tinker_exp/forecast/runs.py `shared_keys`)."""
 
     number: int
     state: str  # "running", "complete" or "pruned"
@@ -63,8 +67,9 @@ class TrialCurve:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The pruner's answer: prune or not, what kind of answer ("prune", "go_on", "no_law", "no_forecast",
-    "no_best") and the line that says why."""
+    """The pruner's answer: prune or not, what kind of answer, and the line that says why.
+
+    The kinds: "prune", "go_on", "no_law", "no_forecast", "no_best"."""
 
     prune: bool
     kind: str
@@ -83,8 +88,10 @@ class Fitted:
 
 
 class LawCache:
-    """Laws by (scope, group), shared by the trials of one process (a study's trials on slots or pools are threads
-    of the sweep's process): a group is fitted by one trial at a time, the others meanwhile use the law held."""
+    """Laws by (scope, group), shared by the trials of one process.
+
+    A study's trials on slots or pools are threads of the sweep's process. A group is fitted by one trial at a time, the
+    others meanwhile use the law held."""
 
     def __init__(self) -> None:
         self.held: dict[Hashable, Fitted] = {}
@@ -106,8 +113,10 @@ def decays(lr: np.ndarray) -> bool:
 
 
 def fitted_points(curve: TrialCurve, metric: str, from_step: int) -> tuple[int, bool]:
-    """How many of the curve's points a fit uses (after the warmup and `from_step`, as fit_law counts them) and
-    whether the lr changed after the warmup before the last of them (a decay seen: the decay terms identified)."""
+    """How many of the curve's points a fit uses, and whether the lr changed after the warmup before the last of them.
+
+    The points after the warmup and `from_step`, as fit_law counts them; an lr change is a decay seen: the decay terms
+    identified."""
     if not len(curve.steps):
         return 0, False
     updates = updates_seen(metric, curve.steps)
@@ -118,11 +127,13 @@ def fitted_points(curve: TrialCurve, metric: str, from_step: int) -> tuple[int, 
 
 
 class ForecastPruner:
-    """Judges a trial by the forecast of its final objective: the law of its group, fitted to its group's curves
-    (`fitter`: fit_law's signature; at most one fit a call, none while the held one is recent enough), forecasts
-    the trial's objective with an interval, and the trial is pruned when the interval's low end lies above the
-    best bound of the others: a completed trial's result, or the high end of a running trial's forecast (one that
-    has reported). No law, no forecast for this trial, or nothing to compare with: it prunes nothing and says so."""
+    """Judges a trial by the forecast of its final objective.
+
+    The law of its group, fitted to its group's curves (`fitter`: fit_law's signature; at most one fit a call, none
+    while the held one is recent enough), forecasts the trial's objective with an interval, and the trial is pruned when
+    the interval's low end lies above the best bound of the others: a completed trial's result, or the high end of a
+    running trial's forecast (one that has reported). No law, no forecast for this trial, or nothing to compare with: it
+    prunes nothing and says so."""
 
     def __init__(
         self, metric: str, mode: str = "last", law: str = "mpl", from_step: int = 0, refits: int = REFITS,
@@ -159,8 +170,10 @@ class ForecastPruner:
         return f"at its end ({len(trial.lr)} steps)" if self.mode == "last" else "at its lowest"
 
     def forecast(self, law: Any, trial: TrialCurve) -> dict[str, Any]:
-        """The trial's final objective: the law's final loss (objective_mode=last), or (min) the lowest of what it
-        reported and the law's curve over the steps left."""
+        """The trial's final objective: the law's final loss, or the lowest of what it reported and the law's curve.
+
+        The law's final loss with objective_mode=last; with min, the lowest of what it reported and the law's curve over
+        the steps left."""
         if self.mode == "last":
             return law.forecast(trial.lr)
         total, done = len(trial.lr), int(trial.steps.max()) + 1 if len(trial.steps) else 0
@@ -172,8 +185,10 @@ class ForecastPruner:
         return found
 
     def best(self, others: Sequence[TrialCurve], group: Hashable, fitted: Fitted) -> tuple[str, float] | None:
-        """The lowest bound another trial gives: its result, or the high end of its forecast (a running trial that
-        has reported; by its group's law: this one's, or another group's as last fitted by that group's trials)."""
+        """The lowest bound another trial gives: its result, or the high end of its forecast.
+
+        The forecast of a running trial that has reported, by its group's law: this one's, or another group's as last
+        fitted by that group's trials."""
         bounds = []
         for other in others:
             if other.state == "complete" and other.result is not None:
@@ -192,8 +207,9 @@ class ForecastPruner:
         return (self.scope, group, self.kind, self.metric, self.from_step, self.refits)
 
     def law_for(self, group: Hashable, curves: Sequence[TrialCurve]) -> Fitted:
-        """The group's law: the held one while its points have grown by less than `refit_growth` and no decay was
-        first seen since, else fitted now."""
+        """The group's law: the held one while it is recent enough, else fitted now.
+
+        The held one while its points have grown by less than `refit_growth` and no decay was first seen since."""
         key = self.key(group)
         counted = [(c, *fitted_points(c, self.metric, self.from_step)) for c in curves]
         usable = [(c, n, d) for c, n, d in counted if n >= MIN_POINTS]
@@ -219,8 +235,10 @@ class ForecastPruner:
         return f"step {self.from_step} and the warmup" if self.from_step else "the warmup"
 
     def fit(self, curves: list[TrialCurve], points: int, decays: bool) -> Fitted:
-        """The law fitted now, from the law's generic starts (the same points give the same law, whichever trial fits
-        it), within `fit_seconds`; too few refits in that time: no law (2 refits would make too narrow an interval)."""
+        """The law fitted now, from the law's generic starts, within `fit_seconds`.
+
+        The same points give the same law, whichever trial fits it. Too few refits in that time: no law (2 refits would
+        make too narrow an interval)."""
         as_curves = [Curve(f"trial {c.number}", Path(f"trial {c.number}"), c.lr, c.steps, c.values, [f"trial {c.number}"] * len(c.steps)) for c in curves]
         began = time.monotonic()
         try:
@@ -240,10 +258,12 @@ def interval(found: Mapping[str, Any]) -> str:
 
 
 class OptunaForecast(optuna.pruners.BasePruner):
-    """hydra.sweeper.pruner=forecast, as Optuna's pruner: `prune(study, trial)` builds every trial's TrialCurve
-    (the storage's states, results and reported values; each run dir's plan.json and config.yaml) and asks
-    ForecastPruner; `verdict` keeps its last answer (the line a pruned trial's log gets). The job tells it its
-    objective first (`objective`: TrialReport does); the sweeper only checks its arguments."""
+    """hydra.sweeper.pruner=forecast, as Optuna's pruner.
+
+    `prune(study, trial)` builds every trial's TrialCurve (the storage's states, results and reported values; each run
+    dir's plan.json and config.yaml) and asks ForecastPruner; `verdict` keeps its last answer (the line a pruned trial's
+    log gets). The job tells it its objective first (`objective`: TrialReport does); the sweeper only checks its
+    arguments."""
 
     def __init__(self, law: str = "mpl", from_step: int = 0, refits: int = REFITS, fit_seconds: float = FIT_SECONDS, refit_growth: float = REFIT_GROWTH):
         for key, value, least in (("from_step", from_step, 0), ("refits", refits, 4)):
@@ -261,8 +281,10 @@ class OptunaForecast(optuna.pruners.BasePruner):
         self.plans = RunPlans()
 
     def objective(self, metric: str, mode: str, run_dir: Path | None = None, scope: Hashable = ()) -> None:
-        """What the study optimises (trainer.objective and its mode) and this job's run dir (its own plan, should
-        the storage not name it yet); `scope`: the study (its storage and name), which the shared laws are kept by."""
+        """What the study optimises (trainer.objective and its mode) and this job's run dir.
+
+        The run dir holds its own plan, should the storage not name it yet. `scope`: the study (its storage and name),
+        which the shared laws are kept by."""
         self.judge = ForecastPruner(metric, mode, cache=SHARED, scope=scope, **self.args)
         self.run_dir = run_dir
 
@@ -310,9 +332,11 @@ class RunPlans:
 
 
 def run_plan(run_dir: Path) -> tuple[np.ndarray, Hashable]:
-    """(the lr of every step of the run, from its plan.json; a branch's steps before its branch point from its
-    trunk's; without an lr schedule the optimizer's constant lr, as the run logs it in applied/lr), and its group:
-    the peak lr and the settings a law's runs must share (config.yaml)."""
+    """(the lr of every step of the run, from its plan.json), and its group: the peak lr and shared settings.
+
+    A branch's steps before its branch point come from its trunk's plan; without an lr schedule, the optimizer's
+    constant lr, as the run logs it in applied/lr. The group: the peak lr and the settings a law's runs must share
+    (config.yaml)."""
     from tinker_exp.optim.preview import PLAN_FILE, history, read_plan_file
     from tinker_exp.train.start import SAVED_CONFIG
 
@@ -336,8 +360,9 @@ def lr_column(plan: Any) -> np.ndarray:
 
 
 def objective_error(config: Any) -> str | None:
-    """Why the forecast pruner cannot judge the runs of a study's `config` (its `hydra` node included), or None: the
-    laws forecast a falling loss, minimised (train/loss or val/loss, its last or lowest value)."""
+    """Why the forecast pruner cannot judge the runs of a study's `config` (its `hydra` node included), or None.
+
+    The laws forecast a falling loss, minimised (train/loss or val/loss, its last or lowest value)."""
     from omegaconf import OmegaConf
 
     from tinker_exp.train.objective import objective_metric

@@ -24,9 +24,10 @@ BATCH_SOURCE = "batch_source"
 
 
 def check_applied(step: int, requested: dict[str, Any], applied: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Every param group on every rank holds exactly the requested value and type; return rank 0's group 0 as its
-    step applied it: the lr is the one the optimizer scaled itself where it does (SCHEDULED_LR, schedule-free's
-    warmup), not the one it holds."""
+    """Check every param group on every rank holds exactly the requested value and type; return rank 0's group 0.
+
+    Rank 0's group 0 as its step applied it: the lr is the one the optimizer scaled itself where it does (SCHEDULED_LR,
+    schedule-free's warmup), not the one it holds."""
     for rank, groups in enumerate(applied):
         for index, group in enumerate(groups):
             for key, want in requested.items():
