@@ -201,3 +201,16 @@ def test_the_import_check_finds_a_circle_and_an_upward_import():
     assert circles(made_up) == [sorted(made_up)]
     assert layer_of("tinker_exp.sweep.report") > layer_of("tinker_exp.optim.preview")
     assert layer_of("tinker_exp.runtime.ray_cluster") < layer_of("tinker_exp.main")
+
+
+def test_every_docstring_starts_with_a_one_line_summary():
+    """Module, class and function docstrings: one line, or a summary line and a blank one (field docstrings aside)."""
+    offenders = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(REPO / "hydra_plugins" / "tinker_exp_plugins").rglob("*.py")]):
+        where = path.relative_to(REPO)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (ast.get_docstring(node, clean=False) or "").split("\n")
+                if len(lines) > 1 and lines[1].strip():
+                    offenders.append(f"{where}:{node.body[0].lineno} {getattr(node, 'name', '<module>')}")
+    assert offenders == [], "a docstring's second line is not blank:\n" + "\n".join(offenders)

@@ -1,6 +1,8 @@
-"""A run's steps, beneath the entry points: validate its config, read and check its inputs, hold the place it trains
-at (tinker_exp/place/), write its record, train it; the objective a sweeper reads. The CLI (main.py), the pool's
-process, the sweeps and benchmarks call these; where the workers come from is the place's business, not the run's.
+"""A run's steps beneath the entry points (validate, check, place, record, train) and the objective a sweeper reads.
+
+Validate its config, read and check its inputs, hold the place it trains at (tinker_exp/place/), write its record, train
+it; the objective a sweeper reads. The CLI (main.py), the pool's process, the sweeps and benchmarks call these; where
+the workers come from is the place's business, not the run's.
 
 Config errors and dry runs import no torch, verl or ray: the runtime is imported only past validation (an RL dry run
 loads the model's tokenizer and config with transformers, to check its prompts' lengths as the run does).
@@ -57,8 +59,9 @@ def validate(cfg: Config) -> Plan:
 
 
 def checked_rows(cfg: Config) -> tuple[list[Row], list[Row]]:
-    """The training and validation rows, read, split and checked (the chat template too) before any worker starts:
-    a dry run and a sweep's check of its points find a data error as the run would."""
+    """The training and validation rows, read, split and checked (the chat template too) before any worker starts.
+
+    A dry run and a sweep's check of its points find a data error as the run would."""
     rows = dataset_rows(cfg.data)
     chat = next((row.where for rows_of_a_set in rows for row in rows_of_a_set if row.messages is not None), None)
     config.check_chat_template(cfg.model.path, chat)
@@ -66,10 +69,11 @@ def checked_rows(cfg: Config) -> tuple[list[Row], list[Row]]:
 
 
 def checked_env(cfg: Config) -> Env:
-    """An RL run's env: its prompt rows read and checked, its reward imported and tried on every row, before any
-    worker starts (a dry run finds a bad row or reward as the run would). A dry run also loads the model's
-    tokenizer and config (no weights, no worker) to check that each prompt and env.max_new_tokens fit the model, as
-    the run checks once it has its sampler."""
+    """An RL run's env, its prompt rows and its reward checked before any worker starts.
+
+    Its prompt rows are read and checked, its reward imported and tried on every row (a dry run finds a bad row or
+    reward as the run would). A dry run also loads the model's tokenizer and config (no weights, no worker) to check
+    that each prompt and env.max_new_tokens fit the model, as the run checks once it has its sampler."""
     from tinker_exp.rl.env import load_env
 
     env = load_env(cfg.env)
@@ -89,8 +93,9 @@ def describe(plan: Plan, steps: list[int], updates_per_batch: int = 1) -> str:
 
 def write_plan(plan: Plan, run_dir: Path, steps: list[int], lineage: dict[str, Any] | None = None) -> Path:
     """plan.json (the schedules, boundaries, the values at some steps and `steps`) into the run dir; returns its path.
-    A branch's plan.json also says where it came from (`branch`: the trunk's dir and step; the trunk's plan.json
-    holds the plan of the steps before)."""
+
+    A branch's plan.json also says where it came from (`branch`: the trunk's dir and step; the trunk's plan.json holds
+    the plan of the steps before)."""
     import json
 
     from tinker_exp.optim.preview import PLAN_FILE, write_plan_file
@@ -111,9 +116,10 @@ def run(
     place: Place | Lease | None = None,
     hydra_files: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Validate, then train; returns the last metrics row ({} for a dry run). `job`: who runs it (job.json);
-    `hydra_files`: Hydra's record of the command (.hydra/). Nothing is written into the run dir before the config,
-    its data and its start point are accepted.
+    """Validate, then train; returns the last metrics row ({} for a dry run).
+
+    `job`: who runs it (job.json); `hydra_files`: Hydra's record of the command (.hydra/). Nothing is written into the
+    run dir before the config, its data and its start point are accepted.
 
     `place`: where it trains (tinker_exp/place/); None: where the config says (backend.pool), found once the run is
     accepted to train (a dry run and a run that is done start no workers)."""
@@ -151,8 +157,9 @@ def accepted_run(
     place: Place | Lease,
     trains: Callable[..., dict[str, Any]],
 ) -> dict[str, Any]:
-    """`run` once the command is accepted: its record in the run dir, then the dry run or the training by `trains`
-    (train_run on the place's workers, or the warm pool's train_run, on its own)."""
+    """`run` once the command is accepted: its record in the run dir, then the dry run or the training by `trains`.
+
+    The training: train_run on the place's workers, or the warm pool's train_run, on its own."""
     write_hydra_files(run_dir, hydra_files or {})  # accepted: from here on the run dir records this command
     write_job_info(run_dir, {**(job or job_info(None, [])), **({"branch": start.lineage} if start.lineage else {})})
     if start.kind != "start":
@@ -203,9 +210,11 @@ def train_run(
     job_number: int | None = None,
     given: Any = None,
 ) -> dict[str, Any]:
-    """Judges, inputs, sinks, workers, the loop (tinker_exp/assemble.py builds each); the workers are freed and the
-    sinks closed however the run ends. `place`: where its workers come from; `job_number`: a sweep job's (its trial, or its member); `given`: the inputs
-    when checked already (a cold run's: by `run`, before its record is written).
+    """Train: judges, inputs, sinks, workers, the loop (tinker_exp/assemble.py builds each).
+
+    The workers are freed and the sinks closed however the run ends. `place`: where its workers come from; `job_number`:
+    a sweep job's (its trial, or its member); `given`: the inputs when checked already (a cold run's: by `run`, before
+    its record is written).
 
     Everything that can stop the run (a member's config, device, checkpoint, model, LoRA targets, data) is checked
     before any worker starts; the driver's remaining start-up (the plan's plot, W&B) then runs while the workers build
@@ -251,8 +260,9 @@ def train_run(
 
 
 def objective(cfg: Config, run_dir: Path) -> float | None:
-    """What the run reports to Hydra's sweeper: trainer.objective over every row of metrics.jsonl (a resumed
-    run's earlier rows too), also written to objective.json; None for a dry run."""
+    """What the run reports to Hydra's sweeper: trainer.objective over every row of metrics.jsonl.
+
+    Every row: a resumed run's earlier rows too. Also written to objective.json; None for a dry run."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
         return None
@@ -277,9 +287,10 @@ def write_hydra_files(run_dir: Path, files: dict[str, str]) -> None:
 
 
 def hydra_output_files(task_cfg: DictConfig, hydra_cfg: Any, whole: DictConfig | None = None) -> dict[str, str]:
-    """What Hydra's run_job would have written into HYDRA_FILES, as Hydra writes it (hydra.yaml names HYDRA_FILES as
-    its output_subdir). Taken before the task changes its config (a sweep job's W&B group and name). `whole`: the
-    config with its `hydra` node (None: Hydra's, of the job this process runs)."""
+    """What Hydra's run_job would have written into HYDRA_FILES, as Hydra writes it.
+
+    hydra.yaml names HYDRA_FILES as its output_subdir. Taken before the task changes its config (a sweep job's W&B group
+    and name). `whole`: the config with its `hydra` node (None: Hydra's, of the job this process runs)."""
     from hydra.core.hydra_config import HydraConfig
 
     whole = copy.deepcopy(HydraConfig.instance().cfg if whole is None else whole)  # the `hydra` node, as run_job saves it
@@ -301,8 +312,9 @@ def name_sweep_job(dcfg: DictConfig, sweep_dir: str, task_overrides: list[str], 
 def run_and_score(
     dcfg: DictConfig, run_dir: Path, choices: dict[str, Any], job: dict[str, Any], hydra_files: dict[str, str], place: Any = None
 ) -> float | None:
-    """The run, holding its run dir, and what any Hydra sweeper optimises (lower is better). `place`: where it
-    trains (tinker_exp/place/; None: where its config says)."""
+    """The run, holding its run dir, and what any Hydra sweeper optimises (lower is better).
+
+    `place`: where it trains (tinker_exp/place/; None: where its config says)."""
     # From the start: Slurm may stop a job while it is still starting up. The lock before anything is written.
     with sigterm_raises(), RunDirLock(run_dir):
         run(dcfg, run_dir, choices, job, place=place, hydra_files=hydra_files)
@@ -313,8 +325,10 @@ def sweep_job(
     dcfg: DictConfig, run_dir: Path, choices: dict[str, Any], job: dict[str, Any], hydra_files: dict[str, str], made_now: bool,
     place: Any = None,
 ) -> float | None:
-    """A sweep's job (in its own process, or a thread of the sweep's on a slot): what stops it is said in one line
-    on its stderr and raised, for the sweep's launcher to report with the job's overrides and run dir."""
+    """A sweep's job (in its own process, or a thread of the sweep's on a slot).
+
+    What stops it is said in one line on its stderr and raised, for the sweep's launcher to report with the job's
+    overrides and run dir."""
     try:
         return run_and_score(dcfg, run_dir, choices, job, hydra_files, place)
     except STOPS as e:

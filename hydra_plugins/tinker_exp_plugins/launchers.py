@@ -1,5 +1,7 @@
-"""Submitit launchers that check every point first, wait for every job, summarize the sweep, and fail naming the
-jobs that failed; and the grid sweeper that checks every batch's points before the first one is launched.
+"""Our submitit launchers (check every point first, wait for every job, summarize, name failed jobs) and grid sweeper.
+
+The launchers check every point first, wait for every job, summarize the sweep, and fail naming the jobs that failed;
+the grid sweeper checks every batch's points before the first one is launched.
 
 hydra-submitit-launcher's own `launch` returns at the first job Slurm killed (abandoning the rest) and
 leaves failures to Hydra's sweeper, which names only the first. Ours: refuse a sweep with a bad point before
@@ -56,9 +58,10 @@ log = logging.getLogger(__name__)
 
 
 class SweepFailedError(TinkerExpError):
-    """Some jobs did not complete. Ours: the entry point prints the message (every failed job) and nothing else
-    (no traceback, no Hydra hint), exit 1. `returns` holds every job's return, for a sweeper that goes on past
-    failed jobs (a study)."""
+    """Some jobs did not complete.
+
+    Ours: the entry point prints the message (every failed job) and nothing else (no traceback, no Hydra hint), exit 1.
+    `returns` holds every job's return, for a sweeper that goes on past failed jobs (a study)."""
 
     def __init__(self, message: str, returns: Sequence[JobReturn] = ()) -> None:
         super().__init__(message)
@@ -70,10 +73,11 @@ class BadPointsError(ConfigError):
 
 
 class SubmitError(TinkerExpError):
-    """sbatch did not take a sweep's jobs (a bad partition, no cluster): sbatch's own message as one line, instead of
-    submitit's traceback. Exit 2 where Slurm refused what the launcher's keys ask for, 1 where sbatch could not be run
-    or reach its controller. `submitted`: jobs of this sweep submitted before (none: the sweep leaves nothing behind,
-    `nothing_left_unsubmitted`)."""
+    """sbatch did not take a sweep's jobs (a bad partition, no cluster): sbatch's own message as one line.
+
+    It replaces submitit's traceback. Exit 2 where Slurm refused what the launcher's keys ask for, 1 where sbatch could
+    not be run or reach its controller. `submitted`: jobs of this sweep submitted before (none: the sweep leaves nothing
+    behind, `nothing_left_unsubmitted`)."""
 
     def __init__(self, message: str, exit_code: int, submitted: int) -> None:
         super().__init__(message)
@@ -88,8 +92,10 @@ UNREACHED = ("Unable to contact slurm controller", "Socket timed out", "Zero Byt
 
 @contextmanager
 def sbatch_said(params: dict[str, Any], submitted: int) -> Iterator[None]:
-    """Within: sbatch failing (submitit's FailedJobError, or no sbatch on PATH) is a `SubmitError` naming the launcher
-    key sbatch's message is about, where it names one; what submitit prints of it first is kept off the terminal."""
+    """Within: sbatch failing is a `SubmitError` naming the launcher key its message is about, where it names one.
+
+    sbatch failing: submitit's FailedJobError, or no sbatch on PATH. What submitit prints of it first is kept off the
+    terminal."""
     import io
     from contextlib import redirect_stderr
 
@@ -113,8 +119,9 @@ def sbatch_said(params: dict[str, Any], submitted: int) -> Iterator[None]:
 
 @contextmanager
 def nothing_left_unsubmitted(sweep_dir: Path, made_now: bool) -> Iterator[None]:
-    """Within: a sweep whose jobs sbatch did not take, none of them submitted, leaves nothing behind: its sweep dir
-    (multirun.yaml, .submitit/, a study's journal) is removed when this command made it."""
+    """Within: a sweep whose jobs sbatch did not take, none of them submitted, leaves nothing behind.
+
+    Its sweep dir (multirun.yaml, .submitit/, a study's journal) is removed when this command made it."""
     import shutil
 
     try:
@@ -139,11 +146,12 @@ def point_error(
     hydra_context: Any, config: DictConfig, overrides: Sequence[str], data_checked: set[str] | None = None, slots: int = 1,
     composed: dict[tuple, DictConfig] | None = None,
 ) -> tuple[Any, str | None]:
-    """(the point's typed config, None), or (None, why its job would stop before any worker starts): composed
-    as its job is, then the pure checks `tinker_exp.run.run` makes first (config, plan, data rows, chat template).
-    `data_checked`: the data settings already found good in this sweep (a data set is read once, not per point).
-    `composed`: a good point's composition (its `hydra` node too) kept there under its overrides, for its job on a
-    slot to start from (slot_jobs.py `prepare`: one composition a trial, not two, in the sweep's one thread)."""
+    """(the point's typed config, None), or (None, why its job would stop before any worker starts).
+
+    Composed as its job is, then the pure checks `tinker_exp.run.run` makes first (config, plan, data rows, chat
+    template). `data_checked`: the data settings already found good in this sweep (a data set is read once, not per
+    point). `composed`: a good point's composition (its `hydra` node too) kept there under its overrides, for its job on
+    a slot to start from (slot_jobs.py `prepare`: one composition a trial, not two, in the sweep's one thread)."""
     from tinker_exp.run import checked_env, checked_rows, validate  # the run's own checks: no verl or ray
 
     try:
@@ -170,8 +178,9 @@ def point_error(
 
 
 def check_points(hydra_context: Any, config: DictConfig, points: Sequence[Sequence[str]], first: int, slots: int = 1) -> list[Any]:
-    """Every point's typed config (numbered from `first`); raises BadPointsError naming every bad point. `slots`:
-    the launcher's (a point that cannot train on a slot is bad)."""
+    """Every point's typed config (numbered from `first`); raises BadPointsError naming every bad point.
+
+    `slots`: the launcher's (a point that cannot train on a slot is bad)."""
     data_checked: set[str] = set()
     checked = [point_error(hydra_context, config, overrides, data_checked, slots) for overrides in points]
     bad = {first + i: (filter_overrides(o), error) for i, (o, (_, error)) in enumerate(zip(points, checked)) if error}
@@ -181,21 +190,25 @@ def check_points(hydra_context: Any, config: DictConfig, points: Sequence[Sequen
 
 
 def continue_line(sweep_dir: Path | str) -> str:
-    """Ctrl-C's line in a sweep: the command that continues it, in the sweep dir it used (the default one is
-    timestamped, so the same command alone would start a new sweep); any password in it masked."""
+    """Ctrl-C's line in a sweep: the command that continues it, in the sweep dir it used.
+
+    The default sweep dir is timestamped, so the same command alone would start a new sweep. Any password in it
+    masked."""
     kept = [a for a in sys.argv[1:] if a.lstrip("+").partition("=")[0] != "hydra.sweep.dir"]
     return masked("continue it with: python -m tinker_exp " + shlex.join([*kept, f"hydra.sweep.dir={sweep_dir}"]))
 
 
 def save_multirun(config: DictConfig, sweep_dir: Path) -> None:
-    """Hydra's record of the sweep's command (multirun.yaml), as every sweeper of ours writes it: any credentials
-    in it (a study's database URL, parseable or mistyped) masked."""
+    """Hydra's record of the sweep's command (multirun.yaml), as every sweeper of ours writes it.
+
+    Any credentials in it (a study's database URL, parseable or mistyped) masked."""
     (sweep_dir / "multirun.yaml").write_text(masked(OmegaConf.to_yaml(config)), encoding="utf-8")
 
 
 def job_run_dir(hydra_context: Any, config: Any, overrides: Sequence[str], num: int) -> Path:
-    """The run dir Hydra gives job `num` with these overrides (hydra.sweep.dir / hydra.sweep.subdir), composed once
-    a job (tinker_exp/sweep/jobs.py RUN_DIRS)."""
+    """The run dir Hydra gives job `num` with these overrides (hydra.sweep.dir / hydra.sweep.subdir).
+
+    Composed once a job (tinker_exp/sweep/jobs.py RUN_DIRS)."""
     from tinker_exp.sweep.jobs import RUN_DIRS, run_dir_of
 
     key = (id(config), tuple(overrides), num)
@@ -216,10 +229,12 @@ RESULT_GRACE_S = 20.0
 
 
 class SweepLauncher(BaseSubmititLauncher):
-    """`launch` runs a batch of points and waits for all of them (a grid sweep). A sweeper that keeps a number of
-    jobs running instead (a study: the next trial starts as soon as one ends) uses the streaming calls: `start`
-    (one job, returns at once), `wait_any` (the jobs that have ended, with what each came to), `cancel_running`
-    (every started job not yet returned by `wait_any`), and `capacity` (how many may run at once here)."""
+    """A launcher of batches of points (a grid sweep) and of single jobs kept running (a study).
+
+    `launch` runs a batch of points and waits for all of them (a grid sweep). A sweeper that keeps a number of jobs
+    running instead (a study: the next trial starts as soon as one ends) uses the streaming calls: `start` (one job,
+    returns at once), `wait_any` (the jobs that have ended, with what each came to), `cancel_running` (every started job
+    not yet returned by `wait_any`), and `capacity` (how many may run at once here)."""
 
     _CONF: Any = None
     """The launcher's keys (launcher_conf.py): any other key given (`+hydra.launcher.KEY=...`) is refused, not ignored."""
@@ -293,14 +308,16 @@ class SweepLauncher(BaseSubmititLauncher):
         self.decided_slots: int | None = None if asked == AUTO else int(asked)
 
     def slots(self) -> int:
-        """LoRA trials a group trains at once (hydra.launcher.slots, local only); 1: one trial a group (a thread of this
-        process leasing a pool, or a process starting its own group)."""
+        """LoRA trials a group trains at once (hydra.launcher.slots, local only); 1: one trial a group.
+
+        One trial a group: a thread of this process leasing a pool, or a process starting its own group."""
         return (self.decided_slots or 1) if self._EXECUTOR == "local" else 1
 
     def decide_slots(self, configs: Sequence[Any], trials: int, swept: Any) -> None:
-        """hydra.launcher.slots=auto, decided for a sweep of `trials` trials like `configs` (a grid's points, a
-        study's base point) varying the keys `swept` (tinker_exp/sweep/slot_count.py), said in one line; an int
-        asked for stays as it is. On Slurm only a study worker trains on slots (decided in its job, from its node's
+        """hydra.launcher.slots=auto, decided for a sweep of `trials` trials like `configs`, said in one line.
+
+        `configs`: a grid's points, a study's base point; varying the keys `swept` (tinker_exp/sweep/slot_count.py). An
+        int asked for stays as it is. On Slurm only a study worker trains on slots (decided in its job, from its node's
         memory)."""
         if self.params.get("slots", AUTO) != AUTO or (self._EXECUTOR == "slurm" and not self.workers()):
             return
@@ -321,16 +338,18 @@ class SweepLauncher(BaseSubmititLauncher):
         log.info(f"hydra.launcher.slots=auto: {where} ({why})")
 
     def decide_study_slots(self, fixed: Sequence[str], trials: int, swept: Any) -> None:
-        """`decide_slots` for a study, whose points come one at a time: judged by its base point (its fixed
-        overrides; a swept key is judged by its name, `swept`), once."""
+        """`decide_slots` for a study, whose points come one at a time: judged by its base point, once.
+
+        Its base point: its fixed overrides; a swept key is judged by its name (`swept`)."""
         if self.params.get("slots", AUTO) == AUTO and self.decided_slots is None:
             cfg = point_error(self.hydra_context, self.config, fixed, self.data_checked)[0]
             self.decide_slots([cfg] if cfg is not None else [], trials, swept)
 
     def _executor(self, on_pools: bool = False) -> Any:
-        """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it); with slots, or
-        `on_pools` (the sweep's pools are up, for its local jobs), the one that runs jobs as threads of this process,
-        on one group's slots or each leasing a pool (kept until `end_slots`): no process a job."""
+        """A submitit executor from the launcher keys (as hydra-submitit-launcher builds it).
+
+        With slots, or `on_pools` (the sweep's pools are up, for its local jobs), the one that runs jobs as threads of
+        this process, on one group's slots or each leasing a pool (kept until `end_slots`): no process a job."""
         if self.slots() > 1 or (on_pools and self._EXECUTOR == "local"):
             if self.slot_jobs is None:
                 from hydra_plugins.tinker_exp_plugins.slot_jobs import SlotExecutor
@@ -375,8 +394,10 @@ class SweepLauncher(BaseSubmititLauncher):
         return int(self.params.get("nodes") or 1) if self._EXECUTOR == "slurm" else 1
 
     def __call__(self, *args: Any) -> Any:
-        """The job, in each of its tasks: one task a node. Task 0 runs the Ray head and the tinker_exp run; the
-        others are Ray nodes of it until it ends (tinker_exp.runtime.ray_cluster)."""
+        """The job, in each of its tasks: one task a node.
+
+        Task 0 runs the Ray head and the tinker_exp run; the others are Ray nodes of it until it ends
+        (tinker_exp.runtime.ray_cluster)."""
         job = super().__call__
         if self.nodes() == 1:
             ret = job(*args)
@@ -470,9 +491,10 @@ class SweepLauncher(BaseSubmititLauncher):
         return returns
 
     def _run_local(self, executor: Any, args: Sequence[tuple], at_once: int, jobs: list[Any]) -> dict[int, tuple[JobReturn, JobOutcome]]:
-        """Run a local job for each of `args` (into `jobs`, in order), at most `at_once` at a time: the next starts as
-        soon as one ends. Each job's start and end said as they happen (a long sweep is never silent); every job's
-        (JobReturn, JobOutcome) by number."""
+        """Run a local job for each of `args` (into `jobs`, in order), at most `at_once` at a time.
+
+        The next starts as soon as one ends. Each job's start and end said as they happen (a long sweep is never
+        silent). Returns every job's (JobReturn, JobOutcome) by number."""
         ended: dict[int, tuple[JobReturn, JobOutcome]] = {}
         pending, running = list(args), {}
         while pending or running:
@@ -494,15 +516,18 @@ class SweepLauncher(BaseSubmititLauncher):
         return ended
 
     def controllers_log(self) -> Path | None:
-        """Local jobs: where submitit's job controllers write (None on Slurm, where sbatch starts the jobs, and with
-        slots, where no process is started)."""
+        """Local jobs: where submitit's job controllers write.
+
+        None on Slurm, where sbatch starts the jobs, and with slots, where no process is started."""
         if self._EXECUTOR != "local" or self.slots() > 1 or self.slot_jobs is not None:
             return None
         return Path(str(self.config.hydra.sweep.dir)) / ".submitit" / CONTROLLERS_LOG
 
     def _at_once(self, workers: int, configs: Sequence[Any] = ()) -> int:
-        """Local jobs at once: the slots (no more than max_parallel when set); else max_parallel, or as many as the
-        CPUs hold at one CPU a worker, and no more than the pools the jobs name (`configs`: each trains one at a time)."""
+        """Local jobs at once: the slots, else max_parallel or as many as the CPUs and the jobs' pools hold.
+
+        The slots (no more than max_parallel when set); else max_parallel, or as many as the CPUs hold at one CPU a
+        worker, and no more than the pools the jobs name (`configs`: each trains one at a time)."""
         max_parallel = self.params.get("max_parallel")
         if self.slots() > 1:
             return min(self.slots(), max_parallel or self.slots())
@@ -510,8 +535,9 @@ class SweepLauncher(BaseSubmititLauncher):
         return min(at_once, named_pools(configs) or at_once)
 
     def capacity(self, config: DictConfig) -> int | None:
-        """How many jobs of points like `config` may run at once: the local launcher's slots or `max_parallel` (else
-        as many as the CPUs hold, or the pool they name holds); None on Slurm, where the scheduler decides."""
+        """How many jobs of points like `config` may run at once; None on Slurm, where the scheduler decides.
+
+        Locally: the launcher's slots or `max_parallel` (else as many as the CPUs hold, or the pool they name holds)."""
         if self._EXECUTOR != "local":
             return None
         return self._at_once(config.backend.num_workers, [config])
@@ -523,9 +549,11 @@ class SweepLauncher(BaseSubmititLauncher):
             self.slot_jobs = None
 
     def start(self, overrides: Sequence[str], num: int) -> StartedJob:
-        """Check the point and start its job as job `num` (its run dir and number, as `launch` gives them): a local
-        process, or one Slurm job (one sbatch). Returns at once. A point the checks refuse raises BadPointsError,
-        or (refuse_bad_points False) comes back as an ended handle without a job."""
+        """Check the point and start its job as job `num`, returning at once.
+
+        Its run dir and number as `launch` gives them; the job is a local process, or one Slurm job (one sbatch). A
+        point the checks refuse raises BadPointsError, or (refuse_bad_points False) comes back as an ended handle
+        without a job."""
         assert self.config is not None
         overrides = self.job_points([overrides])[0]
         local = self._EXECUTOR == "local"
@@ -558,9 +586,10 @@ class SweepLauncher(BaseSubmititLauncher):
         return handle
 
     def wait_any(self, handles: Sequence[StartedJob], poll_s: float = POLL_S) -> list[tuple[StartedJob, JobReturn, JobOutcome]]:
-        """Wait until at least one of `handles` has ended; every one that has, in order, with its JobReturn and its
-        JobOutcome (as `launch` gives them). Looks every `poll_s`: local processes by their exit, Slurm jobs by their
-        result file and one squeue call for all of them (a requeued job is waited for again, as in `wait_for`)."""
+        """Wait until at least one of `handles` has ended; each that has, in order, with its JobReturn and JobOutcome.
+
+        Both as `launch` gives them. Looks every `poll_s`: local processes by their exit, Slurm jobs by their result
+        file and one squeue call for all of them (a requeued job is waited for again, as in `wait_for`)."""
         if not handles:
             return []
         # Jobs on slots (threads of this process) say when one ends: seen at once, not at the next poll.
@@ -580,8 +609,9 @@ class SweepLauncher(BaseSubmititLauncher):
                 time.sleep(poll_s)
 
     def _ended(self, handles: Sequence[StartedJob]) -> list[tuple[StartedJob, str | None]]:
-        """(handle, None: it wrote its result or was refused; else the state it ended in) for each ended one. A
-        Slurm job that wrote its result counts once Slurm no longer runs it (COMPLETING too), so the next one is
+        """(handle, None: it wrote its result or was refused; else the state it ended in) for each ended one.
+
+        A Slurm job that wrote its result counts once Slurm no longer runs it (COMPLETING too), so the next one is
         submitted into a queue that holds no more jobs than the caller keeps running."""
         slurm = [h for h in handles if h.job is not None and self._EXECUTOR == "slurm"]
         states = slurm_states([h.job.job_id for h in slurm])
@@ -606,8 +636,9 @@ class SweepLauncher(BaseSubmititLauncher):
         return ended
 
     def cancel_running(self) -> None:
-        """Cancel every job `start` started that `wait_any` has not returned (one scancel for all on Slurm); the
-        sweep's pools end with them."""
+        """Cancel every job `start` started that `wait_any` has not returned (one scancel for all on Slurm).
+
+        The sweep's pools end with them."""
         jobs, self.running = [h.job for h in self.running], []
         if jobs:
             cancel(jobs)
@@ -617,8 +648,10 @@ class SweepLauncher(BaseSubmititLauncher):
     def _outcome(
         self, num: int, overrides: Sequence[str], job: Any, refused: str | None, ended_by: str | None = None, wait: bool = False
     ) -> tuple[JobReturn, JobOutcome]:
-        """What job `num` came to; `ended_by`: the state the scheduler ended it in (None: it wrote its result);
-        `wait`: wait for it here first. `job` None: refused by the checks (a study's)."""
+        """What job `num` came to.
+
+        `ended_by`: the state the scheduler ended it in (None: it wrote its result); `wait`: wait for it here first.
+        `job` None: refused by the checks (a study's)."""
         if wait and job is not None:
             ended_by = wait_for(job)  # None: the job wrote its result
         if job is None:  # a study's trial whose point is bad: failed without a job
@@ -642,20 +675,24 @@ class SweepLauncher(BaseSubmititLauncher):
         return int(self.params.get("workers") or 0) if self._EXECUTOR == "slurm" else 0
 
     def worker_slots(self) -> int:
-        """LoRA trials each study worker trains at once on slots of its group (hydra.launcher.slots); 1: one after
-        another on its pool."""
+        """LoRA trials each study worker trains at once on slots of its group (hydra.launcher.slots).
+
+        1: one after another on its pool."""
         return (self.decided_slots or 1) if self.workers() else 1
 
     def point_slots(self) -> int:
-        """Trials a group trains at once where this sweep's points train (the local launcher's slots, or each study or
-        population worker's): what every point is checked against (`slot_error`); 1: each trains alone."""
+        """Trials a group trains at once where this sweep's points train: what every point is checked against.
+
+        Where they train: the local launcher's slots, or each study or population worker's. Every point is checked
+        against it (`slot_error`); 1: each trains alone."""
         return max(self.slots(), self.worker_slots())
 
     def check_study_points(self, fixed: Sequence[str], searched: Sequence[str]) -> None:
-        """A study none of whose points can take the slots asked for is refused as a grid of them is (`slot_error`),
-        before anything is written: its base point (`fixed`) cannot take a slot, and no searched key sets what that
-        depends on (validate.py SLOT_KEYS). A study that searches one of those keys has each point checked as it
-        comes (a refused one fails its trial)."""
+        """A study none of whose points can take the slots asked for is refused before anything is written.
+
+        It is refused as a grid of them is (`slot_error`): its base point (`fixed`) cannot take a slot, and no searched
+        key sets what that depends on (validate.py SLOT_KEYS). A study that searches one of those keys has each point
+        checked as it comes (a refused one fails its trial)."""
         from tinker_exp.config.validate import SLOT_KEYS
 
         slots = self.point_slots()
@@ -706,8 +743,9 @@ class SweepLauncher(BaseSubmititLauncher):
         return summary, write_report(runs, sweep_dir / REPORT, f"sweep {display_name(sweep_dir)}")
 
     def finish(self, returns: Sequence[JobReturn] = ()) -> None:
-        """The end of a sweep: summary files and the table over every job this launcher ran (all batches), then
-        one error counting and naming every job that did not complete."""
+        """The end of a sweep: summary files and the table over every job, then one error naming every failed job.
+
+        Every job this launcher ran (all batches); the error counts and names every job that did not complete."""
         assert self.config is not None
         everything = list(self.outcomes.values())
         if not everything:
@@ -747,8 +785,9 @@ def spanning(overrides: Sequence[str], nodes: int) -> list[str]:
 
 @contextmanager
 def ray_token(needed: bool) -> Iterator[None]:
-    """Multi-node jobs: a Ray auth token for their clusters in the environment the jobs are submitted with (Slurm
-    passes it to every task), never in a file; one for the sweep. The submitting process's own is put back."""
+    """Multi-node jobs: a Ray auth token for their clusters in the environment the jobs are submitted with.
+
+    Slurm passes it to every task; never in a file; one for the sweep. The submitting process's own is put back."""
     import os
 
     if not needed or os.environ.get("RAY_AUTH_TOKEN"):
@@ -764,8 +803,9 @@ def ray_token(needed: bool) -> Iterator[None]:
 
 
 def job_objective(ret: JobReturn) -> tuple[float | None, str | None]:
-    """(the objective the job returned, None) for a job that completed with a finite one, else (None, why not):
-    what a study tells its trial and a population ranks its member by."""
+    """(the objective the job returned, None) for a job that completed with a finite one, else (None, why not).
+
+    What a study tells its trial and a population ranks its member by."""
     if ret.status != JobStatus.COMPLETED:
         return None, job_error(ret)
     value = ret.return_value
@@ -791,8 +831,9 @@ local job; a Ctrl-C or a cancel stops it with a KeyboardInterrupt traceback, whi
 
 @contextmanager
 def controller_stderr(path: Path | None) -> Iterator[None]:
-    """Within (`path` given): a process started gets `path` as its stderr, not the sweep's terminal. Each local job's
-    own output goes to its log in .submitit/<job id>/ anyway; this is the controller's."""
+    """Within (`path` given): a process started gets `path` as its stderr, not the sweep's terminal.
+
+    Each local job's own output goes to its log in .submitit/<job id>/ anyway; this is the controller's."""
     if path is None:
         yield
         return
@@ -841,15 +882,17 @@ def cancel(jobs: Sequence[Any]) -> None:
 
 
 def wait_for(job: Any) -> str | None:
-    """Wait until a local job has ended: None when it wrote its result, else its state (killed, crashed). A Slurm
-    sweep's jobs are waited for together (`Verdicts`)."""
+    """Wait until a local job has ended: None when it wrote its result, else its state (killed, crashed).
+
+    A Slurm sweep's jobs are waited for together (`Verdicts`)."""
     job.wait()
     return None if job.paths.result_pickle.exists() else job.state.split()[0]
 
 
 class OneAtATime:
-    """Another launcher (Hydra's basic one: jobs in this process) behind `SweepLauncher`'s streaming calls: `start`
-    runs the job to its end, so one runs at a time."""
+    """Another launcher (Hydra's basic one: jobs in this process) behind `SweepLauncher`'s streaming calls.
+
+    `start` runs the job to its end, so one runs at a time."""
 
     def __init__(self, launcher: Any) -> None:
         self.launcher = launcher
@@ -884,9 +927,11 @@ class LocalSweepLauncher(SweepLauncher):
 
 
 class GridSweeper(BasicSweeper):
-    """Hydra's basic sweeper (every combination; `max_batch_size` launches them in batches), plus: every point
-    of every batch checked before anything is written or launched, and with our launchers one failure count and
-    one summary table over the whole sweep at its end (each batch runs even when an earlier one had failures)."""
+    """Hydra's basic sweeper (every combination, in batches of `max_batch_size`), plus our checks and summary.
+
+    Plus: every point of every batch checked before anything is written or launched, and with our launchers one failure
+    count and one summary table over the whole sweep at its end (each batch runs even when an earlier one had
+    failures)."""
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)

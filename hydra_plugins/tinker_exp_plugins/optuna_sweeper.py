@@ -1,5 +1,6 @@
-"""A Hydra sweeper that runs an Optuna study (TPE by default; gp, cmaes, random, grid; seeded) over tinker_exp runs,
-on any launcher.
+"""A Hydra sweeper that runs an Optuna study over tinker_exp runs, on any launcher.
+
+The study: TPE by default; gp, cmaes, random, grid; seeded.
 
 Why our own and not hydra-optuna-sweeper: its newest release (1.3.0) pins optuna<3, whose SQLite storage fails
 with SQLAlchemy 2, and a study must persist in its sweep dir so that the same command continues it. This one is
@@ -207,8 +208,10 @@ class OptunaSweeper(Sweeper):
         return summary
 
     def _refuse_before_writing(self, fixed: list[str], space: dict[str, Any], sweep_dir: Path) -> None:
-        """What no trial of the study could get past, refused before anything is written: slots none of its points
-        can take (as a grid's are), and a storage that its workers, or its jobs reporting to their trials, cannot open."""
+        """What no trial of the study could get past, refused before anything is written.
+
+        Slots none of its points can take (as a grid's are), and a storage that its workers, or its jobs reporting to
+        their trials, cannot open."""
         from tinker_exp.sweep.study import unreachable_storage
 
         ours = isinstance(self.launcher, SweepLauncher)
@@ -234,8 +237,9 @@ class OptunaSweeper(Sweeper):
         return {}
 
     def _workers(self) -> int:
-        """Study worker jobs (hydra.launcher.workers on Slurm); 0: a job per trial. A dry run keeps a job per trial:
-        its study is in memory, where no worker can ask it."""
+        """Study worker jobs (hydra.launcher.workers on Slurm); 0: a job per trial.
+
+        A dry run keeps a job per trial: its study is in memory, where no worker can ask it."""
         return 0 if self.dry_run or not isinstance(self.launcher, SweepLauncher) else self.launcher.workers()
 
     def _run_workers(self, study: Any, worker: "StudyWorker", sweep_dir: Path) -> None:
@@ -244,8 +248,9 @@ class OptunaSweeper(Sweeper):
                     lambda trial: finished_line(study, trial), "study workers", "each runs trials one after another on warm workers")  # fmt: skip
 
     def _at_once(self) -> int:
-        """Trials kept running: n_jobs, or fewer where the launcher runs fewer at once (local: max_parallel); with
-        slots, as many as the slots (the launcher's capacity)."""
+        """Trials kept running: n_jobs, or fewer where the launcher runs fewer at once.
+
+        Local: max_parallel; with slots, as many as the slots (the launcher's capacity)."""
         if isinstance(self.launcher, SweepLauncher) and self.launcher.slots() > 1:
             return self.launcher.capacity(self.config) or 1
         return min(self.n_jobs, self.jobs.capacity(self.config) or self.n_jobs)
@@ -426,8 +431,9 @@ def run_workers(launcher: SweepLauncher, study: Any, worker: "StudyWorker", coun
 
 
 def workers_ended(jobs: list[Any], wait_s: float = 60.0) -> None:
-    """Wait (bounded) for the worker jobs to end on their own once the study has its trials; any still in the
-    queue after `wait_s` is cancelled, so that a sweep leaves nothing behind."""
+    """Wait (bounded) for the worker jobs to end on their own once the study has its trials.
+
+    Any still in the queue after `wait_s` is cancelled, so that a sweep leaves nothing behind."""
     from hydra_plugins.tinker_exp_plugins.launchers import POLL_S
     from tinker_exp.sweep.slurm import ACTIVE_STATES, slurm_states
 
@@ -446,8 +452,9 @@ def workers_ended(jobs: list[Any], wait_s: float = 60.0) -> None:
 
 
 def tell(study: Any, trial: Any, ret: JobReturn) -> None:
-    """The study learns what the trial's run came to (in its job, or in a study worker): its objective, PRUNED
-    (its value: the last one it reported), or FAIL with why."""
+    """The study learns what the trial's run came to (in its job, or in a study worker).
+
+    Its objective, PRUNED (its value: the last one it reported), or FAIL with why."""
     import optuna
 
     value, error = job_objective(ret)
@@ -462,8 +469,9 @@ def tell(study: Any, trial: Any, ret: JobReturn) -> None:
 
 
 def finished_line(study: Any, trial: Any) -> None:
-    """One log line for a trial the study has been told of: its value and the best so far, where it was pruned, or
-    why it failed."""
+    """One log line for a trial the study has been told of.
+
+    Its value and the best so far, where it was pruned, or why it failed."""
     from optuna.trial import TrialState
 
     from tinker_exp.sweep.study import trial_error
@@ -480,8 +488,10 @@ def finished_line(study: Any, trial: Any) -> None:
 
 
 def worker_log() -> logging.Logger:
-    """A study worker's own lines, to its job's log (stderr) only: Hydra configures logging anew for each trial and
-    leaves the trial's log file as a handler of the root logger, which the next lines must not reach."""
+    """A study worker's own lines, to its job's log (stderr) only.
+
+    Hydra configures logging anew for each trial and leaves the trial's log file as a handler of the root logger, which
+    the next lines must not reach."""
     said = logging.getLogger("tinker_exp.study_worker")
     if not said.handlers:
         handler = logging.StreamHandler()
@@ -493,10 +503,12 @@ def worker_log() -> logging.Logger:
 
 
 class StudyWorker:
-    """A study worker job's work (submitit pickles it to each job; job i calls it with i): warm workers started once
-    in its allocation (a pool, when the trials' backend.pool is auto), then trials taken from the study's storage and
-    run one after another, each as its own job would run it (`SweepLauncher.__call__`: its run dir, job number =
-    trial number, its files), until the study has its n_trials (tinker_exp.sweep.workers)."""
+    """A study worker job's work: warm workers started once, then the study's trials run one after another.
+
+    submitit pickles it to each job; job i calls it with i. Warm workers are started once in its allocation (a pool,
+    when the trials' backend.pool is auto), then trials taken from the study's storage and run one after another, each
+    as its own job would run it (`SweepLauncher.__call__`: its run dir, job number = trial number, its files), until the
+    study has its n_trials (tinker_exp.sweep.workers)."""
 
     def __init__(
         self, launcher: SweepLauncher, sweeper: "OptunaSweeper", storage: str, space: dict[str, Any], fixed: list[str], seed_offset: int
@@ -623,10 +635,12 @@ class StudyWorker:
         return submitit.helpers.DelayedSubmission(self, index)
 
     def _keep_pool(self, pools: Any, overrides: list[str]) -> None:
-        """This worker's pool, started at its first trial that trains on one (backend.pool auto, one node; a trial
-        with backend.pool=none starts cold, as asked), and started anew when tinker_exp's code changed since (its
-        trials run the code as it is now). The trial takes it as `auto` takes a sweep's pool (SWEEP_POOLS_ENV), so
-        its overrides, config and W&B name are those a job of its own would have."""
+        """This worker's pool, started at its first trial that trains on one; anew when tinker_exp's code changed.
+
+        A trial trains on one with backend.pool auto, one node; a trial with backend.pool=none starts cold, as asked.
+        Started anew when tinker_exp's code changed since, so its trials run the code as it is now. The trial takes it
+        as `auto` takes a sweep's pool (SWEEP_POOLS_ENV), so its overrides, config and W&B name are those a job of its
+        own would have."""
         from hydra_plugins.tinker_exp_plugins.launchers import point_error
         from tinker_exp.place.pools import wanted
 

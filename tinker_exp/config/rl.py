@@ -1,5 +1,6 @@
-"""The RL config nodes: `env` (prompts and a reward), `rl` (sampling and advantages), `loss` (the loss and its
-parameters), and `check_rl`, the rules across them and the other groups. Pure Python.
+"""The RL config nodes `env`, `rl` and `loss`, and `check_rl`, the rules across them and the other groups. Pure Python.
+
+`env`: prompts and a reward; `rl`: sampling and advantages; `loss`: the loss and its parameters.
 
 Each default lives here once; conf/env/ and conf/loss/ hold only what an option changes. A loss's own parameters
 default to Tinker's values (LOSS_PARAMETERS) unless the config sets them.
@@ -56,9 +57,11 @@ LOSS_PARAMETERS: dict[str, dict[str, float]] = {
 
 @dataclass
 class LossConfig:
-    """The loss `forward_backward` computes. cross_entropy is today's SFT; the others are Tinker's RL losses on
-    sampled responses (summed over tokens as Tinker defines them; docs/rl.md has each formula). A parameter left
-    null takes the loss's default (LOSS_PARAMETERS); setting one the loss does not take is an error."""
+    """The loss `forward_backward` computes.
+
+    cross_entropy is today's SFT; the others are Tinker's RL losses on sampled responses (summed over tokens as Tinker
+    defines them; docs/rl.md has each formula). A parameter left null takes the loss's default (LOSS_PARAMETERS);
+    setting one the loss does not take is an error."""
 
     name: LossName = LossName.cross_entropy
     """cross_entropy (SFT on the data set), or an RL loss (needs an env): importance_sampling, ppo, cispo, dro,
@@ -116,8 +119,10 @@ class LossConfig:
 
 @dataclass
 class EnvConfig:
-    """An RL environment: prompt rows and a reward. Selected with env=NAME (conf/env/), or your own with
-    env.prompts=FILE env.reward=package.module:function. With an env, its prompts replace the data set."""
+    """An RL environment: prompt rows and a reward.
+
+    Selected with env=NAME (conf/env/), or your own with env.prompts=FILE env.reward=package.module:function. With an
+    env, its prompts replace the data set."""
 
     name: Optional[str] = None
     """The env's name (the conf/env option sets it); null for your own env."""
@@ -159,8 +164,10 @@ class EnvConfig:
 
 @dataclass
 class RLConfig:
-    """How an RL step samples and weighs responses (used only with an env): prompts_per_step prompts, each
-    sampled group_size times from the current weights, each response's advantage taken within its group."""
+    """How an RL step samples and weighs responses (used only with an env).
+
+    prompts_per_step prompts, each sampled group_size times from the current weights, each response's advantage taken
+    within its group."""
 
     group_size: int = 8
     """Responses sampled per prompt (>= 2: advantages compare responses to the same prompt)."""
@@ -225,9 +232,11 @@ class RLConfig:
 
 
 def check_rl(cfg: Any) -> None:
-    """The rules across groups (`cfg`: anything with .env, .rl, .loss and .backend, as the root Config): an RL loss
-    needs an env, an env needs an RL loss, and a step's responses split over the workers into micro batches. The
-    env's files and reward are checked by tinker_exp.rl.env.load_env (it reads the rows and tries the reward)."""
+    """The RL rules across groups: an RL loss and an env need each other; a step's responses split into micro batches.
+
+    `cfg`: anything with .env, .rl, .loss and .backend, as the root Config. An RL loss needs an env, an env needs an RL
+    loss, and a step's responses split over the workers into micro batches. The env's files and reward are checked by
+    tinker_exp.rl.env.load_env (it reads the rows and tries the reward)."""
     env, rl, loss, backend = cfg.env, cfg.rl, cfg.loss, cfg.backend
     active = env.active
     if loss.is_rl and not active:

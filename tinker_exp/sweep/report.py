@@ -1,9 +1,11 @@
-"""report.png: look rather than read. Every run's training and validation loss overlaid (an RL run's train/reward
-and eval/reward instead, its policy-gradient loss in a small panel below them, with its KL penalty dotted), and every optimizer value
-that changes over a run or differs between runs, one panel each, drawn from what each run applied (applied/KEY)
-up to where it stopped (a log axis where the values span more than a decade). One run, a sweep (the best job by its objective drawn thick and named
-in the legend), a study (the same, and study.png: the objective against each searched parameter), or any runs
-together (`python -m tinker_exp.report`). Each run is labelled by what differs between the runs drawn.
+"""report.png: every run's losses and the optimizer values that change, drawn together to look at rather than read.
+
+Every run's training and validation loss overlaid (an RL run's train/reward and eval/reward instead, its policy-gradient
+loss in a small panel below them, with its KL penalty dotted), and every optimizer value that changes over a run or
+differs between runs, one panel each, drawn from what each run applied (applied/KEY) up to where it stopped (a log axis
+where the values span more than a decade). One run, a sweep (the best job by its objective drawn thick and named in the
+legend), a study (the same, and study.png: the objective against each searched parameter), or any runs together
+(`python -m tinker_exp.report`). Each run is labelled by what differs between the runs drawn.
 
 A branch (branch.from) logs only its own steps: its trunk's curves and plan before the branch step are read from
 the trunk's run dir and drawn grey and thin (a branch of a branch: each trunk's part), with a dashed line at the
@@ -40,8 +42,9 @@ LEGEND_BESIDE = 60  # labels up to this many characters: the legend beside the p
 
 
 def title_name(run_dir: Path) -> str:
-    """A run's name in a title: where it is below outputs/, after its W&B run name when one was given (not the
-    one a sweep makes of the job's overrides: the legend has those)."""
+    """A run's name in a title: where it is below outputs/, after its W&B run name when one was given.
+
+    Not after the W&B name a sweep makes of the job's overrides: the legend has those."""
     from tinker_exp.sweep.jobs import run_name
 
     where = display_name(run_dir)
@@ -137,8 +140,10 @@ def _finite(value: Any) -> bool:
 
 
 def _schedules(run_dir: Path) -> str:
-    """plan.json's override in words, each schedule's parameters as given (plan.json also holds those left at their
-    defaults: wsd's stable_steps None, num_cycles 0.5): "lr: cosine (warmup_steps 2, min_ratio 0.1); beta2: 0.95"."""
+    """plan.json's override in words, each schedule's parameters as given.
+
+    Only those given (plan.json also holds those left at their defaults: wsd's stable_steps None, num_cycles 0.5): "lr:
+    cosine (warmup_steps 2, min_ratio 0.1); beta2: 0.95"."""
     from tinker_exp.optim.schedules import schedule_defaults
 
     override = (read_json(run_dir / "plan.json") or {}).get("override") or {}
@@ -170,10 +175,11 @@ def _short(value: Any) -> str:
 
 
 def label_runs(runs: Sequence[RunInfo]) -> None:
-    """Each run's label: what differs between the runs. The command-line overrides first (a run without one
-    shows its config's value); where they leave runs alike, every config key that differs; where even that
-    does, the run dir. One run: its overrides, else its schedules. A run that did not complete says where it stopped
-    (`ended_early`)."""
+    """Each run's label: what differs between the runs.
+
+    The command-line overrides first (a run without one shows its config's value); where they leave runs alike, every
+    config key that differs; where even that does, the run dir. One run: its overrides, else its schedules. A run that
+    did not complete says where it stopped (`ended_early`)."""
     if len(runs) == 1:
         run = runs[0]
         shown = [f"{key}={_short(value)}" if sep else key
@@ -213,8 +219,9 @@ def label_runs(runs: Sequence[RunInfo]) -> None:
 
 
 def by_branch_step(runs: Sequence[RunInfo]) -> list[list[RunInfo]]:
-    """Branches of more than one branch step (their budget), grouped by it, earliest first: each group's best is
-    its own (decays of one budget compared, not budgets). Any other runs: one group."""
+    """Branches of more than one branch step (their budget), grouped by it, earliest first; any other runs: one group.
+
+    Each group's best is its own (decays of one budget compared, not budgets)."""
     keys = {(run.parts[-2].run_dir.resolve(), run.first) if len(run.parts) > 1 else None for run in runs}
     if None in keys or len(keys) < 2:
         return [list(runs)]
@@ -223,8 +230,10 @@ def by_branch_step(runs: Sequence[RunInfo]) -> list[list[RunInfo]]:
 
 
 def best_run(runs: Sequence[RunInfo]) -> RunInfo | None:
-    """The run with the best objective (the lowest; the highest where it was maximised), when at least two runs have one and
-    all of them judge by the same metric and mode (runs of sweeps with different objectives are not ranked)."""
+    """The run with the best objective (the lowest; the highest where it was maximised), when the runs can be ranked.
+
+    They can when at least two runs have one and all of them judge by the same metric and mode (runs of sweeps with
+    different objectives are not ranked)."""
     judged = [run for run in runs if run.objective is not None]
     if len(judged) < 2 or len({(run.objective["metric"], run.objective["mode"]) for run in judged}) > 1:
         return None
@@ -267,8 +276,10 @@ def _plan_series(plan: Plan | None, key: str, part: Part | None = None) -> tuple
 
 
 def _varying_keys(runs: Sequence[RunInfo]) -> list[str]:
-    """The optimizer values worth a panel: those the runs' plans change over their steps, and those whose applied
-    value (metrics' applied/KEY, every float of the param group, sent or not) differs between steps or runs."""
+    """The optimizer values worth a panel: those that change over a run's steps or differ between runs.
+
+    Those the runs' plans change over their steps, and those whose applied value (metrics' applied/KEY, every float of
+    the param group, sent or not) differs between steps or runs."""
     keys = {
         name
         for run in runs
@@ -302,9 +313,10 @@ def _constants(run: RunInfo) -> dict[str, float]:
 
 
 def _sent_series(run: RunInfo, rows: Sequence[dict[str, Any]], key: str, part: Part) -> tuple[Any, Any]:
-    """The value the optimizer applied at each step the run logged (metrics' applied/KEY): a run stopped early
-    (pruned, killed) ends where it stopped. Rows without it (a run of an earlier version): its plan's, over `part`
-    (a value the plan keeps constant, over the steps it logged)."""
+    """The value the optimizer applied at each step the run logged (metrics' applied/KEY).
+
+    A run stopped early (pruned, killed) ends where it stopped. Rows without it (a run of an earlier version): its
+    plan's, over `part` (a value the plan keeps constant, over the steps it logged)."""
     steps, values = _series(list(rows), f"applied/{key}")
     if steps:
         return steps, values
@@ -320,8 +332,9 @@ def _sent_series(run: RunInfo, rows: Sequence[dict[str, Any]], key: str, part: P
 
 
 def _log_axis_over_a_decade(ax: Any) -> None:
-    """A log y axis when the positive values drawn span more than a decade (learning rates of a sweep); with a 0
-    among them (a warmup from 0), symlog: linear from 0 up to the least positive value (as tall as a decade),
+    """A log y axis when the positive values drawn span more than a decade (learning rates of a sweep); symlog with a 0.
+
+    With a 0 among them (a warmup from 0), symlog: linear from 0 up to the least positive value (as tall as a decade),
     logarithmic above it, labelled at 0 and at the decades from that value up (a decade below it would sit on 0's
     label)."""
     from matplotlib.ticker import FixedLocator
@@ -362,8 +375,9 @@ class Trunk:
 
 
 def trunks_of(runs: Sequence[RunInfo]) -> tuple[list[Trunk], list[RunInfo]]:
-    """The trunks of the runs that are branches (each once, oldest first), and the runs drawn in colour: a run
-    that is itself a trunk of another run drawn is drawn as a trunk, whole."""
+    """The trunks of the runs that are branches (each once, oldest first), and the runs drawn in colour.
+
+    A run that is itself a trunk of another run drawn is drawn as a trunk, whole."""
     from tinker_exp.optim.preview import Part
 
     given = {run.dir.resolve(): run for run in runs}
@@ -399,9 +413,10 @@ def _pyplot() -> Any:
 
 
 def warm_up() -> None:
-    """What drawing a report first costs, paid now (matplotlib imported, a first figure drawn: about 0.5 s on this
-    project's CPU): a sweep calls it in a thread while its trials train, so that its summary's pictures at its end do
-    not wait for it; a pool, before its first run."""
+    """What drawing a report first costs, paid now (matplotlib imported, a first figure drawn).
+
+    A sweep calls it in a thread while its trials train, so that its summary's pictures at its end do not wait for it; a
+    pool, before its first run."""
     plt = _pyplot()
     from matplotlib.lines import Line2D  # noqa: F401  (draw_report's)
     from matplotlib.ticker import MaxNLocator  # noqa: F401
@@ -413,10 +428,11 @@ def warm_up() -> None:
 
 
 def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
-    """The figure (not saved): the loss panel, or when a run logged train/reward or eval/reward (RL) the reward
-    panel and the policy loss's below it, then one panel per plan key that changes. Each run's loss lines
-    carry its label as their gid, and the legend one entry per run, so what is drawn can be read back. None when
-    no run logged a step."""
+    """The figure (not saved): the loss or reward panels, then one panel per plan key that changes; None without steps.
+
+    The loss panel, or when a run logged train/reward or eval/reward (RL) the reward panel and the policy loss's below
+    it, then one panel per plan key that changes. Each run's loss lines carry its label as their gid, and the legend one
+    entry per run, so what is drawn can be read back. None when no run logged a step."""
     trunks, runs = trunks_of(runs)
     label_runs(runs)  # over every run: a failed job's overrides still tell the others apart
     silent = [run for run in runs if not run.rows]
@@ -518,8 +534,10 @@ def draw_report(runs: Sequence[RunInfo], title: str) -> Figure | None:
 
 
 def _draw_loss(ax: Any, rows: list[dict[str, Any]], rewarded: bool, **style: Any) -> None:
-    """A run's train/loss; an RL run's policy loss (train/pg_loss: train/loss less the KL penalty) and, with
-    rl.kl_coef, its KL penalty (train/kl_loss, dotted: the same units, a token sum)."""
+    """A run's train/loss; an RL run's policy loss and, with rl.kl_coef, its KL penalty.
+
+    The policy loss is train/pg_loss: train/loss less the KL penalty; the KL penalty is train/kl_loss, dotted (the same
+    units, a token sum)."""
     if not rewarded:
         ax.plot(*_series(rows, "train/loss"), **style)
         return
@@ -538,8 +556,9 @@ def _draw_reward(ax: Any, rows: list[dict[str, Any]], **style: Any) -> None:
 
 
 def _title_lines(title: str, runs: Sequence[RunInfo], bests: Sequence[RunInfo], by_step: bool, silent: Sequence[RunInfo]) -> list[str]:
-    """The title, where the branches drawn came from, then the best run and what judged it (several runs), or the
-    schedules (one run), then the runs not drawn."""
+    """The title's lines: where the branches drawn came from, the best run or the schedules, then the runs not drawn.
+
+    The best run and what judged it when several runs are drawn; the schedules when one is."""
     from tinker_exp.sweep.jobs import branches_line
 
     lines = [title]
@@ -565,8 +584,9 @@ def _title_lines(title: str, runs: Sequence[RunInfo], bests: Sequence[RunInfo], 
 
 
 def _fitted_title(fig: Any, lines: Sequence[str], width: int) -> None:
-    """The title, its lines wrapped at `width` characters, or fewer where a line drawn is wider than the figure
-    (long names, wide letters): no line runs past the picture's edges."""
+    """The title, its lines wrapped at `width` characters, or fewer where a line drawn is wider than the figure.
+
+    Fewer for long names or wide letters: no line runs past the picture's edges."""
     text = fig.suptitle("\n".join(_wrap(line, width) for line in lines), fontsize=10)
     renderer = fig.canvas.get_renderer()
     while width > 40 and text.get_window_extent(renderer).width > 0.98 * fig.bbox.width:
@@ -594,8 +614,9 @@ def write_report(runs: Sequence[tuple[str, Path]], path: Path, title: str, compl
 
 
 def draw_study(study: Any, title: str) -> Figure | None:
-    """The objective against each searched parameter (Optuna's slice plot: one panel per parameter, a point per
-    completed trial, coloured by trial number), the best trial ringed in red. None when no trial completed."""
+    """The objective against each searched parameter, the best trial ringed in red; None when no trial completed.
+
+    Optuna's slice plot: one panel per parameter, a point per completed trial, coloured by trial number."""
     import optuna
     from optuna.trial import TrialState
 
@@ -658,8 +679,10 @@ def draw_study(study: Any, title: str) -> Figure | None:
 
 
 def _one_trial(axes: Sequence[Any], trial: Any) -> None:
-    """A study of one completed trial: no colour bar of trial numbers (Optuna's spans a made-up 0.9-1.1 around
-    the one), and each numeric axis over the parameter's searched range, where the point sits in it."""
+    """A study of one completed trial: no colour bar of trial numbers, each numeric axis over its searched range.
+
+    No colour bar: Optuna's spans a made-up 0.9-1.1 around the one trial. Each numeric axis is over the parameter's
+    searched range, where the point sits in it."""
     import optuna
 
     for ax in axes[0].figure.axes:
@@ -684,8 +707,10 @@ def _widen(ax: Any, xs: Sequence[float]) -> None:
 
 
 def _place(ax: Any, value: Any, categorical: bool) -> float | None:
-    """Where a parameter's value sits on its axis: a number of a range at itself, a choice at its tick (Optuna's
-    labels); None for a choice no completed trial drew (Optuna gave it no tick)."""
+    """Where a parameter's value sits on its axis; None for a choice no completed trial drew.
+
+    A number of a range at itself, a choice at its tick (Optuna's labels); None for a choice no completed trial drew
+    (Optuna gave it no tick)."""
     if not categorical:
         return float(value) if _finite(value) else None
     for tick, text in zip(ax.get_xticks(), ax.get_xticklabels()):

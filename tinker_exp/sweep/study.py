@@ -79,11 +79,12 @@ NODE_LOCAL = ("tmpfs", "ramfs")
 
 def unreachable_storage(url: str | None, sweep_dir: Path, opened_by: str, other_nodes: bool,
                         mounts: Path = Path("/proc/mounts")) -> str | None:  # fmt: skip
-    """Why processes other than the sweep's (`opened_by`: its worker jobs, or its jobs reporting to their trials;
-    `other_nodes`: on Slurm) cannot open the study at hydra.sweeper.storage `url`, or None (None: the journal in the
-    sweep dir, which every node sees). An in-memory database is the sweep process's alone; a journal or SQLite file on
-    a file system in a node's memory (tmpfs, where the sweep dir is not) is that node's alone. Whether any other
-    folder is shared cannot be told from here."""
+    """Why processes other than the sweep's cannot open the study at hydra.sweeper.storage `url`, or None.
+
+    `opened_by`: its worker jobs, or its jobs reporting to their trials; `other_nodes`: on Slurm. A `url` of None (the
+    journal in the sweep dir, which every node sees): None. An in-memory database is the sweep process's alone; a
+    journal or SQLite file on a file system in a node's memory (tmpfs, where the sweep dir is not) is that node's alone.
+    Whether any other folder is shared cannot be told from here."""
     if url is None:
         return None
     shown = f"hydra.sweeper.storage={masked(url)}"
@@ -111,8 +112,9 @@ def unreachable_storage(url: str | None, sweep_dir: Path, opened_by: str, other_
 
 
 def mount_of(path: Path, mounts: Path = Path("/proc/mounts")) -> tuple[str, str]:
-    """(mount point, file system type) of the file system that holds `path` (the longest mount point above it, in the
-    `mounts` table); ("", "") where the table cannot be read."""
+    """(mount point, file system type) of the file system that holds `path`; ("", "") where the table cannot be read.
+
+    The file system of the longest mount point above it, in the `mounts` table."""
     try:
         table = [line.split()[1:3] for line in mounts.read_text().splitlines() if len(line.split()) > 2]
     except OSError:
@@ -141,9 +143,10 @@ PRUNER_ARGS = "hydra.sweeper.pruner_args"
 
 
 def study_direction(direction: str | None, metric: str, objective_mode: Any) -> str:
-    """The study's direction: hydra.sweeper.direction when given, else the objective's (train/objective.py
-    `maximised`: maximize with trainer.objective_mode=max, or a reward's last value; else minimize). Given and
-    contrary to a min or max mode: an error naming both keys."""
+    """The study's direction: hydra.sweeper.direction when given, else the objective's.
+
+    The objective's: train/objective.py `maximised` (maximize with trainer.objective_mode=max, or a reward's last value;
+    else minimize). Given and contrary to a min or max mode: an error naming both keys."""
     mode = str(getattr(objective_mode, "value", objective_mode))
     implied = "maximize" if maximised(metric, mode) else "minimize"
     if direction is None:
@@ -159,9 +162,10 @@ def study_direction(direction: str | None, metric: str, objective_mode: Any) -> 
 
 
 def evaluations_error(pruner: str, config: Any) -> str | None:
-    """Why a pruner would have nothing to judge in runs of `config` (the sweep's config: trainer, data, env), or
-    None. An RL run (an env with prompts) is evaluated on its held-out prompts, any other run on validation data.
-    The forecast pruner also needs an objective its laws forecast (forecast_pruner.objective_error)."""
+    """Why a pruner would have nothing to judge in runs of `config` (the sweep's config: trainer, data, env), or None.
+
+    An RL run (an env with prompts) is evaluated on its held-out prompts, any other run on validation data. The forecast
+    pruner also needs an objective its laws forecast (forecast_pruner.objective_error)."""
     if why := missing_evaluation_data(config):
         return f"hydra.sweeper.pruner={pruner}: the pruner needs evaluations, and {why}"
     if not config.trainer.eval_every:
@@ -183,8 +187,9 @@ def pruner_class(name: str) -> type:
 
 
 def pruner_arguments(name: str) -> dict[str, bool]:
-    """The keyword arguments pruner `name` takes (its Optuna class's; `patient`'s wrapped pruner named, not built),
-    each with whether it is required."""
+    """The keyword arguments pruner `name` takes, each with whether it is required.
+
+    Its Optuna class's; `patient`'s wrapped pruner named, not built."""
     import inspect
 
     taken = {p.name: p.default is p.empty for p in inspect.signature(pruner_class(name)).parameters.values()}
@@ -195,10 +200,11 @@ def pruner_arguments(name: str) -> dict[str, bool]:
 
 
 def make_pruner(name: str, args: Mapping[str, Any], where: str = PRUNER_ARGS) -> optuna.pruners.BasePruner:
-    """Optuna's pruner of that name (or ours: forecast), built from hydra.sweeper.pruner_args (its own keyword
-    arguments; `patient` also takes `wrapped`, a pruner name, and `wrapped_args`). An argument it does not take is
-    named with those it does; the pruner's own checks give the message for a value. `where`: the arguments' key,
-    named in errors."""
+    """Optuna's pruner of that name (or ours: forecast), built from hydra.sweeper.pruner_args.
+
+    pruner_args: its own keyword arguments; `patient` also takes `wrapped`, a pruner name, and `wrapped_args`. An
+    argument it does not take is named with those it does; the pruner's own checks give the message for a value.
+    `where`: the arguments' key, named in errors."""
     from tinker_exp.errors import suggest
 
     if name not in PRUNERS:
@@ -250,8 +256,9 @@ SWEEPER_GIVES = {"seed", "n_startup_trials", "search_space", "independent_sample
 
 
 def sampler_arguments(name: str) -> dict[str, Any]:
-    """The keyword arguments sampler `name` takes from hydra.sweeper.sampler_args (its Optuna class's, less those the
-    sweeper gives), each with its signature's parameter (its annotation and default)."""
+    """The keyword arguments sampler `name` takes from hydra.sweeper.sampler_args, each with its signature's parameter.
+
+    Its Optuna class's, less those the sweeper gives; the parameter with its annotation and default."""
     import inspect
 
     params = inspect.signature(getattr(optuna.samplers, SAMPLERS[name])).parameters
@@ -269,10 +276,11 @@ CHECKED_TYPES = {
 
 
 def wrong_type(value: Any, param: Any) -> str | None:
-    """What `value` must be for a sampler's argument (`param`, its signature's parameter), or None where it fits or
-    the argument's type is not one checked here (a dict, a callable). Its annotation says (Optuna 5 gives many a
-    default of None: `multivariate: bool | None = None`); without one, its default's type. Optuna checks few types
-    before it samples: a string where a bool belongs would fail mid-study, or be taken as true."""
+    """What `value` must be for a sampler's argument (`param`, its signature's parameter), or None.
+
+    None where it fits or the argument's type is not one checked here (a dict, a callable). Its annotation says (Optuna
+    5 gives many a default of None: `multivariate: bool | None = None`); without one, its default's type. Optuna checks
+    few types before it samples: a string where a bool belongs would fail mid-study, or be taken as true."""
     import inspect
 
     annotation = param.annotation
@@ -291,8 +299,10 @@ def wrong_type(value: Any, param: Any) -> str | None:
 
 
 def space_error(name: str, space: Mapping[str, BaseDistribution]) -> str | None:
-    """Why sampler `name` cannot serve this search space, or None. Optuna would fall back to independent random
-    sampling with a warning (cmaes) or sample off its grid: the study would not be the one asked for."""
+    """Why sampler `name` cannot serve this search space, or None.
+
+    Optuna would fall back to independent random sampling with a warning (cmaes) or sample off its grid: the study would
+    not be the one asked for."""
     if name == "cmaes":
         if choices := [k for k, d in space.items() if isinstance(d, CategoricalDistribution)]:
             return f"hydra.sweeper.sampler=cmaes: {choices[0]} is a choice; CMA-ES searches numbers only (use tpe or gp)"
@@ -323,8 +333,10 @@ def grid_size(space: Mapping[str, BaseDistribution]) -> int:
 
 
 class GridToItsEnd(optuna.samplers.GridSampler):
-    """Optuna's GridSampler without its study.stop() once every point has been asked, which raises outside
-    study.optimize (the sweeper asks and tells); the sweeper runs at most the grid's points instead."""
+    """Optuna's GridSampler without its study.stop() once every point has been asked.
+
+    That stop raises outside study.optimize (the sweeper asks and tells); the sweeper runs at most the grid's points
+    instead."""
 
     def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None) -> None:
         pass
@@ -333,9 +345,10 @@ class GridToItsEnd(optuna.samplers.GridSampler):
 def make_sampler(
     name: str, args: Mapping[str, Any], space: Mapping[str, BaseDistribution], seed: int, n_startup_trials: int
 ) -> optuna.samplers.BaseSampler:
-    """Optuna's sampler of that name (hydra.sweeper.sampler) for this search space, seeded; hydra.sweeper.
-    n_startup_trials for those that start with random trials (tpe, gp, cmaes), the grid's points from the space, and
-    sampler_args its other keyword arguments. A name, argument or space it cannot serve: a ConfigError."""
+    """Optuna's sampler of that name (hydra.sweeper.sampler) for this search space, seeded.
+
+    hydra.sweeper.n_startup_trials for those that start with random trials (tpe, gp, cmaes), the grid's points from the
+    space, and sampler_args its other keyword arguments. A name, argument or space it cannot serve: a ConfigError."""
     from tinker_exp.errors import suggest
 
     if name not in SAMPLERS:
@@ -370,9 +383,11 @@ def make_sampler(
 
 
 def startup_note(name: str, n_startup_trials: int, n_trials: int) -> str:
-    """What the study's first line says of sampler `name`'s startup trials (random, before it models the results:
-    tpe, gp, cmaes): how many, or that they are every trial of the study (`hparams_search=lr_cosine
-    hydra.sweeper.n_trials=8`: 10 startup trials leave TPE nothing to model); nothing for random and grid."""
+    """What the study's first line says of sampler `name`'s startup trials; nothing for random and grid.
+
+    Startup trials are random, before it models the results (tpe, gp, cmaes). The line says how many, or that they are
+    every trial of the study (`hparams_search=lr_cosine hydra.sweeper.n_trials=8`: 10 startup trials leave TPE nothing
+    to model)."""
     if name not in ("tpe", "gp", "cmaes"):
         return ""
     if n_startup_trials >= n_trials:
@@ -382,9 +397,10 @@ def startup_note(name: str, n_startup_trials: int, n_trials: int) -> str:
 
 
 def distribution(override: Override) -> BaseDistribution:
-    """One search dimension: `interval(a, b)` (float; int when both ends are ints, e.g. `int(interval(0, 5))`),
-    `tag(log, interval(...))` (log scale), `range(a, b[, step])` (ints, b excluded as in Python), and
-    `choice(...)` or `a,b,c` (categorical)."""
+    """One search dimension: an interval, a log-scale interval, a range or a choice.
+
+    `interval(a, b)` (float; int when both ends are ints, e.g. `int(interval(0, 5))`), `tag(log, interval(...))` (log
+    scale), `range(a, b[, step])` (ints, b excluded as in Python), and `choice(...)` or `a,b,c` (categorical)."""
     key, value = override.get_key_element(), override.value()
     if isinstance(value, IntervalSweep):
         log_scale = "log" in value.tags
@@ -414,8 +430,9 @@ def expression(override: Override) -> str:
 
 
 def search_space(overrides: Iterable[Override]) -> tuple[list[str], dict[str, BaseDistribution]]:
-    """(the overrides every trial gets, the search space by key). A later override of a key replaces an earlier
-    one (the command line after hydra.sweeper.params)."""
+    """(the overrides every trial gets, the search space by key).
+
+    A later override of a key replaces an earlier one (the command line after hydra.sweeper.params)."""
     fixed: dict[str, str] = {}
     space: dict[str, BaseDistribution] = {}
     for override in overrides:
@@ -705,8 +722,9 @@ class TrialReport(Judge):
         return statistics.median(values) if values else None
 
     def stop_line(self, steps_done: int) -> str:
-        """`pruned at step N: METRIC VALUE`, and why: the forecast pruner's line (its forecast, the best's), or the
-        median of the other trials at that step."""
+        """`pruned at step N: METRIC VALUE`, and why.
+
+        Why: the forecast pruner's line (its forecast, the best's), or the median of the other trials at that step."""
         _, value = self.pruned
         verdict = getattr(self.pruner, "verdict", None)
         if verdict is not None:

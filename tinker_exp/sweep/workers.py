@@ -1,5 +1,7 @@
-"""Study workers: long-lived jobs that run an Optuna study's trials one after another, each asked from the study's
-storage, as Optuna's own distributed model has it (many processes asking and telling through one journal or database).
+"""Study workers: long-lived jobs that run an Optuna study's trials one after another, each asked from its storage.
+
+Each trial is asked from the study's storage, as Optuna's own distributed model has it (many processes asking and
+telling through one journal or database).
 
 Pure Python (optuna; no torch, verl or ray). The Hydra side (optuna_sweeper.py) submits the worker jobs, runs each
 trial in a worker as its own job would run (same run dir, same files, job number = trial number), and waits.
@@ -75,8 +77,9 @@ def retries_before(trials: Sequence[FrozenTrial], trial: FrozenTrial) -> int:
 
 @contextlib.contextmanager
 def ask_lock(sweep_dir: Path) -> Iterator[None]:
-    """Held while a worker checks what is wanted and asks: Optuna's own O_EXCL file lock (works on NFS; its grace
-    period frees a lock whose holder was killed)."""
+    """Held while a worker checks what is wanted and asks: Optuna's own O_EXCL file lock.
+
+    It works on NFS; its grace period frees a lock whose holder was killed."""
     from optuna.storages.journal import JournalFileOpenLock
 
     lock = JournalFileOpenLock(str(sweep_dir / ASK_LOCK))
@@ -107,8 +110,9 @@ def take(study: optuna.Study, n_trials: int, ask: Callable[[], optuna.Trial], wo
 
 
 class Heartbeat:
-    """Within: the worker's trial is marked seen every `every_s` (a thread), so the sweep can tell a live worker
-    from one whose node is gone."""
+    """Within: the worker's trial is marked seen every `every_s` (a thread), so the sweep sees its worker alive.
+
+    The sweep can so tell a live worker from one whose node is gone."""
 
     def __init__(self, trial: optuna.Trial, every_s: float = HEARTBEAT_S) -> None:
         self.trial, self.every_s = trial, every_s
@@ -175,9 +179,11 @@ def stop_workers(study: optuna.Study, sweep_dir: Path) -> None:
 
 
 def retry_start(study: optuna.Study, trial: Any) -> list[str]:
-    """The overrides that start `trial` where the lost trial it retries left off: `branch.from=<its run dir>` when that
-    run saved a usable checkpoint before its last step (the retry trains on from the newest one in its own run dir,
-    bitwise as the lost trial would have: docs/branching.md), else none (from step 0). [] for a trial that is no retry."""
+    """The overrides that start `trial` where the lost trial it retries left off; [] for a trial that is no retry.
+
+    `branch.from=<its run dir>` when that run saved a usable checkpoint before its last step (the retry trains on from
+    the newest one in its own run dir, bitwise as the lost trial would have: docs/branching.md), else none (from step
+    0)."""
     from tinker_exp.train.start import branch_step
 
     lost_number = trial.user_attrs.get(RETRY_OF)
@@ -191,10 +197,11 @@ def retry_start(study: optuna.Study, trial: Any) -> list[str]:
 
 
 def resumed(study: optuna.Study, worker: str) -> list[optuna.Trial]:
-    """The trials still RUNNING under this worker's job id: the job was requeued (a time limit, a preemption) while
-    it ran them. Each is marked seen now and run again in its own run dir, which resumes from its checkpoint. One the
-    sweep has meanwhile taken for lost (not seen for STALE_S while the job waited in the queue) is failed and
-    retried by then, and not among these."""
+    """The trials still RUNNING under this worker's job id: the job was requeued while it ran them.
+
+    Requeued: a time limit, a preemption. Each is marked seen now and run again in its own run dir, which resumes from
+    its checkpoint. One the sweep has meanwhile taken for lost (not seen for STALE_S while the job waited in the queue)
+    is failed and retried by then, and not among these."""
     mine = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if t.system_attrs.get(WORKER_ATTR) == worker]
     for trial in mine:
         study._storage.set_trial_system_attr(trial._trial_id, SEEN_ATTR, time.time())
@@ -202,8 +209,9 @@ def resumed(study: optuna.Study, worker: str) -> list[optuna.Trial]:
 
 
 def lost(running: Sequence[FrozenTrial], ended_workers: dict[str, str], now: float, stale_s: float = STALE_S) -> list[tuple[FrozenTrial, str]]:
-    """Running trials whose worker is gone, each with why: its job ended (`ended_workers`: job id -> Slurm's end
-    state), or it was not seen for `stale_s`."""
+    """Running trials whose worker is gone, each with why.
+
+    Its job ended (`ended_workers`: job id -> Slurm's end state), or it was not seen for `stale_s`."""
     gone = []
     for trial in running:
         worker, seen = trial.system_attrs.get(WORKER_ATTR), trial.system_attrs.get(SEEN_ATTR)
@@ -218,11 +226,12 @@ def lost(running: Sequence[FrozenTrial], ended_workers: dict[str, str], now: flo
 
 def lose(study: optuna.Study, trial: FrozenTrial, why: str, sweep_dir: Path, max_retries: int = MAX_RETRIES,
          label: Callable[[FrozenTrial], str] | None = None) -> str:  # fmt: skip
-    """Fail a trial whose worker is gone and, unless its values ran `max_retries` times already, enqueue a retry (a
-    new trial of the same values, in its own run dir, from the lost trial's newest checkpoint: `retry_start`; a work
-    item's: the same item, `items_study`). One line saying what was done, the trial named by `label` (default
-    `trial N`). A worker that tells the trial first wins (the storage keeps the first end of a trial); then nothing
-    is retried."""
+    """Fail a trial whose worker is gone and, unless its values ran `max_retries` times already, enqueue a retry.
+
+    The retry: a new trial of the same values, in its own run dir, from the lost trial's newest checkpoint
+    (`retry_start`); a work item's: the same item (`items_study`). One line saying what was done, the trial named by
+    `label` (default `trial N`). A worker that tells the trial first wins (the storage keeps the first end of a trial);
+    then nothing is retried."""
     named = label(trial) if label else f"trial {trial.number}"
     storage = study._storage  # the study's own storage object: the same calls a worker makes through its trial
     with ask_lock(sweep_dir):  # the retry's number is the next one: no worker asks meanwhile
@@ -240,9 +249,10 @@ def lose(study: optuna.Study, trial: FrozenTrial, why: str, sweep_dir: Path, max
 
 
 def items_study(sweep_dir: Path, count: int, prefix: str) -> optuna.Study:
-    """A new ledger of `count` work items (trials enqueued with ITEM = 0..count-1) in the sweep dir's ITEMS_JOURNAL,
-    named `<prefix>-<n>`: one a launch of the sweep (a continued population starts its members anew: each resumes in
-    its own run dir, or says it is complete), the earlier ones kept as they were."""
+    """A new ledger of `count` work items (trials enqueued with ITEM = 0..count-1) in the sweep dir's ITEMS_JOURNAL.
+
+    Named `<prefix>-<n>`: one a launch of the sweep (a continued population starts its members anew: each resumes in its
+    own run dir, or says it is complete), the earlier ones kept as they were."""
     storage = open_storage(f"journal://{sweep_dir / ITEMS_JOURNAL}")
     launches = len(optuna.get_all_study_names(storage)) if (sweep_dir / ITEMS_JOURNAL).exists() else 0
     study = optuna.create_study(study_name=f"{prefix}-{launches}", storage=storage)
@@ -263,9 +273,10 @@ def ask_item(study: optuna.Study, count: int) -> optuna.Trial:
 
 
 def workers_of_earlier_launches(sweep_dir: Path, prefix: str) -> list[str]:
-    """The worker jobs (Slurm ids) that ran items of earlier launches of this sweep and never told them: a sweep
-    killed while its workers ran. Its items are failed here (cut off); the caller cancels the jobs, so that no member
-    runs twice (the new launch resumes it in its run dir)."""
+    """The worker jobs (Slurm ids) that ran items of earlier launches of this sweep and never told them.
+
+    Such jobs are left by a sweep killed while its workers ran. Its items are failed here (cut off); the caller cancels
+    the jobs, so that no member runs twice (the new launch resumes it in its run dir)."""
     if not (sweep_dir / ITEMS_JOURNAL).exists():
         return []
     storage = open_storage(f"journal://{sweep_dir / ITEMS_JOURNAL}")
@@ -281,10 +292,12 @@ def workers_of_earlier_launches(sweep_dir: Path, prefix: str) -> list[str]:
 
 
 def lost_lock_freed(run_dir: Path, wait_s: float = 150.0, poll_s: float = 5.0) -> bool:
-    """Before a lost work item runs again in its own run dir (a member): wait, bounded, until the run dir lock its lost
-    run left there (kill -9 and a lost node leave it) may be taken over, as the run's own lock judges it (at once on
-    the same host, once its heartbeat is 120 s old on another: tinker_exp/train/rundir_lock.py). True when it may
-    (or there is none); False when a live holder keeps it, which the run then names."""
+    """Before a lost work item (a member) runs again in its own run dir: wait, bounded, until its run dir lock is free.
+
+    Wait until the run dir lock its lost run left there (kill -9 and a lost node leave it) may be taken over, as the
+    run's own lock judges it (at once on the same host, once its heartbeat is 120 s old on another:
+    tinker_exp/train/rundir_lock.py). True when it may (or there is none); False when a live holder keeps it, which the
+    run then names."""
     from tinker_exp.train.rundir_lock import LOCK_FILE, Holder, process_started, read_holder, takeover_reason
 
     deadline = time.monotonic() + wait_s
