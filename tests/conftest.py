@@ -51,6 +51,8 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "real: starts real work (verl's workers on Ray, the local Slurm cluster, PostgreSQL); `make test-fast` skips it"
     )
+    if not hasattr(config, "workerinput"):  # the controller, or a run without xdist: the one terminal
+        config.pluginmanager.register(LiveReport(config), "live_report")
     if config.getoption("dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):  # the controller
         import tempfile
 
@@ -332,3 +334,52 @@ def cosine_trunk(ray_address, tmp_path_factory):
     result = subprocess.CompletedProcess(run["args"], run["returncode"], run["stdout"], run["stderr"])
     assert result.returncode == 0, result.stderr[-3000:]
     return Path(run["run_dir"]), result
+
+
+
+class LiveReport:
+    """On the one terminal (xdist's controller, or a run without xdist), as they happen: each failure in a line, and
+    each test still running after SLOW_S (again at each multiple). A CI run killed at its time limit prints no summary;
+    these lines are then all that says which tests failed and where its time went."""
+
+    SLOW_S = 300
+
+    def __init__(self, config):
+        import threading
+
+        self.config = config
+        self.running: dict[str, float] = {}
+        self.stopped = threading.Event()
+        threading.Thread(target=self._name_slow_tests, daemon=True, name="slow-tests").start()
+
+    def _write(self, line: str, **markup) -> None:
+        terminal = self.config.pluginmanager.get_plugin("terminalreporter")
+        if terminal is not None:
+            terminal.write_line(line, flush=True, **markup)
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        import time
+
+        self.running[nodeid] = time.monotonic()
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "teardown":
+            self.running.pop(report.nodeid, None)
+        if report.failed:
+            crash = getattr(report.longrepr, "reprcrash", None)
+            why = crash.message.splitlines()[0][:300] if crash is not None and crash.message else ""
+            self._write(f"\nFAILED {report.nodeid} ({report.when}, {report.duration:.0f} s): {why}", red=True)
+
+    def pytest_unconfigure(self, config):
+        self.stopped.set()
+
+    def _name_slow_tests(self) -> None:
+        import time
+
+        named: dict[str, int] = {}
+        while not self.stopped.wait(10):
+            for nodeid, since in list(self.running.items()):
+                multiple = int((time.monotonic() - since) // self.SLOW_S)
+                if multiple > named.get(nodeid, 0):
+                    named[nodeid] = multiple
+                    self._write(f"\nstill running after {multiple * self.SLOW_S} s: {nodeid}", yellow=True)
