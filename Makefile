@@ -4,28 +4,15 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export WANDB_ERROR_REPORTING := false
-# bash for pipefail: pip's exit status survives the filter below
 SHELL := /bin/bash
-# pip -q still warns once per package for an index location that lacks it (a machine's extra local index: hundreds
-# of "WARNING: Location '...' is ignored" lines); the filter drops those, pip's other warnings and errors stay.
-QUIET_PIP = 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
 
 .PHONY: install run test test-fast bench clean
 
 install: $(VENV)/.installed
 
-# tinker-cookbook 0.6.1 (tests/test_serve_cookbook.py) requires tml-renderers>=0.4.1, which our registry lacks (0.2.1);
-# it imports it only for Inkling and Kimi models, so its other requirements come with the test extra, it without its own.
-$(VENV)/.installed: pyproject.toml
-	@echo "creating $(VENV) with $$($(PYTHON) --version) ..."
-	@$(PYTHON) -m venv $(VENV)
-	@echo "installing torch 2.13.0 (CPU build) into $(VENV) (~1 min) ..."
-	@set -o pipefail; $(PY) -m pip install --quiet torch==2.13.0 $(QUIET_PIP)
-	@echo "installing tinker_exp and its dependencies (verl, Ray, transformers, W&B, Optuna, pytest, ...) (3-5 min) ..."
-	@set -o pipefail; $(PY) -m pip install --quiet -e '.[test]' $(QUIET_PIP)
-	@set -o pipefail; $(PY) -m pip install --quiet --no-deps tinker-cookbook==0.6.1 $(QUIET_PIP)
-	@touch $@
-	@echo "installed into $(VENV) (make clean removes it)"
+# scripts/install.sh: torch first, then this project with its test extra (with uv where the index has it, else pip)
+$(VENV)/.installed: pyproject.toml scripts/install.sh
+	@bash scripts/install.sh $(PYTHON) $(VENV)
 
 run: install
 	$(PY) -m tinker_exp $(ARGS)

@@ -261,7 +261,11 @@ def slurm_env():
         pytest.fail(f"the local Slurm cluster did not start (up.sh exit {up.returncode}):\n{up.stdout[-2000:]}{up.stderr[-2000:]}")
     env_file = up.stdout.strip().splitlines()[-1]  # up.sh prints `export SLURM_CONF=...` last
     key, _, value = env_file.removeprefix("export ").partition("=")
-    return {key: value, "RAY_ADDRESS": None}  # a sweep job starts its own Ray in its allocation
+    env = {key: value, "RAY_ADDRESS": None}  # a sweep job starts its own Ray in its allocation
+    from helpers import cancel_leftover_jobs
+
+    cancel_leftover_jobs(env)  # the tests assert what the queue holds: jobs a cluster kept across restarts go first
+    return env
 
 
 @pytest.fixture(scope="session")
