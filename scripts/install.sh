@@ -27,13 +27,15 @@ install() {  # ARGS... (pip install's): with uv when there is one, else pip
         quiet "$py" -m pip install --quiet "$@"
     fi
 }
-if quiet "$py" -m pip install --quiet uv && [[ -x $venv/bin/uv ]]; then
+if "$py" -m pip install --quiet uv >/dev/null 2>&1 && [[ -x $venv/bin/uv ]]; then
     # pip merges every index and takes the best match (uv's default is the first index that has a package)
     export UV_INDEX_STRATEGY=unsafe-best-match
     value=$(pip_setting index-url) && [[ -n $value ]] && export UV_INDEX_URL=$value
     value=$(pip_setting extra-index-url) && [[ -n $value ]] && export UV_EXTRA_INDEX_URL=$(tr '\n' ' ' <<<"$value")
     value=$(pip_setting find-links) && [[ -n $value ]] && export UV_FIND_LINKS=$(tr ' \n' ',,' <<<"$value" | sed 's/,*$//')
     value=$(pip_setting constraint) && [[ -n $value ]] && export UV_CONSTRAINT=$(tr '\n' ' ' <<<"$value")
+else
+    echo "(uv is not on this machine's package index: installing with pip, 3-5 min)"
 fi
 
 echo "installing torch 2.13.0 (CPU build) into $venv ..."
