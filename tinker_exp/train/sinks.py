@@ -1,7 +1,8 @@
-"""Where step metrics go: metrics.jsonl (always), W&B (when enabled, never fatal), a progress bar."""
+"""Where step metrics go: metrics.jsonl (always); W&B, metrics.csv (each when chosen, never fatal); a progress bar."""
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import os
@@ -54,6 +55,87 @@ def keep_rows_before(path: Path, step: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
+
+
+class NeverFatal:
+    """A sink that fails alone: its first failure warns once and stops it, never training (metrics.jsonl has every step)."""
+
+    what = "a logger"
+    fallback = "training goes on without it (metrics.jsonl has every step)"
+    broken = False
+
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> None:
+        """Call `method`; an exception warns once (naming the sink) and stops the sink."""
+        if self.broken:
+            return
+        try:
+            method(*args, **kwargs)
+        except Exception as e:
+            self.broken = True
+            warnings.warn(f"{self.what} stopped working ({type(e).__name__}: {e}); {self.fallback}", stacklevel=3)
+
+
+class CsvSink(NeverFatal):
+    """metrics.jsonl's rows as a table (metrics.csv, the standard library's csv): a row per step, a column per key.
+
+    The header is every key logged so far, in the order first logged. A key first logged after the first row (val/loss
+    at the first evaluation) rewrites the file, atomically, with the wider header (earlier rows leave its cell empty):
+    every row always has the header's columns, as pandas and spreadsheets read them. Rare (a new key), so a step costs
+    one row written and flushed. A run that starts at `first_step` (resumed) drops the rows of that step and later at
+    its first row, as JsonlSink does, and keeps the header's columns."""
+
+    what = "metrics.csv"
+
+    def __init__(self, path: Path, first_step: int = 0):
+        self.path, self.first_step = path, first_step
+        self.columns: list[str] = []
+        self._file: Any = None
+        self._writer: Any = None
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._call(self._log, row)
+
+    def _log(self, row: dict[str, Any]) -> None:
+        if self._file is None:
+            kept = self._read(before=self.first_step) if self.path.exists() else []
+            self._rewrite(kept, [*self.columns, *(key for key in row if key not in self.columns)])
+        elif any(key not in self.columns for key in row):
+            self._file.close()
+            self._rewrite(self._read(), [*self.columns, *(key for key in row if key not in self.columns)])
+        self._writer.writerow(row)
+        self._file.flush()
+
+    def _read(self, before: float = float("inf")) -> list[dict[str, str]]:
+        """The file's complete rows of train/step < `before`; its header becomes `columns`."""
+        with open(self.path, newline="", encoding="utf-8") as file:
+            reader = csv.DictReader(file)
+            self.columns = list(reader.fieldnames or [])
+            rows = [row for row in reader if None not in row and None not in row.values()]  # a row cut by a kill: out
+        return [row for row in rows if _step(row) < before]
+
+    def _rewrite(self, rows: list[dict[str, Any]], columns: list[str]) -> None:
+        """Write `rows` under the header `columns` (in place of the file, atomically) and go on appending to it."""
+        self.columns = columns
+        tmp = self.path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as file:
+            writer = csv.DictWriter(file, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", newline="", encoding="utf-8")
+        self._writer = csv.DictWriter(self._file, fieldnames=columns)
+
+    def close(self, exit_code: int = 0) -> None:
+        if self._file is not None:
+            self._call(self._file.close)
+
+
+def _step(row: dict[str, str]) -> float:
+    """A CSV row's train/step; a row without a readable one sorts last (dropped from a resumed run's file)."""
+    try:
+        return int(row.get("train/step") or "")
+    except ValueError:
+        return float("inf")
 
 
 def end_wandb_service() -> None:
@@ -134,12 +216,14 @@ def summary_ops(objective: str, mode: str, rl: bool = False) -> dict[str, str]:
     return ops
 
 
-class WandbSink:
+class WandbSink(NeverFatal):
     """The run's history holds only what a person charts; everything else goes to the config or the summary."""
+
+    what = "W&B"
+    fallback = "metrics.jsonl only from here"
 
     def __init__(self, run: Any):
         self.run = run
-        self.broken = False
         self._summary: dict[str, Any] = {}
 
     @classmethod
@@ -216,18 +300,6 @@ class WandbSink:
 
     def close(self, exit_code: int = 0) -> None:
         self._call(self.run.finish, exit_code=exit_code)
-
-    def _call(self, method: Any, *args: Any, **kwargs: Any) -> None:
-        """Call W&B's `method`; W&B failing mid-run warns once and stops the sink, never training.
-
-        Its service killed, a full disk: metrics.jsonl holds every step either way."""
-        if self.broken:
-            return
-        try:
-            method(*args, **kwargs)
-        except Exception as e:
-            self.broken = True
-            warnings.warn(f"W&B stopped working ({type(e).__name__}: {e}); metrics.jsonl only from here", stacklevel=3)
 
 
 class ProgressBar:
