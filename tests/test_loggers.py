@@ -18,7 +18,7 @@ from fakes import fake_workers
 from helpers import compose, metrics_rows, read_jsonl
 from tinker_exp.place import GivenWorkers
 from tinker_exp.run import run
-from tinker_exp.train.sinks import CsvSink, JsonlSink, Sinks
+from tinker_exp.train.sinks import TENSORBOARD_DROPPED, CsvSink, JsonlSink, Sinks, TensorBoardSink
 
 
 def row(step: int) -> dict:
@@ -90,12 +90,84 @@ def test_a_metrics_csv_that_fails_warns_once_and_training_and_the_other_sinks_go
     assert [r["train/step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(4))
 
 
-def test_logger_csv_writes_metrics_jsonls_rows_as_a_table(tmp_path):
-    """Through the run's entry (fake workers): logger=csv adds metrics.csv and starts no W&B."""
-    run(compose("logger=csv", "trainer.steps=4", "trainer.eval_every=2"), tmp_path, place=GivenWorkers(fake_workers()))
+
+def read_tensorboard(folder: Path):
+    """TensorBoard's own reader on the folder (every event file in it, in order, as `tensorboard --logdir` reads)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    return EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+
+
+def same_as_tensorboard(logged: list[dict], accumulator) -> None:
+    """Each numeric key of each row is a scalar at its train/step (float32, as TensorBoard keeps scalars), in order."""
+    tags = {key for row in logged for key in row if key not in TENSORBOARD_DROPPED}
+    assert set(accumulator.Tags()["scalars"]) == tags
+    for tag in tags:
+        expected = [(row["train/step"], row[tag]) for row in logged if tag in row]
+        read = [(event.step, event.value) for event in accumulator.Scalars(tag)]
+        assert [step for step, _ in read] == [step for step, _ in expected], tag
+        assert all(math.isclose(value, want, rel_tol=1e-6) for (_, value), (_, want) in zip(read, expected)), tag
+
+
+CONFIG = {"trainer.steps": 9, "optimizer.name": "AdamW", "optimizer.betas.1": 0.999, "lora.target_modules": [], "env.name": None,
+          "backend.padding_free": True}  # fmt: skip
+
+
+def test_tensorboard_holds_every_rows_scalars_at_its_step_and_the_config(tmp_path):
+    sink = TensorBoardSink.start(tmp_path / "tensorboard", CONFIG)
+    for step in range(7):
+        sink.log(row(step))
+    sink.close()
+    accumulator = read_tensorboard(tmp_path / "tensorboard")
+    same_as_tensorboard([row(step) for step in range(7)], accumulator)
+    assert [event.wall_time for event in accumulator.Scalars("train/loss")] == [row(step)["time"] for step in range(7)]
+    (text,) = accumulator.Tensors("config")
+    assert "| optimizer.name | \"AdamW\" |" in text.tensor_proto.string_val[0].decode()
+    from tensorboard.plugins.hparams import metadata
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    content = accumulator.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]
+    hparams = HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["trainer.steps"].number_value == 9 and hparams["optimizer.name"].string_value == "AdamW"
+    assert hparams["backend.padding_free"].bool_value is True and "env.name" not in hparams
+
+
+def test_a_resumed_tensorboard_run_reads_back_each_step_once(tmp_path):
+    """A run killed after step 5 (its writer never closed) resumes at step 4 in a file of its own."""
+    killed = TensorBoardSink(tmp_path / "tensorboard", CONFIG)
+    for step in range(6):
+        killed.log(row(step))
+    killed._writer.flush()  # what its writer's thread had flushed before the kill
+    resumed = TensorBoardSink(tmp_path / "tensorboard", CONFIG, first_step=4)
+    for step in range(4, 9):
+        resumed.log({**row(step), "train/loss": 10.0 + step})  # the steps trained again log other values
+    resumed.close()
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    same_as_tensorboard([row(step) for step in range(4)] + [{**row(step), "train/loss": 10.0 + step} for step in range(4, 9)],
+                        read_tensorboard(tmp_path / "tensorboard"))  # fmt: skip
+
+
+def test_a_tensorboard_sink_that_fails_warns_once_and_the_other_sinks_go_on(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    jsonl = JsonlSink(tmp_path / "metrics.jsonl")
+    sinks = Sinks([TensorBoardSink(tmp_path / "a_file" / "tensorboard", CONFIG), jsonl])  # its folder cannot be made
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            sinks.log(row(step))
+        sinks.close(0)
+    assert [str(w.message).split(" (")[0] for w in caught] == ["TensorBoard stopped working"]
+    assert [r["train/step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(4))
+
+
+def test_a_list_of_loggers_writes_each_with_metrics_jsonls_rows(tmp_path):
+    """Through the run's entry (fake workers): logger=[csv,tensorboard] composes both (Hydra's list of a group's
+    options) and starts no W&B; each holds metrics.jsonl's rows."""
+    run(compose("logger=[csv,tensorboard]", "trainer.steps=4", "trainer.eval_every=2"), tmp_path, place=GivenWorkers(fake_workers()))
     logged = metrics_rows(tmp_path)
     columns, read = read_csv(tmp_path / "metrics.csv")
     assert len(read) == len(logged) == 4 and "val/loss" in columns
     for expected, cells in zip(logged, read):
         same_as_csv(expected, cells, columns)
+    same_as_tensorboard(logged, read_tensorboard(tmp_path / "tensorboard"))
     assert not (tmp_path / "wandb").exists()

@@ -25,7 +25,7 @@ from tinker_exp.train.judges import Judge
 from tinker_exp.train.objective import objective_metric, objective_sign
 from tinker_exp.train.protocols import BatchSource, Workers
 from tinker_exp.train.sinks import (
-    CsvSink, JsonlSink, ProgressBar, Sinks, StartingSink, WandbSink, summary_ops, wandb_environment,
+    CsvSink, JsonlSink, ProgressBar, Sinks, StartingSink, TensorBoardSink, WandbSink, summary_ops, wandb_environment,
 )
 from tinker_exp.train.start import StartPoint
 
@@ -37,6 +37,8 @@ WORKERS_LOG = "workers.log"
 """In the run dir: everything the workers print (verl, torch, Ray), complete."""
 METRICS_CSV = "metrics.csv"
 """In the run dir with logger csv: metrics.jsonl's rows as a table."""
+TENSORBOARD_DIR = "tensorboard"
+"""In the run dir with logger tensorboard: its event files (a sweep dir holds one such folder per trial)."""
 log = logging.getLogger(__name__)
 
 JUDGES: list[Callable[[Config, Path, "int | None", dict[str, Any]], "Judge | None"]] = [
@@ -161,9 +163,9 @@ def attach(given: Inputs, running: Workers, into: Sinks) -> None:
 
 
 def sinks(cfg: Config, run_dir: Path, first_step: int) -> Sinks:
-    """metrics.jsonl, the progress bar and metrics.csv (logger csv); W&B joins them later.
+    """metrics.jsonl, the progress bar and metrics.csv (logger csv); W&B and TensorBoard join them later.
 
-    W&B starts once the workers start (`start_wandb`)."""
+    They start once the workers start (`start_loggers`)."""
     if cfg.logger.wandb:  # before the workers start: they inherit it (offline stays offline)
         os.environ.update(wandb_environment(run_dir, cfg.logger.mode.value))
     chosen = [JsonlSink(run_dir / "metrics.jsonl", first_step), ProgressBar(cfg.trainer.steps, first_step)]
@@ -191,11 +193,11 @@ def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choic
     return TinkerWorkers(*arguments)
 
 
-def start_wandb(into: Sinks, cfg: Config, plan: Plan, run_dir: Path, wandb_config: dict[str, Any]) -> None:
-    """The plan's plot and W&B, started beside the workers' start.
+def start_loggers(into: Sinks, cfg: Config, plan: Plan, run_dir: Path, wandb_config: dict[str, Any], first_step: int = 0) -> None:
+    """The plan's plot, W&B and TensorBoard (each when chosen), started beside the workers' start.
 
-    No step waits for them (W&B's rows wait until its run is there), and neither can stop the run (W&B warns and is left
-    out)."""
+    No step waits for them (their rows wait until each is there), and none can stop the run (each warns and is left
+    out). TensorBoard gets the same flat config as W&B."""
     from tinker_exp.optim.preview import plan_table, plot_plan
 
     def plot_and_wandb() -> WandbSink | None:
@@ -209,6 +211,8 @@ def start_wandb(into: Sinks, cfg: Config, plan: Plan, run_dir: Path, wandb_confi
         return wandb_sink
 
     into.sinks.insert(1, StartingSink(plot_and_wandb))
+    if cfg.logger.tensorboard:
+        into.sinks.append(StartingSink(lambda: TensorBoardSink.start(run_dir / TENSORBOARD_DIR, wandb_config, first_step)))
 
 
 def checkpointer(cfg: Config, run_dir: Path, running: Workers, start: StartPoint, device: str) -> Checkpointer:

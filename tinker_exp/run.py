@@ -230,7 +230,7 @@ def train_run(
     exit_code, workers = 1, None
     try:
         workers = place.start_workers(cfg, plan, given.model_path, run_dir, given.choice)
-        assemble.start_wandb(sinks, cfg, plan, run_dir, wandb_config)  # beside the workers' start
+        assemble.start_loggers(sinks, cfg, plan, run_dir, wandb_config, start.step)  # beside the workers' start
         workers.ready()
         assemble.attach(given, workers, sinks)
         checkpointer = assemble.checkpointer(cfg, run_dir, workers, start, given.choice.device)

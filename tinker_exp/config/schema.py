@@ -384,6 +384,8 @@ class LoggerConfig:
     """W&B (logger=wandb, the default: conf/config.yaml), offline unless mode=online."""
     csv: bool = False
     """metrics.csv in the run dir (logger=csv): metrics.jsonl's rows as a table."""
+    tensorboard: bool = False
+    """Event files in the run dir's tensorboard/ (logger=tensorboard)."""
     project: str = "tinker_exp"
     """W&B project."""
     entity: Optional[str] = None
@@ -402,7 +404,7 @@ class LoggerConfig:
     @property
     def names(self) -> list[str]:
         """The loggers this run writes to besides metrics.jsonl, as the logger group names them."""
-        return [name for name in ("wandb", "csv") if getattr(self, name)]
+        return [name for name in ("wandb", "csv", "tensorboard") if getattr(self, name)]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Where step metrics go: metrics.jsonl (always); W&B, metrics.csv (each when chosen, never fatal); a progress bar."""
+"""Where step metrics go: metrics.jsonl (always); W&B, metrics.csv, TensorBoard (each when chosen, never fatal); a bar."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -136,6 +137,89 @@ def _step(row: dict[str, str]) -> float:
         return int(row.get("train/step") or "")
     except ValueError:
         return float("inf")
+
+
+TENSORBOARD_DROPPED = ("train/step", "time")
+"""metrics.jsonl keys that are no chart in TensorBoard: each event's step and wall time."""
+
+
+class TensorBoardSink(NeverFatal):
+    """Each row's numbers as scalars in TensorBoard's event files (its own writer), step = train/step, in `folder`.
+
+    One event a step (every scalar of the row in one summary), written by the writer's thread and flushed every 5 s;
+    the flat config once as a text (a table) and as the run's hparams (TensorBoard's HPARAMS tab compares a sweep's
+    trials by them). A run that starts at `first_step` (resumed, or rerun after a crash) opens its own event file
+    with a session start at that step: TensorBoard's readers drop what an earlier file logged at that step and later,
+    so each step is read once. Nothing is written before the first row, as in metrics.jsonl."""
+
+    what = "TensorBoard"
+
+    def __init__(self, folder: Path, config: Mapping[str, Any], first_step: int = 0):
+        self.folder, self.config, self.first_step = folder, dict(config), first_step
+        self._writer: Any = None
+
+    @classmethod
+    def start(cls, folder: Path, config: Mapping[str, Any], first_step: int = 0) -> "TensorBoardSink | None":
+        """The sink with TensorBoard imported (off the step path); on a failure warn and return None."""
+        try:
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter  # noqa: F401
+        except Exception as e:  # noqa: BLE001  (not installed, broken: the run goes on without it)
+            warnings.warn(f"TensorBoard could not start ({type(e).__name__}: {e}); training goes on without it", stacklevel=2)
+            return None
+        return cls(folder, config, first_step)
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._call(self._log, row)
+
+    def _log(self, row: dict[str, Any]) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        if self._writer is None:
+            self._open()
+        values = [Summary.Value(tag=key, simple_value=value) for key, value in row.items()
+                  if key not in TENSORBOARD_DROPPED and isinstance(value, (int, float)) and not isinstance(value, bool)]  # fmt: skip
+        self._writer.add_event(Event(wall_time=row.get("time", time.time()), step=row["train/step"], summary=Summary(value=values)))
+
+    def _open(self) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._writer = EventFileWriter(str(self.folder), flush_secs=5)
+        now, step = time.time(), self.first_step
+        self._writer.add_event(Event(wall_time=now, step=step, session_log=SessionLog(status=SessionLog.START)))
+        self._writer.add_event(Event(wall_time=now, step=step, summary=config_summaries(self.config)))
+
+    def close(self, exit_code: int = 0) -> None:
+        if self._writer is not None:
+            self._call(self._writer.close)
+
+
+def config_summaries(config: Mapping[str, Any]) -> Any:
+    """The flat config as TensorBoard's text (a markdown table, tag `config`) and as the run's hparams."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.plugins.hparams import metadata as hparams_metadata
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData, SessionStartInfo
+
+    table = "| key | value |\n|---|---|\n" + "".join(f"| {key} | {json.dumps(value)} |\n" for key, value in config.items())
+    text = TensorProto(dtype="DT_STRING", string_val=[table.encode()], tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]))
+    start = SessionStartInfo()
+    for key, value in config.items():
+        if isinstance(value, bool):
+            start.hparams[key].bool_value = value
+        elif isinstance(value, (int, float)):
+            start.hparams[key].number_value = value
+        elif value is not None:
+            start.hparams[key].string_value = value if isinstance(value, str) else json.dumps(value)
+    hparams = HParamsPluginData(session_start_info=start, version=hparams_metadata.PLUGIN_DATA_VERSION)
+    return Summary(value=[
+        Summary.Value(tag="config", tensor=text, metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="text"))),
+        Summary.Value(tag=hparams_metadata.SESSION_START_INFO_TAG, metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
+            plugin_name=hparams_metadata.PLUGIN_NAME, content=hparams.SerializeToString()))),
+    ])  # fmt: skip
 
 
 def end_wandb_service() -> None:
