@@ -114,7 +114,7 @@ CONFIG = {"trainer.steps": 9, "optimizer.name": "AdamW", "optimizer.betas.1": 0.
 
 
 def test_tensorboard_holds_every_rows_scalars_at_its_step_and_the_config(tmp_path):
-    sink = TensorBoardSink.start(tmp_path / "tensorboard", CONFIG)
+    sink = TensorBoardSink(tmp_path / "tensorboard", CONFIG)
     for step in range(7):
         sink.log(row(step))
     sink.close()
@@ -133,11 +133,11 @@ def test_tensorboard_holds_every_rows_scalars_at_its_step_and_the_config(tmp_pat
 
 
 def test_a_resumed_tensorboard_run_reads_back_each_step_once(tmp_path):
-    """A run killed after step 5 (its writer never closed) resumes at step 4 in a file of its own."""
+    """A run killed after step 5 (its writer never closed: each row is flushed as logged) resumes at step 4 in a file
+    of its own."""
     killed = TensorBoardSink(tmp_path / "tensorboard", CONFIG)
     for step in range(6):
         killed.log(row(step))
-    killed._writer.flush()  # what its writer's thread had flushed before the kill
     resumed = TensorBoardSink(tmp_path / "tensorboard", CONFIG, first_step=4)
     for step in range(4, 9):
         resumed.log({**row(step), "train/loss": 10.0 + step})  # the steps trained again log other values

@@ -162,15 +162,18 @@ def attach(given: Inputs, running: Workers, into: Sinks) -> None:
         given.evaluation.sink = into
 
 
-def sinks(cfg: Config, run_dir: Path, first_step: int) -> Sinks:
-    """metrics.jsonl, the progress bar and metrics.csv (logger csv); W&B and TensorBoard join them later.
+def sinks(cfg: Config, run_dir: Path, first_step: int, config: dict[str, Any]) -> Sinks:
+    """metrics.jsonl, the progress bar, metrics.csv and TensorBoard (each when chosen); W&B joins them later.
 
-    They start once the workers start (`start_loggers`)."""
+    W&B starts once the workers start (`start_wandb`). TensorBoard gets `config`, the flat config W&B gets; it writes
+    each row as it comes (flushed, as metrics.jsonl), so a killed run keeps every step it logged there too."""
     if cfg.logger.wandb:  # before the workers start: they inherit it (offline stays offline)
         os.environ.update(wandb_environment(run_dir, cfg.logger.mode.value))
     chosen = [JsonlSink(run_dir / "metrics.jsonl", first_step), ProgressBar(cfg.trainer.steps, first_step)]
     if cfg.logger.csv:
         chosen.append(CsvSink(run_dir / METRICS_CSV, first_step))
+    if cfg.logger.tensorboard:
+        chosen.append(TensorBoardSink(run_dir / TENSORBOARD_DIR, config, first_step))
     return Sinks(chosen)
 
 
@@ -193,11 +196,11 @@ def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choic
     return TinkerWorkers(*arguments)
 
 
-def start_loggers(into: Sinks, cfg: Config, plan: Plan, run_dir: Path, wandb_config: dict[str, Any], first_step: int = 0) -> None:
-    """The plan's plot, W&B and TensorBoard (each when chosen), started beside the workers' start.
+def start_wandb(into: Sinks, cfg: Config, plan: Plan, run_dir: Path, wandb_config: dict[str, Any]) -> None:
+    """The plan's plot and W&B, started beside the workers' start.
 
-    No step waits for them (their rows wait until each is there), and none can stop the run (each warns and is left
-    out). TensorBoard gets the same flat config as W&B."""
+    No step waits for them (W&B's rows wait until its run is there), and neither can stop the run (W&B warns and is left
+    out)."""
     from tinker_exp.optim.preview import plan_table, plot_plan
 
     def plot_and_wandb() -> WandbSink | None:
@@ -211,8 +214,6 @@ def start_loggers(into: Sinks, cfg: Config, plan: Plan, run_dir: Path, wandb_con
         return wandb_sink
 
     into.sinks.insert(1, StartingSink(plot_and_wandb))
-    if cfg.logger.tensorboard:
-        into.sinks.append(StartingSink(lambda: TensorBoardSink.start(run_dir / TENSORBOARD_DIR, wandb_config, first_step)))
 
 
 def checkpointer(cfg: Config, run_dir: Path, running: Workers, start: StartPoint, device: str) -> Checkpointer:

@@ -146,27 +146,17 @@ TENSORBOARD_DROPPED = ("train/step", "time")
 class TensorBoardSink(NeverFatal):
     """Each row's numbers as scalars in TensorBoard's event files (its own writer), step = train/step, in `folder`.
 
-    One event a step (every scalar of the row in one summary), written by the writer's thread and flushed every 5 s;
-    the flat config once as a text (a table) and as the run's hparams (TensorBoard's HPARAMS tab compares a sweep's
-    trials by them). A run that starts at `first_step` (resumed, or rerun after a crash) opens its own event file
+    One event a step (every scalar of the row in one summary), flushed at once; TensorBoard is imported at the first
+    row (nothing is written before it, as in metrics.jsonl). The flat config once, as a text (a table) and as the
+    run's hparams (TensorBoard's HPARAMS tab compares a sweep's trials by them). A run that starts at `first_step` (resumed, or rerun after a crash) opens its own event file
     with a session start at that step: TensorBoard's readers drop what an earlier file logged at that step and later,
-    so each step is read once. Nothing is written before the first row, as in metrics.jsonl."""
+    so each step is read once."""
 
     what = "TensorBoard"
 
     def __init__(self, folder: Path, config: Mapping[str, Any], first_step: int = 0):
         self.folder, self.config, self.first_step = folder, dict(config), first_step
         self._writer: Any = None
-
-    @classmethod
-    def start(cls, folder: Path, config: Mapping[str, Any], first_step: int = 0) -> "TensorBoardSink | None":
-        """The sink with TensorBoard imported (off the step path); on a failure warn and return None."""
-        try:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter  # noqa: F401
-        except Exception as e:  # noqa: BLE001  (not installed, broken: the run goes on without it)
-            warnings.warn(f"TensorBoard could not start ({type(e).__name__}: {e}); training goes on without it", stacklevel=2)
-            return None
-        return cls(folder, config, first_step)
 
     def log(self, row: dict[str, Any]) -> None:
         self._call(self._log, row)
@@ -180,13 +170,14 @@ class TensorBoardSink(NeverFatal):
         values = [Summary.Value(tag=key, simple_value=value) for key, value in row.items()
                   if key not in TENSORBOARD_DROPPED and isinstance(value, (int, float)) and not isinstance(value, bool)]  # fmt: skip
         self._writer.add_event(Event(wall_time=row.get("time", time.time()), step=row["train/step"], summary=Summary(value=values)))
+        self._writer.flush()  # as metrics.jsonl: a killed run keeps every step it logged (a resume needs those before it)
 
     def _open(self) -> None:
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._writer = EventFileWriter(str(self.folder), flush_secs=5)
+        self._writer = EventFileWriter(str(self.folder))
         now, step = time.time(), self.first_step
         self._writer.add_event(Event(wall_time=now, step=step, session_log=SessionLog(status=SessionLog.START)))
         self._writer.add_event(Event(wall_time=now, step=step, summary=config_summaries(self.config)))
