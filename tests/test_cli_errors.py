@@ -92,6 +92,14 @@ GRAMMAR = [
         f"optimizer=adamww: optimizer has no option adamww; did you mean adamw? (options: {', '.join(options('optimizer'))})",
     ),
     (
+        ["logger=[wandb,csvv]"],  # a list of the group's options, each looked up
+        f"logger=csvv: logger has no option csvv; did you mean csv? (options: {', '.join(options('logger'))})",
+    ),
+    (
+        ["logger=tensorbord"],
+        f"logger=tensorbord: logger has no option tensorbord; did you mean tensorboard? (options: {', '.join(options('logger'))})",
+    ),
+    (
         ["data=tiny_chatt"],
         f"data=tiny_chatt: data has no option tiny_chatt; did you mean tiny_chat? (options: {', '.join(options('data'))})",
     ),

@@ -1,6 +1,6 @@
 """Real resumes on Ray CPU workers (2, where a run is compared with the shared 2-rank trunk; else 1), the driver killed
-with SIGKILL mid-run, corrupt checkpoints, NaN policy. A 2-node Slurm job preempted and resumed: test_sweeps' sweep of
-2-node points."""
+with SIGKILL mid-run (W&B, metrics.csv and TensorBoard continued), corrupt checkpoints, NaN policy. A 2-node Slurm job
+preempted and resumed: test_sweeps' sweep of 2-node points."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from helpers import (
     wandb_history,
     wandb_records,
 )
+from test_loggers import read_csv, read_tensorboard, same_as_csv, same_as_tensorboard
 from tinker_exp.errors import CheckpointError, NonFiniteError
 from tinker_exp.place import GivenWorkers
 from tinker_exp.run import run
@@ -50,8 +51,11 @@ def uninterrupted(cosine_trunk):
     return metrics_rows(cosine_trunk[0])
 
 
+LOGGERS = "logger=[wandb,csv,tensorboard]"  # every logger (a list of the group's options) continues its own record
+
+
 def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uninterrupted, tmp_path):
-    driver = launch(tmp_path, ray_address)
+    driver = launch(tmp_path, ray_address, LOGGERS)
     try:
         # a checkpoint at 4 steps, and steps 4 and 5 logged after it. Not waited for: W&B's first part (W&B starts
         # beside the workers and no step waits for it: on a loaded machine the 12 steps can end before it has)
@@ -64,7 +68,7 @@ def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uni
     assert 6 <= killed_at < STEPS and (tmp_path / "checkpoints" / "step_00000004" / "MANIFEST.json").exists()
     first_parts = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # the killed run's, if W&B had started
 
-    result = run_cli(*COMMON, f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})  # the same command
+    result = run_cli(*COMMON, LOGGERS, f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})  # the same command
     assert result.returncode == 0, result.stderr[-3000:]
     resumed_from = int(result.stdout.split("at step ")[1].split()[0])
     assert 4 <= resumed_from <= killed_at
@@ -83,6 +87,14 @@ def test_sigkill_mid_run_then_rerun_continues_at_the_exact_step(ray_address, uni
     assert all(part.name == f"run-{run_id}.wandb" for part in parts)
     second = [row["train/step"] for row in wandb_history(wandb_records(parts[-1])) if "train/loss" in row]
     assert second == list(range(resumed_from, STEPS))
+
+    # metrics.csv and TensorBoard, each read back with its own reader: metrics.jsonl's rows, each step once
+    columns, cells = read_csv(tmp_path / "metrics.csv")
+    assert [int(row["train/step"]) for row in cells] == list(range(STEPS))
+    for logged, read in zip(rows, cells):
+        same_as_csv(logged, read, columns)
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2  # the killed run's, the rerun's
+    same_as_tensorboard(rows, read_tensorboard(tmp_path / "tensorboard"))
 
 
 def test_a_checkpoint_that_does_not_load_is_a_clear_error(ray_address, cosine_trunk, tmp_path):

@@ -290,7 +290,7 @@ def test_wandb_holds_each_steps_row_as_metrics_jsonl_does(server, trained):
         assert {key: written[key] for key in keys} == pytest.approx({key: row[key] for key in keys}, rel=1e-12)
     run = next(r.run for r in wandb_records(first()[0]) if r.WhichOneof("record_type") == "run")
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
-    assert config["serve.port"] == server["port"] and config["model.name"] == "tiny-llama" and config["logger.name"] == "wandb"
+    assert config["serve.port"] == server["port"] and config["model.name"] == "tiny-llama" and config["logger.wandb"] is True
 
 
 VOCAB = 384

@@ -24,7 +24,9 @@ from tinker_exp.train.evaluation import Evaluation
 from tinker_exp.train.judges import Judge
 from tinker_exp.train.objective import objective_metric, objective_sign
 from tinker_exp.train.protocols import BatchSource, Workers
-from tinker_exp.train.sinks import JsonlSink, ProgressBar, Sinks, StartingSink, WandbSink, summary_ops, wandb_environment
+from tinker_exp.train.sinks import (
+    CsvSink, JsonlSink, ProgressBar, Sinks, StartingSink, TensorBoardSink, WandbSink, summary_ops, wandb_environment,
+)
 from tinker_exp.train.start import StartPoint
 
 if TYPE_CHECKING:
@@ -33,6 +35,10 @@ if TYPE_CHECKING:
 
 WORKERS_LOG = "workers.log"
 """In the run dir: everything the workers print (verl, torch, Ray), complete."""
+METRICS_CSV = "metrics.csv"
+"""In the run dir with logger csv: metrics.jsonl's rows as a table."""
+TENSORBOARD_DIR = "tensorboard"
+"""In the run dir with logger tensorboard: its event files (a sweep dir holds one such folder per trial)."""
 log = logging.getLogger(__name__)
 
 JUDGES: list[Callable[[Config, Path, "int | None", dict[str, Any]], "Judge | None"]] = [
@@ -156,11 +162,19 @@ def attach(given: Inputs, running: Workers, into: Sinks) -> None:
         given.evaluation.sink = into
 
 
-def sinks(cfg: Config, run_dir: Path, first_step: int) -> Sinks:
-    """metrics.jsonl and the progress bar; W&B joins them once the workers start (`start_wandb`)."""
-    if cfg.logger.name.value == "wandb":  # before the workers start: they inherit it (offline stays offline)
+def sinks(cfg: Config, run_dir: Path, first_step: int, config: dict[str, Any]) -> Sinks:
+    """metrics.jsonl, the progress bar, metrics.csv and TensorBoard (each when chosen); W&B joins them later.
+
+    W&B starts once the workers start (`start_wandb`). TensorBoard gets `config`, the flat config W&B gets; it writes
+    each row as it comes (flushed, as metrics.jsonl), so a killed run keeps every step it logged there too."""
+    if cfg.logger.wandb:  # before the workers start: they inherit it (offline stays offline)
         os.environ.update(wandb_environment(run_dir, cfg.logger.mode.value))
-    return Sinks([JsonlSink(run_dir / "metrics.jsonl", first_step), ProgressBar(cfg.trainer.steps, first_step)])
+    chosen = [JsonlSink(run_dir / "metrics.jsonl", first_step), ProgressBar(cfg.trainer.steps, first_step)]
+    if cfg.logger.csv:
+        chosen.append(CsvSink(run_dir / METRICS_CSV, first_step))
+    if cfg.logger.tensorboard:
+        chosen.append(TensorBoardSink(run_dir / TENSORBOARD_DIR, config, first_step))
+    return Sinks(chosen)
 
 
 def verl_workers(cfg: Config, plan: Plan, model_path: Path, run_dir: Path, choice: Any = None) -> Workers:
@@ -191,7 +205,7 @@ def start_wandb(into: Sinks, cfg: Config, plan: Plan, run_dir: Path, wandb_confi
 
     def plot_and_wandb() -> WandbSink | None:
         plot = plot_plan(plan, run_dir / "plan.png")
-        if cfg.logger.name.value != "wandb":
+        if not cfg.logger.wandb:
             return None
         summaries = summary_ops(objective_metric(cfg), cfg.trainer.objective_mode.value, rl=cfg.env.active)
         wandb_sink = WandbSink.start(cfg.logger, run_dir, wandb_config, name=cfg.logger.run_name or run_dir.name, summaries=summaries)

@@ -226,7 +226,7 @@ def train_run(
     judges = assemble.judges(cfg, run_dir, job_number, wandb_config)  # first: a member changes the config
     given = given or assemble.inputs(cfg, rows, start)
     given.tell()
-    sinks = assemble.sinks(cfg, run_dir, start.step)
+    sinks = assemble.sinks(cfg, run_dir, start.step, wandb_config)
     exit_code, workers = 1, None
     try:
         workers = place.start_workers(cfg, plan, given.model_path, run_dir, given.choice)

@@ -61,11 +61,6 @@ AUTO_MICRO_BATCH_TOKENS = 16384
 """backend.micro_batch_tokens=null on cuda: at most this many tokens a micro batch."""
 
 
-class LoggerName(str, Enum):
-    wandb = "wandb"
-    none = "none"
-
-
 class WandbMode(str, Enum):
     offline = "offline"
     online = "online"
@@ -380,8 +375,17 @@ class BackendConfig:
 
 @dataclass
 class LoggerConfig:
-    name: LoggerName = LoggerName.wandb
-    """wandb: W&B beside metrics.jsonl; none: metrics.jsonl only (it is always written)."""
+    """Where a run's metrics go besides metrics.jsonl (always written), and W&B's settings.
+
+    Each option of the logger group (conf/logger/) sets its own flag, so a list of options composes to all of them:
+    `logger=[wandb,csv]` sets wandb and csv; `logger=none` none."""
+
+    wandb: bool = False
+    """W&B (logger=wandb, the default: conf/config.yaml), offline unless mode=online."""
+    csv: bool = False
+    """metrics.csv in the run dir (logger=csv): metrics.jsonl's rows as a table."""
+    tensorboard: bool = False
+    """Event files in the run dir's tensorboard/ (logger=tensorboard)."""
     project: str = "tinker_exp"
     """W&B project."""
     entity: Optional[str] = None
@@ -396,6 +400,11 @@ class LoggerConfig:
     """W&B tags."""
     init_timeout_s: float = 30.0
     """How long W&B may take to start before the run goes on without it."""
+
+    @property
+    def names(self) -> list[str]:
+        """The loggers this run writes to besides metrics.jsonl, as the logger group names them."""
+        return [name for name in ("wandb", "csv", "tensorboard") if getattr(self, name)]
 
 
 @dataclass

@@ -167,10 +167,10 @@ def needed_secrets(cfg: Any) -> tuple[str, ...]:
 
     W&B's API key for an online W&B run, the Hub's token for a model it may download. No other secret is sent to the
     pool."""
-    from tinker_exp.config.schema import LoggerName, WandbMode
+    from tinker_exp.config.schema import WandbMode
 
     needed: tuple[str, ...] = ()
-    if cfg.logger.name == LoggerName.wandb and cfg.logger.mode == WandbMode.online:
+    if cfg.logger.wandb and cfg.logger.mode == WandbMode.online:
         needed += ("WANDB_API_KEY",)
     if cfg.model.path and not Path(cfg.model.path).expanduser().is_dir():
         needed += ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")

@@ -377,7 +377,7 @@ def served_wandb(cfg, composed, serve: ServeConfig, run_dir: Path):
     """With logger=wandb, the served run's W&B run (started in the background, as a run's); None otherwise.
 
     Each optim_step's row, as in metrics.jsonl, under the config a run would have, plus `serve.*`."""
-    if cfg.logger.name.value != "wandb":
+    if not cfg.logger.wandb:
         return None
     import os
     from omegaconf import OmegaConf

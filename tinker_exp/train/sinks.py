@@ -1,13 +1,15 @@
-"""Where step metrics go: metrics.jsonl (always), W&B (when enabled, never fatal), a progress bar."""
+"""Where step metrics go: metrics.jsonl (always); W&B, metrics.csv, TensorBoard (each when chosen, never fatal); a bar."""
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import os
 import secrets
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,6 +56,161 @@ def keep_rows_before(path: Path, step: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
+
+
+class NeverFatal:
+    """A sink that fails alone: its first failure warns once and stops it, never training (metrics.jsonl has every step)."""
+
+    what = "a logger"
+    fallback = "training goes on without it (metrics.jsonl has every step)"
+    broken = False
+
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> None:
+        """Call `method`; an exception warns once (naming the sink) and stops the sink."""
+        if self.broken:
+            return
+        try:
+            method(*args, **kwargs)
+        except Exception as e:
+            self.broken = True
+            warnings.warn(f"{self.what} stopped working ({type(e).__name__}: {e}); {self.fallback}", stacklevel=3)
+
+
+class CsvSink(NeverFatal):
+    """metrics.jsonl's rows as a table (metrics.csv, the standard library's csv): a row per step, a column per key.
+
+    The header is every key logged so far, in the order first logged. A key first logged after the first row (val/loss
+    at the first evaluation) rewrites the file, atomically, with the wider header (earlier rows leave its cell empty):
+    every row always has the header's columns, as pandas and spreadsheets read them. Rare (a new key), so a step costs
+    one row written and flushed. A run that starts at `first_step` (resumed) drops the rows of that step and later at
+    its first row, as JsonlSink does, and keeps the header's columns."""
+
+    what = "metrics.csv"
+
+    def __init__(self, path: Path, first_step: int = 0):
+        self.path, self.first_step = path, first_step
+        self.columns: list[str] = []
+        self._file: Any = None
+        self._writer: Any = None
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._call(self._log, row)
+
+    def _log(self, row: dict[str, Any]) -> None:
+        if self._file is None:
+            kept = self._read(before=self.first_step) if self.path.exists() else []
+            self._rewrite(kept, [*self.columns, *(key for key in row if key not in self.columns)])
+        elif any(key not in self.columns for key in row):
+            self._file.close()
+            self._rewrite(self._read(), [*self.columns, *(key for key in row if key not in self.columns)])
+        self._writer.writerow(row)
+        self._file.flush()
+
+    def _read(self, before: float = float("inf")) -> list[dict[str, str]]:
+        """The file's complete rows of train/step < `before`; its header becomes `columns`."""
+        with open(self.path, newline="", encoding="utf-8") as file:
+            reader = csv.DictReader(file)
+            self.columns = list(reader.fieldnames or [])
+            rows = [row for row in reader if None not in row and None not in row.values()]  # a row cut by a kill: out
+        return [row for row in rows if _step(row) < before]
+
+    def _rewrite(self, rows: list[dict[str, Any]], columns: list[str]) -> None:
+        """Write `rows` under the header `columns` (in place of the file, atomically) and go on appending to it."""
+        self.columns = columns
+        tmp = self.path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as file:
+            writer = csv.DictWriter(file, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", newline="", encoding="utf-8")
+        self._writer = csv.DictWriter(self._file, fieldnames=columns)
+
+    def close(self, exit_code: int = 0) -> None:
+        if self._file is not None:
+            self._call(self._file.close)
+
+
+def _step(row: dict[str, str]) -> float:
+    """A CSV row's train/step; a row without a readable one sorts last (dropped from a resumed run's file)."""
+    try:
+        return int(row.get("train/step") or "")
+    except ValueError:
+        return float("inf")
+
+
+TENSORBOARD_DROPPED = ("train/step", "time")
+"""metrics.jsonl keys that are no chart in TensorBoard: each event's step and wall time."""
+
+
+class TensorBoardSink(NeverFatal):
+    """Each row's numbers as scalars in TensorBoard's event files (its own writer), step = train/step, in `folder`.
+
+    One event a step (every scalar of the row in one summary), flushed at once; TensorBoard is imported at the first
+    row (nothing is written before it, as in metrics.jsonl). The flat config once, as a text (a table) and as the
+    run's hparams (TensorBoard's HPARAMS tab compares a sweep's trials by them). A run that starts at `first_step` (resumed, or rerun after a crash) opens its own event file
+    with a session start at that step: TensorBoard's readers drop what an earlier file logged at that step and later,
+    so each step is read once."""
+
+    what = "TensorBoard"
+
+    def __init__(self, folder: Path, config: Mapping[str, Any], first_step: int = 0):
+        self.folder, self.config, self.first_step = folder, dict(config), first_step
+        self._writer: Any = None
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._call(self._log, row)
+
+    def _log(self, row: dict[str, Any]) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        if self._writer is None:
+            self._open()
+        values = [Summary.Value(tag=key, simple_value=value) for key, value in row.items()
+                  if key not in TENSORBOARD_DROPPED and isinstance(value, (int, float)) and not isinstance(value, bool)]  # fmt: skip
+        self._writer.add_event(Event(wall_time=row.get("time", time.time()), step=row["train/step"], summary=Summary(value=values)))
+        self._writer.flush()  # as metrics.jsonl: a killed run keeps every step it logged (a resume needs those before it)
+
+    def _open(self) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._writer = EventFileWriter(str(self.folder))
+        now, step = time.time(), self.first_step
+        self._writer.add_event(Event(wall_time=now, step=step, session_log=SessionLog(status=SessionLog.START)))
+        self._writer.add_event(Event(wall_time=now, step=step, summary=config_summaries(self.config)))
+
+    def close(self, exit_code: int = 0) -> None:
+        if self._writer is not None:
+            self._call(self._writer.close)
+
+
+def config_summaries(config: Mapping[str, Any]) -> Any:
+    """The flat config as TensorBoard's text (a markdown table, tag `config`) and as the run's hparams."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.plugins.hparams import metadata as hparams_metadata
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData, SessionStartInfo
+
+    table = "| key | value |\n|---|---|\n" + "".join(f"| {key} | {json.dumps(value)} |\n" for key, value in config.items())
+    text = TensorProto(dtype="DT_STRING", string_val=[table.encode()], tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]))
+    start = SessionStartInfo()
+    for key, value in config.items():
+        if isinstance(value, bool):
+            start.hparams[key].bool_value = value
+        elif isinstance(value, (int, float)):
+            start.hparams[key].number_value = value
+        elif value is not None:
+            start.hparams[key].string_value = value if isinstance(value, str) else json.dumps(value)
+    hparams = HParamsPluginData(session_start_info=start, version=hparams_metadata.PLUGIN_DATA_VERSION)
+    return Summary(value=[
+        Summary.Value(tag="config", tensor=text, metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="text"))),
+        Summary.Value(tag=hparams_metadata.SESSION_START_INFO_TAG, metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
+            plugin_name=hparams_metadata.PLUGIN_NAME, content=hparams.SerializeToString()))),
+    ])  # fmt: skip
 
 
 def end_wandb_service() -> None:
@@ -134,12 +291,14 @@ def summary_ops(objective: str, mode: str, rl: bool = False) -> dict[str, str]:
     return ops
 
 
-class WandbSink:
+class WandbSink(NeverFatal):
     """The run's history holds only what a person charts; everything else goes to the config or the summary."""
+
+    what = "W&B"
+    fallback = "metrics.jsonl only from here"
 
     def __init__(self, run: Any):
         self.run = run
-        self.broken = False
         self._summary: dict[str, Any] = {}
 
     @classmethod
@@ -216,18 +375,6 @@ class WandbSink:
 
     def close(self, exit_code: int = 0) -> None:
         self._call(self.run.finish, exit_code=exit_code)
-
-    def _call(self, method: Any, *args: Any, **kwargs: Any) -> None:
-        """Call W&B's `method`; W&B failing mid-run warns once and stops the sink, never training.
-
-        Its service killed, a full disk: metrics.jsonl holds every step either way."""
-        if self.broken:
-            return
-        try:
-            method(*args, **kwargs)
-        except Exception as e:
-            self.broken = True
-            warnings.warn(f"W&B stopped working ({type(e).__name__}: {e}); metrics.jsonl only from here", stacklevel=3)
 
 
 class ProgressBar:
