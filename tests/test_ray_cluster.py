@@ -167,6 +167,21 @@ def test_a_head_whose_ray_start_exits_before_it_started_starts_again(tmp_path, m
     assert not allocation.head_file(tmp_path).exists()
 
 
+def test_a_ray_node_stops_on_sigterm_without_draining_first(tmp_path, monkeypatch, capsys):
+    """A node's `ray start` runs with Ray's SIGTERM drain off, as Ray reads it: its SIGTERM (the job's end, stop_group's)
+    stops it at once, not after up to 30 s of draining for Serve (10 s a node on the local cluster, stop_group's grace)."""
+    import sys
+
+    from tinker_exp.runtime import ray_cluster
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "30")  # a user's own setting does not bring it back
+    reads = [sys.executable, "-c", "from ray._private import ray_constants as c; print('drain', c.RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S)"]
+    with ray_cluster.ray_process(reads, Allocation.from_env(TASK_1)) as (process, _):
+        assert process.wait(60) == 0
+    assert "drain 0.0\n" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("stopping", [False, True])
 def test_a_ray_node_that_ignores_sigterm_is_killed_after_the_grace_and_sooner_once_the_job_is_stopping(stopping, monkeypatch):
     """stop_group: SIGTERM to the node's process group, SIGKILL after its grace; once SIGTERM reached this process

@@ -488,7 +488,7 @@ def assert_nothing_left(slurm_env: dict, job_id: str, files: bool = True) -> Non
     by itself; a cancelled one can leave its head's, see the README)."""
     queued = lambda: subprocess.run(["squeue", "-h", "-o", "%A"], env=environment(slurm_env), capture_output=True, text=True).stdout  # noqa: E731
     wait_until(lambda: job_id not in queued().split(), 90, f"job {job_id} still in squeue", poll=1)  # %A: an array task's own id
-    # Slurm's SIGTERM reached every process; a Ray node stops by draining for up to 30 s, and one whose task died
+    # Slurm's SIGTERM reached every process (a Ray node stops at once: ray_cluster.NO_DRAIN); one whose task died
     # first is no longer tracked by Slurm (proctrack/linuxproc), so it may end after the job has left the queue.
     wait_until(lambda: job_processes([job_id]) == [], 90, f"processes of job {job_id} still running: {job_processes([job_id])}", poll=1)
     assert not files or not list(Path("/tmp").glob(f"ray_job_{job_id}_*"))

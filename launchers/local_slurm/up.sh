@@ -202,7 +202,10 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 # Reject impossible requests at submit time instead of leaving them PENDING forever.
 EnforcePartLimits=ALL
-SchedulerParameters=batch_sched_delay=0
+# A job whose begin time passes (a requeued one, held a while by Slurm) starts at the main scheduler's next pass:
+# every 2 s, not Slurm's 60 (a handful of jobs: each pass is cheap; the backfill scheduler skips its passes while no
+# job or node changed, so it does not start such a job either).
+SchedulerParameters=batch_sched_delay=0,sched_interval=2
 MinJobAge=3600
 ReturnToService=2
 AccountingStorageType=accounting_storage/slurmdbd

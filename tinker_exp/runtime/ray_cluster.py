@@ -138,6 +138,13 @@ stats), serves Prometheus metrics over HTTP on port 44227 of every interface of 
 whenever that port is free. Ray has no setting to turn it off; a port it cannot bind does (the dashboard's log says
 so once, with the bind's error)."""
 
+NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+"""For `ray start --block` over an allocation: on SIGTERM its node stops at once rather than draining first (up to
+30 s, Ray's default, for Serve's replicas to move away). A job's Ray node has nothing to hand over: it is stopped
+when its job ends (stop_group) or Slurm ends the job, and a drain only held the node (10 s a node, the grace
+stop_group waited on it: a node whose head is gone cannot reach the GCS to drain) before the job's end was
+written or its nodes were free for the next job."""
+
 
 @contextmanager
 def environ(variables: Mapping[str, str]) -> Iterator[None]:
@@ -268,7 +275,7 @@ def ray_process(command: list[str], allocation: Allocation) -> Iterator[tuple[su
     with ignored_by_children():  # submitit's time-limit USR2 reaches every process of the job
         process = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, errors="replace",
-                                   env={**os.environ, **NO_METRICS_SERVER})  # fmt: skip
+                                   env={**os.environ, **NO_METRICS_SERVER, **NO_DRAIN})  # fmt: skip
     started = threading.Event()
 
     def relay() -> None:
