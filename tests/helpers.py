@@ -96,9 +96,9 @@ def run_fake_cli(*args: str, env: dict | None = None, timeout: float = 300) -> s
     return run_script(FAKE_CLI, *args, env=env, timeout=timeout)
 
 
-def run_script(script: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python SCRIPT ARGS` in the repo, its output captured, forked from the CLI zygote as run_cli is."""
-    return _run_forked([sys.executable, str(script), *args], env, timeout, REPO)
+def run_script(script: Path, *args: str, env: dict | None = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in `cwd` (the repo), its output captured, forked from the CLI zygote as run_cli is."""
+    return _run_forked([sys.executable, str(script), *args], env, timeout, cwd)
 
 
 def start_fake_cli(*args: str, env: dict | None = None, default_sigint: bool = False) -> ForkedProcess | subprocess.Popen:
