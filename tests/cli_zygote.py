@@ -8,7 +8,7 @@ first). Then it takes requests on a unix socket (`serve`; one JSON line a connec
 tinker_exp or another of ours, or `SCRIPT ARGS` for a file such as tests/fake_cli.py; as tests/zygotes.py's
 requests). For each it forks; the parent answers {"pid"} at once and {"rc"} when the child has ended; the child
 leaves the loop and becomes that command in that cwd and environment, its stdin /dev/null and its stdout/stderr
-those files, and ends as that process would (threads joined, atexit handlers, exit status, a traceback on an uncaught exception),
+those files (one file for both where they name the same), and ends as that process would (threads joined, atexit handlers, exit status, a traceback on an uncaught exception),
 less the teardown of its modules (`end`). Imports print
 nothing and start no thread, and the state they leave that a run could see is put back as a fresh process has it:
 the environment (what the imports set, they set again in the child), the root logger, and the process's start
@@ -218,6 +218,9 @@ if __name__ == "__main__":
     for key, value in imports_set.items():  # as the imports would set them (setdefault)
         os.environ.setdefault(key, value)
     for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY), (2, request["stderr"], os.O_WRONLY)):
+        if fd == 2 and path == request["stdout"]:  # one file for both (stderr=STDOUT): one offset, or each overwrites the other
+            os.dup2(1, 2)
+            continue
         opened = os.open(path, mode)
         os.dup2(opened, fd)
         os.close(opened)

@@ -96,9 +96,9 @@ def run_fake_cli(*args: str, env: dict | None = None, timeout: float = 300) -> s
     return run_script(FAKE_CLI, *args, env=env, timeout=timeout)
 
 
-def run_script(script: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python SCRIPT ARGS` in the repo, its output captured, forked from the CLI zygote as run_cli is."""
-    return _run_forked([sys.executable, str(script), *args], env, timeout, REPO)
+def run_script(script: Path, *args: str, env: dict | None = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in `cwd` (the repo), its output captured, forked from the CLI zygote as run_cli is."""
+    return _run_forked([sys.executable, str(script), *args], env, timeout, cwd)
 
 
 def start_fake_cli(*args: str, env: dict | None = None, default_sigint: bool = False) -> ForkedProcess | subprocess.Popen:
@@ -106,13 +106,27 @@ def start_fake_cli(*args: str, env: dict | None = None, default_sigint: bool = F
     the CLI zygote as run_fake_cli, its own process (its pid is the run's: the lock's holder, W&B's service's
     parent), driven as a subprocess.Popen with stdout and stderr piped. default_sigint: SIGINT raises
     KeyboardInterrupt in it, as in a fresh Python whose SIGINT is not ignored (a suite run under `&` ignores it)."""
-    command = [sys.executable, str(FAKE_CLI), *args]
+    return _start_forked([sys.executable, str(FAKE_CLI), *args], env, default_sigint)
+
+
+def start_cli(*args: str, env: dict | None = None, default_sigint: bool = False, output: Path | None = None) -> ForkedProcess | subprocess.Popen:
+    """`python -m tinker_exp ARGS` started and left running (a run or sweep to signal or kill mid-run), as
+    start_fake_cli starts the fake one: forked from the CLI zygote (no Python start-up, no CLI imports: about 8
+    CPU-s a process), its own process. `output`: a file that gets stdout and stderr both, as it is written (a log to
+    poll), as Popen's stdout=file, stderr=STDOUT."""
+    return _start_forked([sys.executable, "-m", "tinker_exp", *args], env, default_sigint, output)
+
+
+def _start_forked(command: list[str], env: dict | None, default_sigint: bool, output: Path | None = None) -> ForkedProcess | subprocess.Popen:
     merged = environment(env)
     if _unsafe_for_the_zygote(merged):
         preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if default_sigint else None
-        return subprocess.Popen(command, cwd=REPO, env=merged, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=preexec)  # fmt: skip
-    return _cli_zygote().run_in_child(command, merged, REPO, default_sigint)
+        if output is None:
+            return subprocess.Popen(command, cwd=REPO, env=merged, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    preexec_fn=preexec)  # fmt: skip
+        with open(output, "w") as out:
+            return subprocess.Popen(command, cwd=REPO, env=merged, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec)
+    return _cli_zygote().run_in_child(command, merged, REPO, default_sigint, output)
 
 
 def _unsafe_for_the_zygote(env: dict) -> bool:
@@ -267,8 +281,9 @@ class CliZygote:
                 self.process.kill()
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def run_in_child(self, command: list[str], env: dict, cwd: Path, default_sigint: bool = False) -> ForkedProcess:
-        """`command` (`python -m MODULE ARGS` or `python SCRIPT ARGS`) forked from the zygote, running."""
+    def run_in_child(self, command: list[str], env: dict, cwd: Path, default_sigint: bool = False, output: Path | None = None) -> ForkedProcess:
+        """`command` (`python -m MODULE ARGS` or `python SCRIPT ARGS`) forked from the zygote, running. `output`: one
+        file for its stdout and stderr (read_output then reads nothing)."""
         import socket
         import tempfile
 
@@ -277,8 +292,10 @@ class CliZygote:
         env = {JOB_PYTHON_ENV: self.job_python, **env}  # its local sweep jobs fork here too (unless the session's server takes them)
         folder = Path(tempfile.mkdtemp(prefix=f"run{next(self.ids)}-", dir=self.folder))
         (folder / "stdout").write_text(""), (folder / "stderr").write_text("")
-        request = {"args": command[1:], "env": env, "cwd": str(cwd), "stdout": str(folder / "stdout"),
-                   "stderr": str(folder / "stderr"), "default_sigint": default_sigint}  # fmt: skip
+        if output is not None:
+            Path(output).write_text("")
+        stdout, stderr = (str(output), str(output)) if output is not None else (str(folder / "stdout"), str(folder / "stderr"))
+        request = {"args": command[1:], "env": env, "cwd": str(cwd), "stdout": stdout, "stderr": stderr, "default_sigint": default_sigint}
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         deadline = time.monotonic() + 120
         while True:  # its sockets are there a moment after it starts

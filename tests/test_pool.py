@@ -29,6 +29,7 @@ from helpers import (
     run_cli,
     run_module,
     run_warm,
+    start_cli,
     wait_until,
     wandb_finished_records,
     wandb_history,
@@ -85,8 +86,7 @@ LONG_RUN = ["trainer.steps=2000", "checkpoint.every_steps=0", "checkpoint.at_end
 
 def kill_a_warm_run_mid_run(pool: dict, run_dir: Path) -> None:
     """A warm run of LONG_RUN, SIGKILLed once it has logged 2 steps."""
-    killed = subprocess.Popen([sys.executable, "-m", "tinker_exp", *LONG_RUN, f"hydra.run.dir={run_dir}"], cwd=REPO,
-                              env=environment(pool), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    killed = start_cli(*LONG_RUN, f"hydra.run.dir={run_dir}", env=pool)
     try:
         wait_until(lambda: len(metrics_rows(run_dir)) >= 2, 300, "the warm run never logged 2 steps", killed)
         killed.send_signal(signal.SIGKILL)
@@ -98,10 +98,7 @@ def kill_a_warm_run_mid_run(pool: dict, run_dir: Path) -> None:
 def test_a_killed_run_leaves_the_pool_usable_a_second_run_trains_cold_or_is_refused_and_a_warm_run_is_the_cold_run(pool, cosine_trunk, tmp_path):
     """While a run holds the pool, a second one with backend.pool=auto trains cold (one line says so), and one that
     names the pool's address is refused (one line, exit 2, nothing written)."""
-    long_run = subprocess.Popen(
-        [sys.executable, "-m", "tinker_exp", "trainer.steps=400", "checkpoint.every_steps=0", f"hydra.run.dir={tmp_path / 'killed'}"],
-        cwd=REPO, env=environment(pool), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    long_run = start_cli("trainer.steps=400", "checkpoint.every_steps=0", f"hydra.run.dir={tmp_path / 'killed'}", env=pool)
     try:
         wait_until(lambda: len(metrics_rows(tmp_path / "killed")) >= 3, 240, "the warm run never logged 3 steps", long_run)
         address = f"backend.pool={pool['TINKER_EXP_POOL_DIR']}/pool.sock"

@@ -8,21 +8,18 @@ import json
 import re
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import (
     COSINE_TRUNK,
-    REPO,
     compose,
-    environment,
     metrics_rows,
     planned,
     read_jsonl,
     run_cli,
+    start_cli,
     wait_until,
     wandb_history,
     wandb_records,
@@ -37,11 +34,8 @@ STEPS = 12
 COMMON = [f"trainer.steps={STEPS}", "checkpoint.every_steps=4", "+override=lr_cosine", "override.lr.warmup_steps=2"]
 
 
-def launch(run_dir: Path, ray_address: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tinker_exp", *COMMON, f"hydra.run.dir={run_dir}", *extra],
-        cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+def launch(run_dir: Path, ray_address: str, *extra: str):
+    return start_cli(*COMMON, f"hydra.run.dir={run_dir}", *extra, env={"RAY_ADDRESS": ray_address})
 
 
 @pytest.fixture(scope="module")

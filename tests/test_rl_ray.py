@@ -13,12 +13,10 @@ import json
 import re
 import shutil
 import signal
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO, environment, metrics_rows, planned, read_jsonl, run_cli, run_warm, wait_until, wandb_train_rows, without_timings
+from helpers import metrics_rows, planned, read_jsonl, run_cli, run_warm, start_cli, wait_until, wandb_train_rows, without_timings
 
 RL_COMMAND = ["env=digits", "loss=importance_sampling", "+override=lr_cosine", "trainer.steps=40"]
 EXTRA = ["trainer.objective=eval/reward", "trainer.objective_mode=max", "checkpoint.keep_best=true", "checkpoint.keep_last=0"]
@@ -97,8 +95,7 @@ def test_a_run_killed_with_sigkill_after_its_checkpoint_resumes_bitwise(rl_run, 
     (resumed_dir / "metrics.jsonl").write_text("".join(lines[:30]))
     command = [*RL_COMMAND, *EXTRA, "checkpoint.every_steps=5", f"hydra.run.dir={resumed_dir}"]
 
-    driver = subprocess.Popen([sys.executable, "-m", "tinker_exp", *command], cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    driver = start_cli(*command, env={"RAY_ADDRESS": ray_address})
     try:
         saved = resumed_dir / "checkpoints" / "step_00000035" / "MANIFEST.json"
         wait_until(saved.exists, 600, "the resumed run never saved step 35", driver, poll=0.05)

@@ -11,13 +11,11 @@ The cookbook is installed with `pip install --no-deps tinker-cookbook==0.6.1` (M
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import (PACKED_ADAPTER_RELATIVE, PACKED_RELATIVE, REPO, adapters_difference, environment, read_jsonl, relative,
-                     wait_until)
+from helpers import (PACKED_ADAPTER_RELATIVE, PACKED_RELATIVE, adapters_difference, read_jsonl, relative,
+                     run_script, wait_until)
 from test_serve import API_KEY, free_port, logprobs_of, model_rows, start_server
 
 pytest.importorskip("tinker_cookbook", reason="make install puts tinker-cookbook 0.6.1 in (pip --no-deps)")
@@ -79,8 +77,9 @@ def run_loop(served, tmp_path, loop: str) -> tuple:
     """The user's script for `loop`; (its log dir, its metrics rows, the served model's own rows)."""
     script, out = tmp_path / "glue.py", tmp_path / loop
     script.write_text(GLUE)
-    done = subprocess.run([sys.executable, str(script), served["url"], str(out), loop], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600, env=environment({"TINKER_API_KEY": API_KEY, "TINKER_TELEMETRY": "0"}))  # fmt: skip
+    # forked from the CLI zygote, which has imported transformers and torch: the script's own start is its imports
+    done = run_script(script, served["url"], str(out), loop, env={"TINKER_API_KEY": API_KEY, "TINKER_TELEMETRY": "0"},
+                      timeout=600, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [row for row in read_jsonl(out / "metrics.jsonl")]
     checkpoints = read_jsonl(out / "checkpoints.jsonl")

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from helpers import REPO, compose, environment, job_json, read_job_log, read_jsonl, requeue_at_time_limit, run_cli, storage_trials, wait_until
+from helpers import REPO, compose, environment, job_json, read_job_log, read_jsonl, requeue_at_time_limit, run_cli, start_cli, storage_trials, wait_until
 from tinker_exp.errors import ConfigError
 from tinker_exp.sweep.study import CUT_OFF, SAMPLERS, evaluations_error, grid_size, make_sampler, masked, open_storage, recover, results, search_space, steps_line, study_direction, study_in, sweep_storage
 from tinker_exp.formats import read_json
@@ -532,29 +532,28 @@ def test_a_study_killed_while_trials_run_continues_with_the_same_command(ray_add
             (sweep / str(n) / "job.json").exists() and read_objective(sweep / str(n)) is None for n in running
         )
 
-    with open(log, "w") as out:
-        first = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            while True:  # stopped (it asks and tells nothing more) while the condition holds, then killed
-                wait_until(two_later_trials_run, 600, "two trials after the first two running at once", first)
-                first.send_signal(signal.SIGSTOP)
-                if two_later_trials_run():
-                    break
-                first.send_signal(signal.SIGCONT)
-            started, told = started_and_told(log.read_text())
-            a, b = sorted(set(started) - told)
-            trial_b = psutil.Process(started[b])
-            for process in [trial_b, *trial_b.children(recursive=True)]:
-                process.kill()
-        finally:
-            first.send_signal(signal.SIGKILL)
-            first.wait()
+    first = start_cli(*command[3:], env=env, output=log)
+    try:
+        while True:  # stopped (it asks and tells nothing more) while the condition holds, then killed
+            wait_until(two_later_trials_run, 600, "two trials after the first two running at once", first)
+            first.send_signal(signal.SIGSTOP)
+            if two_later_trials_run():
+                break
+            first.send_signal(signal.SIGCONT)
+        started, told = started_and_told(log.read_text())
+        a, b = sorted(set(started) - told)
+        trial_b = psutil.Process(started[b])
+        for process in [trial_b, *trial_b.children(recursive=True)]:
+            process.kill()
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
     psutil.wait_procs([psutil.Process(started[a])] if psutil.pid_exists(started[a]) else [], timeout=300)
     assert read_objective(sweep / str(a)) is not None and read_objective(sweep / str(b)) is None
     before = {n: job_json(sweep / str(n)) for n in started}
     kept = latest(sweep / str(b) / "checkpoints") if (sweep / str(b) / "checkpoints").is_dir() else None
 
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    result = run_cli(*command[3:], env=env, timeout=900)
     out = result.stdout + result.stderr  # Hydra logs to stdout
     assert result.returncode == 0, out[-3000:]
     assert f"trial {a}: completed while the study was down" in out
@@ -620,15 +619,14 @@ def test_a_study_stopped_by_ctrl_c_then_sigterm_finishes_its_cut_off_trial_at_it
 
     def interrupted(argv: list[str], log: Path, ready, sig: int) -> tuple[str, list[str]]:
         """The study run with `argv` until `ready`, then signalled: its output, and the command its last line gives."""
-        with open(log, "w") as out:  # SIGINT as a terminal delivers it (a suite run under `&` inherits it ignored)
-            driver = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
-            try:
-                wait_until(ready, 600, f"the study did not reach its point to stop ({log.name})", driver)
-                driver.send_signal(sig)
-                driver.wait(timeout=120)
-            finally:
-                driver.kill()
+        # SIGINT as a terminal delivers it (a suite run under `&` inherits it ignored)
+        driver = start_cli(*argv[3:], env=env, default_sigint=True, output=log)
+        try:
+            wait_until(ready, 600, f"the study did not reach its point to stop ({log.name})", driver)
+            driver.send_signal(sig)
+            driver.wait(timeout=120)
+        finally:
+            driver.kill()
         output = log.read_text()
         assert driver.returncode == (130 if sig == signal.SIGINT else 143) and "Traceback" not in output, output[-3000:]
         assert not (run_2 / "tinker_exp.lock").exists() and not (run_2 / "objective.json").exists()
@@ -650,7 +648,7 @@ def test_a_study_stopped_by_ctrl_c_then_sigterm_finishes_its_cut_off_trial_at_it
     assert line.startswith("tinker_exp: terminated (SIGTERM); continue it with: ") and third == again
     assert not (tmp_path / "3").exists() and not told(second)
 
-    result = subprocess.run(again, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    result = run_cli(*again[3:], env=env, timeout=600)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     assert "trial 3 (cut off): continued as trial 4 at the same point, in " in out and "3 of 3 trials done" not in out

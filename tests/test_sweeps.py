@@ -26,6 +26,7 @@ from helpers import (
     run_cli,
     run_main,
     squeue,
+    start_cli,
     wait_until,
     wandb_train_rows,
     wandb_finished_records,
@@ -600,14 +601,15 @@ def test_sigterm_on_a_sweep_of_trials_on_slots_stops_them_as_ctrl_c_does_and_exi
         sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", "lora=r8",
         "trainer.seed=0,7", "trainer.steps=1000", "logger=none", "checkpoint.every_steps=0",
     ]  # fmt: skip
-    driver = subprocess.Popen(command, cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    log = tmp_path / "driver.log"  # its stdout and stderr, as written
+    driver = start_cli(*command[3:], env={"RAY_ADDRESS": ray_address}, output=log)
     try:
         wait_until(lambda: all(len(metrics_rows(tmp_path / n)) >= 1 for n in "01"), 300, "the trials never trained", driver)
         driver.send_signal(signal.SIGTERM)
-        output, _ = driver.communicate(timeout=120)
+        driver.wait(timeout=120)
     finally:
         driver.kill()
+    output = log.read_text()
     assert driver.returncode == 143 and "2 local jobs, 2 at a time on the slots of one group" in output, output[-3000:]
     assert "interrupted: cancelled slot-job-0, slot-job-1" in output, output[-3000:]
     continued = "tinker_exp: terminated (SIGTERM); continue it with: python -m tinker_exp " + shlex.join([*(a for a in command[3:] if not a.startswith("hydra.sweep.dir=")), f"hydra.sweep.dir={tmp_path}"])
@@ -627,16 +629,16 @@ def test_ctrl_c_in_a_local_sweep_stops_the_running_point_and_starts_no_other(ray
         sys.executable, "-m", "tinker_exp", "-m", "hydra/launcher=local", "hydra.launcher.max_parallel=1",
         f"hydra.sweep.dir={tmp_path}", "trainer.steps=1000", "logger=none", "backend.num_workers=1", "optimizer.lr=1e-3,3e-4",
     ]  # fmt: skip
-    driver = subprocess.Popen(  # its jobs on the sweep's own warm pool (the suite's default is a cold start)
-        command, cwd=REPO, env=environment({"TINKER_EXP_POOL": "auto"}), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
+    log = tmp_path / "driver.log"  # its stdout and stderr, as written
+    # its jobs on the sweep's own warm pool (the suite's default is a cold start); Ctrl-C as a terminal delivers it
+    driver = start_cli(*command[3:], env={"TINKER_EXP_POOL": "auto"}, default_sigint=True, output=log)
     try:
         wait_until(lambda: len(metrics_rows(tmp_path / "0")) >= 1, 300, "point 0 never trained", driver)
         driver.send_signal(signal.SIGINT)
-        output, _ = driver.communicate(timeout=120)
+        driver.wait(timeout=120)
     finally:
         driver.kill()
+    output = log.read_text()
     assert driver.returncode == 130 and "interrupted: cancelled slot-job-0" in output, output[-3000:]
     assert "job 0 started (a thread of this process, on a pool of the sweep)" in output and not (tmp_path / ".submitit").exists()
     assert "1 local jobs" not in output and "2 local jobs, at most 1 at a time" in output

@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 
 from helpers import (
-    REPO,
     compose,
-    environment,
     metrics_rows,
     planned,
     read_jsonl,
     run_cli,
+    start_cli,
     wandb_finished_records,
     wandb_history,
     wait_until,
@@ -165,13 +164,8 @@ def test_cli_trains_through_ray_with_a_quiet_terminal(cosine_trunk):
 def test_sigterm_stops_the_run_cleanly(ray_address, tmp_path):
     """SIGTERM to the driver (kill, a supervisor): the loop stops, workers are freed, the W&B run is finished."""
     import signal
-    import subprocess
-    import sys
 
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "tinker_exp", "trainer.steps=1000", "backend.num_workers=1", f"hydra.run.dir={tmp_path}"],
-        cwd=REPO, env=environment({"RAY_ADDRESS": ray_address}), stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    driver = start_cli("trainer.steps=1000", "backend.num_workers=1", f"hydra.run.dir={tmp_path}", env={"RAY_ADDRESS": ray_address})
     try:
         wait_until(lambda: len(metrics_rows(tmp_path)) >= 2, 180, "training never started", driver)
         driver.send_signal(signal.SIGTERM)
