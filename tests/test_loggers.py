@@ -78,15 +78,21 @@ def test_a_resumed_metrics_csv_drops_the_steps_it_trains_again_and_keeps_its_hea
         same_as_csv(row(step), cells, columns)
 
 
-def test_a_metrics_csv_that_fails_warns_once_and_training_and_the_other_sinks_go_on(tmp_path):
-    jsonl = JsonlSink(tmp_path / "metrics.jsonl")
-    sinks = Sinks([CsvSink(tmp_path / "gone" / "metrics.csv"), jsonl])  # its folder does not exist: every write fails
+@pytest.mark.parametrize("kind", ["csv", "tensorboard"])
+def test_a_sink_that_fails_warns_once_and_training_and_the_other_sinks_go_on(kind, tmp_path):
+    """metrics.csv in a folder that does not exist, TensorBoard's folder under a file: every write fails."""
+    (tmp_path / "a_file").write_text("")
+    failing, warned = {
+        "csv": (lambda: CsvSink(tmp_path / "gone" / "metrics.csv"), "metrics.csv stopped working"),
+        "tensorboard": (lambda: TensorBoardSink(tmp_path / "a_file" / "tensorboard", CONFIG), "TensorBoard stopped working"),
+    }[kind]
+    sinks = Sinks([failing(), JsonlSink(tmp_path / "metrics.jsonl")])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(4):
             sinks.log(row(step))
         sinks.close(0)
-    assert [str(w.message).split(" (")[0] for w in caught] == ["metrics.csv stopped working"]
+    assert [str(w.message).split(" (")[0] for w in caught] == [warned]
     assert [r["train/step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(4))
 
 
@@ -145,19 +151,6 @@ def test_a_resumed_tensorboard_run_reads_back_each_step_once(tmp_path):
     assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
     same_as_tensorboard([row(step) for step in range(4)] + [{**row(step), "train/loss": 10.0 + step} for step in range(4, 9)],
                         read_tensorboard(tmp_path / "tensorboard"))  # fmt: skip
-
-
-def test_a_tensorboard_sink_that_fails_warns_once_and_the_other_sinks_go_on(tmp_path):
-    (tmp_path / "a_file").write_text("")
-    jsonl = JsonlSink(tmp_path / "metrics.jsonl")
-    sinks = Sinks([TensorBoardSink(tmp_path / "a_file" / "tensorboard", CONFIG), jsonl])  # its folder cannot be made
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(4):
-            sinks.log(row(step))
-        sinks.close(0)
-    assert [str(w.message).split(" (")[0] for w in caught] == ["TensorBoard stopped working"]
-    assert [r["train/step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(4))
 
 
 def test_a_list_of_loggers_writes_each_with_metrics_jsonls_rows(tmp_path):
