@@ -117,9 +117,15 @@ class SlotExecutor:
         printed = open(job.paths.stderr, "a", encoding="utf-8")
         self.router.add(threads.Route(printed, printed, threads.run_log(prepared.log_file)))
         try:
+            import dataclasses
+
+            from tinker_exp.sweep.prefixes import role_of
+
+            shared, keep_at = role_of(self.sweep_dir, job.num)  # a grid point's part in shared prefixes, if any
+            shared = shared and dataclasses.replace(shared, stopped=job.stop.is_set)  # cancelled while it waits: it stops
             place = self._place(job, prepared)
             value = sweep_job(prepared.task, prepared.run_dir, prepared.choices, prepared.job, prepared.hydra_files,
-                              prepared.made_now, place)  # fmt: skip
+                              prepared.made_now, place, (shared, keep_at))  # fmt: skip
             job.ret = JobReturn(overrides=list(prepared.overrides), status=JobStatus.COMPLETED, _return_value=value)
             job.state = "COMPLETED"
         except Exception as e:  # what the job raised, as its process returns it: the launcher says it with its run dir
