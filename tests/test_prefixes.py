@@ -161,3 +161,30 @@ def test_the_sweep_dir_says_each_jobs_part_and_a_rerun_decides_again(tmp_path):
     assert prefixes.role_of(tmp_path, 1) == (None, ()) and not (tmp_path / prefixes.ENDED).exists()
     prefixes.mark_ended(tmp_path, 0)  # no shared prefixes in this sweep: nothing written
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("share, executor, shared", [(True, "local", True), (False, "local", False), (True, "slurm", False)])
+def test_the_grid_shares_on_the_local_launcher_unless_told_not_to(share, executor, shared, caplog):
+    """hydra.sweeper.share_prefixes (default true) on our local launcher; Slurm's jobs each train alone."""
+    from types import SimpleNamespace
+
+    from hydra_plugins.tinker_exp_plugins.launchers import GridSweeper
+
+    sweeper = GridSweeper(None, None, share_prefixes=share)
+    sweeper.ours, sweeper.launcher = True, SimpleNamespace(_EXECUTOR=executor)
+    configs = [point(*WSD, f"override.lr.decay_steps={d}")[0] for d in (2, 6)]
+    with caplog.at_level("INFO"):
+        assert sweeper.plan_prefixes(configs) == ([None, Share(0, 7)] if shared else [None, None])
+    said = [m for m in caplog.messages if m.startswith("shared prefixes:")]
+    assert said == (["shared prefixes: 1 of 2 points branch from another's checkpoint; 17 steps trained of the grid's 24 "
+                     "(hydra.sweeper.share_prefixes=false: each trains alone)"] if shared else [])  # fmt: skip
+
+
+def test_a_share_prefixes_that_is_not_a_bool_is_one_line_and_writes_nothing(monkeypatch, capsys, tmp_path):
+    from helpers import run_main
+
+    code, out, err = run_main(monkeypatch, capsys, "-m", "hydra.sweeper.share_prefixes=maybe", "optimizer.lr=1e-3,1e-4",
+                              f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
+    assert code == 2 and err.strip().splitlines() == [
+        "tinker_exp: config error: hydra.sweeper.share_prefixes: expected true or false, got 'maybe' (str)"]
+    assert not any(tmp_path.iterdir())

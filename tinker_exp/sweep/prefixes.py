@@ -152,8 +152,10 @@ def mark_ended(sweep_dir: Path, num: int) -> None:
 
 
 def role_of(sweep_dir: Path | str, num: int | None) -> tuple[SharedPrefix | None, tuple[int, ...]]:
-    """Job `num`'s part (from PREFIXES): where its prefix comes from (None: it trains from step 0), and the steps it
-    keeps a checkpoint at for later points."""
+    """Job `num`'s part in its grid's shared prefixes (PREFIXES), read by the job.
+
+    Where its first steps come from (None: it trains from step 0), and the steps it keeps a checkpoint at for later
+    points."""
     path = Path(sweep_dir) / PREFIXES
     if num is None or not path.is_file():
         return None, ()
