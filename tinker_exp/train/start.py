@@ -191,24 +191,35 @@ def start_point(
     return start
 
 
-def shared_start(cfg: Config, shared: SharedPrefix) -> StartPoint:
-    """A grid point's start from its source's checkpoint at `shared.step`, once the source has saved it.
+def wait_for_source(shared: SharedPrefix, checkpoints: str) -> bool:
+    """Wait until the source's checkpoint at `shared.step` is there and intact (True), or the source ended without it.
 
-    Waits (before any worker or pool is taken) until the checkpoint is there and intact, or the source has ended
-    without it: then this point trains from step 0, said in one line."""
-    path = step_dir(shared.source / cfg.checkpoint.dir, shared.step)
+    `checkpoints`: checkpoint.dir (the source's config is this run's but for its plan). The wait is said once; it
+    looks every WAIT_POLL_S and stops at a cancel (`shared.stopped`: KeyboardInterrupt)."""
+    path = step_dir(shared.source / checkpoints, shared.step)
     said = False
     while problem(path) is not None:
-        if shared.ended.exists() and problem(path) is not None:
-            log.info(f"shared prefix: job {shared.job} ended without its checkpoint at step {shared.step} ({path}); "
-                     "this run trains from step 0")  # fmt: skip
-            return StartPoint()
+        if shared.ended.exists():
+            return problem(path) is None  # it may have saved it just before it ended
         if shared.stopped is not None and shared.stopped():
             raise KeyboardInterrupt
         if not said:
             log.info(f"shared prefix: waiting for job {shared.job}'s checkpoint at step {shared.step} ({path})")
             said = True
         time.sleep(WAIT_POLL_S)
+    return True
+
+
+def shared_start(cfg: Config, shared: SharedPrefix) -> StartPoint:
+    """A grid point's start from its source's checkpoint at `shared.step`, once the source has saved it.
+
+    Waits (before any worker or pool is taken) until the checkpoint is there and intact, or the source has ended
+    without it: then this point trains from step 0, said in one line."""
+    path = step_dir(shared.source / cfg.checkpoint.dir, shared.step)
+    if not wait_for_source(shared, cfg.checkpoint.dir):
+        log.info(f"shared prefix: job {shared.job} ended without its checkpoint at step {shared.step} ({path}); "
+                 "this run trains from step 0")  # fmt: skip
+        return StartPoint()
     point = ResumePoint(path, saved_loop_state(path))
     _check_device(cfg, point)
     rows = [row for row in read_jsonl(shared.source / "metrics.jsonl") if row.get("train/step", shared.step) < shared.step]
