@@ -134,13 +134,13 @@ def clear(sweep_dir: Path) -> None:
     shutil.rmtree(sweep_dir / ENDED, ignore_errors=True)
 
 
-def write(sweep_dir: Path, shares: Sequence[Share | None], run_dirs: Sequence[Path], first: int = 0) -> None:
-    """PREFIXES for the jobs to read: `run_dirs` and job numbers by point, job numbers counted from `first`."""
+def write(sweep_dir: Path, shares: Sequence[Share | None], run_dirs: Sequence[Path]) -> None:
+    """PREFIXES for the jobs to read: each point's share and run dir, by job number (its index in the grid)."""
     jobs = {
-        str(first + i): {"from_job": first + share.source, "from": str(run_dirs[share.source].absolute()), "step": share.step}
+        str(i): {"from_job": share.source, "from": str(run_dirs[share.source].absolute()), "step": share.step}
         for i, share in enumerate(shares) if share is not None
     }  # fmt: skip
-    keep = {str(first + num): steps for num, steps in keep_steps(shares).items()}
+    keep = {str(num): steps for num, steps in keep_steps(shares).items()}
     (sweep_dir / PREFIXES).write_text(json.dumps({"jobs": jobs, "keep": keep}, indent=1) + "\n", encoding="utf-8")
 
 
