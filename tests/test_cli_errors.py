@@ -193,7 +193,7 @@ UNKNOWN_PLUGIN_KEYS = [
      "hydra.sweeper.populaton: hydra.sweeper has no key populaton; did you mean population? "
      f"(hydra.sweeper's keys: {plugin_keys(PLUGINS + 'pbt_sweeper.PBTSweeper')})"),
     (["optimizer.lr=1e-3,1e-4", "+hydra.sweeper.max_batch=2"],  # the grid (Hydra's basic sweeper's keys)
-     "hydra.sweeper.max_batch: hydra.sweeper has no key max_batch; did you mean max_batch_size? (hydra.sweeper's keys: max_batch_size, params)"),
+     "hydra.sweeper.max_batch: hydra.sweeper has no key max_batch; did you mean max_batch_size? (hydra.sweeper's keys: max_batch_size, params, share_prefixes)"),
     (["optimizer.lr=1e-3,1e-4", "+hydra.launcher.max_paralel=2"],  # was taken without a word, and ignored
      "hydra.launcher.max_paralel: hydra.launcher has no key max_paralel; did you mean max_parallel? "
      f"(hydra.launcher's keys: {plugin_keys(PLUGINS + 'launchers.LocalSweepLauncher')})"),

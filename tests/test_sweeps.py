@@ -31,6 +31,7 @@ from helpers import (
     wandb_train_rows,
     wandb_finished_records,
     wandb_run_record,
+    without_timings,
 )
 from tinker_exp.sweep.slurm import ACTIVE_STATES, Verdicts
 from tinker_exp.sweep.jobs import (
@@ -651,6 +652,48 @@ def test_ctrl_c_in_a_local_sweep_stops_the_running_point_and_starts_no_other(ray
     assert "pool: training on the workers just built on" in (tmp_path / "0" / "tinker_exp.log").read_text()  # its first job
     assert len(metrics_rows(tmp_path / "0")) < 1000 and "done:" not in (tmp_path / "0" / "tinker_exp.log").read_text()  # stopped on the pool
     assert not list(Path(os.environ["TINKER_EXP_POOL_DIR"]).glob(f"sweep-{driver.pid}-*.sock"))
+
+
+def test_a_grid_trains_a_shared_plan_prefix_once_each_point_bitwise_its_run_alone(ray_address, tmp_path):
+    """Two WSD points of 12 steps (decays of 2 and 6 steps) on the local launcher, 2 at a time on the session's Ray
+    cluster: point 1's plan is point 0's before step 7, so it waits for point 0's step-7 checkpoint (saved and kept
+    for it) and trains steps 7..11 only. Its metrics.jsonl and W&B run hold every step, bitwise its run alone (a cold
+    run of its command beside the sweep) but for timings, steps 0..6 marked shared_from 0; the sweep's first lines say
+    the steps trained. The same command again trains nothing (every run is complete)."""
+    from tinker_exp.train.start import SHARED_FROM
+
+    env = {"RAY_ADDRESS": ray_address}
+    common = ["+override=lr_wsd", "trainer.steps=12", "override.lr.warmup_steps=2", "backend.num_workers=1", "checkpoint.every_steps=4"]
+    alone = start_cli(*common, "override.lr.decay_steps=6", f"hydra.run.dir={tmp_path / 'alone'}", env=env)
+    sweep = tmp_path / "grid"
+    command = ["-m", "hydra/launcher=local", "hydra.launcher.max_parallel=2", f"hydra.sweep.dir={sweep}", *common, "override.lr.decay_steps=2,6"]
+    result = run_cli(*command, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert alone.wait(timeout=600) == 0
+    said = result.stdout.splitlines()
+    line = "shared prefixes: 1 of 2 points branch from another's checkpoint; 17 steps trained of the grid's 24"
+    assert line in said[0] and "2 local jobs, at most 2 at a time" in result.stdout, result.stdout[-3000:]
+    assert [(row["num"], row["status"], row["steps"]) for row in sorted(read_jsonl(sweep / "summary.jsonl"), key=lambda r: r["num"])] == [
+        (0, "COMPLETED", 12), (1, "COMPLETED", 12)]  # fmt: skip
+    log = (sweep / "1" / "tinker_exp.log").read_text()
+    checkpoint = sweep / "0" / "checkpoints" / "step_00000007"
+    assert f"shared prefix: steps 0..6 as job 0 trained them (its checkpoint {checkpoint}); this run trains from step 7" in log
+    assert checkpoint.is_dir() and (sweep / "0" / "checkpoints" / "step_00000012").is_dir()  # kept past keep_last=2 for point 1
+
+    rows, alone_rows = metrics_rows(sweep / "1"), metrics_rows(tmp_path / "alone")
+    assert [row.get(SHARED_FROM) for row in rows] == [0] * 7 + [None] * 5
+    assert without_timings([{k: v for k, v in row.items() if k != SHARED_FROM} for row in rows]) == without_timings(alone_rows)
+    assert without_timings(rows[:7]) == without_timings([{**row, SHARED_FROM: 0} for row in metrics_rows(sweep / "0")[:7]])
+    source = metrics_rows(sweep / "0")  # at step 7 the very same state, then each point's own lr
+    assert rows[7]["train/loss"] == source[7]["train/loss"] and rows[8]["train/loss"] != source[8]["train/loss"]
+    assert [(row["train/step"], row["train/loss"], row.get(SHARED_FROM)) for row in wandb_train_rows(sweep / "1")] == [
+        (row["train/step"], row["train/loss"], row.get(SHARED_FROM)) for row in rows]  # its W&B run has every step too
+
+    again = run_cli(*command, env=env, timeout=600)  # a rerun: each point is complete, nothing trains twice
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert line in again.stdout and metrics_rows(sweep / "1") == rows
+    for num in (0, 1):
+        assert f"run complete: {sweep / str(num)} is done at step 12" in (sweep / str(num) / "tinker_exp.log").read_text()
 
 
 def test_a_trial_on_a_slot_starts_from_the_composition_its_check_made_as_from_its_own(tmp_path):

@@ -220,4 +220,5 @@ def checkpointer(cfg: Config, run_dir: Path, running: Workers, start: StartPoint
     run_state = {"seed": cfg.trainer.seed, "device": device}  # in every checkpoint's loop.json
     if start.lineage:
         run_state["branch"] = start.lineage  # a resumed branch still knows where it came from
-    return Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, cfg.trainer.steps, running, run_state, objective_metric(cfg), objective_sign(cfg))
+    return Checkpointer(run_dir / cfg.checkpoint.dir, cfg.checkpoint, cfg.trainer.steps, running, run_state, objective_metric(cfg),
+                        objective_sign(cfg), start.keep_at)  # fmt: skip

@@ -138,7 +138,10 @@ def _hydra_main(dcfg: DictConfig) -> float | None:
     choices = dict(hydra_cfg.runtime.choices)
     try:
         if in_sweep:
-            return sweep_job(dcfg, run_dir, choices, job, hydra_files, made_now)
+            from tinker_exp.sweep.prefixes import role_of
+
+            prefix = role_of(str(hydra_cfg.sweep.dir), job["num"])  # a grid point's part in shared prefixes, if any
+            return sweep_job(dcfg, run_dir, choices, job, hydra_files, made_now, prefix=prefix)
         try:
             return run_and_score(dcfg, run_dir, choices, job, hydra_files)
         except STOPS as e:

@@ -32,7 +32,7 @@ from tinker_exp.train.early_stop import check_early_stop
 from tinker_exp.train.objective import came_to, objective_metric, objective_value, write_objective
 from tinker_exp.train.rundir_lock import RunDirLock
 from tinker_exp.train.signals import as_stop, sigterm_raises
-from tinker_exp.train.start import SAVED_CONFIG, StartPoint, start_point
+from tinker_exp.train.start import SAVED_CONFIG, SharedPrefix, StartPoint, start_point
 
 if TYPE_CHECKING:  # the plan (numpy) is imported once a plan is built: --help, --cfg, compose errors stay at Hydra's cost
     from tinker_exp.optim import Plan
@@ -115,11 +115,13 @@ def run(
     job: dict[str, Any] | None = None,
     place: Place | Lease | None = None,
     hydra_files: dict[str, str] | None = None,
+    prefix: tuple[SharedPrefix | None, tuple[int, ...]] = (None, ()),
 ) -> dict[str, Any]:
     """Validate, then train; returns the last metrics row ({} for a dry run).
 
     `job`: who runs it (job.json); `hydra_files`: Hydra's record of the command (.hydra/). Nothing is written into the
-    run dir before the config, its data and its start point are accepted.
+    run dir before the config, its data and its start point are accepted. `prefix`: a grid point's part in a shared
+    prefix (tinker_exp/sweep/prefixes.py `role_of`): where its first steps come from, the steps it keeps for others.
 
     `place`: where it trains (tinker_exp/place/); None: where the config says (backend.pool), found once the run is
     accepted to train (a dry run and a run that is done start no workers)."""
@@ -127,7 +129,7 @@ def run(
     plan = validate(cfg)
     rows = checked_env(cfg) if cfg.env.active else checked_rows(cfg)  # an env's prompts replace the data set
     resolved = OmegaConf.to_container(dcfg, resolve=True)
-    start = start_point(cfg, resolved, run_dir)  # resume or branch: checked against its config, before any worker
+    start = start_point(cfg, resolved, run_dir, *prefix)  # resume or branch: checked against its config, before any worker
     idle = cfg.dry_run or start.complete
     held = ColdGroup() if idle else place or choose(cfg)  # a busy pool is refused before anything is written
     try:
@@ -161,7 +163,8 @@ def accepted_run(
 
     The training: train_run on the place's workers, or the warm pool's train_run, on its own."""
     write_hydra_files(run_dir, hydra_files or {})  # accepted: from here on the run dir records this command
-    write_job_info(run_dir, {**(job or job_info(None, [])), **({"branch": start.lineage} if start.lineage else {})})
+    lineage = {**({"branch": start.lineage} if start.lineage else {}), **({"shared_prefix": start.shared} if start.shared else {})}
+    write_job_info(run_dir, {**(job or job_info(None, [])), **lineage})
     if start.kind != "start":
         log.info(start.describe())
     if start.complete:
@@ -185,6 +188,8 @@ def accepted_run(
     wandb_config = wandb_run_config(resolved, plan, choices, job)  # one flat key per value
     if start.trunk_wandb_run_id:
         wandb_config["branch.trunk_wandb_run_id"] = start.trunk_wandb_run_id
+    if start.shared:
+        wandb_config.update({"shared_prefix.from_job": start.shared["job"], "shared_prefix.step": start.shared["step"]})
     if place.describe():
         log.info(place.describe())
     return trains(cfg, plan, rows, start, run_dir, wandb_config, place, (job or {}).get("num"))
@@ -226,11 +231,13 @@ def train_run(
     judges = assemble.judges(cfg, run_dir, job_number, wandb_config)  # first: a member changes the config
     given = given or assemble.inputs(cfg, rows, start)
     given.tell()
-    sinks = assemble.sinks(cfg, run_dir, start.step, wandb_config)
+    sinks = assemble.sinks(cfg, run_dir, start.first_logged, wandb_config)
     exit_code, workers = 1, None
     try:
         workers = place.start_workers(cfg, plan, given.model_path, run_dir, given.choice)
         assemble.start_wandb(sinks, cfg, plan, run_dir, wandb_config)  # beside the workers' start
+        for row in start.shared_rows:  # a shared prefix's steps, as its source trained them: the run is whole everywhere
+            sinks.log(row)
         workers.ready()
         assemble.attach(given, workers, sinks)
         checkpointer = assemble.checkpointer(cfg, run_dir, workers, start, given.choice.device)
@@ -310,27 +317,28 @@ def name_sweep_job(dcfg: DictConfig, sweep_dir: str, task_overrides: list[str], 
 
 
 def run_and_score(
-    dcfg: DictConfig, run_dir: Path, choices: dict[str, Any], job: dict[str, Any], hydra_files: dict[str, str], place: Any = None
+    dcfg: DictConfig, run_dir: Path, choices: dict[str, Any], job: dict[str, Any], hydra_files: dict[str, str], place: Any = None,
+    prefix: tuple[SharedPrefix | None, tuple[int, ...]] = (None, ()),
 ) -> float | None:
     """The run, holding its run dir, and what any Hydra sweeper optimises (lower is better).
 
-    `place`: where it trains (tinker_exp/place/; None: where its config says)."""
+    `place`: where it trains (tinker_exp/place/; None: where its config says); `prefix`: as `run` takes it."""
     # From the start: Slurm may stop a job while it is still starting up. The lock before anything is written.
     with sigterm_raises(), RunDirLock(run_dir):
-        run(dcfg, run_dir, choices, job, place=place, hydra_files=hydra_files)
+        run(dcfg, run_dir, choices, job, place=place, hydra_files=hydra_files, prefix=prefix)
         return objective(config.load(dcfg), run_dir)
 
 
 def sweep_job(
     dcfg: DictConfig, run_dir: Path, choices: dict[str, Any], job: dict[str, Any], hydra_files: dict[str, str], made_now: bool,
-    place: Any = None,
+    place: Any = None, prefix: tuple[SharedPrefix | None, tuple[int, ...]] = (None, ()),
 ) -> float | None:
     """A sweep's job (in its own process, or a thread of the sweep's on a slot).
 
     What stops it is said in one line on its stderr and raised, for the sweep's launcher to report with the job's
-    overrides and run dir."""
+    overrides and run dir. `prefix`: its part in the grid's shared prefixes (tinker_exp/sweep/prefixes.py `role_of`)."""
     try:
-        return run_and_score(dcfg, run_dir, choices, job, hydra_files, place)
+        return run_and_score(dcfg, run_dir, choices, job, hydra_files, place, prefix)
     except STOPS as e:
         print(f"tinker_exp: {one_line(e)}", file=sys.stderr)
         if made_now:  # the sweep was accepted: its fresh job dir keeps who ran the job (job.json), nothing else

@@ -69,6 +69,10 @@ class GridSweeperConf(BasicSweeperConf):
     """Hydra's basic sweeper's keys (max_batch_size, params): every combination of the swept values."""
 
     _target_: str = "hydra_plugins.tinker_exp_plugins.launchers.GridSweeper"
+    share_prefixes: bool = True
+    """On the local launcher: points whose plans are equal up to a step (and whose configs differ only in their plans
+    and lengths) train those steps once: each continues from an earlier point's checkpoint there, its rows before it
+    copied (docs/branching.md). false: each point trains alone."""
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="basic", node=GridSweeperConf, provider="tinker_exp")

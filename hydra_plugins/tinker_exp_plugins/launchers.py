@@ -39,6 +39,7 @@ from tinker_exp.config.compose_errors import COMPOSE_ERRORS, as_config_error
 from tinker_exp.errors import ConfigError, TinkerExpError, one_line
 from tinker_exp.formats import masked
 from tinker_exp.place.pools import SweepPools, named, named_pools, slot_pool, wanted
+from tinker_exp.sweep import prefixes
 from tinker_exp.sweep.jobs import (
     JobOutcome,
     StartedJob,
@@ -510,6 +511,7 @@ class SweepLauncher(BaseSubmititLauncher):
             for job in done:
                 overrides, _, num = running.pop(job)[:3]
                 ended[num] = self._outcome(num, overrides, job, None, wait=True)
+                prefixes.mark_ended(Path(str(self.config.hydra.sweep.dir)), num)  # a point waiting for its checkpoint
                 log.info(ended_line(ended[num][1]))
             if not done:
                 time.sleep(0.2)  # submitit's own wait() polls its processes the same way
@@ -931,7 +933,12 @@ class GridSweeper(BasicSweeper):
 
     Plus: every point of every batch checked before anything is written or launched, and with our launchers one failure
     count and one summary table over the whole sweep at its end (each batch runs even when an earlier one had
-    failures)."""
+    failures). On our local launcher, points whose plans share a prefix train it once (`share_prefixes`:
+    tinker_exp/sweep/prefixes.py)."""
+
+    def __init__(self, max_batch_size: int | None, params: dict[str, str] | None = None, share_prefixes: bool = True) -> None:
+        super().__init__(max_batch_size, params)
+        self.share_prefixes = share_prefixes
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
@@ -944,12 +951,17 @@ class GridSweeper(BasicSweeper):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         self.overrides = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), self.max_batch_size)
         points = [point for batch in self.overrides for point in batch]
-        check_points(self.hydra_context, self.config, self.launcher.job_points(points) if self.ours else points, 0,
-                     self.launcher.slots() if self.ours else 1)  # fmt: skip
+        job_points = self.launcher.job_points(points) if self.ours else points
+        configs = check_points(self.hydra_context, self.config, job_points, 0, self.launcher.slots() if self.ours else 1)
+        shares = self.plan_prefixes(configs)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         made_now = not sweep_dir.exists()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         save_multirun(self.config, sweep_dir)
+        prefixes.clear(sweep_dir)  # an earlier start's decision: decided again, from this command's points
+        if any(shares):
+            run_dirs = [job_run_dir(self.hydra_context, self.config, o, num) for num, o in enumerate(job_points)]
+            prefixes.write(sweep_dir, shares, run_dirs)
         returns, first = [], 0
         with nothing_left_unsubmitted(sweep_dir, made_now):
             while not self.is_done():
@@ -963,3 +975,19 @@ class GridSweeper(BasicSweeper):
         if self.ours:
             self.launcher.finish([r for results in returns for r in results])
         return returns
+
+    def plan_prefixes(self, configs: Sequence[Any]) -> list[Any]:
+        """Each point's shared prefix (tinker_exp/sweep/prefixes.py), said in one line; all None where none applies.
+
+        Only on our local launcher (a job's wait for another's checkpoint needs both on this machine), and not with
+        `share_prefixes` false."""
+        from tinker_exp.run import validate
+        from tinker_exp.sweep.prefixes import plan_shares, shares_line
+
+        if not (self.share_prefixes and self.ours and self.launcher._EXECUTOR == "local"):
+            return [None] * len(configs)
+        plans = [validate(cfg) for cfg in configs]  # checked already: the same plans, built again
+        shares = plan_shares(configs, plans)
+        if any(shares):
+            log.info(shares_line(shares, plans))
+        return shares

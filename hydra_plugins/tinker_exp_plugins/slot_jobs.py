@@ -117,9 +117,16 @@ class SlotExecutor:
         printed = open(job.paths.stderr, "a", encoding="utf-8")
         self.router.add(threads.Route(printed, printed, threads.run_log(prepared.log_file)))
         try:
+            import dataclasses
+
+            from tinker_exp.sweep.prefixes import role_of
+
+            shared, keep_at = role_of(self.sweep_dir, job.num)  # a grid point's part in shared prefixes, if any
+            shared = shared and dataclasses.replace(shared, stopped=job.stop.is_set)  # cancelled while it waits: it stops
+            self._wait_for_source(shared, prepared)
             place = self._place(job, prepared)
             value = sweep_job(prepared.task, prepared.run_dir, prepared.choices, prepared.job, prepared.hydra_files,
-                              prepared.made_now, place)  # fmt: skip
+                              prepared.made_now, place, (shared, keep_at))  # fmt: skip
             job.ret = JobReturn(overrides=list(prepared.overrides), status=JobStatus.COMPLETED, _return_value=value)
             job.state = "COMPLETED"
         except Exception as e:  # what the job raised, as its process returns it: the launcher says it with its run dir
@@ -133,6 +140,19 @@ class SlotExecutor:
             route.stdout.close()
             job.ended.set()
             self.job_ended.set()
+
+    def _wait_for_source(self, shared: Any, prepared: "Prepared") -> None:
+        """A point whose first steps another trains: wait for that checkpoint before taking a slot or a pool.
+
+        Its run then starts from it at once (tinker_exp/train/start.py `shared_start`); a point with a checkpoint of its
+        own resumes from that instead, and waits for nothing."""
+        from tinker_exp import config
+        from tinker_exp.train.checkpoints import saved_steps
+        from tinker_exp.train.start import wait_for_source
+
+        checkpoints = config.load(prepared.task).checkpoint.dir
+        if shared is not None and not saved_steps(prepared.run_dir / checkpoints):
+            wait_for_source(shared, checkpoints)
 
     def _place(self, job: SlotJob, prepared: "Prepared") -> Any:
         """Where the trial trains (tinker_exp/place/ `choose`, as its own process would choose).

@@ -165,7 +165,7 @@ def step_of(checkpoint: Path) -> int:
 def rotate(root: Path, keep_last: int, keep_every: int = 0, keep: tuple[int, ...] = ()) -> list[Path]:
     """Delete all but the newest `keep_last` complete checkpoints (0: keep all); returns what was deleted.
 
-    Spared: every step that is a multiple of `keep_every` (branch points) and the steps in `keep` (the best)."""
+    Spared: every step that is a multiple of `keep_every` (branch points) and the steps in `keep` (the best, a grid's shared prefixes)."""
     if keep_last <= 0:
         return []
     complete = [p for p in saved_steps(root) if (p / MANIFEST).is_file()]
@@ -219,20 +219,22 @@ class Checkpointer:
     """Saves through the workers into the checkpoint root when a save is due, atomically, then rotates.
 
     `metric`: the objective metric; with checkpoint.keep_best a checkpoint saved at an evaluation step with its best
-    value so far (lowest; highest with `sign` -1) is kept outside the rotation (BEST.json names it; a resumed run reads it back)."""
+    value so far (lowest; highest with `sign` -1) is kept outside the rotation (BEST.json names it; a resumed run reads it back).
+    `keep_at`: steps also saved and kept outside the rotation (where later points of a grid continue: a shared prefix)."""
 
     def __init__(
         self, root: Path, cfg: CheckpointConfig, total_steps: int, workers: Workers, run_state: dict[str, Any],
-        metric: str | None = None, sign: int = 1,
+        metric: str | None = None, sign: int = 1, keep_at: tuple[int, ...] = (),
     ):  # fmt: skip
         self.root, self.cfg, self.total_steps, self.workers = root, cfg, total_steps, workers
+        self.keep_at = tuple(keep_at)
         self.run_state = run_state  # what every checkpoint of this run records (seed, device)
         self.metric, self.sign = metric, sign  # sign -1: higher is better (objective_mode=max)
         self.best = best_checkpoint(root) if cfg.keep_best else None
 
     def due(self, steps_done: int) -> bool:
         every = self.cfg.every_steps
-        return bool(every and steps_done % every == 0) or (self.cfg.at_end and steps_done == self.total_steps)
+        return bool(every and steps_done % every == 0) or (self.cfg.at_end and steps_done == self.total_steps) or steps_done in self.keep_at
 
     def save(self, steps_done: int, loop_state: dict[str, Any], row: dict[str, Any] | None = None) -> Path:
         """`row`: the step's metrics row (its objective value decides the best checkpoint)."""
@@ -243,7 +245,7 @@ class Checkpointer:
         if value is not None and (self.best is None or self.sign * value < self.sign * self.best["value"]):
             self.best = {"step": steps_done, "metric": self.metric, "value": value, "path": str(final)}
             (self.root / BEST).write_text(json.dumps(self.best) + "\n")
-        rotate(self.root, self.cfg.keep_last, self.cfg.keep_every, (self.best["step"],) if self.best else ())
+        rotate(self.root, self.cfg.keep_last, self.cfg.keep_every, ((self.best["step"],) if self.best else ()) + self.keep_at)
         return final
 
 

@@ -11,18 +11,24 @@ the terminal, plan.json, job.json and W&B are told. Everything here is decided b
   data apply. The batch of step s is a function of (data file, trainer.seed, s) (train/data.py), so with the trunk's
   data and seed the branch sees the batches the trunk would have seen. Only BRANCH_FIXED keys must equal the trunk's:
   the checkpoint would not load, or would mean something else, otherwise. The trunk's run dir is only read.
+- Shared prefix (a grid point whose plan equals an earlier point's up to step n: tinker_exp/sweep/prefixes.py): no
+  checkpoint of its own yet; it waits for that point's checkpoint at n and continues from it, its rows before n copied
+  from that point's metrics.jsonl (marked SHARED_FROM), as if it had trained them itself. A source that ends without
+  that checkpoint: it trains from step 0.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from tinker_exp.config import Config
 from tinker_exp.errors import CheckpointError, ConfigError
+from tinker_exp.formats import read_jsonl
 from tinker_exp.train.checkpoints import ResumePoint, check_checkpoint_device, latest, problem, resume_point, saved_loop_state, saved_steps, step_dir
 
 log = logging.getLogger(__name__)
@@ -30,6 +36,10 @@ log = logging.getLogger(__name__)
 SAVED_CONFIG = "config.yaml"
 """In the run dir: the resolved config of its last start (what a resume is compared with, a branch checked against)."""
 WANDB_RUN_ID = "wandb_run_id"
+SHARED_FROM = "shared_from"
+"""In a metrics row a grid point copied from another point's run (a shared prefix): that point's job number."""
+WAIT_POLL_S = 0.5
+"""How often a point waiting for its source's checkpoint looks for it (a file's appearance, in another process)."""
 
 RESUME_FREE = (
     "logger.", "verbose", "dry_run", "resume", "plan_steps", "checkpoint.", "trainer.eval_every", "trainer.objective",
@@ -57,6 +67,14 @@ class StartPoint:
     `checkpoint` loaded and the trunk's W&B run id. Into plan.json, job.json and the W&B config."""
     complete: bool = False
     """A resume at the run's last step (or after an early stop): there is nothing to train."""
+    shared: dict[str, Any] | None = None
+    """A shared prefix's origin (kind "shared"): the source's run dir (`from`), its job number (`job`), `step` and
+    the `checkpoint` loaded. Into job.json and the W&B config."""
+    shared_rows: list[dict[str, Any]] = field(default_factory=list)
+    """A shared prefix's rows (steps before `step`, from the source's metrics.jsonl, each marked SHARED_FROM): logged
+    to every sink before the run's own steps."""
+    keep_at: tuple[int, ...] = ()
+    """Steps this run also saves and keeps a checkpoint at: where later points of its grid continue from."""
 
     @property
     def step(self) -> int:
@@ -68,6 +86,11 @@ class StartPoint:
         return dict(self.checkpoint.state) if self.checkpoint else {}
 
     @property
+    def first_logged(self) -> int:
+        """The first step whose row this run logs (a shared prefix logs its copied rows too: from step 0)."""
+        return 0 if self.kind == "shared" else self.step
+
+    @property
     def trunk_wandb_run_id(self) -> str | None:
         return (self.lineage or {}).get("trunk_wandb_run_id")
 
@@ -77,6 +100,10 @@ class StartPoint:
             assert self.checkpoint is not None and self.lineage is not None
             wandb = f", trunk W&B run {self.trunk_wandb_run_id}" if self.trunk_wandb_run_id else ""
             return f"branch of {self.lineage['from']} at step {self.step} (its checkpoint {self.checkpoint.path}{wandb}); this run's own plan from step {self.step}"
+        if self.kind == "shared":
+            assert self.checkpoint is not None and self.shared is not None
+            return (f"shared prefix: steps 0..{self.step - 1} as job {self.shared['job']} trained them (its checkpoint "
+                    f"{self.checkpoint.path}); this run trains from step {self.step}")  # fmt: skip
         if self.kind == "resume":
             assert self.checkpoint is not None
             origin = f" (a branch of {self.lineage['from']} at step {self.lineage['step']})" if self.lineage else ""
@@ -129,16 +156,79 @@ def read_saved_config(run_dir: Path) -> dict[str, Any] | None:
     return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else None  # type: ignore[return-value]
 
 
-def start_point(cfg: Config, resolved: Mapping[str, Any], run_dir: Path) -> StartPoint:
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A grid point's part in a shared prefix: its steps before `step` are those job `job` trains in `source`."""
+
+    source: Path
+    """The source job's run dir."""
+    job: int
+    step: int
+    ended: Path
+    """A file the sweep writes once the source job has ended (with or without the checkpoint)."""
+    stopped: Callable[[], bool] | None = None
+    """Whether this job was cancelled while it waits (a job on a thread of the sweep's process)."""
+
+
+def start_point(
+    cfg: Config, resolved: Mapping[str, Any], run_dir: Path, shared: SharedPrefix | None = None, keep_at: tuple[int, ...] = ()
+) -> StartPoint:
     """Where this run starts; `resolved`: its config as config.yaml will hold it.
 
-    Raises ConfigError (one line, naming the keys) when the run dir or the trunk cannot start this config."""
+    `shared`: a grid point's shared prefix (waited for here when the run has no checkpoint of its own); `keep_at`: steps
+    it keeps a checkpoint at for later points of its grid. Raises ConfigError (one line, naming the keys) when the run
+    dir or the trunk cannot start this config."""
     own = resume_point(run_dir / cfg.checkpoint.dir, cfg.resume.value)  # a killed branch resumes from its own
     if own is not None:
-        return resumed(cfg, resolved, run_dir, own)
-    if cfg.branch.source is not None:
-        return branched(cfg, resolved, run_dir)
-    return StartPoint()
+        start = resumed(cfg, resolved, run_dir, own)
+    elif cfg.branch.source is not None:
+        start = branched(cfg, resolved, run_dir)
+    elif shared is not None:
+        start = shared_start(cfg, shared)
+    else:
+        start = StartPoint()
+    start.keep_at = tuple(keep_at)
+    return start
+
+
+def wait_for_source(shared: SharedPrefix, checkpoints: str) -> bool:
+    """Wait until the source's checkpoint at `shared.step` is there and intact (True), or the source ended without it.
+
+    `checkpoints`: checkpoint.dir (the source's config is this run's but for its plan). The wait is said once; it
+    looks every WAIT_POLL_S and stops at a cancel (`shared.stopped`: KeyboardInterrupt)."""
+    path = step_dir(shared.source / checkpoints, shared.step)
+    said = False
+    while problem(path) is not None:
+        if shared.ended.exists():
+            return problem(path) is None  # it may have saved it just before it ended
+        if shared.stopped is not None and shared.stopped():
+            raise KeyboardInterrupt
+        if not said:
+            log.info(f"shared prefix: waiting for job {shared.job}'s checkpoint at step {shared.step} ({path})")
+            said = True
+        time.sleep(WAIT_POLL_S)
+    return True
+
+
+def shared_start(cfg: Config, shared: SharedPrefix) -> StartPoint:
+    """A grid point's start from its source's checkpoint at `shared.step`, once the source has saved it.
+
+    Waits (before any worker or pool is taken) until the checkpoint is there and intact, or the source has ended
+    without it: then this point trains from step 0, said in one line."""
+    path = step_dir(shared.source / cfg.checkpoint.dir, shared.step)
+    if not wait_for_source(shared, cfg.checkpoint.dir):
+        log.info(f"shared prefix: job {shared.job} ended without its checkpoint at step {shared.step} ({path}); "
+                 "this run trains from step 0")  # fmt: skip
+        return StartPoint()
+    point = ResumePoint(path, saved_loop_state(path))
+    _check_device(cfg, point)
+    rows = [row for row in read_jsonl(shared.source / "metrics.jsonl") if row.get("train/step", shared.step) < shared.step]
+    if [row["train/step"] for row in rows] != list(range(shared.step)):
+        log.info(f"shared prefix: {shared.source / 'metrics.jsonl'} does not hold each step before {shared.step} once; "
+                 "this run trains from step 0")  # fmt: skip
+        return StartPoint()
+    lineage = {"from": str(shared.source), "job": shared.job, "step": shared.step, "checkpoint": str(path)}
+    return StartPoint("shared", point, shared=lineage, shared_rows=[{**row, SHARED_FROM: shared.job} for row in rows])
 
 
 def _send_instead(changed: list[str], override: Any) -> str:
