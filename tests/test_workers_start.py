@@ -1,6 +1,6 @@
 """The worker group's start when its rendezvous port is taken (EADDRINUSE: seen once on a busy machine, another
-process took the port verl had found free before rank 0 bound it): real verl workers on the shared Ray cluster, the
-port taken for them by this test's listening socket and handed to verl's port picker as free, no timing."""
+process took the port found free before rank 0 bound it): real verl workers on the shared Ray cluster, the port
+taken for them by this test's listening socket and handed to the driver's port picker as free, no timing."""
 
 from __future__ import annotations
 
@@ -23,36 +23,30 @@ def taken_port() -> socket.socket:
 
 
 def workers_with_ports_taken(monkeypatch, port: int, taken: set[int]):
-    """TinkerWorkers whose nth group start (from 1) is handed `port` when n is in `taken`: verl's port picker
-    (get_master_addr_port, on rank 0's node) answers it as if it were free, as it was for verl when another process
-    took it. Returns (the workers, starting; the picks made: the port each start got)."""
-    import ray
+    """TinkerWorkers whose nth group start (from 1) is handed `port` when n is in `taken`: the driver's port picker
+    (workers.free_port: on one node, rank 0's node is the driver's) answers it as if it were free, as it was when
+    another process took it. verl's own picker, a Ray task on rank 0's node, is not asked on one node (it would cost a
+    worker process a start). Returns (the workers, starting; the picks made: the port each start got)."""
     import verl.single_controller.ray.base as verl_ray
 
     from tinker_exp import config
     from tinker_exp.run import validate
+    from tinker_exp.runtime import workers as workers_module
     from tinker_exp.runtime.inputs import model_dir
     from tinker_exp.runtime.workers import TinkerWorkers
 
     picks: list[str] = []
-    verls = verl_ray.get_master_addr_port
+    free_port = workers_module.free_port
 
-    @ray.remote
-    def the_taken_one(port: int) -> tuple[str, str]:
-        return ray.util.get_node_ip_address().strip("[]"), str(port)
+    def picker() -> str:
+        picks.append(str(port) if len(picks) + 1 in taken else free_port())
+        return picks[-1]
 
-    class Picker:  # get_master_addr_port.options(...).remote(...), as verl calls it
-        def options(self, **placement):
-            self.placement = placement
-            return self
+    def verls_task(*args, **kwargs):
+        raise AssertionError("verl's get_master_addr_port task was asked on a one-node cluster")
 
-        def remote(self, **kwargs):
-            picked = len(picks) + 1 in taken
-            ref = the_taken_one.options(**self.placement).remote(port) if picked else verls.options(**self.placement).remote(**kwargs)
-            picks.append(ray.get(ref)[1])
-            return ref
-
-    monkeypatch.setattr(verl_ray, "get_master_addr_port", Picker())
+    monkeypatch.setattr(workers_module, "free_port", picker)
+    monkeypatch.setattr(verl_ray.get_master_addr_port, "options", verls_task)
     cfg = config.load(compose("trainer.steps=1"))
     workers = TinkerWorkers(cfg.backend, cfg.optimizer, cfg.trainer, str(model_dir(cfg.model)), validate(cfg).optimizer_values, "cpu")
     return workers, picks
@@ -60,7 +54,7 @@ def workers_with_ports_taken(monkeypatch, port: int, taken: set[int]):
 
 def test_a_rendezvous_port_taken_before_rank_0_binds_it_starts_the_group_again_on_a_new_one(ray_address, caplog, monkeypatch):
     """The first start's port is held by another socket: rank 0 cannot bind it (EADDRINUSE), the group is freed and
-    started again on a port verl picks; its workers then build and answer. Taken twice: one line, the cause and that
+    started again on a new port; its workers then build and answer. Taken twice: one line, the cause and that
     the same command starts again (WorkersStartError, exit 1), no traceback of the workers' for the user."""
     from tinker_exp.errors import WorkersStartError, one_line
 

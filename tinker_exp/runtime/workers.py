@@ -19,7 +19,7 @@ import shutil
 import threading
 import warnings
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
 from platform import node as platform_node
 from pathlib import Path
 from typing import Any, Iterator
@@ -501,6 +501,48 @@ def port_taken(error: BaseException) -> bool:
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
+def free_port() -> str:
+    """A port the OS says is free on this machine (bound, read, closed: not held, as verl's own picker)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return str(s.getsockname()[1])
+
+
+def local_rendezvous(ray) -> dict[str, str]:
+    """Rank 0's rendezvous (master_addr, master_port) picked here, where the cluster is this machine alone; else {}.
+
+    verl otherwise asks a Ray task on rank 0's node for them (`get_master_addr_port`), which takes a Ray worker
+    process of its own for each group started (about 1.3 CPU-s and a second of a 2-core machine's cold start). On one
+    node that node is this one: the same answer, without the task. Several nodes: verl's task, on rank 0's."""
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    here = ray.util.get_node_ip_address()
+    if len(nodes) != 1 or nodes[0]["NodeManagerAddress"] != here:
+        return {}
+    return {"master_addr": here.strip("[]"), "master_port": free_port()}
+
+
+@cache
+def with_rendezvous(group_class: type) -> type:
+    """verl's worker group class, taking rank 0's rendezvous as `rendezvous` ({}: verl's own task picks it).
+
+    verl 0.9.1's RayWorkerGroup takes master_addr/master_port but its base class's constructor sets them back to None
+    before the group is built: given here where verl asks for them, instead."""
+
+    class GivenRendezvous(group_class):
+        def __init__(self, *args: Any, rendezvous: dict[str, str], **kwargs: Any) -> None:
+            self._rendezvous = rendezvous
+            super().__init__(*args, **kwargs)
+
+        def _get_master_addr_port(self, *args: Any, **kwargs: Any) -> Any:
+            if self._rendezvous and self._master_addr is None:
+                self._master_addr, self._master_port = self._rendezvous["master_addr"], self._rendezvous["master_port"]
+            return super()._get_master_addr_port(*args, **kwargs)
+
+    return GivenRendezvous
+
+
 class TinkerWorkers:
     """A Ray worker group of TinkerTrainingWorkers with one FSDP2 engine over all ranks.
 
@@ -574,7 +616,8 @@ class TinkerWorkers:
         )
         init = RayClassWithInitArgs(cls=ray.remote(worker_cls), **self._init_args(worker_config))
         # worker_env reaches the workers even when we join a cluster someone else started.
-        self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=init, device_name=self.device, worker_env=env)
+        self.group = with_rendezvous(RayWorkerGroup)(resource_pool=pool, ray_cls_with_init=init, device_name=self.device,
+                                                     worker_env=env, rendezvous=local_rendezvous(ray))  # fmt: skip
         # Each rank builds model, FSDP2 and optimizer; asked now, awaited in ready() (this synchronous actor runs its
         # calls in order; the RL worker, an asyncio actor, is asked one call: rl_workers.py).
         self.pending = self._build_model()
@@ -598,7 +641,8 @@ class TinkerWorkers:
         A worker's start-up error is raised here. Each rank's model must sit where it was asked to (its own GPU on
         cuda).
 
-        The rendezvous port verl picks (get_master_addr_port: one the OS says is free on rank 0's node, closed again) is
+        The rendezvous port picked (local_rendezvous, or verl's get_master_addr_port on several nodes: one the OS says
+        is free on rank 0's node, closed again) is
         not held: on a busy machine another process may take it before rank 0 binds it (EADDRINUSE). The group is then
         started once more, on a new port; a second clash is one line (WorkersStartError) saying so."""
         import ray
