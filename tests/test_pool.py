@@ -381,6 +381,11 @@ def test_a_then_b_then_a_trains_a_on_its_kept_group_without_a_rebuild(pool, cosi
     assert after[0][0] == full and (after[0][1], after[0][2]) == before[full]
     assert any("LoRA rank 8" in what for what, _, _ in after[1:])  # B's group still kept
     assert without_timings(metrics_rows(tmp_path / "a")) == without_timings(metrics_rows(cosine_trunk[0]))
+    # `up` on this pool (A's group kept: nothing built) with another slot count says it is not applied, not silently
+    again = run_module("tinker_exp.pool", "up", "--slots", "8", env=pool)
+    assert again.returncode == 0 and "pool already up at" in again.stdout, again.stdout + again.stderr
+    assert ("pool: --slots 8 not applied: a pool's slots are set when it starts (it has 4); python -m tinker_exp.pool "
+            "down, then up --slots 8") in again.stdout.splitlines(), again.stdout  # fmt: skip
 
 
 def test_a_sweep_job_tries_first_the_free_pool_that_keeps_its_group(pool, monkeypatch):

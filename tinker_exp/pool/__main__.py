@@ -202,6 +202,9 @@ def up(args: list[str]) -> int:
     at_once = f", {slots} LoRA SFT runs at once on the slots of a group" if slots > 1 else ", one at a time"
     print(f"pool {state} at {address} (pid {reply[1]['pid']}): {described}; runs train on it (backend.pool=auto, the default{at_once}); "
           f"it idles out after {idle:g} min without a run; python -m tinker_exp.pool down frees it")  # fmt: skip
+    if state == "already up" and options.slots != slots and any(arg.partition("=")[0] == "--slots" for arg in args):
+        print(f"pool: --slots {options.slots} not applied: a pool's slots are set when it starts (it has {slots}); "
+              f"python -m tinker_exp.pool down, then up --slots {options.slots}")  # fmt: skip
     return 0
 
 
